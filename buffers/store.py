@@ -1,0 +1,52 @@
+"""The ObjectStore protocol: where payloads live while refs travel.
+
+Every backend (process memory, Ray's object store, Mooncake Store) implements these five async
+methods in its own module. The contract every implementation keeps:
+
+* `put` stores the bytes under `key`, replacing any value already there (upsert), and returns
+  only once the value is readable by `get` from any client of the store.
+* `get` returns exactly the bytes that were put, or raises: `KeyNotFound` for a missing key,
+  `StoreError` (or a subclass) for any other failure. It never returns an empty result for a
+  failure.
+* `remove` and `remove_matching` return how many keys they removed; removing a missing key is
+  not an error (it returns 0), so eviction is idempotent.
+* A store's `name` is carried in every Ref it produced; a consumer refuses refs of another store.
+"""
+
+from __future__ import annotations
+
+from typing_extensions import Buffer
+from typing import Protocol, runtime_checkable
+
+
+
+class StoreError(RuntimeError):
+    """A store operation failed. Subclasses name the cause; the message names the key."""
+
+
+class KeyNotFound(StoreError, KeyError):
+    """`get` of a key the store does not hold (never stored, evicted, or lost)."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the plain message
+        return str(self.args[0]) if self.args else "key not found"
+
+
+class StoreFull(StoreError):
+    """The store cannot take more bytes right now."""
+
+
+@runtime_checkable
+class ObjectStore(Protocol):
+    name: str
+
+    async def put(self, key: str, data: Buffer) -> None: ...
+
+    async def get(self, key: str) -> memoryview: ...
+
+    async def remove(self, key: str) -> int: ...
+
+    async def remove_matching(self, pattern: str) -> int:
+        """Remove every key matching the regex `pattern` (re.match semantics)."""
+        ...
+
+    async def close(self) -> None: ...
