@@ -1,0 +1,104 @@
+"""ReplayBuffer: the buffer stage. It indexes refs (never payloads) and hands them on in order.
+
+Guarantees:
+* every ref received is either forwarded to the consumer exactly once or expired exactly once
+  (handed to the run's `dispose` service, which accounts for it); none is silently forgotten;
+* refs are forwarded FIFO (oldest first);
+* at most `max_refs` refs / `max_bytes` payload bytes are held; beyond that the buffer stops
+  receiving, so backpressure reaches the producers through the bounded channel;
+* whenever the version clock moves, refs that `expired(ref, version)` are removed at once
+  (eviction by version), so stale payloads do not sit in the store.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import anyio
+
+from buffers.store import ObjectStore
+from pipeline.actor import BaseActor
+from pipeline.channel import Channel
+from pipeline.dsl import RunContext
+from pipeline.refs import Ref
+
+@dataclass
+class ReplayBuffer:
+    """The DSL/config object: `ReplayBuffer(store, max_refs=256, max_bytes=256 << 20)`."""
+
+    store: ObjectStore
+    max_refs: int = 256
+    max_bytes: int = 256 << 20
+
+    def __post_init__(self) -> None:
+        if self.max_refs < 1 or self.max_bytes < 1:
+            raise ValueError(f"buffer.max_refs and buffer.max_bytes must be >= 1, got {self.max_refs}, {self.max_bytes}")
+
+    def actors(self, ctx: RunContext, inbox: Channel | None, outbox: Channel | None):
+        assert inbox is not None and outbox is not None
+        ctx.services["store"] = self.store
+        return [ReplayActor(self, ctx, inbox, outbox)]
+
+
+class ReplayActor(BaseActor):
+    name = "buffer"
+
+    def __init__(self, spec: ReplayBuffer, ctx: RunContext, inbox: Channel, outbox: Channel) -> None:
+        self.spec, self.ctx, self.inbox, self.outbox = spec, ctx, inbox, outbox
+        self.index: deque[Ref] = deque()
+        self.nbytes = 0
+        self.evicted = 0
+        self._changed = anyio.Event()
+
+    async def stop(self) -> None:
+        await self.spec.store.close()
+
+    def _expired(self, ref: Ref, version: int) -> bool:
+        return self.ctx.policy.accept(version, ref.version) != "train"
+
+    async def run(self) -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._receive)
+            tg.start_soon(self._evict_on_version)
+            await self._forward()
+            tg.cancel_scope.cancel()
+
+    def _poke(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    async def _receive(self) -> None:
+        async for ref in self.inbox:
+            while len(self.index) >= self.spec.max_refs or (self.index and self.nbytes + ref.nbytes > self.spec.max_bytes):
+                await self._changed.wait()
+            self.index.append(ref)
+            self.nbytes += ref.nbytes
+            self._poke()
+
+    async def _forward(self) -> None:
+        while True:
+            while not self.index:
+                await self._changed.wait()
+            # once taken from the index a ref belongs to the consumer, whose acceptance check
+            # covers it; so a ref is either evicted here or forwarded, never both
+            ref = self.index.popleft()
+            self.nbytes -= ref.nbytes
+            self._poke()
+            await self.outbox.send(ref)
+
+    async def _evict_on_version(self) -> None:
+        dispose = self.ctx.services["dispose"]
+        version = self.ctx.clock.version
+        while True:
+            version = await self.ctx.clock.wait_change(version)
+            expired = [ref for ref in self.index if self._expired(ref, version)]
+            if not expired:
+                continue
+            gone = {id(r) for r in expired}
+            self.index = deque(r for r in self.index if id(r) not in gone)
+            self.nbytes = sum(r.nbytes for r in self.index)
+            self.evicted += len(expired)
+            self._poke()
+            for ref in expired:
+                await dispose(ref, version)

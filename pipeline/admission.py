@@ -1,0 +1,70 @@
+"""AdmissionGate: producers ask before starting a unit of work.
+
+The gate counts units started and units discarded (work whose result was thrown away, which frees
+its slot) and lets a producer start another unit only while `policy.admit(version, started,
+discarded, units_per_version)` says so. It re-evaluates whenever the version clock moves or a
+unit is discarded. The gate holds no data; its counts are what a checkpoint needs to restore it.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import anyio
+
+from pipeline.versions import VersionClock
+
+
+class AdmissionPolicy(Protocol):
+    def admit(self, version: int, started: int, discarded: int, groups_per_step: int) -> bool: ...
+
+
+class AdmissionGate:
+    def __init__(self, clock: VersionClock, policy: AdmissionPolicy, units_per_version: int) -> None:
+        if units_per_version < 1:
+            raise ValueError(f"units_per_version must be >= 1, got {units_per_version}")
+        self.clock = clock
+        self.policy = policy
+        self.units_per_version = units_per_version
+        self.started = 0
+        self.discarded = 0
+        self._discard_event = anyio.Event()
+        self.wait_s = 0.0
+
+    def _open(self) -> bool:
+        return self.policy.admit(self.clock.version, self.started, self.discarded, self.units_per_version)
+
+    def try_acquire(self) -> bool:
+        """Start a unit if the policy allows it right now."""
+        if self._open():
+            self.started += 1
+            return True
+        return False
+
+    async def acquire(self) -> None:
+        """Wait until the policy allows one more unit, then count it as started."""
+        if self.try_acquire():
+            await anyio.lowlevel.checkpoint()
+            return
+        t0 = anyio.current_time()
+        while not self.try_acquire():
+            seen, event = self.clock.version, self._discard_event
+            async with anyio.create_task_group() as tg:
+
+                async def on_version() -> None:
+                    await self.clock.wait_change(seen)
+                    tg.cancel_scope.cancel()
+
+                async def on_discard() -> None:
+                    await event.wait()
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(on_version)
+                tg.start_soon(on_discard)
+        self.wait_s += anyio.current_time() - t0
+
+    def discard(self, units: int = 1) -> None:
+        """`units` started units were thrown away; their slots are free again."""
+        self.discarded += units
+        self._discard_event.set()
+        self._discard_event = anyio.Event()

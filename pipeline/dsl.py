@@ -1,0 +1,198 @@
+"""The Pipeline builder: producer -> buffer -> consumer, wired by bounded channels of refs.
+
+    pipe = Pipeline(name="quickstart", producer=..., buffer=..., consumer=..., staleness=..., steps=60)
+    summary = pipe.run()
+
+What the pipeline guarantees, whatever the stages are:
+* each stage runs as one or more actors under a runtime; the run ends when the consumer has
+  taken `steps` versions, or with `ActorFailed` naming the actor that broke;
+* stages exchange only refs, through two bounded channels (`produced`: producer -> buffer,
+  `ready`: buffer -> consumer) and a `feedback` channel (consumer -> producer) for work to redo;
+* producers start work only through the AdmissionGate, which reads the staleness policy;
+* every item's fate lands in the ledger; at the end the run folder holds `config.toml`,
+  `metrics.jsonl`, `ledger.json` and `report.png`, and `run()` returns the summary.
+
+This module knows stages only through the small `Stage` protocol: it has no idea what a model,
+a reward or a gradient is.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import anyio
+
+from pipeline.actor import Actor
+from pipeline.admission import AdmissionGate
+from pipeline.channel import Channel
+from pipeline.ledger import Ledger
+from pipeline.telemetry import Panel, Progress, RunFolder, get_logger, render_report
+from pipeline.versions import VersionClock
+
+
+class VersionPolicy(Protocol):
+    """What the pipeline needs of a staleness policy (see policies.staleness)."""
+
+    @property
+    def bound(self) -> int: ...
+
+    def admit(self, version: int, started: int, discarded: int, groups_per_step: int) -> bool: ...
+
+    def accept(self, learner_version: int, oldest_version: int) -> str: ...
+
+
+@dataclass
+class RunContext:
+    """Everything the stages of one run share. Single event loop: no locks needed."""
+
+    run: str
+    seed: int
+    steps: int
+    clock: VersionClock
+    ledger: Ledger
+    gate: AdmissionGate
+    policy: VersionPolicy
+    feedback: Channel
+    folder: RunFolder
+    channels: dict[str, Channel] = field(default_factory=dict)
+    services: dict[str, Any] = field(default_factory=dict)
+    started_at: float = field(default_factory=time.perf_counter)
+
+    def rng(self, stream: str) -> random.Random:
+        """A reproducible random stream per named user, derived from the run seed."""
+        return random.Random(f"{self.seed}:{stream}")
+
+    def log(self, name: str):
+        return get_logger(name).bind(run=self.run)
+
+
+@runtime_checkable
+class Stage(Protocol):
+    """A stage contributes actors. `inbox`/`outbox` are None where the stage has none."""
+
+    def actors(self, ctx: RunContext, inbox: Channel | None, outbox: Channel | None) -> Sequence[Actor]: ...
+
+
+@runtime_checkable
+class Consumer(Stage, Protocol):
+    units_per_version: int
+
+    def summary(self) -> dict[str, Any]: ...
+
+    def progress(self) -> dict[str, Any]: ...
+
+    def report_panels(self, records: list[dict]) -> list[Panel]: ...
+
+
+@dataclass
+class Pipeline:
+    name: str
+    producer: Stage
+    buffer: Stage
+    consumer: Consumer
+    staleness: VersionPolicy
+    steps: int = 60
+    seed: int = 0
+    runtime: str = "local"
+    run_root: str | Path = "runs"
+    produced_channel: tuple[int, int | None] = (64, None)  # (max items, max bytes)
+    ready_channel: tuple[int, int | None] = (16, None)
+    progress: bool = True
+    config_text: str | None = None  # the resolved config, written to the run folder
+    max_uses: int = 1
+    hooks: list[Callable[[RunContext], None]] = field(default_factory=list)
+
+    def run(self) -> dict[str, Any]:
+        """Run to completion on the chosen runtime and return the summary."""
+        if self.runtime != "local":
+            raise ValueError(f"runtime={self.runtime!r} is not available yet; use runtime='local'")
+        return anyio.run(self.arun)
+
+    async def arun(self) -> dict[str, Any]:
+        from pipeline.runtime.local import run_actors
+
+        if self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.steps}")
+        folder = RunFolder.create(self.run_root, self.name)
+        if self.config_text is not None:
+            folder.write_text("config.toml", self.config_text)
+        clock = VersionClock()
+        ctx = RunContext(
+            run=self.name,
+            seed=self.seed,
+            steps=self.steps,
+            clock=clock,
+            ledger=Ledger(max_uses=self.max_uses),
+            gate=AdmissionGate(clock, self.staleness, self.consumer.units_per_version),
+            policy=self.staleness,
+            feedback=Channel("feedback", max_items=1 << 20),
+            folder=folder,
+        )
+        produced = Channel("produced", max_items=self.produced_channel[0], max_bytes=self.produced_channel[1])
+        ready = Channel("ready", max_items=self.ready_channel[0], max_bytes=self.ready_channel[1])
+        ctx.channels.update(produced=produced, ready=ready, feedback=ctx.feedback)
+        for hook in self.hooks:
+            hook(ctx)
+
+        producers = list(self.producer.actors(ctx, None, produced))
+        buffers = list(self.buffer.actors(ctx, produced, ready))
+        consumers = list(self.consumer.actors(ctx, ready, None))
+        actors = [*producers, *buffers, *consumers]
+        log = ctx.log("pipeline")
+        log.info("run starting", folder=str(folder.path), actors=[a.name for a in actors], steps=self.steps)
+
+        title = f"{self.name}"
+        ok = False
+        try:
+            with Progress(title, enabled=self.progress) as progress:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(self._show_progress, ctx, progress)
+                    try:
+                        await run_actors(actors, until=[a.name for a in consumers])
+                    finally:
+                        tg.cancel_scope.cancel()
+            ok = True
+        finally:
+            for channel in ctx.channels.values():
+                channel.close()
+            ctx.ledger.write(folder.path / "ledger.json")
+            records = folder.read_metrics()
+            render_report(folder.path / "report.png", records, self.consumer.report_panels(records), title=title)
+            if not ok:
+                log.error("run failed", folder=str(folder.path), ledger=ctx.ledger.counts())
+        summary = self._summary(ctx)
+        folder.write_json("summary.json", summary)
+        folder.close()
+        log.info("run finished", **{k: summary[k] for k in ("version", "wall_s", "samples_per_s")})
+        return summary
+
+    async def _show_progress(self, ctx: RunContext, progress: Progress) -> None:
+        while True:
+            depths = {name: f"{c.depth}/{c.stats().max_items}" for name, c in ctx.channels.items() if name != "feedback"}
+            progress.update(
+                version=f"{ctx.clock.version}/{self.steps}",
+                **self.consumer.progress(),
+                **depths,
+            )
+            await anyio.sleep(0.25)
+
+    def _summary(self, ctx: RunContext) -> dict[str, Any]:
+        counts = ctx.ledger.counts()
+        wall = time.perf_counter() - ctx.started_at
+        return {
+            "run_dir": str(ctx.folder.path),
+            "steps": self.steps,
+            "version": ctx.clock.version,
+            **self.consumer.summary(),
+            "staleness_bound": self.staleness.bound,
+            "samples": {k: counts[k] for k in ("produced", "trained", "dropped", "lost", "regenerated")},
+            "in_flight": counts["in_flight"],
+            "ledger_balanced": ctx.ledger.balanced(),
+            "wall_s": round(wall, 2),
+            "samples_per_s": round(counts["trained"] / wall, 1) if wall > 0 else 0.0,
+        }

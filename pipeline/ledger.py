@@ -1,0 +1,143 @@
+"""The ledger: the fate of every item that entered the pipeline.
+
+Each item (one sample) is recorded when it is produced and then moves to exactly one terminal
+fate, or is consumed (possibly several times, up to `max_uses`):
+
+    in_flight --consumed--> trained      (trained_at grows by the consumer's version each use)
+    in_flight ------------> dropped      (with a reason: stale, evicted, filtered ...)
+    in_flight ------------> lost         (its payload is gone; counted, never silent)
+    in_flight ------------> regenerated  (its work is being redone under a new item id)
+
+Invariants, checked by `violations()` and asserted by the tests:
+* every produced item has exactly one fate, so produced == trained + dropped + lost +
+  regenerated + in_flight;
+* no item is consumed more than `max_uses` times, and a terminal item is never consumed
+  (illegal transitions raise `LedgerError` at once: they are bugs, not outcomes);
+* an item's recorded versions are [oldest, newest] with oldest <= newest.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+Fate = Literal["in_flight", "trained", "dropped", "lost", "regenerated"]
+FATES: tuple[Fate, ...] = ("trained", "dropped", "lost", "regenerated", "in_flight")
+
+
+class LedgerError(RuntimeError):
+    """An illegal fate transition: the pipeline tried to use or drop an item twice."""
+
+
+class ItemRecord(msgspec.Struct):
+    id: str
+    group: str
+    versions: tuple[int, int]
+    trained_at: list[int] = msgspec.field(default_factory=list)
+    fate: Fate = "in_flight"
+    reason: str = ""
+
+
+class Ledger:
+    def __init__(self, max_uses: int = 1) -> None:
+        if max_uses < 1:
+            raise ValueError(f"max_uses must be >= 1, got {max_uses}")
+        self.max_uses = max_uses
+        self._items: dict[str, ItemRecord] = {}
+        self._counts: Counter[str] = Counter()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __getitem__(self, item_id: str) -> ItemRecord:
+        return self._items[item_id]
+
+    def produced(self, ids: Iterable[str], group: str, versions: tuple[int, int]) -> None:
+        lo, hi = versions
+        if lo > hi:
+            raise LedgerError(f"versions must be [oldest, newest], got {versions}")
+        for item_id in ids:
+            if item_id in self._items:
+                raise LedgerError(f"item {item_id!r} produced twice")
+            self._items[item_id] = ItemRecord(id=item_id, group=group, versions=(lo, hi))
+            self._counts["in_flight"] += 1
+
+    def trained(self, ids: Iterable[str], at_version: int) -> None:
+        for item_id in ids:
+            rec = self._get(item_id)
+            if rec.fate not in ("in_flight", "trained"):
+                raise LedgerError(f"item {item_id!r} is {rec.fate} ({rec.reason}) and cannot be consumed")
+            if len(rec.trained_at) >= self.max_uses:
+                raise LedgerError(
+                    f"item {item_id!r} already consumed {len(rec.trained_at)} time(s) "
+                    f"at versions {rec.trained_at}; max_uses={self.max_uses}"
+                )
+            rec.trained_at.append(at_version)
+            self._move(rec, "trained", "")
+
+    def dropped(self, ids: Iterable[str], reason: str) -> None:
+        self._finish(ids, "dropped", reason)
+
+    def lost(self, ids: Iterable[str], reason: str) -> None:
+        self._finish(ids, "lost", reason)
+
+    def regenerated(self, ids: Iterable[str], reason: str) -> None:
+        self._finish(ids, "regenerated", reason)
+
+    def counts(self) -> dict[str, int]:
+        """{"produced": n, "trained": ..., "dropped": ..., "lost": ..., "regenerated": ..., "in_flight": ...}"""
+        return {"produced": len(self._items), **{fate: self._counts[fate] for fate in FATES}}
+
+    def violations(self) -> list[str]:
+        """Every broken invariant, as a sentence; empty when the ledger balances."""
+        found = []
+        counts = self.counts()
+        total = sum(counts[f] for f in FATES)
+        if total != counts["produced"]:
+            found.append(f"fates sum to {total} but {counts['produced']} items were produced")
+        for rec in self._items.values():
+            if len(rec.trained_at) > self.max_uses:
+                found.append(f"{rec.id} consumed {len(rec.trained_at)} times (max_uses={self.max_uses})")
+            if rec.fate == "trained" and not rec.trained_at:
+                found.append(f"{rec.id} is trained but has no trained_at")
+        return found
+
+    def balanced(self) -> bool:
+        return not self.violations()
+
+    def records(self) -> list[ItemRecord]:
+        return list(self._items.values())
+
+    def write(self, path: Path) -> None:
+        """Write one record per item as a JSON list (fields: id, group, versions, trained_at, fate, reason)."""
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(msgspec.json.encode(self.records()))
+        tmp.replace(path)
+
+    @staticmethod
+    def read(path: Path) -> list[dict]:
+        return json.loads(Path(path).read_text())
+
+    def _get(self, item_id: str) -> ItemRecord:
+        try:
+            return self._items[item_id]
+        except KeyError:
+            raise LedgerError(f"item {item_id!r} was never produced") from None
+
+    def _finish(self, ids: Iterable[str], fate: Fate, reason: str) -> None:
+        for item_id in ids:
+            rec = self._get(item_id)
+            if rec.fate != "in_flight":
+                raise LedgerError(f"item {item_id!r} is already {rec.fate}; cannot mark it {fate}")
+            self._move(rec, fate, reason)
+
+    def _move(self, rec: ItemRecord, fate: Fate, reason: str) -> None:
+        self._counts[rec.fate] -= 1
+        self._counts[fate] += 1
+        rec.fate = fate
+        rec.reason = reason

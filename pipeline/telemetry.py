@@ -1,0 +1,429 @@
+"""Observability: structured logs on stderr, a run folder, a one-line live status, a PNG report.
+
+Invariants:
+- Nothing here writes to stdout (it is reserved for the caller's final JSON line): logs and the
+  status line go to whatever `sys.stderr` is when they are written.
+- A run folder is created fresh (never reused) and files in it are replaced atomically, so a reader
+  sees either the old or the new content of a file, never a partial one. `metrics.jsonl` is append-
+  only, one JSON object per line, flushed after each record.
+- Rendering a report never fails because data is missing: absent keys are skipped, and an empty panel
+  says "no data".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any, Literal
+
+import msgspec
+import structlog
+
+__all__ = [
+    "Panel",
+    "Progress",
+    "RunFolder",
+    "configure_logging",
+    "format_value",
+    "get_logger",
+    "render_report",
+]
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, msgspec.Struct):
+        return msgspec.to_builtins(obj)
+    if isinstance(obj, Path):
+        return str(obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.asdict(obj)
+    if callable(getattr(obj, "tolist", None)):
+        return obj.tolist()
+    if isinstance(obj, set | frozenset):
+        return sorted(obj)
+    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
+
+
+def _json_dumps(obj: Any, **kwargs: Any) -> str:
+    return json.dumps(obj, default=_jsonable, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------- logs
+
+
+class _StderrLogger:
+    """Writes each rendered event as one line to the current `sys.stderr`."""
+
+    def msg(self, message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    log = debug = info = warn = warning = error = critical = exception = fatal = msg
+
+
+def _stderr_logger_factory(*_args: Any) -> _StderrLogger:
+    return _StderrLogger()
+
+
+def configure_logging(fmt: Literal["console", "json"] = "console", level: str = "info") -> None:
+    """Send structlog events at `level` or above to stderr, timestamped, as console text or JSON lines."""
+    level_no = logging.getLevelNamesMapping().get(level.upper())
+    if level_no is None:
+        raise ValueError(f"unknown log level {level!r}")
+    processors: list[structlog.typing.Processor] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso"),
+        structlog.processors.StackInfoRenderer(),
+    ]
+    if fmt == "console":
+        processors.append(structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty()))
+    elif fmt == "json":
+        processors.append(structlog.processors.format_exc_info)
+        processors.append(structlog.processors.JSONRenderer())
+    else:
+        raise ValueError(f"unknown log format {fmt!r} (expected 'console' or 'json')")
+    structlog.configure(
+        processors=processors,
+        wrapper_class=structlog.make_filtering_bound_logger(level_no),
+        logger_factory=_stderr_logger_factory,
+        cache_logger_on_first_use=False,
+    )
+
+
+def get_logger(name: str) -> Any:
+    """A structlog logger whose events carry `logger=name`; follows later `configure_logging` calls."""
+    return structlog.get_logger().bind(logger=name)
+
+
+# ----------------------------------------------------------------------------------------- run folder
+
+
+def _atomic_write(path: Path, data: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+class RunFolder:
+    """One run's output folder: atomic text/JSON files and an append-only `metrics.jsonl`."""
+
+    def __init__(self, path: Path | str) -> None:
+        self.path = Path(path)
+        self._metrics: IO[str] | None = None
+
+    @classmethod
+    def create(cls, root: Path | str, name: str) -> RunFolder:
+        """Make a new folder `root/<name>-<YYYYmmdd-HHMMSS>` (suffixed `-2`, `-3`, ... if taken)."""
+        if not name or "/" in name or "\\" in name or name in {".", ".."}:
+            raise ValueError(f"run name {name!r} must be non-empty and contain no path separator")
+        root = Path(root)
+        root.mkdir(parents=True, exist_ok=True)
+        base = f"{name}-{datetime.now():%Y%m%d-%H%M%S}"
+        for n in range(1, 10_000):
+            path = root / (base if n == 1 else f"{base}-{n}")
+            try:
+                path.mkdir()
+            except FileExistsError:
+                continue
+            return cls(path)
+        raise RuntimeError(f"could not find a free run folder name for {base!r} in {root}")
+
+    def _resolve(self, rel: str | Path) -> Path:
+        path = (self.path / rel).resolve()
+        if not path.is_relative_to(self.path.resolve()):
+            raise ValueError(f"{rel!s} is outside the run folder {self.path}")
+        return path
+
+    def write_text(self, rel: str | Path, text: str) -> Path:
+        """Atomically write `text` to `rel` inside the folder; returns the file's path."""
+        path = self._resolve(rel)
+        _atomic_write(path, text)
+        return path
+
+    def write_json(self, rel: str | Path, obj: Any) -> Path:
+        """Atomically write `obj` as indented JSON (msgspec structs, paths and numpy values allowed)."""
+        return self.write_text(rel, _json_dumps(obj, indent=2) + "\n")
+
+    def log_metrics(self, record: Mapping[str, Any]) -> None:
+        """Append `record` as one JSON line to `metrics.jsonl` and flush it."""
+        if self._metrics is None:
+            self._metrics = open(self.path / METRICS_FILE, "a", encoding="utf-8")
+        self._metrics.write(_json_dumps(record) + "\n")
+        self._metrics.flush()
+
+    def read_metrics(self) -> list[dict[str, Any]]:
+        """All records of `metrics.jsonl`, in order; a torn last line (crash mid-write) is ignored."""
+        path = self.path / METRICS_FILE
+        if not path.exists():
+            return []
+        lines = path.read_text(encoding="utf-8").splitlines()
+        records = []
+        for i, line in enumerate(lines):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                if i == len(lines) - 1:
+                    break
+                raise
+        return records
+
+    def close(self) -> None:
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
+
+    def __enter__(self) -> RunFolder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"RunFolder({str(self.path)!r})"
+
+
+# ------------------------------------------------------------------------------------------- progress
+
+
+def format_value(value: Any) -> str:
+    """Compact text for a status field: floats to ~3 significant digits, mappings as `k v k v`."""
+    if isinstance(value, Mapping):
+        return "  ".join(f"{k} {format_value(v)}" for k, v in value.items())
+    if isinstance(value, bool) or not isinstance(value, float):
+        return str(value)
+    if not math.isfinite(value):
+        return str(value)
+    if value == 0:
+        return "0"
+    if abs(value) >= 100:
+        return f"{value:.0f}"
+    return f"{value:.3g}"
+
+
+class Progress:
+    """A one-line status on stderr: live (rich) on a terminal, else a plain line at most every
+    `interval_s` seconds (plus the last state on exit if it was not printed). Disabled: prints nothing.
+
+    `update(**fields)` merges into the current fields (in first-seen order; a value of None removes
+    the field) and renders `title  key value  key value ...`.
+    """
+
+    def __init__(
+        self,
+        title: str,
+        enabled: bool = True,
+        *,
+        interval_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.title = title
+        self.enabled = enabled
+        self.interval_s = interval_s
+        self._clock = clock
+        self._fields: dict[str, Any] = {}
+        self._live: Any = None
+        self._last_print: float | None = None
+        self._printed_current = True
+
+    def line(self) -> str:
+        parts = [self.title, *(f"{k} {format_value(v)}" for k, v in self._fields.items())]
+        return "  ".join(parts)
+
+    def __enter__(self) -> Progress:
+        if self.enabled and sys.stderr.isatty():
+            from rich.console import Console
+            from rich.live import Live
+            from rich.text import Text
+
+            self._live = Live(
+                Text(self.line()), console=Console(file=sys.stderr), refresh_per_second=4, transient=False
+            )
+            self._live.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
+        elif self.enabled and not self._printed_current:
+            self._print()
+
+    def update(self, **fields: Any) -> None:
+        for key, value in fields.items():
+            if value is None:
+                self._fields.pop(key, None)
+            else:
+                self._fields[key] = value
+        if not self.enabled:
+            return
+        if self._live is not None:
+            from rich.text import Text
+
+            self._live.update(Text(self.line()))
+            return
+        self._printed_current = False
+        now = self._clock()
+        if self._last_print is None or now - self._last_print >= self.interval_s:
+            self._print(now)
+
+    def _print(self, now: float | None = None) -> None:
+        print(self.line(), file=sys.stderr, flush=True)
+        self._last_print = self._clock() if now is None else now
+        self._printed_current = True
+
+
+# --------------------------------------------------------------------------------------------- report
+
+
+@dataclass
+class Panel:
+    """One subplot of a report.
+
+    kind "line": one line per key in `y` against record key `x` (or the record index if x is None).
+    kind "hist": a histogram of `values` if given, else of every record's `y` keys (one per key).
+    kind "bar":  with `x` None, one bar per `y` key from the last record that has it; with `x` set,
+                 bars of each `y` key at each record's `x` (grouped).
+    """
+
+    title: str
+    kind: Literal["line", "hist", "bar"] = "line"
+    x: str | None = None
+    y: list[str] = field(default_factory=list)
+    values: list[float] | None = None
+    bins: int = 30
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
+
+
+def _series(records: Iterable[Mapping[str, Any]], x: str | None, y: str) -> tuple[list[Any], list[float]]:
+    xs: list[Any] = []
+    ys: list[float] = []
+    for i, record in enumerate(records):
+        yv = _number(record.get(y))
+        xv: Any = i if x is None else record.get(x)
+        if yv is None or xv is None:
+            continue
+        xs.append(xv)
+        ys.append(yv)
+    return xs, ys
+
+
+def _draw_panel(ax: Any, panel: Panel, records: list[Mapping[str, Any]]) -> bool:
+    """Draw `panel` on `ax`; False if there was nothing to draw."""
+    drew = False
+    if panel.kind == "line":
+        for key in panel.y:
+            xs, ys = _series(records, panel.x, key)
+            if ys:
+                ax.plot(xs, ys, label=key, marker="." if len(ys) < 50 else None)
+                drew = True
+        ax.set_xlabel(panel.x or "record")
+    elif panel.kind == "hist":
+        groups = (
+            {panel.title: [v for v in panel.values if _number(v) is not None]}
+            if panel.values is not None
+            else {key: _series(records, None, key)[1] for key in panel.y}
+        )
+        for label, values in groups.items():
+            finite = [v for v in values if math.isfinite(v)]
+            if finite:
+                ax.hist(finite, bins=panel.bins, alpha=0.6 if len(groups) > 1 else 1.0, label=label)
+                drew = True
+    elif panel.kind == "bar":
+        if panel.x is None:
+            heights = {}
+            for key in panel.y:
+                series = _series(records, None, key)[1]
+                if series:
+                    heights[key] = series[-1]
+            if heights:
+                ax.bar(list(heights), list(heights.values()))
+                drew = True
+        else:
+            width = 0.8 / max(len(panel.y), 1)
+            labels: list[Any] = []
+            for j, key in enumerate(panel.y):
+                xs, ys = _series(records, panel.x, key)
+                if ys:
+                    ax.bar([i + j * width for i in range(len(xs))], ys, width=width, label=key)
+                    labels = labels if len(labels) >= len(xs) else xs
+                    drew = True
+            if labels:
+                offset = width * (len(panel.y) - 1) / 2
+                ax.set_xticks([i + offset for i in range(len(labels))], [str(v) for v in labels])
+            ax.set_xlabel(panel.x)
+    else:
+        raise ValueError(f"panel {panel.title!r}: unknown kind {panel.kind!r}")
+    labelled = len(ax.get_legend_handles_labels()[0])
+    if labelled > 1 or (labelled and panel.kind == "line"):
+        ax.legend(fontsize="small")
+    return drew
+
+
+def render_report(
+    path: Path | str,
+    records: list[Mapping[str, Any]],
+    panels: list[Panel],
+    *,
+    title: str | None = None,
+) -> None:
+    """Write a PNG with one subplot per panel (titled `title`, default the file's stem) atomically."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    path = Path(path)
+    shown = panels or [Panel(title="report")]
+    ncols = 1 if len(shown) == 1 else 2
+    nrows = math.ceil(len(shown) / ncols)
+    fig = Figure(figsize=(6.4 * ncols, 3.6 * nrows), layout="constrained")
+    FigureCanvasAgg(fig)
+    fig.suptitle(title if title is not None else path.stem)
+    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    for ax, panel in zip(axes, shown, strict=False):
+        ax.set_title(panel.title)
+        if not _draw_panel(ax, panel, records):
+            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="grey")
+            ax.set_xticks([])
+            ax.set_yticks([])
+    for ax in axes[len(shown) :]:
+        ax.set_visible(False)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        fig.savefig(tmp, format="png", dpi=100)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -1,0 +1,72 @@
+"""Staleness: which versions may be generated, trained on, or must be interrupted.
+
+The contract, for one run with learner version v (optimizer steps taken), B groups per learner
+step and bound k:
+
+* **Staleness** of an item trained at version v is `v - oldest`, where `oldest` is the oldest
+  weight version that produced any of its tokens. It counts from generation, so time an item
+  spends queued in channels or in the buffer counts too.
+* **Admit** (producer side): a producer may start another group only while
+  `started - discarded < (v + k + 1) * B`. Groups that were dropped or requeued free their slot.
+  With FIFO consumption this alone keeps every trained group within k, and little work is wasted.
+* **Accept** (consumer side): the hard guarantee. An item with staleness > k never reaches a
+  gradient step: it is dropped, or requeued for regeneration, per `on_stale`.
+* **Sync** is k = 0 through exactly this code: groups for step v are generated only after the
+  weights of version v were published, and trained at version v.
+
+Every function here is pure: it reads versions and counts and returns a decision.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+OnStale = Literal["drop", "requeue"]
+Verdict = Literal["train", "drop", "requeue"]
+
+
+def staleness(learner_version: int, oldest_version: int) -> int:
+    """Versions between the weights that generated an item and the weights it is trained at."""
+    return learner_version - oldest_version
+
+
+@dataclass(frozen=True)
+class MaxStaleness:
+    """No item older than `k` versions is ever trained on."""
+
+    k: int = 2
+    on_stale: OnStale = "drop"
+
+    def __post_init__(self) -> None:
+        if self.k < 0:
+            raise ValueError(f"staleness.k must be >= 0, got {self.k}")
+        if self.on_stale not in ("drop", "requeue"):
+            raise ValueError(f"staleness.on_stale must be 'drop' or 'requeue', got {self.on_stale!r}")
+
+    @property
+    def bound(self) -> int:
+        return self.k
+
+    def admission_limit(self, version: int, groups_per_step: int) -> int:
+        """How many live (started, not discarded) groups may exist at learner version `version`."""
+        return (version + self.k + 1) * groups_per_step
+
+    def admit(self, version: int, started: int, discarded: int, groups_per_step: int) -> bool:
+        """May a producer start one more group now?"""
+        return started - discarded < self.admission_limit(version, groups_per_step)
+
+    def accept(self, learner_version: int, oldest_version: int) -> Verdict:
+        """May the consumer train on an item whose oldest token version is `oldest_version`?"""
+        if oldest_version > learner_version:
+            raise ValueError(
+                f"an item claims version {oldest_version}, newer than the learner's {learner_version}"
+            )
+        if staleness(learner_version, oldest_version) <= self.k:
+            return "train"
+        return self.on_stale
+
+
+def sync() -> MaxStaleness:
+    """On-policy: k = 0 through the same code path."""
+    return MaxStaleness(k=0)

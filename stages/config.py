@@ -1,0 +1,231 @@
+"""The run config: a TOML file that maps one to one onto the Python DSL.
+
+    name, seed, steps, mode ("async" | "sync"), runtime ("local"), run_root
+    [model]      path, create, hidden_size, layers, heads, kv_heads
+    [task]       kind = "reverse-digits" | "addition" | "pkg.mod:Class" (+ its keys)
+    [engine]     kind = "torch" | "pkg.mod:Class", count, batch_groups, temperature, top_p
+    [rollout]    group_size
+    [store]      kind = "memory" | "pkg.mod:Class", capacity
+    [buffer]     max_refs, max_bytes, produced_channel, ready_channel
+    [learner]    kind = "grpo", lr, groups_per_step, clip_eps, max_grad_norm, weight_decay
+    [staleness]  kind = "max-staleness", k, on_stale = "drop" | "requeue"
+    [weights]    transport = "inproc"
+    [telemetry]  log_format = "console" | "json", progress
+
+Unknown keys and bad values fail validation, naming the key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ByteSize, ConfigDict, Discriminator, Field, Tag, model_validator
+
+from pipeline.config import ConfigError, resolve, to_toml
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PluginSpec(BaseModel):
+    """`kind = "package.module:Class"`; every other key is passed to the class as a keyword."""
+
+    model_config = ConfigDict(extra="allow")
+    kind: Annotated[str, Field(pattern=r"^[\w.]+:\w+$")]
+
+    def build(self, **extra: Any) -> Any:
+        return resolve(self.kind)(**{**(self.model_extra or {}), **extra})
+
+
+def kinds(*members: type[BaseModel]) -> Any:
+    """A discriminated union on `kind` (the first member is the default when `kind` is omitted),
+    plus the `pkg.mod:Class` plug-in form."""
+    default = members[0].model_fields["kind"].default
+
+    def tag(value: Any) -> str:
+        kind = value.get("kind", default) if isinstance(value, dict) else getattr(value, "kind", default)
+        return "plugin" if isinstance(kind, str) and ":" in kind else kind
+
+    union: Any = Annotated[PluginSpec, Tag("plugin")]
+    for member in members:
+        union = union | Annotated[member, Tag(member.model_fields["kind"].default)]
+    return Annotated[union, Discriminator(tag)]
+
+
+class ModelSpec(Section):
+    path: str = "runs/models/tiny-qwen2"
+    create: bool = Field(True, description="make a random-init tiny model there if it is missing")
+    hidden_size: int = Field(64, ge=8)
+    layers: int = Field(2, ge=1)
+    heads: int = Field(4, ge=1)
+    kv_heads: int = Field(2, ge=1)
+
+
+class ReverseDigitsSpec(Section):
+    kind: Literal["reverse-digits"] = "reverse-digits"
+    digits: int = Field(2, ge=1, le=16)
+
+
+class AdditionSpec(Section):
+    kind: Literal["addition"] = "addition"
+
+
+class TorchEngineSpec(Section):
+    kind: Literal["torch"] = "torch"
+    count: int = Field(1, ge=1, le=16, description="engine workers (each its own producer actor)")
+    batch_groups: int = Field(16, ge=1, description="groups generated per engine call")
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+
+
+class RolloutSpec(Section):
+    group_size: int = Field(8, ge=2)
+
+
+class MemoryStoreSpec(Section):
+    kind: Literal["memory"] = "memory"
+    capacity: ByteSize | None = None
+
+
+class BufferSpec(Section):
+    max_refs: int = Field(256, ge=1)
+    max_bytes: ByteSize = ByteSize(256 << 20)
+    produced_channel: int = Field(64, ge=1, description="refs in flight producer -> buffer")
+    ready_channel: int = Field(16, ge=1, description="refs in flight buffer -> learner")
+
+
+class GRPOSpec(Section):
+    kind: Literal["grpo"] = "grpo"
+    lr: float = Field(3e-3, gt=0)
+    groups_per_step: int = Field(16, ge=1)
+    clip_eps: float = Field(0.2, gt=0)
+    max_grad_norm: float = Field(1.0, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+
+
+class MaxStalenessSpec(Section):
+    kind: Literal["max-staleness"] = "max-staleness"
+    k: int | None = Field(None, ge=0, description="default: 2 in async mode, 0 in sync mode")
+    on_stale: Literal["drop", "requeue"] = "drop"
+
+
+class WeightsSpec(Section):
+    transport: Literal["inproc"] = "inproc"
+
+
+class TelemetrySpec(Section):
+    log_format: Literal["console", "json"] = "console"
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    progress: bool = True
+
+
+class RunConfig(Section):
+    name: str = Field("baton", pattern=r"^[A-Za-z0-9_.-]+$")
+    seed: int = 0
+    steps: int = Field(60, ge=1, description="learner versions to train")
+    mode: Literal["async", "sync"] = "async"
+    runtime: Literal["local"] = "local"
+    run_root: str = "runs"
+    model: ModelSpec = ModelSpec()
+    task: kinds(ReverseDigitsSpec, AdditionSpec) = ReverseDigitsSpec()  # type: ignore[valid-type]
+    engine: kinds(TorchEngineSpec) = TorchEngineSpec()  # type: ignore[valid-type]
+    rollout: RolloutSpec = RolloutSpec()
+    store: kinds(MemoryStoreSpec) = MemoryStoreSpec()  # type: ignore[valid-type]
+    buffer: BufferSpec = BufferSpec()
+    learner: kinds(GRPOSpec) = GRPOSpec()  # type: ignore[valid-type]
+    staleness: kinds(MaxStalenessSpec) = MaxStalenessSpec()  # type: ignore[valid-type]
+    weights: WeightsSpec = WeightsSpec()
+    telemetry: TelemetrySpec = TelemetrySpec()
+
+    @model_validator(mode="after")
+    def _mode_sets_k(self) -> RunConfig:
+        if isinstance(self.staleness, MaxStalenessSpec):
+            if self.mode == "sync" and self.staleness.k not in (None, 0):
+                raise ValueError(
+                    f"mode = 'sync' means staleness.k = 0, but staleness.k = {self.staleness.k}; "
+                    "remove staleness.k or set mode = 'async'"
+                )
+            if self.staleness.k is None:
+                self.staleness.k = 0 if self.mode == "sync" else 2
+        if not self.model.create and not (Path(self.model.path) / "config.json").exists():
+            raise ValueError(
+                f"model.path = {self.model.path!r} holds no model (no config.json) and model.create = false; "
+                "set model.create = true to make a tiny one there, or point model.path at an HF checkpoint"
+            )
+        return self
+
+    def resolved_toml(self) -> str:
+        return to_toml(self.model_dump(mode="json", exclude_none=True))
+
+
+def build_pipeline(cfg: RunConfig):
+    """The Pipeline this config describes (the same objects the Python DSL builds)."""
+    import torch
+
+    from buffers.memory import MemoryStore
+    from buffers.replay import ReplayBuffer
+    from pipeline.dsl import Pipeline
+    from policies import MaxStaleness
+    from stages.engines.torch import TorchEngine
+    from stages.learner import GRPOLearner
+    from stages.model import load_tokenizer, make_tiny_model
+    from stages.rollout import Rollout
+    from stages.tasks import Addition, ReverseDigits
+
+    torch.set_num_threads(1)
+    torch.manual_seed(cfg.seed)
+    m = cfg.model
+    model = (
+        make_tiny_model(m.path, hidden_size=m.hidden_size, layers=m.layers, heads=m.heads, kv_heads=m.kv_heads, seed=cfg.seed)
+        if m.create
+        else Path(m.path)
+    )
+
+    def build(spec: Any, builtin: dict[str, Any], **extra: Any) -> Any:
+        if isinstance(spec, PluginSpec):
+            return spec.build(**extra)
+        return builtin[spec.kind](spec, **extra)
+
+    task = build(cfg.task, {
+        "reverse-digits": lambda s: ReverseDigits(digits=s.digits),
+        "addition": lambda s: Addition(),
+    })
+    store = build(cfg.store, {"memory": lambda s: MemoryStore(capacity_bytes=s.capacity)})
+    engine_count = getattr(cfg.engine, "count", 1)
+    engines = [
+        build(cfg.engine, {"torch": lambda s, i=i: TorchEngine(model, name=f"torch-{i}", seed=cfg.seed + i)})
+        for i in range(engine_count)
+    ]
+    learner = build(cfg.learner, {
+        "grpo": lambda s: GRPOLearner(
+            model, lr=s.lr, groups_per_step=s.groups_per_step, clip_eps=s.clip_eps,
+            max_grad_norm=s.max_grad_norm, weight_decay=s.weight_decay,
+            temperature=getattr(cfg.engine, "temperature", 1.0), weights=cfg.weights.transport,
+        )
+    })
+    staleness = build(cfg.staleness, {"max-staleness": lambda s: MaxStaleness(k=s.k, on_stale=s.on_stale)})
+    e = cfg.engine
+    return Pipeline(
+        name=cfg.name,
+        seed=cfg.seed,
+        steps=cfg.steps,
+        runtime=cfg.runtime,
+        run_root=cfg.run_root,
+        producer=Rollout(
+            task, engines, load_tokenizer(model), store, group_size=cfg.rollout.group_size,
+            batch_groups=getattr(e, "batch_groups", 16), temperature=getattr(e, "temperature", 1.0),
+            top_p=getattr(e, "top_p", 1.0),
+        ),
+        buffer=ReplayBuffer(store, max_refs=cfg.buffer.max_refs, max_bytes=int(cfg.buffer.max_bytes)),
+        consumer=learner,
+        staleness=staleness,
+        produced_channel=(cfg.buffer.produced_channel, None),
+        ready_channel=(cfg.buffer.ready_channel, None),
+        progress=cfg.telemetry.progress,
+        config_text=cfg.resolved_toml(),
+    )
+
+
+__all__ = ["ConfigError", "RunConfig", "build_pipeline"]

@@ -1,0 +1,144 @@
+"""TorchEngine: an in-process HF causal LM as an inference engine (the laptop producer).
+
+Batched sampling with a KV cache, temperature and top-p, stop tokens and max-tokens; per-token
+behaviour logprobs (of the tempered distribution, before top-p truncation) and per-token
+weight versions. New weights are staged by `receive_weights` and swapped in between decode steps
+of a running batch, so a long generation spans versions honestly instead of blocking the push.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import anyio
+import numpy as np
+import torch
+
+from stages.engines.base import Completion, SamplingParams
+from stages.model import load_model
+
+
+class TorchEngine:
+    def __init__(self, model_path: str | Path, name: str = "torch-0", seed: int = 0) -> None:
+        self.name = name
+        self.model_path = Path(model_path)
+        self.seed = seed
+        self._model: torch.nn.Module | None = None
+        self._version = 0
+        self._staged: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._lock = threading.Lock()
+        self._generator = torch.Generator().manual_seed(seed)
+        self.busy_s = 0.0
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    async def start(self) -> None:
+        if self._model is None:
+            self._model = await anyio.to_thread.run_sync(load_model, self.model_path)
+            self._model.eval()
+
+    async def stop(self) -> None:
+        self._model = None
+
+    async def receive_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Stage a whole version; it is applied before the next decode step."""
+        with self._lock:
+            if self._staged is None or version > self._staged[0]:
+                self._staged = (version, tensors)
+
+    def _apply_staged(self) -> None:
+        with self._lock:
+            staged, self._staged = self._staged, None
+        if staged is None or staged[0] <= self._version:
+            return
+        version, tensors = staged
+        assert self._model is not None
+        missing, unexpected = self._model.load_state_dict(tensors, strict=False)
+        if unexpected or [m for m in missing if not m.endswith("lm_head.weight")]:
+            raise RuntimeError(f"weights of version {version} do not fit: missing={missing} unexpected={unexpected}")
+        self._version = version
+
+    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        if self._model is None:
+            raise RuntimeError(f"engine {self.name} is not started")
+        return await anyio.to_thread.run_sync(self._generate, prompts, params)
+
+    @torch.no_grad()
+    def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        t0 = time.perf_counter()
+        try:
+            self._apply_staged()
+            return self._decode(prompts, params)
+        finally:
+            self.busy_s += time.perf_counter() - t0
+
+    def _decode(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        model = self._model
+        assert model is not None
+        n = len(prompts)
+        lengths = torch.tensor([len(p) for p in prompts])
+        width = int(lengths.max())
+        pad = model.config.pad_token_id or 0
+        # left-pad so every row's next token sits in the last column
+        ids = torch.full((n, width), pad, dtype=torch.long)
+        mask = torch.zeros((n, width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
+        positions = (mask.cumsum(1) - 1).clamp(min=0)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        cache, logits = out.past_key_values, out.logits[:, -1]
+        next_pos = lengths.clone()
+
+        tokens = torch.zeros((n, params.max_new_tokens), dtype=torch.long)
+        logps = torch.zeros((n, params.max_new_tokens))
+        versions = torch.zeros((n, params.max_new_tokens), dtype=torch.int32)
+        done = torch.zeros(n, dtype=torch.bool)
+        count = torch.zeros(n, dtype=torch.long)
+        stops = torch.tensor(params.stop_token_ids, dtype=torch.long) if params.stop_token_ids else None
+
+        for step in range(params.max_new_tokens):
+            if step:
+                self._apply_staged()  # a staged version lands between decode steps, never inside one
+            nxt, lp = self._sample(logits, params)
+            tokens[:, step], logps[:, step], versions[:, step] = nxt, lp, self._version
+            count += (~done).long()
+            if stops is not None:
+                done |= torch.isin(nxt, stops)
+            if bool(done.all()) or step + 1 == params.max_new_tokens:
+                break
+            mask = torch.cat([mask, torch.ones((n, 1), dtype=torch.long)], 1)
+            out = model(
+                input_ids=nxt[:, None], attention_mask=mask, position_ids=next_pos[:, None],
+                past_key_values=cache, use_cache=True,
+            )
+            cache, logits = out.past_key_values, out.logits[:, -1]
+            next_pos += 1
+
+        results = []
+        for i in range(n):
+            k = int(count[i])
+            stopped = stops is not None and k > 0 and bool(torch.isin(tokens[i, k - 1], stops))
+            results.append(
+                Completion(
+                    tokens=tokens[i, :k].numpy().astype(np.int32),
+                    logprobs=logps[i, :k].numpy().astype(np.float32),
+                    versions=versions[i, :k].numpy(),
+                    finish_reason="stop" if stopped else "length",
+                )
+            )
+        return results
+
+    def _sample(self, logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+        logp = torch.log_softmax(logits.float() / max(params.temperature, 1e-5), -1)
+        probs = logp.exp()
+        if params.top_p < 1.0:
+            sorted_p, order = probs.sort(-1, descending=True)
+            keep = sorted_p.cumsum(-1) - sorted_p < params.top_p
+            probs = torch.zeros_like(probs).scatter(-1, order, sorted_p * keep)
+        nxt = torch.multinomial(probs, 1, generator=self._generator).squeeze(1)
+        return nxt, logp.gather(1, nxt[:, None]).squeeze(1)

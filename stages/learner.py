@@ -1,0 +1,253 @@
+"""GRPOLearner: the consumer stage. Refs in -> accepted groups -> one optimizer step per version.
+
+Each step:
+1. receive refs until `groups_per_step` groups are accepted by the staleness policy at the
+   current version (the rest are disposed: dropped or requeued, and counted);
+2. get + decode their payloads (checksum verified), compute group-normalised advantages and the
+   PPO-clip loss on each token's behaviour logprob, clip gradients, take an AdamW step;
+3. bump the version, publish the weights through the transport, advance the clock, and only
+   then mark the groups trained (at the version they were trained at) and free their payloads.
+Compute runs in a worker thread so the engine can decode at the same time.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+import torch
+
+from buffers.codec import CodecError, RolloutBatch, decode
+from buffers.retry import with_retries
+from buffers.store import ObjectStore, StoreError
+from pipeline.actor import BaseActor
+from pipeline.channel import Channel
+from pipeline.dsl import RunContext
+from pipeline.refs import Ref
+from pipeline.telemetry import Panel
+from policies.staleness import staleness
+from stages.losses import group_advantages, ppo_clip_loss
+from stages.model import load_model
+from stages.tasks import Prompt
+from stages.weights.base import WeightTransport
+from stages.weights.inproc import InprocTransport
+
+TRANSPORTS = {"inproc": InprocTransport}
+
+
+@dataclass
+class GRPOLearner:
+    """The DSL/config object: `GRPOLearner(model_path, lr=3e-3, groups_per_step=16)`."""
+
+    model_path: str | Path
+    lr: float = 3e-3
+    groups_per_step: int = 16
+    clip_eps: float = 0.2
+    max_grad_norm: float = 1.0
+    weight_decay: float = 0.0
+    temperature: float = 1.0
+    weights: str | WeightTransport = "inproc"
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"learner.lr must be > 0, got {self.lr}")
+        if self.groups_per_step < 1:
+            raise ValueError(f"learner.groups_per_step must be >= 1, got {self.groups_per_step}")
+
+    @property
+    def units_per_version(self) -> int:
+        return self.groups_per_step
+
+    def actors(self, ctx: RunContext, inbox: Channel | None, outbox: Channel | None):
+        assert inbox is not None
+        transport = TRANSPORTS[self.weights]() if isinstance(self.weights, str) else self.weights
+        for receiver in ctx.services.get("weight_receivers", []):
+            transport.subscribe(receiver)
+        actor = LearnerActor(self, ctx, inbox, transport)
+        ctx.services["dispose"] = actor.dispose
+        return [actor]
+
+    # -- what the pipeline shows and returns -------------------------------------------------
+    def summary(self) -> dict[str, Any]:
+        h = self.history
+        window = max(1, min(5, len(h) // 4 or 1))
+        mean = lambda rows: round(float(np.mean([r["reward"] for r in rows])), 4) if rows else None  # noqa: E731
+        return {
+            "reward_start": mean(h[:window]),
+            "reward_end": mean(h[-window:]),
+            "max_staleness_trained": max((r["staleness_max"] for r in h), default=None),
+        }
+
+    def progress(self) -> dict[str, Any]:
+        if not self.history:
+            return {}
+        last = self.history[-1]
+        return {
+            "reward": last["reward"],
+            "staleness": last["staleness_mean"],
+            "samples/s": last["samples_per_s"],
+            "dropped": last["dropped_total"],
+        }
+
+    def report_panels(self, records: list[dict]) -> list[Panel]:
+        trained_staleness = [s for r in records for s in r.get("staleness_hist", [])]
+        return [
+            Panel("mean reward per step", "line", x="version", y=["reward"]),
+            Panel("staleness of trained samples", "hist", values=trained_staleness, bins=10),
+            Panel("throughput (trained samples/s)", "line", x="t", y=["samples_per_s"]),
+            Panel("loss", "line", x="version", y=["loss"]),
+        ]
+
+
+class LearnerActor(BaseActor):
+    name = "learner"
+
+    def __init__(self, spec: GRPOLearner, ctx: RunContext, inbox: Channel, transport: WeightTransport) -> None:
+        self.spec, self.ctx, self.inbox, self.transport = spec, ctx, inbox, transport
+        self.log = ctx.log("learner")
+        self.model: torch.nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.dropped_total = 0
+
+    @property
+    def store(self) -> ObjectStore:
+        return self.ctx.services["store"]
+
+    async def start(self) -> None:
+        self.model = await anyio.to_thread.run_sync(load_model, self.spec.model_path)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=self.spec.lr, weight_decay=self.spec.weight_decay
+        )
+        # every engine starts from exactly the learner's version 0
+        await self.transport.publish(0, self.model.state_dict())
+
+    async def stop(self) -> None:
+        await self.transport.close()
+
+    async def run(self) -> None:
+        ctx, spec = self.ctx, self.spec
+        t_start = time.perf_counter()
+        trained_samples = 0
+        while ctx.clock.version < ctx.steps:
+            version = ctx.clock.version
+            refs, batches = await self._collect(version)
+            t0 = time.perf_counter()
+            stats = await anyio.to_thread.run_sync(self._step, batches)
+            step_s = time.perf_counter() - t0
+            await self.transport.publish(version + 1, self.model.state_dict())
+            ctx.clock.advance(version + 1)
+            for ref in refs:
+                ctx.ledger.trained(ref.item_ids, at_version=version)
+                await self._free(ref)
+            trained_samples += sum(r.rows for r in refs)
+            stale = [staleness(version, r.version) for r in refs]
+            elapsed = time.perf_counter() - t_start
+            record = {
+                "version": version + 1,
+                "t": round(time.perf_counter() - ctx.started_at, 3),
+                "reward": round(float(np.mean([b.row_fields["rewards"].mean() for b in batches])), 4),
+                "staleness_mean": round(float(np.mean(stale)), 3),
+                "staleness_max": int(max(stale)),
+                "staleness_hist": stale,
+                "samples_per_s": round(trained_samples / elapsed, 1),
+                "step_s": round(step_s, 4),
+                "dropped_total": self.dropped_total,
+                "gate_wait_s": round(ctx.gate.wait_s, 3),
+                **{f"depth_{n}": c.depth for n, c in ctx.channels.items()},
+                **stats,
+            }
+            spec.history.append(record)
+            ctx.folder.log_metrics(record)
+
+    async def _collect(self, version: int) -> tuple[list[Ref], list[RolloutBatch]]:
+        refs: list[Ref] = []
+        batches: list[RolloutBatch] = []
+        while len(refs) < self.spec.groups_per_step:
+            ref = await self.inbox.receive()
+            if ref.store != self.store.name:
+                raise ValueError(f"ref {ref.key} comes from store {ref.store!r}, not {self.store.name!r}")
+            if self.ctx.policy.accept(version, ref.version) != "train":
+                await self.dispose(ref, version)
+                continue
+            batch = await self._load(ref)
+            if batch is not None:
+                refs.append(ref)
+                batches.append(batch)
+        return refs, batches
+
+    async def _load(self, ref: Ref) -> RolloutBatch | None:
+        """The decoded payload, or None when it is gone or corrupt (then counted as lost)."""
+        try:
+            payload = await with_retries(lambda: self.store.get(ref.key))
+            return decode(payload)
+        except (StoreError, CodecError) as exc:
+            self.log.warning("payload lost", key=ref.key, error=f"{type(exc).__name__}: {exc}")
+            self.ctx.ledger.lost(ref.item_ids, f"{type(exc).__name__}: {exc}")
+            self.ctx.gate.discard(1)  # frees the slot, so the producer makes a replacement group
+            await self._free(ref)
+            return None
+
+    async def dispose(self, ref: Ref, version: int) -> None:
+        """Account for a ref the policy refuses at `version`: drop it or requeue its prompt."""
+        verdict = self.ctx.policy.accept(version, ref.version)
+        reason = f"stale: {staleness(version, ref.version)} > {self.ctx.policy.bound}"
+        batch = await self._load(ref)
+        if batch is None:
+            return
+        if verdict == "requeue":
+            await self.ctx.feedback.send(Prompt(str(batch.meta["prompt"]), str(batch.meta["answer"])))
+            self.ctx.ledger.regenerated(ref.item_ids, reason)
+        else:
+            self.ctx.ledger.dropped(ref.item_ids, reason)
+            self.dropped_total += ref.rows
+        self.ctx.gate.discard(1)
+        await self._free(ref)
+
+    async def _free(self, ref: Ref) -> None:
+        try:
+            await self.store.remove(ref.key)
+        except StoreError as exc:  # a leaked key costs memory, not correctness
+            self.log.warning("could not remove payload", key=ref.key, error=str(exc))
+
+    def _step(self, batches: list[RolloutBatch]) -> dict[str, float]:
+        model, opt, spec = self.model, self.optimizer, self.spec
+        assert model is not None and opt is not None
+        width = max(int(np.diff(b.offsets).max()) for b in batches)
+        n = sum(b.rows for b in batches)
+        ids = torch.zeros((n, width), dtype=torch.long)
+        old = torch.zeros((n, width))
+        mask = torch.zeros((n, width))
+        attn = torch.zeros((n, width), dtype=torch.long)
+        rewards = torch.zeros(n)
+        group_index = torch.zeros(n, dtype=torch.long)
+        i = 0
+        for g, b in enumerate(batches):
+            for j in range(b.rows):
+                row = b.row(j)
+                k = len(row["tokens"])
+                ids[i, :k] = torch.from_numpy(row["tokens"].astype(np.int64))
+                old[i, :k] = torch.from_numpy(row["logprobs"].copy())
+                mask[i, :k] = torch.from_numpy(row["loss_mask"].astype(np.float32))
+                attn[i, :k] = 1
+                rewards[i] = float(b.row_fields["rewards"][j])
+                group_index[i] = g
+                i += 1
+        adv = group_advantages(rewards, group_index)[:, None]
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float() / spec.temperature
+        logp_all = torch.log_softmax(logits, -1)
+        logp = logp_all.gather(2, ids[:, 1:, None]).squeeze(-1)
+        loss, info = ppo_clip_loss(logp, old[:, 1:], adv, mask[:, 1:], spec.clip_eps)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), spec.max_grad_norm)
+        opt.step()
+        with torch.no_grad():
+            m = mask[:, 1:]
+            entropy = -(logp_all.exp() * logp_all).sum(-1)
+            info["entropy"] = float((entropy * m).sum() / m.sum().clamp(min=1))
+        return {"loss": round(float(loss), 5), "grad_norm": round(float(grad_norm), 4), **info}

@@ -1,0 +1,148 @@
+"""Rollout: the producer stage. Prompts -> engine -> reward -> group -> encode -> store.put -> Ref.
+
+One worker actor per engine. Each worker, in a loop:
+1. waits at the admission gate for a group slot, then takes as many more as the gate allows
+   right now (up to `batch_groups`), so one engine call generates many groups;
+2. takes prompts from the feedback channel first (groups being regenerated), else from the task;
+3. generates `group_size` completions per prompt, scores them, and writes each group as one
+   encoded batch under a versioned key; only then sends its Ref downstream.
+A group is recorded in the ledger as produced only once its payload is stored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import anyio
+import numpy as np
+
+from buffers.codec import RolloutBatch, encode, peek
+from buffers.retry import with_retries
+from buffers.store import ObjectStore
+from pipeline.actor import BaseActor
+from pipeline.channel import Channel
+from pipeline.dsl import RunContext
+from pipeline.refs import Ref, make_key
+from stages.engines.base import Completion, Engine, SamplingParams
+from stages.tasks import Prompt, Task
+
+
+@dataclass
+class Rollout:
+    """The DSL/config object: `Rollout(task, engines, tokenizer, store, group_size=8)`."""
+
+    task: Task
+    engines: list[Engine]
+    tokenizer: object
+    store: ObjectStore
+    group_size: int = 8
+    batch_groups: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stats: dict = field(default_factory=lambda: {"groups": 0, "gen_s": 0.0, "tokens": 0})
+
+    def __post_init__(self) -> None:
+        if self.group_size < 2:
+            raise ValueError(f"rollout.group_size must be >= 2 (GRPO needs a group), got {self.group_size}")
+        if self.batch_groups < 1:
+            raise ValueError(f"rollout.batch_groups must be >= 1, got {self.batch_groups}")
+        if not self.engines:
+            raise ValueError("rollout needs at least one engine")
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(
+            max_new_tokens=self.task.max_new_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            stop_token_ids=(self.tokenizer.eos_token_id,),
+        )
+
+    def actors(self, ctx: RunContext, inbox: Channel | None, outbox: Channel | None):
+        assert outbox is not None
+        ctx.services.setdefault("weight_receivers", []).extend(self.engines)
+        ctx.services["rollout"] = self
+        return [RolloutWorker(self, engine, ctx, outbox) for engine in self.engines]
+
+
+class RolloutWorker(BaseActor):
+    def __init__(self, spec: Rollout, engine: Engine, ctx: RunContext, outbox: Channel) -> None:
+        self.spec, self.engine, self.ctx, self.outbox = spec, engine, ctx, outbox
+        self.name = f"rollout:{engine.name}"
+        self.rng = ctx.rng(self.name)
+        self.log = ctx.log(self.name)
+
+    async def start(self) -> None:
+        await self.engine.start()
+
+    async def stop(self) -> None:
+        await self.engine.stop()
+
+    async def run(self) -> None:
+        gate, spec = self.ctx.gate, self.spec
+        while True:
+            await gate.acquire()
+            n = 1
+            while n < spec.batch_groups and gate.try_acquire():
+                n += 1
+            prompts = [self._next_prompt() for _ in range(n)]
+            await self._produce(prompts)
+
+    def _next_prompt(self) -> Prompt:
+        try:
+            return self.ctx.feedback.receive_nowait()
+        except (anyio.WouldBlock, anyio.EndOfStream):
+            return self.spec.task.sample(self.rng)
+
+    async def _produce(self, prompts: list[Prompt]) -> None:
+        spec, tok = self.spec, self.spec.tokenizer
+        prompt_ids = [[tok.bos_token_id, *tok.encode(p.text, add_special_tokens=False)] for p in prompts]
+        t0 = anyio.current_time()
+        completions = await self.engine.generate(
+            [ids for ids in prompt_ids for _ in range(spec.group_size)], spec.sampling()
+        )
+        spec.stats["gen_s"] += anyio.current_time() - t0
+        for g, prompt in enumerate(prompts):
+            group = completions[g * spec.group_size : (g + 1) * spec.group_size]
+            await self._store_group(prompt, prompt_ids[g], group)
+
+    async def _store_group(self, prompt: Prompt, prompt_ids: list[int], group: list[Completion]) -> None:
+        spec, ctx, tok = self.spec, self.ctx, self.spec.tokenizer
+        texts = [tok.decode(c.tokens, skip_special_tokens=True) for c in group]
+        rewards = np.array([spec.task.reward(prompt, t) for t in texts], dtype=np.float32)
+        plen = len(prompt_ids)
+        rows = []
+        for c in group:
+            n = len(c.tokens)
+            rows.append(
+                {
+                    "tokens": np.concatenate([np.asarray(prompt_ids, dtype=np.int32), c.tokens]),
+                    "logprobs": np.concatenate([np.zeros(plen, np.float32), c.logprobs]),
+                    "loss_mask": np.concatenate([np.zeros(plen, np.uint8), np.ones(n, np.uint8)]),
+                    "token_versions": np.concatenate([np.full(plen, -1, np.int32), c.versions]),
+                }
+            )
+        versions = np.concatenate([c.versions for c in group]) if any(len(c.tokens) for c in group) else None
+        lo = int(versions.min()) if versions is not None else self.engine.version
+        hi = int(versions.max()) if versions is not None else self.engine.version
+        group_id = f"g{spec.stats['groups']:08d}"
+        spec.stats["groups"] += 1
+        spec.stats["tokens"] += sum(len(c.tokens) for c in group)
+        batch = RolloutBatch.from_rows(
+            rows,
+            row_fields={
+                "rewards": rewards,
+                "prompt_lens": np.full(len(group), plen, np.int32),
+                "versions": np.array([[lo, hi]] * len(group), dtype=np.int32),
+            },
+            meta={"run": ctx.run, "group": group_id, "prompt": prompt.text, "answer": prompt.answer},
+        )
+        payload = encode(batch)
+        key = make_key(ctx.run, lo, group_id, f"0-{len(group) - 1}")
+        await with_retries(lambda: spec.store.put(key, payload))
+
+        ref = Ref(
+            store=spec.store.name, key=key, version=lo, version_max=hi, rows=len(group),
+            nbytes=payload.nbytes, checksum=peek(payload).checksum, group=group_id,
+        )
+        ctx.ledger.produced(ref.item_ids, group_id, (lo, hi))
+        await self.outbox.send(ref)

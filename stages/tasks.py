@@ -1,0 +1,82 @@
+"""Tasks with verifiable rewards.
+
+A task makes prompts and scores completions; it never sees a model. Rewards are in [0, 1].
+Prompts are text in the tiny tokenizer's alphabet (digits and a few symbols); the rollout stage
+tokenizes them and prepends BOS.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class Prompt:
+    text: str
+    answer: str
+
+
+@runtime_checkable
+class Task(Protocol):
+    name: str
+    max_new_tokens: int
+
+    def sample(self, rng: random.Random) -> Prompt: ...
+
+    def reward(self, prompt: Prompt, completion: str) -> float: ...
+
+
+def positional_credit(answer: str, completion: str) -> float:
+    """Fraction of answer positions the completion gets right (dense partial credit)."""
+    return sum(a == c for a, c in zip(answer, completion, strict=False)) / len(answer)
+
+
+@dataclass(frozen=True)
+class ReverseDigits:
+    """`1234>` -> `4321`; reward = fraction of positions right.
+
+    Measured here: a 2-layer Qwen2 learns 2 digits from random init in ~70 GRPO steps; at 3+
+    digits it plateaus near 0.6 within a few hundred steps, because with rotary positions the
+    decoder must infer its own output index before it can find the digit to copy.
+    """
+
+    digits: int = 2
+    name: str = "reverse-digits"
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.digits <= 16:
+            raise ValueError(f"task.digits must be in 1..16, got {self.digits}")
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.digits
+
+    def sample(self, rng: random.Random) -> Prompt:
+        digits = "".join(rng.choice("0123456789") for _ in range(self.digits))
+        return Prompt(text=f"{digits}>", answer=digits[::-1])
+
+    def reward(self, prompt: Prompt, completion: str) -> float:
+        return positional_credit(prompt.answer, completion)
+
+
+@dataclass(frozen=True)
+class Addition:
+    """`3+5=` -> `08`: single-digit addition, two-digit zero-padded answer, positional credit."""
+
+    name: str = "addition"
+
+    @property
+    def max_new_tokens(self) -> int:
+        return 2
+
+    def sample(self, rng: random.Random) -> Prompt:
+        a, b = rng.randrange(10), rng.randrange(10)
+        return Prompt(text=f"{a}+{b}=", answer=f"{a + b:02d}")
+
+    def reward(self, prompt: Prompt, completion: str) -> float:
+        return positional_credit(prompt.answer, completion)
+
+
+TASKS: dict[str, type] = {"reverse-digits": ReverseDigits, "addition": Addition}

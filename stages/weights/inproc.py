@@ -1,0 +1,34 @@
+"""`inproc`: engines in the learner's process get a private copy of each version."""
+
+from __future__ import annotations
+
+import torch
+
+from stages.weights.base import WeightPushError, WeightReceiver
+
+
+class InprocTransport:
+    name = "inproc"
+
+    def __init__(self) -> None:
+        self._receivers: list[WeightReceiver] = []
+        self._last = -1
+        self.pushes = 0
+        self.bytes_pushed = 0
+
+    def subscribe(self, receiver: WeightReceiver) -> None:
+        self._receivers.append(receiver)
+
+    async def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        if version <= self._last:
+            raise WeightPushError(f"version {version} published after {self._last}; versions must increase")
+        for receiver in self._receivers:
+            # a copy per receiver: the learner keeps training in place while engines decode
+            copy = {name: t.detach().clone() for name, t in tensors.items()}
+            await receiver.receive_weights(version, copy)
+            self.bytes_pushed += sum(t.numel() * t.element_size() for t in copy.values())
+        self._last = version
+        self.pushes += 1
+
+    async def close(self) -> None:
+        self._receivers.clear()
