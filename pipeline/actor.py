@@ -46,7 +46,15 @@ class ActorFailed(RuntimeError):
     def __init__(self, actor: str, phase: str, error: BaseException) -> None:
         self.actor = actor
         self.phase = phase
+        error = innermost(error)
         super().__init__(
             f"actor {actor!r} failed in {phase}(): {type(error).__name__}: {error} "
             f"(the run was stopped; the traceback of the cause is above)"
         )
+
+
+def innermost(error: BaseException) -> BaseException:
+    """The one real error inside nested single-member exception groups (task groups wrap errors)."""
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    return error

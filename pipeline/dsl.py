@@ -27,7 +27,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import anyio
 
-from pipeline.actor import Actor
+from pipeline.actor import Actor, ActorFailed
 from pipeline.admission import AdmissionGate
 from pipeline.channel import Channel
 from pipeline.ledger import Ledger
@@ -147,24 +147,27 @@ class Pipeline:
         log.info("run starting", folder=str(folder.path), actors=[a.name for a in actors], steps=self.steps)
 
         title = f"{self.name}"
-        ok = False
+        failure: ActorFailed | None = None
         try:
             with Progress(title, enabled=self.progress) as progress:
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(self._show_progress, ctx, progress)
                     try:
                         await run_actors(actors, until=[a.name for a in consumers])
+                    except ActorFailed as exc:
+                        failure = exc  # raised below, outside the task group, so it is not wrapped
                     finally:
                         tg.cancel_scope.cancel()
-            ok = True
         finally:
             for channel in ctx.channels.values():
                 channel.close()
             ctx.ledger.write(folder.path / "ledger.json")
             records = folder.read_metrics()
             render_report(folder.path / "report.png", records, self.consumer.report_panels(records), title=title)
-            if not ok:
-                log.error("run failed", folder=str(folder.path), ledger=ctx.ledger.counts())
+            if failure is not None:
+                log.error("run failed", folder=str(folder.path), ledger=ctx.ledger.counts(), error=str(failure))
+        if failure is not None:
+            raise failure
         summary = self._summary(ctx)
         folder.write_json("summary.json", summary)
         folder.close()

@@ -61,9 +61,13 @@ class Ledger:
         lo, hi = versions
         if lo > hi:
             raise LedgerError(f"versions must be [oldest, newest], got {versions}")
-        for item_id in ids:
-            if item_id in self._items:
+        ids = list(ids)
+        seen = set(self._items)
+        for item_id in ids:  # all or nothing: check the whole batch before recording any of it
+            if item_id in seen:
                 raise LedgerError(f"item {item_id!r} produced twice")
+            seen.add(item_id)
+        for item_id in ids:
             self._items[item_id] = ItemRecord(id=item_id, group=group, versions=(lo, hi))
             self._counts["in_flight"] += 1
 

@@ -25,7 +25,7 @@ from buffers.codec import CodecError, RolloutBatch, decode
 from buffers.retry import with_retries
 from buffers.store import ObjectStore, StoreError
 from pipeline.actor import BaseActor
-from pipeline.channel import Channel
+from pipeline.channel import Channel, ChannelClosed
 from pipeline.dsl import RunContext
 from pipeline.refs import Ref
 from pipeline.telemetry import Panel
@@ -168,7 +168,13 @@ class LearnerActor(BaseActor):
         refs: list[Ref] = []
         batches: list[RolloutBatch] = []
         while len(refs) < self.spec.groups_per_step:
-            ref = await self.inbox.receive()
+            try:
+                ref = await self.inbox.receive()
+            except anyio.EndOfStream:
+                raise ChannelClosed(
+                    f"channel {self.inbox.name!r} closed and drained with {len(refs)} of "
+                    f"{self.spec.groups_per_step} groups for version {version + 1}: the stage feeding it stopped"
+                ) from None
             if ref.store != self.store.name:
                 raise ValueError(f"ref {ref.key} comes from store {ref.store!r}, not {self.store.name!r}")
             if self.ctx.policy.accept(version, ref.version) != "train":
@@ -250,4 +256,4 @@ class LearnerActor(BaseActor):
             m = mask[:, 1:]
             entropy = -(logp_all.exp() * logp_all).sum(-1)
             info["entropy"] = float((entropy * m).sum() / m.sum().clamp(min=1))
-        return {"loss": round(float(loss), 5), "grad_norm": round(float(grad_norm), 4), **info}
+        return {"loss": round(loss.item(), 5), "grad_norm": round(float(grad_norm), 4), **info}

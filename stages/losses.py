@@ -8,10 +8,10 @@ import torch
 def group_advantages(rewards: torch.Tensor, group_index: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
     """(r - mean of its group) / (std of its group + eps), per row. A group of equal rewards gives 0."""
     groups = int(group_index.max()) + 1
-    count = torch.zeros(groups).index_add_(0, group_index, torch.ones_like(rewards))
-    mean = torch.zeros(groups).index_add_(0, group_index, rewards) / count
+    count = torch.zeros(groups, dtype=rewards.dtype).index_add_(0, group_index, torch.ones_like(rewards))
+    mean = torch.zeros(groups, dtype=rewards.dtype).index_add_(0, group_index, rewards) / count
     centred = rewards - mean[group_index]
-    var = torch.zeros(groups).index_add_(0, group_index, centred**2) / (count - 1).clamp(min=1)
+    var = torch.zeros(groups, dtype=rewards.dtype).index_add_(0, group_index, centred**2) / (count - 1).clamp(min=1)
     return centred / (var.sqrt()[group_index] + eps)
 
 

@@ -18,6 +18,14 @@ ALPHABET = list("0123456789+-=>?:, ") + [chr(c) for c in range(ord("a"), ord("z"
 MARKER = "baton_tiny_model.json"
 
 
+def _quiet_transformers() -> None:
+    """Progress bars and advice from transformers would bury the run's own progress line."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
 class ModelFolderError(FileNotFoundError):
     """The model folder is missing or incomplete."""
 
@@ -57,6 +65,7 @@ def make_tiny_model(
     """
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    _quiet_transformers()
     folder = Path(folder)
     spec = {"hidden_size": hidden_size, "layers": layers, "heads": heads, "kv_heads": kv_heads, "seed": seed}
     marker = folder / MARKER
@@ -108,6 +117,7 @@ def load_model(folder: str | Path) -> torch.nn.Module:
     """Load the causal LM in float32 on CPU, in train mode."""
     from transformers import AutoModelForCausalLM
 
+    _quiet_transformers()
     model = AutoModelForCausalLM.from_pretrained(_check_folder(folder), dtype=torch.float32)
     model.train()
     return model

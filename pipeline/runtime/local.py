@@ -33,7 +33,8 @@ async def run_actors(actors: Sequence[Actor], until: Sequence[str]) -> None:
             try:
                 await actor.start()
             except Exception as exc:
-                raise ActorFailed(actor.name, "start", exc) from exc
+                failure.append(ActorFailed(actor.name, "start", exc))
+                raise failure[-1] from exc
             started.append(actor)
 
         pending = set(until)

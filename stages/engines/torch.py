@@ -8,6 +8,7 @@ of a running batch, so a long generation spans versions honestly instead of bloc
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 from pathlib import Path
@@ -15,9 +16,18 @@ from pathlib import Path
 import anyio
 import numpy as np
 import torch
+from transformers import Qwen2ForCausalLM
 
 from stages.engines.base import Completion, SamplingParams
 from stages.model import load_model
+
+
+# transformers 5.x renamed `past_key_values` to `cache` (the old name warns); accept both
+_CACHE_KWARG = "cache" if "cache" in inspect.signature(Qwen2ForCausalLM.forward).parameters else "past_key_values"
+
+
+def _cache_of(out):
+    return out["cache"] if "cache" in out else out["past_key_values"]
 
 
 class TorchEngine:
@@ -91,7 +101,7 @@ class TorchEngine:
             mask[i, width - len(p) :] = 1
         positions = (mask.cumsum(1) - 1).clamp(min=0)
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
-        cache, logits = out.past_key_values, out.logits[:, -1]
+        cache, logits = _cache_of(out), out.logits[:, -1]
         next_pos = lengths.clone()
 
         tokens = torch.zeros((n, params.max_new_tokens), dtype=torch.long)
@@ -101,22 +111,25 @@ class TorchEngine:
         count = torch.zeros(n, dtype=torch.long)
         stops = torch.tensor(params.stop_token_ids, dtype=torch.long) if params.stop_token_ids else None
 
+        logits_version = self._version
         for step in range(params.max_new_tokens):
-            if step:
-                self._apply_staged()  # a staged version lands between decode steps, never inside one
             nxt, lp = self._sample(logits, params)
-            tokens[:, step], logps[:, step], versions[:, step] = nxt, lp, self._version
+            tokens[:, step], logps[:, step], versions[:, step] = nxt, lp, logits_version
             count += (~done).long()
             if stops is not None:
                 done |= torch.isin(nxt, stops)
             if bool(done.all()) or step + 1 == params.max_new_tokens:
                 break
+            # a staged version lands between decode steps, never inside one; the next token's
+            # logits come from the new weights (over a KV cache the older weights wrote)
+            self._apply_staged()
+            logits_version = self._version
             mask = torch.cat([mask, torch.ones((n, 1), dtype=torch.long)], 1)
             out = model(
                 input_ids=nxt[:, None], attention_mask=mask, position_ids=next_pos[:, None],
-                past_key_values=cache, use_cache=True,
+                use_cache=True, **{_CACHE_KWARG: cache},
             )
-            cache, logits = out.past_key_values, out.logits[:, -1]
+            cache, logits = _cache_of(out), out.logits[:, -1]
             next_pos += 1
 
         results = []

@@ -1,0 +1,564 @@
+"""The rollout-batch codec: one contiguous, checksummed, zero-copy-decodable buffer per batch.
+
+Wire format (all integers little-endian):
+
+    [0, 16)                 preamble: magic b"BTN\\x01" | u32 header_len | u64 xxh3_64(header bytes)
+    [16, 16 + header_len)   header: msgspec-msgpack `Header` (format_version, rows, tokens, field
+                            descriptors, meta, body_nbytes, checksum)
+    [.., body_start)        zero padding; body_start = align64(16 + header_len)
+    [body_start, end)       body: the arrays, in descriptor order, each starting at a 64-byte
+                            aligned body offset, zero padding between them; end = body_start + body_nbytes
+
+Invariants a decoder checks (a violation raises a `CodecError`, never returns data):
+
+* the payload is exactly `body_start + body_nbytes` bytes long (shorter: `TruncatedPayload`);
+* magic and `format_version` are known (else `ForeignPayload`);
+* the header checksum matches and the header padding is zero, so every header byte is covered;
+* descriptors are consistent: one `offsets` field (int64, rows + 1 long), token fields 1-D of
+  `tokens` elements, row fields with `shape[0] == rows`, dtypes in the allow-list, `nbytes ==
+  prod(shape) * itemsize`, 64-aligned ascending non-overlapping ranges ending at `body_nbytes`;
+* `checksum == xxh3_64(body)` (when `verify=True`), and offsets start at 0, never decrease and
+  end at `tokens`.
+
+`encode` copies each array once and hashes the body once; `decode` returns read-only numpy views
+into the caller's buffer. Large encode buffers come from a process-wide pool and return to it when
+the last view of the payload (including arrays decoded from it) is gone.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import struct
+import threading
+import warnings
+import weakref
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Annotated, Literal
+
+import msgspec
+import numpy as np
+import xxhash
+from typing_extensions import Buffer
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "ALLOWED_DTYPES",
+    "FORMAT_VERSION",
+    "MAGIC",
+    "CodecError",
+    "CorruptPayload",
+    "FieldDescriptor",
+    "ForeignPayload",
+    "Header",
+    "MetaValue",
+    "RolloutBatch",
+    "TruncatedPayload",
+    "configure_pool",
+    "decode",
+    "encode",
+    "peek",
+    "to_torch",
+]
+
+MAGIC = b"BTN\x01"
+FORMAT_VERSION = 1
+ALIGN = 64
+MAX_HEADER_NBYTES = 16 << 20
+_PREAMBLE = struct.Struct("<4sIQ")
+_U64_MAX = 2**64 - 1
+_I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
+
+ALLOWED_DTYPES: tuple[np.dtype, ...] = tuple(
+    np.dtype(name).newbyteorder("<")
+    for name in (
+        "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+        "float16", "float32", "float64",
+    )
+)  # fmt: skip
+_WIRE_DTYPES: dict[str, np.dtype] = {dt.str: dt for dt in ALLOWED_DTYPES}
+_ALLOWED_NAMES = ", ".join(dt.name for dt in ALLOWED_DTYPES)
+
+MetaValue = str | int | float | bool
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class CodecError(ValueError):
+    """A payload could not be encoded or decoded. The message says what was expected and found."""
+
+
+class TruncatedPayload(CodecError):
+    """The payload is shorter than its preamble/header says it is."""
+
+
+class CorruptPayload(CodecError):
+    """A checksum mismatch, or descriptors inconsistent with each other or with the payload."""
+
+
+class ForeignPayload(CodecError):
+    """Not a baton payload (bad magic) or a format version this codec does not read."""
+
+
+class FieldDescriptor(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Where one array lives in the body. `offset` is relative to the body start."""
+
+    name: str
+    kind: Literal["offsets", "token", "row"]
+    dtype: str
+    shape: tuple[NonNegative, ...]
+    offset: NonNegative
+    nbytes: NonNegative
+
+
+class Header(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The payload header; `peek` returns it without touching the body."""
+
+    format_version: int
+    rows: NonNegative
+    tokens: NonNegative
+    fields: tuple[FieldDescriptor, ...]
+    meta: dict[str, MetaValue]
+    body_nbytes: NonNegative
+    checksum: NonNegative
+
+
+class _VersionProbe(msgspec.Struct):
+    format_version: int
+
+
+_HEADER_DECODER = msgspec.msgpack.Decoder(Header)
+_VERSION_DECODER = msgspec.msgpack.Decoder(_VersionProbe)
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+@functools.cache
+def _wire_dtype(dtype: np.dtype) -> np.dtype | None:
+    """The little-endian wire dtype for `dtype`, or None when it is not in the allow-list."""
+    if dtype.kind not in "biuf" or dtype.fields is not None:
+        return None
+    return _WIRE_DTYPES.get(dtype.newbyteorder("<").str)
+
+
+def _check_array(name: object, arr: object, what: str) -> np.ndarray:
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{what} name must be a non-empty str, got {name!r}")
+    if not isinstance(arr, np.ndarray):
+        raise ValueError(f"{what} {name!r}: expected a numpy array, got {type(arr).__name__}")
+    if _wire_dtype(arr.dtype) is None:
+        raise ValueError(f"{what} {name!r}: dtype {arr.dtype} is not allowed (allowed: {_ALLOWED_NAMES})")
+    return arr
+
+
+def _check_meta(meta: Mapping[str, MetaValue]) -> dict[str, MetaValue]:
+    out: dict[str, MetaValue] = {}
+    for key, value in meta.items():
+        if not isinstance(key, str):
+            raise ValueError(f"meta key {key!r}: expected str, got {type(key).__name__}")
+        if type(value) not in (str, int, float, bool):
+            raise ValueError(f"meta {key!r}: expected str, int, float or bool, got {type(value).__name__}")
+        if type(value) is int and not _I64_MIN <= value <= _I64_MAX:
+            raise ValueError(f"meta {key!r}: int {value} does not fit in int64")
+        out[key] = value
+    return out
+
+
+@dataclass(frozen=True, eq=False)
+class RolloutBatch:
+    """A columnar, typed-ragged batch of rollouts.
+
+    Invariants (checked at construction, ValueError naming the field otherwise):
+    * `offsets` is int64 of shape (rows + 1,), starts at 0 and never decreases; row i's tokens
+      are `[offsets[i]:offsets[i + 1]]` of every token field;
+    * every token field is 1-D with `offsets[-1]` elements; every row field has `shape[0] == rows`;
+    * field names are non-empty, unique across token and row fields, and not "offsets";
+    * every dtype is in `ALLOWED_DTYPES` (any byte order; encoded little-endian);
+    * meta values are str, int (int64 range), float or bool.
+    """
+
+    offsets: np.ndarray
+    token_fields: dict[str, np.ndarray]
+    row_fields: dict[str, np.ndarray] = field(default_factory=dict)
+    meta: dict[str, MetaValue] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        offsets = self.offsets
+        if not isinstance(offsets, np.ndarray) or offsets.dtype.kind not in "iu":
+            raise ValueError(
+                f"offsets: expected an int64 numpy array, got {getattr(offsets, 'dtype', offsets)!r}"
+            )
+        if offsets.ndim != 1 or offsets.shape[0] < 1:
+            raise ValueError(f"offsets: expected shape (rows + 1,), got {offsets.shape}")
+        if offsets.dtype != np.int64:
+            offsets = offsets.astype(np.int64)
+            object.__setattr__(self, "offsets", offsets)
+        if offsets[0] != 0:
+            raise ValueError(f"offsets: must start at 0, starts at {offsets[0]}")
+        if offsets.shape[0] > 1 and bool((offsets[1:] < offsets[:-1]).any()):
+            raise ValueError("offsets: must be non-decreasing")
+        rows, tokens = offsets.shape[0] - 1, int(offsets[-1])
+        token_fields = {n: _check_array(n, a, "token field") for n, a in dict(self.token_fields).items()}
+        row_fields = {n: _check_array(n, a, "row field") for n, a in dict(self.row_fields).items()}
+        for name, arr in token_fields.items():
+            if arr.shape != (tokens,):
+                raise ValueError(f"token field {name!r}: expected shape ({tokens},), got {arr.shape}")
+        for name, arr in row_fields.items():
+            if arr.ndim < 1 or arr.shape[0] != rows:
+                raise ValueError(f"row field {name!r}: expected shape ({rows}, ...), got {arr.shape}")
+        if clash := token_fields.keys() & row_fields.keys():
+            raise ValueError(f"field names used as both token and row fields: {sorted(clash)}")
+        if "offsets" in token_fields or "offsets" in row_fields:
+            raise ValueError("field name 'offsets' is reserved for the row offsets")
+        object.__setattr__(self, "token_fields", token_fields)
+        object.__setattr__(self, "row_fields", row_fields)
+        object.__setattr__(self, "meta", _check_meta(self.meta))
+
+    @classmethod
+    def from_rows(
+        cls,
+        rows: Sequence[Mapping[str, np.ndarray]],
+        row_fields: Mapping[str, np.ndarray] | None = None,
+        meta: Mapping[str, MetaValue] | None = None,
+    ) -> RolloutBatch:
+        """Build a batch from per-row token arrays (every row has the same field names)."""
+        names = list(rows[0]) if rows else []
+        lengths = np.zeros(len(rows) + 1, dtype=np.int64)
+        for i, row in enumerate(rows):
+            if list(row) != names:
+                raise ValueError(f"row {i}: fields {list(row)} differ from row 0's {names}")
+            row_lengths = {np.shape(v)[0] if np.ndim(v) == 1 else -1 for v in row.values()}
+            if len(row_lengths) > 1 or -1 in row_lengths:
+                raise ValueError(f"row {i}: token fields must be 1-D of one length, got {dict(row)!r}")
+            lengths[i + 1] = row_lengths.pop() if row_lengths else 0
+        token_fields = {name: np.concatenate([np.asarray(row[name]) for row in rows]) for name in names}
+        return cls(np.cumsum(lengths), token_fields, dict(row_fields or {}), dict(meta or {}))
+
+    @classmethod
+    def _trusted(
+        cls,
+        offsets: np.ndarray,
+        token_fields: dict[str, np.ndarray],
+        row_fields: dict[str, np.ndarray],
+        meta: dict[str, MetaValue],
+    ) -> RolloutBatch:
+        """Construct without validation, for `decode`, which has checked the same invariants."""
+        batch = object.__new__(cls)
+        object.__setattr__(batch, "offsets", offsets)
+        object.__setattr__(batch, "token_fields", token_fields)
+        object.__setattr__(batch, "row_fields", row_fields)
+        object.__setattr__(batch, "meta", meta)
+        return batch
+
+    @property
+    def rows(self) -> int:
+        return self.offsets.shape[0] - 1
+
+    @property
+    def tokens(self) -> int:
+        return int(self.offsets[-1])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of array data (offsets included); the encoded payload adds header and padding."""
+        return sum(arr.nbytes for _, _, arr in self._columns())
+
+    def row(self, i: int) -> dict[str, np.ndarray]:
+        """Views of row i: its slice of every token field and `field[i, ...]` of every row field."""
+        if not -self.rows <= i < self.rows:
+            raise IndexError(f"row {i} out of range for a batch of {self.rows} rows")
+        i %= self.rows
+        start, stop = int(self.offsets[i]), int(self.offsets[i + 1])
+        out = {name: arr[start:stop] for name, arr in self.token_fields.items()}
+        out.update({name: arr[i, ...] for name, arr in self.row_fields.items()})
+        return out
+
+    def _columns(self) -> Iterator[tuple[str, Literal["offsets", "token", "row"], np.ndarray]]:
+        yield "offsets", "offsets", self.offsets
+        for name, arr in self.token_fields.items():
+            yield name, "token", arr
+        for name, arr in self.row_fields.items():
+            yield name, "row", arr
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+class _BufferPool:
+    """Recycles large encode buffers.
+
+    Invariant: a buffer is idle (reusable) only after the single view handed out for it has been
+    garbage-collected, and everything derived from a payload (memoryviews, decoded arrays) keeps
+    that view alive. Finalizers only append to a deque, so they never take the lock; returned
+    buffers are filed (and the idle limit applied) on the next `take` or `trim`.
+    """
+
+    MIN_NBYTES = 1 << 20
+
+    def __init__(self, max_idle_bytes: int) -> None:
+        self.max_idle_bytes = max_idle_bytes
+        self._lock = threading.Lock()
+        self._idle: dict[int, list[np.ndarray]] = {}
+        self._idle_bytes = 0
+        self._returned: deque[np.ndarray] = deque()
+
+    @staticmethod
+    def _size_class(nbytes: int) -> int:
+        step = max(2 << 20, 1 << max(nbytes.bit_length() - 4, 0))
+        return -(-nbytes // step) * step
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A writable uint8 array of exactly `nbytes`; its contents are arbitrary."""
+        if nbytes < self.MIN_NBYTES:
+            return np.empty(nbytes, dtype=np.uint8)
+        size = self._size_class(nbytes)
+        with self._lock:
+            self._file_returned()
+            idle = self._idle.get(size)
+            buf = idle.pop() if idle else None
+            if buf is not None:
+                self._idle_bytes -= size
+        if buf is None:
+            buf = np.empty(size, dtype=np.uint8)
+        view = buf[:nbytes]
+        finalizer = weakref.finalize(view, self._returned.append, buf)
+        finalizer.atexit = False
+        return view
+
+    def trim(self) -> None:
+        with self._lock:
+            self._file_returned()
+
+    def _file_returned(self) -> None:
+        while self._returned:
+            buf = self._returned.popleft()
+            if self._idle_bytes + buf.nbytes <= self.max_idle_bytes:
+                self._idle.setdefault(buf.nbytes, []).append(buf)
+                self._idle_bytes += buf.nbytes
+        while self._idle_bytes > self.max_idle_bytes:
+            size = max(s for s, bufs in self._idle.items() if bufs)
+            self._idle[size].pop()
+            self._idle_bytes -= size
+
+
+_POOL = _BufferPool(max_idle_bytes=256 << 20)
+
+
+def configure_pool(max_idle_bytes: int) -> None:
+    """Cap the bytes of idle encode buffers kept for reuse (0 disables reuse)."""
+    if max_idle_bytes < 0:
+        raise ValueError(f"max_idle_bytes must be >= 0, got {max_idle_bytes}")
+    _POOL.max_idle_bytes = max_idle_bytes
+    _POOL.trim()
+
+
+def _checksum(data: Buffer) -> int:
+    return xxhash.xxh3_64_intdigest(data)
+
+
+_new_hasher = xxhash.xxh3_64
+_HASH_CHUNK = 512 << 10
+
+
+def _write_body(out: np.ndarray, body_start: int, columns: list[tuple[FieldDescriptor, np.ndarray]]) -> int:
+    """Copy every array into place, zero the gaps, and return xxh3_64 of the body.
+
+    Contiguous arrays are copied in chunks that are hashed right after they land, while they are
+    still in cache; other arrays (strided, byte-swapped) are copied whole and hashed afterwards.
+    """
+    out_bytes, hasher = memoryview(out), _new_hasher()
+    end = hashed = body_start
+    for desc, arr in columns:
+        start = body_start + desc.offset
+        out_bytes[end:start] = bytes(start - end)
+        end = start + desc.nbytes
+        wire = _WIRE_DTYPES[desc.dtype]
+        if not desc.nbytes:
+            continue
+        if not (arr.flags.c_contiguous and arr.dtype == wire):
+            np.copyto(out[start:end].view(wire).reshape(arr.shape), arr, casting="equiv")
+            continue
+        src = memoryview(arr).cast("B")
+        for chunk in range(start, end, _HASH_CHUNK):
+            chunk_end = min(chunk + _HASH_CHUNK, end)
+            out_bytes[chunk:chunk_end] = src[chunk - start : chunk_end - start]
+            hasher.update(out_bytes[hashed:chunk_end])
+            hashed = chunk_end
+    hasher.update(out_bytes[hashed:end])
+    return hasher.intdigest()
+
+
+def encode(batch: RolloutBatch) -> memoryview:
+    """Encode `batch` into one contiguous payload (see the module docstring for the layout).
+
+    Returns a read-only memoryview over a fresh (or recycled) buffer; the payload is immutable and
+    its memory is recycled once nothing references it or anything decoded from it.
+    """
+    columns, pos = [], 0
+    for name, kind, arr in batch._columns():
+        wire = _wire_dtype(arr.dtype)
+        if wire is None:
+            raise CodecError(f"field {name!r}: dtype {arr.dtype} is not allowed (allowed: {_ALLOWED_NAMES})")
+        pos = _align(pos)
+        columns.append((FieldDescriptor(name, kind, wire.str, arr.shape, pos, arr.nbytes), arr))
+        pos += arr.nbytes
+    descriptors = tuple(desc for desc, _ in columns)
+    header = Header(FORMAT_VERSION, batch.rows, batch.tokens, descriptors, batch.meta, pos, _U64_MAX)
+    body_start = _align(_PREAMBLE.size + len(_ENCODER.encode(header)))
+    out = _POOL.take(body_start + header.body_nbytes)
+    header = msgspec.structs.replace(header, checksum=_write_body(out, body_start, columns))
+    header_bytes = _ENCODER.encode(header)
+    if _align(_PREAMBLE.size + len(header_bytes)) != body_start:
+        moved = _POOL.take(_align(_PREAMBLE.size + len(header_bytes)) + header.body_nbytes)
+        moved[len(moved) - header.body_nbytes :] = out[body_start:]
+        out, body_start = moved, len(moved) - header.body_nbytes
+    header_end = _PREAMBLE.size + len(header_bytes)
+    _PREAMBLE.pack_into(out, 0, MAGIC, len(header_bytes), _checksum(header_bytes))
+    out[_PREAMBLE.size : header_end] = np.frombuffer(header_bytes, dtype=np.uint8)
+    out[header_end:body_start] = 0
+    return memoryview(out).toreadonly()
+
+
+def _as_bytes_view(buf: Buffer) -> memoryview:
+    view = memoryview(buf)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _decode_header(header_bytes: memoryview) -> Header:
+    """Foreign if `format_version` is not ours (whatever the rest says), corrupt if it does not parse."""
+    try:
+        header = _HEADER_DECODER.decode(header_bytes)
+    except msgspec.DecodeError as exc:
+        try:
+            version = _VERSION_DECODER.decode(header_bytes).format_version
+        except msgspec.DecodeError:
+            version = FORMAT_VERSION
+        if version == FORMAT_VERSION:
+            raise CorruptPayload(f"invalid header: {exc}") from None
+    else:
+        version = header.format_version
+    if version != FORMAT_VERSION:
+        raise ForeignPayload(f"expected format_version {FORMAT_VERSION}, found {version}")
+    return header
+
+
+def _read_header(view: memoryview) -> tuple[Header, int]:
+    """Validate preamble, header checksum, version and total length; return (header, body_start)."""
+    n = len(view)
+    if n < _PREAMBLE.size:
+        if bytes(view[: len(MAGIC)]) == MAGIC[:n]:
+            raise TruncatedPayload(f"expected at least a {_PREAMBLE.size}-byte preamble, found {n} bytes")
+        raise ForeignPayload(f"expected magic {MAGIC!r}, found {bytes(view[: len(MAGIC)])!r}")
+    magic, header_len, header_sum = _PREAMBLE.unpack_from(view)
+    if magic != MAGIC:
+        raise ForeignPayload(f"expected magic {MAGIC!r}, found {magic!r}")
+    if header_len > MAX_HEADER_NBYTES:
+        raise CorruptPayload(f"expected a header of at most {MAX_HEADER_NBYTES} bytes, found {header_len}")
+    header_end = _PREAMBLE.size + header_len
+    if n < header_end:
+        raise TruncatedPayload(f"expected at least {header_end} bytes for the header, found {n}")
+    header_bytes = view[_PREAMBLE.size : header_end]
+    if (found := _checksum(header_bytes)) != header_sum:
+        raise CorruptPayload(f"header checksum mismatch: expected {header_sum:#018x}, found {found:#018x}")
+    header = _decode_header(header_bytes)
+    body_start = _align(header_end)
+    total = body_start + header.body_nbytes
+    if n < total:
+        raise TruncatedPayload(f"expected {total} bytes (body of {header.body_nbytes}), found {n}")
+    if n > total:
+        raise CorruptPayload(f"expected {total} bytes, found {n} ({n - total} trailing bytes)")
+    if bytes(view[header_end:body_start]) != bytes(body_start - header_end):
+        raise CorruptPayload(f"expected zero padding in bytes [{header_end}, {body_start}), found non-zero")
+    return header, body_start
+
+
+def _check_descriptors(header: Header) -> None:
+    end, names, offsets_fields = 0, set(), 0
+    for d in header.fields:
+        where = f"field {d.name!r}"
+        if not d.name:
+            raise CorruptPayload("expected non-empty field names, found an empty one")
+        if d.name in names:
+            raise CorruptPayload(f"{where}: expected unique field names, found a duplicate")
+        names.add(d.name)
+        dtype = _WIRE_DTYPES.get(d.dtype)
+        if dtype is None:
+            raise CorruptPayload(f"{where}: expected a dtype in {sorted(_WIRE_DTYPES)}, found {d.dtype!r}")
+        if d.nbytes != math.prod(d.shape) * dtype.itemsize:
+            raise CorruptPayload(
+                f"{where}: expected nbytes {math.prod(d.shape) * dtype.itemsize}, found {d.nbytes}"
+            )
+        if d.offset % ALIGN or d.offset < end:
+            raise CorruptPayload(f"{where}: expected a {ALIGN}-aligned offset >= {end}, found {d.offset}")
+        end = d.offset + d.nbytes
+        if d.kind == "offsets":
+            offsets_fields += 1
+            expected: tuple[int, ...] | None = (header.rows + 1,)
+            if d.dtype != "<i8":
+                raise CorruptPayload(f"{where}: expected offsets dtype '<i8', found {d.dtype!r}")
+        elif d.kind == "token":
+            expected = (header.tokens,)
+        else:
+            expected = None
+            if len(d.shape) < 1 or d.shape[0] != header.rows:
+                raise CorruptPayload(f"{where}: expected shape ({header.rows}, ...), found {d.shape}")
+        if expected is not None and d.shape != expected:
+            raise CorruptPayload(f"{where}: expected shape {expected}, found {d.shape}")
+    if offsets_fields != 1:
+        raise CorruptPayload(f"expected exactly one offsets field, found {offsets_fields}")
+    if end != header.body_nbytes:
+        raise CorruptPayload(
+            f"expected body_nbytes {end} (end of the last field), found {header.body_nbytes}"
+        )
+
+
+def peek(buf: Buffer) -> Header:
+    """The header of a payload (rows, body_nbytes, checksum, meta), without reading the body."""
+    return _read_header(_as_bytes_view(buf))[0]
+
+
+def decode(buf: Buffer, *, verify: bool = True) -> RolloutBatch:
+    """Decode a payload into read-only numpy views of `buf` (no copy).
+
+    `verify=False` skips only the body checksum; every structural check still runs.
+    """
+    view = _as_bytes_view(buf)
+    header, body_start = _read_header(view)
+    _check_descriptors(header)
+    if verify and (found := _checksum(view[body_start:])) != header.checksum:
+        raise CorruptPayload(f"body checksum mismatch: expected {header.checksum:#018x}, found {found:#018x}")
+    body = np.frombuffer(view, dtype=np.uint8, offset=body_start)
+    body.flags.writeable = False
+    columns: dict[str, dict[str, np.ndarray]] = {"offsets": {}, "token": {}, "row": {}}
+    for d in header.fields:
+        columns[d.kind][d.name] = (
+            body[d.offset : d.offset + d.nbytes].view(_WIRE_DTYPES[d.dtype]).reshape(d.shape)
+        )
+    offsets = columns["offsets"].popitem()[1]
+    if offsets[0] != 0 or offsets[-1] != header.tokens or bool((offsets[1:] < offsets[:-1]).any()):
+        raise CorruptPayload(f"expected offsets non-decreasing from 0 to {header.tokens}, found otherwise")
+    try:
+        meta = _check_meta(header.meta)
+    except ValueError as exc:
+        raise CorruptPayload(f"invalid header: {exc}") from None
+    return RolloutBatch._trusted(offsets, columns["token"], columns["row"], meta)
+
+
+def to_torch(array: np.ndarray) -> torch.Tensor:
+    """A tensor sharing `array`'s memory (no copy), also for read-only views from `decode`.
+
+    A tensor made from a read-only array must not be written to; torch's warning about that is
+    silenced here because decoded payloads are read-only by design.
+    """
+    import torch
+
+    if array.flags.writeable:
+        return torch.from_numpy(array)
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message="The given NumPy array is not writable", category=UserWarning
+        )
+        return torch.from_numpy(array)

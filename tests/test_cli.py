@@ -1,0 +1,112 @@
+"""The CLI's config errors: each names the key, the value and the fix, and nothing starts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import ConfigError, apply_override, load_toml, resolve, validate
+from stages.cli import main
+from stages.config import RunConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = ROOT / "configs" / "quickstart.toml"
+
+
+def check(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(["check", *args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("learner.lrr=1e-3", "unknown key 'learner.lrr'"),
+        ("stepz=3", "unknown key 'stepz'"),
+        ("learner.lr=-1", "learner.lr = -1: Input should be greater than 0"),
+        ("task.kind=nope", "task.kind = \"nope\": unknown kind; allowed: 'reverse-digits', 'addition'"),
+        ("staleness.on_stale=later", "staleness.on_stale = \"later\": Input should be 'drop' or 'requeue'"),
+        ("mode=sync", "mode = 'sync' means staleness.k = 0, but staleness.k = 2"),
+        ("steps=many", "steps = \"many\": Input should be a valid integer"),
+        ("store.capacity='12 parsecs'", "store.capacity = \"12 parsecs\""),
+        ("task.digits=99", "task.digits = 99: Input should be less than or equal to 16"),
+    ],
+)
+def test_bad_values_are_named(capsys, override: str, expected: str) -> None:
+    code, out, err = check(capsys, str(QUICKSTART), "--set", override)
+    assert code == 2
+    assert out == ""
+    assert expected in err, err
+
+
+def test_missing_model_folder(capsys, tmp_path: Path) -> None:
+    code, _, err = check(
+        capsys, str(QUICKSTART), "--set", f"model.path='{tmp_path / 'nope'}'", "--set", "model.create=false"
+    )
+    assert code == 2
+    assert "holds no model" in err and "model.create = true" in err
+
+
+def test_missing_config_file(capsys, tmp_path: Path) -> None:
+    code, _, err = check(capsys, str(tmp_path / "absent.toml"))
+    assert code == 2 and "does not exist" in err
+
+
+def test_malformed_toml(capsys, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("name = \n[learner\n")
+    code, _, err = check(capsys, str(bad))
+    assert code == 2 and "not valid TOML" in err
+
+
+def test_check_prints_the_resolved_config(capsys) -> None:
+    code, out, _ = check(capsys, str(QUICKSTART), "--set", "learner.lr=1e-3")
+    assert code == 0
+    resolved = validate(RunConfig, __import__("tomllib").loads(out))
+    assert resolved.learner.lr == 1e-3
+    assert resolved.staleness.k == 2
+
+
+def test_sync_mode_defaults_k_to_zero(tmp_path: Path) -> None:
+    cfg = validate(RunConfig, {"mode": "sync"})
+    assert cfg.staleness.k == 0
+    assert validate(RunConfig, {}).staleness.k == 2
+
+
+def test_overrides_parse_toml_values() -> None:
+    data: dict = {}
+    apply_override(data, "learner.lr=1e-3")
+    apply_override(data, "name=plain-string")
+    apply_override(data, "engine.count=2")
+    assert data == {"learner": {"lr": 1e-3}, "name": "plain-string", "engine": {"count": 2}}
+    with pytest.raises(ConfigError, match="expected key=value"):
+        apply_override(data, "novalue")
+
+
+def test_plugin_kinds_resolve_by_dotted_path() -> None:
+    cfg = validate(RunConfig, {"task": {"kind": "stages.tasks:ReverseDigits", "digits": 3}})
+    task = cfg.task.build()
+    assert type(task).__name__ == "ReverseDigits" and task.digits == 3
+    with pytest.raises(ConfigError, match="cannot import"):
+        resolve("no_such_module:Thing")
+    with pytest.raises(ConfigError, match="has no 'Nope'"):
+        resolve("stages.tasks:Nope")
+
+
+def test_quickstart_configs_are_valid() -> None:
+    for name in ("quickstart.toml", "quickstart-sync.toml"):
+        validate(RunConfig, load_toml(ROOT / "configs" / name))
+
+
+def test_console_script_reports_config_errors() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "stages.cli", "run", str(QUICKSTART), "--set", "learner.lr=0"],
+        capture_output=True, text=True, cwd=ROOT, timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "learner.lr = 0" in proc.stderr
+    assert proc.stdout == ""

@@ -1,0 +1,134 @@
+"""MemoryStore keeps the ObjectStore contract: zero-copy upserts, exact accounting, typed errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from buffers.codec import RolloutBatch, decode, encode
+from buffers.memory import MemoryStore
+from buffers.store import KeyNotFound, ObjectStore, StoreError, StoreFull
+from pipeline.refs import make_key, older_than_pattern
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def test_is_an_object_store() -> None:
+    store = MemoryStore()
+    assert isinstance(store, ObjectStore)
+    assert store.name == "memory"
+    assert MemoryStore("other").name == "other"
+
+
+async def test_put_get_round_trip_without_copy() -> None:
+    store = MemoryStore()
+    data = bytearray(b"hello payload")
+    await store.put("k", data)
+    got = await store.get("k")
+    assert isinstance(got, memoryview) and got.readonly
+    assert bytes(got) == b"hello payload"
+    assert np.shares_memory(np.frombuffer(got, np.uint8), np.frombuffer(data, np.uint8))
+    assert (store.nbytes, len(store), store.keys()) == (len(data), 1, ["k"])
+
+
+async def test_get_views_are_independent() -> None:
+    store = MemoryStore()
+    await store.put("k", b"abc")
+    (await store.get("k")).release()
+    assert bytes(await store.get("k")) == b"abc"
+
+
+async def test_multidimensional_buffers_are_stored_as_bytes() -> None:
+    store = MemoryStore()
+    arr = np.arange(6, dtype=np.int32).reshape(2, 3)
+    await store.put("k", arr)
+    assert store.nbytes == arr.nbytes
+    assert bytes(await store.get("k")) == arr.tobytes()
+
+
+async def test_encoded_batch_round_trip() -> None:
+    store = MemoryStore()
+    batch = RolloutBatch.from_rows(
+        [{"tokens": np.arange(5, dtype=np.int32)}, {"tokens": np.arange(2, dtype=np.int32)}],
+        row_fields={"rewards": np.array([1.0, -1.0], np.float32)},
+        meta={"group": "g00000001"},
+    )
+    payload = encode(batch)
+    await store.put("run/v00000001/g00000001/0", payload)
+    decoded = decode(await store.get("run/v00000001/g00000001/0"))
+    assert decoded.token_fields["tokens"].tolist() == [0, 1, 2, 3, 4, 0, 1]
+    assert decoded.row_fields["rewards"].tolist() == [1.0, -1.0]
+    assert decoded.meta == {"group": "g00000001"}
+    assert store.nbytes == len(payload)
+
+
+async def test_upsert_replaces_and_accounting_follows() -> None:
+    store = MemoryStore(capacity_bytes=100)
+    await store.put("a", b"x" * 60)
+    await store.put("a", b"y" * 90)
+    assert (store.nbytes, len(store), bytes(await store.get("a"))) == (90, 1, b"y" * 90)
+    await store.put("a", b"z" * 10)
+    await store.put("b", b"w" * 90)
+    assert store.nbytes == 100
+
+
+async def test_missing_key_raises_key_not_found() -> None:
+    store = MemoryStore("mem-1")
+    with pytest.raises(KeyNotFound, match="'nope'.*'mem-1'") as err:
+        await store.get("nope")
+    assert isinstance(err.value, StoreError)
+    assert isinstance(err.value, KeyError)
+    assert str(err.value) == "key 'nope' not found in store 'mem-1'"
+
+
+async def test_capacity_raises_store_full_and_changes_nothing() -> None:
+    store = MemoryStore(capacity_bytes=100)
+    await store.put("a", b"x" * 70)
+    with pytest.raises(StoreFull, match=r"'b' \(40 bytes\).*70 of 100") as err:
+        await store.put("b", b"x" * 40)
+    assert isinstance(err.value, StoreError)
+    with pytest.raises(StoreFull):
+        await store.put("a", b"x" * 101)
+    assert (store.nbytes, store.keys(), bytes(await store.get("a"))) == (70, ["a"], b"x" * 70)
+    await store.put("b", b"x" * 30)
+    assert store.nbytes == 100
+    with pytest.raises(ValueError):
+        MemoryStore(capacity_bytes=-1)
+
+
+async def test_remove_counts_and_is_idempotent() -> None:
+    store = MemoryStore()
+    await store.put("a", b"123")
+    assert await store.remove("a") == 1
+    assert await store.remove("a") == 0
+    assert (store.nbytes, len(store)) == (0, 0)
+    with pytest.raises(KeyNotFound):
+        await store.get("a")
+
+
+async def test_remove_matching_by_version_range() -> None:
+    store = MemoryStore()
+    for version in (0, 1, 9, 10, 11, 99, 100, 101):
+        for sample in ("0", "1"):
+            await store.put(make_key("run", version, f"g{version}", sample), b"ab")
+    await store.put(make_key("other", 3, "g3", "0"), b"ab")
+    assert await store.remove_matching(older_than_pattern("run", 10)) == 6
+    assert await store.remove_matching(older_than_pattern("run", 10)) == 0
+    assert await store.remove_matching(older_than_pattern("run", 0)) == 0
+    assert await store.remove_matching(older_than_pattern("run", 101)) == 8
+    assert sorted(store.keys()) == ["other/v00000003/g3/0", "run/v00000101/g101/0", "run/v00000101/g101/1"]
+    assert store.nbytes == 3 * 2
+    assert await store.remove_matching(r"^other/") == 1
+
+
+async def test_close_clears() -> None:
+    store = MemoryStore()
+    await store.put("a", b"1")
+    await store.put("b", b"2")
+    await store.close()
+    assert (store.nbytes, len(store), store.keys()) == (0, 0, [])

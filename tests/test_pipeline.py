@@ -1,0 +1,143 @@
+"""The Python DSL over real parts (torch engine, memory store, GRPO learner), on short runs:
+stale work is dropped or requeued and counted, corrupt payloads are counted as lost, a channel
+closed mid-run stops the run with a clear error, and the ledger balances in every case."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from buffers.memory import MemoryStore
+from buffers.replay import ReplayBuffer
+from pipeline.actor import ActorFailed
+from pipeline.dsl import Pipeline
+from policies import MaxStaleness
+from stages.engines.torch import TorchEngine
+from stages.learner import GRPOLearner
+from stages.model import load_tokenizer, make_tiny_model
+from stages.rollout import Rollout
+from stages.tasks import ReverseDigits
+
+torch.set_num_threads(1)
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("model"))
+
+
+@dataclass(frozen=True)
+class LooseAdmission(MaxStaleness):
+    """Admits as if k were `admit_k`, accepts with the real k: forces stale work to exist."""
+
+    admit_k: int = 4
+
+    def admission_limit(self, version: int, groups_per_step: int) -> int:
+        return (version + self.admit_k + 1) * groups_per_step
+
+
+class CorruptingStore(MemoryStore):
+    """Returns a copy with one flipped body byte for every `every`-th get (a bad NIC, a bad disk)."""
+
+    def __init__(self, every: int) -> None:
+        super().__init__()
+        self.every, self.gets, self.corrupted = every, 0, 0
+
+    async def get(self, key: str) -> memoryview:
+        view = await super().get(key)
+        self.gets += 1
+        if self.gets % self.every:
+            return view
+        bad = bytearray(view)
+        bad[-1] ^= 0xFF
+        self.corrupted += 1
+        return memoryview(bad)
+
+
+def pipeline(model: Path, tmp_path: Path, *, store=None, staleness=None, steps=6, **kw) -> Pipeline:
+    store = MemoryStore() if store is None else store
+    return Pipeline(
+        name="t",
+        steps=steps,
+        run_root=tmp_path,
+        progress=False,
+        producer=Rollout(ReverseDigits(digits=2), [TorchEngine(model)], load_tokenizer(model), store,
+                         group_size=4, batch_groups=4),
+        buffer=ReplayBuffer(store),
+        consumer=GRPOLearner(model, groups_per_step=4),
+        staleness=staleness or MaxStaleness(k=1),
+        **kw,
+    )
+
+
+def ledger_of(summary: dict) -> list[dict]:
+    return json.loads((Path(summary["run_dir"]) / "ledger.json").read_text())
+
+
+def test_stale_groups_are_dropped_and_counted(model: Path, tmp_path: Path) -> None:
+    s = pipeline(model, tmp_path, staleness=LooseAdmission(k=0, on_stale="drop"), steps=8).run()
+    assert s["samples"]["dropped"] > 0
+    assert s["max_staleness_trained"] == 0
+    assert s["ledger_balanced"]
+    dropped = [r for r in ledger_of(s) if r["fate"] == "dropped"]
+    assert dropped and all(r["reason"].startswith("stale: ") for r in dropped)
+    assert all(r["trained_at"][0] == r["versions"][0] for r in ledger_of(s) if r["fate"] == "trained")
+
+
+def test_stale_groups_are_requeued_and_regenerated(model: Path, tmp_path: Path) -> None:
+    s = pipeline(model, tmp_path, staleness=LooseAdmission(k=0, on_stale="requeue"), steps=8).run()
+    assert s["samples"]["regenerated"] > 0
+    assert s["samples"]["dropped"] == 0
+    assert s["max_staleness_trained"] == 0
+    assert s["ledger_balanced"]
+
+
+def test_corrupt_payloads_are_lost_counted_and_replaced(model: Path, tmp_path: Path) -> None:
+    store = CorruptingStore(every=5)
+    s = pipeline(model, tmp_path, store=store, steps=6).run()
+    assert store.corrupted > 0
+    assert s["samples"]["lost"] == store.corrupted * 4  # every sample of each corrupt group
+    assert s["version"] == 6, "lost groups were replaced and the run finished"
+    assert s["samples"]["trained"] == 6 * 4 * 4
+    lost = [r for r in ledger_of(s) if r["fate"] == "lost"]
+    assert all("CorruptPayload" in r["reason"] for r in lost)
+    assert s["ledger_balanced"]
+
+
+def test_channel_closed_mid_run_is_a_clear_error(model: Path, tmp_path: Path) -> None:
+    def close_ready_at_version_2(ctx) -> None:
+        async def watcher() -> None:
+            await ctx.clock.wait_until(2)
+            ctx.channels["ready"].close()
+
+        ctx.services["watcher"] = watcher
+
+    pipe = pipeline(model, tmp_path, steps=50, hooks=[close_ready_at_version_2])
+    original = pipe.consumer.actors
+
+    def actors_with_watcher(ctx, inbox, outbox):
+        from pipeline.actor import BaseActor
+
+        class Watcher(BaseActor):
+            name = "watcher"
+
+            async def run(self) -> None:
+                await ctx.services["watcher"]()
+
+        return [*original(ctx, inbox, outbox), Watcher()]
+
+    pipe.consumer.actors = actors_with_watcher  # type: ignore[method-assign]
+    with pytest.raises(ActorFailed) as err:
+        pipe.run()
+    assert "channel 'ready'" in str(err.value) and "closed" in str(err.value)
+    assert err.value.actor in ("buffer", "learner")
+    runs = list(Path(tmp_path).glob("t-*"))
+    records = json.loads((runs[0] / "ledger.json").read_text())
+    fates = {r["fate"] for r in records}
+    assert fates <= {"trained", "in_flight", "dropped"}
+    assert any(r["fate"] == "trained" for r in records)
