@@ -23,6 +23,7 @@ from pipeline.channel import Channel
 from pipeline.dsl import RunContext
 from pipeline.refs import Ref
 
+
 @dataclass
 class ReplayBuffer:
     """The DSL/config object: `ReplayBuffer(store, max_refs=256, max_bytes=256 << 20)`."""
@@ -33,7 +34,9 @@ class ReplayBuffer:
 
     def __post_init__(self) -> None:
         if self.max_refs < 1 or self.max_bytes < 1:
-            raise ValueError(f"buffer.max_refs and buffer.max_bytes must be >= 1, got {self.max_refs}, {self.max_bytes}")
+            raise ValueError(
+                f"buffer.max_refs and buffer.max_bytes must be >= 1, got {self.max_refs}, {self.max_bytes}"
+            )
 
     def actors(self, ctx: RunContext, inbox: Channel | None, outbox: Channel | None):
         assert inbox is not None and outbox is not None
@@ -64,13 +67,19 @@ class ReplayActor(BaseActor):
             await self._forward()
             tg.cancel_scope.cancel()
 
+    def _full(self, incoming: Ref) -> bool:
+        """Holding `incoming` too would break max_refs or max_bytes (one ref always fits when empty)."""
+        if len(self.index) >= self.spec.max_refs:
+            return True
+        return bool(self.index) and self.nbytes + incoming.nbytes > self.spec.max_bytes
+
     def _poke(self) -> None:
         self._changed.set()
         self._changed = anyio.Event()
 
     async def _receive(self) -> None:
         async for ref in self.inbox:
-            while len(self.index) >= self.spec.max_refs or (self.index and self.nbytes + ref.nbytes > self.spec.max_bytes):
+            while self._full(ref):
                 await self._changed.wait()
             self.index.append(ref)
             self.nbytes += ref.nbytes

@@ -15,9 +15,9 @@ methods in its own module. The contract every implementation keeps:
 
 from __future__ import annotations
 
-from typing_extensions import Buffer
 from typing import Protocol, runtime_checkable
 
+from typing_extensions import Buffer
 
 
 class StoreError(RuntimeError):

@@ -51,11 +51,11 @@ class AdmissionGate:
             seen, event = self.clock.version, self._discard_event
             async with anyio.create_task_group() as tg:
 
-                async def on_version() -> None:
+                async def on_version(seen: int = seen) -> None:
                     await self.clock.wait_change(seen)
                     tg.cancel_scope.cancel()
 
-                async def on_discard() -> None:
+                async def on_discard(event: anyio.Event = event) -> None:
                     await event.wait()
                     tg.cancel_scope.cancel()
 

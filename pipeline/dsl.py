@@ -139,8 +139,9 @@ class Pipeline:
         for hook in self.hooks:
             hook(ctx)
 
-        producers = list(self.producer.actors(ctx, None, produced))
+        # the buffer first: it owns the store the others write to and read from
         buffers = list(self.buffer.actors(ctx, produced, ready))
+        producers = list(self.producer.actors(ctx, None, produced))
         consumers = list(self.consumer.actors(ctx, ready, None))
         actors = [*producers, *buffers, *consumers]
         log = ctx.log("pipeline")
@@ -176,7 +177,7 @@ class Pipeline:
 
     async def _show_progress(self, ctx: RunContext, progress: Progress) -> None:
         while True:
-            depths = {name: f"{c.depth}/{c.stats().max_items}" for name, c in ctx.channels.items() if name != "feedback"}
+            depths = {n: f"{c.depth}/{c.max_items}" for n, c in ctx.channels.items() if n != "feedback"}
             progress.update(
                 version=f"{ctx.clock.version}/{self.steps}",
                 **self.consumer.progress(),

@@ -1,7 +1,7 @@
 """The run config: a TOML file that maps one to one onto the Python DSL.
 
     name, seed, steps, mode ("async" | "sync"), runtime ("local"), run_root
-    [model]      path, create, hidden_size, layers, heads, kv_heads
+    [model]      path, create, hidden_size, layers, heads, kv_heads, seed
     [task]       kind = "reverse-digits" | "addition" | "pkg.mod:Class" (+ its keys)
     [engine]     kind = "torch" | "pkg.mod:Class", count, batch_groups, temperature, top_p
     [rollout]    group_size
@@ -61,6 +61,7 @@ class ModelSpec(Section):
     layers: int = Field(2, ge=1)
     heads: int = Field(4, ge=1)
     kv_heads: int = Field(2, ge=1)
+    seed: int = Field(0, description="seed of the random init (independent of the run's seed)")
 
 
 class ReverseDigitsSpec(Section):
@@ -170,7 +171,7 @@ def build_pipeline(cfg: RunConfig):
     from policies import MaxStaleness
     from stages.engines.torch import TorchEngine
     from stages.learner import GRPOLearner
-    from stages.model import load_tokenizer, make_tiny_model
+    from stages.model import make_tiny_model
     from stages.rollout import Rollout
     from stages.tasks import Addition, ReverseDigits
 
@@ -178,7 +179,9 @@ def build_pipeline(cfg: RunConfig):
     torch.manual_seed(cfg.seed)
     m = cfg.model
     model = (
-        make_tiny_model(m.path, hidden_size=m.hidden_size, layers=m.layers, heads=m.heads, kv_heads=m.kv_heads, seed=cfg.seed)
+        make_tiny_model(
+            m.path, hidden_size=m.hidden_size, layers=m.layers, heads=m.heads, kv_heads=m.kv_heads, seed=m.seed
+        )
         if m.create
         else Path(m.path)
     )
@@ -214,7 +217,7 @@ def build_pipeline(cfg: RunConfig):
         runtime=cfg.runtime,
         run_root=cfg.run_root,
         producer=Rollout(
-            task, engines, load_tokenizer(model), store, group_size=cfg.rollout.group_size,
+            task, engines, tokenizer=model, group_size=cfg.rollout.group_size,
             batch_groups=getattr(e, "batch_groups", 16), temperature=getattr(e, "temperature", 1.0),
             top_p=getattr(e, "top_p", 1.0),
         ),

@@ -12,6 +12,8 @@ A group is recorded in the ledger as produced only once its payload is stored.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import anyio
 import numpy as np
@@ -24,17 +26,21 @@ from pipeline.channel import Channel
 from pipeline.dsl import RunContext
 from pipeline.refs import Ref, make_key
 from stages.engines.base import Completion, Engine, SamplingParams
+from stages.model import load_tokenizer
 from stages.tasks import Prompt, Task
 
 
 @dataclass
 class Rollout:
-    """The DSL/config object: `Rollout(task, engines, tokenizer, store, group_size=8)`."""
+    """The DSL/config object: `Rollout(task, [TorchEngine(model)], tokenizer=model, group_size=8)`.
+
+    `tokenizer` is a tokenizer object or the model folder to load it from. Payloads go to the
+    store the run's buffer stage owns.
+    """
 
     task: Task
     engines: list[Engine]
-    tokenizer: object
-    store: ObjectStore
+    tokenizer: Any
     group_size: int = 8
     batch_groups: int = 16
     temperature: float = 1.0
@@ -48,6 +54,8 @@ class Rollout:
             raise ValueError(f"rollout.batch_groups must be >= 1, got {self.batch_groups}")
         if not self.engines:
             raise ValueError("rollout needs at least one engine")
+        if isinstance(self.tokenizer, str | Path):
+            self.tokenizer = load_tokenizer(self.tokenizer)
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(
@@ -60,13 +68,13 @@ class Rollout:
     def actors(self, ctx: RunContext, inbox: Channel | None, outbox: Channel | None):
         assert outbox is not None
         ctx.services.setdefault("weight_receivers", []).extend(self.engines)
-        ctx.services["rollout"] = self
-        return [RolloutWorker(self, engine, ctx, outbox) for engine in self.engines]
+        store: ObjectStore = ctx.services["store"]
+        return [RolloutWorker(self, engine, store, ctx, outbox) for engine in self.engines]
 
 
 class RolloutWorker(BaseActor):
-    def __init__(self, spec: Rollout, engine: Engine, ctx: RunContext, outbox: Channel) -> None:
-        self.spec, self.engine, self.ctx, self.outbox = spec, engine, ctx, outbox
+    def __init__(self, spec: Rollout, engine: Engine, store: ObjectStore, ctx: RunContext, outbox: Channel) -> None:
+        self.spec, self.engine, self.store, self.ctx, self.outbox = spec, engine, store, ctx, outbox
         self.name = f"rollout:{engine.name}"
         self.rng = ctx.rng(self.name)
         self.log = ctx.log(self.name)
@@ -138,10 +146,10 @@ class RolloutWorker(BaseActor):
         )
         payload = encode(batch)
         key = make_key(ctx.run, lo, group_id, f"0-{len(group) - 1}")
-        await with_retries(lambda: spec.store.put(key, payload))
+        await with_retries(lambda: self.store.put(key, payload))
 
         ref = Ref(
-            store=spec.store.name, key=key, version=lo, version_max=hi, rows=len(group),
+            store=self.store.name, key=key, version=lo, version_max=hi, rows=len(group),
             nbytes=payload.nbytes, checksum=peek(payload).checksum, group=group_id,
         )
         ctx.ledger.produced(ref.item_ids, group_id, (lo, hi))

@@ -15,7 +15,8 @@ pytestmark = pytest.mark.slow
 
 
 def baton_run(tmp_path: Path, config: str, *overrides: str) -> dict:
-    sets = [x for o in (f"run_root='{tmp_path}'", f"model.path='{tmp_path / 'model'}'", *overrides) for x in ("--set", o)]
+    overrides = (f"run_root='{tmp_path}'", f"model.path='{tmp_path / 'model'}'", *overrides)
+    sets = [x for o in overrides for x in ("--set", o)]
     proc = subprocess.run(
         [sys.executable, "-m", "stages.cli", "run", str(ROOT / "configs" / config), *sets],
         capture_output=True, text=True, cwd=ROOT, timeout=240,

@@ -18,7 +18,7 @@ from pipeline.dsl import Pipeline
 from policies import MaxStaleness
 from stages.engines.torch import TorchEngine
 from stages.learner import GRPOLearner
-from stages.model import load_tokenizer, make_tiny_model
+from stages.model import make_tiny_model
 from stages.rollout import Rollout
 from stages.tasks import ReverseDigits
 
@@ -66,7 +66,7 @@ def pipeline(model: Path, tmp_path: Path, *, store=None, staleness=None, steps=6
         steps=steps,
         run_root=tmp_path,
         progress=False,
-        producer=Rollout(ReverseDigits(digits=2), [TorchEngine(model)], load_tokenizer(model), store,
+        producer=Rollout(ReverseDigits(digits=2), [TorchEngine(model)], tokenizer=model,
                          group_size=4, batch_groups=4),
         buffer=ReplayBuffer(store),
         consumer=GRPOLearner(model, groups_per_step=4),

@@ -21,7 +21,6 @@ from transformers import Qwen2ForCausalLM
 from stages.engines.base import Completion, SamplingParams
 from stages.model import load_model
 
-
 # transformers 5.x renamed `past_key_values` to `cache` (the old name warns); accept both
 _CACHE_KWARG = "cache" if "cache" in inspect.signature(Qwen2ForCausalLM.forward).parameters else "past_key_values"
 
