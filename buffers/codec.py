@@ -30,10 +30,7 @@ from __future__ import annotations
 import functools
 import math
 import struct
-import threading
 import warnings
-import weakref
-from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Literal
@@ -42,6 +39,8 @@ import msgspec
 import numpy as np
 import xxhash
 from typing_extensions import Buffer
+
+from buffers.pool import BufferPool
 
 if TYPE_CHECKING:
     import torch
@@ -287,64 +286,7 @@ def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-class _BufferPool:
-    """Recycles large encode buffers.
-
-    Invariant: a buffer is idle (reusable) only after the single view handed out for it has been
-    garbage-collected, and everything derived from a payload (memoryviews, decoded arrays) keeps
-    that view alive. Finalizers only append to a deque, so they never take the lock; returned
-    buffers are filed (and the idle limit applied) on the next `take` or `trim`.
-    """
-
-    MIN_NBYTES = 1 << 20
-
-    def __init__(self, max_idle_bytes: int) -> None:
-        self.max_idle_bytes = max_idle_bytes
-        self._lock = threading.Lock()
-        self._idle: dict[int, list[np.ndarray]] = {}
-        self._idle_bytes = 0
-        self._returned: deque[np.ndarray] = deque()
-
-    @staticmethod
-    def _size_class(nbytes: int) -> int:
-        step = max(2 << 20, 1 << max(nbytes.bit_length() - 4, 0))
-        return -(-nbytes // step) * step
-
-    def take(self, nbytes: int) -> np.ndarray:
-        """A writable uint8 array of exactly `nbytes`; its contents are arbitrary."""
-        if nbytes < self.MIN_NBYTES:
-            return np.empty(nbytes, dtype=np.uint8)
-        size = self._size_class(nbytes)
-        with self._lock:
-            self._file_returned()
-            idle = self._idle.get(size)
-            buf = idle.pop() if idle else None
-            if buf is not None:
-                self._idle_bytes -= size
-        if buf is None:
-            buf = np.empty(size, dtype=np.uint8)
-        view = buf[:nbytes]
-        finalizer = weakref.finalize(view, self._returned.append, buf)
-        finalizer.atexit = False
-        return view
-
-    def trim(self) -> None:
-        with self._lock:
-            self._file_returned()
-
-    def _file_returned(self) -> None:
-        while self._returned:
-            buf = self._returned.popleft()
-            if self._idle_bytes + buf.nbytes <= self.max_idle_bytes:
-                self._idle.setdefault(buf.nbytes, []).append(buf)
-                self._idle_bytes += buf.nbytes
-        while self._idle_bytes > self.max_idle_bytes:
-            size = max(s for s, bufs in self._idle.items() if bufs)
-            self._idle[size].pop()
-            self._idle_bytes -= size
-
-
-_POOL = _BufferPool(max_idle_bytes=256 << 20)
+_POOL = BufferPool(max_idle_bytes=256 << 20)
 
 
 def configure_pool(max_idle_bytes: int) -> None:
@@ -391,12 +333,14 @@ def _write_body(out: np.ndarray, body_start: int, columns: list[tuple[FieldDescr
     return hasher.intdigest()
 
 
-def encode(batch: RolloutBatch) -> memoryview:
+def encode(batch: RolloutBatch, *, pool: BufferPool | None = None) -> memoryview:
     """Encode `batch` into one contiguous payload (see the module docstring for the layout).
 
     Returns a read-only memoryview over a fresh (or recycled) buffer; the payload is immutable and
-    its memory is recycled once nothing references it or anything decoded from it.
+    its memory is recycled once nothing references it or anything decoded from it. `pool` lets a
+    store hand out its own (e.g. registered) memory, so the payload is written where it is sent from.
     """
+    pool = _POOL if pool is None else pool
     columns, pos = [], 0
     for name, kind, arr in batch._columns():
         wire = _wire_dtype(arr.dtype)
@@ -408,11 +352,11 @@ def encode(batch: RolloutBatch) -> memoryview:
     descriptors = tuple(desc for desc, _ in columns)
     header = Header(FORMAT_VERSION, batch.rows, batch.tokens, descriptors, batch.meta, pos, _U64_MAX)
     body_start = _align(_PREAMBLE.size + len(_ENCODER.encode(header)))
-    out = _POOL.take(body_start + header.body_nbytes)
+    out = pool.take(body_start + header.body_nbytes)
     header = msgspec.structs.replace(header, checksum=_write_body(out, body_start, columns))
     header_bytes = _ENCODER.encode(header)
     if _align(_PREAMBLE.size + len(header_bytes)) != body_start:
-        moved = _POOL.take(_align(_PREAMBLE.size + len(header_bytes)) + header.body_nbytes)
+        moved = pool.take(_align(_PREAMBLE.size + len(header_bytes)) + header.body_nbytes)
         moved[len(moved) - header.body_nbytes :] = out[body_start:]
         out, body_start = moved, len(moved) - header.body_nbytes
     header_end = _PREAMBLE.size + len(header_bytes)
