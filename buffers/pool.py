@@ -43,7 +43,8 @@ class BufferPool:
 
     @staticmethod
     def _size_class(nbytes: int) -> int:
-        step = max(2 << 20, 1 << max(nbytes.bit_length() - 4, 0))
+        """Round up to one of 16 classes per power of two (64 KiB at least): waste <= 1/16."""
+        step = max(64 << 10, 1 << max(nbytes.bit_length() - 4, 0))
         return -(-nbytes // step) * step
 
     def take(self, nbytes: int) -> np.ndarray:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import anyio
+import msgspec
 
 from pipeline.actor import Actor, ActorFailed
 from pipeline.admission import AdmissionGate
@@ -44,6 +45,14 @@ class VersionPolicy(Protocol):
     def admit(self, version: int, started: int, discarded: int, groups_per_step: int) -> bool: ...
 
     def accept(self, learner_version: int, oldest_version: int) -> str: ...
+
+
+class Redo(msgspec.Struct, frozen=True):
+    """Feedback to the producer: the work unit `group` must be produced again (its result was
+    lost, or refused by the policy). The producer remembers what each unit was made from."""
+
+    group: str
+    reason: str
 
 
 @dataclass

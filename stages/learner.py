@@ -26,13 +26,12 @@ from buffers.retry import with_retries
 from buffers.store import ObjectStore, StoreError
 from pipeline.actor import BaseActor
 from pipeline.channel import Channel, ChannelClosed
-from pipeline.dsl import RunContext
+from pipeline.dsl import Redo, RunContext
 from pipeline.refs import Ref
 from pipeline.telemetry import Panel
 from policies.staleness import staleness
 from stages.losses import group_advantages, ppo_clip_loss
 from stages.model import load_model
-from stages.tasks import Prompt
 from stages.weights.base import WeightTransport
 from stages.weights.inproc import InprocTransport
 
@@ -113,6 +112,7 @@ class LearnerActor(BaseActor):
         self.model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.dropped_total = 0
+        self._frees: anyio.abc.TaskGroup | None = None
 
     @property
     def store(self) -> ObjectStore:
@@ -130,6 +130,12 @@ class LearnerActor(BaseActor):
         await self.transport.close()
 
     async def run(self) -> None:
+        async with anyio.create_task_group() as frees:
+            self._frees = frees
+            await self._train()
+        self._frees = None
+
+    async def _train(self) -> None:
         ctx, spec = self.ctx, self.spec
         t_start = time.perf_counter()
         trained_samples = 0
@@ -143,7 +149,7 @@ class LearnerActor(BaseActor):
             ctx.clock.advance(version + 1)
             for ref in refs:
                 ctx.ledger.trained(ref.item_ids, at_version=version)
-                await self._free(ref)
+                self._free_later(ref)
             trained_samples += sum(r.rows for r in refs)
             stale = [staleness(version, r.version) for r in refs]
             elapsed = time.perf_counter() - t_start
@@ -187,32 +193,41 @@ class LearnerActor(BaseActor):
         return refs, batches
 
     async def _load(self, ref: Ref) -> RolloutBatch | None:
-        """The decoded payload, or None when it is gone or corrupt (then counted as lost)."""
+        """The decoded payload, or None when it is gone or corrupt: then its samples are counted as
+        lost, the slot is freed and the group's prompt goes back to the producer to be redone."""
         try:
             payload = await with_retries(lambda: self.store.get(ref.key))
             return decode(payload)
         except (StoreError, CodecError) as exc:
-            self.log.warning("payload lost", key=ref.key, error=f"{type(exc).__name__}: {exc}")
-            self.ctx.ledger.lost(ref.item_ids, f"{type(exc).__name__}: {exc}")
-            self.ctx.gate.discard(1)  # frees the slot, so the producer makes a replacement group
-            await self._free(ref)
+            reason = f"{type(exc).__name__}: {exc}"
+            self.log.warning("payload lost", key=ref.key, error=reason)
+            self.ctx.ledger.lost(ref.item_ids, reason)
+            await self._redo(ref, reason)
             return None
 
     async def dispose(self, ref: Ref, version: int) -> None:
-        """Account for a ref the policy refuses at `version`: drop it or requeue its prompt."""
+        """Account for a ref the policy refuses at `version`: drop it, or requeue its prompt."""
         verdict = self.ctx.policy.accept(version, ref.version)
         reason = f"stale: {staleness(version, ref.version)} > {self.ctx.policy.bound}"
-        batch = await self._load(ref)
-        if batch is None:
-            return
         if verdict == "requeue":
-            await self.ctx.feedback.send(Prompt(str(batch.meta["prompt"]), str(batch.meta["answer"])))
             self.ctx.ledger.regenerated(ref.item_ids, reason)
+            await self._redo(ref, reason)
         else:
             self.ctx.ledger.dropped(ref.item_ids, reason)
             self.dropped_total += ref.rows
-        self.ctx.gate.discard(1)
-        await self._free(ref)
+            self.ctx.gate.discard(1)
+            self._free_later(ref)
+
+    async def _redo(self, ref: Ref, reason: str) -> None:
+        self.ctx.gate.discard(1)  # frees the slot the redone group will take
+        await self.ctx.feedback.send(Redo(ref.group, reason))
+        self._free_later(ref)
+
+    def _free_later(self, ref: Ref) -> None:
+        """Remove the payload in the background (a store may hold a read lease for a while)."""
+        if self._frees is None:
+            raise RuntimeError("the learner is not running")
+        self._frees.start_soon(self._free, ref)
 
     async def _free(self, ref: Ref) -> None:
         try:

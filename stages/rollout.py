@@ -3,7 +3,8 @@
 One worker actor per engine. Each worker, in a loop:
 1. waits at the admission gate for a group slot, then takes as many more as the gate allows
    right now (up to `batch_groups`), so one engine call generates many groups;
-2. takes prompts from the feedback channel first (groups being regenerated), else from the task;
+2. takes prompts of groups to redo from the feedback channel first (their payload was lost, or
+   the policy requeued them), else new prompts from the task;
 3. generates `group_size` completions per prompt, scores them, and writes each group as one
    encoded batch under a versioned key; only then sends its Ref downstream.
 A group is recorded in the ledger as produced only once its payload is stored.
@@ -23,7 +24,7 @@ from buffers.retry import with_retries
 from buffers.store import ObjectStore
 from pipeline.actor import BaseActor
 from pipeline.channel import Channel
-from pipeline.dsl import RunContext
+from pipeline.dsl import Redo, RunContext
 from pipeline.refs import Ref, make_key
 from stages.engines.base import Completion, Engine, SamplingParams
 from stages.model import load_tokenizer
@@ -46,6 +47,7 @@ class Rollout:
     temperature: float = 1.0
     top_p: float = 1.0
     stats: dict = field(default_factory=lambda: {"groups": 0, "gen_s": 0.0, "tokens": 0})
+    issued: dict[str, Prompt] = field(default_factory=dict)  # group -> prompt, until the group is done
 
     def __post_init__(self) -> None:
         if self.group_size < 2:
@@ -97,9 +99,22 @@ class RolloutWorker(BaseActor):
 
     def _next_prompt(self) -> Prompt:
         try:
-            return self.ctx.feedback.receive_nowait()
+            redo: Redo = self.ctx.feedback.receive_nowait()
         except (anyio.WouldBlock, anyio.EndOfStream):
             return self.spec.task.sample(self.rng)
+        try:
+            prompt = self.spec.issued.pop(redo.group)
+        except KeyError:
+            raise RuntimeError(f"asked to redo group {redo.group!r} ({redo.reason}), which was never issued") from None
+        self.spec.stats["redone"] = self.spec.stats.get("redone", 0) + 1
+        return prompt
+
+    def _forget_finished(self) -> None:
+        """Drop prompts of groups whose samples reached a final fate (bounded by admission anyway)."""
+        ledger = self.ctx.ledger
+        done = [g for g in self.spec.issued if ledger[f"{g}/0"].fate in ("trained", "dropped")]
+        for g in done:
+            del self.spec.issued[g]
 
     async def _produce(self, prompts: list[Prompt]) -> None:
         spec, tok = self.spec, self.spec.tokenizer
@@ -144,7 +159,7 @@ class RolloutWorker(BaseActor):
             },
             meta={"run": ctx.run, "group": group_id, "prompt": prompt.text, "answer": prompt.answer},
         )
-        payload = encode(batch)
+        payload = encode(batch, pool=getattr(self.store, "pool", None))  # straight into the store's memory
         key = make_key(ctx.run, lo, group_id, f"0-{len(group) - 1}")
         await with_retries(lambda: self.store.put(key, payload))
 
@@ -153,4 +168,7 @@ class RolloutWorker(BaseActor):
             nbytes=payload.nbytes, checksum=peek(payload).checksum, group=group_id,
         )
         ctx.ledger.produced(ref.item_ids, group_id, (lo, hi))
+        spec.issued[group_id] = prompt
+        if len(spec.issued) > 4 * ctx.gate.units_per_version * (ctx.policy.bound + 2):
+            self._forget_finished()
         await self.outbox.send(ref)

@@ -60,6 +60,7 @@ class CorruptingStore(MemoryStore):
 
 
 def pipeline(model: Path, tmp_path: Path, *, store=None, staleness=None, steps=6, **kw) -> Pipeline:
+    """A short run; `pipe.producer.stats` counts groups made and redone."""
     store = MemoryStore() if store is None else store
     return Pipeline(
         name="t",
@@ -99,8 +100,12 @@ def test_stale_groups_are_requeued_and_regenerated(model: Path, tmp_path: Path) 
 
 def test_corrupt_payloads_are_lost_counted_and_replaced(model: Path, tmp_path: Path) -> None:
     store = CorruptingStore(every=5)
-    s = pipeline(model, tmp_path, store=store, steps=6).run()
+    seen: dict = {}
+    pipe = pipeline(model, tmp_path, store=store, steps=6, hooks=[lambda ctx: seen.update(ctx=ctx)])
+    s = pipe.run()
     assert store.corrupted > 0
+    # each lost group's own prompt went back to the producer: redone, or still queued when the run ended
+    assert pipe.producer.stats.get("redone", 0) + seen["ctx"].feedback.depth == store.corrupted
     assert s["samples"]["lost"] == store.corrupted * 4  # every sample of each corrupt group
     assert s["version"] == 6, "lost groups were replaced and the run finished"
     assert s["samples"]["trained"] == 6 * 4 * 4

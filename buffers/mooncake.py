@@ -1,0 +1,266 @@
+"""MooncakeStore: the ObjectStore protocol on Mooncake's distributed store (TCP here, RDMA on clusters).
+
+* **Zero copy.** Payloads go out with `batch_upsert_from` and come back with `batch_get_into`, from
+  and into buffers of a `BufferPool` whose memory is registered with Mooncake once; the codec
+  encodes straight into that pool (`store.pool`), so a put sends the encoded bytes where they lie
+  and a get returns a read-only view of the registered buffer it landed in. In steady state no
+  batch allocates or registers memory.
+* **Chunking.** An object larger than `chunk_bytes` is stored as parts `key#p0000`, `key#p0001`, ...
+  plus a small manifest under `key`; `get` reassembles it into one buffer. (One Mooncake object
+  must fit in one segment; chunks let a large batch spread over segments.)
+* **Upsert.** Every put replaces the value (a plain Mooncake put keeps the old one).
+* **Replicas.** `replicas` copies on distinct segments (a ReplicateConfig), so one holder's death
+  does not lose the data. With fewer segments than replicas, Mooncake stores fewer copies.
+* **Errors.** Every negative return code becomes a typed exception naming the code and the key;
+  `get` never returns an empty or short result as data.
+* **Segment ownership.** `segment_bytes > 0` mounts that much memory into the pool from this
+  process (the buffer stage); `segment_bytes = 0` makes a pure client (producers, learner).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import struct
+from dataclasses import dataclass
+
+import anyio
+import numpy as np
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
+from typing_extensions import Buffer
+
+from buffers.mooncake_master import require_mooncake
+from buffers.pool import BufferPool
+from buffers.store import KeyNotFound, StoreError, StoreFull
+
+_MANIFEST = struct.Struct("<16sQQI")  # magic, total bytes, chunk bytes, parts
+_MANIFEST_MAGIC = b"\x00baton-chunked\x00\x01"
+_PART = "#p{:04d}"
+
+
+class MooncakeError(StoreError):
+    """A Mooncake call returned a negative code; `.code` holds it."""
+
+    code = 0
+    reason = "ERROR"
+
+    def __init__(self, key: str, code: int | None = None, op: str = "") -> None:
+        self.key = key
+        self.code = code if code is not None else type(self).code
+        super().__init__(f"mooncake {op or 'call'} of {key!r} failed: {self.code} {self.reason}")
+
+
+class MooncakeNoSpace(MooncakeError, StoreFull):
+    code, reason = -200, "NO_AVAILABLE_HANDLE (no segment has room; the store is full)"
+
+
+class MooncakeNotFound(MooncakeError, KeyNotFound):
+    code, reason = -704, "OBJECT_NOT_FOUND"
+
+    def __str__(self) -> str:
+        return MooncakeError.__str__(self)
+
+
+class MooncakeLeased(MooncakeError):
+    code, reason = -706, "OBJECT_HAS_LEASE (read recently; removable once the lease expires)"
+
+
+class MooncakeTransferFailed(MooncakeError):
+    code, reason = -800, "TRANSFER_FAIL (the segment holding it is unreachable or gone)"
+
+
+class MooncakeMasterUnreachable(MooncakeError):
+    code, reason = -900, "RPC_FAIL (the master is unreachable)"
+
+
+class MooncakeInvalid(MooncakeError):
+    code, reason = -600, "INVALID_PARAMS"
+
+
+_ERRORS = {cls.code: cls for cls in (MooncakeNoSpace, MooncakeNotFound, MooncakeLeased,
+                                    MooncakeTransferFailed, MooncakeMasterUnreachable, MooncakeInvalid)}
+
+
+def error_for(key: str, code: int, op: str) -> MooncakeError:
+    cls = _ERRORS.get(code)
+    if cls is not None:
+        return cls(key, op=op)
+    err = MooncakeError(key, code, op)
+    return err
+
+
+@dataclass(frozen=True)
+class MooncakeSettings:
+    """Mirrors Miles's `--mooncake-store-init-kwargs`; env vars MOONCAKE_* give the defaults."""
+
+    master_server_address: str = ""
+    protocol: str = ""
+    device: str = ""
+    local_hostname: str = "127.0.0.1"
+    metadata_server: str = "P2PHANDSHAKE"
+    global_segment_size: int = 0
+    local_buffer_size: int = 16 << 20
+    chunk_bytes: int = 64 << 20
+    replicas: int = 1
+
+    def resolved(self) -> MooncakeSettings:
+        return MooncakeSettings(
+            master_server_address=self.master_server_address or os.environ.get("MOONCAKE_MASTER_ADDR", ""),
+            protocol=self.protocol or os.environ.get("MOONCAKE_PROTOCOL", "tcp"),
+            device=self.device or os.environ.get("MOONCAKE_DEVICE", ""),
+            local_hostname=self.local_hostname,
+            metadata_server=self.metadata_server,
+            global_segment_size=self.global_segment_size,
+            local_buffer_size=self.local_buffer_size,
+            chunk_bytes=self.chunk_bytes,
+            replicas=self.replicas,
+        )
+
+
+class MooncakeStore:
+    """`MooncakeStore(MooncakeSettings(master_server_address="127.0.0.1:50051", global_segment_size=1 << 30))`."""
+
+    def __init__(self, settings: MooncakeSettings, name: str = "mooncake", pool_idle_bytes: int = 512 << 20) -> None:
+        self.settings = settings.resolved()
+        self.name = name
+        s = self.settings
+        if not s.master_server_address:
+            raise ValueError("MooncakeStore needs master_server_address (or MOONCAKE_MASTER_ADDR)")
+        if s.chunk_bytes < 1 << 20:
+            raise ValueError(f"chunk_bytes must be >= 1 MiB, got {s.chunk_bytes}")
+        if s.replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {s.replicas}")
+        os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+        mc = require_mooncake()
+        self._client = mc.MooncakeDistributedStore()
+        rc = self._client.setup(
+            s.local_hostname, s.metadata_server, s.global_segment_size, s.local_buffer_size,
+            s.protocol, s.device, s.master_server_address,
+        )
+        if rc != 0:
+            raise error_for("<setup>", rc, f"setup with master {s.master_server_address}")
+        self._config = mc.ReplicateConfig()
+        self._config.replica_num = s.replicas
+        self._registered: set[int] = set()
+        self.pool = BufferPool(pool_idle_bytes, min_nbytes=0, on_new=self._register, on_drop=self._unregister)
+        self._closed = False
+
+    # -- the five protocol methods -------------------------------------------------------------
+    async def put(self, key: str, data: Buffer) -> None:
+        view = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+        await anyio.to_thread.run_sync(self._put, key, view)
+
+    async def get(self, key: str) -> memoryview:
+        return await anyio.to_thread.run_sync(self._get, key)
+
+    async def remove(self, key: str) -> int:
+        async for attempt in AsyncRetrying(
+            retry=retry_if_exception_type(MooncakeLeased),
+            wait=wait_exponential(multiplier=0.05, max=0.5),
+            stop=stop_after_delay(30),
+            reraise=True,
+        ):
+            with attempt:
+                return await anyio.to_thread.run_sync(self._remove, key)
+        raise AssertionError("unreachable")
+
+    async def remove_matching(self, pattern: str) -> int:
+        """Remove keys matching `pattern` (ECMAScript regex, anchored like re.match); leased ones wait."""
+        anchored = pattern if pattern.startswith("^") else f"^(?:{pattern})"
+        rc = await anyio.to_thread.run_sync(self._client.remove_by_regex, anchored)
+        if rc < 0:
+            raise error_for(pattern, rc, "remove_by_regex")
+        return rc
+
+    async def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.pool.clear()
+            await anyio.to_thread.run_sync(self._client.close)
+
+    # -- blocking internals (run in a worker thread) ---------------------------------------------
+    def _register(self, buf: np.ndarray) -> None:
+        rc = self._client.register_buffer(buf.ctypes.data, buf.nbytes)
+        if rc != 0:
+            raise error_for("<register_buffer>", rc, "register_buffer")
+        self._registered.add(buf.ctypes.data)
+
+    def _unregister(self, buf: np.ndarray) -> None:
+        if not self._closed and buf.ctypes.data in self._registered:
+            self._registered.discard(buf.ctypes.data)
+            self._client.unregister_buffer(buf.ctypes.data)
+
+    def _staged(self, data: np.ndarray) -> np.ndarray:
+        """`data` itself when it lies in registered pool memory, else a registered copy of it."""
+        base = data.base if isinstance(data.base, np.ndarray) else None
+        while base is not None and isinstance(base.base, np.ndarray):
+            base = base.base
+        if base is not None and base.ctypes.data in self._registered:
+            return data
+        staged = self.pool.take(data.nbytes)
+        staged[:] = data
+        return staged
+
+    def _put(self, key: str, data: np.ndarray) -> None:
+        staged = self._staged(data)
+        size, chunk = staged.nbytes, self.settings.chunk_bytes
+        if size <= chunk:
+            keys, ptrs, sizes = [key], [staged.ctypes.data], [size]
+        else:
+            parts = -(-size // chunk)
+            keys = [key + _PART.format(i) for i in range(parts)]
+            ptrs = [staged.ctypes.data + i * chunk for i in range(parts)]
+            sizes = [min(chunk, size - i * chunk) for i in range(parts)]
+        codes = self._client.batch_upsert_from(keys, ptrs, sizes, self._config)
+        for k, rc in zip(keys, codes, strict=True):
+            if rc < 0:
+                raise error_for(k, rc, "put")
+        if size > chunk:
+            manifest = self.pool.take(_MANIFEST.size)
+            _MANIFEST.pack_into(manifest, 0, _MANIFEST_MAGIC, size, chunk, len(keys))
+            rc = self._client.upsert_from(key, manifest.ctypes.data, _MANIFEST.size, self._config)
+            if rc < 0:
+                raise error_for(key, rc, "put manifest")
+
+    def _size(self, key: str) -> int:
+        size = self._client.get_size(key)
+        if size < 0:
+            raise error_for(key, size, "get_size")
+        return size
+
+    def _read(self, keys: list[str], buf: np.ndarray, sizes: list[int]) -> None:
+        offsets = np.cumsum([0, *sizes[:-1]])
+        ptrs = [buf.ctypes.data + int(o) for o in offsets]
+        got = self._client.batch_get_into(keys, ptrs, sizes)
+        for k, n, want in zip(keys, got, sizes, strict=True):
+            if n < 0:
+                raise error_for(k, n, "get")
+            if n != want:
+                raise MooncakeTransferFailed(k, op=f"get (read {n} of {want} bytes)")
+
+    def _get(self, key: str) -> memoryview:
+        size = self._size(key)
+        buf = self.pool.take(size)
+        self._read([key], buf, [size])
+        if size == _MANIFEST.size and bytes(buf[:16]) == _MANIFEST_MAGIC:
+            _, total, chunk, parts = _MANIFEST.unpack_from(buf)
+            buf = self.pool.take(total)
+            sizes = [min(chunk, total - i * chunk) for i in range(parts)]
+            self._read([key + _PART.format(i) for i in range(parts)], buf, sizes)
+        return memoryview(buf).toreadonly()
+
+    def _remove(self, key: str) -> int:
+        rc = self._client.remove(key)
+        if rc == MooncakeNotFound.code:
+            return 0
+        if rc < 0:
+            raise error_for(key, rc, "remove")
+        removed = 1
+        parts = self._client.remove_by_regex("^" + re.escape(key) + r"#p\d{4}$")
+        return removed + max(parts, 0)
+
+    def replica_count(self, key: str) -> int:
+        return len(self._client.get_replica_desc(key))
+
+    def healthy(self) -> bool:
+        return self._client.health_check() == 0
