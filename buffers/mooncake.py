@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import struct
@@ -29,7 +30,7 @@ import numpy as np
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 from typing_extensions import Buffer
 
-from buffers.mooncake_master import require_mooncake
+from buffers.mooncake_master import MooncakeMaster, require_mooncake
 from buffers.pool import BufferPool
 from buffers.store import KeyNotFound, StoreError, StoreFull
 
@@ -102,6 +103,8 @@ class MooncakeSettings:
     local_buffer_size: int = 16 << 20
     chunk_bytes: int = 64 << 20
     replicas: int = 1
+    failover_s: float = 15.0  # with replicas > 1: how long a get retries a dead holder (> master client_ttl)
+    full_wait_s: float = 60.0  # how long a put waits for space in a full store before raising
 
     def resolved(self) -> MooncakeSettings:
         return MooncakeSettings(
@@ -114,6 +117,8 @@ class MooncakeSettings:
             local_buffer_size=self.local_buffer_size,
             chunk_bytes=self.chunk_bytes,
             replicas=self.replicas,
+            failover_s=self.failover_s,
+            full_wait_s=self.full_wait_s,
         )
 
 
@@ -141,17 +146,57 @@ class MooncakeStore:
             raise error_for("<setup>", rc, f"setup with master {s.master_server_address}")
         self._config = mc.ReplicateConfig()
         self._config.replica_num = s.replicas
-        self._registered: set[int] = set()
+        # Hard pin: the master never evicts our objects at its high watermark (that would lose rollout
+        # data silently); a full store refuses puts instead (-200), which `put` waits out.
+        self._config.with_hard_pin = True
+        self._registered: dict[int, int] = {}  # address -> bytes of each registered pool buffer
         self.pool = BufferPool(pool_idle_bytes, min_nbytes=0, on_new=self._register, on_drop=self._unregister)
         self._closed = False
+        self.master: MooncakeMaster | None = None  # set by open("auto"): stopped by close()
+
+    @classmethod
+    def open(cls, settings: MooncakeSettings, master: str = "auto", name: str = "mooncake") -> MooncakeStore:
+        """A store on `master` ("host:port"), or on a master started now for this store ("auto"),
+        which `close()` then stops, by pid."""
+        owned = MooncakeMaster().start() if master == "auto" else None
+        address = owned.address if owned else master
+        try:
+            store = cls(dataclasses.replace(settings, master_server_address=address), name=name)
+        except BaseException:
+            if owned:
+                owned.stop()
+            raise
+        store.master = owned
+        return store
 
     # -- the five protocol methods -------------------------------------------------------------
     async def put(self, key: str, data: Buffer) -> None:
+        """Upsert. While the store is full (-200) or the master is away (-900, e.g. restarting) it
+        waits, up to `full_wait_s`, then raises the typed error."""
         view = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
-        await anyio.to_thread.run_sync(self._put, key, view)
+        async for attempt in AsyncRetrying(
+            retry=retry_if_exception_type((MooncakeNoSpace, MooncakeMasterUnreachable)),
+            wait=wait_exponential(multiplier=0.02, max=0.5),
+            stop=stop_after_delay(self.settings.full_wait_s),
+            reraise=True,
+        ):
+            with attempt:
+                await anyio.to_thread.run_sync(self._put, key, view)
 
     async def get(self, key: str) -> memoryview:
-        return await anyio.to_thread.run_sync(self._get, key)
+        """With replicas > 1, a get that hits a dead holder is retried until the master drops that
+        replica (its client_ttl), then served from a surviving one; with one replica it fails at once."""
+        if self.settings.replicas == 1:
+            return await anyio.to_thread.run_sync(self._get, key)
+        async for attempt in AsyncRetrying(
+            retry=retry_if_exception_type(MooncakeTransferFailed),
+            wait=wait_exponential(multiplier=0.1, max=1.0),
+            stop=stop_after_delay(self.settings.failover_s),
+            reraise=True,
+        ):
+            with attempt:
+                return await anyio.to_thread.run_sync(self._get, key)
+        raise AssertionError("unreachable")
 
     async def remove(self, key: str) -> int:
         async for attempt in AsyncRetrying(
@@ -177,25 +222,24 @@ class MooncakeStore:
             self._closed = True
             self.pool.clear()
             await anyio.to_thread.run_sync(self._client.close)
+            if self.master is not None:
+                self.master.stop()
 
     # -- blocking internals (run in a worker thread) ---------------------------------------------
     def _register(self, buf: np.ndarray) -> None:
         rc = self._client.register_buffer(buf.ctypes.data, buf.nbytes)
         if rc != 0:
             raise error_for("<register_buffer>", rc, "register_buffer")
-        self._registered.add(buf.ctypes.data)
+        self._registered[buf.ctypes.data] = buf.nbytes
 
     def _unregister(self, buf: np.ndarray) -> None:
-        if not self._closed and buf.ctypes.data in self._registered:
-            self._registered.discard(buf.ctypes.data)
+        if not self._closed and self._registered.pop(buf.ctypes.data, None) is not None:
             self._client.unregister_buffer(buf.ctypes.data)
 
     def _staged(self, data: np.ndarray) -> np.ndarray:
         """`data` itself when it lies in registered pool memory, else a registered copy of it."""
-        base = data.base if isinstance(data.base, np.ndarray) else None
-        while base is not None and isinstance(base.base, np.ndarray):
-            base = base.base
-        if base is not None and base.ctypes.data in self._registered:
+        start, end = data.ctypes.data, data.ctypes.data + data.nbytes
+        if any(base <= start and end <= base + size for base, size in self._registered.items()):
             return data
         staged = self.pool.take(data.nbytes)
         staged[:] = data

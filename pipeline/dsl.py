@@ -114,7 +114,7 @@ class Pipeline:
     progress: bool = True
     config_text: str | None = None  # the resolved config, written to the run folder
     max_uses: int = 1
-    hooks: list[Callable[[RunContext], None]] = field(default_factory=list)
+    hooks: list[Callable[[RunContext], Sequence[Actor] | None]] = field(default_factory=list)
 
     def run(self) -> dict[str, Any]:
         """Run to completion on the chosen runtime and return the summary."""
@@ -145,14 +145,15 @@ class Pipeline:
         produced = Channel("produced", max_items=self.produced_channel[0], max_bytes=self.produced_channel[1])
         ready = Channel("ready", max_items=self.ready_channel[0], max_bytes=self.ready_channel[1])
         ctx.channels.update(produced=produced, ready=ready, feedback=ctx.feedback)
-        for hook in self.hooks:
-            hook(ctx)
+        extra: list[Actor] = []
+        for hook in self.hooks:  # a hook sees the context and may add actors (watchdogs, fault injectors)
+            extra.extend(hook(ctx) or ())
 
         # the buffer first: it owns the store the others write to and read from
         buffers = list(self.buffer.actors(ctx, produced, ready))
         producers = list(self.producer.actors(ctx, None, produced))
         consumers = list(self.consumer.actors(ctx, ready, None))
-        actors = [*producers, *buffers, *consumers]
+        actors = [*producers, *buffers, *consumers, *extra]
         log = ctx.log("pipeline")
         log.info("run starting", folder=str(folder.path), actors=[a.name for a in actors], steps=self.steps)
 

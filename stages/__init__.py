@@ -1,9 +1,25 @@
-"""What runs inside the actors: the rollout producer, engines, tasks, the learner, weight transports."""
+"""What runs inside the actors: the rollout producer, engines, tasks, the learner, weight transports.
 
-from stages import tasks
-from stages.engines.torch import TorchEngine
-from stages.learner import GRPOLearner
-from stages.model import load_model, load_tokenizer, make_tiny_model
-from stages.rollout import Rollout
+Exports load lazily, so `baton check` and `baton mooncake-master` do not pay for importing torch.
+"""
 
-__all__ = ["GRPOLearner", "Rollout", "TorchEngine", "load_model", "load_tokenizer", "make_tiny_model", "tasks"]
+from importlib import import_module
+
+_EXPORTS = {
+    "GRPOLearner": "stages.learner",
+    "Rollout": "stages.rollout",
+    "TorchEngine": "stages.engines.torch",
+    "load_model": "stages.model",
+    "load_tokenizer": "stages.model",
+    "make_tiny_model": "stages.model",
+    "tasks": "stages.tasks",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'stages' has no attribute {name!r}")
+    module = import_module(_EXPORTS[name])
+    return module if name == "tasks" else getattr(module, name)

@@ -2,6 +2,7 @@
 
     baton run CONFIG [--set key=value ...]     run; the last stdout line is the JSON summary
     baton check CONFIG [--set key=value ...]   validate and print the resolved config; start nothing
+    baton mooncake-master [--port N]           run a mooncake_master on 127.0.0.1 until interrupted
 
 Exit codes: 0 done, 1 the run failed (an actor raised; the message names it), 2 bad config.
 """
@@ -26,7 +27,34 @@ def _parser() -> argparse.ArgumentParser:
             "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
             help="override a config key, e.g. --set learner.lr=1e-3 (repeatable)",
         )
+    m = sub.add_parser("mooncake-master", help="run a mooncake_master on 127.0.0.1 (prints its address)")
+    m.add_argument("--port", type=int, default=None, help="RPC port (default: a free one)")
+    m.add_argument("--lease-ttl-ms", type=int, default=500, help="read lease before a key can be removed")
     return parser
+
+
+def run_mooncake_master(port: int | None, lease_ttl_ms: int) -> int:
+    import signal
+    import threading
+
+    from buffers.mooncake_master import MooncakeMaster, MooncakeUnavailable
+
+    try:
+        master = MooncakeMaster(port, lease_ttl_ms=lease_ttl_ms).start()
+    except MooncakeUnavailable as exc:
+        print(f"baton: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps({"master": master.address, "pid": master.pid}), flush=True)
+    print(f"mooncake_master on {master.address} (pid {master.pid}); Ctrl-C stops it", file=sys.stderr)
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    while not done.wait(0.5):
+        if not master.running():
+            print("baton: mooncake_master exited", file=sys.stderr)
+            return 1
+    master.stop()
+    return 0
 
 
 def load_config(path: str, overrides: list[str]):
@@ -37,6 +65,8 @@ def load_config(path: str, overrides: list[str]):
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "mooncake-master":
+        return run_mooncake_master(args.port, args.lease_ttl_ms)
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as exc:

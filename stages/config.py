@@ -5,8 +5,9 @@
     [task]       kind = "reverse-digits" | "addition" | "pkg.mod:Class" (+ its keys)
     [engine]     kind = "torch" | "pkg.mod:Class", count, batch_groups, temperature, top_p
     [rollout]    group_size
-    [store]      kind = "memory" | "pkg.mod:Class", capacity
-    [buffer]     max_refs, max_bytes, produced_channel, ready_channel
+    [store]      kind = "memory" (capacity) | "mooncake" (master, protocol, device, global_segment_size,
+                 local_buffer_size, chunk_bytes, replicas) | "pkg.mod:Class"
+    [buffer]     max_refs, max_bytes, produced_channel, produced_bytes, ready_channel, ready_bytes
     [learner]    kind = "grpo", lr, groups_per_step, clip_eps, max_grad_norm, weight_decay
     [staleness]  kind = "max-staleness", k, on_stale = "drop" | "requeue"
     [weights]    transport = "inproc"
@@ -17,6 +18,7 @@ Unknown keys and bad values fail validation, naming the key, the value and what 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -90,11 +92,35 @@ class MemoryStoreSpec(Section):
     capacity: ByteSize | None = None
 
 
+class MooncakeStoreSpec(Section):
+    """Mirrors Miles's `--mooncake-store-init-kwargs`; MOONCAKE_* environment variables give defaults."""
+
+    kind: Literal["mooncake"] = "mooncake"
+    master: str = Field(
+        default_factory=lambda: os.environ.get("MOONCAKE_MASTER_ADDR", "auto"),
+        pattern=r"^(auto|[\w.-]+:\d+)$",
+        description='"auto" starts a master on 127.0.0.1 for the run; "host:port" attaches',
+    )
+    protocol: str = Field(default_factory=lambda: os.environ.get("MOONCAKE_PROTOCOL", "tcp"))
+    device: str = Field(default_factory=lambda: os.environ.get("MOONCAKE_DEVICE", ""))
+    global_segment_size: ByteSize = ByteSize(1 << 30)
+    local_buffer_size: ByteSize = ByteSize(16 << 20)
+    chunk_bytes: ByteSize = ByteSize(64 << 20)
+    replicas: int = Field(1, ge=1)
+
+
 class BufferSpec(Section):
     max_refs: int = Field(256, ge=1)
     max_bytes: ByteSize = ByteSize(256 << 20)
     produced_channel: int = Field(64, ge=1, description="refs in flight producer -> buffer")
+    produced_bytes: ByteSize = Field(ByteSize(64 << 20), description="payload bytes in flight producer -> buffer")
     ready_channel: int = Field(16, ge=1, description="refs in flight buffer -> learner")
+    ready_bytes: ByteSize = Field(ByteSize(64 << 20), description="payload bytes in flight buffer -> learner")
+
+    @property
+    def bytes_in_flight(self) -> int:
+        """The most payload bytes the pipeline lets exist at once (channels + replay index)."""
+        return int(self.produced_bytes) + int(self.max_bytes) + int(self.ready_bytes)
 
 
 class GRPOSpec(Section):
@@ -133,7 +159,7 @@ class RunConfig(Section):
     task: kinds(ReverseDigitsSpec, AdditionSpec) = ReverseDigitsSpec()  # type: ignore[valid-type]
     engine: kinds(TorchEngineSpec) = TorchEngineSpec()  # type: ignore[valid-type]
     rollout: RolloutSpec = RolloutSpec()
-    store: kinds(MemoryStoreSpec) = MemoryStoreSpec()  # type: ignore[valid-type]
+    store: kinds(MemoryStoreSpec, MooncakeStoreSpec) = MemoryStoreSpec()  # type: ignore[valid-type]
     buffer: BufferSpec = BufferSpec()
     learner: kinds(GRPOSpec) = GRPOSpec()  # type: ignore[valid-type]
     staleness: kinds(MaxStalenessSpec) = MaxStalenessSpec()  # type: ignore[valid-type]
@@ -150,12 +176,34 @@ class RunConfig(Section):
                 )
             if self.staleness.k is None:
                 self.staleness.k = 0 if self.mode == "sync" else 2
+        if isinstance(self.store, MooncakeStoreSpec):
+            self._check_mooncake_capacity(self.store)
         if not self.model.create and not (Path(self.model.path) / "config.json").exists():
             raise ValueError(
                 f"model.path = {self.model.path!r} holds no model (no config.json) and model.create = false; "
                 "set model.create = true to make a tiny one there, or point model.path at an HF checkpoint"
             )
         return self
+
+    def _check_mooncake_capacity(self, store: MooncakeStoreSpec) -> None:
+        """Miles's rule, per node: the segment must hold every byte the pipeline lets be in flight,
+        times the replicas, below the master's eviction watermark (90 %)."""
+        need = self.buffer.bytes_in_flight * store.replicas
+        have = int(store.global_segment_size * 0.9)
+        if need > have:
+            raise ValueError(
+                f"store.global_segment_size = {store.global_segment_size.human_readable()} holds "
+                f"{ByteSize(have).human_readable()} before Mooncake evicts, but buffer.produced_bytes + "
+                f"buffer.max_bytes + buffer.ready_bytes = {ByteSize(self.buffer.bytes_in_flight).human_readable()} "
+                f"x store.replicas = {store.replicas} may be in flight; raise store.global_segment_size to at "
+                f"least {ByteSize(-(-need * 10 // 9)).human_readable()} or lower the buffer's byte bounds"
+            )
+        if store.replicas > 1 and store.master == "auto" and self.runtime == "local":
+            raise ValueError(
+                f"store.replicas = {store.replicas} needs that many processes holding segments, but with "
+                "runtime = 'local' and store.master = 'auto' only this process holds one; use replicas = 1, "
+                "or attach (store.master = 'host:port') to a cluster with more segment holders"
+            )
 
     def resolved_toml(self) -> str:
         return to_toml(self.model_dump(mode="json", exclude_none=True))
@@ -166,6 +214,7 @@ def build_pipeline(cfg: RunConfig):
     import torch
 
     from buffers.memory import MemoryStore
+    from buffers.mooncake import MooncakeSettings, MooncakeStore
     from buffers.replay import ReplayBuffer
     from pipeline.dsl import Pipeline
     from policies import MaxStaleness
@@ -195,7 +244,16 @@ def build_pipeline(cfg: RunConfig):
         "reverse-digits": lambda s: ReverseDigits(digits=s.digits),
         "addition": lambda s: Addition(),
     })
-    store = build(cfg.store, {"memory": lambda s: MemoryStore(capacity_bytes=s.capacity)})
+    store = build(cfg.store, {
+        "memory": lambda s: MemoryStore(capacity_bytes=s.capacity),
+        "mooncake": lambda s: MooncakeStore.open(
+            MooncakeSettings(
+                protocol=s.protocol, device=s.device, global_segment_size=int(s.global_segment_size),
+                local_buffer_size=int(s.local_buffer_size), chunk_bytes=int(s.chunk_bytes), replicas=s.replicas,
+            ),
+            master=s.master,
+        ),
+    })
     engine_count = getattr(cfg.engine, "count", 1)
     engines = [
         build(cfg.engine, {"torch": lambda s, i=i: TorchEngine(model, name=f"torch-{i}", seed=cfg.seed + i)})
@@ -224,8 +282,8 @@ def build_pipeline(cfg: RunConfig):
         buffer=ReplayBuffer(store, max_refs=cfg.buffer.max_refs, max_bytes=int(cfg.buffer.max_bytes)),
         consumer=learner,
         staleness=staleness,
-        produced_channel=(cfg.buffer.produced_channel, None),
-        ready_channel=(cfg.buffer.ready_channel, None),
+        produced_channel=(cfg.buffer.produced_channel, int(cfg.buffer.produced_bytes)),
+        ready_channel=(cfg.buffer.ready_channel, int(cfg.buffer.ready_bytes)),
         progress=cfg.telemetry.progress,
         config_text=cfg.resolved_toml(),
     )

@@ -13,7 +13,7 @@ import torch
 
 from buffers.memory import MemoryStore
 from buffers.replay import ReplayBuffer
-from pipeline.actor import ActorFailed
+from pipeline.actor import ActorFailed, BaseActor
 from pipeline.dsl import Pipeline
 from policies import MaxStaleness
 from stages.engines.torch import TorchEngine
@@ -115,28 +115,17 @@ def test_corrupt_payloads_are_lost_counted_and_replaced(model: Path, tmp_path: P
 
 
 def test_channel_closed_mid_run_is_a_clear_error(model: Path, tmp_path: Path) -> None:
-    def close_ready_at_version_2(ctx) -> None:
-        async def watcher() -> None:
-            await ctx.clock.wait_until(2)
-            ctx.channels["ready"].close()
+    class CloseReadyAtVersion2(BaseActor):
+        name = "closer"
 
-        ctx.services["watcher"] = watcher
+        def __init__(self, ctx) -> None:
+            self.ctx = ctx
 
-    pipe = pipeline(model, tmp_path, steps=50, hooks=[close_ready_at_version_2])
-    original = pipe.consumer.actors
+        async def run(self) -> None:
+            await self.ctx.clock.wait_until(2)
+            self.ctx.channels["ready"].close()
 
-    def actors_with_watcher(ctx, inbox, outbox):
-        from pipeline.actor import BaseActor
-
-        class Watcher(BaseActor):
-            name = "watcher"
-
-            async def run(self) -> None:
-                await ctx.services["watcher"]()
-
-        return [*original(ctx, inbox, outbox), Watcher()]
-
-    pipe.consumer.actors = actors_with_watcher  # type: ignore[method-assign]
+    pipe = pipeline(model, tmp_path, steps=50, hooks=[lambda ctx: [CloseReadyAtVersion2(ctx)]])
     with pytest.raises(ActorFailed) as err:
         pipe.run()
     assert "channel 'ready'" in str(err.value) and "closed" in str(err.value)

@@ -1,0 +1,24 @@
+"""Shared fixtures: real services, started here and stopped by their pid."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+
+
+@pytest.fixture(scope="session")
+def mooncake_master():
+    """A real mooncake_master on 127.0.0.1 (free port, 500 ms read lease), for the whole session."""
+    from buffers.mooncake_master import MooncakeMaster
+
+    master = MooncakeMaster(lease_ttl_ms=500, client_ttl_s=3).start()
+    yield master
+    master.stop()
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
