@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 
 import anyio
 import numpy as np
@@ -27,9 +26,7 @@ def payload(size: int) -> bytes:
 async def main(master: str, segment: int, args: list[str]) -> None:
     from buffers.mooncake import MooncakeSettings, MooncakeStore
 
-    store = MooncakeStore(
-        MooncakeSettings(master_server_address=master, global_segment_size=segment, replicas=int(os.environ.get("REPLICAS", "1")))
-    )
+    store = MooncakeStore(MooncakeSettings(master_server_address=master, global_segment_size=segment))
     results = []
     try:
         while args:
@@ -53,7 +50,6 @@ async def main(master: str, segment: int, args: list[str]) -> None:
         print(json.dumps(results), flush=True)
     finally:
         await store.close()
-    time.sleep(0)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ import pytest
 
 from buffers.mooncake import (
     MooncakeMasterUnreachable,
-    MooncakeNoSpace,
     MooncakeSettings,
     MooncakeStore,
     MooncakeTransferFailed,
