@@ -65,7 +65,7 @@ class MemoryStore:
         self._values[key] = view
         self._nbytes = total
 
-    async def get(self, key: str) -> memoryview:
+    async def get(self, key: str, size_hint: int | None = None) -> memoryview:
         """A read-only view of the bytes stored under `key`; `KeyNotFound` if there are none."""
         await anyio.lowlevel.checkpoint()
         try:

@@ -37,6 +37,7 @@ from buffers.store import KeyNotFound, StoreError, StoreFull
 _MANIFEST = struct.Struct("<16sQQI")  # magic, total bytes, chunk bytes, parts
 _MANIFEST_MAGIC = b"\x00baton-chunked\x00\x01"
 _PART = "#p{:04d}"
+INLINE_BYTES = 2 << 20
 
 
 class MooncakeError(StoreError):
@@ -74,11 +75,15 @@ class MooncakeMasterUnreachable(MooncakeError):
     code, reason = -900, "RPC_FAIL (the master is unreachable)"
 
 
+class MooncakeLeaseExpired(MooncakeError):
+    code, reason = -707, "LEASE_EXPIRED (the read outlasted its lease; retried)"
+
+
 class MooncakeInvalid(MooncakeError):
     code, reason = -600, "INVALID_PARAMS"
 
 
-_ERRORS = {cls.code: cls for cls in (MooncakeNoSpace, MooncakeNotFound, MooncakeLeased,
+_ERRORS = {cls.code: cls for cls in (MooncakeNoSpace, MooncakeNotFound, MooncakeLeased, MooncakeLeaseExpired,
                                     MooncakeTransferFailed, MooncakeMasterUnreachable, MooncakeInvalid)}
 
 
@@ -174,6 +179,10 @@ class MooncakeStore:
         """Upsert. While the store is full (-200) or the master is away (-900, e.g. restarting) it
         waits, up to `full_wait_s`, then raises the typed error."""
         view = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+        try:
+            return await self._call(self._put, key, view, nbytes=view.nbytes)
+        except (MooncakeNoSpace, MooncakeMasterUnreachable):
+            pass
         async for attempt in AsyncRetrying(
             retry=retry_if_exception_type((MooncakeNoSpace, MooncakeMasterUnreachable)),
             wait=wait_exponential(multiplier=0.02, max=0.5),
@@ -181,22 +190,41 @@ class MooncakeStore:
             reraise=True,
         ):
             with attempt:
-                await anyio.to_thread.run_sync(self._put, key, view)
+                await self._call(self._put, key, view, nbytes=view.nbytes)
 
-    async def get(self, key: str) -> memoryview:
-        """With replicas > 1, a get that hits a dead holder is retried until the master drops that
-        replica (its client_ttl), then served from a surviving one; with one replica it fails at once."""
-        if self.settings.replicas == 1:
-            return await anyio.to_thread.run_sync(self._get, key)
+    async def get(self, key: str, size_hint: int | None = None) -> memoryview:
+        """The value of `key`. `size_hint` (a Ref's nbytes) saves the size lookup and is checked: a
+        value of another size raises MooncakeTransferFailed.
+
+        A read whose lease expired mid-transfer (-707) is retried. With replicas > 1, a get that hits
+        a dead holder is retried until the master drops that replica (its client_ttl), then served
+        from a surviving copy; with one replica that failure is raised at once."""
+        nbytes = size_hint or 0
+        try:
+            return await self._call(self._get, key, size_hint, nbytes=nbytes)
+        except (MooncakeTransferFailed, MooncakeLeaseExpired) as exc:
+            if isinstance(exc, MooncakeTransferFailed) and self.settings.replicas == 1:
+                raise
+        retry_on: tuple[type[MooncakeError], ...] = (MooncakeLeaseExpired,)
+        if self.settings.replicas > 1:
+            retry_on = (MooncakeLeaseExpired, MooncakeTransferFailed)
         async for attempt in AsyncRetrying(
-            retry=retry_if_exception_type(MooncakeTransferFailed),
+            retry=retry_if_exception_type(retry_on),
             wait=wait_exponential(multiplier=0.1, max=1.0),
             stop=stop_after_delay(self.settings.failover_s),
             reraise=True,
         ):
             with attempt:
-                return await anyio.to_thread.run_sync(self._get, key)
+                return await self._call(self._get, key, size_hint, nbytes=nbytes)
         raise AssertionError("unreachable")
+
+    async def _call(self, fn, *args, nbytes: int):
+        """Small transfers run inline (about a millisecond; a thread hop would double it); large
+        ones in a worker thread so the event loop keeps serving the other actors."""
+        if nbytes and nbytes <= INLINE_BYTES:
+            await anyio.lowlevel.checkpoint()
+            return fn(*args)
+        return await anyio.to_thread.run_sync(fn, *args)
 
     async def remove(self, key: str) -> int:
         async for attempt in AsyncRetrying(
@@ -272,26 +300,34 @@ class MooncakeStore:
             raise error_for(key, size, "get_size")
         return size
 
-    def _read(self, keys: list[str], buf: np.ndarray, sizes: list[int]) -> None:
+    def _read(self, keys: list[str], buf: np.ndarray, sizes: list[int], exact: bool = True) -> list[int]:
+        """Read each key into its slice of `buf`; with exact=False a slice may be larger than the value."""
         offsets = np.cumsum([0, *sizes[:-1]])
         ptrs = [buf.ctypes.data + int(o) for o in offsets]
         got = self._client.batch_get_into(keys, ptrs, sizes)
         for k, n, want in zip(keys, got, sizes, strict=True):
             if n < 0:
                 raise error_for(k, n, "get")
-            if n != want:
+            if exact and n != want:
                 raise MooncakeTransferFailed(k, op=f"get (read {n} of {want} bytes)")
+        return got
 
-    def _get(self, key: str) -> memoryview:
-        size = self._size(key)
-        buf = self.pool.take(size)
-        self._read([key], buf, [size])
-        if size == _MANIFEST.size and bytes(buf[:16]) == _MANIFEST_MAGIC:
+    def _get(self, key: str, size_hint: int | None = None) -> memoryview:
+        size = size_hint if size_hint else self._size(key)
+        buf = self.pool.take(max(size, _MANIFEST.size))
+        try:
+            (n,) = self._read([key], buf, [buf.nbytes], exact=False)
+        except MooncakeInvalid:  # the buffer was too small: the value is larger than the hint said
+            n = self._size(key)
+        if n == _MANIFEST.size and bytes(buf[:16]) == _MANIFEST_MAGIC:
             _, total, chunk, parts = _MANIFEST.unpack_from(buf)
             buf = self.pool.take(total)
             sizes = [min(chunk, total - i * chunk) for i in range(parts)]
             self._read([key + _PART.format(i) for i in range(parts)], buf, sizes)
-        return memoryview(buf).toreadonly()
+            n = total
+        if size_hint and n != size_hint:
+            raise MooncakeTransferFailed(key, op=f"get (the value has {n} bytes, the ref says {size_hint})")
+        return memoryview(buf[:n]).toreadonly()
 
     def _remove(self, key: str) -> int:
         rc = self._client.remove(key)

@@ -196,7 +196,7 @@ class LearnerActor(BaseActor):
         """The decoded payload, or None when it is gone or corrupt: then its samples are counted as
         lost, the slot is freed and the group's prompt goes back to the producer to be redone."""
         try:
-            payload = await with_retries(lambda: self.store.get(ref.key))
+            payload = await with_retries(lambda: self.store.get(ref.key, size_hint=ref.nbytes))
             return decode(payload)
         except (StoreError, CodecError) as exc:
             reason = f"{type(exc).__name__}: {exc}"

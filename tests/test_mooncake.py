@@ -282,3 +282,12 @@ def test_missing_libibverbs_names_the_package(monkeypatch) -> None:
     monkeypatch.setattr(builtins, "__import__", fake_import)
     with pytest.raises(MooncakeUnavailable, match="apt-get install -y libibverbs1"):
         require_mooncake()
+
+
+async def test_size_hint_skips_the_lookup_and_is_checked(holder) -> None:
+    data = payload(300_000)
+    await holder.put("sh/v00000000/g/0", data)
+    assert await holder.get("sh/v00000000/g/0", size_hint=len(data)) == memoryview(data)
+    for wrong in (1000, 400_000):  # a ref that disagrees with the store is an error, not data
+        with pytest.raises(MooncakeTransferFailed, match=f"the value has 300000 bytes, the ref says {wrong}"):
+            await holder.get("sh/v00000000/g/0", size_hint=wrong)

@@ -48,8 +48,8 @@ class CorruptingStore(MemoryStore):
         super().__init__()
         self.every, self.gets, self.corrupted = every, 0, 0
 
-    async def get(self, key: str) -> memoryview:
-        view = await super().get(key)
+    async def get(self, key: str, size_hint: int | None = None) -> memoryview:
+        view = await super().get(key, size_hint)
         self.gets += 1
         if self.gets % self.every:
             return view
