@@ -17,10 +17,6 @@ SHORT = 0.05
 LONG = 2.0
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
 
 @dataclass(frozen=True)
 class Item:

@@ -27,10 +27,6 @@ BOS = 1
 PROMPTS = [[BOS, 4, 5, 16], [BOS, 9, 3, 7, 11, 16], [BOS, 6, 16], [BOS, 12, 13, 14, 15, 3, 4, 16]]
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
 
 @pytest.fixture(scope="module")
 def model_a(tmp_path_factory):

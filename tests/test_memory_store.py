@@ -13,10 +13,6 @@ from pipeline.refs import make_key, older_than_pattern
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
 
 def test_is_an_object_store() -> None:
     store = MemoryStore()

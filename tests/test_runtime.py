@@ -17,10 +17,6 @@ SHORT = 0.05
 LONG = 2.0
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
 
 class Recorder(BaseActor):
     """An actor that logs its lifecycle into a shared list."""
