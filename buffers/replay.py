@@ -2,7 +2,7 @@
 
 Guarantees:
 * every ref received is either forwarded to the consumer exactly once or expired exactly once
-  (handed to the run's `dispose` service, which accounts for it); none is silently forgotten;
+  (handed to `pipeline.context.refuse`, which accounts for it per the policy); none is silently forgotten;
 * refs are forwarded FIFO (oldest first);
 * at most `max_refs` refs / `max_bytes` payload bytes are held; beyond that the buffer stops
   receiving, so backpressure reaches the producers through the bounded channel;
@@ -20,7 +20,7 @@ import anyio
 from buffers.store import ObjectStore
 from pipeline.actor import BaseActor
 from pipeline.channel import Channel
-from pipeline.dsl import RunContext
+from pipeline.context import RunContext, refuse
 from pipeline.refs import Ref
 
 
@@ -53,6 +53,7 @@ class ReplayActor(BaseActor):
         self.nbytes = 0
         self.evicted = 0
         self._changed = anyio.Event()
+        self._frees = None
 
     async def stop(self) -> None:
         await self.spec.store.close()
@@ -62,6 +63,7 @@ class ReplayActor(BaseActor):
 
     async def run(self) -> None:
         async with anyio.create_task_group() as tg:
+            self._frees = tg
             tg.start_soon(self._receive)
             tg.start_soon(self._evict_on_version)
             await self._forward()
@@ -97,8 +99,7 @@ class ReplayActor(BaseActor):
             await self.outbox.send(ref)
 
     async def _evict_on_version(self) -> None:
-        dispose = self.ctx.services["dispose"]
-        version = self.ctx.clock.version
+        version = await self.ctx.clock.current()
         while True:
             version = await self.ctx.clock.wait_change(version)
             expired = [ref for ref in self.index if self._expired(ref, version)]
@@ -110,4 +111,4 @@ class ReplayActor(BaseActor):
             self.evicted += len(expired)
             self._poke()
             for ref in expired:
-                await dispose(ref, version)
+                await refuse(self.ctx, ref, version, self.spec.store, self._frees)

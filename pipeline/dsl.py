@@ -18,7 +18,6 @@ a reward or a gradient is.
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -26,58 +25,14 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import anyio
-import msgspec
 
 from pipeline.actor import Actor, ActorFailed
 from pipeline.admission import AdmissionGate
 from pipeline.channel import Channel
+from pipeline.context import LocalClock, LocalGate, LocalLedger, RunContext, VersionPolicy
 from pipeline.ledger import Ledger
-from pipeline.telemetry import Panel, Progress, RunFolder, get_logger, render_report
+from pipeline.telemetry import Panel, Progress, RunFolder, render_report
 from pipeline.versions import VersionClock
-
-
-class VersionPolicy(Protocol):
-    """What the pipeline needs of a staleness policy (see policies.staleness)."""
-
-    @property
-    def bound(self) -> int: ...
-
-    def admit(self, version: int, started: int, discarded: int, groups_per_step: int) -> bool: ...
-
-    def accept(self, learner_version: int, oldest_version: int) -> str: ...
-
-
-class Redo(msgspec.Struct, frozen=True):
-    """Feedback to the producer: the work unit `group` must be produced again (its result was
-    lost, or refused by the policy). The producer remembers what each unit was made from."""
-
-    group: str
-    reason: str
-
-
-@dataclass
-class RunContext:
-    """Everything the stages of one run share. Single event loop: no locks needed."""
-
-    run: str
-    seed: int
-    steps: int
-    clock: VersionClock
-    ledger: Ledger
-    gate: AdmissionGate
-    policy: VersionPolicy
-    feedback: Channel
-    folder: RunFolder
-    channels: dict[str, Channel] = field(default_factory=dict)
-    services: dict[str, Any] = field(default_factory=dict)
-    started_at: float = field(default_factory=time.perf_counter)
-
-    def rng(self, stream: str) -> random.Random:
-        """A reproducible random stream per named user, derived from the run seed."""
-        return random.Random(f"{self.seed}:{stream}")
-
-    def log(self, name: str):
-        return get_logger(name).bind(run=self.run)
 
 
 @runtime_checkable
@@ -91,9 +46,13 @@ class Stage(Protocol):
 class Consumer(Stage, Protocol):
     units_per_version: int
 
-    def summary(self) -> dict[str, Any]: ...
+    def summary(self, records: list[dict]) -> dict[str, Any]:
+        """Figures for the run summary, from the consumer's metric records."""
+        ...
 
-    def progress(self) -> dict[str, Any]: ...
+    def progress(self, last: dict | None) -> dict[str, Any]:
+        """Fields for the progress line, from the latest metric record."""
+        ...
 
     def report_panels(self, records: list[dict]) -> list[Panel]: ...
 
@@ -130,18 +89,20 @@ class Pipeline:
         folder = RunFolder.create(self.run_root, self.name)
         if self.config_text is not None:
             folder.write_text("config.toml", self.config_text)
-        clock = VersionClock()
+        clock, ledger = VersionClock(), Ledger(max_uses=self.max_uses)
+        gate = AdmissionGate(clock, self.staleness, self.consumer.units_per_version)
         ctx = RunContext(
             run=self.name,
             seed=self.seed,
             steps=self.steps,
-            clock=clock,
-            ledger=Ledger(max_uses=self.max_uses),
-            gate=AdmissionGate(clock, self.staleness, self.consumer.units_per_version),
+            clock=LocalClock(clock),
+            ledger=LocalLedger(ledger),
+            gate=LocalGate(gate),
             policy=self.staleness,
             feedback=Channel("feedback", max_items=1 << 20),
             folder=folder,
         )
+        self._local = (clock, ledger, gate)
         produced = Channel("produced", max_items=self.produced_channel[0], max_bytes=self.produced_channel[1])
         ready = Channel("ready", max_items=self.ready_channel[0], max_bytes=self.ready_channel[1])
         ctx.channels.update(produced=produced, ready=ready, feedback=ctx.feedback)
@@ -172,14 +133,14 @@ class Pipeline:
         finally:
             for channel in ctx.channels.values():
                 channel.close()
-            ctx.ledger.write(folder.path / "ledger.json")
+            ledger.write(folder.path / "ledger.json")
             records = folder.read_metrics()
             render_report(folder.path / "report.png", records, self.consumer.report_panels(records), title=title)
             if failure is not None:
-                log.error("run failed", folder=str(folder.path), ledger=ctx.ledger.counts(), error=str(failure))
+                log.error("run failed", folder=str(folder.path), ledger=ledger.counts(), error=str(failure))
         if failure is not None:
             raise failure
-        summary = self._summary(ctx)
+        summary = self._summary(ctx, records)
         folder.write_json("summary.json", summary)
         folder.close()
         log.info("run finished", **{k: summary[k] for k in ("version", "wall_s", "samples_per_s")})
@@ -189,24 +150,25 @@ class Pipeline:
         while True:
             depths = {n: f"{c.depth}/{c.max_items}" for n, c in ctx.channels.items() if n != "feedback"}
             progress.update(
-                version=f"{ctx.clock.version}/{self.steps}",
-                **self.consumer.progress(),
+                version=f"{self._local[0].version}/{self.steps}",
+                **self.consumer.progress(ctx.folder.latest_metrics()),
                 **depths,
             )
             await anyio.sleep(0.25)
 
-    def _summary(self, ctx: RunContext) -> dict[str, Any]:
-        counts = ctx.ledger.counts()
+    def _summary(self, ctx: RunContext, records: list[dict]) -> dict[str, Any]:
+        clock, ledger, _ = self._local
+        counts = ledger.counts()
         wall = time.perf_counter() - ctx.started_at
         return {
             "run_dir": str(ctx.folder.path),
             "steps": self.steps,
-            "version": ctx.clock.version,
-            **self.consumer.summary(),
+            "version": clock.version,
+            **self.consumer.summary(records),
             "staleness_bound": self.staleness.bound,
             "samples": {k: counts[k] for k in ("produced", "trained", "dropped", "lost", "regenerated")},
             "in_flight": counts["in_flight"],
-            "ledger_balanced": ctx.ledger.balanced(),
+            "ledger_balanced": ledger.balanced(),
             "wall_s": round(wall, 2),
             "samples_per_s": round(counts["trained"] / wall, 1) if wall > 0 else 0.0,
         }

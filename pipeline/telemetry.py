@@ -131,6 +131,8 @@ class RunFolder:
     def __init__(self, path: Path | str) -> None:
         self.path = Path(path)
         self._metrics: IO[str] | None = None
+        self._tail_offset = 0
+        self._latest: dict[str, Any] | None = None
 
     @classmethod
     def create(cls, root: Path | str, name: str) -> RunFolder:
@@ -171,6 +173,27 @@ class RunFolder:
             self._metrics = open(self.path / METRICS_FILE, "a", encoding="utf-8")
         self._metrics.write(_json_dumps(record) + "\n")
         self._metrics.flush()
+
+    def latest_metrics(self) -> dict[str, Any] | None:
+        """The last complete record of metrics.jsonl (read incrementally: cheap to poll, and it
+        sees records other processes append to the same file)."""
+        path = self.path / "metrics.jsonl"
+        if not path.exists():
+            return None
+        with path.open("rb") as f:
+            f.seek(self._tail_offset)
+            data = f.read()
+        end = data.rfind(b"\n")
+        if end >= 0:
+            lines = data[: end + 1].splitlines()
+            self._tail_offset += end + 1
+            for line in reversed(lines):
+                try:
+                    self._latest = json.loads(line)
+                    break
+                except ValueError:
+                    continue
+        return self._latest
 
     def read_metrics(self) -> list[dict[str, Any]]:
         """All records of `metrics.jsonl`, in order; a torn last line (crash mid-write) is ignored."""

@@ -13,7 +13,7 @@ Compute runs in a worker thread so the engine can decode at the same time.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ from buffers.retry import with_retries
 from buffers.store import ObjectStore, StoreError
 from pipeline.actor import BaseActor
 from pipeline.channel import Channel, ChannelClosed
-from pipeline.dsl import Redo, RunContext
+from pipeline.context import RunContext, free, redo, refuse
 from pipeline.refs import Ref
 from pipeline.telemetry import Panel
 from policies.staleness import staleness
@@ -50,7 +50,6 @@ class GRPOLearner:
     weight_decay: float = 0.0
     temperature: float = 1.0
     weights: str | WeightTransport = "inproc"
-    history: list[dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
@@ -67,37 +66,31 @@ class GRPOLearner:
         transport = TRANSPORTS[self.weights]() if isinstance(self.weights, str) else self.weights
         for receiver in ctx.services.get("weight_receivers", []):
             transport.subscribe(receiver)
-        actor = LearnerActor(self, ctx, inbox, transport)
-        ctx.services["dispose"] = actor.dispose
-        return [actor]
+        return [LearnerActor(self, ctx, inbox, transport)]
 
     # -- what the pipeline shows and returns -------------------------------------------------
-    def summary(self) -> dict[str, Any]:
-        h = self.history
-        window = max(1, min(5, len(h) // 4 or 1))
+    def summary(self, records: list[dict]) -> dict[str, Any]:
+        """reward_start / reward_end: mean train reward of the first / last few steps (a quarter of
+        the run, at most 5); max_staleness_trained: over every trained group."""
+        window = max(1, min(5, len(records) // 4))
         mean = lambda rows: round(float(np.mean([r["reward"] for r in rows])), 4) if rows else None  # noqa: E731
         return {
-            "reward_start": mean(h[:window]),
-            "reward_end": mean(h[-window:]),
-            "max_staleness_trained": max((r["staleness_max"] for r in h), default=None),
+            "reward_start": mean(records[:window]),
+            "reward_end": mean(records[-window:]),
+            "max_staleness_trained": max((r["staleness_max"] for r in records), default=None),
         }
 
-    def progress(self) -> dict[str, Any]:
-        if not self.history:
+    def progress(self, last: dict | None) -> dict[str, Any]:
+        if not last:
             return {}
-        last = self.history[-1]
-        return {
-            "reward": last["reward"],
-            "staleness": last["staleness_mean"],
-            "samples/s": last["samples_per_s"],
-            "dropped": last["dropped_total"],
-        }
+        return {"reward": last["reward"], "staleness": last["staleness_mean"], "samples/s": last["samples_per_s"]}
 
     def report_panels(self, records: list[dict]) -> list[Panel]:
         trained_staleness = [s for r in records for s in r.get("staleness_hist", [])]
         return [
             Panel("mean reward per step", "line", x="version", y=["reward"]),
-            Panel("staleness of trained samples", "hist", values=trained_staleness, bins=10),
+            Panel("staleness of trained groups", "hist", values=trained_staleness,
+                  bins=max(trained_staleness, default=0) + 1),
             Panel("throughput (trained samples/s)", "line", x="t", y=["samples_per_s"]),
             Panel("loss", "line", x="version", y=["loss"]),
         ]
@@ -111,7 +104,6 @@ class LearnerActor(BaseActor):
         self.log = ctx.log("learner")
         self.model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
-        self.dropped_total = 0
         self._frees: anyio.abc.TaskGroup | None = None
 
     @property
@@ -136,24 +128,24 @@ class LearnerActor(BaseActor):
         self._frees = None
 
     async def _train(self) -> None:
-        ctx, spec = self.ctx, self.spec
+        ctx = self.ctx
         t_start = time.perf_counter()
         trained_samples = 0
-        while ctx.clock.version < ctx.steps:
-            version = ctx.clock.version
+        version = await ctx.clock.current()  # the learner is the clock's only writer
+        while version < ctx.steps:
             refs, batches = await self._collect(version)
             t0 = time.perf_counter()
             stats = await anyio.to_thread.run_sync(self._step, batches)
             step_s = time.perf_counter() - t0
             await self.transport.publish(version + 1, self.model.state_dict())
-            ctx.clock.advance(version + 1)
+            await ctx.clock.advance_to(version + 1)
             for ref in refs:
-                ctx.ledger.trained(ref.item_ids, at_version=version)
-                self._free_later(ref)
+                await ctx.ledger.trained(ref.item_ids, at_version=version)
+                await free(ctx, ref, self.store, self._frees)
             trained_samples += sum(r.rows for r in refs)
             stale = [staleness(version, r.version) for r in refs]
             elapsed = time.perf_counter() - t_start
-            record = {
+            ctx.folder.log_metrics({
                 "version": version + 1,
                 "t": round(time.perf_counter() - ctx.started_at, 3),
                 "reward": round(float(np.mean([b.row_fields["rewards"].mean() for b in batches])), 4),
@@ -162,13 +154,9 @@ class LearnerActor(BaseActor):
                 "staleness_hist": stale,
                 "samples_per_s": round(trained_samples / elapsed, 1),
                 "step_s": round(step_s, 4),
-                "dropped_total": self.dropped_total,
-                "gate_wait_s": round(ctx.gate.wait_s, 3),
-                **{f"depth_{n}": c.depth for n, c in ctx.channels.items()},
                 **stats,
-            }
-            spec.history.append(record)
-            ctx.folder.log_metrics(record)
+            })
+            version += 1
 
     async def _collect(self, version: int) -> tuple[list[Ref], list[RolloutBatch]]:
         refs: list[Ref] = []
@@ -184,7 +172,7 @@ class LearnerActor(BaseActor):
             if ref.store != self.store.name:
                 raise ValueError(f"ref {ref.key} comes from store {ref.store!r}, not {self.store.name!r}")
             if self.ctx.policy.accept(version, ref.version) != "train":
-                await self.dispose(ref, version)
+                await refuse(self.ctx, ref, version, self.store, self._frees)
                 continue
             batch = await self._load(ref)
             if batch is not None:
@@ -201,39 +189,8 @@ class LearnerActor(BaseActor):
         except (StoreError, CodecError) as exc:
             reason = f"{type(exc).__name__}: {exc}"
             self.log.warning("payload lost", key=ref.key, error=reason)
-            self.ctx.ledger.lost(ref.item_ids, reason)
-            await self._redo(ref, reason)
+            await redo(self.ctx, ref, "lost", reason, self.store, self._frees)
             return None
-
-    async def dispose(self, ref: Ref, version: int) -> None:
-        """Account for a ref the policy refuses at `version`: drop it, or requeue its prompt."""
-        verdict = self.ctx.policy.accept(version, ref.version)
-        reason = f"stale: {staleness(version, ref.version)} > {self.ctx.policy.bound}"
-        if verdict == "requeue":
-            self.ctx.ledger.regenerated(ref.item_ids, reason)
-            await self._redo(ref, reason)
-        else:
-            self.ctx.ledger.dropped(ref.item_ids, reason)
-            self.dropped_total += ref.rows
-            self.ctx.gate.discard(1)
-            self._free_later(ref)
-
-    async def _redo(self, ref: Ref, reason: str) -> None:
-        self.ctx.gate.discard(1)  # frees the slot the redone group will take
-        await self.ctx.feedback.send(Redo(ref.group, reason))
-        self._free_later(ref)
-
-    def _free_later(self, ref: Ref) -> None:
-        """Remove the payload in the background (a store may hold a read lease for a while)."""
-        if self._frees is None:
-            raise RuntimeError("the learner is not running")
-        self._frees.start_soon(self._free, ref)
-
-    async def _free(self, ref: Ref) -> None:
-        try:
-            await self.store.remove(ref.key)
-        except StoreError as exc:  # a leaked key costs memory, not correctness
-            self.log.warning("could not remove payload", key=ref.key, error=str(exc))
 
     def _step(self, batches: list[RolloutBatch]) -> dict[str, float]:
         model, opt, spec = self.model, self.optimizer, self.spec

@@ -24,7 +24,7 @@ from buffers.retry import with_retries
 from buffers.store import ObjectStore
 from pipeline.actor import BaseActor
 from pipeline.channel import Channel
-from pipeline.dsl import Redo, RunContext
+from pipeline.context import Redo, RunContext
 from pipeline.refs import Ref, make_key
 from stages.engines.base import Completion, Engine, SamplingParams
 from stages.model import load_tokenizer
@@ -88,12 +88,8 @@ class RolloutWorker(BaseActor):
         await self.engine.stop()
 
     async def run(self) -> None:
-        gate, spec = self.ctx.gate, self.spec
         while True:
-            await gate.acquire()
-            n = 1
-            while n < spec.batch_groups and gate.try_acquire():
-                n += 1
+            n = await self.ctx.gate.acquire_many(self.spec.batch_groups)
             prompts = [self._next_prompt() for _ in range(n)]
             await self._produce(prompts)
 
@@ -109,12 +105,13 @@ class RolloutWorker(BaseActor):
         self.spec.stats["redone"] = self.spec.stats.get("redone", 0) + 1
         return prompt
 
-    def _forget_finished(self) -> None:
+    async def _forget_finished(self) -> None:
         """Drop prompts of groups whose samples reached a final fate (bounded by admission anyway)."""
-        ledger = self.ctx.ledger
-        done = [g for g in self.spec.issued if ledger[f"{g}/0"].fate in ("trained", "dropped")]
-        for g in done:
-            del self.spec.issued[g]
+        groups = list(self.spec.issued)
+        fates = await self.ctx.ledger.fates([f"{g}/0" for g in groups])
+        for g, fate in zip(groups, fates, strict=True):
+            if fate in ("trained", "dropped"):
+                del self.spec.issued[g]
 
     async def _produce(self, prompts: list[Prompt]) -> None:
         spec, tok = self.spec, self.spec.tokenizer
@@ -167,8 +164,8 @@ class RolloutWorker(BaseActor):
             store=self.store.name, key=key, version=lo, version_max=hi, rows=len(group),
             nbytes=payload.nbytes, checksum=peek(payload).checksum, group=group_id,
         )
-        ctx.ledger.produced(ref.item_ids, group_id, (lo, hi))
+        await ctx.ledger.produced(ref.item_ids, group_id, (lo, hi))
         spec.issued[group_id] = prompt
         if len(spec.issued) > 4 * ctx.gate.units_per_version * (ctx.policy.bound + 2):
-            self._forget_finished()
+            await self._forget_finished()
         await self.outbox.send(ref)

@@ -1,0 +1,201 @@
+"""RunContext: what the stages of one run share, behind small async interfaces.
+
+Stage code talks to the run's clock, admission gate and ledger only through `await`ed calls, so the
+same code runs whether they live in this process (local runtime: thin async facades over
+`VersionClock`, `AdmissionGate` and `Ledger`) or in another one (Ray runtime: proxies of a conductor
+actor). Channels have the same async surface either way.
+
+It also holds the one place that decides what happens to a unit of work that will not be consumed
+(`refuse`, `redo`), used by the buffer (eviction) and the consumer (acceptance, lost payloads) alike.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import msgspec
+
+from pipeline.admission import AdmissionGate
+from pipeline.ledger import Ledger
+from pipeline.refs import Ref
+from pipeline.telemetry import RunFolder, get_logger
+from pipeline.versions import VersionClock
+
+
+class VersionPolicy(Protocol):
+    """What the pipeline needs of a staleness policy (see policies.staleness)."""
+
+    @property
+    def bound(self) -> int: ...
+
+    def admit(self, version: int, started: int, discarded: int, groups_per_step: int) -> bool: ...
+
+    def accept(self, learner_version: int, oldest_version: int) -> str: ...
+
+
+class Clock(Protocol):
+    async def current(self) -> int: ...
+
+    async def advance_to(self, version: int) -> None: ...
+
+    async def wait_change(self, seen: int) -> int: ...
+
+    async def wait_until(self, version: int) -> int: ...
+
+
+class Gate(Protocol):
+    units_per_version: int
+
+    async def acquire_many(self, max_units: int) -> int:
+        """Wait for at least one unit, take up to `max_units`; returns how many were taken."""
+        ...
+
+    async def discard(self, units: int) -> None: ...
+
+
+class LedgerClient(Protocol):
+    async def produced(self, ids: list[str], group: str, versions: tuple[int, int]) -> None: ...
+
+    async def trained(self, ids: list[str], at_version: int) -> None: ...
+
+    async def finished(self, fate: str, ids: list[str], reason: str) -> None:
+        """fate: "dropped" | "lost" | "regenerated"."""
+        ...
+
+    async def fates(self, ids: list[str]) -> list[str]: ...
+
+
+class Redo(msgspec.Struct, frozen=True):
+    """Feedback to the producer: the work unit `group` must be produced again (its result was
+    lost, or refused by the policy). The producer remembers what each unit was made from."""
+
+    group: str
+    reason: str
+
+
+class LocalClock:
+    def __init__(self, clock: VersionClock) -> None:
+        self.clock = clock
+
+    async def current(self) -> int:
+        return self.clock.version
+
+    async def advance_to(self, version: int) -> None:
+        self.clock.advance(version)
+
+    async def wait_change(self, seen: int) -> int:
+        return await self.clock.wait_change(seen)
+
+    async def wait_until(self, version: int) -> int:
+        return await self.clock.wait_until(version)
+
+
+class LocalGate:
+    def __init__(self, gate: AdmissionGate) -> None:
+        self.gate = gate
+        self.units_per_version = gate.units_per_version
+
+    async def acquire_many(self, max_units: int) -> int:
+        await self.gate.acquire()
+        taken = 1
+        while taken < max_units and self.gate.try_acquire():
+            taken += 1
+        return taken
+
+    async def discard(self, units: int) -> None:
+        self.gate.discard(units)
+
+
+class LocalLedger:
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+
+    async def produced(self, ids: list[str], group: str, versions: tuple[int, int]) -> None:
+        self.ledger.produced(ids, group, versions)
+
+    async def trained(self, ids: list[str], at_version: int) -> None:
+        self.ledger.trained(ids, at_version)
+
+    async def finished(self, fate: str, ids: list[str], reason: str) -> None:
+        getattr(self.ledger, fate)(ids, reason)
+
+    async def fates(self, ids: list[str]) -> list[str]:
+        return [self.ledger[i].fate for i in ids]
+
+
+@dataclass
+class RunContext:
+    """Everything the stages of one run share. `services` is per process (stores, receivers)."""
+
+    run: str
+    seed: int
+    steps: int
+    clock: Clock
+    ledger: LedgerClient
+    gate: Gate
+    policy: VersionPolicy
+    feedback: Any  # a Channel of Redo (local or Ray-hosted)
+    folder: RunFolder
+    channels: dict[str, Any] = field(default_factory=dict)
+    services: dict[str, Any] = field(default_factory=dict)
+    started_at: float = field(default_factory=time.perf_counter)
+
+    def rng(self, stream: str) -> random.Random:
+        """A reproducible random stream per named user, derived from the run seed."""
+        return random.Random(f"{self.seed}:{stream}")
+
+    def log(self, name: str):
+        return get_logger(name).bind(run=self.run)
+
+
+async def redo(ctx: RunContext, ref: Ref, fate: str, reason: str, store: Any, frees: Any = None) -> None:
+    """`ref`'s unit will not be consumed: record its items as `fate` ("lost" or "regenerated"),
+    free its admission slot, ask the producer to make it again, and free its payload."""
+    await ctx.ledger.finished(fate, ref.item_ids, reason)
+    await ctx.gate.discard(1)
+    await ctx.feedback.send(Redo(ref.group, reason))
+    await free(ctx, ref, store, frees)
+
+
+async def refuse(ctx: RunContext, ref: Ref, version: int, store: Any, frees: Any = None) -> str:
+    """Apply the policy's verdict on a unit it does not accept at `version`; returns the verdict.
+
+    drop: its items are recorded dropped (with the staleness in the reason) and the slot freed;
+    requeue: they are recorded regenerated and the producer makes the unit again."""
+    verdict = ctx.policy.accept(version, ref.version)
+    if verdict == "train":
+        raise ValueError(f"refuse() called for {ref.key}, which the policy accepts at version {version}")
+    reason = f"stale: {version - ref.version} > {ctx.policy.bound}"
+    if verdict == "requeue":
+        await redo(ctx, ref, "regenerated", reason, store, frees)
+    else:
+        await ctx.ledger.finished("dropped", ref.item_ids, reason)
+        await ctx.gate.discard(1)
+        await free(ctx, ref, store, frees)
+    return verdict
+
+
+async def free(ctx: RunContext, ref: Ref, store: Any, frees: Any = None) -> None:
+    """Remove `ref`'s payload; in the background when given a task group `frees` (a store may
+    hold a read lease for a while, and nobody should wait for that)."""
+    if frees is not None:
+        frees.start_soon(_remove, ctx, ref, store)
+    else:
+        await _remove(ctx, ref, store)
+
+
+async def _remove(ctx: RunContext, ref: Ref, store: Any) -> None:
+    try:
+        await store.remove(ref.key)
+    except Exception as exc:  # a leaked key costs memory, not correctness
+        ctx.log("free").warning("could not remove payload", key=ref.key, error=f"{type(exc).__name__}: {exc}")
+
+
+__all__: Sequence[str] = [
+    "Clock", "Gate", "LedgerClient", "LocalClock", "LocalGate", "LocalLedger", "Redo", "RunContext",
+    "VersionPolicy", "free", "redo", "refuse",
+]
