@@ -11,12 +11,14 @@ It also holds the one place that decides what happens to a unit of work that wil
 
 from __future__ import annotations
 
+import inspect
 import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import anyio
 import msgspec
 
 from pipeline.admission import AdmissionGate
@@ -58,7 +60,9 @@ class Gate(Protocol):
 
 
 class LedgerClient(Protocol):
-    async def produced(self, ids: list[str], group: str, versions: tuple[int, int]) -> None: ...
+    async def produced(self, ids: list[str], group: str, versions: tuple[int, int], source: bytes) -> None: ...
+
+    async def take_source(self, group: str) -> bytes: ...
 
     async def trained(self, ids: list[str], at_version: int) -> None: ...
 
@@ -114,8 +118,11 @@ class LocalLedger:
     def __init__(self, ledger: Ledger) -> None:
         self.ledger = ledger
 
-    async def produced(self, ids: list[str], group: str, versions: tuple[int, int]) -> None:
-        self.ledger.produced(ids, group, versions)
+    async def produced(self, ids: list[str], group: str, versions: tuple[int, int], source: bytes) -> None:
+        self.ledger.produced(ids, group, versions, source)
+
+    async def take_source(self, group: str) -> bytes:
+        return self.ledger.take_source(group)
 
     async def trained(self, ids: list[str], at_version: int) -> None:
         self.ledger.trained(ids, at_version)
@@ -150,6 +157,14 @@ class RunContext:
 
     def log(self, name: str):
         return get_logger(name).bind(run=self.run)
+
+    async def poll_feedback(self) -> Redo | None:
+        """The next Redo waiting in the feedback channel, or None (never waits)."""
+        try:
+            got = self.feedback.receive_nowait()
+            return await got if inspect.isawaitable(got) else got  # a Ray-hosted channel answers async
+        except (anyio.WouldBlock, anyio.EndOfStream):
+            return None
 
 
 async def redo(ctx: RunContext, ref: Ref, fate: str, reason: str, store: Any, frees: Any = None) -> None:

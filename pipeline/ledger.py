@@ -14,6 +14,10 @@ Invariants, checked by `violations()` and asserted by the tests:
 * no item is consumed more than `max_uses` times, and a terminal item is never consumed
   (illegal transitions raise `LedgerError` at once: they are bugs, not outcomes);
 * an item's recorded versions are [oldest, newest] with oldest <= newest.
+
+The ledger also keeps, per group, what the group was made from (`source`, opaque bytes such as an
+encoded prompt) until the group is trained or dropped, so work that was lost or requeued can be
+redone exactly (`take_source`) by whichever producer picks it up.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ class Ledger:
         self.max_uses = max_uses
         self._items: dict[str, ItemRecord] = {}
         self._counts: Counter[str] = Counter()
+        self._sources: dict[str, bytes] = {}
 
     def __len__(self) -> int:
         return len(self._items)
@@ -57,7 +62,7 @@ class Ledger:
     def __getitem__(self, item_id: str) -> ItemRecord:
         return self._items[item_id]
 
-    def produced(self, ids: Iterable[str], group: str, versions: tuple[int, int]) -> None:
+    def produced(self, ids: Iterable[str], group: str, versions: tuple[int, int], source: bytes | None = None) -> None:
         lo, hi = versions
         if lo > hi:
             raise LedgerError(f"versions must be [oldest, newest], got {versions}")
@@ -70,6 +75,15 @@ class Ledger:
         for item_id in ids:
             self._items[item_id] = ItemRecord(id=item_id, group=group, versions=(lo, hi))
             self._counts["in_flight"] += 1
+        if source is not None:
+            self._sources[group] = source
+
+    def take_source(self, group: str) -> bytes:
+        """What `group` was made from (given at `produced`), for redoing it; forgotten once taken."""
+        try:
+            return self._sources.pop(group)
+        except KeyError:
+            raise LedgerError(f"no source recorded for group {group!r} (never produced, or already done)") from None
 
     def trained(self, ids: Iterable[str], at_version: int) -> None:
         for item_id in ids:
@@ -141,6 +155,8 @@ class Ledger:
             self._move(rec, fate, reason)
 
     def _move(self, rec: ItemRecord, fate: Fate, reason: str) -> None:
+        if fate in ("trained", "dropped"):
+            self._sources.pop(rec.group, None)  # done: it will never be redone
         self._counts[rec.fate] -= 1
         self._counts[fate] += 1
         rec.fate = fate

@@ -4,7 +4,7 @@ One worker actor per engine. Each worker, in a loop:
 1. waits at the admission gate for a group slot, then takes as many more as the gate allows
    right now (up to `batch_groups`), so one engine call generates many groups;
 2. takes prompts of groups to redo from the feedback channel first (their payload was lost, or
-   the policy requeued them), else new prompts from the task;
+   the policy requeued them; the ledger kept each group's prompt for this), else new prompts;
 3. generates `group_size` completions per prompt, scores them, and writes each group as one
    encoded batch under a versioned key; only then sends its Ref downstream.
 A group is recorded in the ledger as produced only once its payload is stored.
@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 import numpy as np
 
 from buffers.codec import RolloutBatch, encode, peek
@@ -24,7 +25,7 @@ from buffers.retry import with_retries
 from buffers.store import ObjectStore
 from pipeline.actor import BaseActor
 from pipeline.channel import Channel
-from pipeline.context import Redo, RunContext
+from pipeline.context import RunContext
 from pipeline.refs import Ref, make_key
 from stages.engines.base import Completion, Engine, SamplingParams
 from stages.model import load_tokenizer
@@ -47,7 +48,6 @@ class Rollout:
     temperature: float = 1.0
     top_p: float = 1.0
     stats: dict = field(default_factory=lambda: {"groups": 0, "gen_s": 0.0, "tokens": 0})
-    issued: dict[str, Prompt] = field(default_factory=dict)  # group -> prompt, until the group is done
 
     def __post_init__(self) -> None:
         if self.group_size < 2:
@@ -74,6 +74,9 @@ class Rollout:
         return [RolloutWorker(self, engine, store, ctx, outbox) for engine in self.engines]
 
 
+_PROMPT = msgspec.json.Decoder(Prompt)
+
+
 class RolloutWorker(BaseActor):
     def __init__(self, spec: Rollout, engine: Engine, store: ObjectStore, ctx: RunContext, outbox: Channel) -> None:
         self.spec, self.engine, self.store, self.ctx, self.outbox = spec, engine, store, ctx, outbox
@@ -90,28 +93,15 @@ class RolloutWorker(BaseActor):
     async def run(self) -> None:
         while True:
             n = await self.ctx.gate.acquire_many(self.spec.batch_groups)
-            prompts = [self._next_prompt() for _ in range(n)]
+            prompts = [await self._next_prompt() for _ in range(n)]
             await self._produce(prompts)
 
-    def _next_prompt(self) -> Prompt:
-        try:
-            redo: Redo = self.ctx.feedback.receive_nowait()
-        except (anyio.WouldBlock, anyio.EndOfStream):
+    async def _next_prompt(self) -> Prompt:
+        redo = await self.ctx.poll_feedback()
+        if redo is None:
             return self.spec.task.sample(self.rng)
-        try:
-            prompt = self.spec.issued.pop(redo.group)
-        except KeyError:
-            raise RuntimeError(f"asked to redo group {redo.group!r} ({redo.reason}), which was never issued") from None
         self.spec.stats["redone"] = self.spec.stats.get("redone", 0) + 1
-        return prompt
-
-    async def _forget_finished(self) -> None:
-        """Drop prompts of groups whose samples reached a final fate (bounded by admission anyway)."""
-        groups = list(self.spec.issued)
-        fates = await self.ctx.ledger.fates([f"{g}/0" for g in groups])
-        for g, fate in zip(groups, fates, strict=True):
-            if fate in ("trained", "dropped"):
-                del self.spec.issued[g]
+        return _PROMPT.decode(await self.ctx.ledger.take_source(redo.group))
 
     async def _produce(self, prompts: list[Prompt]) -> None:
         spec, tok = self.spec, self.spec.tokenizer
@@ -164,8 +154,5 @@ class RolloutWorker(BaseActor):
             store=self.store.name, key=key, version=lo, version_max=hi, rows=len(group),
             nbytes=payload.nbytes, checksum=peek(payload).checksum, group=group_id,
         )
-        await ctx.ledger.produced(ref.item_ids, group_id, (lo, hi))
-        spec.issued[group_id] = prompt
-        if len(spec.issued) > 4 * ctx.gate.units_per_version * (ctx.policy.bound + 2):
-            await self._forget_finished()
+        await ctx.ledger.produced(ref.item_ids, group_id, (lo, hi), msgspec.json.encode(prompt))
         await self.outbox.send(ref)

@@ -147,3 +147,16 @@ def test_write_read_round_trip(tmp_path) -> None:
     assert by_id["g1/0"] == {
         "id": "g1/0", "group": "g1", "versions": [2, 2], "trained_at": [], "fate": "in_flight", "reason": "",
     }
+
+
+def test_sources_are_kept_for_redo_and_forgotten_when_done() -> None:
+    ledger = Ledger()
+    ledger.produced(["a/0", "a/1"], "a", (0, 0), source=b"prompt-a")
+    ledger.produced(["b/0"], "b", (0, 0), source=b"prompt-b")
+    ledger.lost(["a/0", "a/1"], "gone")
+    assert ledger.take_source("a") == b"prompt-a"
+    with pytest.raises(LedgerError, match="no source"):
+        ledger.take_source("a")  # taken once: the redo owns it now
+    ledger.trained(["b/0"], at_version=0)
+    with pytest.raises(LedgerError, match="no source"):
+        ledger.take_source("b")  # trained: never redone, so not kept
