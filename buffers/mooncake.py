@@ -344,3 +344,27 @@ class MooncakeStore:
 
     def healthy(self) -> bool:
         return self._client.health_check() == 0
+
+
+@dataclass(frozen=True)
+class MooncakeStoreSpec:
+    """A StoreSpec: the buffer stage's process mounts `global_segment_size`; every other process
+    opens a pure client (segment 0) on the same master. `master="auto"` must be resolved to an
+    address (`with_master`) by whoever starts the master before processes open the store."""
+
+    settings: MooncakeSettings
+    master: str = "auto"
+    name: str = "mooncake"
+
+    def with_master(self, address: str) -> MooncakeStoreSpec:
+        return dataclasses.replace(self, master=address)
+
+    def open(self, holder: bool) -> MooncakeStore:
+        if self.master == "auto":
+            raise ValueError("MooncakeStoreSpec.master is 'auto': start a master and use with_master(address)")
+        settings = dataclasses.replace(
+            self.settings,
+            master_server_address=self.master,
+            global_segment_size=self.settings.global_segment_size if holder else 0,
+        )
+        return MooncakeStore(settings, name=self.name)

@@ -13,6 +13,7 @@ reuse it for every payload: no allocation and no registration per batch in stead
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import weakref
 from collections import deque
@@ -63,10 +64,13 @@ class BufferPool:
             self.allocated += 1
             if self._on_new is not None:
                 self._on_new(buf)
-        view = buf[:nbytes]
-        finalizer = weakref.finalize(view, self._returned.append, buf)
+        # The lease is the one object every view of this buffer keeps alive. It must not be an
+        # ndarray: numpy collapses `base` chains of arrays, so a slice of a plain `buf[:n]` view
+        # would point past it at `buf`, and the buffer would be recycled while the slice is in use.
+        lease = (ctypes.c_uint8 * nbytes).from_buffer(buf)
+        finalizer = weakref.finalize(lease, self._returned.append, buf)
         finalizer.atexit = False
-        return view
+        return np.frombuffer(lease, dtype=np.uint8)
 
     def pooled(self, nbytes: int) -> bool:
         return nbytes >= self.min_nbytes

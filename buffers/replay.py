@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import anyio
 
-from buffers.store import ObjectStore
+from buffers.store import ObjectStore, StoreSpec, open_store
 from pipeline.actor import BaseActor
 from pipeline.channel import Channel
 from pipeline.context import RunContext, refuse
@@ -28,7 +28,7 @@ from pipeline.refs import Ref
 class ReplayBuffer:
     """The DSL/config object: `ReplayBuffer(store, max_refs=256, max_bytes=256 << 20)`."""
 
-    store: ObjectStore
+    store: ObjectStore | StoreSpec
     max_refs: int = 256
     max_bytes: int = 256 << 20
 
@@ -40,15 +40,19 @@ class ReplayBuffer:
 
     def actors(self, ctx: RunContext, inbox: Channel | None, outbox: Channel | None):
         assert inbox is not None and outbox is not None
-        ctx.services["store"] = self.store
-        return [ReplayActor(self, ctx, inbox, outbox)]
+        if "store" not in ctx.services:  # a runtime may have opened this process's store already
+            ctx.services["store"] = open_store(self.store, holder=True)
+        store = ctx.services["store"]
+        return [ReplayActor(self, store, ctx, inbox, outbox)]
 
 
 class ReplayActor(BaseActor):
     name = "buffer"
 
-    def __init__(self, spec: ReplayBuffer, ctx: RunContext, inbox: Channel, outbox: Channel) -> None:
-        self.spec, self.ctx, self.inbox, self.outbox = spec, ctx, inbox, outbox
+    def __init__(
+        self, spec: ReplayBuffer, store: ObjectStore, ctx: RunContext, inbox: Channel, outbox: Channel
+    ) -> None:
+        self.spec, self.store, self.ctx, self.inbox, self.outbox = spec, store, ctx, inbox, outbox
         self.index: deque[Ref] = deque()
         self.nbytes = 0
         self.evicted = 0
@@ -56,7 +60,7 @@ class ReplayActor(BaseActor):
         self._frees = None
 
     async def stop(self) -> None:
-        await self.spec.store.close()
+        await self.store.close()
 
     def _expired(self, ref: Ref, version: int) -> bool:
         return self.ctx.policy.accept(version, ref.version) != "train"
@@ -111,4 +115,4 @@ class ReplayActor(BaseActor):
             self.evicted += len(expired)
             self._poke()
             for ref in expired:
-                await refuse(self.ctx, ref, version, self.spec.store, self._frees)
+                await refuse(self.ctx, ref, version, self.store, self._frees)

@@ -52,3 +52,22 @@ class ObjectStore(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class StoreSpec(Protocol):
+    """How to open a store in a given process: the buffer stage's process holds the data
+    (`holder=True`, e.g. mounts the Mooncake segment), every other process is a client. Runtimes
+    that place stages in several processes need a spec (or a store that pickles into a client, such
+    as RayStore); the local runtime opens the spec once, as holder."""
+
+    name: str
+
+    def open(self, holder: bool) -> ObjectStore: ...
+
+
+def open_store(store: ObjectStore | StoreSpec, holder: bool) -> ObjectStore:
+    """The store for this process: `store` itself, or `store.open(holder)` for a spec."""
+    if isinstance(store, StoreSpec) and not isinstance(store, ObjectStore):
+        return store.open(holder)
+    return store

@@ -149,7 +149,7 @@ class RunContext:
     folder: RunFolder
     channels: dict[str, Any] = field(default_factory=dict)
     services: dict[str, Any] = field(default_factory=dict)
-    started_at: float = field(default_factory=time.perf_counter)
+    started_at: float = field(default_factory=time.time)  # wall clock: comparable across processes
 
     def rng(self, stream: str) -> random.Random:
         """A reproducible random stream per named user, derived from the run seed."""

@@ -25,13 +25,14 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import anyio
+import msgspec
 
 from pipeline.actor import Actor, ActorFailed
 from pipeline.admission import AdmissionGate
 from pipeline.channel import Channel
 from pipeline.context import LocalClock, LocalGate, LocalLedger, RunContext, VersionPolicy
 from pipeline.ledger import Ledger
-from pipeline.telemetry import Panel, Progress, RunFolder, render_report
+from pipeline.telemetry import Panel, Progress, RunFolder, get_logger, render_report
 from pipeline.versions import VersionClock
 
 
@@ -73,12 +74,13 @@ class Pipeline:
     progress: bool = True
     config_text: str | None = None  # the resolved config, written to the run folder
     max_uses: int = 1
+    ray_address: str | None = None  # runtime="ray": attach to this cluster (default: start a local one)
     hooks: list[Callable[[RunContext], Sequence[Actor] | None]] = field(default_factory=list)
 
     def run(self) -> dict[str, Any]:
         """Run to completion on the chosen runtime and return the summary."""
-        if self.runtime != "local":
-            raise ValueError(f"runtime={self.runtime!r} is not available yet; use runtime='local'")
+        if self.runtime not in ("local", "ray"):
+            raise ValueError(f"runtime={self.runtime!r}: use 'local' or 'ray'")
         return anyio.run(self.arun)
 
     async def arun(self) -> dict[str, Any]:
@@ -89,6 +91,8 @@ class Pipeline:
         folder = RunFolder.create(self.run_root, self.name)
         if self.config_text is not None:
             folder.write_text("config.toml", self.config_text)
+        if self.runtime == "ray":
+            return await self._arun_ray(folder)
         clock, ledger = VersionClock(), Ledger(max_uses=self.max_uses)
         gate = AdmissionGate(clock, self.staleness, self.consumer.units_per_version)
         ctx = RunContext(
@@ -146,6 +150,39 @@ class Pipeline:
         log.info("run finished", **{k: summary[k] for k in ("version", "wall_s", "samples_per_s")})
         return summary
 
+    async def _arun_ray(self, folder: RunFolder) -> dict[str, Any]:
+        from pipeline.runtime.ray import RayRun
+
+        started = time.time()
+        log = get_logger("pipeline").bind(run=self.name)
+        log.info("run starting on ray", folder=str(folder.path), steps=self.steps)
+        report = None
+        try:
+            with Progress(self.name, enabled=self.progress) as progress:
+                report = await RayRun(self, address=self.ray_address)(folder, progress)
+        finally:
+            records = folder.read_metrics()
+            if report is not None:
+                (folder.path / "ledger.json").write_bytes(msgspec.json.encode(report["records"]))
+            render_report(folder.path / "report.png", records, self.consumer.report_panels(records), title=self.name)
+        counts, wall = report["counts"], time.time() - started
+        summary = {
+            "run_dir": str(folder.path),
+            "steps": self.steps,
+            "version": report["version"],
+            **self.consumer.summary(records),
+            "staleness_bound": self.staleness.bound,
+            "samples": {k: counts[k] for k in ("produced", "trained", "dropped", "lost", "regenerated")},
+            "in_flight": counts["in_flight"],
+            "ledger_balanced": not report["violations"],
+            "wall_s": round(wall, 2),
+            "samples_per_s": round(counts["trained"] / wall, 1) if wall > 0 else 0.0,
+            "runtime": "ray",
+        }
+        folder.write_json("summary.json", summary)
+        folder.close()
+        return summary
+
     async def _show_progress(self, ctx: RunContext, progress: Progress) -> None:
         while True:
             depths = {n: f"{c.depth}/{c.max_items}" for n, c in ctx.channels.items() if n != "feedback"}
@@ -159,7 +196,7 @@ class Pipeline:
     def _summary(self, ctx: RunContext, records: list[dict]) -> dict[str, Any]:
         clock, ledger, _ = self._local
         counts = ledger.counts()
-        wall = time.perf_counter() - ctx.started_at
+        wall = time.time() - ctx.started_at
         return {
             "run_dir": str(ctx.folder.path),
             "steps": self.steps,

@@ -34,6 +34,7 @@ from stages.losses import group_advantages, ppo_clip_loss
 from stages.model import load_model
 from stages.weights.base import WeightTransport
 from stages.weights.inproc import InprocTransport
+from stages.weights.packed import PackedWeightReceiver
 
 TRANSPORTS = {"inproc": InprocTransport}
 
@@ -64,8 +65,14 @@ class GRPOLearner:
     def actors(self, ctx: RunContext, inbox: Channel | None, outbox: Channel | None):
         assert inbox is not None
         transport = TRANSPORTS[self.weights]() if isinstance(self.weights, str) else self.weights
-        for receiver in ctx.services.get("weight_receivers", []):
+        for receiver in ctx.services.get("weight_receivers", []):  # engines in this process
             transport.subscribe(receiver)
+        peers = ctx.services.get("producers", [])
+        remote = [PackedWeightReceiver(peer, f"producer-{i}") for i, peer in enumerate(peers)]
+        for receiver in remote:  # engines in other processes (Ray runtime)
+            transport.subscribe(receiver)
+        # a restarted producer process catches up from the latest version at once
+        ctx.services["on_producer_restart"] = lambda index: remote[index].resend()
         return [LearnerActor(self, ctx, inbox, transport)]
 
     # -- what the pipeline shows and returns -------------------------------------------------
@@ -147,7 +154,7 @@ class LearnerActor(BaseActor):
             elapsed = time.perf_counter() - t_start
             ctx.folder.log_metrics({
                 "version": version + 1,
-                "t": round(time.perf_counter() - ctx.started_at, 3),
+                "t": round(time.time() - ctx.started_at, 3),
                 "reward": round(float(np.mean([b.row_fields["rewards"].mean() for b in batches])), 4),
                 "staleness_mean": round(float(np.mean(stale)), 3),
                 "staleness_max": int(max(stale)),

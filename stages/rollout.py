@@ -30,6 +30,7 @@ from pipeline.refs import Ref, make_key
 from stages.engines.base import Completion, Engine, SamplingParams
 from stages.model import load_tokenizer
 from stages.tasks import Prompt, Task
+from stages.weights.packed import MAILBOX, mailbox_for
 
 
 @dataclass
@@ -70,6 +71,7 @@ class Rollout:
     def actors(self, ctx: RunContext, inbox: Channel | None, outbox: Channel | None):
         assert outbox is not None
         ctx.services.setdefault("weight_receivers", []).extend(self.engines)
+        ctx.services.setdefault("mailboxes", {})[MAILBOX] = mailbox_for(self.engines)  # weights from other processes
         store: ObjectStore = ctx.services["store"]
         return [RolloutWorker(self, engine, store, ctx, outbox) for engine in self.engines]
 
@@ -81,6 +83,7 @@ class RolloutWorker(BaseActor):
     def __init__(self, spec: Rollout, engine: Engine, store: ObjectStore, ctx: RunContext, outbox: Channel) -> None:
         self.spec, self.engine, self.store, self.ctx, self.outbox = spec, engine, store, ctx, outbox
         self.name = f"rollout:{engine.name}"
+        self.groups_made = 0
         self.rng = ctx.rng(self.name)
         self.log = ctx.log(self.name)
 
@@ -134,7 +137,8 @@ class RolloutWorker(BaseActor):
         versions = np.concatenate([c.versions for c in group]) if any(len(c.tokens) for c in group) else None
         lo = int(versions.min()) if versions is not None else self.engine.version
         hi = int(versions.max()) if versions is not None else self.engine.version
-        group_id = f"g{spec.stats['groups']:08d}"
+        group_id = f"{self.engine.name}.g{self.groups_made:08d}"  # unique across workers and processes
+        self.groups_made += 1
         spec.stats["groups"] += 1
         spec.stats["tokens"] += sum(len(c.tokens) for c in group)
         batch = RolloutBatch.from_rows(

@@ -45,6 +45,15 @@ class TorchEngine:
     def version(self) -> int:
         return self._version
 
+    def __getstate__(self) -> dict:
+        """What another process needs to make this engine there: its path, name and seed."""
+        if self._model is not None:
+            raise RuntimeError(f"engine {self.name} is started; only an unstarted engine can move to another process")
+        return {"model_path": self.model_path, "name": self.name, "seed": self.seed}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["model_path"], name=state["name"], seed=state["seed"])
+
     async def start(self) -> None:
         if self._model is None:
             self._model = await anyio.to_thread.run_sync(load_model, self.model_path)

@@ -1,0 +1,410 @@
+"""The Ray runtime: the same Pipeline, every actor in its own Ray actor process.
+
+Placement. Each actor a stage contributes (one per engine worker, the buffer, the consumer) runs in
+a `StageHost`, a Ray async actor with one CPU and one torch thread. The run's shared state lives in
+a `Conductor` actor (version clock, admission gate, ledger) and the channels in `ChannelHost`
+actors (`pipeline.runtime.ray_channel`), so stages reach all of it through the same awaited calls
+as in the local runtime (`pipeline.context`). Only refs and small control messages cross these
+calls; payloads go through the store, which each process opens for itself (the buffer's process
+as the holder).
+
+Supervision. A producer host that dies is restarted by Ray (`max_restarts`); the conductor frees the
+admission slots of the groups it had in flight (they were never produced, so nothing is lost or
+trained twice), the consumer re-sends it the latest weights, and it starts producing again. A
+buffer or consumer that dies ends the run with `ActorFailed` naming it.
+
+Networking: `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` keeps a local cluster on 127.0.0.1; give
+`address` to attach to a running cluster instead.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+import asyncio  # noqa: E402
+import time  # noqa: E402
+from collections import Counter  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+from typing import Any  # noqa: E402
+
+import anyio  # noqa: E402
+import msgspec  # noqa: E402
+import ray  # noqa: E402
+
+from pipeline.actor import ActorFailed  # noqa: E402
+from pipeline.admission import AdmissionGate  # noqa: E402
+from pipeline.context import Redo, RunContext, VersionPolicy  # noqa: E402
+from pipeline.ledger import Ledger  # noqa: E402
+from pipeline.runtime.ray_channel import RayChannel  # noqa: E402
+from pipeline.telemetry import RunFolder, configure_logging, get_logger  # noqa: E402
+from pipeline.versions import VersionClock  # noqa: E402
+
+
+@ray.remote(num_cpus=0)
+class Conductor:
+    """Clock, admission gate and ledger of one run, for every process of it."""
+
+    def __init__(self, policy: VersionPolicy, units_per_version: int, max_uses: int) -> None:
+        self._args = (policy, units_per_version, max_uses)
+        self.outstanding: Counter[str] = Counter()  # per producer: admitted units not yet produced
+
+    async def setup(self) -> None:  # anyio primitives need the actor's running event loop
+        policy, units, max_uses = self._args
+        self.clock = VersionClock()
+        self.ledger = Ledger(max_uses=max_uses)
+        self.gate = AdmissionGate(self.clock, policy, units)
+
+    # clock
+    async def current(self) -> int:
+        return self.clock.version
+
+    async def advance_to(self, version: int) -> None:
+        self.clock.advance(version)
+
+    async def wait_change(self, seen: int) -> int:
+        return await self.clock.wait_change(seen)
+
+    async def wait_until(self, version: int) -> int:
+        return await self.clock.wait_until(version)
+
+    # gate
+    async def acquire_many(self, worker: str, max_units: int) -> int:
+        await self.gate.acquire()
+        taken = 1
+        while taken < max_units and self.gate.try_acquire():
+            taken += 1
+        self.outstanding[worker] += taken
+        return taken
+
+    async def discard(self, units: int) -> None:
+        self.gate.discard(units)
+
+    async def worker_died(self, worker: str) -> int:
+        """Free the slots of the units `worker` had admitted but not produced; returns how many."""
+        lost = self.outstanding.pop(worker, 0)
+        if lost:
+            self.gate.discard(lost)
+        return lost
+
+    # ledger
+    async def produced(self, worker: str, ids: list[str], group: str, versions: tuple[int, int], source: bytes):
+        self.ledger.produced(ids, group, tuple(versions), source)
+        self.outstanding[worker] -= 1
+
+    async def take_source(self, group: str) -> bytes:
+        return self.ledger.take_source(group)
+
+    async def trained(self, ids: list[str], at_version: int) -> None:
+        self.ledger.trained(ids, at_version)
+
+    async def finished(self, fate: str, ids: list[str], reason: str) -> None:
+        getattr(self.ledger, fate)(ids, reason)
+
+    async def fates(self, ids: list[str]) -> list[str]:
+        return [self.ledger[i].fate for i in ids]
+
+    async def report(self) -> bytes:
+        """Everything the driver needs at the end, msgspec-encoded."""
+        return msgspec.msgpack.encode(
+            {
+                "version": self.clock.version,
+                "counts": self.ledger.counts(),
+                "violations": self.ledger.violations(),
+                "records": self.ledger.records(),
+                "gate": {"started": self.gate.started, "discarded": self.gate.discarded, "wait_s": self.gate.wait_s},
+            }
+        )
+
+
+@dataclass
+class RemoteClock:
+    conductor: Any
+
+    async def current(self) -> int:
+        return await self.conductor.current.remote()
+
+    async def advance_to(self, version: int) -> None:
+        await self.conductor.advance_to.remote(version)
+
+    async def wait_change(self, seen: int) -> int:
+        return await self.conductor.wait_change.remote(seen)
+
+    async def wait_until(self, version: int) -> int:
+        return await self.conductor.wait_until.remote(version)
+
+
+@dataclass
+class RemoteGate:
+    conductor: Any
+    units_per_version: int
+    worker: str
+
+    async def acquire_many(self, max_units: int) -> int:
+        return await self.conductor.acquire_many.remote(self.worker, max_units)
+
+    async def discard(self, units: int) -> None:
+        await self.conductor.discard.remote(units)
+
+
+@dataclass
+class RemoteLedger:
+    conductor: Any
+    worker: str
+
+    async def produced(self, ids: list[str], group: str, versions: tuple[int, int], source: bytes) -> None:
+        await self.conductor.produced.remote(self.worker, ids, group, versions, source)
+
+    async def take_source(self, group: str) -> bytes:
+        return await self.conductor.take_source.remote(group)
+
+    async def trained(self, ids: list[str], at_version: int) -> None:
+        await self.conductor.trained.remote(ids, at_version)
+
+    async def finished(self, fate: str, ids: list[str], reason: str) -> None:
+        await self.conductor.finished.remote(fate, ids, reason)
+
+    async def fates(self, ids: list[str]) -> list[str]:
+        return await self.conductor.fates.remote(ids)
+
+
+@dataclass
+class Peer:
+    """Another host, as stages see it: `deliver(box, header, blob)` into its mailbox `box`."""
+
+    host: Any
+
+    async def deliver(self, box: str, header: bytes, blob: Any) -> None:
+        await self.host.deliver.remote(box, header, blob)
+
+
+@dataclass
+class Wiring:
+    """What a host needs to rebuild its part of the run (sent once, at creation)."""
+
+    run: str
+    seed: int
+    steps: int
+    folder: str
+    policy: VersionPolicy
+    units_per_version: int
+    conductor: Any
+    channels: dict[str, RayChannel]
+    store: Any  # a StoreSpec or a process-portable store
+    started_at: float
+    log_format: str = "console"
+    peers: dict[str, list[Any]] = field(default_factory=dict)
+
+
+@ray.remote(num_cpus=1, max_concurrency=64)
+class StageHost:
+    """One actor of a stage, in this process. `role` is producer | buffer | consumer."""
+
+    def __init__(self, stage: Any, role: str, index: int, wiring: Wiring) -> None:
+        os.environ["OMP_NUM_THREADS"] = "1"
+        import torch
+
+        torch.set_num_threads(1)
+        configure_logging(wiring.log_format)
+        self.stage, self.role, self.index, self.wiring = stage, role, index, wiring
+        self.name = f"{role}-{index}"
+        self.actor: Any = None
+        self.ctx: RunContext | None = None
+        self._run_task: asyncio.Task | None = None
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    async def setup(self, peers: dict[str, list[Any]]) -> str:
+        """Build the context and this host's actor (after every host exists, so peers are known)."""
+        from buffers.store import open_store
+
+        w = self.wiring
+        ctx = RunContext(
+            run=w.run, seed=w.seed, steps=w.steps,
+            clock=RemoteClock(w.conductor),
+            ledger=RemoteLedger(w.conductor, self.name),
+            gate=RemoteGate(w.conductor, w.units_per_version, self.name),
+            policy=w.policy,
+            feedback=w.channels["feedback"],
+            folder=RunFolder(w.folder),
+            channels={k: v for k, v in w.channels.items() if k != "feedback"},
+            started_at=w.started_at,
+        )
+        ctx.services["store"] = open_store(w.store, holder=self.role == "buffer")
+        ctx.services["producers"] = [Peer(h) for h in peers.get("producer", [])]
+        produced, ready = w.channels["produced"], w.channels["ready"]
+        inbox, outbox = {
+            "producer": (None, produced), "buffer": (produced, ready), "consumer": (ready, None)
+        }[self.role]
+        actors = list(self.stage.actors(ctx, inbox, outbox))
+        self.actor = actors[self.index] if self.role == "producer" else actors[0]
+        self.ctx = ctx
+        return self.actor.name
+
+    async def start(self) -> None:
+        await self.actor.start()
+
+    async def run(self) -> None:
+        self._run_task = asyncio.current_task()
+        await self.actor.run()
+
+    async def stop(self) -> None:
+        if self._run_task is not None and not self._run_task.done():
+            self._run_task.cancel()
+        await self.actor.stop()
+
+    async def deliver(self, box: str, header: bytes, blob: Any) -> None:
+        await self.ctx.services["mailboxes"][box](header, blob)
+
+    async def producer_restarted(self, index: int) -> None:
+        hook = self.ctx.services.get("on_producer_restart")
+        if hook is not None:
+            await hook(index)
+
+
+@dataclass
+class RayRun:
+    """Runs one Pipeline on Ray (see `Pipeline.run(runtime="ray")`)."""
+
+    pipeline: Any
+    address: str | None = None
+    max_restarts: int = 3
+    log_format: str = "console"
+    restarts: Counter[str] = field(default_factory=Counter)
+
+    async def __call__(self, folder: RunFolder, progress: Any) -> dict[str, Any]:
+        pipe = self.pipeline
+        started_ray = not ray.is_initialized()
+        hosts_needed = len(pipe.producer.engines) + 2
+        if started_ray:
+            local = self.address is None
+            ray.init(
+                # logical CPUs: one per host even on a 2-core machine (each host runs one torch thread)
+                num_cpus=max(os.cpu_count() or 1, hosts_needed) if local else None,
+                address=self.address, include_dashboard=False, log_to_driver=bool(os.environ.get("BATON_RAY_LOGS")),
+                runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}},
+            )
+        log = get_logger("ray-runtime").bind(run=pipe.name)
+        hosts: dict[str, Any] = {}
+        conductor = None
+        channels: dict[str, RayChannel] = {}
+        try:
+            conductor = Conductor.remote(pipe.staleness, pipe.consumer.units_per_version, pipe.max_uses)
+            await conductor.setup.remote()
+            channels = {
+                "produced": RayChannel.create("produced", pipe.produced_channel[0], pipe.produced_channel[1]),
+                "ready": RayChannel.create("ready", pipe.ready_channel[0], pipe.ready_channel[1]),
+                "feedback": RayChannel.create("feedback", 1 << 20, None, item_type=Redo),
+            }
+            wiring = Wiring(
+                run=pipe.name, seed=pipe.seed, steps=pipe.steps, folder=str(folder.path), policy=pipe.staleness,
+                units_per_version=pipe.consumer.units_per_version, conductor=conductor, channels=channels,
+                store=pipe.buffer.store, started_at=time.time(), log_format=self.log_format,
+            )
+            n_producers = len(pipe.producer.engines)
+            restartable = StageHost.options(max_restarts=self.max_restarts, max_task_retries=0)
+            for i in range(n_producers):
+                hosts[f"producer-{i}"] = restartable.remote(pipe.producer, "producer", i, wiring)
+            hosts["buffer-0"] = StageHost.remote(pipe.buffer, "buffer", 0, wiring)
+            hosts["consumer-0"] = StageHost.remote(pipe.consumer, "consumer", 0, wiring)
+            peers = {"producer": [hosts[f"producer-{i}"] for i in range(n_producers)]}
+            # the buffer first: it holds the store the others open as clients
+            log.info("hosts created; setting up")
+            await hosts["buffer-0"].setup.remote(peers)
+            log.info("buffer set up")
+            await asyncio.gather(*(h.setup.remote(peers) for n, h in hosts.items() if n != "buffer-0"))
+            log.info("all set up")
+            await asyncio.gather(*(h.start.remote() for n, h in hosts.items() if n.startswith("producer")))
+            log.info("producers started")
+            await hosts["buffer-0"].start.remote()
+            await hosts["consumer-0"].start.remote()  # publishes version 0 to every producer
+            log.info("ray run started", hosts=sorted(hosts), pids=await self._pids(hosts))
+            await self._supervise(hosts, conductor, peers, wiring, progress)
+        finally:
+            report = msgspec.msgpack.decode(await conductor.report.remote()) if conductor is not None else None
+            await self._teardown(hosts, channels, conductor)
+            if started_ray:
+                ray.shutdown()
+        return report
+
+    async def _pids(self, hosts: dict[str, Any]) -> dict[str, int]:
+        return dict(zip(hosts, await asyncio.gather(*(h.pid.remote() for h in hosts.values())), strict=True))
+
+    async def _supervise(self, hosts, conductor, peers, wiring, progress) -> None:
+        failure: list[ActorFailed] = []
+        done = anyio.Event()
+
+        async def watch_producer(name: str, index: int) -> None:
+            host = hosts[name]
+            while True:
+                try:
+                    await host.run.remote()
+                    return
+                except ray.exceptions.RayActorError as exc:
+                    if done.is_set():
+                        return
+                    if self.restarts[name] >= self.max_restarts:
+                        failure.append(ActorFailed(name, "run", exc))
+                        done.set()
+                        return
+                    self.restarts[name] += 1
+                    freed = await conductor.worker_died.remote(name)
+                    get_logger("ray-runtime").warning(
+                        "producer died; restarting it", host=name, restart=self.restarts[name], freed_slots=freed
+                    )
+                    await host.setup.remote(peers)  # Ray restarted the process; rebuild its actor
+                    await host.start.remote()
+                    await hosts["consumer-0"].producer_restarted.remote(index)
+                except Exception as exc:  # the actor's own error: the run fails, naming it
+                    failure.append(ActorFailed(name, "run", exc))
+                    done.set()
+                    return
+
+        async def watch(name: str, ends_run: bool) -> None:
+            try:
+                await hosts[name].run.remote()
+                if ends_run:
+                    done.set()
+            except Exception as exc:
+                if not done.is_set():
+                    failure.append(ActorFailed(name, "run", exc))
+                    done.set()
+
+        async def show() -> None:
+            while True:
+                version = await conductor.current.remote()
+                progress.update(
+                    version=f"{version}/{self.pipeline.steps}",
+                    **self.pipeline.consumer.progress(RunFolder(wiring.folder).latest_metrics()),
+                )
+                await anyio.sleep(0.5)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(peers["producer"])):
+                tg.start_soon(watch_producer, f"producer-{i}", i)
+            tg.start_soon(watch, "buffer-0", False)
+            tg.start_soon(watch, "consumer-0", True)
+            tg.start_soon(show)
+            await done.wait()
+            tg.cancel_scope.cancel()
+        if failure:
+            raise failure[0]
+
+    async def _teardown(self, hosts, channels, conductor) -> None:
+        for host in hosts.values():
+            try:
+                with anyio.move_on_after(15):
+                    await host.stop.remote()
+            except Exception:  # a dead host has nothing to stop
+                pass
+        for host in hosts.values():
+            ray.kill(host)
+        for channel in channels.values():
+            channel.kill()
+        if conductor is not None:
+            ray.kill(conductor)
+
+
+__all__ = ["Conductor", "RayRun", "StageHost"]
