@@ -19,10 +19,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import anyio
@@ -358,6 +360,16 @@ class MooncakeStoreSpec:
 
     def with_master(self, address: str) -> MooncakeStoreSpec:
         return dataclasses.replace(self, master=address)
+
+    @contextlib.contextmanager
+    def serve(self) -> Iterator[MooncakeStoreSpec]:
+        """This spec with a master to use for the run: a fresh one on 127.0.0.1 (stopped, by pid,
+        when the block ends) if `master == "auto"`, else the configured one."""
+        if self.master != "auto":
+            yield self
+            return
+        with MooncakeMaster() as master:
+            yield self.with_master(master.address)
 
     def open(self, holder: bool) -> MooncakeStore:
         if self.master == "auto":

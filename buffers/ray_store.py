@@ -353,3 +353,17 @@ class RayStore:
     async def is_creator(self) -> bool:
         """Whether this handle created the index (so its `close()` kills it)."""
         return await self._call("<creator>", "creator", "creator") == self._token
+
+
+class RayStoreSpec:
+    """A StoreSpec for RayStore: opens it in whichever process asks, starting a local Ray on
+    127.0.0.1 first if this process has none (the local runtime). The first process to open it
+    (the buffer stage's, under the Ray runtime) creates the index and so owns the stored data."""
+
+    def __init__(self, name: str = "ray", capacity_bytes: int | None = None) -> None:
+        self.name, self.capacity_bytes = name, capacity_bytes
+
+    def open(self, holder: bool) -> RayStore:
+        if not ray.is_initialized():
+            ray.init(include_dashboard=False, log_to_driver=False)
+        return RayStore(self.name, capacity_bytes=self.capacity_bytes)

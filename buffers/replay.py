@@ -84,12 +84,17 @@ class ReplayActor(BaseActor):
         self._changed = anyio.Event()
 
     async def _receive(self) -> None:
-        async for ref in self.inbox:
-            while self._full(ref):
-                await self._changed.wait()
-            self.index.append(ref)
-            self.nbytes += ref.nbytes
-            self._poke()
+        while True:
+            try:  # whatever has arrived, in one round trip (the channel may live in another process)
+                refs = await self.inbox.receive_many(self.spec.max_refs)
+            except anyio.EndOfStream:
+                return
+            for ref in refs:
+                while self._full(ref):
+                    await self._changed.wait()
+                self.index.append(ref)
+                self.nbytes += ref.nbytes
+                self._poke()
 
     async def _forward(self) -> None:
         while True:
@@ -97,10 +102,10 @@ class ReplayActor(BaseActor):
                 await self._changed.wait()
             # once taken from the index a ref belongs to the consumer, whose acceptance check
             # covers it; so a ref is either evicted here or forwarded, never both
-            ref = self.index.popleft()
-            self.nbytes -= ref.nbytes
+            batch = [self.index.popleft() for _ in range(min(len(self.index), self.outbox.max_items))]
+            self.nbytes -= sum(r.nbytes for r in batch)
             self._poke()
-            await self.outbox.send(ref)
+            await self.outbox.send_many(batch)
 
     async def _evict_on_version(self) -> None:
         version = await self.ctx.clock.current()

@@ -259,6 +259,23 @@ class Channel(Generic[T]):
         self._wake_receiver()
         return item
 
+    async def receive_many(self, max_items: int) -> list[T]:
+        """Wait for one item, then take whatever else is there now, up to `max_items` in all."""
+        if max_items < 1:
+            raise ValueError(f"max_items must be >= 1, got {max_items}")
+        items = [await self.receive()]
+        while len(items) < max_items:
+            try:
+                items.append(self.receive_nowait())
+            except (anyio.WouldBlock, anyio.EndOfStream):
+                break
+        return items
+
+    async def send_many(self, items: list[T]) -> None:
+        """Send each item in order (waiting as `send` does)."""
+        for item in items:
+            await self.send(item)
+
     def close(self) -> None:
         """Refuse further sends; items inside stay receivable. Idempotent."""
         if self._closed:

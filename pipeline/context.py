@@ -59,8 +59,17 @@ class Gate(Protocol):
     async def discard(self, units: int) -> None: ...
 
 
+class Produced(msgspec.Struct, frozen=True):
+    """One produced group, as the ledger records it: its items, versions and what it was made from."""
+
+    ids: list[str]
+    group: str
+    versions: tuple[int, int]
+    source: bytes
+
+
 class LedgerClient(Protocol):
-    async def produced(self, ids: list[str], group: str, versions: tuple[int, int], source: bytes) -> None: ...
+    async def produced(self, groups: list[Produced]) -> None: ...
 
     async def take_source(self, group: str) -> bytes: ...
 
@@ -118,8 +127,9 @@ class LocalLedger:
     def __init__(self, ledger: Ledger) -> None:
         self.ledger = ledger
 
-    async def produced(self, ids: list[str], group: str, versions: tuple[int, int], source: bytes) -> None:
-        self.ledger.produced(ids, group, versions, source)
+    async def produced(self, groups: list[Produced]) -> None:
+        for g in groups:
+            self.ledger.produced(g.ids, g.group, g.versions, g.source)
 
     async def take_source(self, group: str) -> bytes:
         return self.ledger.take_source(group)
@@ -211,6 +221,6 @@ async def _remove(ctx: RunContext, ref: Ref, store: Any) -> None:
 
 
 __all__: Sequence[str] = [
-    "Clock", "Gate", "LedgerClient", "LocalClock", "LocalGate", "LocalLedger", "Redo", "RunContext",
+    "Clock", "Gate", "LedgerClient", "LocalClock", "LocalGate", "LocalLedger", "Produced", "Redo", "RunContext",
     "VersionPolicy", "free", "redo", "refuse",
 ]

@@ -19,6 +19,7 @@ Unknown keys and bad values fail validation, naming the key, the value and what 
 from __future__ import annotations
 
 import os
+import uuid
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -109,6 +110,13 @@ class MooncakeStoreSpec(Section):
     replicas: int = Field(1, ge=1)
 
 
+class RayStoreSpec(Section):
+    """Ray's object store (Miles's `--object-store-backend ray`): one numpy object per batch."""
+
+    kind: Literal["ray"] = "ray"
+    capacity: ByteSize | None = None
+
+
 class BufferSpec(Section):
     max_refs: int = Field(256, ge=1)
     max_bytes: ByteSize = ByteSize(256 << 20)
@@ -142,6 +150,10 @@ class WeightsSpec(Section):
     transport: Literal["inproc"] = "inproc"
 
 
+class RaySpec(Section):
+    address: str | None = Field(None, description="attach to this Ray cluster; default: start one on 127.0.0.1")
+
+
 class TelemetrySpec(Section):
     log_format: Literal["console", "json"] = "console"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
@@ -153,18 +165,19 @@ class RunConfig(Section):
     seed: int = 0
     steps: int = Field(60, ge=1, description="learner versions to train")
     mode: Literal["async", "sync"] = "async"
-    runtime: Literal["local"] = "local"
+    runtime: Literal["local", "ray"] = "local"
     run_root: str = "runs"
     model: ModelSpec = ModelSpec()
     task: kinds(ReverseDigitsSpec, AdditionSpec) = ReverseDigitsSpec()  # type: ignore[valid-type]
     engine: kinds(TorchEngineSpec) = TorchEngineSpec()  # type: ignore[valid-type]
     rollout: RolloutSpec = RolloutSpec()
-    store: kinds(MemoryStoreSpec, MooncakeStoreSpec) = MemoryStoreSpec()  # type: ignore[valid-type]
+    store: kinds(MemoryStoreSpec, MooncakeStoreSpec, RayStoreSpec) = MemoryStoreSpec()  # type: ignore[valid-type]
     buffer: BufferSpec = BufferSpec()
     learner: kinds(GRPOSpec) = GRPOSpec()  # type: ignore[valid-type]
     staleness: kinds(MaxStalenessSpec) = MaxStalenessSpec()  # type: ignore[valid-type]
     weights: WeightsSpec = WeightsSpec()
     telemetry: TelemetrySpec = TelemetrySpec()
+    ray: RaySpec = RaySpec()
 
     @model_validator(mode="after")
     def _mode_sets_k(self) -> RunConfig:
@@ -178,6 +191,11 @@ class RunConfig(Section):
                 self.staleness.k = 0 if self.mode == "sync" else 2
         if isinstance(self.store, MooncakeStoreSpec):
             self._check_mooncake_capacity(self.store)
+        if self.runtime == "ray" and isinstance(self.store, MemoryStoreSpec):
+            raise ValueError(
+                "runtime = 'ray' puts every stage in its own process, but store.kind = 'memory' lives in one; "
+                "use store.kind = 'mooncake' or 'ray'"
+            )
         if not self.model.create and not (Path(self.model.path) / "config.json").exists():
             raise ValueError(
                 f"model.path = {self.model.path!r} holds no model (no config.json) and model.create = false; "
@@ -198,10 +216,10 @@ class RunConfig(Section):
                 f"x store.replicas = {store.replicas} may be in flight; raise store.global_segment_size to at "
                 f"least {ByteSize(-(-need * 10 // 9)).human_readable()} or lower the buffer's byte bounds"
             )
-        if store.replicas > 1 and store.master == "auto" and self.runtime == "local":
+        if store.replicas > 1 and store.master == "auto":
             raise ValueError(
                 f"store.replicas = {store.replicas} needs that many processes holding segments, but with "
-                "runtime = 'local' and store.master = 'auto' only this process holds one; use replicas = 1, "
+                "store.master = 'auto' only the buffer's process holds one; use replicas = 1, "
                 "or attach (store.master = 'host:port') to a cluster with more segment holders"
             )
 
@@ -215,6 +233,8 @@ def build_pipeline(cfg: RunConfig):
 
     from buffers.memory import MemoryStore
     from buffers.mooncake import MooncakeSettings, MooncakeStore
+    from buffers.mooncake import MooncakeStoreSpec as MooncakeSpec
+    from buffers.ray_store import RayStoreSpec
     from buffers.replay import ReplayBuffer
     from pipeline.dsl import Pipeline
     from policies import MaxStaleness
@@ -235,6 +255,15 @@ def build_pipeline(cfg: RunConfig):
         else Path(m.path)
     )
 
+    def mooncake(s: MooncakeStoreSpec) -> Any:
+        settings = MooncakeSettings(
+            protocol=s.protocol, device=s.device, global_segment_size=int(s.global_segment_size),
+            local_buffer_size=int(s.local_buffer_size), chunk_bytes=int(s.chunk_bytes), replicas=s.replicas,
+        )
+        if cfg.runtime == "ray":  # each process opens its own client; the buffer's holds the segment
+            return MooncakeSpec(settings, master=s.master)
+        return MooncakeStore.open(settings, master=s.master)
+
     def build(spec: Any, builtin: dict[str, Any], **extra: Any) -> Any:
         if isinstance(spec, PluginSpec):
             return spec.build(**extra)
@@ -246,12 +275,9 @@ def build_pipeline(cfg: RunConfig):
     })
     store = build(cfg.store, {
         "memory": lambda s: MemoryStore(capacity_bytes=s.capacity),
-        "mooncake": lambda s: MooncakeStore.open(
-            MooncakeSettings(
-                protocol=s.protocol, device=s.device, global_segment_size=int(s.global_segment_size),
-                local_buffer_size=int(s.local_buffer_size), chunk_bytes=int(s.chunk_bytes), replicas=s.replicas,
-            ),
-            master=s.master,
+        "mooncake": lambda s: mooncake(s),
+        "ray": lambda s: RayStoreSpec(  # one index per run, so runs sharing a cluster never mix keys
+            name=f"ray-{cfg.name}-{uuid.uuid4().hex[:8]}", capacity_bytes=int(s.capacity) if s.capacity else None
         ),
     })
     engine_count = getattr(cfg.engine, "count", 1)
@@ -285,6 +311,7 @@ def build_pipeline(cfg: RunConfig):
         produced_channel=(cfg.buffer.produced_channel, int(cfg.buffer.produced_bytes)),
         ready_channel=(cfg.buffer.ready_channel, int(cfg.buffer.ready_bytes)),
         progress=cfg.telemetry.progress,
+        ray_address=cfg.ray.address,
         config_text=cfg.resolved_toml(),
     )
 

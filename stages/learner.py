@@ -146,8 +146,8 @@ class LearnerActor(BaseActor):
             step_s = time.perf_counter() - t0
             await self.transport.publish(version + 1, self.model.state_dict())
             await ctx.clock.advance_to(version + 1)
+            await ctx.ledger.trained([i for ref in refs for i in ref.item_ids], at_version=version)
             for ref in refs:
-                await ctx.ledger.trained(ref.item_ids, at_version=version)
                 await free(ctx, ref, self.store, self._frees)
             trained_samples += sum(r.rows for r in refs)
             stale = [staleness(version, r.version) for r in refs]
@@ -168,14 +168,17 @@ class LearnerActor(BaseActor):
     async def _collect(self, version: int) -> tuple[list[Ref], list[RolloutBatch]]:
         refs: list[Ref] = []
         batches: list[RolloutBatch] = []
+        pending: list[Ref] = []
         while len(refs) < self.spec.groups_per_step:
-            try:
-                ref = await self.inbox.receive()
-            except anyio.EndOfStream:
-                raise ChannelClosed(
-                    f"channel {self.inbox.name!r} closed and drained with {len(refs)} of "
-                    f"{self.spec.groups_per_step} groups for version {version + 1}: the stage feeding it stopped"
-                ) from None
+            if not pending:
+                try:  # as many as are there, up to what this step still needs: one round trip
+                    pending = await self.inbox.receive_many(self.spec.groups_per_step - len(refs))
+                except anyio.EndOfStream:
+                    raise ChannelClosed(
+                        f"channel {self.inbox.name!r} closed and drained with {len(refs)} of "
+                        f"{self.spec.groups_per_step} groups for version {version + 1}: the stage feeding it stopped"
+                    ) from None
+            ref = pending.pop(0)
             if ref.store != self.store.name:
                 raise ValueError(f"ref {ref.key} comes from store {ref.store!r}, not {self.store.name!r}")
             if self.ctx.policy.accept(version, ref.version) != "train":

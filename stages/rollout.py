@@ -25,7 +25,7 @@ from buffers.retry import with_retries
 from buffers.store import ObjectStore
 from pipeline.actor import BaseActor
 from pipeline.channel import Channel
-from pipeline.context import RunContext
+from pipeline.context import Produced, RunContext
 from pipeline.refs import Ref, make_key
 from stages.engines.base import Completion, Engine, SamplingParams
 from stages.model import load_tokenizer
@@ -77,6 +77,7 @@ class Rollout:
 
 
 _PROMPT = msgspec.json.Decoder(Prompt)
+_ENCODE = msgspec.json.encode
 
 
 class RolloutWorker(BaseActor):
@@ -114,11 +115,18 @@ class RolloutWorker(BaseActor):
             [ids for ids in prompt_ids for _ in range(spec.group_size)], spec.sampling()
         )
         spec.stats["gen_s"] += anyio.current_time() - t0
+        refs, records = [], []
         for g, prompt in enumerate(prompts):
             group = completions[g * spec.group_size : (g + 1) * spec.group_size]
-            await self._store_group(prompt, prompt_ids[g], group)
+            ref = await self._store_group(prompt, prompt_ids[g], group)
+            refs.append(ref)
+            records.append(Produced(ref.item_ids, ref.group, (ref.version, ref.version_max), _ENCODE(prompt)))
+        # one ledger call and one channel call per engine batch: each may cross a process boundary
+        await self.ctx.ledger.produced(records)
+        await self.outbox.send_many(refs)
 
-    async def _store_group(self, prompt: Prompt, prompt_ids: list[int], group: list[Completion]) -> None:
+    async def _store_group(self, prompt: Prompt, prompt_ids: list[int], group: list[Completion]) -> Ref:
+        """Score, encode and store one group; returns its Ref (not yet recorded or sent)."""
         spec, ctx, tok = self.spec, self.ctx, self.spec.tokenizer
         texts = [tok.decode(c.tokens, skip_special_tokens=True) for c in group]
         rewards = np.array([spec.task.reward(prompt, t) for t in texts], dtype=np.float32)
@@ -154,9 +162,7 @@ class RolloutWorker(BaseActor):
         key = make_key(ctx.run, lo, group_id, f"0-{len(group) - 1}")
         await with_retries(lambda: self.store.put(key, payload))
 
-        ref = Ref(
+        return Ref(
             store=self.store.name, key=key, version=lo, version_max=hi, rows=len(group),
             nbytes=payload.nbytes, checksum=peek(payload).checksum, group=group_id,
         )
-        await ctx.ledger.produced(ref.item_ids, group_id, (lo, hi), msgspec.json.encode(prompt))
-        await self.outbox.send(ref)

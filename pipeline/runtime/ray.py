@@ -24,6 +24,7 @@ import os
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 import asyncio  # noqa: E402
+import contextlib  # noqa: E402
 import time  # noqa: E402
 from collections import Counter  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
@@ -35,7 +36,7 @@ import ray  # noqa: E402
 
 from pipeline.actor import ActorFailed  # noqa: E402
 from pipeline.admission import AdmissionGate  # noqa: E402
-from pipeline.context import Redo, RunContext, VersionPolicy  # noqa: E402
+from pipeline.context import Produced, Redo, RunContext, VersionPolicy  # noqa: E402
 from pipeline.ledger import Ledger  # noqa: E402
 from pipeline.runtime.ray_channel import RayChannel  # noqa: E402
 from pipeline.telemetry import RunFolder, configure_logging, get_logger  # noqa: E402
@@ -89,9 +90,10 @@ class Conductor:
         return lost
 
     # ledger
-    async def produced(self, worker: str, ids: list[str], group: str, versions: tuple[int, int], source: bytes):
-        self.ledger.produced(ids, group, tuple(versions), source)
-        self.outstanding[worker] -= 1
+    async def produced(self, worker: str, groups: list[Produced]) -> None:
+        for g in groups:
+            self.ledger.produced(g.ids, g.group, tuple(g.versions), g.source)
+        self.outstanding[worker] -= len(groups)
 
     async def take_source(self, group: str) -> bytes:
         return self.ledger.take_source(group)
@@ -153,8 +155,8 @@ class RemoteLedger:
     conductor: Any
     worker: str
 
-    async def produced(self, ids: list[str], group: str, versions: tuple[int, int], source: bytes) -> None:
-        await self.conductor.produced.remote(self.worker, ids, group, versions, source)
+    async def produced(self, groups: list[Produced]) -> None:
+        await self.conductor.produced.remote(self.worker, groups)
 
     async def take_source(self, group: str) -> bytes:
         return await self.conductor.take_source.remote(group)
@@ -290,7 +292,10 @@ class RayRun:
         hosts: dict[str, Any] = {}
         conductor = None
         channels: dict[str, RayChannel] = {}
+        store = pipe.buffer.store
+        serving = store.serve() if hasattr(store, "serve") else contextlib.nullcontext(store)
         try:
+            store = serving.__enter__()  # e.g. a Mooncake master started for this run
             conductor = Conductor.remote(pipe.staleness, pipe.consumer.units_per_version, pipe.max_uses)
             await conductor.setup.remote()
             channels = {
@@ -301,23 +306,25 @@ class RayRun:
             wiring = Wiring(
                 run=pipe.name, seed=pipe.seed, steps=pipe.steps, folder=str(folder.path), policy=pipe.staleness,
                 units_per_version=pipe.consumer.units_per_version, conductor=conductor, channels=channels,
-                store=pipe.buffer.store, started_at=time.time(), log_format=self.log_format,
+                store=store, started_at=time.time(), log_format=self.log_format,
             )
             n_producers = len(pipe.producer.engines)
-            restartable = StageHost.options(max_restarts=self.max_restarts, max_task_retries=0)
+            tag = f"baton/{pipe.name}/{folder.path.name}"  # named, so operators (and tests) can find them
             for i in range(n_producers):
-                hosts[f"producer-{i}"] = restartable.remote(pipe.producer, "producer", i, wiring)
-            hosts["buffer-0"] = StageHost.remote(pipe.buffer, "buffer", 0, wiring)
-            hosts["consumer-0"] = StageHost.remote(pipe.consumer, "consumer", 0, wiring)
+                hosts[f"producer-{i}"] = StageHost.options(
+                    name=f"{tag}/producer-{i}", max_restarts=self.max_restarts, max_task_retries=0
+                ).remote(
+                    pipe.producer, "producer", i, wiring
+                )
+            hosts["buffer-0"] = StageHost.options(name=f"{tag}/buffer-0").remote(pipe.buffer, "buffer", 0, wiring)
+            hosts["consumer-0"] = StageHost.options(name=f"{tag}/consumer-0").remote(
+                pipe.consumer, "consumer", 0, wiring
+            )
             peers = {"producer": [hosts[f"producer-{i}"] for i in range(n_producers)]}
             # the buffer first: it holds the store the others open as clients
-            log.info("hosts created; setting up")
             await hosts["buffer-0"].setup.remote(peers)
-            log.info("buffer set up")
             await asyncio.gather(*(h.setup.remote(peers) for n, h in hosts.items() if n != "buffer-0"))
-            log.info("all set up")
             await asyncio.gather(*(h.start.remote() for n, h in hosts.items() if n.startswith("producer")))
-            log.info("producers started")
             await hosts["buffer-0"].start.remote()
             await hosts["consumer-0"].start.remote()  # publishes version 0 to every producer
             log.info("ray run started", hosts=sorted(hosts), pids=await self._pids(hosts))
@@ -325,6 +332,7 @@ class RayRun:
         finally:
             report = msgspec.msgpack.decode(await conductor.report.remote()) if conductor is not None else None
             await self._teardown(hosts, channels, conductor)
+            serving.__exit__(None, None, None)
             if started_ray:
                 ray.shutdown()
         return report
