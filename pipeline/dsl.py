@@ -178,6 +178,7 @@ class Pipeline:
             "wall_s": round(wall, 2),
             "samples_per_s": round(counts["trained"] / wall, 1) if wall > 0 else 0.0,
             "runtime": "ray",
+            "restarts": report.get("restarts", {}),
         }
         folder.write_json("summary.json", summary)
         folder.close()

@@ -12,6 +12,7 @@ A group is recorded in the ledger as produced only once its payload is stored.
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -85,6 +86,7 @@ class RolloutWorker(BaseActor):
         self.spec, self.engine, self.store, self.ctx, self.outbox = spec, engine, store, ctx, outbox
         self.name = f"rollout:{engine.name}"
         self.groups_made = 0
+        self.incarnation = uuid.uuid4().hex[:8]
         self.rng = ctx.rng(self.name)
         self.log = ctx.log(self.name)
 
@@ -145,7 +147,8 @@ class RolloutWorker(BaseActor):
         versions = np.concatenate([c.versions for c in group]) if any(len(c.tokens) for c in group) else None
         lo = int(versions.min()) if versions is not None else self.engine.version
         hi = int(versions.max()) if versions is not None else self.engine.version
-        group_id = f"{self.engine.name}.g{self.groups_made:08d}"  # unique across workers and processes
+        # unique across workers, processes and restarts: engine name, this incarnation, a counter
+        group_id = f"{self.engine.name}.{self.incarnation}.{self.groups_made:08d}"
         self.groups_made += 1
         spec.stats["groups"] += 1
         spec.stats["tokens"] += sum(len(c.tokens) for c in group)

@@ -33,6 +33,7 @@ from typing import Any  # noqa: E402
 import anyio  # noqa: E402
 import msgspec  # noqa: E402
 import ray  # noqa: E402
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential  # noqa: E402
 
 from pipeline.actor import ActorFailed  # noqa: E402
 from pipeline.admission import AdmissionGate  # noqa: E402
@@ -173,12 +174,19 @@ class RemoteLedger:
 
 @dataclass
 class Peer:
-    """Another host, as stages see it: `deliver(box, header, blob)` into its mailbox `box`."""
+    """Another host, as stages see it: `deliver(box, header, blob)` into its mailbox `box`.
+
+    A peer that is dead or restarting misses the delivery (returns False) instead of failing the
+    sender: the runtime asks the sender to re-send its latest state once the peer is back."""
 
     host: Any
 
-    async def deliver(self, box: str, header: bytes, blob: Any) -> None:
-        await self.host.deliver.remote(box, header, blob)
+    async def deliver(self, box: str, header: bytes, blob: Any) -> bool:
+        try:
+            await self.host.deliver.remote(box, header, blob)
+            return True
+        except ray.exceptions.RayActorError:
+            return False
 
 
 @dataclass
@@ -331,6 +339,8 @@ class RayRun:
             await self._supervise(hosts, conductor, peers, wiring, progress)
         finally:
             report = msgspec.msgpack.decode(await conductor.report.remote()) if conductor is not None else None
+            if report is not None:
+                report["restarts"] = dict(self.restarts)
             await self._teardown(hosts, channels, conductor)
             serving.__exit__(None, None, None)
             if started_ray:
@@ -339,6 +349,17 @@ class RayRun:
 
     async def _pids(self, hosts: dict[str, Any]) -> dict[str, int]:
         return dict(zip(hosts, await asyncio.gather(*(h.pid.remote() for h in hosts.values())), strict=True))
+
+    async def _when_back(self, host: Any, peers: dict[str, list[Any]], timeout_s: float = 120.0) -> None:
+        """Set a restarted host up again, waiting while Ray still reports it as restarting."""
+        async for attempt in AsyncRetrying(
+            retry=retry_if_exception_type(ray.exceptions.ActorUnavailableError),
+            wait=wait_exponential(multiplier=0.1, max=2.0),
+            stop=stop_after_delay(timeout_s),
+            reraise=True,
+        ):
+            with attempt:
+                await host.setup.remote(peers)
 
     async def _supervise(self, hosts, conductor, peers, wiring, progress) -> None:
         failure: list[ActorFailed] = []
@@ -362,7 +383,7 @@ class RayRun:
                     get_logger("ray-runtime").warning(
                         "producer died; restarting it", host=name, restart=self.restarts[name], freed_slots=freed
                     )
-                    await host.setup.remote(peers)  # Ray restarted the process; rebuild its actor
+                    await self._when_back(host, peers)  # Ray restarts the process; rebuild its actor
                     await host.start.remote()
                     await hosts["consumer-0"].producer_restarted.remote(index)
                 except Exception as exc:  # the actor's own error: the run fails, naming it
