@@ -183,8 +183,7 @@ class Peer:
 
     async def deliver(self, box: str, header: bytes, blob: Any) -> bool:
         try:
-            await self.host.deliver.remote(box, header, blob)
-            return True
+            return await self.host.deliver.remote(box, header, blob)
         except ray.exceptions.RayActorError:
             return False
 
@@ -265,8 +264,13 @@ class StageHost:
             self._run_task.cancel()
         await self.actor.stop()
 
-    async def deliver(self, box: str, header: bytes, blob: Any) -> None:
+    async def deliver(self, box: str, header: bytes, blob: Any) -> bool:
+        """Hand a message to this host's mailbox `box`; False if the host is not set up (yet, after
+        a restart: the sender re-sends its latest once the supervisor says the host is back)."""
+        if self.ctx is None:
+            return False
         await self.ctx.services["mailboxes"][box](header, blob)
+        return True
 
     async def producer_restarted(self, index: int) -> None:
         hook = self.ctx.services.get("on_producer_restart")
