@@ -2,7 +2,8 @@
 
 Each step:
 1. receive refs until `groups_per_step` groups are accepted by the staleness policy at the
-   current version (the rest are disposed: dropped or requeued, and counted);
+   current version (the rest are refused: dropped or requeued, and counted); the next step's
+   groups are received and loaded while this step computes, and judged once their version is known;
 2. get + decode their payloads (checksum verified), compute group-normalised advantages and the
    PPO-clip loss on each token's behaviour logprob, clip gradients, take an AdamW step;
 3. bump the version, publish the weights through the transport, advance the clock, and only
@@ -112,6 +113,7 @@ class LearnerActor(BaseActor):
         self.model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self._frees: anyio.abc.TaskGroup | None = None
+        self._fetched: list[tuple[Ref, RolloutBatch]] = []  # received and loaded, not yet judged
 
     @property
     def store(self) -> ObjectStore:
@@ -142,7 +144,11 @@ class LearnerActor(BaseActor):
         while version < ctx.steps:
             refs, batches = await self._collect(version)
             t0 = time.perf_counter()
-            stats = await anyio.to_thread.run_sync(self._step, batches)
+            async with anyio.create_task_group() as tg:
+                if version + 1 < ctx.steps:  # fetch the next step's groups while this one computes
+                    tg.start_soon(self._prefetch, version)
+                stats = await anyio.to_thread.run_sync(self._step, batches)
+                tg.cancel_scope.cancel()  # a prefetch still waiting for groups must not hold up the version
             step_s = time.perf_counter() - t0
             await self.transport.publish(version + 1, self.model.state_dict())
             await ctx.clock.advance_to(version + 1)
@@ -165,29 +171,48 @@ class LearnerActor(BaseActor):
             })
             version += 1
 
-    async def _collect(self, version: int) -> tuple[list[Ref], list[RolloutBatch]]:
-        refs: list[Ref] = []
-        batches: list[RolloutBatch] = []
-        pending: list[Ref] = []
-        while len(refs) < self.spec.groups_per_step:
-            if not pending:
-                try:  # as many as are there, up to what this step still needs: one round trip
-                    pending = await self.inbox.receive_many(self.spec.groups_per_step - len(refs))
-                except anyio.EndOfStream:
-                    raise ChannelClosed(
-                        f"channel {self.inbox.name!r} closed and drained with {len(refs)} of "
-                        f"{self.spec.groups_per_step} groups for version {version + 1}: the stage feeding it stopped"
-                    ) from None
-            ref = pending.pop(0)
+    async def _prefetch(self, version: int) -> None:
+        """Receive and load up to one step of groups (whatever is there, waiting for the first).
+        They are judged by the policy only once the version they would be trained at is known.
+        Cancelled while waiting, it takes nothing (channel receives are cancellation-safe); once it
+        holds refs, it finishes loading them (shielded), so no received ref is ever dropped."""
+        refs = await self._receive(version + 1, self.spec.groups_per_step - len(self._fetched))
+        with anyio.CancelScope(shield=True):
+            for ref in refs:
+                batch = await self._load(ref)
+                if batch is not None:
+                    self._fetched.append((ref, batch))
+
+    async def _receive(self, version: int, wanted: int) -> list[Ref]:
+        try:  # as many as are there, up to `wanted`: one round trip
+            refs = await self.inbox.receive_many(max(wanted, 1))
+        except anyio.EndOfStream:
+            raise ChannelClosed(
+                f"channel {self.inbox.name!r} closed and drained before the groups for version {version + 1} "
+                "were complete: the stage feeding it stopped"
+            ) from None
+        for ref in refs:
             if ref.store != self.store.name:
                 raise ValueError(f"ref {ref.key} comes from store {ref.store!r}, not {self.store.name!r}")
+        return refs
+
+    async def _collect(self, version: int) -> tuple[list[Ref], list[RolloutBatch]]:
+        """`groups_per_step` loaded groups the policy accepts at `version` (prefetched ones first)."""
+        refs: list[Ref] = []
+        batches: list[RolloutBatch] = []
+        while len(refs) < self.spec.groups_per_step:
+            if not self._fetched:
+                for ref in await self._receive(version, self.spec.groups_per_step - len(refs)):
+                    batch = await self._load(ref)
+                    if batch is not None:
+                        self._fetched.append((ref, batch))
+                continue
+            ref, batch = self._fetched.pop(0)
             if self.ctx.policy.accept(version, ref.version) != "train":
                 await refuse(self.ctx, ref, version, self.store, self._frees)
                 continue
-            batch = await self._load(ref)
-            if batch is not None:
-                refs.append(ref)
-                batches.append(batch)
+            refs.append(ref)
+            batches.append(batch)
         return refs, batches
 
     async def _load(self, ref: Ref) -> RolloutBatch | None:
