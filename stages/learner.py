@@ -100,7 +100,8 @@ class GRPOLearner:
             Panel("staleness of trained groups", "hist", values=trained_staleness,
                   bins=max(trained_staleness, default=0) + 1),
             Panel("throughput (trained samples/s)", "line", x="t", y=["samples_per_s"]),
-            Panel("loss", "line", x="version", y=["loss"]),
+            Panel("learner time per version (s): compute vs waiting", "line", x="version",
+                  y=["version_s", "step_s", "collect_s"]),
         ]
 
 
@@ -141,9 +142,11 @@ class LearnerActor(BaseActor):
         t_start = time.perf_counter()
         trained_samples = 0
         version = await ctx.clock.current()  # the learner is the clock's only writer
+        last = time.perf_counter()
         while version < ctx.steps:
             refs, batches = await self._collect(version)
             t0 = time.perf_counter()
+            collect_s = t0 - last
             async with anyio.create_task_group() as tg:
                 if version + 1 < ctx.steps:  # fetch the next step's groups while this one computes
                     tg.start_soon(self._prefetch, version)
@@ -166,9 +169,12 @@ class LearnerActor(BaseActor):
                 "staleness_max": int(max(stale)),
                 "staleness_hist": stale,
                 "samples_per_s": round(trained_samples / elapsed, 1),
-                "step_s": round(step_s, 4),
+                "step_s": round(step_s, 4),  # compute (forward, backward, optimizer)
+                "collect_s": round(collect_s, 4),  # waiting for and loading accepted groups
+                "version_s": round(time.perf_counter() - last, 4),  # this version, end to end
                 **stats,
             })
+            last = time.perf_counter()
             version += 1
 
     async def _prefetch(self, version: int) -> None:

@@ -18,6 +18,7 @@ import ray  # noqa: E402
 
 from buffers.mooncake import MooncakeSettings, MooncakeStoreSpec  # noqa: E402
 from buffers.replay import ReplayBuffer  # noqa: E402
+from pipeline.actor import ActorFailed  # noqa: E402
 from pipeline.dsl import Pipeline  # noqa: E402
 from policies import MaxStaleness  # noqa: E402
 from stages import GRPOLearner, Rollout, TorchEngine, make_tiny_model, tasks  # noqa: E402
@@ -78,15 +79,15 @@ def test_every_actor_in_its_own_process_and_nothing_unaccounted(cluster, model: 
     assert [m["version"] for m in metrics] == list(range(1, 16))
 
 
-def kill_producer_when(root: Path, version: int, killed: list[int]) -> threading.Thread:
+def kill_host_when(root: Path, version: int, killed: list[int], host: str = "producer-0") -> threading.Thread:
     def watch() -> None:
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
             runs = list(root.glob("t-*"))
             metrics = runs[0] / "metrics.jsonl" if runs else None
             if metrics and metrics.exists() and len(metrics.read_text().splitlines()) >= version:
-                host = ray.get_actor(f"baton/t/{runs[0].name}/producer-0")
-                pid = ray.get(host.pid.remote())
+                actor = ray.get_actor(f"baton/t/{runs[0].name}/{host}")
+                pid = ray.get(actor.pid.remote())
                 os.kill(pid, signal.SIGKILL)
                 killed.append(pid)
                 return
@@ -99,7 +100,7 @@ def kill_producer_when(root: Path, version: int, killed: list[int]) -> threading
 
 def test_a_killed_producer_is_restarted_and_nothing_is_lost(cluster, model: Path, tmp_path: Path) -> None:
     killed: list[int] = []
-    watcher = kill_producer_when(tmp_path, version=3, killed=killed)
+    watcher = kill_host_when(tmp_path, version=3, killed=killed)
     s = pipeline(model, tmp_path, steps=14).run()
     watcher.join(timeout=1)
     assert killed, "the producer was killed mid-run"
@@ -110,3 +111,14 @@ def test_a_killed_producer_is_restarted_and_nothing_is_lost(cluster, model: Path
     records = check_ledger(Path(s["run_dir"]), bound=2)
     late = [r for r in records if r["group"].startswith("torch-0.") and r["fate"] == "trained" and r["versions"][0] > 5]
     assert late, "the restarted producer produced again, from the current weights"
+
+
+def test_a_dead_buffer_stops_the_run_naming_it(cluster, model: Path, tmp_path: Path) -> None:
+    killed: list[int] = []
+    watcher = kill_host_when(tmp_path, version=2, killed=killed, host="buffer-0")
+    with pytest.raises(ActorFailed) as err:
+        pipeline(model, tmp_path, steps=40).run()
+    watcher.join(timeout=1)
+    assert killed
+    assert err.value.actor in ("buffer-0", "consumer-0")  # the buffer, or the learner reading its store
+    assert "buffer-0" in str(err.value) or "died" in str(err.value) or "Mooncake" in str(err.value)
