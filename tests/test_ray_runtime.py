@@ -101,16 +101,17 @@ def kill_host_when(root: Path, version: int, killed: list[int], host: str = "pro
 def test_a_killed_producer_is_restarted_and_nothing_is_lost(cluster, model: Path, tmp_path: Path) -> None:
     killed: list[int] = []
     watcher = kill_host_when(tmp_path, version=3, killed=killed)
-    s = pipeline(model, tmp_path, steps=14).run()
+    s = pipeline(model, tmp_path, steps=80).run()
     watcher.join(timeout=1)
     assert killed, "the producer was killed mid-run"
     assert s["restarts"] == {"producer-0": 1}
-    assert s["version"] == 14, "the run finished after the restart"
+    assert s["version"] == 80, "the run finished after the restart"
     assert s["ledger_balanced"]
     assert s["samples"]["lost"] == 0
     records = check_ledger(Path(s["run_dir"]), bound=2)
-    late = [r for r in records if r["group"].startswith("torch-0.") and r["fate"] == "trained" and r["versions"][0] > 5]
-    assert late, "the restarted producer produced again, from the current weights"
+    trained = [r["group"] for r in records if r["fate"] == "trained"]
+    incarnations = {g.split(".")[1] for g in trained if g.startswith("torch-0.")}
+    assert len(incarnations) == 2, "the restarted producer process produced groups that were trained"
 
 
 def test_a_dead_buffer_stops_the_run_naming_it(cluster, model: Path, tmp_path: Path) -> None:
