@@ -63,6 +63,14 @@ class AdmissionGate:
                 tg.start_soon(on_discard)
         self.wait_s += anyio.current_time() - t0
 
+    async def acquire_many(self, max_units: int) -> int:
+        """Wait for one unit, then take as many more as the policy allows now (up to `max_units`)."""
+        await self.acquire()
+        taken = 1
+        while taken < max_units and self.try_acquire():
+            taken += 1
+        return taken
+
     def discard(self, units: int = 1) -> None:
         """`units` started units were thrown away; their slots are free again."""
         self.discarded += units

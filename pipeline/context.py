@@ -113,11 +113,7 @@ class LocalGate:
         self.units_per_version = gate.units_per_version
 
     async def acquire_many(self, max_units: int) -> int:
-        await self.gate.acquire()
-        taken = 1
-        while taken < max_units and self.gate.try_acquire():
-            taken += 1
-        return taken
+        return await self.gate.acquire_many(max_units)
 
     async def discard(self, units: int) -> None:
         self.gate.discard(units)

@@ -73,10 +73,7 @@ class Conductor:
 
     # gate
     async def acquire_many(self, worker: str, max_units: int) -> int:
-        await self.gate.acquire()
-        taken = 1
-        while taken < max_units and self.gate.try_acquire():
-            taken += 1
+        taken = await self.gate.acquire_many(max_units)
         self.outstanding[worker] += taken
         return taken
 
