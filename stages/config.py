@@ -8,7 +8,7 @@
     [store]      kind = "memory" (capacity) | "mooncake" (master, protocol, device, global_segment_size,
                  local_buffer_size, chunk_bytes, replicas) | "pkg.mod:Class"
     [buffer]     max_refs, max_bytes, produced_channel, produced_bytes, ready_channel, ready_bytes
-    [learner]    kind = "grpo", lr, groups_per_step, clip_eps, max_grad_norm, weight_decay
+    [learner]    kind = "grpo", lr, groups_per_step, clip_eps, max_grad_norm, weight_decay, epochs
     [staleness]  kind = "max-staleness", k, on_stale = "drop" | "requeue"
     [weights]    transport = "inproc"
     [telemetry]  log_format = "console" | "json", progress
@@ -138,6 +138,7 @@ class GRPOSpec(Section):
     clip_eps: float = Field(0.2, gt=0)
     max_grad_norm: float = Field(1.0, gt=0)
     weight_decay: float = Field(0.0, ge=0)
+    epochs: int = Field(1, ge=1, description="optimizer passes over each step's batch (PPO epochs)")
 
 
 class MaxStalenessSpec(Section):
@@ -288,7 +289,7 @@ def build_pipeline(cfg: RunConfig):
     learner = build(cfg.learner, {
         "grpo": lambda s: GRPOLearner(
             model, lr=s.lr, groups_per_step=s.groups_per_step, clip_eps=s.clip_eps,
-            max_grad_norm=s.max_grad_norm, weight_decay=s.weight_decay,
+            max_grad_norm=s.max_grad_norm, weight_decay=s.weight_decay, epochs=s.epochs,
             temperature=getattr(cfg.engine, "temperature", 1.0), weights=cfg.weights.transport,
         )
     })

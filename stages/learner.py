@@ -50,6 +50,7 @@ class GRPOLearner:
     clip_eps: float = 0.2
     max_grad_norm: float = 1.0
     weight_decay: float = 0.0
+    epochs: int = 1  # optimizer passes over each step's batch (PPO epochs)
     temperature: float = 1.0
     weights: str | WeightTransport = "inproc"
 
@@ -58,6 +59,8 @@ class GRPOLearner:
             raise ValueError(f"learner.lr must be > 0, got {self.lr}")
         if self.groups_per_step < 1:
             raise ValueError(f"learner.groups_per_step must be >= 1, got {self.groups_per_step}")
+        if self.epochs < 1:
+            raise ValueError(f"learner.epochs must be >= 1, got {self.epochs}")
 
     @property
     def units_per_version(self) -> int:
@@ -257,14 +260,15 @@ class LearnerActor(BaseActor):
                 group_index[i] = g
                 i += 1
         adv = group_advantages(rewards, group_index)[:, None]
-        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float() / spec.temperature
-        logp_all = torch.log_softmax(logits, -1)
-        logp = logp_all.gather(2, ids[:, 1:, None]).squeeze(-1)
-        loss, info = ppo_clip_loss(logp, old[:, 1:], adv, mask[:, 1:], spec.clip_eps)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), spec.max_grad_norm)
-        opt.step()
+        for _ in range(spec.epochs):  # PPO epochs: later passes see ratios move away from 1, and clip
+            logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float() / spec.temperature
+            logp_all = torch.log_softmax(logits, -1)
+            logp = logp_all.gather(2, ids[:, 1:, None]).squeeze(-1)
+            loss, info = ppo_clip_loss(logp, old[:, 1:], adv, mask[:, 1:], spec.clip_eps)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), spec.max_grad_norm)
+            opt.step()
         with torch.no_grad():
             m = mask[:, 1:]
             entropy = -(logp_all.exp() * logp_all).sum(-1)

@@ -211,3 +211,10 @@ def test_positional_credit_is_a_fraction(answer: str, completion: str) -> None:
 def test_task_registry() -> None:
     assert TASKS["reverse-digits"] is ReverseDigits and TASKS["addition"] is Addition
     assert ReverseDigits().name == "reverse-digits" and Addition().name == "addition"
+
+
+def test_learner_epochs_must_be_positive() -> None:
+    from stages.learner import GRPOLearner
+
+    with pytest.raises(ValueError, match="learner.epochs must be >= 1"):
+        GRPOLearner("unused", epochs=0)
