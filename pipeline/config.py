@@ -60,21 +60,18 @@ def apply_override(data: dict[str, Any], item: str) -> None:
 
 
 def _key_path(loc: tuple, data: Any) -> str:
-    """The user's key path: loc minus the union tags pydantic inserts (they are not keys in the input)."""
+    """The user's key path: loc minus the union tags pydantic inserts. A tag is an element absent
+    from the input that is not the last one (the last may be a missing key, which is named)."""
     parts, node = [], data
-    for part in loc:
-        if isinstance(node, Mapping) and part in node:
-            parts.append(str(part))
+    for i, part in enumerate(loc):
+        present = (isinstance(node, Mapping) and part in node) or (
+            isinstance(node, list) and isinstance(part, int) and part < len(node)
+        )
+        if present:
             node = node[part]
-        elif isinstance(node, list) and isinstance(part, int) and part < len(node):
-            parts.append(str(part))
-            node = node[part]
-        elif not parts or not isinstance(node, Mapping):
-            parts.append(str(part))
-        elif isinstance(part, str) and part not in node and node.get("kind", part) != part:
-            parts.append(part)  # a key the user did not give (missing or unknown)
-        elif isinstance(node, Mapping) and "kind" not in node and part != "plugin":
-            continue  # the default kind's tag
+        elif i < len(loc) - 1:
+            continue
+        parts.append(str(part))
     return ".".join(parts)
 
 

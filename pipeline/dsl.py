@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import anyio
-import msgspec
 
 from pipeline.actor import Actor, ActorFailed
 from pipeline.admission import AdmissionGate
@@ -106,7 +105,6 @@ class Pipeline:
             feedback=Channel("feedback", max_items=1 << 20),
             folder=folder,
         )
-        self._local = (clock, ledger, gate)
         produced = Channel("produced", max_items=self.produced_channel[0], max_bytes=self.produced_channel[1])
         ready = Channel("ready", max_items=self.ready_channel[0], max_bytes=self.ready_channel[1])
         ctx.channels.update(produced=produced, ready=ready, feedback=ctx.feedback)
@@ -122,12 +120,11 @@ class Pipeline:
         log = ctx.log("pipeline")
         log.info("run starting", folder=str(folder.path), actors=[a.name for a in actors], steps=self.steps)
 
-        title = f"{self.name}"
         failure: ActorFailed | None = None
         try:
-            with Progress(title, enabled=self.progress) as progress:
+            with Progress(self.name, enabled=self.progress) as progress:
                 async with anyio.create_task_group() as tg:
-                    tg.start_soon(self._show_progress, ctx, progress)
+                    tg.start_soon(self._show_progress, ctx, clock, progress)
                     try:
                         await run_actors(actors, until=[a.name for a in consumers])
                     except ActorFailed as exc:
@@ -137,16 +134,12 @@ class Pipeline:
         finally:
             for channel in ctx.channels.values():
                 channel.close()
-            ledger.write(folder.path / "ledger.json")
-            records = folder.read_metrics()
-            render_report(folder.path / "report.png", records, self.consumer.report_panels(records), title=title)
+            records = self._write_outputs(folder, ledger.to_json())
             if failure is not None:
                 log.error("run failed", folder=str(folder.path), ledger=ledger.counts(), error=str(failure))
         if failure is not None:
             raise failure
-        summary = self._summary(ctx, records)
-        folder.write_json("summary.json", summary)
-        folder.close()
+        summary = self._summary(folder, records, clock.version, ledger.counts(), ledger.balanced(), ctx.started_at)
         log.info("run finished", **{k: summary[k] for k in ("version", "wall_s", "samples_per_s")})
         return summary
 
@@ -154,59 +147,55 @@ class Pipeline:
         from pipeline.runtime.ray import RayRun
 
         started = time.time()
-        log = get_logger("pipeline").bind(run=self.name)
-        log.info("run starting on ray", folder=str(folder.path), steps=self.steps)
+        get_logger("pipeline").bind(run=self.name).info("run starting on ray", folder=str(folder.path))
         report = None
         try:
             with Progress(self.name, enabled=self.progress) as progress:
                 report = await RayRun(self, address=self.ray_address)(folder, progress)
         finally:
-            records = folder.read_metrics()
-            if report is not None:
-                (folder.path / "ledger.json").write_bytes(msgspec.json.encode(report["records"]))
-            render_report(folder.path / "report.png", records, self.consumer.report_panels(records), title=self.name)
-        counts, wall = report["counts"], time.time() - started
-        summary = {
-            "run_dir": str(folder.path),
-            "steps": self.steps,
-            "version": report["version"],
-            **self.consumer.summary(records),
-            "staleness_bound": self.staleness.bound,
-            "samples": {k: counts[k] for k in ("produced", "trained", "dropped", "lost", "regenerated")},
-            "in_flight": counts["in_flight"],
-            "ledger_balanced": not report["violations"],
-            "wall_s": round(wall, 2),
-            "samples_per_s": round(counts["trained"] / wall, 1) if wall > 0 else 0.0,
-            "runtime": "ray",
-            "restarts": report.get("restarts", {}),
-        }
-        folder.write_json("summary.json", summary)
-        folder.close()
-        return summary
+            records = self._write_outputs(folder, report["ledger_json"] if report is not None else None)
+        return self._summary(
+            folder, records, report["version"], report["counts"], not report["violations"], started,
+            runtime="ray", restarts=report.get("restarts", {}),
+        )
 
-    async def _show_progress(self, ctx: RunContext, progress: Progress) -> None:
+    def _write_outputs(self, folder: RunFolder, ledger_json: bytes | None) -> list[dict]:
+        """ledger.json and report.png (also for a failed run); returns the metric records."""
+        if ledger_json is not None:
+            folder.write_text("ledger.json", ledger_json.decode())
+        records = folder.read_metrics()
+        render_report(folder.path / "report.png", records, self.consumer.report_panels(records), title=self.name)
+        return records
+
+    async def _show_progress(self, ctx: RunContext, clock: VersionClock, progress: Progress) -> None:
         while True:
             depths = {n: f"{c.depth}/{c.max_items}" for n, c in ctx.channels.items() if n != "feedback"}
             progress.update(
-                version=f"{self._local[0].version}/{self.steps}",
+                version=f"{clock.version}/{self.steps}",
                 **self.consumer.progress(ctx.folder.latest_metrics()),
                 **depths,
             )
             await anyio.sleep(0.25)
 
-    def _summary(self, ctx: RunContext, records: list[dict]) -> dict[str, Any]:
-        clock, ledger, _ = self._local
-        counts = ledger.counts()
-        wall = time.time() - ctx.started_at
-        return {
-            "run_dir": str(ctx.folder.path),
+    def _summary(
+        self, folder: RunFolder, records: list[dict], version: int, counts: dict[str, int], balanced: bool,
+        started_at: float, **extra: Any,
+    ) -> dict[str, Any]:
+        """The run's summary (also written to summary.json); closes the run folder."""
+        wall = time.time() - started_at
+        summary = {
+            "run_dir": str(folder.path),
             "steps": self.steps,
-            "version": clock.version,
+            "version": version,
             **self.consumer.summary(records),
             "staleness_bound": self.staleness.bound,
             "samples": {k: counts[k] for k in ("produced", "trained", "dropped", "lost", "regenerated")},
             "in_flight": counts["in_flight"],
-            "ledger_balanced": ledger.balanced(),
+            "ledger_balanced": balanced,
             "wall_s": round(wall, 2),
             "samples_per_s": round(counts["trained"] / wall, 1) if wall > 0 else 0.0,
+            **extra,
         }
+        folder.write_json("summary.json", summary)
+        folder.close()
+        return summary

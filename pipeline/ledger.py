@@ -22,10 +22,8 @@ redone exactly (`take_source`) by whichever producer picks it up.
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Literal
 
 import msgspec
@@ -131,15 +129,10 @@ class Ledger:
     def records(self) -> list[ItemRecord]:
         return list(self._items.values())
 
-    def write(self, path: Path) -> None:
-        """Write one record per item as a JSON list (fields: id, group, versions, trained_at, fate, reason)."""
-        tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(msgspec.json.encode(self.records()))
-        tmp.replace(path)
-
-    @staticmethod
-    def read(path: Path) -> list[dict]:
-        return json.loads(Path(path).read_text())
+    def to_json(self) -> bytes:
+        """One record per item as a JSON list (fields: id, group, versions, trained_at, fate, reason):
+        the run folder's ledger.json."""
+        return msgspec.json.encode(self.records())
 
     def _get(self, item_id: str) -> ItemRecord:
         try:

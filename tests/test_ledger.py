@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from pipeline.ledger import Ledger, LedgerError
@@ -125,17 +127,14 @@ def test_versions_must_be_ordered() -> None:
     assert len(ledger) == 0
 
 
-def test_write_read_round_trip(tmp_path) -> None:
+def test_json_records(tmp_path) -> None:
     ledger = Ledger(max_uses=2)
     ledger.produced(["g0/0", "g0/1"], group="g0", versions=(0, 1))
     ledger.produced(["g1/0"], group="g1", versions=(2, 2))
     ledger.trained(["g0/0"], at_version=2)
     ledger.trained(["g0/0"], at_version=3)
     ledger.dropped(["g0/1"], reason="stale")
-    path = tmp_path / "ledger.json"
-    ledger.write(path)
-    assert not path.with_suffix(".tmp").exists()
-    rows = Ledger.read(path)
+    rows = json.loads(ledger.to_json())
     assert isinstance(rows, list) and len(rows) == 3
     by_id = {r["id"]: r for r in rows}
     for r in rows:

@@ -112,7 +112,7 @@ class Conductor:
                 "version": self.clock.version,
                 "counts": self.ledger.counts(),
                 "violations": self.ledger.violations(),
-                "records": self.ledger.records(),
+                "ledger_json": self.ledger.to_json(),
                 "gate": {"started": self.gate.started, "discarded": self.gate.discarded, "wait_s": self.gate.wait_s},
             }
         )
