@@ -344,9 +344,6 @@ class MooncakeStore:
     def replica_count(self, key: str) -> int:
         return len(self._client.get_replica_desc(key))
 
-    def healthy(self) -> bool:
-        return self._client.health_check() == 0
-
 
 @dataclass(frozen=True)
 class MooncakeStoreSpec:

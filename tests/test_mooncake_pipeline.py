@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import anyio
 import pytest
 import torch
 
@@ -62,6 +63,8 @@ class RestartMasterAt(BaseActor):
 
     async def run(self) -> None:
         await self.ctx.clock.wait_until(self.version)
+        while self.ctx.channels["ready"].depth == 0:  # refs whose keys are stored but not yet read
+            await anyio.sleep(0.001)
         port = self.master.port
         self.master.kill()
         self.restarted = MooncakeMaster(port, lease_ttl_ms=500).start()
