@@ -38,6 +38,10 @@ class VersionPolicy(Protocol):
 
     def accept(self, learner_version: int, oldest_version: int) -> str: ...
 
+    def interrupt(self, oldest_version: int, new_version: int) -> str:
+        """"continue" | "restart": for work in flight when `new_version` reaches its worker."""
+        ...
+
 
 class Clock(Protocol):
     async def current(self) -> int: ...

@@ -11,6 +11,11 @@ step and bound k:
   With FIFO consumption this alone keeps every trained group within k, and little work is wasted.
 * **Accept** (consumer side): the hard guarantee. An item with staleness > k never reaches a
   gradient step: it is dropped, or requeued for regeneration, per `on_stale`.
+* **Interrupt** (engine side, when version `w` reaches an engine with a request in flight whose
+  oldest token came from version `o`): `continue` it on the new weights (its tokens record each
+  version) while it can still be trained, i.e. `w - o <= k`, and while it would span at most
+  `max_span` versions; otherwise `restart` it from its prompt on the new weights, because finishing
+  it would only produce a sample the accept check must refuse (or one mixing too many versions).
 * **Sync** is k = 0 through exactly this code: groups for step v are generated only after the
   weights of version v were published, and trained at version v.
 
@@ -24,6 +29,7 @@ from typing import Literal
 
 OnStale = Literal["drop", "requeue"]
 Verdict = Literal["train", "drop", "requeue"]
+Interrupt = Literal["continue", "restart"]
 
 
 def staleness(learner_version: int, oldest_version: int) -> int:
@@ -37,10 +43,13 @@ class MaxStaleness:
 
     k: int = 2
     on_stale: OnStale = "drop"
+    max_span: int | None = None  # most weight versions one sample's tokens may come from; None: no limit
 
     def __post_init__(self) -> None:
         if self.k < 0:
             raise ValueError(f"staleness.k must be >= 0, got {self.k}")
+        if self.max_span is not None and self.max_span < 1:
+            raise ValueError(f"staleness.max_span must be >= 1 (or unset), got {self.max_span}")
         if self.on_stale not in ("drop", "requeue"):
             raise ValueError(f"staleness.on_stale must be 'drop' or 'requeue', got {self.on_stale!r}")
 
@@ -65,6 +74,15 @@ class MaxStaleness:
         if staleness(learner_version, oldest_version) <= self.k:
             return "train"
         return self.on_stale
+
+
+    def interrupt(self, oldest_version: int, new_version: int) -> Interrupt:
+        """What an engine does with an in-flight request when `new_version` arrives."""
+        if staleness(new_version, oldest_version) > self.k:
+            return "restart"
+        if self.max_span is not None and new_version - oldest_version + 1 > self.max_span:
+            return "restart"
+        return "continue"
 
 
 def sync() -> MaxStaleness:

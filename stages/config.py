@@ -3,13 +3,15 @@
     name, seed, steps, mode ("async" | "sync"), runtime ("local"), run_root
     [model]      path, create, hidden_size, layers, heads, kv_heads, seed
     [task]       kind = "reverse-digits" | "addition" | "pkg.mod:Class" (+ its keys)
-    [engine]     kind = "torch" | "pkg.mod:Class", count, batch_groups, temperature, top_p
+    [engine]     kind = "torch" | "sglang" | "pkg.mod:Class", count, batch_groups, temperature, top_p
+                 (sglang: urls, python, dtype, device, threads, max_total_tokens, extra_args, update,
+                 pause_mode, max_restarts)
     [rollout]    group_size
     [store]      kind = "memory" (capacity) | "mooncake" (master, protocol, device, global_segment_size,
                  local_buffer_size, chunk_bytes, replicas) | "pkg.mod:Class"
     [buffer]     max_refs, max_bytes, produced_channel, produced_bytes, ready_channel, ready_bytes
-    [learner]    kind = "grpo", lr, groups_per_step, clip_eps, max_grad_norm, weight_decay, epochs
-    [staleness]  kind = "max-staleness", k, on_stale = "drop" | "requeue"
+    [learner]    kind = "grpo", lr, groups_per_step, clip_eps, max_grad_norm, weight_decay, epochs, device
+    [staleness]  kind = "max-staleness", k, on_stale = "drop" | "requeue", max_span
     [weights]    transport = "inproc"
     [telemetry]  log_format = "console" | "json", progress
 
@@ -23,7 +25,17 @@ import uuid
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ByteSize, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import (
+    BaseModel,
+    ByteSize,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from pipeline.config import ConfigError, resolve, to_toml
 
@@ -84,6 +96,57 @@ class TorchEngineSpec(Section):
     top_p: float = Field(1.0, gt=0, le=1)
 
 
+class SGLangEngineSpec(Section):
+    """SGLang servers: launched on 127.0.0.1 (CPU flags when no GPU), or attached by `urls`."""
+
+    kind: Literal["sglang"] = "sglang"
+    count: int = Field(1, ge=1, le=64, description="servers (each its own producer actor)")
+    urls: list[Annotated[str, Field(pattern=r"^https?://[\w.-]+:\d+/?$")]] = Field(
+        default_factory=list, description="attach to running servers instead of launching (one per engine)"
+    )
+    python: str | None = Field(
+        None, description="interpreter with sglang (default: $BATON_SGLANG_PYTHON, then .venv-sglang)"
+    )
+    batch_groups: int = Field(16, ge=1, description="groups generated per engine call")
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    threads: int = Field(1, ge=1, description="torch threads per server process on CPU")
+    max_total_tokens: int = Field(16384, ge=256, description="KV-cache tokens per server")
+    extra_args: list[str] = Field(default_factory=list, description="more sglang.launch_server flags, verbatim")
+    update: Literal["tensor", "distributed", "disk"] = Field(
+        "tensor", description="how weights enter the server: update_weights_from_{tensor,distributed,disk}"
+    )
+    pause_mode: Literal["in_place", "retract"] = Field(
+        "in_place", description="how in-flight requests pause for a weight update (keep or recompute their KV)"
+    )
+    max_restarts: int = Field(3, ge=0, description="restarts of a dead server before the run fails")
+    base_gpu_id: int = Field(0, ge=0, description="device = 'cuda': engine i runs on GPU base_gpu_id + i")
+
+    @model_validator(mode="after")
+    def _check(self) -> SGLangEngineSpec:
+        if self.urls and len(self.urls) != self.count:
+            if "count" in self.model_fields_set:
+                raise ValueError(f"engine.urls has {len(self.urls)} entries but engine.count = {self.count}; "
+                                 "give one url per engine or drop engine.count")
+            self.count = len(self.urls)
+        return self
+
+    @field_validator("python")
+    @classmethod
+    def _server_environment(cls, python: str | None, info: ValidationInfo) -> str | None:
+        """Launching needs an interpreter with sglang; say how to make one before anything starts."""
+        if not info.data.get("urls"):
+            from stages.engines.sglang_server import SGLangUnavailable, sglang_python
+
+            try:
+                sglang_python(python)
+            except SGLangUnavailable as exc:
+                raise ValueError(f"cannot launch an SGLang server: {exc}") from None
+        return python
+
+
 class RolloutSpec(Section):
     group_size: int = Field(8, ge=2)
 
@@ -139,12 +202,16 @@ class GRPOSpec(Section):
     max_grad_norm: float = Field(1.0, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     epochs: int = Field(1, ge=1, description="optimizer passes over each step's batch (PPO epochs)")
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description='"auto": cuda when a GPU is visible')
 
 
 class MaxStalenessSpec(Section):
     kind: Literal["max-staleness"] = "max-staleness"
     k: int | None = Field(None, ge=0, description="default: 2 in async mode, 0 in sync mode")
     on_stale: Literal["drop", "requeue"] = "drop"
+    max_span: int | None = Field(
+        None, ge=1, description="most weight versions one sample may span; longer ones restart on the new weights"
+    )
 
 
 class WeightsSpec(Section):
@@ -170,7 +237,7 @@ class RunConfig(Section):
     run_root: str = "runs"
     model: ModelSpec = ModelSpec()
     task: kinds(ReverseDigitsSpec, AdditionSpec) = ReverseDigitsSpec()  # type: ignore[valid-type]
-    engine: kinds(TorchEngineSpec) = TorchEngineSpec()  # type: ignore[valid-type]
+    engine: kinds(TorchEngineSpec, SGLangEngineSpec) = TorchEngineSpec()  # type: ignore[valid-type]
     rollout: RolloutSpec = RolloutSpec()
     store: kinds(MemoryStoreSpec, MooncakeStoreSpec, RayStoreSpec) = MemoryStoreSpec()  # type: ignore[valid-type]
     buffer: BufferSpec = BufferSpec()
@@ -239,6 +306,7 @@ def build_pipeline(cfg: RunConfig):
     from buffers.replay import ReplayBuffer
     from pipeline.dsl import Pipeline
     from policies import MaxStaleness
+    from stages.engines.sglang import SGLangEngine
     from stages.engines.torch import TorchEngine
     from stages.learner import GRPOLearner
     from stages.model import make_tiny_model
@@ -282,8 +350,19 @@ def build_pipeline(cfg: RunConfig):
         ),
     })
     engine_count = getattr(cfg.engine, "count", 1)
+    def sglang(s: SGLangEngineSpec, i: int) -> SGLangEngine:
+        return SGLangEngine(
+            model, name=f"sglang-{i}", url=s.urls[i] if s.urls else None, python=s.python, dtype=s.dtype,
+            device=s.device, threads=s.threads, max_total_tokens=s.max_total_tokens, extra_args=tuple(s.extra_args),
+            update=s.update, pause_mode=s.pause_mode, max_restarts=s.max_restarts,
+            gpu_id=s.base_gpu_id + i if s.device == "cuda" else None,
+        )
+
     engines = [
-        build(cfg.engine, {"torch": lambda s, i=i: TorchEngine(model, name=f"torch-{i}", seed=cfg.seed + i)})
+        build(cfg.engine, {
+            "torch": lambda s, i=i: TorchEngine(model, name=f"torch-{i}", seed=cfg.seed + i),
+            "sglang": lambda s, i=i: sglang(s, i),
+        })
         for i in range(engine_count)
     ]
     learner = build(cfg.learner, {
@@ -291,9 +370,12 @@ def build_pipeline(cfg: RunConfig):
             model, lr=s.lr, groups_per_step=s.groups_per_step, clip_eps=s.clip_eps,
             max_grad_norm=s.max_grad_norm, weight_decay=s.weight_decay, epochs=s.epochs,
             temperature=getattr(cfg.engine, "temperature", 1.0), weights=cfg.weights.transport,
+            device=s.device,
         )
     })
-    staleness = build(cfg.staleness, {"max-staleness": lambda s: MaxStaleness(k=s.k, on_stale=s.on_stale)})
+    staleness = build(cfg.staleness, {
+        "max-staleness": lambda s: MaxStaleness(k=s.k, on_stale=s.on_stale, max_span=s.max_span)
+    })
     e = cfg.engine
     return Pipeline(
         name=cfg.name,

@@ -53,6 +53,7 @@ class GRPOLearner:
     epochs: int = 1  # optimizer passes over each step's batch (PPO epochs)
     temperature: float = 1.0
     weights: str | WeightTransport = "inproc"
+    device: str = "auto"  # "auto": cuda when a GPU is visible, else cpu
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
@@ -124,7 +125,11 @@ class LearnerActor(BaseActor):
         return self.ctx.services["store"]
 
     async def start(self) -> None:
-        self.model = await anyio.to_thread.run_sync(load_model, self.spec.model_path)
+        device = self.spec.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        self.model = (await anyio.to_thread.run_sync(load_model, self.spec.model_path)).to(self.device)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=self.spec.lr, weight_decay=self.spec.weight_decay
         )
@@ -259,7 +264,8 @@ class LearnerActor(BaseActor):
                 rewards[i] = float(b.row_fields["rewards"][j])
                 group_index[i] = g
                 i += 1
-        adv = group_advantages(rewards, group_index)[:, None]
+        ids, old, mask, attn = (t.to(self.device) for t in (ids, old, mask, attn))
+        adv = group_advantages(rewards, group_index)[:, None].to(self.device)
         for _ in range(spec.epochs):  # PPO epochs: later passes see ratios move away from 1, and clip
             logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float() / spec.temperature
             logp_all = torch.log_softmax(logits, -1)

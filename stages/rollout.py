@@ -74,6 +74,11 @@ class Rollout:
         ctx.services.setdefault("weight_receivers", []).extend(self.engines)
         ctx.services.setdefault("mailboxes", {})[MAILBOX] = mailbox_for(self.engines)  # weights from other processes
         store: ObjectStore = ctx.services["store"]
+        for engine in self.engines:
+            if hasattr(engine, "policy"):  # engines ask the policy what to do with requests in flight
+                engine.policy = ctx.policy
+            if hasattr(engine, "log_dir"):  # server logs go to the run folder
+                engine.log_dir = getattr(ctx.folder, "path", ctx.folder)
         return [RolloutWorker(self, engine, store, ctx, outbox) for engine in self.engines]
 
 

@@ -102,6 +102,21 @@ def test_quickstart_configs_are_valid() -> None:
         validate(RunConfig, load_toml(ROOT / "configs" / name))
 
 
+def test_sglang_engine_without_a_server_environment_names_the_key_and_the_fix(capsys) -> None:
+    config = str(ROOT / "configs" / "sglang-cpu.toml")
+    code, _, err = check(capsys, config, "--set", "engine.python='/nonexistent/python'")
+    assert code == 2
+    assert "engine.python = '/nonexistent/python' does not exist" in err and "tools/sglang-cpu/install.sh" in err
+
+
+def test_sglang_urls_and_count_must_agree(capsys) -> None:
+    code, _, err = check(
+        capsys, str(ROOT / "configs" / "sglang-cpu.toml"),
+        "--set", "engine.urls=['http://127.0.0.1:30000']", "--set", "engine.count=2",
+    )
+    assert code == 2 and "engine.urls has 1 entries but engine.count = 2" in err
+
+
 def test_console_script_reports_config_errors() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "stages.cli", "run", str(QUICKSTART), "--set", "learner.lr=0"],

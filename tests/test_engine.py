@@ -232,6 +232,20 @@ async def test_each_token_carries_the_version_that_produced_it(engine: TorchEngi
         assert np.allclose(c.logprobs[~old], uniform, atol=1e-4), (c.versions, c.logprobs)
 
 
+async def test_policy_restart_decodes_the_batch_again_on_the_new_weights(engine: TorchEngine, model_a, monkeypatch):
+    from policies import MaxStaleness
+
+    engine.policy = MaxStaleness(k=2, max_span=1)  # a sample may not mix versions
+    model = eval_model(model_a)
+    _swap_during_decode(engine, monkeypatch, at_call=2, version=1, tensors=uniform_weights(model))
+    out = await engine.generate(PROMPTS, SamplingParams(max_new_tokens=8))
+    uniform = -math.log(model.config.vocab_size)
+    assert engine.stats["interrupted"] == len(PROMPTS)
+    for c in out:  # decoded again from the prompt: full length, every token by version 1
+        assert len(c.tokens) == 8 and set(c.versions.tolist()) == {1}
+        assert np.allclose(c.logprobs, uniform, atol=1e-4)
+
+
 # ---------------------------------------------------------------- model folder
 
 

@@ -151,3 +151,18 @@ def test_fifo_simulation_producer_first_reaches_bound(k: int, b: int, steps: int
             worst = max(worst, version - queue.popleft())
         version += 1
     assert worst == min(k, steps - 1)
+
+
+@given(k=st.integers(0, 6), oldest=st.integers(0, 50), ahead=st.integers(1, 10), span=st.none() | st.integers(1, 6))
+def test_interrupt_restarts_exactly_what_could_not_be_trained_or_spans_too_much(k, oldest, ahead, span) -> None:
+    policy = MaxStaleness(k=k, max_span=span)
+    new = oldest + ahead
+    verdict = policy.interrupt(oldest, new)
+    trainable = policy.accept(new, oldest) == "train"  # the earliest version it could be trained at
+    within_span = span is None or ahead + 1 <= span
+    assert verdict == ("continue" if trainable and within_span else "restart")
+
+
+def test_max_span_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="max_span"):
+        MaxStaleness(k=2, max_span=0)

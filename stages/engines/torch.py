@@ -4,6 +4,9 @@ Batched sampling with a KV cache, temperature and top-p, stop tokens and max-tok
 behaviour logprobs (of the tempered distribution, before top-p truncation) and per-token
 weight versions. New weights are staged by `receive_weights` and swapped in between decode steps
 of a running batch, so a long generation spans versions honestly instead of blocking the push.
+When the run's staleness policy says a running batch must `restart` on the new version (its
+samples could no longer be trained, or would span too many versions), the batch is decoded again
+from its prompts on the new weights.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ class TorchEngine:
         self._lock = threading.Lock()
         self._generator = torch.Generator().manual_seed(seed)
         self.busy_s = 0.0
+        self.policy = None  # the run's staleness policy (its `interrupt`); set by the rollout stage
+        self.stats = {"interrupted": 0}
 
     @property
     def version(self) -> int:
@@ -119,7 +124,7 @@ class TorchEngine:
         count = torch.zeros(n, dtype=torch.long)
         stops = torch.tensor(params.stop_token_ids, dtype=torch.long) if params.stop_token_ids else None
 
-        logits_version = self._version
+        oldest = logits_version = self._version
         for step in range(params.max_new_tokens):
             nxt, lp = self._sample(logits, params)
             tokens[:, step], logps[:, step], versions[:, step] = nxt, lp, logits_version
@@ -130,6 +135,10 @@ class TorchEngine:
                 break
             # a staged version lands between decode steps, never inside one; the next token's
             # logits come from the new weights (over a KV cache the older weights wrote)
+            if self._must_restart(oldest):
+                self.stats["interrupted"] += n
+                self._apply_staged()
+                return self._decode(prompts, params)
             self._apply_staged()
             logits_version = self._version
             mask = torch.cat([mask, torch.ones((n, 1), dtype=torch.long)], 1)
@@ -153,6 +162,13 @@ class TorchEngine:
                 )
             )
         return results
+
+    def _must_restart(self, oldest: int) -> bool:
+        with self._lock:
+            staged = self._staged[0] if self._staged is not None else None
+        if staged is None or staged <= self._version or self.policy is None:
+            return False
+        return self.policy.interrupt(oldest, staged) == "restart"
 
     def _sample(self, logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
         logp = torch.log_softmax(logits.float() / max(params.temperature, 1e-5), -1)

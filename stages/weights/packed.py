@@ -52,7 +52,7 @@ def pack(version: int, tensors: dict[str, torch.Tensor]) -> tuple[bytes, np.ndar
         offset += n
     blob = np.empty(offset, dtype=np.uint8)
     for entry, t in zip(entries, tensors.values(), strict=True):
-        flat = t.detach().contiguous().view(-1).view(torch.uint8)
+        flat = t.detach().cpu().contiguous().view(-1).view(torch.uint8)
         blob[entry.offset : entry.offset + entry.nbytes] = flat.numpy()
     manifest = Manifest(version, offset, xxhash.xxh3_64_intdigest(blob), tuple(entries))
     return msgspec.msgpack.encode(manifest), blob

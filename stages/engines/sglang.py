@@ -1,0 +1,469 @@
+"""SGLangEngine: an SGLang HTTP server as the producer's inference engine.
+
+The engine either launches its server (`SGLangServer`, possibly from another venv) or attaches to
+a running one by `url`; it speaks HTTP only and never imports sglang.
+
+* **generate**: one batched `/generate` call with `input_ids`, sampling params, stop tokens and
+  `return_logprob`; each request gets an id (`rid`) so it can be aborted alone. Every token's
+  version comes from the response's `weight_versions` spans (SGLang records which weights produced
+  which tokens), so a request that ran across an update reports each segment honestly.
+* **receive_weights(version, tensors)**: applies a whole version, tagged `str(version)`, through
+  one of SGLang's paths (`update = "tensor" | "distributed" | "disk"`), always inside
+  `/begin_weight_update` ... `/end_weight_update`. With requests in flight it first pauses
+  generation (`pause_mode = "in_place"` keeps their KV cache, `"retract"` recomputes it), asks the
+  staleness policy what each request should do (`interrupt`: continue on the new weights, or
+  restart from its prompt), applies, and continues. A version is applied whole or the call raises
+  `EngineError`; `version` only moves once the server confirmed the update.
+* **health**: transient HTTP failures are retried (tenacity). If the server this engine launched
+  dies, it is restarted, the latest weights are re-applied, and the requests that were in flight
+  are generated again from their prompts; `stats["restarts"]` and `stats["regenerated"]` count it.
+  A server that cannot be brought back raises `EngineError`.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import itertools
+import os
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import anyio
+import numpy as np
+import torch
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
+
+from stages.engines.base import Completion, EngineError, SamplingParams
+from stages.engines.sglang_server import ServerFailed, SGLangServer, free_port
+
+UPDATE_PATHS = ("tensor", "distributed", "disk")
+PAUSE_MODES = ("in_place", "retract")
+
+
+class ServerGone(EngineError):
+    """The server stopped answering (connection refused or reset)."""
+
+
+@dataclass
+class SGLangEngine:
+    """`SGLangEngine(model_path)` launches a CPU/GPU server; `SGLangEngine(model_path, url=...)` attaches."""
+
+    model_path: str | Path
+    name: str = "sglang-0"
+    url: str | None = None
+    python: str | None = None
+    port: int | None = None
+    dtype: str = "float32"
+    device: str = "auto"
+    gpu_id: int | None = None  # the GPU a launched server uses (--base-gpu-id)
+    threads: int = 1
+    max_total_tokens: int = 16384
+    extra_args: tuple[str, ...] = ()
+    update: str = "tensor"
+    pause_mode: str = "in_place"
+    max_restarts: int = 3
+    request_timeout_s: float = 600.0
+    log_dir: str | Path | None = None
+    policy: Any = None  # the run's staleness policy (its `interrupt`); set by the rollout stage
+    stats: dict = field(default_factory=lambda: {"restarts": 0, "regenerated": 0, "interrupted": 0, "updates": 0})
+
+    def __post_init__(self) -> None:
+        if self.update not in UPDATE_PATHS:
+            raise ValueError(f"engine.update must be one of {UPDATE_PATHS}, got {self.update!r}")
+        if self.pause_mode not in PAUSE_MODES:
+            raise ValueError(f"engine.pause_mode must be one of {PAUSE_MODES}, got {self.pause_mode!r}")
+        self._version = 0
+        self._latest: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._server: SGLangServer | None = None
+        self._base_url: str | None = None  # the server's address: `url`, or the launched server's
+        self._http: aiohttp.ClientSession | None = None
+        self._inflight: dict[str, int] = {}  # rid -> oldest version it may have tokens from
+        self._update_lock: anyio.Lock | None = None
+        self._restart_lock: anyio.Lock | None = None
+        self._group: Any = None  # torch process group for update = "distributed"
+        self._weights_dir: Path | None = None
+        self._expected: dict[str, tuple[int, ...]] | None = None
+        self._rids = itertools.count()
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def base_url(self) -> str | None:
+        """Where the server answers (once started)."""
+        return self._base_url
+
+    @property
+    def server(self) -> SGLangServer | None:
+        """The server this engine launched (None when attached by url)."""
+        return self._server
+
+    def __getstate__(self) -> dict:
+        """Only an unstarted engine moves to another process (the Ray runtime builds it there)."""
+        if self._http is not None:
+            raise RuntimeError(f"engine {self.name} is started; only an unstarted engine can move to another process")
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.__post_init__()
+
+    async def start(self) -> None:
+        if self._http is not None:
+            return
+        self._update_lock, self._restart_lock = anyio.Lock(), anyio.Lock()
+        self._base_url = self.url
+        if self.url is None:
+            log_dir = Path(self.log_dir) if self.log_dir else Path(tempfile.gettempdir())
+            self._server = SGLangServer(
+                self.model_path, python=self.python, port=self.port, dtype=self.dtype, device=self.device,
+                threads=self.threads, max_total_tokens=self.max_total_tokens,
+                extra_args=(*self.extra_args, *(() if self.gpu_id is None else ("--base-gpu-id", str(self.gpu_id)))),
+                log_path=log_dir / f"sglang-{self.name}-{os.getpid()}.log",
+            )
+            try:
+                await self._server.start()
+            except ServerFailed as exc:
+                raise EngineError(f"engine {self.name}: {exc}") from None
+            self._base_url = self._server.url
+        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.request_timeout_s))
+        try:
+            await self._call("GET", "/health")
+            if self._latest is not None:  # weights that arrived before start
+                await self._apply(*self._latest)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self.stop()
+            raise
+
+    async def stop(self) -> None:
+        if self._group is not None:
+            await self._destroy_group()
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
+        if self._server is not None:
+            await anyio.to_thread.run_sync(self._server.stop)
+            self._server = None
+        if self._weights_dir is not None:
+            shutil.rmtree(self._weights_dir, ignore_errors=True)
+            self._weights_dir = None
+
+    # -- generation ----------------------------------------------------------------------------
+    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        if self._http is None:
+            raise RuntimeError(f"engine {self.name} is not started")
+        results: list[Completion | None] = [None] * len(prompts)
+        todo = list(range(len(prompts)))
+        while todo:
+            done = await self._generate_some([prompts[i] for i in todo], params)
+            again = []
+            for i, completion in zip(todo, done, strict=True):
+                if completion is None:  # interrupted by the policy, or its server died: from the prompt again
+                    again.append(i)
+                else:
+                    results[i] = completion
+            if again:
+                self.stats["regenerated"] += len(again)
+            todo = again
+        return results  # type: ignore[return-value]
+
+    async def _generate_some(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion | None]:
+        rids = [f"{self.name}-{uuid.uuid4().hex[:8]}-{next(self._rids)}" for _ in prompts]
+        body = {
+            "input_ids": prompts,
+            "rid": rids,
+            "sampling_params": {
+                "max_new_tokens": params.max_new_tokens,
+                "temperature": params.temperature,
+                "top_p": params.top_p,
+                "stop_token_ids": list(params.stop_token_ids),
+                # with no stop tokens asked for, run the full length (SGLang would stop at the model's EOS)
+                "ignore_eos": not params.stop_token_ids,
+            },
+            "return_logprob": True,
+            # prefix-cache entries are only shared between requests made under one version: a
+            # prompt's KV computed by older weights must never serve a newer version's request
+            "extra_key": f"v{self._version}",
+        }
+        submitted = self._version
+        for rid in rids:
+            self._inflight[rid] = submitted
+        try:
+            answer = await self._call("POST", "/generate", body)
+        except ServerGone:
+            await self._recover()
+            return [None] * len(prompts)
+        finally:
+            for rid in rids:
+                self._inflight.pop(rid, None)
+        if not isinstance(answer, list) or len(answer) != len(prompts):
+            raise EngineError(f"engine {self.name}: /generate gave {type(answer).__name__}, not {len(prompts)} results")
+        return [self._completion(item, submitted, params) for item in answer]
+
+    def _completion(self, item: dict, submitted: int, params: SamplingParams) -> Completion | None:
+        meta = item["meta_info"]
+        finish = (meta.get("finish_reason") or {}).get("type", "length")
+        if finish == "abort":
+            return None
+        pairs = meta["output_token_logprobs"]
+        tokens = np.array([t for _, t, *_ in pairs], dtype=np.int32)
+        logprobs = np.array([lp for lp, *_ in pairs], dtype=np.float32)
+        if len(tokens) != len(item.get("output_ids", tokens)):
+            raise EngineError(f"engine {self.name}: {len(tokens)} logprobs for {len(item['output_ids'])} tokens")
+        versions = np.full(len(tokens), submitted, dtype=np.int32)
+        whole = [{"version": meta.get("weight_version"), "start": 0, "end": len(tokens)}]
+        for span in meta.get("weight_versions") or whole:
+            versions[span["start"] : span["end"]] = self._parse_version(span["version"], submitted)
+        stopped = finish == "stop" and len(tokens) > 0 and int(tokens[-1]) in params.stop_token_ids
+        return Completion(tokens, logprobs, versions, "stop" if stopped else "length", {"rid": meta.get("id")})
+
+    def _parse_version(self, tag: Any, submitted: int) -> int:
+        """Our tags are str(version); the server's initial "default" is the weights it loaded."""
+        try:
+            return int(tag)
+        except (TypeError, ValueError):
+            return submitted
+
+    # -- weights -------------------------------------------------------------------------------
+    async def receive_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Apply `version` whole (see the module docstring); older or equal versions are ignored."""
+        if self._latest is not None and version <= self._latest[0]:
+            return
+        tensors = self._fit(version, tensors)
+        self._latest = (version, tensors)
+        if self._http is None:
+            return  # applied at start
+        assert self._update_lock is not None
+        async with self._update_lock:
+            if self._latest[0] != version:
+                return  # a newer version arrived while this one waited
+            await self._apply(version, tensors)
+
+    def _fit(self, version: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The tensors to send, checked against the checkpoint's names and shapes before the server
+        sees them: a version that does not fit whole is refused here, with the server untouched."""
+        if self._expected is None:
+            self._expected = _checkpoint_shapes(Path(self.model_path))
+        expected, problems = self._expected, []
+        for name, shape in expected.items():
+            if name not in tensors:
+                problems.append(f"{name} missing")
+            elif tuple(tensors[name].shape) != shape:
+                problems.append(f"{name} has shape {tuple(tensors[name].shape)}, the model {shape}")
+        extra = [n for n in tensors if n not in expected and n != "lm_head.weight"]  # tied head: not stored
+        problems += [f"{n} is not in the model" for n in extra]
+        if problems:
+            raise EngineError(f"engine {self.name}: weights of version {version} do not fit: {'; '.join(problems[:5])}")
+        return {n: t for n, t in tensors.items() if n in expected}
+
+    async def _apply(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        inflight = dict(self._inflight)
+        if not inflight:
+            await self._update(version, tensors)
+            return
+        await self._call("POST", "/pause_generation", {"mode": self.pause_mode})
+        try:
+            for rid, oldest in inflight.items():
+                if self.policy is not None and self.policy.interrupt(oldest, version) == "restart":
+                    await self._call("POST", "/abort_request", {"rid": rid})
+                    self.stats["interrupted"] += 1
+            await self._update(version, tensors, flush_cache=False)
+        finally:
+            await self._call("POST", "/continue_generation", {})
+
+    async def _update(self, version: int, tensors: dict[str, torch.Tensor], flush_cache: bool = True) -> None:
+        tag = str(version)
+        await self._call("POST", "/begin_weight_update", {})
+        try:
+            if self.update == "tensor":
+                await self._call("POST", "/update_weights_from_tensor", {
+                    "serialized_named_tensors": [_serialize_shared(tensors)],
+                    "flush_cache": False, "weight_version": tag,
+                })
+            elif self.update == "distributed":
+                await self._update_distributed(tensors, tag)
+            else:
+                path = await anyio.to_thread.run_sync(self._write_version, version, tensors)
+                await self._call("POST", "/update_weights_from_disk", {
+                    "model_path": str(path), "flush_cache": False, "weight_version": tag,
+                })
+        finally:
+            await self._call("POST", "/end_weight_update", {})
+        self._version = version
+        self.stats["updates"] += 1
+        if flush_cache:  # KV computed by older weights must not serve new requests' prefixes
+            await self._call("POST", "/flush_cache", {}, check=False)
+
+    async def _update_distributed(self, tensors: dict[str, torch.Tensor], tag: str) -> None:
+        if self._group is None:
+            await self._init_group("nccl" if next(iter(tensors.values())).is_cuda else "gloo")
+        names = list(tensors)
+        body = {
+            "names": names, "dtypes": [str(tensors[n].dtype).removeprefix("torch.") for n in names],
+            "shapes": [list(tensors[n].shape) for n in names], "group_name": self._group_name,
+            "flush_cache": False, "weight_version": tag,
+        }
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._call, "POST", "/update_weights_from_distributed", body)
+            group = self._group
+
+            def broadcast() -> None:
+                for n in names:
+                    torch.distributed.broadcast(tensors[n].contiguous(), src=0, group=group)
+
+            await anyio.to_thread.run_sync(broadcast)
+
+    async def _init_group(self, backend: str) -> None:
+        port = free_port()
+        self._group_name = f"baton-{self.name}-{uuid.uuid4().hex[:6]}"
+        body = {
+            "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+            "group_name": self._group_name, "backend": backend,
+        }
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._call, "POST", "/init_weights_update_group", body)
+            self._group = await anyio.to_thread.run_sync(_update_group, port, self._group_name, backend)
+
+    async def _destroy_group(self) -> None:
+        group, self._group = self._group, None
+        if self._http is not None:
+            await self._call("POST", "/destroy_weights_update_group", {"group_name": self._group_name}, check=False)
+        try:
+            torch.distributed.destroy_process_group(group)
+        except Exception:  # noqa: BLE001 - the server side may already be gone
+            pass
+
+    def _write_version(self, version: int, tensors: dict[str, torch.Tensor]) -> Path:
+        """safetensors of `version` in a fresh folder (the previous one is removed once replaced)."""
+        from safetensors.torch import save_file
+
+        if self._weights_dir is None:
+            self._weights_dir = Path(tempfile.mkdtemp(prefix=f"baton-{self.name}-weights-"))
+        folder = self._weights_dir / f"v{version:08d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        shutil.copy(Path(self.model_path) / "config.json", folder / "config.json")
+        unique, seen = {}, set()
+        for n, t in tensors.items():  # tied weights (lm_head = embed_tokens) are stored once
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                unique[n] = t.detach().cpu().contiguous()
+        save_file(unique, folder / "model.safetensors")
+        for old in self._weights_dir.iterdir():
+            if old != folder and old.name < folder.name:
+                shutil.rmtree(old, ignore_errors=True)
+        return folder
+
+    # -- HTTP and recovery ---------------------------------------------------------------------
+    async def _call(self, method: str, path: str, body: dict | None = None, check: bool = True) -> Any:
+        """One request, retried for 30 s while the server refuses connections; raises ServerGone
+        when it stays unreachable and EngineError on an error answer (when `check`)."""
+        assert self._http is not None, f"engine {self.name} is not started"
+        try:
+            async for attempt in AsyncRetrying(
+                retry=retry_if_exception_type(aiohttp.ClientConnectorError),
+                stop=stop_after_delay(0 if self._server is not None and not self._server.alive() else 30),
+                wait=wait_exponential(multiplier=0.1, max=2), reraise=True,
+            ):
+                with attempt:
+                    async with self._http.request(method, self._base_url + path, json=body) as response:
+                        text = await response.text()
+                        status = response.status
+        except (aiohttp.ClientConnectionError, aiohttp.ServerDisconnectedError) as exc:
+            raise ServerGone(f"engine {self.name}: {method} {path} failed: {type(exc).__name__}: {exc}") from None
+        payload: Any = text
+        if text[:1] in ("[", "{"):
+            import json
+
+            payload = json.loads(text)
+        failed = status != 200 or (isinstance(payload, dict) and payload.get("success") is False)
+        if check and failed:
+            raise EngineError(f"engine {self.name}: {method} {path} answered {status}: {text[:500]}")
+        return payload
+
+    async def _recover(self) -> None:
+        """The server stopped answering. Restart it if this engine launched it, then re-apply the
+        latest weights; raise EngineError if it cannot be restarted (or is not ours to restart)."""
+        assert self._restart_lock is not None
+        async with self._restart_lock:
+            if self._server is None:
+                raise EngineError(f"engine {self.name}: server {self._base_url} is gone (not baton's to restart)")
+            if self._server.alive():
+                try:
+                    await self._call("GET", "/health")
+                    return  # another caller already restarted it
+                except ServerGone:
+                    await anyio.to_thread.run_sync(self._server.stop)
+            if self.stats["restarts"] >= self.max_restarts:
+                raise EngineError(f"engine {self.name}: server died again after {self.max_restarts} restarts")
+            self.stats["restarts"] += 1
+            self._group = None  # the old server's end of the group is gone
+            t0 = time.perf_counter()
+            try:
+                await self._server.start()
+            except ServerFailed as exc:
+                raise EngineError(f"engine {self.name}: restart failed: {exc}") from None
+            if self._latest is not None:
+                await self._apply(*self._latest)
+            self.stats["restart_s"] = round(time.perf_counter() - t0, 2)
+
+
+def _checkpoint_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor name and shape in the checkpoint's safetensors files (headers only)."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    if not shapes:
+        raise EngineError(f"no *.safetensors weights in {folder}")
+    return shapes
+
+
+def _serialize_shared(tensors: dict[str, torch.Tensor]) -> str:
+    """SGLang's `update_weights_from_tensor` payload: the named tensors as shared-memory handles.
+
+    This is SGLang's own same-host protocol (a ForkingPickler of shared-memory handles, base64),
+    used only towards a server on this machine; the bytes are handles, not the weights. On CPU the
+    `file_system` sharing strategy is required (the default kills SGLang's scheduler).
+    """
+    from multiprocessing.reduction import ForkingPickler
+
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    named = [(name, t.detach().contiguous()) for name, t in tensors.items()]
+    buffer = io.BytesIO()
+    ForkingPickler(buffer).dump(named)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+_GROUP_LOCK = threading.Lock()
+
+
+def _update_group(port: int, group_name: str, backend: str) -> Any:
+    """Rank 0 of a 2-member process group (gloo on CPU, nccl on GPU) with an SGLang server (rank 1),
+    outside any default group: the same rendezvous SGLang's `init_weights_update_group` performs."""
+    from datetime import timedelta
+
+    from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world, rendezvous
+
+    with _GROUP_LOCK:
+        timeout = timedelta(seconds=120)
+        store, rank, world_size = next(rendezvous(f"tcp://127.0.0.1:{port}", 0, 2, timeout=timeout))
+        store.set_timeout(timeout)
+        group, _ = _new_process_group_helper(
+            world_size, rank, [], backend, PrefixStore(group_name, store), group_name=group_name, timeout=timeout,
+        )
+        _world.pg_group_ranks[group] = {0: 0, 1: 1}
+        return group

@@ -1,0 +1,210 @@
+"""An SGLang HTTP server as a subprocess: found, launched on 127.0.0.1, health-checked, stopped by pid.
+
+The server usually lives in its own virtual environment (SGLang pins its own torch, transformers
+and kernels), so this module never imports sglang: it runs `PYTHON -m sglang.launch_server` and
+talks HTTP. `sglang_python()` finds that interpreter: an explicit path, `$BATON_SGLANG_PYTHON`, the
+repository's `.venv-sglang` (made by `tools/sglang-cpu/install.sh`), or this interpreter if it has
+sglang; `SGLangUnavailable` says how to install it when none does.
+
+Guarantees: the server binds 127.0.0.1 unless told otherwise; it runs in its own session, so
+`stop()` ends exactly the process group this object started (server, scheduler, detokenizer) and
+nothing else; on Linux it also gets SIGTERM if the process that launched it dies; a server that
+dies or never becomes healthy raises `ServerFailed` carrying the tail of its log.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import anyio
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_VENV = REPO / ".venv-sglang"
+INSTALL_HINT = "run tools/sglang-cpu/install.sh (CPU: about 2 minutes, 3.5 GB) or set engine.python"
+# SGLang's torch-native CPU path (see ../shared/notes/sglang.md): no CUDA graph, no flashinfer,
+# and sleep when idle so the scheduler does not spin on a core.
+CPU_FLAGS = (
+    "--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
+    "--disable-cuda-graph", "--sleep-on-idle",
+)
+
+
+class SGLangUnavailable(RuntimeError):
+    """No Python interpreter with sglang installed was found."""
+
+
+class ServerFailed(RuntimeError):
+    """The server exited or did not become healthy; the message ends with its log's tail."""
+
+
+def sglang_python(explicit: str | os.PathLike | None = None) -> Path:
+    """The interpreter that runs the server (see the module docstring for the search order)."""
+    candidates = [explicit, os.environ.get("BATON_SGLANG_PYTHON"), DEFAULT_VENV / "bin" / "python"]
+    for candidate in candidates:
+        if candidate and Path(candidate).exists():
+            return Path(candidate)
+        if candidate == explicit and explicit:
+            raise SGLangUnavailable(f"engine.python = {str(explicit)!r} does not exist; {INSTALL_HINT}")
+    if importlib.util.find_spec("sglang") is not None:
+        return Path(sys.executable)
+    raise SGLangUnavailable(
+        f"no SGLang server environment: {DEFAULT_VENV} is missing, BATON_SGLANG_PYTHON is unset and "
+        f"this interpreter has no sglang; {INSTALL_HINT}"
+    )
+
+
+def gpu_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class SGLangServer:
+    """One `sglang.launch_server` process. `extra_args` are appended verbatim to the command."""
+
+    model_path: str | Path
+    python: str | os.PathLike | None = None
+    host: str = "127.0.0.1"
+    port: int | None = None
+    dtype: str = "float32"
+    device: str = "auto"  # "auto": cuda when a GPU is visible, else cpu
+    threads: int = 1  # torch threads in the server's processes on CPU
+    max_total_tokens: int = 16384
+    extra_args: tuple[str, ...] = ()
+    log_path: Path | None = None
+    launch_timeout_s: float = 240.0
+    process: subprocess.Popen | None = field(default=None, init=False, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    def command(self) -> list[str]:
+        cpu = self.device == "cpu" or (self.device == "auto" and not gpu_available())
+        return [
+            str(sglang_python(self.python)), "-m", "sglang.launch_server",
+            "--model-path", str(self.model_path), "--host", self.host, "--port", str(self.port),
+            "--dtype", self.dtype, "--max-total-tokens", str(self.max_total_tokens),
+            *(CPU_FLAGS if cpu else ()), *self.extra_args,
+        ]
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        cpu = self.device == "cpu" or (self.device == "auto" and not gpu_available())
+        if cpu:
+            env["SGLANG_USE_CPU_ENGINE"] = "1"
+            env["OMP_NUM_THREADS"] = str(self.threads)
+        # the server's own venv must not see this project's site-packages through PYTHONPATH
+        env.pop("PYTHONPATH", None)
+        return env
+
+    async def start(self) -> None:
+        """Launch and wait until `/health` answers; raises ServerFailed with the log's tail."""
+        if self.alive():
+            return
+        if self.port is None:
+            self.port = free_port(self.host)
+        if self.log_path is None:
+            self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"baton-sglang-{os.getpid()}-{self.port}.log"
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=self.environment(), start_new_session=True, preexec_fn=_die_with_parent,
+            )
+        await self._wait_healthy()
+
+    async def _wait_healthy(self) -> None:
+        import aiohttp
+
+        deadline = time.monotonic() + self.launch_timeout_s
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
+            while time.monotonic() < deadline:
+                if not self.alive():
+                    raise ServerFailed(f"SGLang server exited with code {self.process.returncode}{self._tail()}")
+                try:
+                    async with http.get(self.url + "/health") as response:
+                        if response.status == 200:
+                            return
+                except (aiohttp.ClientError, TimeoutError):
+                    pass
+                await anyio.sleep(0.5)
+        self.stop()
+        raise ServerFailed(f"SGLang server not healthy after {self.launch_timeout_s:.0f} s{self._tail()}")
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM the process group this object started; SIGKILL what is left after `timeout_s`.
+        Returns once no process of the group remains."""
+        if self.process is None:
+            return
+        pgid = self.process.pid  # start_new_session: the server leads its own group
+        if not _end_group(self.process, pgid, signal.SIGTERM, timeout_s):
+            _end_group(self.process, pgid, signal.SIGKILL, 10.0)
+        self.process = None
+
+    def kill(self) -> None:
+        """SIGKILL the server's group at once (what a crash looks like); for fault tests."""
+        if self.process is not None:
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.process.wait(10)
+
+    def _tail(self, lines: int = 25) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        text = self.log_path.read_text(errors="replace").splitlines()[-lines:]
+        return f"; log {self.log_path}, last lines:\n" + "\n".join(text)
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM when the launching thread's process dies, so a crashed
+    run never leaves a server behind (Linux; elsewhere stop() is the only way)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _end_group(leader: subprocess.Popen, pgid: int, sig: int, timeout_s: float) -> bool:
+    """Send `sig` to the group and wait until none of it is left (the leader reaped by us, its
+    children by init); True when the group is gone within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+    try:
+        leader.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        return False
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
