@@ -4,8 +4,9 @@ time one weight update takes through each SGLang path for the same weights.
 Both engines generate batch 64 x 64 new tokens (no stop token, so every row runs its full length)
 from the same prompts, through the same `Engine.generate` the producer calls, with per-token
 logprobs; each figure is the median of `--repeats` timed calls after one warm-up call. The SGLang
-server runs on CPU from `.venv-sglang` (tools/sglang-cpu/install.sh) in float32, one torch thread,
-as `configs/sglang-cpu.toml` runs it; the torch engine runs in this process with one thread.
+server runs on CPU from `.venv-sglang` (tools/sglang-cpu/install.sh) in float32 with one torch
+thread, as `configs/sglang-cpu.toml` runs it (`--threads`, `--dtype` to vary); the torch engine
+runs in this process with one thread.
 `ratios.sglang_vs_torch` is SGLang's tokens/s over the torch engine's.
 
 Weight updates: the same state dict (a fresh version each time) through `update_weights_from_tensor`,
@@ -71,7 +72,7 @@ async def main(args: argparse.Namespace) -> dict:
     await torch_engine.stop()
 
     with tempfile.TemporaryDirectory() as logs:
-        engine = SGLangEngine(folder, name="bench", log_dir=logs)
+        engine = SGLangEngine(folder, name="bench", log_dir=logs, threads=args.threads, dtype=args.dtype)
         t0 = time.perf_counter()
         await engine.start()
         ready_s = time.perf_counter() - t0
@@ -88,6 +89,8 @@ async def main(args: argparse.Namespace) -> dict:
         "torch_tokens_per_s": round(torch_rate),
         "sglang_tokens_per_s": round(sglang_rate),
         "ratios": {"sglang_vs_torch": round(sglang_rate / torch_rate, 3)},
+        "sglang_threads": args.threads,
+        "sglang_dtype": args.dtype,
         "sglang_ready_s": round(ready_s, 1),
         "weights_mib": round(weight_mib, 2),
         "update_ms": {path: round(s * 1000, 1) for path, s in updates.items()},
@@ -106,4 +109,6 @@ if __name__ == "__main__":
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--model", default="runs/models/tiny-qwen2")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads in the SGLang server")
+    parser.add_argument("--dtype", default="float32", help="SGLang server dtype")
     print(json.dumps(anyio.run(main, parser.parse_args())))
