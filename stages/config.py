@@ -12,7 +12,7 @@
     [buffer]     max_refs, max_bytes, produced_channel, produced_bytes, ready_channel, ready_bytes
     [learner]    kind = "grpo", lr, groups_per_step, clip_eps, max_grad_norm, weight_decay, epochs, device
     [staleness]  kind = "max-staleness", k, on_stale = "drop" | "requeue", max_span
-    [weights]    transport = "inproc"
+    [weights]    transport = "inproc" | "mooncake_p2p" (protocol, device, bucket_bytes, pace, retries)
     [telemetry]  log_format = "console" | "json", progress
 
 Unknown keys and bad values fail validation, naming the key, the value and what is allowed.
@@ -215,7 +215,14 @@ class MaxStalenessSpec(Section):
 
 
 class WeightsSpec(Section):
-    transport: Literal["inproc"] = "inproc"
+    """How each new version reaches the engines; independent of `store` (rollout data)."""
+
+    transport: Literal["inproc", "mooncake_p2p"] = "inproc"
+    protocol: str = Field("tcp", description='mooncake_p2p: TransferEngine protocol, "tcp" or "rdma"')
+    device: str = Field("", description="mooncake_p2p: RDMA device names (empty for tcp)")
+    bucket_bytes: ByteSize = Field(ByteSize(32 << 20), description="mooncake_p2p: bytes per checksummed bucket")
+    pace: ByteSize | None = Field(None, description="mooncake_p2p: push at most this many bytes per second")
+    retries: int = Field(2, ge=0, description="mooncake_p2p: re-pushes of a refused version before the run fails")
 
 
 class RaySpec(Section):
@@ -312,6 +319,7 @@ def build_pipeline(cfg: RunConfig):
     from stages.model import make_tiny_model
     from stages.rollout import Rollout
     from stages.tasks import Addition, ReverseDigits
+    from stages.weights.mooncake_p2p import MooncakeP2PTransport
 
     torch.set_num_threads(1)
     torch.manual_seed(cfg.seed)
@@ -358,6 +366,14 @@ def build_pipeline(cfg: RunConfig):
             gpu_id=s.base_gpu_id + i if s.device == "cuda" else None,
         )
 
+    def weights(w: WeightsSpec) -> Any:
+        if w.transport == "mooncake_p2p":
+            return MooncakeP2PTransport(
+                protocol=w.protocol, device=w.device, bucket_bytes=int(w.bucket_bytes),
+                pace_bytes_per_s=float(w.pace) if w.pace else None, retries=w.retries,
+            )
+        return w.transport
+
     engines = [
         build(cfg.engine, {
             "torch": lambda s, i=i: TorchEngine(model, name=f"torch-{i}", seed=cfg.seed + i),
@@ -369,7 +385,7 @@ def build_pipeline(cfg: RunConfig):
         "grpo": lambda s: GRPOLearner(
             model, lr=s.lr, groups_per_step=s.groups_per_step, clip_eps=s.clip_eps,
             max_grad_norm=s.max_grad_norm, weight_decay=s.weight_decay, epochs=s.epochs,
-            temperature=getattr(cfg.engine, "temperature", 1.0), weights=cfg.weights.transport,
+            temperature=getattr(cfg.engine, "temperature", 1.0), weights=weights(cfg.weights),
             device=s.device,
         )
     })

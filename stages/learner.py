@@ -35,9 +35,9 @@ from stages.losses import group_advantages, ppo_clip_loss
 from stages.model import load_model
 from stages.weights.base import WeightTransport
 from stages.weights.inproc import InprocTransport
-from stages.weights.packed import PackedWeightReceiver
+from stages.weights.mooncake_p2p import MooncakeP2PTransport
 
-TRANSPORTS = {"inproc": InprocTransport}
+TRANSPORTS = {"inproc": InprocTransport, "mooncake_p2p": MooncakeP2PTransport}
 
 
 @dataclass
@@ -73,7 +73,7 @@ class GRPOLearner:
         for receiver in ctx.services.get("weight_receivers", []):  # engines in this process
             transport.subscribe(receiver)
         peers = ctx.services.get("producers", [])
-        remote = [PackedWeightReceiver(peer, f"producer-{i}") for i, peer in enumerate(peers)]
+        remote = [transport.remote_receiver(peer, f"producer-{i}") for i, peer in enumerate(peers)]
         for receiver in remote:  # engines in other processes (Ray runtime)
             transport.subscribe(receiver)
         # a restarted producer process catches up from the latest version at once

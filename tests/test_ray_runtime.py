@@ -38,7 +38,7 @@ def model(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("model"))
 
 
-def pipeline(model: Path, root: Path, steps: int) -> Pipeline:
+def pipeline(model: Path, root: Path, steps: int, weights: object = "inproc") -> Pipeline:
     return Pipeline(
         name="t",
         steps=steps,
@@ -51,7 +51,7 @@ def pipeline(model: Path, root: Path, steps: int) -> Pipeline:
             tokenizer=model, group_size=8, batch_groups=8,
         ),
         buffer=ReplayBuffer(MooncakeStoreSpec(MooncakeSettings(global_segment_size=256 << 20), master="auto")),
-        consumer=GRPOLearner(model, groups_per_step=8),
+        consumer=GRPOLearner(model, groups_per_step=8, weights=weights),
         staleness=MaxStaleness(k=2),
     )
 
@@ -99,9 +99,13 @@ def kill_host_when(root: Path, version: int, killed: list[int], host: str = "pro
 
 
 def test_a_killed_producer_is_restarted_and_nothing_is_lost(cluster, model: Path, tmp_path: Path) -> None:
+    """With weights pushed over TransferEngine (mooncake_p2p): pushes to the dead process are skipped,
+    the other engine keeps getting every version, and the restarted one is caught up at once."""
+    from stages.weights.mooncake_p2p import MooncakeP2PTransport
+
     killed: list[int] = []
     watcher = kill_host_when(tmp_path, version=3, killed=killed)
-    s = pipeline(model, tmp_path, steps=80).run()
+    s = pipeline(model, tmp_path, steps=80, weights=MooncakeP2PTransport(bucket_bytes=256 << 10)).run()
     watcher.join(timeout=1)
     assert killed, "the producer was killed mid-run"
     assert s["restarts"] == {"producer-0": 1}
@@ -111,6 +115,7 @@ def test_a_killed_producer_is_restarted_and_nothing_is_lost(cluster, model: Path
     records = check_ledger(Path(s["run_dir"]), bound=2)
     trained = [r["group"] for r in records if r["fate"] == "trained"]
     incarnations = {g.split(".")[1] for g in trained if g.startswith("torch-0.")}
+    # trained within the bound, so the restarted engine got the learner's weights (not version 0)
     assert len(incarnations) == 2, "the restarted producer process produced groups that were trained"
 
 

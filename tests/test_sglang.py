@@ -137,22 +137,30 @@ async def test_an_update_that_does_not_fit_is_refused_and_the_old_version_stays(
     assert set(completions[0].versions.tolist()) == {before}
 
 
-async def update_mid_flight(engine, model_path, tokenizer, version_offset: int = 1):
-    """Start two long requests, push a new version while they run; returns their completions."""
-    model = load_model(model_path)
-    new = engine.version + version_offset
+async def generate_while(engine, tokenizer, n: int, action) -> list:
+    """Start `n` long requests; once they have run a little, await `action()`; return the completions."""
     results = {}
 
     async def generate():
-        results["c"] = await engine.generate([prompt(tokenizer)] * 2, LONG)
+        results["c"] = await engine.generate([prompt(tokenizer)] * n, LONG)
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(generate)
         while not engine._inflight:
             await anyio.sleep(0.01)
         await anyio.sleep(0.15)  # some tokens on the old version first
-        await engine.receive_weights(new, perturbed(model, seed=new))
-    return results["c"], new
+        await action()
+    return results["c"]
+
+
+async def update_mid_flight(engine, model_path, tokenizer):
+    """Push a new version while two long requests run; returns their completions and the version."""
+    model = load_model(model_path)
+    new = engine.version + 1
+    completions = await generate_while(
+        engine, tokenizer, 2, lambda: engine.receive_weights(new, perturbed(model, seed=new))
+    )
+    return completions, new
 
 
 @pytest.mark.parametrize("pause_mode", ["in_place", "retract"])
@@ -207,21 +215,14 @@ async def test_killed_server_is_restarted_and_its_requests_regenerated(engine, m
     await engine.receive_weights(latest, perturbed(model, seed=latest))
     old_pid = engine.server.pid
     restarts, regenerated = engine.stats["restarts"], engine.stats["regenerated"]
-    results = {}
 
-    async def generate():
-        results["c"] = await engine.generate([prompt(tokenizer)] * 3, LONG)
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(generate)
-        while not engine._inflight:
-            await anyio.sleep(0.01)
-        await anyio.sleep(0.1)
+    async def crash():
         os.killpg(old_pid, signal.SIGKILL)  # the whole server dies mid-request
 
+    completions = await generate_while(engine, tokenizer, 3, crash)
     assert engine.stats["restarts"] == restarts + 1 and engine.stats["regenerated"] == regenerated + 3
     assert engine.server.pid != old_pid and engine.version == latest
     ids = prompt(tokenizer)
-    for c in results["c"]:  # regenerated whole, on the latest weights, which the new server got back
+    for c in completions:  # regenerated whole, on the latest weights, which the new server got back
         assert len(c.tokens) == LONG.max_new_tokens and set(c.versions.tolist()) == {latest}
         np.testing.assert_allclose(c.logprobs, learner_logprobs(model, ids, c.tokens), atol=1e-4)

@@ -171,7 +171,8 @@ class RemoteLedger:
 
 @dataclass
 class Peer:
-    """Another host, as stages see it: `deliver(box, header, blob)` into its mailbox `box`.
+    """Another host, as stages see it: `deliver(box, header, blob)` into its mailbox `box`, or
+    `ask(box, header)` for the mailbox's reply.
 
     A peer that is dead or restarting misses the delivery (returns False) instead of failing the
     sender: the runtime asks the sender to re-send its latest state once the peer is back."""
@@ -183,6 +184,13 @@ class Peer:
             return await self.host.deliver.remote(box, header, blob)
         except ray.exceptions.RayActorError:
             return False
+
+    async def ask(self, box: str, header: bytes) -> bytes | None:
+        """The reply of mailbox `box` to `header`; None when the peer is dead or not set up."""
+        try:
+            return await self.host.ask.remote(box, header)
+        except ray.exceptions.RayActorError:
+            return None
 
 
 @dataclass
@@ -268,6 +276,12 @@ class StageHost:
             return False
         await self.ctx.services["mailboxes"][box](header, blob)
         return True
+
+    async def ask(self, box: str, header: bytes) -> bytes | None:
+        """Like `deliver`, returning the mailbox's reply (bytes); None if the host is not set up."""
+        if self.ctx is None:
+            return None
+        return await self.ctx.services["mailboxes"][box](header, None)
 
     async def producer_restarted(self, index: int) -> None:
         hook = self.ctx.services.get("on_producer_restart")

@@ -7,7 +7,7 @@ either gets all named tensors of `version` or none. Versions published are stric
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -24,6 +24,11 @@ class WeightTransport(Protocol):
     name: str
 
     def subscribe(self, receiver: WeightReceiver) -> None: ...
+
+    def remote_receiver(self, peer: Any, name: str) -> Any:
+        """A receiver to subscribe for the engines of another process, reached through `peer`
+        (`deliver`/`ask` into its mailboxes); it has `resend()` for when that process restarts."""
+        ...
 
     async def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> None: ...
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from stages.weights.base import WeightPushError, WeightReceiver
+from stages.weights.packed import PackedWeightReceiver
 
 
 class InprocTransport:
@@ -18,6 +21,10 @@ class InprocTransport:
 
     def subscribe(self, receiver: WeightReceiver) -> None:
         self._receivers.append(receiver)
+
+    def remote_receiver(self, peer: Any, name: str) -> PackedWeightReceiver:
+        """Engines in another process get each version packed and checksummed through `peer`."""
+        return PackedWeightReceiver(peer, name)
 
     async def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         if version <= self._last:

@@ -1,9 +1,9 @@
-"""Weights as bytes for another process: one flat buffer plus a validated msgspec manifest.
+"""Weights as bytes for another process: one flat buffer plus its validated msgpack layout.
 
-`pack(version, tensors)` lays every tensor's bytes end to end in one uint8 array and describes them
-(name, dtype, shape, offset) in a msgspec header carrying the version and an xxh3 checksum of the
-buffer. `unpack` refuses anything that does not check out (`WeightPayloadError`): no pickle, and an
-engine never applies a damaged or partial version.
+`pack(version, tensors)` lays every tensor into one uint8 array with a `stages.weights.layout`
+Layout (one checksummed bucket per `bucket_bytes`). `unpack` refuses anything that does not check
+out (`WeightPayloadError`: a malformed layout, a wrong size, a bucket failing its checksum): no
+pickle, and an engine never applies a damaged or partial version.
 
 `PackedWeightReceiver` is the learner's side of a receiver in another process: a WeightReceiver
 whose `receive_weights` packs the version and delivers it to the peer's mailbox "weights"; it
@@ -14,67 +14,35 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgspec
 import numpy as np
 import torch
-import xxhash
 
-_DTYPES = {str(t): t for t in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32)}
+from stages.weights.layout import LayoutError, bad_buckets, decode_layout, encode_layout, fill, plan, views
+
 MAILBOX = "weights"
 
 
-class WeightPayloadError(ValueError):
-    """Packed weights that fail validation (checksum, sizes, dtypes)."""
+class WeightPayloadError(LayoutError):
+    """Packed weights that fail validation (layout, sizes, checksums)."""
 
 
-class TensorEntry(msgspec.Struct, frozen=True):
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    offset: int
-    nbytes: int
-
-
-class Manifest(msgspec.Struct, frozen=True):
-    version: int
-    total: int
-    checksum: int
-    tensors: tuple[TensorEntry, ...]
-
-
-def pack(version: int, tensors: dict[str, torch.Tensor]) -> tuple[bytes, np.ndarray]:
-    entries, offset = [], 0
-    for name, t in tensors.items():
-        if str(t.dtype) not in _DTYPES:
-            raise WeightPayloadError(f"tensor {name!r} has dtype {t.dtype}, not one of {sorted(_DTYPES)}")
-        n = t.numel() * t.element_size()
-        entries.append(TensorEntry(name, str(t.dtype), tuple(t.shape), offset, n))
-        offset += n
-    blob = np.empty(offset, dtype=np.uint8)
-    for entry, t in zip(entries, tensors.values(), strict=True):
-        flat = t.detach().cpu().contiguous().view(-1).view(torch.uint8)
-        blob[entry.offset : entry.offset + entry.nbytes] = flat.numpy()
-    manifest = Manifest(version, offset, xxhash.xxh3_64_intdigest(blob), tuple(entries))
-    return msgspec.msgpack.encode(manifest), blob
+def pack(version: int, tensors: dict[str, torch.Tensor], bucket_bytes: int = 32 << 20) -> tuple[bytes, np.ndarray]:
+    layout = plan(version, tensors, bucket_bytes)
+    blob = np.empty(layout.total, dtype=np.uint8)
+    return encode_layout(fill(blob, tensors, layout)), blob
 
 
 def unpack(header: bytes, blob: np.ndarray) -> tuple[int, dict[str, torch.Tensor]]:
     try:
-        manifest = msgspec.msgpack.decode(header, type=Manifest)
-    except msgspec.ValidationError as exc:
-        raise WeightPayloadError(f"bad weight manifest: {exc}") from None
-    if blob.dtype != np.uint8 or blob.ndim != 1 or blob.nbytes != manifest.total:
-        raise WeightPayloadError(f"weight buffer has {blob.nbytes} bytes, the manifest says {manifest.total}")
-    if xxhash.xxh3_64_intdigest(blob) != manifest.checksum:
-        raise WeightPayloadError(f"weights of version {manifest.version} fail their checksum")
-    tensors = {}
-    for e in manifest.tensors:
-        dtype = _DTYPES.get(e.dtype)
-        if dtype is None or e.offset < 0 or e.offset + e.nbytes > manifest.total:
-            raise WeightPayloadError(f"bad entry for {e.name!r}: {e}")
-        raw = torch.from_numpy(blob[e.offset : e.offset + e.nbytes].copy())
-        tensors[e.name] = raw.view(dtype).reshape(e.shape)
-    return manifest.version, tensors
+        layout = decode_layout(header)
+    except LayoutError as exc:
+        raise WeightPayloadError(str(exc)) from None
+    if blob.dtype != np.uint8 or blob.ndim != 1 or blob.nbytes != layout.total:
+        raise WeightPayloadError(f"weight buffer has {blob.nbytes} bytes, the layout says {layout.total}")
+    bad = bad_buckets(blob, layout)
+    if bad:
+        raise WeightPayloadError(f"weights of version {layout.version} fail their checksum (buckets {bad})")
+    return layout.version, {name: t.clone() for name, t in views(blob, layout).items()}
 
 
 class PackedWeightReceiver:

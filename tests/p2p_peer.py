@@ -1,0 +1,64 @@
+"""An engine process for the P2P weight tests: `python tests/p2p_peer.py MODEL_DIR`.
+
+It hosts a real TorchEngine behind a `SlotReceiver` and serves length-prefixed msgpack requests on
+stdin/stdout (no pickle): [box, header] -> reply bytes. Besides the receiver's boxes it answers
+"state": the engine applies what it was given and replies [version, xxh3 of every parameter's bytes].
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import sys
+
+import anyio
+import msgspec
+import torch
+import xxhash
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+
+
+def read_frame(stream) -> bytes | None:
+    head = stream.read(4)
+    if len(head) < 4:
+        return None
+    return stream.read(struct.unpack("<I", head)[0])
+
+
+def write_frame(stream, data: bytes) -> None:
+    stream.write(struct.pack("<I", len(data)) + data)
+    stream.flush()
+
+
+def digest(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
+    return {
+        n: xxhash.xxh3_64_intdigest(t.detach().contiguous().view(-1).view(torch.uint8).numpy())
+        for n, t in tensors.items()
+    }
+
+
+async def main(model_dir: str) -> None:
+    from stages.engines.torch import TorchEngine
+    from stages.weights.mooncake_p2p import SlotReceiver
+
+    torch.set_num_threads(1)
+    engine = TorchEngine(model_dir, name="peer")
+    await engine.start()
+    receiver = SlotReceiver([engine])
+    handlers = receiver.handlers()
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    while (frame := await anyio.to_thread.run_sync(read_frame, stdin)) is not None:
+        box, header = msgspec.msgpack.decode(frame)
+        if box == "state":
+            engine._apply_staged()
+            reply = msgspec.msgpack.encode([engine.version, receiver.rejected, digest(engine._model.state_dict())])
+        else:
+            reply = await handlers[box](header, None)
+        write_frame(stdout, reply)
+    receiver.close()
+
+
+if __name__ == "__main__":
+    anyio.run(main, sys.argv[1])

@@ -1,0 +1,222 @@
+"""Weight layout (pure) and the `mooncake_p2p` transport across real processes over TransferEngine."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import anyio
+import msgspec
+import numpy as np
+import pytest
+import torch
+import xxhash
+
+from stages.model import load_model, make_tiny_model
+from stages.weights.base import WeightPushError
+from stages.weights.layout import LayoutError, bad_buckets, decode_layout, encode_layout, fill, plan, views
+from tests.p2p_peer import read_frame, write_frame
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tensors(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "a": torch.randn(3, 5, generator=g),
+        "b": torch.randn(1000, generator=g).to(torch.bfloat16),
+        "c": torch.randint(0, 9, (7,), generator=g),
+        "d": torch.randn(64, 64, generator=g),
+    }
+
+
+# ---------------------------------------------------------------- layout (no I/O)
+
+
+@pytest.mark.parametrize("bucket_bytes", [1, 100, 4096, 1 << 30])
+def test_layout_round_trip_is_bit_exact(bucket_bytes: int) -> None:
+    src = tensors()
+    layout = plan(7, src, bucket_bytes)
+    buffer = np.full(layout.total, 0xAB, dtype=np.uint8)
+    layout = fill(buffer, src, layout)
+    assert all(e.offset % 64 == 0 for e in layout.tensors)
+    assert bad_buckets(buffer, layout) == []
+    out = views(buffer, decode_layout(encode_layout(layout)))
+    for name, t in src.items():
+        assert out[name].dtype == t.dtype and torch.equal(out[name], t)
+    if bucket_bytes == 1:
+        assert len(layout.buckets) == len(src)  # every tensor its own bucket when they exceed the size
+
+
+def test_a_flipped_byte_is_found_in_its_bucket() -> None:
+    src = tensors()
+    layout = plan(1, src, bucket_bytes=4096)
+    buffer = np.zeros(layout.total, dtype=np.uint8)
+    layout = fill(buffer, src, layout)
+    target = layout.tensors[3]  # "d", 16 KiB: a bucket of its own
+    buffer[target.offset + 100] ^= 0x01
+    bad = bad_buckets(buffer, layout)
+    assert len(bad) == 1
+    b = layout.buckets[bad[0]]
+    assert b.offset <= target.offset + 100 < b.offset + b.nbytes
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda lay: msgspec.structs.replace(lay, total=lay.total - 64),  # an entry past the end
+        lambda lay: msgspec.structs.replace(lay, buckets=lay.buckets[:-1]),  # a tensor no bucket covers
+        lambda lay: msgspec.structs.replace(lay, tensors=(msgspec.structs.replace(lay.tensors[0], dtype="object"),)),
+        lambda lay: msgspec.structs.replace(lay, tensors=(msgspec.structs.replace(lay.tensors[0], shape=(4, 5)),)),
+    ],
+)
+def test_a_layout_from_another_process_is_validated(damage) -> None:
+    layout = plan(1, tensors(), bucket_bytes=4096)
+    with pytest.raises(LayoutError):
+        decode_layout(encode_layout(damage(layout)))
+    with pytest.raises(LayoutError):
+        decode_layout(b"\x93not a layout")
+
+
+def test_packed_weights_round_trip_and_refuse_damage() -> None:
+    from stages.weights.packed import WeightPayloadError, pack, unpack
+
+    src = tensors()
+    header, blob = pack(4, src, bucket_bytes=4096)
+    version, out = unpack(header, blob)
+    assert version == 4 and all(torch.equal(out[n], t) for n, t in src.items())
+    blob[-1] ^= 0x10
+    with pytest.raises(WeightPayloadError, match="checksum"):
+        unpack(header, blob)
+    with pytest.raises(WeightPayloadError, match="bytes"):
+        unpack(header, blob[:-64])
+
+
+# ---------------------------------------------------------------- across processes
+
+
+class PeerProcess:
+    """An engine process (tests/p2p_peer.py) reached over its stdin/stdout: an `Asker`."""
+
+    def __init__(self, model: Path, name: str) -> None:
+        self.name = name
+        self.proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / "p2p_peer.py"), str(model)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            cwd=ROOT,
+        )
+        self.lock = threading.Lock()
+
+    def _call(self, box: str, header: bytes) -> bytes | None:
+        with self.lock:
+            try:
+                write_frame(self.proc.stdin, msgspec.msgpack.encode([box, header]))
+                return read_frame(self.proc.stdout)
+            except (BrokenPipeError, OSError):
+                return None
+
+    async def ask(self, box: str, header: bytes) -> bytes | None:
+        return await anyio.to_thread.run_sync(self._call, box, header)
+
+    async def state(self) -> tuple[int, int, dict[str, int]]:
+        return msgspec.msgpack.decode(await self.ask("state", b""))
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("p2p") / "tiny")
+
+
+@pytest.fixture
+def peers(model):
+    started = [PeerProcess(model, f"engine-{i}") for i in range(2)]
+    yield started
+    for p in started:
+        p.stop()
+
+
+def learner_version(model: Path, seed: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    m = load_model(model)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    return m.state_dict()
+
+
+def digest(state: dict[str, torch.Tensor]) -> dict[str, int]:
+    return {
+        n: xxhash.xxh3_64_intdigest(t.detach().contiguous().view(-1).view(torch.uint8).numpy())
+        for n, t in state.items()
+    }
+
+
+@pytest.mark.anyio
+async def test_p2p_push_is_bit_exact_in_every_engine_process(model, peers) -> None:
+    from stages.weights.mooncake_p2p import MooncakeP2PTransport
+
+    transport = MooncakeP2PTransport(bucket_bytes=64 << 10)
+    for peer in peers:
+        transport.subscribe(peer)
+    try:
+        for version in (1, 2, 3):  # both slots used, then the first one again
+            state = learner_version(model, seed=version)
+            await transport.publish(version, state)
+            for peer in peers:
+                got_version, rejected, got = await peer.state()
+                assert got_version == version and rejected == 0
+                assert got == digest(state)  # every byte of every parameter
+        assert transport.stats["bytes"] > 0 and transport.stats["retries"] == 0
+    finally:
+        await transport.close()
+
+
+@pytest.mark.anyio
+async def test_a_corrupted_bucket_is_refused_and_the_engine_keeps_its_version(model, peers) -> None:
+    from stages.weights.mooncake_p2p import MooncakeP2PTransport
+
+    peer = peers[0]
+    transport = MooncakeP2PTransport(bucket_bytes=64 << 10, retries=1)
+    transport.subscribe(peer)
+    first = learner_version(model, seed=1)
+    await transport.publish(1, first)
+
+    def flip_one_byte(buffer, layout, attempt):
+        buffer[layout.buckets[-1].offset + 5] ^= 0xFF
+
+    transport.before_write = flip_one_byte  # every attempt arrives damaged
+    with pytest.raises(WeightPushError, match="fail their checksum"):
+        await transport.publish(2, learner_version(model, seed=2))
+    version, rejected, got = await peer.state()
+    assert (version, rejected) == (1, 2) and got == digest(first)  # untouched by the bad version
+
+    transport.before_write = lambda buffer, layout, attempt: flip_one_byte(buffer, layout, 0) if attempt == 0 else None
+    third = learner_version(model, seed=3)
+    await transport.publish(3, third)  # damaged once, refused, packed again, sent again: applied
+    version, rejected, got = await peer.state()
+    assert (version, rejected) == (3, 3) and got == digest(third)
+    await transport.close()
+
+
+@pytest.mark.anyio
+async def test_a_dead_engine_is_skipped_and_the_others_still_get_every_version(model, peers) -> None:
+    from stages.weights.mooncake_p2p import MooncakeP2PTransport
+
+    transport = MooncakeP2PTransport(bucket_bytes=64 << 10)
+    for peer in peers:
+        transport.subscribe(peer)
+    await transport.publish(1, learner_version(model, seed=1))
+    peers[0].stop()  # SIGKILL: its process and its receive slots are gone
+    state = learner_version(model, seed=2)
+    await transport.publish(2, state)  # does not raise: one engine down must not stop the run
+    assert transport.stats["unreachable"] == 1
+    version, _, got = await peers[1].state()
+    assert version == 2 and got == digest(state)
+    await transport.close()
