@@ -13,6 +13,7 @@
     [learner]    kind = "grpo", lr, groups_per_step, clip_eps, max_grad_norm, weight_decay, epochs, device
     [staleness]  kind = "max-staleness", k, on_stale = "drop" | "requeue", max_span
     [weights]    transport = "inproc" | "mooncake_p2p" (protocol, device, bucket_bytes, pace, retries)
+                 | "disk" (root, retries) | "delta"
     [telemetry]  log_format = "console" | "json", progress
 
 Unknown keys and bad values fail validation, naming the key, the value and what is allowed.
@@ -217,12 +218,13 @@ class MaxStalenessSpec(Section):
 class WeightsSpec(Section):
     """How each new version reaches the engines; independent of `store` (rollout data)."""
 
-    transport: Literal["inproc", "mooncake_p2p"] = "inproc"
+    transport: Literal["inproc", "mooncake_p2p", "disk", "delta"] = "inproc"
     protocol: str = Field("tcp", description='mooncake_p2p: TransferEngine protocol, "tcp" or "rdma"')
     device: str = Field("", description="mooncake_p2p: RDMA device names (empty for tcp)")
     bucket_bytes: ByteSize = Field(ByteSize(32 << 20), description="mooncake_p2p: bytes per checksummed bucket")
     pace: ByteSize | None = Field(None, description="mooncake_p2p: push at most this many bytes per second")
-    retries: int = Field(2, ge=0, description="mooncake_p2p: re-pushes of a refused version before the run fails")
+    retries: int = Field(2, ge=0, description="re-sends of a refused version before the run fails (mooncake_p2p, disk)")
+    root: str | None = Field(None, description="disk: folder every engine can read (default: a temporary one)")
 
 
 class RaySpec(Section):
@@ -319,6 +321,7 @@ def build_pipeline(cfg: RunConfig):
     from stages.model import make_tiny_model
     from stages.rollout import Rollout
     from stages.tasks import Addition, ReverseDigits
+    from stages.weights.disk import DiskTransport
     from stages.weights.mooncake_p2p import MooncakeP2PTransport
 
     torch.set_num_threads(1)
@@ -372,6 +375,8 @@ def build_pipeline(cfg: RunConfig):
                 protocol=w.protocol, device=w.device, bucket_bytes=int(w.bucket_bytes),
                 pace_bytes_per_s=float(w.pace) if w.pace else None, retries=w.retries,
             )
+        if w.transport == "disk":
+            return DiskTransport(root=w.root, retries=w.retries)
         return w.transport
 
     engines = [

@@ -33,11 +33,8 @@ from pipeline.telemetry import Panel
 from policies.staleness import staleness
 from stages.losses import group_advantages, ppo_clip_loss
 from stages.model import load_model
+from stages.weights import TRANSPORTS
 from stages.weights.base import WeightTransport
-from stages.weights.inproc import InprocTransport
-from stages.weights.mooncake_p2p import MooncakeP2PTransport
-
-TRANSPORTS = {"inproc": InprocTransport, "mooncake_p2p": MooncakeP2PTransport}
 
 
 @dataclass

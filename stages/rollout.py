@@ -31,8 +31,7 @@ from pipeline.refs import Ref, make_key
 from stages.engines.base import Completion, Engine, SamplingParams
 from stages.model import load_tokenizer
 from stages.tasks import Prompt, Task
-from stages.weights.mooncake_p2p import SlotReceiver
-from stages.weights.packed import MAILBOX, mailbox_for
+from stages.weights import engine_mailboxes
 
 
 @dataclass
@@ -73,9 +72,7 @@ class Rollout:
     def actors(self, ctx: RunContext, inbox: Channel | None, outbox: Channel | None):
         assert outbox is not None
         ctx.services.setdefault("weight_receivers", []).extend(self.engines)
-        mailboxes = ctx.services.setdefault("mailboxes", {})
-        mailboxes[MAILBOX] = mailbox_for(self.engines)  # packed weights from another process
-        mailboxes.update(SlotReceiver(self.engines).handlers())  # mooncake_p2p (TransferEngine, started lazily)
+        ctx.services.setdefault("mailboxes", {}).update(engine_mailboxes(self.engines))  # weights from other processes
         store: ObjectStore = ctx.services["store"]
         for engine in self.engines:
             if hasattr(engine, "policy"):  # engines ask the policy what to do with requests in flight

@@ -1,8 +1,9 @@
-"""An engine process for the P2P weight tests: `python tests/p2p_peer.py MODEL_DIR`.
+"""An engine process for the weight-transport tests: `python tests/p2p_peer.py MODEL_DIR`.
 
-It hosts a real TorchEngine behind a `SlotReceiver` and serves length-prefixed msgpack requests on
-stdin/stdout (no pickle): [box, header] -> reply bytes. Besides the receiver's boxes it answers
-"state": the engine applies what it was given and replies [version, xxh3 of every parameter's bytes].
+It hosts a real TorchEngine behind the engine-side receivers (TransferEngine slots, disk) and
+serves length-prefixed msgpack requests on stdin/stdout (no pickle): [box, header] -> reply bytes.
+Besides the receivers' boxes it answers "state": the engine applies what it was given and replies
+[version, rejected so far, xxh3 of every parameter's bytes].
 """
 
 from __future__ import annotations
@@ -41,23 +42,26 @@ def digest(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
 
 async def main(model_dir: str) -> None:
     from stages.engines.torch import TorchEngine
+    from stages.weights.delta import DeltaReceiver
+    from stages.weights.disk import DiskReceiver
     from stages.weights.mooncake_p2p import SlotReceiver
 
     torch.set_num_threads(1)
     engine = TorchEngine(model_dir, name="peer")
     await engine.start()
-    receiver = SlotReceiver([engine])
-    handlers = receiver.handlers()
+    receivers = [SlotReceiver([engine]), DiskReceiver([engine]), DeltaReceiver([engine])]
+    handlers = {box: handler for r in receivers for box, handler in r.handlers().items()}
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     while (frame := await anyio.to_thread.run_sync(read_frame, stdin)) is not None:
         box, header = msgspec.msgpack.decode(frame)
         if box == "state":
             engine._apply_staged()
-            reply = msgspec.msgpack.encode([engine.version, receiver.rejected, digest(engine._model.state_dict())])
+            rejected = sum(r.rejected for r in receivers)
+            reply = msgspec.msgpack.encode([engine.version, rejected, digest(engine._model.state_dict())])
         else:
             reply = await handlers[box](header, None)
         write_frame(stdout, reply)
-    receiver.close()
+    receivers[0].close()
 
 
 if __name__ == "__main__":

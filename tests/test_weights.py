@@ -1,4 +1,5 @@
-"""Weight layout (pure) and the `mooncake_p2p` transport across real processes over TransferEngine."""
+"""Weight layout (pure), and the byte-moving transports across real engine processes: `mooncake_p2p`
+(over TransferEngine) and `disk` (safetensors)."""
 
 from __future__ import annotations
 
@@ -220,3 +221,111 @@ async def test_a_dead_engine_is_skipped_and_the_others_still_get_every_version(m
     version, _, got = await peers[1].state()
     assert version == 2 and got == digest(state)
     await transport.close()
+
+
+# ---------------------------------------------------------------- disk
+
+
+@pytest.mark.anyio
+async def test_disk_push_is_bit_exact_and_keeps_only_the_newest_files(model, peers, tmp_path) -> None:
+    from stages.weights.disk import DiskTransport
+
+    transport = DiskTransport(root=tmp_path / "weights", keep=2)
+    for peer in peers:
+        transport.subscribe(peer)
+    for version in (1, 2, 3):
+        state = learner_version(model, seed=version)
+        await transport.publish(version, state)
+        for peer in peers:
+            got_version, rejected, got = await peer.state()
+            assert (got_version, rejected) == (version, 0) and got == digest(state)
+    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v00000002", "v00000003"]
+
+
+@pytest.mark.anyio
+async def test_a_damaged_weights_file_is_refused_and_the_engine_keeps_its_version(model, peers, tmp_path) -> None:
+    from stages.weights.disk import DiskTransport
+
+    transport = DiskTransport(root=tmp_path / "weights", retries=1)
+    transport.subscribe(peers[0])
+    first = learner_version(model, seed=1)
+    await transport.publish(1, first)
+    write = transport._write
+
+    def write_then_damage(version, tensors):
+        notice = write(version, tensors)
+        with open(notice.path, "r+b") as f:  # one flipped byte near the end: inside the tensor data
+            f.seek(-100, 2)
+            byte = f.read(1)
+            f.seek(-100, 2)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        return notice
+
+    transport._write = write_then_damage
+    with pytest.raises(WeightPushError, match="fail their checksum"):
+        await transport.publish(2, learner_version(model, seed=2))
+    version, rejected, got = await peers[0].state()
+    assert (version, rejected) == (1, 2) and got == digest(first)
+
+
+@pytest.mark.anyio
+async def test_disk_skips_a_dead_engine(model, peers, tmp_path) -> None:
+    from stages.weights.disk import DiskTransport
+
+    transport = DiskTransport(root=tmp_path / "weights")
+    for peer in peers:
+        transport.subscribe(peer)
+    peers[0].stop()
+    state = learner_version(model, seed=5)
+    await transport.publish(1, state)
+    assert transport.stats["unreachable"] == 1
+    version, _, got = await peers[1].state()
+    assert version == 1 and got == digest(state)
+
+
+# ---------------------------------------------------------------- delta
+
+
+@pytest.mark.anyio
+async def test_delta_sends_only_what_changed_and_rebuilds_the_exact_state(model, peers) -> None:
+    from stages.weights.delta import DeltaTransport
+
+    transport = DeltaTransport()
+    transport.subscribe(peers[0])
+    state = learner_version(model, seed=1)
+    await transport.publish(1, state)  # the first version: the whole state
+    full = transport.stats["bytes"]
+    frozen = {n: t.clone() for n, t in state.items()}
+    trained = [n for n in frozen if ".self_attn.q_proj." in n]  # only these move (a frozen rest)
+    for n in trained:
+        frozen[n] += 0.5
+    await transport.publish(2, frozen)
+    assert 0 < transport.stats["bytes"] - full < full / 2
+    version, rejected, got = await peers[0].state()
+    assert (version, rejected) == (2, 0) and got == digest(frozen)
+
+    transport.subscribe(peers[1])  # a new engine holds no base: refuses the delta, gets the whole state
+    frozen[trained[0]] -= 0.25
+    await transport.publish(3, frozen)
+    assert transport.stats["full_sends"] == 1
+    for peer in peers:
+        version, _, got = await peer.state()
+        assert version == 3 and got == digest(frozen)
+
+
+@pytest.mark.anyio
+async def test_a_delta_that_rebuilds_the_wrong_state_is_refused(model, peers) -> None:
+    import msgspec
+
+    from stages.weights.delta import DeltaTransport
+
+    transport = DeltaTransport(retries=0)
+    transport.subscribe(peers[0])
+    state = learner_version(model, seed=1)
+    await transport.publish(1, state)
+    message = transport._message
+    transport._message = lambda *a: msgspec.structs.replace(message(*a), checksum=12345)  # a lying checksum
+    with pytest.raises(WeightPushError, match="does not match its checksum"):
+        await transport.publish(2, learner_version(model, seed=2))
+    version, rejected, got = await peers[0].state()
+    assert (version, rejected) == (1, 1) and got == digest(state)

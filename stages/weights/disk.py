@@ -1,0 +1,179 @@
+"""`disk`: each version as a safetensors file on a filesystem every engine can read.
+
+The learner writes `ROOT/v{version:08d}/model.safetensors` into a temporary folder and renames it
+into place, so a reader never sees half a version; the file's xxh3 checksum travels in the notice.
+Engines in the learner's process load it directly; an engine process gets a msgpack `DiskNotice`
+(version, path, checksum) through its host's `ask` and replies whether it applied it
+(`DiskReceiver`). A receiver verifies the checksum before it loads anything, so a damaged or
+partial file is refused and the engine keeps its version; the learner re-sends (`retries`) and then
+raises `WeightPushError`. An unreachable engine process is skipped and caught up on restart. Only
+the newest `keep` versions stay on disk. ROOT must be shared by all engine processes (one host, or
+a network filesystem).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+import torch
+import xxhash
+
+from stages.weights.base import WeightPushError
+
+NOTICE = "weights.disk"
+
+
+class DiskNotice(msgspec.Struct, frozen=True):
+    version: int
+    path: str
+    checksum: int
+
+
+class DiskReply(msgspec.Struct, frozen=True):
+    ok: bool
+    version: int
+    reason: str = ""
+
+
+def file_checksum(path: Path) -> int:
+    h = xxhash.xxh3_64()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+    return h.intdigest()
+
+
+def load_verified(notice: DiskNotice) -> dict[str, torch.Tensor]:
+    """The version's tensors, or WeightPushError when the file is missing or fails its checksum."""
+    from safetensors.torch import load_file
+
+    path = Path(notice.path)
+    if not path.is_file():
+        raise WeightPushError(f"weights of version {notice.version} are not at {path}")
+    if file_checksum(path) != notice.checksum:
+        raise WeightPushError(f"weights of version {notice.version} at {path} fail their checksum")
+    return load_file(path)
+
+
+class DiskReceiver:
+    """The engine side: verify, load, apply (mailbox `weights.disk`)."""
+
+    def __init__(self, engines: list[Any]) -> None:
+        self.engines, self.version, self.rejected = engines, -1, 0
+
+    def handlers(self) -> dict[str, Any]:
+        return {NOTICE: self.notice}
+
+    async def notice(self, header: bytes, _blob: Any = None) -> bytes:
+        notice = msgspec.msgpack.decode(header, type=DiskNotice)
+        if notice.version <= self.version:
+            return msgspec.msgpack.encode(DiskReply(True, self.version, "already applied"))
+        try:
+            tensors = await anyio.to_thread.run_sync(load_verified, notice)
+        except WeightPushError as exc:
+            self.rejected += 1
+            return msgspec.msgpack.encode(DiskReply(False, self.version, str(exc)))
+        for engine in self.engines:
+            await engine.receive_weights(notice.version, tensors)
+        self.version = notice.version
+        return msgspec.msgpack.encode(DiskReply(True, self.version))
+
+
+@dataclass
+class DiskTransport:
+    root: str | Path | None = None  # default: a fresh temporary folder
+    keep: int = 2
+    retries: int = 2
+    name: str = "disk"
+    stats: dict = field(default_factory=lambda: {"pushes": 0, "bytes": 0, "retries": 0, "unreachable": 0})
+
+    def __post_init__(self) -> None:
+        self._local: list[DiskReceiver] = []
+        self._remote: list[Any] = []
+        self._latest: DiskNotice | None = None
+
+    def subscribe(self, receiver: Any) -> None:
+        """An engine in this process, or anything with `ask(box, header)` (a `remote_receiver`)."""
+        if hasattr(receiver, "ask"):
+            self._remote.append(receiver)
+        else:
+            self._local.append(DiskReceiver([receiver]))
+
+    def remote_receiver(self, peer: Any, name: str) -> Any:
+        return _DiskPeer(peer, name, self)
+
+    async def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        if self._latest is not None and version <= self._latest.version:
+            raise WeightPushError(f"version {version} published after {self._latest.version}; versions must increase")
+        self._latest = await anyio.to_thread.run_sync(self._write, version, tensors)
+        for receiver in self._local:
+            await self._send(receiver.notice, "local")
+        for peer in self._remote:
+            await self._send(lambda header, peer=peer: peer.ask(NOTICE, header), peer.name)
+        self.stats["pushes"] += 1
+
+    async def resend(self, peer: Any) -> None:
+        if self._latest is not None:
+            await self._send(lambda header: peer.ask(NOTICE, header), peer.name)
+
+    async def close(self) -> None:
+        self._local.clear()
+        self._remote.clear()
+
+    def _write(self, version: int, tensors: dict[str, torch.Tensor]) -> DiskNotice:
+        from safetensors.torch import save_file
+
+        if self.root is None:
+            self.root = tempfile.mkdtemp(prefix="baton-weights-")
+        root = Path(self.root)
+        root.mkdir(parents=True, exist_ok=True)
+        final = root / f"v{version:08d}"
+        staging = Path(tempfile.mkdtemp(prefix=f".v{version:08d}-", dir=root))
+        unique, seen = {}, set()
+        for name, t in tensors.items():  # tied weights share storage: store them once
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                unique[name] = t.detach().cpu().contiguous()
+        save_file(unique, staging / "model.safetensors")
+        checksum = file_checksum(staging / "model.safetensors")
+        shutil.rmtree(final, ignore_errors=True)
+        staging.rename(final)  # atomic: readers see the whole version or none
+        self.stats["bytes"] += (final / "model.safetensors").stat().st_size
+        for old in sorted(p for p in root.glob("v*") if p.is_dir())[: -self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        return DiskNotice(version, str(final / "model.safetensors"), checksum)
+
+    async def _send(self, ask: Any, name: str) -> None:
+        notice = self._latest
+        assert notice is not None
+        reason = ""
+        for _ in range(self.retries + 1):
+            answer = await ask(msgspec.msgpack.encode(notice))
+            if answer is None:
+                self.stats["unreachable"] += 1
+                return
+            reply = msgspec.msgpack.decode(answer, type=DiskReply)
+            if reply.ok:
+                return
+            self.stats["retries"] += 1
+            reason = reply.reason
+        raise WeightPushError(f"receiver {name} refused version {notice.version} {self.retries + 1} times: {reason}")
+
+
+@dataclass
+class _DiskPeer:
+    peer: Any
+    name: str
+    transport: DiskTransport
+
+    async def ask(self, box: str, header: bytes) -> bytes | None:
+        return await self.peer.ask(box, header)
+
+    async def resend(self) -> None:
+        await self.transport.resend(self)
