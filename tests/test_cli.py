@@ -98,7 +98,7 @@ def test_plugin_kinds_resolve_by_dotted_path() -> None:
 
 
 def test_quickstart_configs_are_valid() -> None:
-    for name in ("quickstart.toml", "quickstart-sync.toml"):
+    for name in ("quickstart.toml", "quickstart-sync.toml", "quickstart-mooncake.toml", "ray-mooncake.toml"):
         validate(RunConfig, load_toml(ROOT / "configs" / name))
 
 
@@ -107,6 +107,19 @@ def test_sglang_engine_without_a_server_environment_names_the_key_and_the_fix(ca
     code, _, err = check(capsys, config, "--set", "engine.python='/nonexistent/python'")
     assert code == 2
     assert "engine.python = '/nonexistent/python' does not exist" in err and "tools/sglang-cpu/install.sh" in err
+
+
+@pytest.mark.parametrize("transport", ["inproc", "mooncake_p2p", "disk", "delta"])
+def test_each_weight_transport_builds_from_config(transport: str, tmp_path: Path) -> None:
+    from stages.config import build_pipeline
+
+    data = load_toml(QUICKSTART)
+    data.update(run_root=str(tmp_path))
+    data["weights"] = {"transport": transport}
+    data["model"]["path"] = str(tmp_path / "model")
+    learner = build_pipeline(validate(RunConfig, data)).consumer
+    built = learner.weights if isinstance(learner.weights, str) else learner.weights.name
+    assert built == transport
 
 
 def test_sglang_urls_and_count_must_agree(capsys) -> None:
