@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import xxhash
 
-from stages.weights.base import WeightPushError
+from stages.weights.base import ApplyReply, RemoteReceiver, WeightPushError
 from stages.weights.layout import LayoutError, bad_buckets, decode_layout, encode_layout, fill, plan, views
 
 DELTA = "weights.delta"
@@ -35,12 +35,6 @@ class DeltaMessage(msgspec.Struct, frozen=True):
     checksum: int  # xxh3 of every tensor of the resulting state, in sorted-name order
     layout: bytes  # the changed tensors' Layout (msgpack)
     blob: bytes  # their bytes
-
-
-class DeltaReply(msgspec.Struct, frozen=True):
-    ok: bool
-    version: int  # what the receiver holds after this message
-    reason: str = ""
 
 
 def state_checksum(tensors: dict[str, torch.Tensor]) -> int:
@@ -65,7 +59,7 @@ class DeltaReceiver:
         try:
             message = msgspec.msgpack.decode(header, type=DeltaMessage)
             if message.version <= self.version:
-                return msgspec.msgpack.encode(DeltaReply(True, self.version, "already applied"))
+                return msgspec.msgpack.encode(ApplyReply(True, self.version, "already applied"))
             if message.base != -1 and message.base != self.version:
                 raise LayoutError(f"a delta against version {message.base}, but this engine holds {self.version}")
             layout = decode_layout(message.layout)
@@ -78,11 +72,11 @@ class DeltaReceiver:
                 raise LayoutError(f"version {message.version} rebuilt from the delta does not match its checksum")
         except (LayoutError, msgspec.DecodeError, msgspec.ValidationError) as exc:
             self.rejected += 1
-            return msgspec.msgpack.encode(DeltaReply(False, self.version, str(exc)))
+            return msgspec.msgpack.encode(ApplyReply(False, self.version, str(exc)))
         for engine in self.engines:
             await engine.receive_weights(message.version, result)
         self.state, self.version = result, message.version
-        return msgspec.msgpack.encode(DeltaReply(True, self.version))
+        return msgspec.msgpack.encode(ApplyReply(True, self.version))
 
 
 @dataclass
@@ -105,7 +99,7 @@ class DeltaTransport:
         self._targets.append(receiver)
 
     def remote_receiver(self, peer: Any, name: str) -> Any:
-        return _DeltaPeer(peer, name, self)
+        return RemoteReceiver(peer, name, self)
 
     async def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         if version <= self._prev_version:
@@ -146,7 +140,7 @@ class DeltaTransport:
             answer = await target.ask(DELTA, msgspec.msgpack.encode(message))
             if answer is None:
                 return  # unreachable: caught up with a full state on restart (`resend`)
-            reply = msgspec.msgpack.decode(answer, type=DeltaReply)
+            reply = msgspec.msgpack.decode(answer, type=ApplyReply)
             self.stats["bytes"] += len(message.blob)
             if reply.ok:
                 return
@@ -164,16 +158,3 @@ class _LocalDelta:
 
     async def ask(self, box: str, header: bytes) -> bytes | None:
         return await self.receiver.delta(header)
-
-
-@dataclass
-class _DeltaPeer:
-    peer: Any
-    name: str
-    transport: DeltaTransport
-
-    async def ask(self, box: str, header: bytes) -> bytes | None:
-        return await self.peer.ask(box, header)
-
-    async def resend(self) -> None:
-        await self.transport.resend(self)

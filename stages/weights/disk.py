@@ -24,7 +24,7 @@ import msgspec
 import torch
 import xxhash
 
-from stages.weights.base import WeightPushError
+from stages.weights.base import ApplyReply, RemoteReceiver, WeightPushError
 
 NOTICE = "weights.disk"
 
@@ -33,12 +33,6 @@ class DiskNotice(msgspec.Struct, frozen=True):
     version: int
     path: str
     checksum: int
-
-
-class DiskReply(msgspec.Struct, frozen=True):
-    ok: bool
-    version: int
-    reason: str = ""
 
 
 def file_checksum(path: Path) -> int:
@@ -73,16 +67,16 @@ class DiskReceiver:
     async def notice(self, header: bytes, _blob: Any = None) -> bytes:
         notice = msgspec.msgpack.decode(header, type=DiskNotice)
         if notice.version <= self.version:
-            return msgspec.msgpack.encode(DiskReply(True, self.version, "already applied"))
+            return msgspec.msgpack.encode(ApplyReply(True, self.version, "already applied"))
         try:
             tensors = await anyio.to_thread.run_sync(load_verified, notice)
         except WeightPushError as exc:
             self.rejected += 1
-            return msgspec.msgpack.encode(DiskReply(False, self.version, str(exc)))
+            return msgspec.msgpack.encode(ApplyReply(False, self.version, str(exc)))
         for engine in self.engines:
             await engine.receive_weights(notice.version, tensors)
         self.version = notice.version
-        return msgspec.msgpack.encode(DiskReply(True, self.version))
+        return msgspec.msgpack.encode(ApplyReply(True, self.version))
 
 
 @dataclass
@@ -106,7 +100,7 @@ class DiskTransport:
             self._local.append(DiskReceiver([receiver]))
 
     def remote_receiver(self, peer: Any, name: str) -> Any:
-        return _DiskPeer(peer, name, self)
+        return RemoteReceiver(peer, name, self)
 
     async def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         if self._latest is not None and version <= self._latest.version:
@@ -158,22 +152,9 @@ class DiskTransport:
             if answer is None:
                 self.stats["unreachable"] += 1
                 return
-            reply = msgspec.msgpack.decode(answer, type=DiskReply)
+            reply = msgspec.msgpack.decode(answer, type=ApplyReply)
             if reply.ok:
                 return
             self.stats["retries"] += 1
             reason = reply.reason
         raise WeightPushError(f"receiver {name} refused version {notice.version} {self.retries + 1} times: {reason}")
-
-
-@dataclass
-class _DiskPeer:
-    peer: Any
-    name: str
-    transport: DiskTransport
-
-    async def ask(self, box: str, header: bytes) -> bytes | None:
-        return await self.peer.ask(box, header)
-
-    async def resend(self) -> None:
-        await self.transport.resend(self)

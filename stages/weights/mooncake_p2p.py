@@ -33,7 +33,7 @@ import msgspec
 import numpy as np
 import torch
 
-from stages.weights.base import WeightPushError
+from stages.weights.base import ApplyReply, RemoteReceiver, WeightPushError
 from stages.weights.layout import Layout, LayoutError, bad_buckets, decode_layout, encode_layout, fill, plan, views
 
 HELLO, COMMIT = "weights.p2p.hello", "weights.p2p.commit"
@@ -54,12 +54,6 @@ class HelloReply(msgspec.Struct, frozen=True):
 class Commit(msgspec.Struct, frozen=True):
     slot: int
     layout: bytes
-
-
-class CommitReply(msgspec.Struct, frozen=True):
-    ok: bool
-    version: int
-    reason: str = ""
 
 
 def _transfer_engine(protocol: str, device: str) -> Any:
@@ -114,19 +108,19 @@ class SlotReceiver:
                 raise LayoutError(f"no slot {commit.slot}")
             slot = self._slots[commit.slot]
             if layout.version <= self.version:  # a re-send of what it has (or older): nothing to do
-                return msgspec.msgpack.encode(CommitReply(True, self.version, "already applied"))
+                return msgspec.msgpack.encode(ApplyReply(True, self.version, "already applied"))
             bad = bad_buckets(slot, layout)
             if bad:
                 raise LayoutError(f"buckets {bad} of version {layout.version} fail their checksum")
         except (LayoutError, msgspec.DecodeError, msgspec.ValidationError) as exc:
             self.rejected += 1
-            return msgspec.msgpack.encode(CommitReply(False, self.version, str(exc)))
+            return msgspec.msgpack.encode(ApplyReply(False, self.version, str(exc)))
         # the engines own their copy: the slot is written again two versions from now
         tensors = {name: t.clone() for name, t in views(slot, layout).items()}
         for engine in self.engines:
             await engine.receive_weights(layout.version, tensors)
         self.version = layout.version
-        return msgspec.msgpack.encode(CommitReply(True, self.version))
+        return msgspec.msgpack.encode(ApplyReply(True, self.version))
 
     def close(self) -> None:
         if self._te is not None:
@@ -203,7 +197,7 @@ class MooncakeP2PTransport:
 
     def remote_receiver(self, peer: Any, name: str) -> Any:
         """The receiver for an engine process reachable through `peer.ask` (the Ray runtime)."""
-        return _PeerAsker(peer, name, self)
+        return RemoteReceiver(peer, name, self)
 
     async def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         if version <= self._last:
@@ -284,7 +278,7 @@ class MooncakeP2PTransport:
             if answer is None:
                 self.stats["unreachable"] += 1
                 return
-            reply = msgspec.msgpack.decode(answer, type=CommitReply)
+            reply = msgspec.msgpack.decode(answer, type=ApplyReply)
             if reply.ok:
                 target.next_slot = 1 - slot  # the committed slot's bytes stay intact for a rollback
                 self.stats["bytes"] += layout.total
@@ -318,18 +312,3 @@ class MooncakeP2PTransport:
                 ahead = sent / self.pace_bytes_per_s - (time.perf_counter() - started)
                 if ahead > 0:
                     time.sleep(ahead)
-
-
-@dataclass
-class _PeerAsker:
-    """A receiver in a Ray-hosted engine process, reached through its host's `ask`."""
-
-    peer: Any
-    name: str
-    transport: MooncakeP2PTransport
-
-    async def ask(self, box: str, header: bytes) -> bytes | None:
-        return await self.peer.ask(box, header)
-
-    async def resend(self) -> None:
-        await self.transport.resend(self)
