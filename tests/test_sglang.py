@@ -211,15 +211,16 @@ async def test_sglang_run_learns(engine, tmp_path):
 
 async def test_killed_server_is_restarted_and_its_requests_regenerated(engine, model_path, tokenizer):
     model = load_model(model_path)
+    await engine.receive_weights(engine.version + 1, perturbed(model, seed=1))
     latest = engine.version + 1
-    await engine.receive_weights(latest, perturbed(model, seed=latest))
     old_pid = engine.server.pid
     restarts, regenerated = engine.stats["restarts"], engine.stats["regenerated"]
 
-    async def crash():
-        os.killpg(old_pid, signal.SIGKILL)  # the whole server dies mid-request
+    async def crash_then_push():
+        os.killpg(old_pid, signal.SIGKILL)  # the whole server dies mid-request ...
+        await engine.receive_weights(latest, perturbed(model, seed=latest))  # ... and a version arrives: no error
 
-    completions = await generate_while(engine, tokenizer, 3, crash)
+    completions = await generate_while(engine, tokenizer, 3, crash_then_push)
     assert engine.stats["restarts"] == restarts + 1 and engine.stats["regenerated"] == regenerated + 3
     assert engine.server.pid != old_pid and engine.version == latest
     ids = prompt(tokenizer)

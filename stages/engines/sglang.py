@@ -248,7 +248,12 @@ class SGLangEngine:
         async with self._update_lock:
             if self._latest[0] != version:
                 return  # a newer version arrived while this one waited
-            await self._apply(version, tensors)
+            try:
+                await self._apply(version, tensors)
+            except ServerGone:
+                if self._server is None:
+                    raise  # attached by url: nothing here can bring it back
+                # our server died: the next request restarts it and re-applies the latest version
 
     def _fit(self, version: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The tensors to send, checked against the checkpoint's names and shapes before the server
