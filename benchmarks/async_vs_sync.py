@@ -63,22 +63,34 @@ def main() -> None:
         sync = steady_state(run(a.config, a.steps, [*a.overrides, "mode='sync'", "staleness.k=0"], root), a.warmup)
         asyn_run = run(a.config, a.steps, [*a.overrides, "mode='async'", f"staleness.k={a.k}"], root)
         asyn = steady_state(asyn_run, a.warmup)
-    print(f"{'mode':6} {'samples/s':>10} {'learner busy':>13} {'step ms':>8} {'version ms':>11} {'staleness':>10}",
-          file=sys.stderr)
+    print(
+        f"{'mode':6} {'samples/s':>10} {'learner busy':>13} {'step ms':>8} {'version ms':>11} {'staleness':>10}",
+        file=sys.stderr,
+    )
     for name, f in (("sync", sync), ("async", asyn)):
-        print(f"{name:6} {f['samples_per_s']:>10} {f['learner_busy']:>13} {f['step_ms']:>8} {f['version_ms']:>11} "
-              f"{f['mean_staleness']:>10}", file=sys.stderr)
-    print(json.dumps({
-        "benchmark": "async_vs_sync",
-        "config": a.config, "steps": a.steps, "warmup_versions": a.warmup, "k": a.k,
-        "figures": {"async": asyn},
-        "reference": {"sync": sync},
-        "ratios": {
-            "async_vs_sync": round(asyn["samples_per_s"] / sync["samples_per_s"], 3),
-            "learner_busy_async": asyn["learner_busy"],
-            "learner_busy_sync": sync["learner_busy"],
-        },
-    }))
+        print(
+            f"{name:6} {f['samples_per_s']:>10} {f['learner_busy']:>13} {f['step_ms']:>8} {f['version_ms']:>11} "
+            f"{f['mean_staleness']:>10}",
+            file=sys.stderr,
+        )
+    print(
+        json.dumps(
+            {
+                "benchmark": "async_vs_sync",
+                "config": a.config,
+                "steps": a.steps,
+                "warmup_versions": a.warmup,
+                "k": a.k,
+                "figures": {"async": asyn},
+                "reference": {"sync": sync},
+                "ratios": {
+                    "async_vs_sync": round(asyn["samples_per_s"] / sync["samples_per_s"], 3),
+                    "learner_busy_async": asyn["learner_busy"],
+                    "learner_busy_sync": sync["learner_busy"],
+                },
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ import itertools
 import os
 import shutil
 import tempfile
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -43,6 +42,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, w
 
 from stages.engines.base import Completion, EngineError, SamplingParams
 from stages.engines.sglang_server import ServerFailed, SGLangServer, free_port
+from stages.weights.groups import pair_group
 
 UPDATE_PATHS = ("tensor", "distributed", "disk")
 PAUSE_MODES = ("in_place", "retract")
@@ -338,7 +338,7 @@ class SGLangEngine:
         }
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._call, "POST", "/init_weights_update_group", body)
-            self._group = await anyio.to_thread.run_sync(_update_group, port, self._group_name, backend)
+            self._group = await anyio.to_thread.run_sync(pair_group, port, self._group_name, 0, backend)
 
     async def _destroy_group(self) -> None:
         group, self._group = self._group, None
@@ -451,24 +451,3 @@ def _serialize_shared(tensors: dict[str, torch.Tensor]) -> str:
     buffer = io.BytesIO()
     ForkingPickler(buffer).dump(named)
     return base64.b64encode(buffer.getvalue()).decode()
-
-
-_GROUP_LOCK = threading.Lock()
-
-
-def _update_group(port: int, group_name: str, backend: str) -> Any:
-    """Rank 0 of a 2-member process group (gloo on CPU, nccl on GPU) with an SGLang server (rank 1),
-    outside any default group: the same rendezvous SGLang's `init_weights_update_group` performs."""
-    from datetime import timedelta
-
-    from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world, rendezvous
-
-    with _GROUP_LOCK:
-        timeout = timedelta(seconds=120)
-        store, rank, world_size = next(rendezvous(f"tcp://127.0.0.1:{port}", 0, 2, timeout=timeout))
-        store.set_timeout(timeout)
-        group, _ = _new_process_group_helper(
-            world_size, rank, [], backend, PrefixStore(group_name, store), group_name=group_name, timeout=timeout,
-        )
-        _world.pg_group_ranks[group] = {0: 0, 1: 1}
-        return group
