@@ -36,7 +36,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from stages.engines.sglang_server import free_port  # noqa: E402
+from pipeline.net import free_port  # noqa: E402
 from stages.weights.disk import DiskTransport  # noqa: E402
 from stages.weights.groups import pair_group  # noqa: E402
 from stages.weights.layout import fill, plan  # noqa: E402

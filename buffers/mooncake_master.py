@@ -14,6 +14,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from pipeline.net import free_port
+
 
 class MooncakeUnavailable(ImportError):
     """The mooncake wheel or a system library it needs is missing."""
@@ -45,12 +47,6 @@ def master_binary() -> Path:
     if not os.access(path, os.X_OK):
         path.chmod(path.stat().st_mode | 0o111)
     return path
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class MooncakeMaster:

@@ -13,7 +13,7 @@
     [learner]    kind = "grpo", lr, groups_per_step, clip_eps, max_grad_norm, weight_decay, epochs, device
     [staleness]  kind = "max-staleness", k, on_stale = "drop" | "requeue", max_span
     [weights]    transport = "inproc" | "mooncake_p2p" (protocol, device, bucket_bytes, pace, retries)
-                 | "disk" (root, retries) | "delta"
+                 | "disk" (root, retries) | "delta" | "broadcast" (retries; runtime = "ray")
     [telemetry]  log_format = "console" | "json", progress
 
 Unknown keys and bad values fail validation, naming the key, the value and what is allowed.
@@ -218,7 +218,7 @@ class MaxStalenessSpec(Section):
 class WeightsSpec(Section):
     """How each new version reaches the engines; independent of `store` (rollout data)."""
 
-    transport: Literal["inproc", "mooncake_p2p", "disk", "delta"] = "inproc"
+    transport: Literal["inproc", "mooncake_p2p", "disk", "delta", "broadcast"] = "inproc"
     protocol: str = Field("tcp", description='mooncake_p2p: TransferEngine protocol, "tcp" or "rdma"')
     device: str = Field("", description="mooncake_p2p: RDMA device names (empty for tcp)")
     bucket_bytes: ByteSize = Field(ByteSize(32 << 20), description="mooncake_p2p: bytes per checksummed bucket")
@@ -268,6 +268,11 @@ class RunConfig(Section):
                 self.staleness.k = 0 if self.mode == "sync" else 2
         if isinstance(self.store, MooncakeStoreSpec):
             self._check_mooncake_capacity(self.store)
+        if self.weights.transport == "broadcast" and self.runtime == "local":
+            raise ValueError(
+                "weights.transport = 'broadcast' sends to engine processes, but runtime = 'local' keeps the "
+                "engines in the learner's process; use weights.transport = 'inproc' or runtime = 'ray'"
+            )
         if self.runtime == "ray" and isinstance(self.store, MemoryStoreSpec):
             raise ValueError(
                 "runtime = 'ray' puts every stage in its own process, but store.kind = 'memory' lives in one; "
@@ -321,6 +326,7 @@ def build_pipeline(cfg: RunConfig):
     from stages.model import make_tiny_model
     from stages.rollout import Rollout
     from stages.tasks import Addition, ReverseDigits
+    from stages.weights.broadcast import BroadcastTransport
     from stages.weights.disk import DiskTransport
     from stages.weights.mooncake_p2p import MooncakeP2PTransport
 
@@ -377,6 +383,8 @@ def build_pipeline(cfg: RunConfig):
             )
         if w.transport == "disk":
             return DiskTransport(root=w.root, retries=w.retries)
+        if w.transport == "broadcast":
+            return BroadcastTransport(retries=w.retries)
         return w.transport
 
     engines = [

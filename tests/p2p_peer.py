@@ -1,6 +1,6 @@
 """An engine process for the weight-transport tests: `python tests/p2p_peer.py MODEL_DIR`.
 
-It hosts a real TorchEngine behind the engine-side receivers (TransferEngine slots, disk) and
+It hosts a real TorchEngine behind the engine-side receivers (slots, disk, delta, broadcast) and
 serves length-prefixed msgpack requests on stdin/stdout (no pickle): [box, header] -> reply bytes.
 Besides the receivers' boxes it answers "state": the engine applies what it was given and replies
 [version, rejected so far, xxh3 of every parameter's bytes].
@@ -42,6 +42,7 @@ def digest(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
 
 async def main(model_dir: str) -> None:
     from stages.engines.torch import TorchEngine
+    from stages.weights.broadcast import BroadcastReceiver
     from stages.weights.delta import DeltaReceiver
     from stages.weights.disk import DiskReceiver
     from stages.weights.mooncake_p2p import SlotReceiver
@@ -49,7 +50,7 @@ async def main(model_dir: str) -> None:
     torch.set_num_threads(1)
     engine = TorchEngine(model_dir, name="peer")
     await engine.start()
-    receivers = [SlotReceiver([engine]), DiskReceiver([engine]), DeltaReceiver([engine])]
+    receivers = [SlotReceiver([engine]), DiskReceiver([engine]), DeltaReceiver([engine]), BroadcastReceiver([engine])]
     handlers = {box: handler for r in receivers for box, handler in r.handlers().items()}
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     while (frame := await anyio.to_thread.run_sync(read_frame, stdin)) is not None:

@@ -109,17 +109,23 @@ def test_sglang_engine_without_a_server_environment_names_the_key_and_the_fix(ca
     assert "engine.python = '/nonexistent/python' does not exist" in err and "tools/sglang-cpu/install.sh" in err
 
 
-@pytest.mark.parametrize("transport", ["inproc", "mooncake_p2p", "disk", "delta"])
+@pytest.mark.parametrize("transport", ["inproc", "mooncake_p2p", "disk", "delta", "broadcast"])
 def test_each_weight_transport_builds_from_config(transport: str, tmp_path: Path) -> None:
     from stages.config import build_pipeline
 
     data = load_toml(QUICKSTART)
-    data.update(run_root=str(tmp_path))
+    data.update(run_root=str(tmp_path), runtime="ray" if transport == "broadcast" else "local")
+    data["store"] = {"kind": "ray"} if transport == "broadcast" else data["store"]
     data["weights"] = {"transport": transport}
     data["model"]["path"] = str(tmp_path / "model")
     learner = build_pipeline(validate(RunConfig, data)).consumer
     built = learner.weights if isinstance(learner.weights, str) else learner.weights.name
     assert built == transport
+
+
+def test_broadcast_needs_engine_processes(capsys) -> None:
+    code, _, err = check(capsys, str(QUICKSTART), "--set", "weights.transport='broadcast'")
+    assert code == 2 and "use weights.transport = 'inproc' or runtime = 'ray'" in err
 
 
 def test_sglang_urls_and_count_must_agree(capsys) -> None:

@@ -329,3 +329,43 @@ async def test_a_delta_that_rebuilds_the_wrong_state_is_refused(model, peers) ->
         await transport.publish(2, learner_version(model, seed=2))
     version, rejected, got = await peers[0].state()
     assert (version, rejected) == (1, 1) and got == digest(state)
+
+
+# ---------------------------------------------------------------- broadcast
+
+
+@pytest.mark.anyio
+async def test_broadcast_is_bit_exact_refuses_damage_and_skips_a_dead_engine(model, peers) -> None:
+    from stages.weights.broadcast import BroadcastTransport
+
+    transport = BroadcastTransport(retries=1, timeout_s=30)
+    for peer in peers:
+        transport.subscribe(peer)
+    for version in (1, 2):
+        state = learner_version(model, seed=version)
+        await transport.publish(version, state)
+        for peer in peers:
+            got_version, rejected, got = await peer.state()
+            assert (got_version, rejected) == (version, 0) and got == digest(state)
+
+    def damage(outgoing, attempt):  # every attempt: one value changed in flight
+        outgoing = dict(outgoing)
+        name = next(iter(outgoing))
+        outgoing[name] = outgoing[name].clone()
+        outgoing[name].view(-1)[0] += 1.0
+        return outgoing
+
+    transport.before_send = damage
+    with pytest.raises(WeightPushError, match="fails its checksum"):
+        await transport.publish(3, learner_version(model, seed=3))
+    version, rejected, got = await peers[0].state()
+    assert (version, rejected) == (2, 2) and got == digest(state)  # still version 2, untouched
+
+    transport.before_send = None
+    peers[0].stop()  # its group breaks; the run goes on with the other engine
+    state = learner_version(model, seed=4)
+    await transport.publish(4, state)
+    assert transport.stats["unreachable"] >= 1
+    version, _, got = await peers[1].state()
+    assert version == 4 and got == digest(state)
+    await transport.close()

@@ -40,11 +40,13 @@ import numpy as np
 import torch
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
+from pipeline.net import free_port
 from stages.engines.base import Completion, EngineError, SamplingParams
-from stages.engines.sglang_server import ServerFailed, SGLangServer, free_port
+from stages.engines.sglang_server import ServerFailed, SGLangServer
 from stages.weights.groups import pair_group
 
 UPDATE_PATHS = ("tensor", "distributed", "disk")
+MAX_ROUNDS = 8  # generate() gives up on requests aborted (or lost to a dead server) this many times in a row
 PAUSE_MODES = ("in_place", "retract")
 
 
@@ -92,6 +94,7 @@ class SGLangEngine:
         self._weights_dir: Path | None = None
         self._expected: dict[str, tuple[int, ...]] | None = None
         self._rids = itertools.count()
+        self._last_abort = ""
 
     # -- lifecycle -----------------------------------------------------------------------------
     @property
@@ -165,7 +168,9 @@ class SGLangEngine:
             raise RuntimeError(f"engine {self.name} is not started")
         results: list[Completion | None] = [None] * len(prompts)
         todo = list(range(len(prompts)))
-        while todo:
+        for _ in range(MAX_ROUNDS):
+            if not todo:
+                return results  # type: ignore[return-value]
             done = await self._generate_some([prompts[i] for i in todo], params)
             again = []
             for i, completion in zip(todo, done, strict=True):
@@ -176,7 +181,12 @@ class SGLangEngine:
             if again:
                 self.stats["regenerated"] += len(again)
             todo = again
-        return results  # type: ignore[return-value]
+        if not todo:
+            return results  # type: ignore[return-value]
+        raise EngineError(
+            f"engine {self.name}: {len(todo)} requests were aborted {MAX_ROUNDS} times in a row "
+            f"(last reason: {self._last_abort!r}); not trying again"
+        )
 
     async def _generate_some(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion | None]:
         rids = [f"{self.name}-{uuid.uuid4().hex[:8]}-{next(self._rids)}" for _ in prompts]
@@ -215,6 +225,7 @@ class SGLangEngine:
         meta = item["meta_info"]
         finish = (meta.get("finish_reason") or {}).get("type", "length")
         if finish == "abort":
+            self._last_abort = (meta.get("finish_reason") or {}).get("message", "")
             return None
         pairs = meta["output_token_logprobs"]
         tokens = np.array([t for _, t, *_ in pairs], dtype=np.int32)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from stages.weights.broadcast import BroadcastReceiver, BroadcastTransport
 from stages.weights.delta import DeltaReceiver, DeltaTransport
 from stages.weights.disk import DiskReceiver, DiskTransport
 from stages.weights.inproc import InprocTransport
@@ -19,15 +20,18 @@ TRANSPORTS = {
     "mooncake_p2p": MooncakeP2PTransport,
     "disk": DiskTransport,
     "delta": DeltaTransport,
+    "broadcast": BroadcastTransport,
 }
 
 
 def engine_mailboxes(engines: list[Any]) -> dict[str, Any]:
     """The mailbox handlers an engine process registers: packed versions through Ray, TransferEngine
-    slots (started lazily, on the learner's first hello), safetensors notices and deltas."""
+    slots (started lazily, on the learner's first hello), safetensors notices, deltas and broadcast
+    groups (formed on the learner's first join)."""
     return {
         MAILBOX: mailbox_for(engines),
         **SlotReceiver(engines).handlers(),
         **DiskReceiver(engines).handlers(),
         **DeltaReceiver(engines).handlers(),
+        **BroadcastReceiver(engines).handlers(),
     }
