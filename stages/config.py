@@ -225,6 +225,9 @@ class WeightsSpec(Section):
     pace: ByteSize | None = Field(None, description="mooncake_p2p: push at most this many bytes per second")
     retries: int = Field(2, ge=0, description="re-sends of a refused version before the run fails (mooncake_p2p, disk)")
     root: str | None = Field(None, description="disk: folder every engine can read (default: a temporary one)")
+    snapshot_every: int = Field(
+        1, ge=0, description="keep every n-th version in the store for engines that (re)start; 0: never"
+    )
 
 
 class RaySpec(Section):
@@ -399,7 +402,7 @@ def build_pipeline(cfg: RunConfig):
             model, lr=s.lr, groups_per_step=s.groups_per_step, clip_eps=s.clip_eps,
             max_grad_norm=s.max_grad_norm, weight_decay=s.weight_decay, epochs=s.epochs,
             temperature=getattr(cfg.engine, "temperature", 1.0), weights=weights(cfg.weights),
-            device=s.device,
+            device=s.device, snapshot_every=cfg.weights.snapshot_every,
         )
     })
     staleness = build(cfg.staleness, {

@@ -35,6 +35,7 @@ from stages.losses import group_advantages, ppo_clip_loss
 from stages.model import load_model
 from stages.weights import TRANSPORTS
 from stages.weights.base import WeightTransport
+from stages.weights.snapshot import save_snapshot, snapshot_key
 
 
 @dataclass
@@ -50,6 +51,7 @@ class GRPOLearner:
     epochs: int = 1  # optimizer passes over each step's batch (PPO epochs)
     temperature: float = 1.0
     weights: str | WeightTransport = "inproc"
+    snapshot_every: int = 1  # keep every n-th version in the store for engines that (re)start; 0: never
     device: str = "auto"  # "auto": cuda when a GPU is visible, else cpu
 
     def __post_init__(self) -> None:
@@ -159,6 +161,9 @@ class LearnerActor(BaseActor):
                 tg.cancel_scope.cancel()  # a prefetch still waiting for groups must not hold up the version
             step_s = time.perf_counter() - t0
             await self.transport.publish(version + 1, self.model.state_dict())
+            if self.spec.snapshot_every and (version + 1) % self.spec.snapshot_every == 0:
+                key = snapshot_key(ctx.run, ctx.folder.path.name)
+                await save_snapshot(self.store, key, version + 1, self.model.state_dict())
             await ctx.clock.advance_to(version + 1)
             await ctx.ledger.trained([i for ref in refs for i in ref.item_ids], at_version=version)
             for ref in refs:

@@ -32,6 +32,7 @@ from stages.engines.base import Completion, Engine, SamplingParams
 from stages.model import load_tokenizer
 from stages.tasks import Prompt, Task
 from stages.weights import engine_mailboxes
+from stages.weights.snapshot import load_snapshot, snapshot_key
 
 
 @dataclass
@@ -97,6 +98,11 @@ class RolloutWorker(BaseActor):
 
     async def start(self) -> None:
         await self.engine.start()
+        # an engine that starts late (or restarts) catches up from the learner's latest snapshot
+        snapshot = await load_snapshot(self.store, snapshot_key(self.ctx.run, self.ctx.folder.path.name))
+        if snapshot is not None and snapshot[0] > self.engine.version:
+            await self.engine.receive_weights(*snapshot)
+            self.log.info("weights from snapshot", version=snapshot[0])
 
     async def stop(self) -> None:
         await self.engine.stop()

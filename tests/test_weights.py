@@ -369,3 +369,61 @@ async def test_broadcast_is_bit_exact_refuses_damage_and_skips_a_dead_engine(mod
     version, _, got = await peers[1].state()
     assert version == 4 and got == digest(state)
     await transport.close()
+
+
+# ---------------------------------------------------------------- snapshots
+
+
+def test_a_snapshot_round_trips_and_refuses_damage() -> None:
+    from stages.weights.packed import WeightPayloadError
+    from stages.weights.snapshot import decode_snapshot, encode_snapshot
+
+    src = tensors()
+    data = encode_snapshot(9, src)
+    version, out = decode_snapshot(data)
+    assert version == 9 and all(torch.equal(out[n], t) for n, t in src.items())
+    for damaged in (data[:5], data[:-64], np.concatenate([np.full(8, 255, np.uint8), data[8:]])):
+        with pytest.raises(WeightPayloadError):
+            decode_snapshot(damaged)
+    flipped = data.copy()
+    flipped[-1] ^= 1
+    with pytest.raises(WeightPayloadError, match="checksum"):
+        decode_snapshot(flipped)
+
+
+@pytest.mark.anyio
+async def test_a_restarted_engine_catches_up_from_the_snapshot_in_mooncake(model, mooncake_master, tmp_path) -> None:
+    """No learner push: the new engine's worker reads the latest version from Mooncake Store on start."""
+    from types import SimpleNamespace
+
+    from buffers.mooncake import MooncakeSettings, MooncakeStore
+    from pipeline.telemetry import get_logger
+    from stages.engines.torch import TorchEngine
+    from stages.rollout import Rollout, RolloutWorker
+    from stages.tasks import ReverseDigits
+    from stages.weights.snapshot import load_snapshot, save_snapshot, snapshot_key
+
+    store = MooncakeStore(MooncakeSettings(master_server_address=mooncake_master.address, global_segment_size=64 << 20))
+    run_folder = SimpleNamespace(path=tmp_path / "snap-run-20261129-000000")
+    key = snapshot_key("snap-run", run_folder.path.name)
+    try:
+        assert await load_snapshot(store, key) is None  # nothing saved yet: the engine keeps its checkpoint
+        state = learner_version(model, seed=7)
+        await save_snapshot(store, key, 12, state)
+        engine = TorchEngine(model, name="restarted")
+        ctx = SimpleNamespace(
+            run="snap-run",
+            folder=run_folder,
+            rng=lambda name: np.random.default_rng(0),
+            log=lambda name: get_logger(name),
+            services={},
+        )
+        worker = RolloutWorker(Rollout(ReverseDigits(), [engine], tokenizer=model), engine, store, ctx, outbox=None)
+        await worker.start()
+        engine._apply_staged()
+        assert engine.version == 12
+        assert digest(engine._model.state_dict()) == digest(state)
+        await worker.stop()
+    finally:
+        await store.remove(key)
+        await store.close()

@@ -12,6 +12,8 @@ inside `total`, known dtypes) before any byte is trusted.
 
 from __future__ import annotations
 
+import warnings
+
 import msgspec
 import numpy as np
 import torch
@@ -96,8 +98,11 @@ def bad_buckets(buffer: np.ndarray, layout: Layout) -> list[int]:
 
 
 def views(buffer: np.ndarray, layout: Layout) -> dict[str, torch.Tensor]:
-    """Zero-copy tensors over `buffer` (valid while the buffer is neither freed nor rewritten)."""
-    base = torch.from_numpy(buffer)
+    """Zero-copy tensors over `buffer` (valid while the buffer is neither freed nor rewritten; over a
+    read-only buffer, such as bytes from a store, they must not be written: clone them first)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        base = torch.from_numpy(buffer)
     return {e.name: base[e.offset : e.offset + e.nbytes].view(DTYPES[e.dtype]).view(e.shape) for e in layout.tensors}
 
 
