@@ -18,15 +18,17 @@ back (`resend`), so one dead engine never stops the run.
 
 The control messages (hello, commit and their replies) are msgpack structs, validated on arrival;
 weights never travel pickled. TransferEngine listens on all interfaces (Mooncake's choice);
-peers are addressed as `ip:rpc_port` with `P2PHANDSHAKE` metadata, no metadata server.
+peers are addressed as `ip:rpc_port` (127.0.0.1, or `$BATON_HOST` on multi-node runs) with
+`P2PHANDSHAKE` metadata, no metadata server.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 import msgspec
@@ -63,12 +65,18 @@ def _transfer_engine(protocol: str, device: str) -> Any:
     from mooncake.engine import TransferEngine
 
     engine = TransferEngine()
-    rc = engine.initialize("127.0.0.1", "P2PHANDSHAKE", protocol, device)
+    rc = engine.initialize(advertised_host(), "P2PHANDSHAKE", protocol, device)
     if rc != 0:
         raise WeightPushError(
-            f"TransferEngine.initialize(127.0.0.1, P2PHANDSHAKE, {protocol!r}, {device!r}) returned {rc}"
+            f"TransferEngine.initialize({advertised_host()}, P2PHANDSHAKE, {protocol!r}, {device!r}) returned {rc}"
         )
     return engine
+
+
+def advertised_host() -> str:
+    """The address peers use to reach this process's TransferEngine: 127.0.0.1 unless `BATON_HOST`
+    names this node's address (multi-node runs)."""
+    return os.environ.get("BATON_HOST", "127.0.0.1")
 
 
 class SlotReceiver:
@@ -96,7 +104,9 @@ class SlotReceiver:
                 if self._te.register_memory(slot.ctypes.data, slot.nbytes) != 0:
                     raise WeightPushError(f"cannot register a {slot.nbytes}-byte receive slot with TransferEngine")
         reply = HelloReply(
-            f"127.0.0.1:{self._te.get_rpc_port()}", tuple(s.ctypes.data for s in self._slots), self._slots[0].nbytes
+            f"{advertised_host()}:{self._te.get_rpc_port()}",
+            tuple(s.ctypes.data for s in self._slots),
+            self._slots[0].nbytes,
         )
         return msgspec.msgpack.encode(reply)
 
@@ -129,7 +139,7 @@ class SlotReceiver:
         self._slots, self._te = [], None
 
 
-class Asker:
+class Asker(Protocol):
     """How the learner reaches one receiver: `await ask(box, header)` -> reply bytes, or None when
     the receiver's process is unreachable."""
 
