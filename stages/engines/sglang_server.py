@@ -29,7 +29,7 @@ from pipeline.net import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_VENV = REPO / ".venv-sglang"
-INSTALL_HINT = "run tools/sglang-cpu/install.sh (CPU: about 2 minutes, 3.5 GB) or set engine.python"
+INSTALL_HINT = "run tools/sglang-cpu/install.sh (CPU: about 4 minutes, 3.5 GB) or set engine.python"
 # SGLang's torch-native CPU path (see ../shared/notes/sglang.md): no CUDA graph, no flashinfer,
 # and sleep when idle so the scheduler does not spin on a core.
 CPU_FLAGS = (

@@ -8,7 +8,7 @@
 # CUDA entries), torchvision without its CUDA op registrations, and the pure-torch sgl_kernel
 # stand-in from sgl_kernel_cpu_shim/. The project itself never imports sglang: it speaks HTTP to
 # the server, so this venv's pins never constrain the project's. Idempotent: an existing venv that
-# already imports sglang 0.5.23 is left as it is. About 2 minutes and 3.5 GB on a cold cache.
+# already imports sglang 0.5.23 is left as it is. About 4 minutes and 3.5 GB on a cold cache.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
