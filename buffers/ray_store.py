@@ -54,6 +54,7 @@ import asyncio
 import os
 import re
 import uuid
+from collections.abc import Callable
 from typing import Any, Literal
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # every Ray listener on 127.0.0.1
@@ -243,8 +244,12 @@ class RayStore:
 
     async def _call(self, key: str, op: str, method: str, *args: Any) -> Any:
         index = self._handle(key)
+        return await self._typed(key, op, lambda: getattr(index, method).remote(*args))
+
+    async def _typed(self, key: str, op: str, call: Callable[[], Any]) -> Any:
+        """Make and await a call on the index actor, with Ray's failures as this store's typed errors."""
         try:
-            return await getattr(index, method).remote(*args)
+            return await call()
         except rex.RayActorError as exc:
             raise RayIndexUnavailable(
                 f"store {self.name!r}: {op} of {key!r} failed: the index actor is gone ({_describe(exc)})", key, exc
@@ -271,14 +276,7 @@ class RayStore:
         except (rex.ObjectStoreFullError, rex.OutOfDiskError) as exc:
             raise RayStoreFull(f"store {self.name!r}: ray cannot take {key!r} ({arr.nbytes} bytes): "
                                f"{_describe(exc)}", key, exc) from exc
-        try:
-            full = await pending
-        except rex.RayActorError as exc:
-            raise RayIndexUnavailable(
-                f"store {self.name!r}: put of {key!r} failed: the index actor is gone ({_describe(exc)})", key, exc
-            ) from exc
-        except rex.RayError as exc:
-            raise RayStoreError(f"store {self.name!r}: put of {key!r} failed: {_describe(exc)}", key, exc) from exc
+        full = await self._typed(key, "put", lambda: pending)
         if full is not None:
             raise RayStoreFull(full, key)
 

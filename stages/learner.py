@@ -51,7 +51,7 @@ class GRPOLearner:
     epochs: int = 1  # optimizer passes over each step's batch (PPO epochs)
     temperature: float = 1.0
     weights: str | WeightTransport = "inproc"
-    snapshot_every: int = 1  # keep every n-th version in the store for engines that (re)start; 0: never
+    snapshot_every: int = 1  # keep every n-th version in the store for engine processes that (re)start; 0: never
     device: str = "auto"  # "auto": cuda when a GPU is visible, else cpu
 
     def __post_init__(self) -> None:
@@ -77,7 +77,9 @@ class GRPOLearner:
             transport.subscribe(receiver)
         # a restarted producer process catches up from the latest version at once
         ctx.services["on_producer_restart"] = lambda index: remote[index].resend()
-        return [LearnerActor(self, ctx, inbox, transport)]
+        # snapshots serve engine processes that (re)start; engines in this process never need one
+        snapshot_every = self.snapshot_every if remote else 0
+        return [LearnerActor(self, ctx, inbox, transport, snapshot_every)]
 
     # -- what the pipeline shows and returns -------------------------------------------------
     def summary(self, records: list[dict]) -> dict[str, Any]:
@@ -111,8 +113,11 @@ class GRPOLearner:
 class LearnerActor(BaseActor):
     name = "learner"
 
-    def __init__(self, spec: GRPOLearner, ctx: RunContext, inbox: Channel, transport: WeightTransport) -> None:
+    def __init__(
+        self, spec: GRPOLearner, ctx: RunContext, inbox: Channel, transport: WeightTransport, snapshot_every: int = 0
+    ) -> None:
         self.spec, self.ctx, self.inbox, self.transport = spec, ctx, inbox, transport
+        self.snapshot_every = snapshot_every
         self.log = ctx.log("learner")
         self.model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -161,7 +166,7 @@ class LearnerActor(BaseActor):
                 tg.cancel_scope.cancel()  # a prefetch still waiting for groups must not hold up the version
             step_s = time.perf_counter() - t0
             await self.transport.publish(version + 1, self.model.state_dict())
-            if self.spec.snapshot_every and (version + 1) % self.spec.snapshot_every == 0:
+            if self.snapshot_every and (version + 1) % self.snapshot_every == 0:
                 key = snapshot_key(ctx.run, ctx.folder.path.name)
                 await save_snapshot(self.store, key, version + 1, self.model.state_dict())
             await ctx.clock.advance_to(version + 1)

@@ -8,7 +8,7 @@ import pytest
 from buffers.codec import RolloutBatch, decode, encode
 from buffers.memory import MemoryStore
 from buffers.store import KeyNotFound, ObjectStore, StoreError, StoreFull
-from pipeline.refs import make_key, older_than_pattern
+from tests.store_contract import SURVIVORS, check_remove_matching_by_version
 
 pytestmark = pytest.mark.anyio
 
@@ -109,15 +109,8 @@ async def test_remove_counts_and_is_idempotent() -> None:
 
 async def test_remove_matching_by_version_range() -> None:
     store = MemoryStore()
-    for version in (0, 1, 9, 10, 11, 99, 100, 101):
-        for sample in ("0", "1"):
-            await store.put(make_key("run", version, f"g{version}", sample), b"ab")
-    await store.put(make_key("other", 3, "g3", "0"), b"ab")
-    assert await store.remove_matching(older_than_pattern("run", 10)) == 6
-    assert await store.remove_matching(older_than_pattern("run", 10)) == 0
-    assert await store.remove_matching(older_than_pattern("run", 0)) == 0
-    assert await store.remove_matching(older_than_pattern("run", 101)) == 8
-    assert sorted(store.keys()) == ["other/v00000003/g3/0", "run/v00000101/g101/0", "run/v00000101/g101/1"]
+    await check_remove_matching_by_version(store)
+    assert sorted(store.keys()) == SURVIVORS
     assert store.nbytes == 3 * 2
     assert await store.remove_matching(r"^other/") == 1
 

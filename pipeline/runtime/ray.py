@@ -37,7 +37,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, w
 
 from pipeline.actor import ActorFailed  # noqa: E402
 from pipeline.admission import AdmissionGate  # noqa: E402
-from pipeline.context import Produced, Redo, RunContext, VersionPolicy  # noqa: E402
+from pipeline.context import LocalClock, LocalLedger, Produced, Redo, RunContext, VersionPolicy  # noqa: E402
 from pipeline.ledger import Ledger  # noqa: E402
 from pipeline.runtime.ray_channel import RayChannel  # noqa: E402
 from pipeline.telemetry import RunFolder, configure_logging, get_logger  # noqa: E402
@@ -45,8 +45,10 @@ from pipeline.versions import VersionClock  # noqa: E402
 
 
 @ray.remote(num_cpus=0)
-class Conductor:
-    """Clock, admission gate and ledger of one run, for every process of it."""
+class Conductor(LocalClock, LocalLedger):
+    """Clock, admission gate and ledger of one run, for every process of it. The clock and ledger
+    calls are the local runtime's (`LocalClock`, `LocalLedger`); what differs is per-worker
+    bookkeeping of admitted units, so a dead producer's slots can be freed."""
 
     def __init__(self, policy: VersionPolicy, units_per_version: int, max_uses: int) -> None:
         self._args = (policy, units_per_version, max_uses)
@@ -57,19 +59,6 @@ class Conductor:
         self.clock = VersionClock()
         self.ledger = Ledger(max_uses=max_uses)
         self.gate = AdmissionGate(self.clock, policy, units)
-
-    # clock
-    async def current(self) -> int:
-        return self.clock.version
-
-    async def advance_to(self, version: int) -> None:
-        self.clock.advance(version)
-
-    async def wait_change(self, seen: int) -> int:
-        return await self.clock.wait_change(seen)
-
-    async def wait_until(self, version: int) -> int:
-        return await self.clock.wait_until(version)
 
     # gate
     async def acquire_many(self, worker: str, max_units: int) -> int:
@@ -88,22 +77,9 @@ class Conductor:
         return lost
 
     # ledger
-    async def produced(self, worker: str, groups: list[Produced]) -> None:
-        for g in groups:
-            self.ledger.produced(g.ids, g.group, tuple(g.versions), g.source)
+    async def produced(self, worker: str, groups: list[Produced]) -> None:  # type: ignore[override]
+        await LocalLedger.produced(self, groups)
         self.outstanding[worker] -= len(groups)
-
-    async def take_source(self, group: str) -> bytes:
-        return self.ledger.take_source(group)
-
-    async def trained(self, ids: list[str], at_version: int) -> None:
-        self.ledger.trained(ids, at_version)
-
-    async def finished(self, fate: str, ids: list[str], reason: str) -> None:
-        getattr(self.ledger, fate)(ids, reason)
-
-    async def fates(self, ids: list[str]) -> list[str]:
-        return [self.ledger[i].fate for i in ids]
 
     async def report(self) -> bytes:
         """Everything the driver needs at the end, msgspec-encoded."""

@@ -70,3 +70,49 @@ class RemoteReceiver:
 
     async def resend(self) -> None:
         await self.transport.resend(self)
+
+
+def require_newer(version: int, last: int) -> None:
+    """Versions are published strictly increasing; anything else is a bug in the caller."""
+    if version <= last:
+        raise WeightPushError(f"version {version} published after {last}; versions must increase")
+
+
+class EngineReceiver:
+    """The engine side of a transport that moves bytes: the version its engines hold, how many
+    versions it refused, and the replies. Subclasses verify what arrives and call `apply` only
+    with a whole, verified version; every reply is an encoded `ApplyReply`."""
+
+    def __init__(self, engines: list[Any]) -> None:
+        self.engines, self.version, self.rejected = engines, -1, 0
+
+    def handlers(self) -> dict[str, Any]:
+        """Mailbox name -> `async handler(header, blob) -> reply bytes`."""
+        raise NotImplementedError
+
+    def holds(self, version: int) -> bytes | None:
+        """The reply for a version it already holds (or an older one), else None."""
+        if version <= self.version:
+            return msgspec.msgpack.encode(ApplyReply(True, self.version, "already applied"))
+        return None
+
+    def refuse(self, reason: str) -> bytes:
+        self.rejected += 1
+        return msgspec.msgpack.encode(ApplyReply(False, self.version, reason))
+
+    async def apply(self, version: int, tensors: dict[str, torch.Tensor]) -> bytes:
+        for engine in self.engines:
+            await engine.receive_weights(version, tensors)
+        self.version = version
+        return msgspec.msgpack.encode(ApplyReply(True, self.version))
+
+
+@dataclass
+class LocalAsker:
+    """An `EngineReceiver` in this process (local runtime, tests), reached by calling its handlers."""
+
+    receiver: EngineReceiver
+    name: str = "local"
+
+    async def ask(self, box: str, header: bytes) -> bytes | None:
+        return await self.receiver.handlers()[box](header, None)

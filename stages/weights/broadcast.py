@@ -23,7 +23,7 @@ import msgspec
 import torch
 
 from pipeline.net import free_port
-from stages.weights.base import ApplyReply, RemoteReceiver, WeightPushError
+from stages.weights.base import ApplyReply, EngineReceiver, RemoteReceiver, WeightPushError, require_newer
 from stages.weights.delta import state_checksum
 from stages.weights.groups import pair_group
 from stages.weights.layout import DTYPES
@@ -50,11 +50,11 @@ class Announce(msgspec.Struct, frozen=True):
     checksum: int
 
 
-class BroadcastReceiver:
+class BroadcastReceiver(EngineReceiver):
     """The engine side (mailboxes `weights.broadcast.join` and `weights.broadcast.receive`)."""
 
     def __init__(self, engines: list[Any]) -> None:
-        self.engines, self.version, self.rejected = engines, -1, 0
+        super().__init__(engines)
         self._group: Any = None
 
     def handlers(self) -> dict[str, Any]:
@@ -70,10 +70,8 @@ class BroadcastReceiver:
     async def receive(self, header: bytes, _blob: Any = None) -> bytes:
         announce = msgspec.msgpack.decode(header, type=Announce)
         if self._group is None:
-            return msgspec.msgpack.encode(ApplyReply(False, self.version, "not in a group: join first"))
-        bad = [d for d in announce.dtypes if d not in DTYPES]
-        if bad:  # still receive (the learner is already sending), but never apply
-            self.rejected += 1
+            return self.refuse("not in a group: join first")
+        bad = [d for d in announce.dtypes if d not in DTYPES]  # received (the learner is sending), never applied
         group = self._group
 
         def receive_all() -> dict[str, torch.Tensor]:
@@ -88,18 +86,14 @@ class BroadcastReceiver:
             tensors = await anyio.to_thread.run_sync(receive_all)
         except RuntimeError as exc:  # the group broke (the learner or the link died): form a new one
             self._group = None
-            return msgspec.msgpack.encode(ApplyReply(False, self.version, f"broadcast failed: {exc}"))
-        if bad or announce.version <= self.version:
-            reason = f"unknown dtypes {bad}" if bad else "already applied"
-            return msgspec.msgpack.encode(ApplyReply(not bad, self.version, reason))
+            return self.refuse(f"broadcast failed: {exc}")
+        if bad:
+            return self.refuse(f"unknown dtypes {bad}")
+        if (held := self.holds(announce.version)) is not None:
+            return held
         if state_checksum(tensors) != announce.checksum:
-            self.rejected += 1
-            reason = f"version {announce.version} fails its checksum"
-            return msgspec.msgpack.encode(ApplyReply(False, self.version, reason))
-        for engine in self.engines:
-            await engine.receive_weights(announce.version, tensors)
-        self.version = announce.version
-        return msgspec.msgpack.encode(ApplyReply(True, self.version))
+            return self.refuse(f"version {announce.version} fails its checksum")
+        return await self.apply(announce.version, tensors)
 
 
 @dataclass
@@ -133,8 +127,7 @@ class BroadcastTransport:
         return RemoteReceiver(peer, name, self)
 
     async def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
-        if version <= self._version:
-            raise WeightPushError(f"version {version} published after {self._version}; versions must increase")
+        require_newer(version, self._version)
         self._latest, self._version = tensors, version
         for member in self._members:
             await self._send(member)

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import xxhash
 
-from stages.weights.base import ApplyReply, RemoteReceiver, WeightPushError
+from stages.weights.base import ApplyReply, EngineReceiver, LocalAsker, RemoteReceiver, WeightPushError, require_newer
 from stages.weights.layout import LayoutError, bad_buckets, decode_layout, encode_layout, fill, plan, views
 
 DELTA = "weights.delta"
@@ -45,11 +45,11 @@ def state_checksum(tensors: dict[str, torch.Tensor]) -> int:
     return h.intdigest()
 
 
-class DeltaReceiver:
+class DeltaReceiver(EngineReceiver):
     """The engine side (mailbox `weights.delta`)."""
 
     def __init__(self, engines: list[Any]) -> None:
-        self.engines, self.version, self.rejected = engines, -1, 0
+        super().__init__(engines)
         self.state: dict[str, torch.Tensor] = {}
 
     def handlers(self) -> dict[str, Any]:
@@ -58,8 +58,8 @@ class DeltaReceiver:
     async def delta(self, header: bytes, _blob: Any = None) -> bytes:
         try:
             message = msgspec.msgpack.decode(header, type=DeltaMessage)
-            if message.version <= self.version:
-                return msgspec.msgpack.encode(ApplyReply(True, self.version, "already applied"))
+            if (held := self.holds(message.version)) is not None:
+                return held
             if message.base != -1 and message.base != self.version:
                 raise LayoutError(f"a delta against version {message.base}, but this engine holds {self.version}")
             layout = decode_layout(message.layout)
@@ -71,12 +71,9 @@ class DeltaReceiver:
             if state_checksum(result) != message.checksum:
                 raise LayoutError(f"version {message.version} rebuilt from the delta does not match its checksum")
         except (LayoutError, msgspec.DecodeError, msgspec.ValidationError) as exc:
-            self.rejected += 1
-            return msgspec.msgpack.encode(ApplyReply(False, self.version, str(exc)))
-        for engine in self.engines:
-            await engine.receive_weights(message.version, result)
-        self.state, self.version = result, message.version
-        return msgspec.msgpack.encode(ApplyReply(True, self.version))
+            return self.refuse(str(exc))
+        self.state = result
+        return await self.apply(message.version, result)
 
 
 @dataclass
@@ -94,16 +91,14 @@ class DeltaTransport:
     def subscribe(self, receiver: Any) -> None:
         """An engine in this process, or anything with `ask(box, header)` (a `remote_receiver`)."""
         if not hasattr(receiver, "ask"):
-            local = DeltaReceiver([receiver])
-            receiver = _LocalDelta(local, getattr(receiver, "name", "local"))
+            receiver = LocalAsker(DeltaReceiver([receiver]), getattr(receiver, "name", "local"))
         self._targets.append(receiver)
 
     def remote_receiver(self, peer: Any, name: str) -> Any:
         return RemoteReceiver(peer, name, self)
 
     async def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
-        if version <= self._prev_version:
-            raise WeightPushError(f"version {version} published after {self._prev_version}; versions must increase")
+        require_newer(version, self._prev_version)
         current = {name: t.detach().cpu().clone() for name, t in tensors.items()}
         prev = self._prev
         changed = (
@@ -149,12 +144,3 @@ class DeltaTransport:
                 message = full()
                 self.stats["full_sends"] += 1
         raise WeightPushError(f"receiver {target.name} refused version {message.version}: {reason}")
-
-
-@dataclass
-class _LocalDelta:
-    receiver: DeltaReceiver
-    name: str
-
-    async def ask(self, box: str, header: bytes) -> bytes | None:
-        return await self.receiver.delta(header)

@@ -24,7 +24,7 @@ import msgspec
 import torch
 import xxhash
 
-from stages.weights.base import ApplyReply, RemoteReceiver, WeightPushError
+from stages.weights.base import ApplyReply, EngineReceiver, LocalAsker, RemoteReceiver, WeightPushError, require_newer
 
 NOTICE = "weights.disk"
 
@@ -55,28 +55,21 @@ def load_verified(notice: DiskNotice) -> dict[str, torch.Tensor]:
     return load_file(path)
 
 
-class DiskReceiver:
+class DiskReceiver(EngineReceiver):
     """The engine side: verify, load, apply (mailbox `weights.disk`)."""
-
-    def __init__(self, engines: list[Any]) -> None:
-        self.engines, self.version, self.rejected = engines, -1, 0
 
     def handlers(self) -> dict[str, Any]:
         return {NOTICE: self.notice}
 
     async def notice(self, header: bytes, _blob: Any = None) -> bytes:
         notice = msgspec.msgpack.decode(header, type=DiskNotice)
-        if notice.version <= self.version:
-            return msgspec.msgpack.encode(ApplyReply(True, self.version, "already applied"))
+        if (held := self.holds(notice.version)) is not None:
+            return held
         try:
             tensors = await anyio.to_thread.run_sync(load_verified, notice)
         except WeightPushError as exc:
-            self.rejected += 1
-            return msgspec.msgpack.encode(ApplyReply(False, self.version, str(exc)))
-        for engine in self.engines:
-            await engine.receive_weights(notice.version, tensors)
-        self.version = notice.version
-        return msgspec.msgpack.encode(ApplyReply(True, self.version))
+            return self.refuse(str(exc))
+        return await self.apply(notice.version, tensors)
 
 
 @dataclass
@@ -88,37 +81,31 @@ class DiskTransport:
     stats: dict = field(default_factory=lambda: {"pushes": 0, "bytes": 0, "retries": 0, "unreachable": 0})
 
     def __post_init__(self) -> None:
-        self._local: list[DiskReceiver] = []
-        self._remote: list[Any] = []
+        self._targets: list[Any] = []
         self._latest: DiskNotice | None = None
 
     def subscribe(self, receiver: Any) -> None:
         """An engine in this process, or anything with `ask(box, header)` (a `remote_receiver`)."""
-        if hasattr(receiver, "ask"):
-            self._remote.append(receiver)
-        else:
-            self._local.append(DiskReceiver([receiver]))
+        if not hasattr(receiver, "ask"):
+            receiver = LocalAsker(DiskReceiver([receiver]), getattr(receiver, "name", "local"))
+        self._targets.append(receiver)
 
     def remote_receiver(self, peer: Any, name: str) -> Any:
         return RemoteReceiver(peer, name, self)
 
     async def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
-        if self._latest is not None and version <= self._latest.version:
-            raise WeightPushError(f"version {version} published after {self._latest.version}; versions must increase")
+        require_newer(version, self._latest.version if self._latest is not None else -1)
         self._latest = await anyio.to_thread.run_sync(self._write, version, tensors)
-        for receiver in self._local:
-            await self._send(receiver.notice, "local")
-        for peer in self._remote:
-            await self._send(lambda header, peer=peer: peer.ask(NOTICE, header), peer.name)
+        for target in self._targets:
+            await self._send(target)
         self.stats["pushes"] += 1
 
-    async def resend(self, peer: Any) -> None:
+    async def resend(self, target: Any) -> None:
         if self._latest is not None:
-            await self._send(lambda header: peer.ask(NOTICE, header), peer.name)
+            await self._send(target)
 
     async def close(self) -> None:
-        self._local.clear()
-        self._remote.clear()
+        self._targets.clear()
 
     def _write(self, version: int, tensors: dict[str, torch.Tensor]) -> DiskNotice:
         from safetensors.torch import save_file
@@ -143,12 +130,12 @@ class DiskTransport:
             shutil.rmtree(old, ignore_errors=True)
         return DiskNotice(version, str(final / "model.safetensors"), checksum)
 
-    async def _send(self, ask: Any, name: str) -> None:
+    async def _send(self, target: Any) -> None:
         notice = self._latest
         assert notice is not None
         reason = ""
         for _ in range(self.retries + 1):
-            answer = await ask(msgspec.msgpack.encode(notice))
+            answer = await target.ask(NOTICE, msgspec.msgpack.encode(notice))
             if answer is None:
                 self.stats["unreachable"] += 1
                 return
@@ -157,4 +144,6 @@ class DiskTransport:
                 return
             self.stats["retries"] += 1
             reason = reply.reason
-        raise WeightPushError(f"receiver {name} refused version {notice.version} {self.retries + 1} times: {reason}")
+        raise WeightPushError(
+            f"receiver {target.name} refused version {notice.version} {self.retries + 1} times: {reason}"
+        )

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from stages.weights.base import WeightPushError, WeightReceiver
+from stages.weights.base import WeightReceiver, require_newer
 from stages.weights.packed import PackedWeightReceiver
 
 
@@ -27,8 +27,7 @@ class InprocTransport:
         return PackedWeightReceiver(peer, name)
 
     async def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
-        if version <= self._last:
-            raise WeightPushError(f"version {version} published after {self._last}; versions must increase")
+        require_newer(version, self._last)
         for receiver in self._receivers:
             # a copy per receiver: the learner keeps training in place while engines decode
             copy = {name: t.detach().clone() for name, t in tensors.items()}

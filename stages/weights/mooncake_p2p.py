@@ -28,14 +28,14 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import anyio
 import msgspec
 import numpy as np
 import torch
 
-from stages.weights.base import ApplyReply, RemoteReceiver, WeightPushError
+from stages.weights.base import ApplyReply, EngineReceiver, LocalAsker, RemoteReceiver, WeightPushError, require_newer
 from stages.weights.layout import Layout, LayoutError, bad_buckets, decode_layout, encode_layout, fill, plan, views
 
 HELLO, COMMIT = "weights.p2p.hello", "weights.p2p.commit"
@@ -79,15 +79,13 @@ def advertised_host() -> str:
     return os.environ.get("BATON_HOST", "127.0.0.1")
 
 
-class SlotReceiver:
+class SlotReceiver(EngineReceiver):
     """The engine side (see the module docstring). `handlers()` are its mailbox entries."""
 
     def __init__(self, engines: list[Any]) -> None:
-        self.engines = engines
+        super().__init__(engines)
         self._te: Any = None
         self._slots: list[np.ndarray] = []
-        self.version = -1
-        self.rejected = 0
 
     def handlers(self) -> dict[str, Callable[[bytes, Any], Awaitable[bytes]]]:
         return {HELLO: self.hello, COMMIT: self.commit}
@@ -117,46 +115,21 @@ class SlotReceiver:
             if not 0 <= commit.slot < len(self._slots):
                 raise LayoutError(f"no slot {commit.slot}")
             slot = self._slots[commit.slot]
-            if layout.version <= self.version:  # a re-send of what it has (or older): nothing to do
-                return msgspec.msgpack.encode(ApplyReply(True, self.version, "already applied"))
+            if (held := self.holds(layout.version)) is not None:  # a re-send of what it has
+                return held
             bad = bad_buckets(slot, layout)
             if bad:
                 raise LayoutError(f"buckets {bad} of version {layout.version} fail their checksum")
         except (LayoutError, msgspec.DecodeError, msgspec.ValidationError) as exc:
-            self.rejected += 1
-            return msgspec.msgpack.encode(ApplyReply(False, self.version, str(exc)))
+            return self.refuse(str(exc))
         # the engines own their copy: the slot is written again two versions from now
-        tensors = {name: t.clone() for name, t in views(slot, layout).items()}
-        for engine in self.engines:
-            await engine.receive_weights(layout.version, tensors)
-        self.version = layout.version
-        return msgspec.msgpack.encode(ApplyReply(True, self.version))
+        return await self.apply(layout.version, {name: t.clone() for name, t in views(slot, layout).items()})
 
     def close(self) -> None:
         if self._te is not None:
             for slot in self._slots:
                 self._te.unregister_memory(slot.ctypes.data)
         self._slots, self._te = [], None
-
-
-class Asker(Protocol):
-    """How the learner reaches one receiver: `await ask(box, header)` -> reply bytes, or None when
-    the receiver's process is unreachable."""
-
-    name: str
-
-    async def ask(self, box: str, header: bytes) -> bytes | None: ...
-
-
-@dataclass
-class LocalAsker:
-    """A receiver in this process (local runtime, tests): its handlers are called directly."""
-
-    receiver: SlotReceiver
-    name: str = "local"
-
-    async def ask(self, box: str, header: bytes) -> bytes | None:
-        return await self.receiver.handlers()[box](header, None)
 
 
 @dataclass
@@ -200,7 +173,7 @@ class MooncakeP2PTransport:
         return self._busy_lock
 
     def subscribe(self, receiver: Any) -> None:
-        """A receiver: an `Asker` (another process) or an engine in this process."""
+        """A receiver: anything with `ask(box, header)` (another process) or an engine in this process."""
         if not hasattr(receiver, "ask"):
             receiver = LocalAsker(SlotReceiver([receiver]), getattr(receiver, "name", "local"))
         self._targets.append(_Target(receiver))
@@ -210,8 +183,7 @@ class MooncakeP2PTransport:
         return RemoteReceiver(peer, name, self)
 
     async def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
-        if version <= self._last:
-            raise WeightPushError(f"version {version} published after {self._last}; versions must increase")
+        require_newer(version, self._last)
         t0 = time.perf_counter()
         async with self._busy:  # a resend and a publish never share the staging buffer
             await self._publish(version, tensors)
