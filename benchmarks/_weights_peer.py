@@ -1,8 +1,9 @@
 """The engine process of benchmarks/weights.py (not a benchmark itself).
 
 Hosts the engine-side receivers (TransferEngine slots, disk) in front of `StepEngine`, an engine
-that keeps decoding (one small matmul per step, in its own thread) and applies a staged version
-between two steps by copying it into its parameters, as the torch engine does. Serves
+that keeps decoding (one small matmul per step, in its own thread) and applies a received version
+between two steps by making it its parameters (no copy), and whose `receive_weights` returns once
+it did, as the torch engine does. Serves
 length-prefixed msgpack frames on stdin/stdout: [box, header] -> reply. Extra boxes:
   "steps"      -> [version, step timestamps since the last call]
   "gloo"       [port, names, shapes] -> joins a 2-member gloo group as rank 1, receives a broadcast
@@ -41,6 +42,8 @@ class StepEngine:
     async def receive_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         with self._lock:
             self._staged = (version, tensors)
+        while self.version < version:  # applied between two decode steps
+            await anyio.sleep(0.002)
 
     def _decode(self) -> None:
         a = torch.randn(192, 192)
@@ -49,10 +52,7 @@ class StepEngine:
                 staged, self._staged = self._staged, None
             if staged is not None:  # between two steps, as the torch engine applies a version
                 version, tensors = staged
-                for name, t in tensors.items():
-                    if name not in self.params:
-                        self.params[name] = torch.empty_like(t)
-                    self.params[name].copy_(t)
+                self.params = dict(tensors)
                 self.version = version
             a = torch.tanh(a @ a) * 0.5
             self.steps.append(time.perf_counter())

@@ -6,8 +6,9 @@ For each size (`--sizes`, MiB of bf16 weights in 16 MiB tensors) this process is
 `benchmarks/_weights_peer.py` the engine process (TransferEngine receive slots, disk receiver, and
 an engine that decodes in a loop and applies a version between two steps by copying it in):
   raw_te       one `batch_transfer_sync_write` of the packed bytes into the engine's slot (reference)
-  p2p          `MooncakeP2PTransport.publish`: pack into checksummed buckets, write, commit; the
-               engine verifies every bucket, copies the version out of the slot and stages it
+  p2p          `MooncakeP2PTransport.publish`: write each bucket's tensors from the learner's own
+               memory into the engine's free slot while checksumming them, commit; the engine
+               verifies every bucket and runs on views of the slot from its next decode step
   broadcast    torch.distributed gloo broadcast of the same tensors into the engine process
   disk         `DiskTransport.publish`: safetensors written and renamed, checksum, load, stage
   stall        the longest gap between two decode steps during a p2p push, minus the median step
@@ -78,20 +79,32 @@ def weights(mib: int, seed: int) -> dict[str, torch.Tensor]:
     return {f"layer{i}.weight": torch.randn(n, generator=g).to(torch.bfloat16) for i in range(mib // TENSOR_MIB)}
 
 
-async def raw_te(peer: Peer, tensors: dict[str, torch.Tensor]) -> float:
-    layout = plan(0, tensors, 1 << 62)
-    src = np.zeros(layout.total, dtype=np.uint8)
-    fill(src, tensors, layout)
-    te = _transfer_engine("tcp", "")
-    te.register_memory(src.ctypes.data, src.nbytes)
-    hello = msgspec.msgpack.decode(await peer.ask(HELLO, msgspec.msgpack.encode(Hello(layout.total))), type=HelloReply)
-    te.batch_transfer_sync_write(hello.peer, [src.ctypes.data], [hello.slots[1]], [src.nbytes])  # warm the connection
-    t0 = time.perf_counter()
-    rc = te.batch_transfer_sync_write(hello.peer, [src.ctypes.data], [hello.slots[1]], [src.nbytes])
-    elapsed = time.perf_counter() - t0
-    assert rc == 0, rc
-    te.unregister_memory(src.ctypes.data)
-    return elapsed
+class RawWrite:
+    """The reference: the same bytes, already packed and registered, written into the engine's slot
+    with one `batch_transfer_sync_write` (nothing checksummed, committed or applied)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        layout = plan(0, tensors, 1 << 62)
+        self.src = np.zeros(layout.total, dtype=np.uint8)
+        fill(self.src, tensors, layout)
+        self.te = _transfer_engine("tcp", "")
+        self.te.register_memory(self.src.ctypes.data, self.src.nbytes)
+        self.peer, self.slot = "", 0
+
+    async def connect(self, peer: Peer) -> None:
+        hello = Hello(self.src.nbytes)
+        reply = msgspec.msgpack.decode(await peer.ask(HELLO, msgspec.msgpack.encode(hello)), type=HelloReply)
+        self.peer, self.slot = reply.peer, reply.slots[0]
+        self.write()  # warm the connection
+
+    def write(self) -> float:
+        t0 = time.perf_counter()
+        rc = self.te.batch_transfer_sync_write(self.peer, [self.src.ctypes.data], [self.slot], [self.src.nbytes])
+        assert rc == 0, rc
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.te.unregister_memory(self.src.ctypes.data)
 
 
 async def broadcast(peer: Peer, tensors: dict[str, torch.Tensor]) -> float:
@@ -129,29 +142,34 @@ async def bench_size(mib: int, repeats: int) -> dict:
         p2p.subscribe(peer)
         disk = DiskTransport(root=tempfile.mkdtemp(prefix="baton-bench-weights-"), keep=1)
         disk.subscribe(peer)
-        version, p2p_s, stalls, steps_s, disk_s = 0, [], [], [], []
-        await p2p.publish(version := version + 1, weights(mib, 0))  # warm-up: hello, registration
-        for r in range(repeats):
-            tensors = weights(mib, r + 1)
+        version, p2p_s, stalls, steps_s, disk_s, raw_s, bcast_s = 0, [], [], [], [], [], []
+        tensors = weights(mib, 0)  # the learner's parameters: updated in place, version after version
+        await p2p.publish(version := version + 1, tensors)  # warm-up: hello, registration
+        raw = RawWrite(tensors)
+        await raw.connect(peer)
+        for _ in range(repeats):  # the four ways interleaved, so a change in the machine's load hits all
+            for t in tensors.values():  # an "optimizer step" (outside the timed push)
+                t.mul_(-1)
             await peer.steps()  # forget older steps
             t0 = time.perf_counter()
             await p2p.publish(version := version + 1, tensors)
             t1 = time.perf_counter()
-            await anyio.sleep(0.3)  # let the engine take the staged version between two steps
+            await anyio.sleep(0.3)  # decode steps after the swap, to see its gap
             _, steps = await peer.steps()
             gap, median = stall(steps, t0, time.perf_counter())
             p2p_s.append(t1 - t0)
             stalls.append(max(gap - median, 0.0))
             steps_s.append(median)
+            raw_s.append(await anyio.to_thread.run_sync(raw.write))
+            bcast_s.append(await broadcast(peer, tensors))
             t0 = time.perf_counter()
             await disk.publish(version := version + 1, tensors)
             disk_s.append(time.perf_counter() - t0)
-        tensors = weights(mib, 99)
-        raw = statistics.median([await raw_te(peer, tensors) for _ in range(repeats)])
-        bcast = statistics.median([await broadcast(peer, tensors) for _ in range(repeats)])
+        raw.close()
         await p2p.close()
     finally:
         peer.stop()
+    raw, bcast = statistics.median(raw_s), statistics.median(bcast_s)
     p2p_med, stall_med = statistics.median(p2p_s), statistics.median(stalls)
     return {
         "mib": mib,

@@ -180,6 +180,35 @@ async def test_p2p_push_is_bit_exact_in_every_engine_process(model, peers) -> No
 
 
 @pytest.mark.anyio
+async def test_the_engine_runs_on_the_slot_and_the_live_slot_is_never_written(model) -> None:
+    """Zero-copy apply: the committed slot becomes the engine's weights; the next version goes to
+    the other slot, also after the learner had to say hello again (e.g. after a failed write)."""
+    from stages.engines.torch import TorchEngine
+    from stages.weights.mooncake_p2p import MooncakeP2PTransport
+
+    engine = TorchEngine(model, name="local")
+    await engine.start()
+    transport = MooncakeP2PTransport(bucket_bytes=64 << 10)
+    transport.subscribe(engine)
+    receiver = transport._targets[0].asker.receiver
+    live_slots = []
+    try:
+        for version in (1, 2, 3):
+            if version == 2:
+                transport._targets[0].slots = ()  # forget the slots: hello again
+            state = learner_version(model, seed=version)
+            await transport.publish(version, state)
+            live = receiver._slots[receiver._live]
+            lo, hi = live.data_ptr(), live.data_ptr() + live.nbytes
+            assert all(lo <= p.data_ptr() < hi for p in engine._model.parameters())  # the slot is the weights
+            assert digest(engine._model.state_dict()) == digest(state)
+            live_slots.append(receiver._live)
+    finally:
+        await transport.close()
+    assert live_slots == [0, 1, 0] and receiver.rejected == 0 and transport.stats["packed"] == 0
+
+
+@pytest.mark.anyio
 async def test_a_corrupted_bucket_is_refused_and_the_engine_keeps_its_version(model, peers) -> None:
     from stages.weights.mooncake_p2p import MooncakeP2PTransport
 
@@ -189,18 +218,19 @@ async def test_a_corrupted_bucket_is_refused_and_the_engine_keeps_its_version(mo
     first = learner_version(model, seed=1)
     await transport.publish(1, first)
 
-    def flip_one_byte(buffer, layout, attempt):
-        buffer[layout.buckets[-1].offset + 5] ^= 0xFF
+    def damage_in_flight(layout, attempt):  # 8 bytes of the last bucket's first tensor arrive wrong
+        entry = layout.tensors[layout.buckets[-1].first]
+        return entry.offset + 5, bytes([0xDE, 0xAD, 0xBE, 0xEF]) * 2
 
-    transport.before_write = flip_one_byte  # every attempt arrives damaged
+    transport.damage = damage_in_flight  # every attempt arrives damaged
     with pytest.raises(WeightPushError, match="fail their checksum"):
         await transport.publish(2, learner_version(model, seed=2))
     version, rejected, got = await peer.state()
     assert (version, rejected) == (1, 2) and got == digest(first)  # untouched by the bad version
 
-    transport.before_write = lambda buffer, layout, attempt: flip_one_byte(buffer, layout, 0) if attempt == 0 else None
+    transport.damage = lambda layout, attempt: damage_in_flight(layout, attempt) if attempt == 0 else None
     third = learner_version(model, seed=3)
-    await transport.publish(3, third)  # damaged once, refused, packed again, sent again: applied
+    await transport.publish(3, third)  # damaged once, refused, written again: applied
     version, rejected, got = await peer.state()
     assert (version, rejected) == (3, 3) and got == digest(third)
     await transport.close()

@@ -4,6 +4,11 @@ Batched sampling with a KV cache, temperature and top-p, stop tokens and max-tok
 behaviour logprobs (of the tempered distribution, before top-p truncation) and per-token
 weight versions. New weights are staged by `receive_weights` and swapped in between decode steps
 of a running batch, so a long generation spans versions honestly instead of blocking the push.
+Swapping means the parameters become the received tensors (zero-copy: views over a transport's
+receive slot stay the live weights until the next version); a tensor of another dtype or device
+is copied instead. `receive_weights` returns once the engine reads no earlier version's tensors:
+at once when it is idle or not started, else after the running batch's next decode step. That is
+the release a double-buffered transport waits for before it rewrites the other slot.
 When the run's staleness policy says a running batch must `restart` on the new version (its
 samples could no longer be trained, or would span too many versions), the batch is decoded again
 from its prompts on the new weights.
@@ -40,7 +45,9 @@ class TorchEngine:
         self._model: torch.nn.Module | None = None
         self._version = 0
         self._staged: tuple[int, dict[str, torch.Tensor]] | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _staged and _active
+        self._active = 0  # generations running (in worker threads)
+        self._weights_lock = threading.Lock()  # a swap never happens inside a forward pass
         self._generator = torch.Generator().manual_seed(seed)
         self.busy_s = 0.0
         self.policy = None  # the run's staleness policy (its `interrupt`); set by the rollout stage
@@ -68,10 +75,21 @@ class TorchEngine:
         self._model = None
 
     async def receive_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
-        """Stage a whole version; it is applied before the next decode step."""
+        """Take a whole version (the engine may read `tensors` until a newer version replaces it);
+        returns once no earlier version's tensors are read (see the module docstring)."""
         with self._lock:
             if self._staged is None or version > self._staged[0]:
                 self._staged = (version, tensors)
+        while True:
+            with self._lock:
+                settled = self._model is None or self._version >= version or self._staged is None
+                idle = self._active == 0
+            if settled:
+                return
+            if idle:
+                await anyio.to_thread.run_sync(self._apply_staged)
+            else:
+                await anyio.sleep(0.002)  # the running batch applies it after its current decode step
 
     def _apply_staged(self) -> None:
         with self._lock:
@@ -80,10 +98,9 @@ class TorchEngine:
             return
         version, tensors = staged
         assert self._model is not None
-        missing, unexpected = self._model.load_state_dict(tensors, strict=False)
-        if unexpected or [m for m in missing if not m.endswith("lm_head.weight")]:
-            raise RuntimeError(f"weights of version {version} do not fit: missing={missing} unexpected={unexpected}")
-        self._version = version
+        with self._weights_lock:
+            _adopt(self._model, version, tensors)
+            self._version = version
 
     async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         if self._model is None:
@@ -93,11 +110,19 @@ class TorchEngine:
     @torch.no_grad()
     def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         t0 = time.perf_counter()
+        with self._lock:
+            self._active += 1
         try:
             self._apply_staged()
             return self._decode(prompts, params)
         finally:
+            with self._lock:
+                self._active -= 1
             self.busy_s += time.perf_counter() - t0
+
+    def _forward(self, **inputs):
+        with self._weights_lock:
+            return self._model(**inputs)
 
     def _decode(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         model = self._model
@@ -113,7 +138,7 @@ class TorchEngine:
             ids[i, width - len(p) :] = torch.tensor(p)
             mask[i, width - len(p) :] = 1
         positions = (mask.cumsum(1) - 1).clamp(min=0)
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        out = self._forward(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
         cache, logits = _cache_of(out), out.logits[:, -1]
         next_pos = lengths.clone()
 
@@ -142,7 +167,7 @@ class TorchEngine:
             self._apply_staged()
             logits_version = self._version
             mask = torch.cat([mask, torch.ones((n, 1), dtype=torch.long)], 1)
-            out = model(
+            out = self._forward(
                 input_ids=nxt[:, None], attention_mask=mask, position_ids=next_pos[:, None],
                 use_cache=True, **{_CACHE_KWARG: cache},
             )
@@ -179,3 +204,27 @@ class TorchEngine:
             probs = torch.zeros_like(probs).scatter(-1, order, sorted_p * keep)
         nxt = torch.multinomial(probs, 1, generator=self._generator).squeeze(1)
         return nxt, logp.gather(1, nxt[:, None]).squeeze(1)
+
+
+def _adopt(model: torch.nn.Module, version: int, tensors: dict[str, torch.Tensor]) -> None:
+    """Make `tensors` the model's weights: each parameter becomes its tensor (zero-copy) when dtype
+    and device match, else it is copied in. Every parameter must be given (a tied head may be
+    left out: it is the embedding); nothing is changed unless the whole version fits."""
+    params = dict(model.named_parameters())  # tied parameters appear once
+    missing = [n for n in params if n not in tensors]
+    unexpected = [n for n in tensors if n not in params and n not in dict(model.named_buffers())]
+    unexpected = [n for n in unexpected if not n.endswith("lm_head.weight")]  # tied: the embedding
+    wrong = [n for n, p in params.items() if n in tensors and tensors[n].shape != p.shape]
+    if missing or unexpected or wrong:
+        raise RuntimeError(
+            f"weights of version {version} do not fit: missing={missing} unexpected={unexpected} wrong shape={wrong}"
+        )
+    for name, param in params.items():
+        t = tensors[name]
+        if t.dtype == param.dtype and t.device == param.device:
+            param.data = t
+        else:
+            param.data.copy_(t)
+    for name, buffer in model.named_buffers():
+        if name in tensors:
+            buffer.copy_(tensors[name])

@@ -3,9 +3,12 @@ weight transport sends and every receiver verifies.
 
 `plan(version, tensors, bucket_bytes)` places each tensor at a 64-byte-aligned offset and groups
 consecutive tensors into buckets of about `bucket_bytes` (a tensor larger than that is a bucket of
-its own). `fill(buffer, tensors, layout)` copies the tensors in and returns the layout with each
-bucket's xxh3-64 checksum. A receiver calls `bad_buckets(buffer, layout)` before it applies
-anything and `views(buffer, layout)` for zero-copy tensors over the buffer. `Layout` is a msgspec
+its own). A bucket's xxh3-64 checksum covers exactly the bytes of its tensors, in order (never the
+alignment gaps), so the sender can compute it from its own tensors without packing them
+(`with_checksums`) and a receiver from the buffer they landed in. `fill(buffer, tensors, layout)`
+copies the tensors in and returns the layout with the checksums. A receiver calls
+`bad_buckets(buffer, layout)` before it applies anything and `views(buffer, layout)` for zero-copy
+tensors over the buffer (a numpy uint8 array or a torch uint8 tensor, e.g. shared memory). `Layout` is a msgspec
 struct: it crosses processes as msgpack, never pickle, and `decode_layout` validates it (offsets
 inside `total`, known dtypes) before any byte is trusted.
 """
@@ -38,6 +41,8 @@ class TensorEntry(msgspec.Struct, frozen=True):
 class Bucket(msgspec.Struct, frozen=True):
     offset: int
     nbytes: int
+    first: int  # index of its first tensor in `Layout.tensors`
+    count: int  # how many consecutive tensors it holds
     checksum: int = 0
 
 
@@ -54,23 +59,46 @@ def _align(n: int) -> int:
 
 def plan(version: int, tensors: dict[str, torch.Tensor], bucket_bytes: int = 32 << 20) -> Layout:
     """Where each tensor goes and how the buffer is cut into buckets (checksums not yet known)."""
-    entries, buckets, offset, start = [], [], 0, 0
+    entries: list[TensorEntry] = []
+    buckets: list[Bucket] = []
+    offset = start = first = 0
     for name, t in tensors.items():
         if str(t.dtype) not in DTYPES:
             raise LayoutError(f"tensor {name!r} has dtype {t.dtype}, not one of {sorted(DTYPES)}")
         n = t.numel() * t.element_size()
         if offset > start and offset + n - start > bucket_bytes:  # close the bucket before this tensor
-            buckets.append(Bucket(start, offset - start))
-            start = offset
+            buckets.append(Bucket(start, offset - start, first, len(entries) - first))
+            start, first = offset, len(entries)
         entries.append(TensorEntry(name, str(t.dtype), tuple(t.shape), offset, n))
         offset = _align(offset + n)
-    if offset > start:
-        buckets.append(Bucket(start, offset - start))
+    if len(entries) > first:
+        buckets.append(Bucket(start, offset - start, first, len(entries) - first))
     return Layout(version, offset, tuple(entries), tuple(buckets))
 
 
-def checksum(buffer: np.ndarray, bucket: Bucket) -> int:
-    return xxhash.xxh3_64_intdigest(buffer[bucket.offset : bucket.offset + bucket.nbytes])
+def _as_bytes(t: torch.Tensor) -> np.ndarray:
+    return t.detach().contiguous().view(-1).view(torch.uint8).numpy()
+
+
+def checksum(buffer: np.ndarray | torch.Tensor, layout: Layout, bucket: Bucket) -> int:
+    """xxh3-64 of the bytes of the bucket's tensors in `buffer`, in order."""
+    data = buffer.numpy() if isinstance(buffer, torch.Tensor) else buffer
+    h = xxhash.xxh3_64()
+    for e in layout.tensors[bucket.first : bucket.first + bucket.count]:
+        h.update(data[e.offset : e.offset + e.nbytes])
+    return h.intdigest()
+
+
+def with_checksums(tensors: dict[str, torch.Tensor], layout: Layout) -> Layout:
+    """The layout with every bucket's checksum computed from the sender's own (CPU) tensors: the
+    same value `checksum` finds in a buffer the tensors were written into, without packing them."""
+    sums = []
+    for b in layout.buckets:
+        h = xxhash.xxh3_64()
+        for e in layout.tensors[b.first : b.first + b.count]:
+            h.update(_as_bytes(tensors[e.name]))
+        sums.append(msgspec.structs.replace(b, checksum=h.intdigest()))
+    return msgspec.structs.replace(layout, buckets=tuple(sums))
 
 
 def fill(buffer: np.ndarray, tensors: dict[str, torch.Tensor], layout: Layout) -> Layout:
@@ -81,28 +109,31 @@ def fill(buffer: np.ndarray, tensors: dict[str, torch.Tensor], layout: Layout) -
     end = 0
     for entry in layout.tensors:
         buffer[end : entry.offset] = 0
-        flat = tensors[entry.name].detach().cpu().contiguous().view(-1).view(torch.uint8)
-        buffer[entry.offset : entry.offset + entry.nbytes] = flat.numpy()
+        buffer[entry.offset : entry.offset + entry.nbytes] = _as_bytes(tensors[entry.name].cpu())
         end = entry.offset + entry.nbytes
     buffer[end : layout.total] = 0
     return msgspec.structs.replace(
-        layout, buckets=tuple(msgspec.structs.replace(b, checksum=checksum(buffer, b)) for b in layout.buckets)
+        layout, buckets=tuple(msgspec.structs.replace(b, checksum=checksum(buffer, layout, b)) for b in layout.buckets)
     )
 
 
-def bad_buckets(buffer: np.ndarray, layout: Layout) -> list[int]:
+def bad_buckets(buffer: np.ndarray | torch.Tensor, layout: Layout) -> list[int]:
     """Indexes of the buckets whose bytes in `buffer` do not match their checksum."""
     if buffer.nbytes < layout.total:
         raise LayoutError(f"buffer of {buffer.nbytes} bytes for a layout of {layout.total}")
-    return [i for i, b in enumerate(layout.buckets) if checksum(buffer, b) != b.checksum]
+    return [i for i, b in enumerate(layout.buckets) if checksum(buffer, layout, b) != b.checksum]
 
 
-def views(buffer: np.ndarray, layout: Layout) -> dict[str, torch.Tensor]:
+def views(buffer: np.ndarray | torch.Tensor, layout: Layout) -> dict[str, torch.Tensor]:
     """Zero-copy tensors over `buffer` (valid while the buffer is neither freed nor rewritten; over a
-    read-only buffer, such as bytes from a store, they must not be written: clone them first)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        base = torch.from_numpy(buffer)
+    read-only buffer, such as bytes from a store, they must not be written: clone them first). Over a
+    torch tensor in shared memory the views stay shared: another process can map them by handle."""
+    if isinstance(buffer, torch.Tensor):
+        base = buffer
+    else:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            base = torch.from_numpy(buffer)
     return {e.name: base[e.offset : e.offset + e.nbytes].view(DTYPES[e.dtype]).view(e.shape) for e in layout.tensors}
 
 
@@ -117,14 +148,21 @@ def decode_layout(data: bytes) -> Layout:
         layout = msgspec.msgpack.decode(data, type=Layout)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise LayoutError(f"bad weight layout: {exc}") from None
-    for b in layout.buckets:
-        if b.offset < 0 or b.nbytes < 0 or b.offset + b.nbytes > layout.total:
-            raise LayoutError(f"bucket {b} lies outside {layout.total} bytes")
     for e in layout.tensors:
         dtype = DTYPES.get(e.dtype)
         size = int(np.prod(e.shape, dtype=np.int64)) * (dtype.itemsize if dtype is not None else 0)
         if dtype is None or e.offset < 0 or e.offset + e.nbytes > layout.total or size != e.nbytes:
             raise LayoutError(f"bad entry for {e.name!r}: {e}")
-        if not any(b.offset <= e.offset and e.offset + e.nbytes <= b.offset + b.nbytes for b in layout.buckets):
-            raise LayoutError(f"tensor {e.name!r} is in no bucket: it would be applied unverified")
+    covered = 0  # the buckets hold every tensor exactly once, in order: nothing is applied unverified
+    for b in layout.buckets:
+        if b.offset < 0 or b.nbytes < 0 or b.offset + b.nbytes > layout.total:
+            raise LayoutError(f"bucket {b} lies outside {layout.total} bytes")
+        if b.first != covered or b.count < 1 or b.first + b.count > len(layout.tensors):
+            raise LayoutError(f"bucket {b} does not continue at tensor {covered}")
+        for e in layout.tensors[b.first : b.first + b.count]:
+            if not b.offset <= e.offset <= e.offset + e.nbytes <= b.offset + b.nbytes:
+                raise LayoutError(f"tensor {e.name!r} lies outside its bucket {b}")
+        covered += b.count
+    if covered != len(layout.tensors):
+        raise LayoutError(f"tensors {covered}.. are in no bucket: they would be applied unverified")
     return layout

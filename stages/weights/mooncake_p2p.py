@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +37,17 @@ import numpy as np
 import torch
 
 from stages.weights.base import ApplyReply, EngineReceiver, LocalAsker, RemoteReceiver, WeightPushError, require_newer
-from stages.weights.layout import Layout, LayoutError, bad_buckets, decode_layout, encode_layout, fill, plan, views
+from stages.weights.layout import (
+    Layout,
+    LayoutError,
+    bad_buckets,
+    decode_layout,
+    encode_layout,
+    fill,
+    plan,
+    views,
+    with_checksums,
+)
 
 HELLO, COMMIT = "weights.p2p.hello", "weights.p2p.commit"
 
@@ -51,6 +62,7 @@ class HelloReply(msgspec.Struct, frozen=True):
     peer: str
     slots: tuple[int, ...]
     capacity: int
+    live: int = -1  # the slot its engines run on (never written), -1: none
 
 
 class Commit(msgspec.Struct, frozen=True):
@@ -80,12 +92,20 @@ def advertised_host() -> str:
 
 
 class SlotReceiver(EngineReceiver):
-    """The engine side (see the module docstring). `handlers()` are its mailbox entries."""
+    """The engine side (see the module docstring). `handlers()` are its mailbox entries.
+
+    Invariant: the learner writes only the slot that is not `live`. A committed, verified version
+    is handed to the engines as views over its slot, without a copy; `commit` replies only after
+    every engine's `receive_weights` returned, i.e. once no engine reads the other slot any more,
+    so that slot is free for the next version. The slots are shared memory, so an engine in
+    another process (an SGLang server) can map the same bytes by handle.
+    """
 
     def __init__(self, engines: list[Any]) -> None:
         super().__init__(engines)
         self._te: Any = None
-        self._slots: list[np.ndarray] = []
+        self._slots: list[torch.Tensor] = []
+        self._live = -1
 
     def handlers(self) -> dict[str, Callable[[bytes, Any], Awaitable[bytes]]]:
         return {HELLO: self.hello, COMMIT: self.commit}
@@ -95,40 +115,48 @@ class SlotReceiver(EngineReceiver):
         if self._te is None:
             self._te = _transfer_engine(hello.protocol, hello.device)
         if not self._slots or self._slots[0].nbytes < hello.capacity:
-            for slot in self._slots:
-                self._te.unregister_memory(slot.ctypes.data)
-            self._slots = [np.zeros(hello.capacity, dtype=np.uint8) for _ in range(2)]
-            for slot in self._slots:
-                if self._te.register_memory(slot.ctypes.data, slot.nbytes) != 0:
-                    raise WeightPushError(f"cannot register a {slot.nbytes}-byte receive slot with TransferEngine")
+            self._slots = await anyio.to_thread.run_sync(self._new_slots, hello.capacity)
+            self._live = -1  # engines keep their current weights alive (views hold the old slot)
         reply = HelloReply(
             f"{advertised_host()}:{self._te.get_rpc_port()}",
-            tuple(s.ctypes.data for s in self._slots),
+            tuple(s.data_ptr() for s in self._slots),
             self._slots[0].nbytes,
+            self._live,
         )
         return msgspec.msgpack.encode(reply)
+
+    def _new_slots(self, capacity: int) -> list[torch.Tensor]:
+        for slot in self._slots:
+            self._te.unregister_memory(slot.data_ptr())
+        torch.multiprocessing.set_sharing_strategy("file_system")  # slots mappable by name, as SGLang needs
+        slots = [torch.zeros(capacity, dtype=torch.uint8).share_memory_() for _ in range(2)]
+        for slot in slots:
+            if self._te.register_memory(slot.data_ptr(), slot.nbytes) != 0:
+                raise WeightPushError(f"cannot register a {slot.nbytes}-byte receive slot with TransferEngine")
+        return slots
 
     async def commit(self, header: bytes, _blob: Any = None) -> bytes:
         try:
             commit = msgspec.msgpack.decode(header, type=Commit)
             layout = decode_layout(commit.layout)
-            if not 0 <= commit.slot < len(self._slots):
-                raise LayoutError(f"no slot {commit.slot}")
+            if not 0 <= commit.slot < len(self._slots) or commit.slot == self._live:
+                raise LayoutError(f"slot {commit.slot} cannot take a version (live: {self._live})")
             slot = self._slots[commit.slot]
             if (held := self.holds(layout.version)) is not None:  # a re-send of what it has
                 return held
-            bad = bad_buckets(slot, layout)
+            bad = await anyio.to_thread.run_sync(bad_buckets, slot, layout)
             if bad:
                 raise LayoutError(f"buckets {bad} of version {layout.version} fail their checksum")
         except (LayoutError, msgspec.DecodeError, msgspec.ValidationError) as exc:
             return self.refuse(str(exc))
-        # the engines own their copy: the slot is written again two versions from now
-        return await self.apply(layout.version, {name: t.clone() for name, t in views(slot, layout).items()})
+        reply = await self.apply(layout.version, views(slot, layout))
+        self._live = commit.slot
+        return reply
 
     def close(self) -> None:
         if self._te is not None:
             for slot in self._slots:
-                self._te.unregister_memory(slot.ctypes.data)
+                self._te.unregister_memory(slot.data_ptr())
         self._slots, self._te = [], None
 
 
@@ -152,19 +180,25 @@ class MooncakeP2PTransport:
     retries: int = 2
     name: str = "mooncake_p2p"
     stats: dict = field(
-        default_factory=lambda: {"pushes": 0, "bytes": 0, "retries": 0, "unreachable": 0, "push_s": 0.0}
+        default_factory=lambda: {
+            "pushes": 0, "bytes": 0, "retries": 0, "unreachable": 0, "push_s": 0.0, "packed": 0, "resend_deferred": 0,
+        }
     )
 
     def __post_init__(self) -> None:
         self._targets: list[_Target] = []
         self._te: Any = None
+        self._registered: dict[int, int] = {}  # address -> bytes registered with TransferEngine
         self._staging: np.ndarray | None = None
         self._layout: Layout | None = None
+        self._sources: list[int] = []  # where each layout entry's bytes are, in this process
+        self._source: dict[str, torch.Tensor] | None = None
+        self._checksums: Future[Layout] | None = None  # the layout's checksums, being computed
         self._last = -1
         self._busy_lock: anyio.Lock | None = None
-        self._source: dict[str, torch.Tensor] | None = None
-        # fault injection: called with (staging buffer, layout, attempt) before each write
-        self.before_write: Callable[[np.ndarray, Layout, int], None] | None = None
+        # fault injection: called with (layout, attempt) after a version's buckets were written; a
+        # returned (offset, bytes) is written over the receiver's slot (damage in flight)
+        self.damage: Callable[[Layout, int], tuple[int, bytes] | None] | None = None
 
     @property
     def _busy(self) -> anyio.Lock:
@@ -183,114 +217,160 @@ class MooncakeP2PTransport:
         return RemoteReceiver(peer, name, self)
 
     async def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Write `version` to every receiver and commit it. `tensors` must not change until this
+        returns (the learner's next optimizer step waits for it): on CPU their own memory is
+        written from, without a packing copy."""
         require_newer(version, self._last)
         t0 = time.perf_counter()
-        async with self._busy:  # a resend and a publish never share the staging buffer
+        async with self._busy:  # a resend and a publish never share the sources
             await self._publish(version, tensors)
         self.stats["pushes"] += 1
         self.stats["push_s"] += time.perf_counter() - t0
 
     async def _publish(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
-        self._source = tensors
-        try:
-            self._layout = await anyio.to_thread.run_sync(self._pack, version, tensors)
+        layout = plan(version, tensors, self.bucket_bytes)
+        packed = await anyio.to_thread.run_sync(self._prepare, tensors, layout)
+        self._source, self._layout = tensors, packed or layout
+        with ThreadPoolExecutor(1) as pool:
+            if packed is None:  # written straight from the tensors: checksum them while the first write runs
+                self._checksums = pool.submit(with_checksums, tensors, layout)
             for target in self._targets:
                 await self._push(target)
-        finally:
-            self._source = None  # the learner changes these tensors in place from its next step on
         self._last = version
 
     async def resend(self, asker: Any) -> None:
-        """Push the latest version to one receiver again (its process was restarted)."""
+        """Push the latest version to one receiver again (its process was restarted). Best effort:
+        the learner may already be changing its tensors for the next version; then the receiver
+        refuses the torn bytes and the next `publish` (or the run's snapshot) catches it up."""
         async with self._busy:
             for target in self._targets:
                 if target.asker is asker:
                     target.slots = ()  # a new process: say hello again
-                    if self._layout is not None:
-                        await self._push(target)
+                    if self._layout is None or self._source is None:
+                        return
+                    try:
+                        await self._push(target, attempts=1)
+                    except WeightPushError:
+                        self.stats["resend_deferred"] += 1
 
     async def close(self) -> None:
         for target in self._targets:
             if isinstance(target.asker, LocalAsker):
                 target.asker.receiver.close()
-        if self._te is not None and self._staging is not None:
-            self._te.unregister_memory(self._staging.ctypes.data)
+        if self._te is not None:
+            for address in self._registered:
+                self._te.unregister_memory(address)
         self._targets.clear()
-        self._te = self._staging = None
+        self._registered.clear()
+        self._te = self._staging = self._source = None
 
     # -- internals -------------------------------------------------------------------------------
-    def _pack(self, version: int, tensors: dict[str, torch.Tensor]) -> Layout:
-        layout = plan(version, tensors, self.bucket_bytes)
+    def _prepare(self, tensors: dict[str, torch.Tensor], layout: Layout) -> Layout | None:
+        """Register the memory the version is written from. CPU tensors are written from where they
+        are (returns None: checksums still to compute); anything else (CUDA, non-contiguous) is
+        packed into a registered staging buffer first (returns the checksummed layout)."""
         if self._te is None:
             self._te = _transfer_engine(self.protocol, self.device)
+        direct = all(t.device.type == "cpu" and t.is_contiguous() for t in tensors.values())
+        if direct:
+            regions = {}
+            for t in tensors.values():
+                storage = t.untyped_storage()
+                regions[storage.data_ptr()] = max(storage.nbytes(), 1)
+            self._register(regions)
+            self._sources = [tensors[e.name].data_ptr() for e in layout.tensors]
+            return None
         if self._staging is None or self._staging.nbytes < layout.total:
-            if self._staging is not None:
-                self._te.unregister_memory(self._staging.ctypes.data)
             self._staging = np.zeros(layout.total, dtype=np.uint8)
-            if self._te.register_memory(self._staging.ctypes.data, self._staging.nbytes) != 0:
-                raise WeightPushError(f"cannot register a {layout.total}-byte staging buffer with TransferEngine")
+        self._register({self._staging.ctypes.data: self._staging.nbytes})
+        self._sources = [self._staging.ctypes.data + e.offset for e in layout.tensors]
+        self.stats["packed"] += 1
         return fill(self._staging, tensors, layout)
 
-    async def _push(self, target: _Target) -> None:
-        layout = self._layout
-        assert layout is not None and self._staging is not None
-        for attempt in range(self.retries + 1):
+    def _register(self, regions: dict[int, int]) -> None:
+        """Keep exactly `regions` registered (a learner's parameters stay where they are, so after
+        the first version this registers nothing)."""
+        for address, nbytes in list(self._registered.items()):
+            if regions.get(address) != nbytes:
+                self._te.unregister_memory(address)
+                del self._registered[address]
+        for address, nbytes in regions.items():
+            if address not in self._registered:
+                if self._te.register_memory(address, nbytes) != 0:
+                    raise WeightPushError(f"cannot register {nbytes} bytes of weights with TransferEngine")
+                self._registered[address] = nbytes
+
+    async def _push(self, target: _Target, attempts: int | None = None) -> None:
+        reason = ""
+        for attempt in range(self.retries + 1 if attempts is None else attempts):
+            layout = self._layout
+            assert layout is not None
             if not target.slots or target.capacity < layout.total:
                 answer = await target.asker.ask(HELLO, self._hello(layout))
                 if answer is None:
                     self.stats["unreachable"] += 1
                     return  # its process is gone; `resend` catches it up once it is back
                 hello = msgspec.msgpack.decode(answer, type=HelloReply)
-                target.peer, target.slots, target.capacity, target.next_slot = (
-                    hello.peer,
-                    hello.slots,
-                    hello.capacity,
-                    0,
-                )
+                target.peer, target.slots, target.capacity = hello.peer, hello.slots, hello.capacity
+                target.next_slot = 1 - hello.live if hello.live in (0, 1) else 0
             slot = target.next_slot
-            if self.before_write is not None:
-                self.before_write(self._staging, layout, attempt)
             try:
-                await anyio.to_thread.run_sync(self._write, target, slot, layout)
+                await anyio.to_thread.run_sync(self._write, target, slot, layout, attempt)
             except WeightPushError as exc:  # its process may be gone: the next attempt says hello first
                 reason, target.slots = str(exc), ()
                 self.stats["retries"] += 1
                 continue
-            answer = await target.asker.ask(COMMIT, msgspec.msgpack.encode(Commit(slot, encode_layout(layout))))
+            if self._checksums is not None:
+                self._layout, self._checksums = await anyio.to_thread.run_sync(self._checksums.result), None
+            commit = Commit(slot, encode_layout(self._layout))
+            answer = await target.asker.ask(COMMIT, msgspec.msgpack.encode(commit))
             if answer is None:
                 self.stats["unreachable"] += 1
                 return
             reply = msgspec.msgpack.decode(answer, type=ApplyReply)
             if reply.ok:
-                target.next_slot = 1 - slot  # the committed slot's bytes stay intact for a rollback
+                target.next_slot = 1 - slot  # the engines now run on `slot`: never written while live
                 self.stats["bytes"] += layout.total
                 return
             self.stats["retries"] += 1
             reason = reply.reason
-            if self._source is not None:  # the staging bytes may be what is damaged: pack them again
-                await anyio.to_thread.run_sync(fill, self._staging, self._source, layout)
-        if not target.slots and await target.asker.ask(HELLO, self._hello(layout)) is None:
+        if not target.slots and await target.asker.ask(HELLO, self._hello(self._layout)) is None:
             self.stats["unreachable"] += 1  # the last write failed because its process is gone
             return
         raise WeightPushError(
-            f"receiver {target.asker.name} refused version {layout.version} {self.retries + 1} times: {reason}"
+            f"receiver {target.asker.name} refused version {self._layout.version} {attempt + 1} times: {reason}"
         )
 
     def _hello(self, layout: Layout) -> bytes:
         return msgspec.msgpack.encode(Hello(layout.total, self.protocol, self.device))
 
-    def _write(self, target: _Target, slot: int, layout: Layout) -> None:
-        assert self._staging is not None
-        src, dst = self._staging.ctypes.data, target.slots[slot]
+    def _write(self, target: _Target, slot: int, layout: Layout, attempt: int) -> None:
+        dst = target.slots[slot]
         started, sent = time.perf_counter(), 0
         for bucket in layout.buckets:
-            rc = self._te.batch_transfer_sync_write(
-                target.peer, [src + bucket.offset], [dst + bucket.offset], [bucket.nbytes]
-            )
-            if rc != 0:
-                raise WeightPushError(f"TransferEngine write to {target.asker.name} ({target.peer}) returned {rc}")
+            entries = range(bucket.first, bucket.first + bucket.count)
+            sizes = [layout.tensors[i].nbytes for i in entries]
+            if sum(sizes):
+                rc = self._te.batch_transfer_sync_write(
+                    target.peer,
+                    [self._sources[i] for i in entries],
+                    [dst + layout.tensors[i].offset for i in entries],
+                    sizes,
+                )
+                if rc != 0:
+                    raise WeightPushError(f"TransferEngine write to {target.asker.name} ({target.peer}) returned {rc}")
             sent += bucket.nbytes
             if self.pace_bytes_per_s:
                 ahead = sent / self.pace_bytes_per_s - (time.perf_counter() - started)
                 if ahead > 0:
                     time.sleep(ahead)
+        if self.damage is not None and (hit := self.damage(layout, attempt)) is not None:
+            self._write_bytes(target, dst + hit[0], hit[1])
+
+    def _write_bytes(self, target: _Target, address: int, data: bytes) -> None:
+        scratch = np.frombuffer(bytearray(data), dtype=np.uint8)
+        self._te.register_memory(scratch.ctypes.data, scratch.nbytes)
+        try:
+            self._te.batch_transfer_sync_write(target.peer, [scratch.ctypes.data], [address], [scratch.nbytes])
+        finally:
+            self._te.unregister_memory(scratch.ctypes.data)
