@@ -126,6 +126,42 @@ async def test_each_update_path_gives_the_learners_logprobs(engine, model_path, 
     print(f"update_weights_from_{path}: {elapsed * 1000:.0f} ms")
 
 
+async def test_p2p_versions_reach_the_server_from_the_shared_memory_slot(engine, model_path, tokenizer):
+    """`mooncake_p2p` in front of SGLang: the learner writes into a TransferEngine slot, and the
+    server maps that slot's bytes by handle (no copy on our side) and loads them."""
+    from stages.weights.mooncake_p2p import MooncakeP2PTransport
+
+    model = load_model(model_path)
+    transport = MooncakeP2PTransport(bucket_bytes=256 << 10)
+    transport.subscribe(engine)
+    receiver = transport._targets[0].asker.receiver
+    given: list[dict[str, torch.Tensor]] = []
+    receive = engine.receive_weights
+
+    async def recorded(version, tensors):
+        given.append(tensors)
+        await receive(version, tensors)
+
+    engine.receive_weights = recorded
+    ids = prompt(tokenizer, "77>")
+    try:
+        for _ in range(3):  # both slots, then the first again
+            version = engine.version + 1
+            perturbed(model, seed=version)
+            await transport.publish(version, model.state_dict())
+            assert engine.version == version and (await model_info(engine))["weight_version"] == str(version)
+            for c in await engine.generate([ids] * 2, SamplingParams(max_new_tokens=12)):
+                np.testing.assert_allclose(c.logprobs, learner_logprobs(model, ids, c.tokens), atol=1e-4)
+        slots = [(s.data_ptr(), s.data_ptr() + s.nbytes) for s in receiver._slots]
+    finally:
+        del engine.receive_weights
+        await transport.close()
+    for tensors in given:  # what went to the server were views of a slot, already in shared memory
+        assert all(t.is_shared() and any(a <= t.data_ptr() < b for a, b in slots) for t in tensors.values())
+    used = [i for t in given for i, (a, b) in enumerate(slots) if a <= next(iter(t.values())).data_ptr() < b]
+    assert used == [0, 1, 0]  # the two slots in turn: the one the server runs on is never written
+
+
 async def test_an_update_that_does_not_fit_is_refused_and_the_old_version_stays(engine, model_path, tokenizer):
     before = engine.version
     bad = {n: t.clone() for n, t in load_model(model_path).state_dict().items()}
