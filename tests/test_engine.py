@@ -146,12 +146,15 @@ async def test_all_rows_stopping_ends_early(engine: TorchEngine) -> None:
 # ---------------------------------------------------------------- weights
 
 
-async def test_receive_weights_applies_before_next_generate(engine: TorchEngine, model_a, model_b) -> None:
+async def test_an_idle_engine_applies_a_version_before_receive_returns(engine: TorchEngine, model_a, model_b) -> None:
     params = SamplingParams(max_new_tokens=6)
     a, b = eval_model(model_a), eval_model(model_b)
     before = await engine.generate(PROMPTS, params)
-    await engine.receive_weights(1, load_model(model_b).state_dict())
-    assert engine.version == 0  # staged, not applied yet
+    given = load_model(model_b).state_dict()
+    await engine.receive_weights(1, given)
+    assert engine.version == 1  # nothing decoding: applied at once
+    embed = given["model.embed_tokens.weight"]
+    assert engine._model.model.embed_tokens.weight.data_ptr() == embed.data_ptr()  # no copy
     after = await engine.generate(PROMPTS, params)
     assert engine.version == 1
     for prompt, c0, c1 in zip(PROMPTS, before, after, strict=True):
@@ -197,7 +200,7 @@ def _swap_during_decode(engine: TorchEngine, monkeypatch, at_call: int, version:
     def hooked(logits, params):
         calls.append(engine.version)
         if len(calls) == at_call + 1:
-            anyio.from_thread.run(engine.receive_weights, version, tensors)
+            engine._stage(version, tensors)  # a version arrives while this step computes
         return real(logits, params)
 
     monkeypatch.setattr(engine, "_sample", hooked)
@@ -230,6 +233,31 @@ async def test_each_token_carries_the_version_that_produced_it(engine: TorchEngi
         assert torch.allclose(torch.from_numpy(c.logprobs[old]), ref[torch.from_numpy(old)], atol=1e-4)
         # tokens labelled 1 were produced by the zero-norm weights: uniform over the vocabulary
         assert np.allclose(c.logprobs[~old], uniform, atol=1e-4), (c.versions, c.logprobs)
+
+
+async def test_receive_returns_only_after_the_running_batch_took_the_version(engine: TorchEngine, model_b, monkeypatch):
+    """A double-buffered transport rewrites the other slot once receive_weights returns: by then
+    the decode loop must have moved to the new tensors (at its next step boundary)."""
+    tensors = load_model(model_b).state_dict()
+    seen: list[int] = []
+    real = engine._sample
+
+    def slow(logits, params):
+        time.sleep(0.05)  # a decode step long enough for the push to arrive in the middle
+        return real(logits, params)
+
+    monkeypatch.setattr(engine, "_sample", slow)
+
+    async def push() -> None:
+        await anyio.sleep(0.12)
+        await engine.receive_weights(1, tensors)
+        seen.append(engine.version)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(push)
+        out = await engine.generate(PROMPTS, SamplingParams(max_new_tokens=10))
+    assert seen == [1]  # receive returned with the version applied, not just staged
+    assert all(set(c.versions.tolist()) == {0, 1} for c in out)  # applied mid-batch, between two steps
 
 
 async def test_policy_restart_decodes_the_batch_again_on_the_new_weights(engine: TorchEngine, model_a, monkeypatch):

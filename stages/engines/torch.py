@@ -77,9 +77,7 @@ class TorchEngine:
     async def receive_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         """Take a whole version (the engine may read `tensors` until a newer version replaces it);
         returns once no earlier version's tensors are read (see the module docstring)."""
-        with self._lock:
-            if self._staged is None or version > self._staged[0]:
-                self._staged = (version, tensors)
+        self._stage(version, tensors)
         while True:
             with self._lock:
                 settled = self._model is None or self._version >= version or self._staged is None
@@ -90,6 +88,12 @@ class TorchEngine:
                 await anyio.to_thread.run_sync(self._apply_staged)
             else:
                 await anyio.sleep(0.002)  # the running batch applies it after its current decode step
+
+    def _stage(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Keep `version` for the next decode-step boundary (any thread; a newer one wins)."""
+        with self._lock:
+            if self._staged is None or version > self._staged[0]:
+                self._staged = (version, tensors)
 
     def _apply_staged(self) -> None:
         with self._lock:
