@@ -3,7 +3,10 @@
 The gate counts units started and units discarded (work whose result was thrown away, which frees
 its slot) and lets a producer start another unit only while `policy.admit(version, started,
 discarded, units_per_version)` says so. It re-evaluates whenever the version clock moves or a
-unit is discarded. The gate holds no data; its counts are what a checkpoint needs to restore it.
+unit is discarded. A unit the consumer takes *again* (replay: one result consumed more than once)
+counts as started (`replayed`): it fills a slot a new unit would have filled, so the units a version
+consumes stay `units_per_version` whether they are new or replayed, and producers do not run ahead of
+a consumer that replays. The gate holds no data; its counts are what a checkpoint needs to restore it.
 """
 
 from __future__ import annotations
@@ -70,6 +73,12 @@ class AdmissionGate:
         while taken < max_units and self.try_acquire():
             taken += 1
         return taken
+
+    def replayed(self, units: int = 1) -> None:
+        """The consumer took `units` already-consumed units again: they count as started units."""
+        if units < 0:
+            raise ValueError(f"units must be >= 0, got {units}")
+        self.started += units
 
     def discard(self, units: int = 1) -> None:
         """`units` started units were thrown away; their slots are free again."""

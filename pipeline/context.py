@@ -62,14 +62,20 @@ class Gate(Protocol):
 
     async def discard(self, units: int) -> None: ...
 
+    async def replayed(self, units: int) -> None:
+        """The consumer took `units` already-consumed units again (see `AdmissionGate.replayed`)."""
+        ...
+
 
 class Produced(msgspec.Struct, frozen=True):
-    """One produced group, as the ledger records it: its items, versions and what it was made from."""
+    """One produced group, as the ledger records it: its items, versions and what it was made from,
+    and optionally named values with one number per item (for bias accounting; see pipeline.ledger)."""
 
     ids: list[str]
     group: str
     versions: tuple[int, int]
     source: bytes
+    values: dict[str, list[float]] = msgspec.field(default_factory=dict)
 
 
 class LedgerClient(Protocol):
@@ -84,6 +90,10 @@ class LedgerClient(Protocol):
         ...
 
     async def fates(self, ids: list[str]) -> list[str]: ...
+
+    async def take_settled(self) -> dict[str, dict[str, list[float]]]:
+        """{outcome: {name: values}} of the items settled since the last call (see `Ledger.take_settled`)."""
+        ...
 
 
 class Redo(msgspec.Struct, frozen=True):
@@ -122,6 +132,9 @@ class LocalGate:
     async def discard(self, units: int) -> None:
         self.gate.discard(units)
 
+    async def replayed(self, units: int) -> None:
+        self.gate.replayed(units)
+
 
 class LocalLedger:
     def __init__(self, ledger: Ledger) -> None:
@@ -129,7 +142,7 @@ class LocalLedger:
 
     async def produced(self, groups: list[Produced]) -> None:
         for g in groups:
-            self.ledger.produced(g.ids, g.group, g.versions, g.source)
+            self.ledger.produced(g.ids, g.group, g.versions, g.source, g.values)
 
     async def take_source(self, group: str) -> bytes:
         return self.ledger.take_source(group)
@@ -142,6 +155,9 @@ class LocalLedger:
 
     async def fates(self, ids: list[str]) -> list[str]:
         return [self.ledger[i].fate for i in ids]
+
+    async def take_settled(self) -> dict[str, dict[str, list[float]]]:
+        return self.ledger.take_settled()
 
 
 @dataclass

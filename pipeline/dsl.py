@@ -76,6 +76,10 @@ class Pipeline:
     ray_address: str | None = None  # runtime="ray": attach to this cluster (default: start a local one)
     hooks: list[Callable[[RunContext], Sequence[Actor] | None]] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        # a consumer that trains on an item more than once says so; the ledger must allow it
+        self.max_uses = max(self.max_uses, getattr(self.consumer, "max_uses", 1))
+
     def run(self) -> dict[str, Any]:
         """Run to completion on the chosen runtime and return the summary."""
         if self.runtime not in ("local", "ray"):
@@ -189,7 +193,10 @@ class Pipeline:
             "version": version,
             **self.consumer.summary(records),
             "staleness_bound": self.staleness.bound,
-            "samples": {k: counts[k] for k in ("produced", "trained", "dropped", "lost", "regenerated")},
+            "samples": {
+                k: counts.get(k, 0)
+                for k in ("produced", "trained", "dropped", "lost", "regenerated", "filtered", "reused")
+            },
             "in_flight": counts["in_flight"],
             "ledger_balanced": balanced,
             "wall_s": round(wall, 2),

@@ -13,7 +13,19 @@ Invariants, checked by `violations()` and asserted by the tests:
   regenerated + in_flight;
 * no item is consumed more than `max_uses` times, and a terminal item is never consumed
   (illegal transitions raise `LedgerError` at once: they are bugs, not outcomes);
-* an item's recorded versions are [oldest, newest] with oldest <= newest.
+* an item's recorded versions are [oldest, newest] with oldest <= newest;
+* reuse is counted, not a fate: an item consumed again stays `trained` (counted once there), its
+  `trained_at` grows, and `counts()["reused"]` counts every consumption beyond an item's first.
+  Items a consumer refused for carrying nothing to learn from are `dropped` with a reason starting
+  `"filtered:"`, and `counts()["filtered"]` counts them (a part of `dropped`).
+
+Bias accounting: a producer may attach named values to its items (`values`, e.g. one number per
+item for each of a few names; the ledger gives them no meaning). When an item settles (is first
+consumed, or reaches a terminal fate) its values move under its *outcome*: `"trained"`, or
+`"{fate}:{kind}"` where `kind` is its reason up to the first ':' (`"dropped:stale"`,
+`"dropped:filtered"`, `"lost:StoreError"` ...). `take_settled()` hands over what settled since the
+last call (and forgets it), so a consumer can histogram trained vs dropped values step by step;
+values of items still in flight are the only ones held.
 
 The ledger also keeps, per group, what the group was made from (`source`, opaque bytes such as an
 encoded prompt) until the group is trained or dropped, so work that was lost or requeued can be
@@ -22,14 +34,15 @@ redone exactly (`take_source`) by whichever producer picks it up.
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Iterable
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Literal
 
 import msgspec
 
 Fate = Literal["in_flight", "trained", "dropped", "lost", "regenerated"]
 FATES: tuple[Fate, ...] = ("trained", "dropped", "lost", "regenerated", "in_flight")
+FILTERED = "filtered"  # the reason kind of items a selection refused for carrying no signal ("filtered: ...")
 
 
 class LedgerError(RuntimeError):
@@ -53,6 +66,8 @@ class Ledger:
         self._items: dict[str, ItemRecord] = {}
         self._counts: Counter[str] = Counter()
         self._sources: dict[str, bytes] = {}
+        self._values: dict[str, dict[str, float]] = {}  # item id -> named values, until it settles
+        self._settled: defaultdict[str, defaultdict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
 
     def __len__(self) -> int:
         return len(self._items)
@@ -60,11 +75,22 @@ class Ledger:
     def __getitem__(self, item_id: str) -> ItemRecord:
         return self._items[item_id]
 
-    def produced(self, ids: Iterable[str], group: str, versions: tuple[int, int], source: bytes | None = None) -> None:
+    def produced(
+        self,
+        ids: Iterable[str],
+        group: str,
+        versions: tuple[int, int],
+        source: bytes | None = None,
+        values: Mapping[str, Sequence[float]] | None = None,
+    ) -> None:
+        """Record new items; `values` maps a name to one number per item (in the order of `ids`)."""
         lo, hi = versions
         if lo > hi:
             raise LedgerError(f"versions must be [oldest, newest], got {versions}")
         ids = list(ids)
+        for name, numbers in (values or {}).items():
+            if len(numbers) != len(ids):
+                raise LedgerError(f"values[{name!r}] has {len(numbers)} entries for {len(ids)} items of {group!r}")
         seen = set(self._items)
         for item_id in ids:  # all or nothing: check the whole batch before recording any of it
             if item_id in seen:
@@ -73,6 +99,9 @@ class Ledger:
         for item_id in ids:
             self._items[item_id] = ItemRecord(id=item_id, group=group, versions=(lo, hi))
             self._counts["in_flight"] += 1
+        if values:
+            for i, item_id in enumerate(ids):
+                self._values[item_id] = {name: float(numbers[i]) for name, numbers in values.items()}
         if source is not None:
             self._sources[group] = source
 
@@ -93,6 +122,8 @@ class Ledger:
                     f"item {item_id!r} already consumed {len(rec.trained_at)} time(s) "
                     f"at versions {rec.trained_at}; max_uses={self.max_uses}"
                 )
+            if rec.trained_at:
+                self._counts["reused"] += 1
             rec.trained_at.append(at_version)
             self._move(rec, "trained", "")
 
@@ -105,9 +136,23 @@ class Ledger:
     def regenerated(self, ids: Iterable[str], reason: str) -> None:
         self._finish(ids, "regenerated", reason)
 
+    def take_settled(self) -> dict[str, dict[str, list[float]]]:
+        """{outcome: {name: [value per item]}} for the items that settled since the last call."""
+        settled = {outcome: dict(named) for outcome, named in self._settled.items()}
+        self._settled.clear()
+        return settled
+
     def counts(self) -> dict[str, int]:
-        """{"produced": n, "trained": ..., "dropped": ..., "lost": ..., "regenerated": ..., "in_flight": ...}"""
-        return {"produced": len(self._items), **{fate: self._counts[fate] for fate in FATES}}
+        """{"produced": n, "trained": ..., "dropped": ..., "lost": ..., "regenerated": ..., "in_flight": ...,
+        "filtered": ..., "reused": ...}: one count per fate (they sum to "produced"), then two that are not
+        fates: "filtered", the dropped items whose reason is `FILTERED` (a part of "dropped"), and "reused",
+        the consumptions beyond each item's first (a trained item counts once in "trained")."""
+        return {
+            "produced": len(self._items),
+            **{fate: self._counts[fate] for fate in FATES},
+            "filtered": self._counts["filtered"],
+            "reused": self._counts["reused"],
+        }
 
     def violations(self) -> list[str]:
         """Every broken invariant, as a sentence; empty when the ledger balances."""
@@ -121,6 +166,9 @@ class Ledger:
                 found.append(f"{rec.id} consumed {len(rec.trained_at)} times (max_uses={self.max_uses})")
             if rec.fate == "trained" and not rec.trained_at:
                 found.append(f"{rec.id} is trained but has no trained_at")
+        reused = sum(max(len(rec.trained_at) - 1, 0) for rec in self._items.values())
+        if reused != counts["reused"]:
+            found.append(f"{counts['reused']} reuses counted but items record {reused}")
         return found
 
     def balanced(self) -> bool:
@@ -150,7 +198,22 @@ class Ledger:
     def _move(self, rec: ItemRecord, fate: Fate, reason: str) -> None:
         if fate in ("trained", "dropped"):
             self._sources.pop(rec.group, None)  # done: it will never be redone
+        values = self._values.pop(rec.id, None)  # only the first settling counts (a reused item stays put)
+        if values:
+            outcome = outcome_of(fate, reason)
+            for name, value in values.items():
+                self._settled[outcome][name].append(value)
+        if fate == "dropped" and outcome_of(fate, reason) == f"dropped:{FILTERED}":
+            self._counts["filtered"] += 1
         self._counts[rec.fate] -= 1
         self._counts[fate] += 1
         rec.fate = fate
         rec.reason = reason
+
+
+def outcome_of(fate: str, reason: str) -> str:
+    """"trained", or "{fate}:{kind}" where kind is `reason` up to its first ':' (the fate alone if empty)."""
+    if fate == "trained":
+        return fate
+    kind = reason.split(":", 1)[0].strip()
+    return f"{fate}:{kind}" if kind else fate

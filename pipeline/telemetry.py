@@ -331,7 +331,10 @@ class Panel:
     """One subplot of a report.
 
     kind "line": one line per key in `y` against record key `x` (or the record index if x is None).
-    kind "hist": a histogram of `values` if given, else of every record's `y` keys (one per key).
+    kind "hist": a histogram of `values` if given, else of every record's `y` keys (one per key);
+                 with `counts` ({label: {bin lower edge: count}}, pre-binned, e.g. by
+                 pipeline.histograms), one bar per label at each bin, as fractions of that label's total,
+                 so groups of different sizes compare.
     kind "bar":  with `x` None, one bar per `y` key from the last record that has it; with `x` set,
                  bars of each `y` key at each record's `x` (grouped).
     """
@@ -342,6 +345,7 @@ class Panel:
     y: list[str] = field(default_factory=list)
     values: list[float] | None = None
     bins: int = 30
+    counts: dict[str, dict[str, int]] | None = None
 
 
 def _number(value: Any) -> float | None:
@@ -363,6 +367,22 @@ def _series(records: Iterable[Mapping[str, Any]], x: str | None, y: str) -> tupl
     return xs, ys
 
 
+def _draw_binned(ax: Any, counts: Mapping[str, Mapping[str, int]]) -> bool:
+    """Grouped bars of pre-binned counts, one colour per label, heights as fractions of the label."""
+    shown = {label: bins for label, bins in counts.items() if sum(bins.values()) > 0}
+    edges = sorted({edge for bins in shown.values() for edge in bins}, key=float)
+    width = 0.8 / max(len(shown), 1)
+    for j, (label, bins) in enumerate(shown.items()):
+        total = sum(bins.values())
+        ax.bar([i + j * width for i in range(len(edges))], [bins.get(e, 0) / total for e in edges],
+               width=width, label=label)
+    if edges:
+        offset = width * (len(shown) - 1) / 2
+        ax.set_xticks([i + offset for i in range(len(edges))], edges)
+        ax.set_xlabel("bin (lower edge)")
+    return bool(shown)
+
+
 def _draw_panel(ax: Any, panel: Panel, records: list[Mapping[str, Any]]) -> bool:
     """Draw `panel` on `ax`; False if there was nothing to draw."""
     drew = False
@@ -373,6 +393,8 @@ def _draw_panel(ax: Any, panel: Panel, records: list[Mapping[str, Any]]) -> bool
                 ax.plot(xs, ys, label=key, marker="." if len(ys) < 50 else None)
                 drew = True
         ax.set_xlabel(panel.x or "record")
+    elif panel.kind == "hist" and panel.counts is not None:
+        drew = _draw_binned(ax, panel.counts)
     elif panel.kind == "hist":
         groups = (
             {panel.title: [v for v in panel.values if _number(v) is not None]}

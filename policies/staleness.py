@@ -6,9 +6,14 @@ step and bound k:
 * **Staleness** of an item trained at version v is `v - oldest`, where `oldest` is the oldest
   weight version that produced any of its tokens. It counts from generation, so time an item
   spends queued in channels or in the buffer counts too.
-* **Admit** (producer side): a producer may start another group only while
-  `started - discarded < (v + k + 1) * B`. Groups that were dropped or requeued free their slot.
-  With FIFO consumption this alone keeps every trained group within k, and little work is wasted.
+* **Admit** (producer side), per `admission`:
+  - `pace` (default, AReaL's rule): a producer may start another group only while
+    `started - discarded < (v + k + 1) * B`. Groups that were dropped or requeued free their slot.
+    With FIFO consumption and one producer this alone keeps every trained group within k, so
+    producers wait instead of making work that would be dropped ("pace, don't discard").
+  - `eager` (Miles's and verl's behaviour): a producer starts work whenever the bounded channels
+    take it; staleness is enforced only by the accept check, so work that aged past k while queued
+    is generated, then dropped or requeued (and counted, with its lengths and rewards, as such).
 * **Accept** (consumer side): the hard guarantee. An item with staleness > k never reaches a
   gradient step: it is dropped, or requeued for regeneration, per `on_stale`.
 * **Interrupt** (engine side, when version `w` reaches an engine with a request in flight whose
@@ -18,6 +23,10 @@ step and bound k:
   it would only produce a sample the accept check must refuse (or one mixing too many versions).
 * **Sync** is k = 0 through exactly this code: groups for step v are generated only after the
   weights of version v were published, and trained at version v.
+* **Correct** (learner side, `policies.correction`): an accepted item is still up to k versions
+  off-policy; its tokens' behaviour logprobs (recorded per token, with their versions) enter the
+  loss as `none` (PPO-clip against them), `tis` or `decoupled` (clip against the learner's own
+  logprobs at the step's start, weight each token by pi_prox / pi_behav).
 
 Every function here is pure: it reads versions and counts and returns a decision.
 """
@@ -28,6 +37,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 OnStale = Literal["drop", "requeue"]
+Admission = Literal["pace", "eager"]
 Verdict = Literal["train", "drop", "requeue"]
 Interrupt = Literal["continue", "restart"]
 
@@ -44,6 +54,7 @@ class MaxStaleness:
     k: int = 2
     on_stale: OnStale = "drop"
     max_span: int | None = None  # most weight versions one sample's tokens may come from; None: no limit
+    admission: Admission = "pace"  # pace: producers wait for a slot; eager: only channel backpressure limits them
 
     def __post_init__(self) -> None:
         if self.k < 0:
@@ -52,6 +63,8 @@ class MaxStaleness:
             raise ValueError(f"staleness.max_span must be >= 1 (or unset), got {self.max_span}")
         if self.on_stale not in ("drop", "requeue"):
             raise ValueError(f"staleness.on_stale must be 'drop' or 'requeue', got {self.on_stale!r}")
+        if self.admission not in ("pace", "eager"):
+            raise ValueError(f"staleness.admission must be 'pace' or 'eager', got {self.admission!r}")
 
     @property
     def bound(self) -> int:
@@ -62,7 +75,9 @@ class MaxStaleness:
         return (version + self.k + 1) * groups_per_step
 
     def admit(self, version: int, started: int, discarded: int, groups_per_step: int) -> bool:
-        """May a producer start one more group now?"""
+        """May a producer start one more group now? (`eager`: always; backpressure is the channels' job.)"""
+        if self.admission == "eager":
+            return True
         return started - discarded < self.admission_limit(version, groups_per_step)
 
     def accept(self, learner_version: int, oldest_version: int) -> Verdict:

@@ -11,12 +11,16 @@
                  local_buffer_size, chunk_bytes, replicas) | "pkg.mod:Class"
     [buffer]     max_refs, max_bytes, produced_channel, produced_bytes, ready_channel, ready_bytes
     [learner]    kind = "grpo", lr, groups_per_step, clip_eps, max_grad_norm, weight_decay, epochs, device
-    [staleness]  kind = "max-staleness", k, on_stale = "drop" | "requeue", max_span
+    [staleness]  kind = "max-staleness", k, on_stale = "drop" | "requeue", max_span, admission = "pace" | "eager"
+    [correction] kind = "none" | "tis" | "decoupled", tis_cap, decoupled_cap
+    [replay]     max_reuse, selection = "fifo" | "freshest" | "uniform", drop_zero_signal, max_filtered_batches
     [weights]    transport = "inproc" | "mooncake_p2p" (protocol, device, bucket_bytes, pace, retries)
                  | "disk" (root, retries) | "delta" | "broadcast" (retries; runtime = "ray")
     [telemetry]  log_format = "console" | "json", progress
 
-Unknown keys and bad values fail validation, naming the key, the value and what is allowed.
+Unknown keys and bad values fail validation, naming the key, the value and what is allowed. So does a
+config whose shape can break its own staleness bound (`policies.bounds`: queues that let groups age
+past k, PPO epochs that compound staleness, a reuse count k cannot reach), before anything starts.
 """
 
 from __future__ import annotations
@@ -213,6 +217,49 @@ class MaxStalenessSpec(Section):
     max_span: int | None = Field(
         None, ge=1, description="most weight versions one sample may span; longer ones restart on the new weights"
     )
+    admission: Literal["pace", "eager"] = Field(
+        "pace",
+        description='"pace": producers wait rather than start work that would be too stale to train; '
+        '"eager": they start work as fast as the channels take it, and what turns too stale is refused',
+    )
+
+
+class CorrectionSpec(Section):
+    """Off-policy correction in the learner's loss (policies.correction)."""
+
+    kind: Literal["none", "tis", "decoupled"] = Field(
+        "none", description="none: PPO-clip on behaviour logprobs; tis / decoupled: clip against the learner's "
+        "logprobs at the step's start, tokens weighted by pi_prox / pi_behav"
+    )
+    tis_cap: float = Field(2.0, ge=1, description="tis: importance weights above this are truncated to it")
+    decoupled_cap: float | None = Field(
+        None, ge=1, description="decoupled: tokens whose importance weight exceeds this are left out; unset: none are"
+    )
+
+    @model_validator(mode="after")
+    def _cap_matches_kind(self) -> CorrectionSpec:
+        if self.decoupled_cap is not None and self.kind != "decoupled":
+            raise ValueError(
+                f"correction.decoupled_cap = {self.decoupled_cap} applies only to correction.kind = 'decoupled', "
+                f"but correction.kind = {self.kind!r}; remove correction.decoupled_cap or set correction.kind = "
+                "'decoupled'"
+            )
+        return self
+
+
+class ReplaySpec(Section):
+    """Which groups each learner step trains on, and how often one may be (policies.selection)."""
+
+    max_reuse: int = Field(1, ge=1, description="most learner steps one group is trained in (only while within k)")
+    selection: Literal["fifo", "freshest", "uniform"] = Field(
+        "fifo", description="fifo: in arrival order; freshest: newest version first; uniform: at random (seeded)"
+    )
+    drop_zero_signal: bool = Field(
+        False, description="filter groups whose rewards are all equal before they cost a step (DAPO dynamic sampling)"
+    )
+    max_filtered_batches: int = Field(
+        10, ge=1, description="a step that filters more than this many times groups_per_step groups fails the run"
+    )
 
 
 class WeightsSpec(Section):
@@ -255,6 +302,8 @@ class RunConfig(Section):
     buffer: BufferSpec = BufferSpec()
     learner: kinds(GRPOSpec) = GRPOSpec()  # type: ignore[valid-type]
     staleness: kinds(MaxStalenessSpec) = MaxStalenessSpec()  # type: ignore[valid-type]
+    correction: CorrectionSpec = CorrectionSpec()
+    replay: ReplaySpec = ReplaySpec()
     weights: WeightsSpec = WeightsSpec()
     telemetry: TelemetrySpec = TelemetrySpec()
     ray: RaySpec = RaySpec()
@@ -286,6 +335,25 @@ class RunConfig(Section):
                 f"model.path = {self.model.path!r} holds no model (no config.json) and model.create = false; "
                 "set model.create = true to make a tiny one there, or point model.path at an HF checkpoint"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _staleness_holds(self) -> RunConfig:
+        """The static check of `policies.bounds`: refuse a shape that can break the staleness bound."""
+        from policies.bounds import PipelineShape, check
+
+        if not isinstance(self.staleness, MaxStalenessSpec) or not isinstance(self.learner, GRPOSpec):
+            return self  # plug-ins: their numbers mean what their authors say
+        k = self.staleness.k if self.staleness.k is not None else (0 if self.mode == "sync" else 2)
+        problems = check(PipelineShape(
+            k=k, groups_per_step=self.learner.groups_per_step, engines=getattr(self.engine, "count", 1),
+            batch_groups=getattr(self.engine, "batch_groups", 1), produced_channel=self.buffer.produced_channel,
+            buffer_refs=self.buffer.max_refs, ready_channel=self.buffer.ready_channel,
+            admission=self.staleness.admission, max_reuse=self.replay.max_reuse, epochs=self.learner.epochs,
+            corrected=self.correction.kind != "none",
+        ))
+        if problems:
+            raise ValueError("the staleness bound does not hold: " + " | ".join(problems))
         return self
 
     def _check_mooncake_capacity(self, store: MooncakeStoreSpec) -> None:
@@ -323,6 +391,8 @@ def build_pipeline(cfg: RunConfig):
     from buffers.replay import ReplayBuffer
     from pipeline.dsl import Pipeline
     from policies import MaxStaleness
+    from policies.correction import Correction
+    from policies.selection import make_selection
     from stages.engines.sglang import SGLangEngine
     from stages.engines.torch import TorchEngine
     from stages.learner import GRPOLearner
@@ -403,10 +473,17 @@ def build_pipeline(cfg: RunConfig):
             max_grad_norm=s.max_grad_norm, weight_decay=s.weight_decay, epochs=s.epochs,
             temperature=getattr(cfg.engine, "temperature", 1.0), weights=weights(cfg.weights),
             device=s.device, snapshot_every=cfg.weights.snapshot_every,
+            correction=Correction(
+                kind=cfg.correction.kind, tis_cap=cfg.correction.tis_cap, decoupled_cap=cfg.correction.decoupled_cap
+            ),
+            selection=make_selection(
+                cfg.replay.selection, max_reuse=cfg.replay.max_reuse, drop_zero_signal=cfg.replay.drop_zero_signal,
+                max_filtered_batches=cfg.replay.max_filtered_batches, seed=cfg.seed,
+            ),
         )
     })
     staleness = build(cfg.staleness, {
-        "max-staleness": lambda s: MaxStaleness(k=s.k, on_stale=s.on_stale, max_span=s.max_span)
+        "max-staleness": lambda s: MaxStaleness(k=s.k, on_stale=s.on_stale, max_span=s.max_span, admission=s.admission)
     })
     e = cfg.engine
     return Pipeline(

@@ -1,13 +1,20 @@
 """GRPOLearner: the consumer stage. Refs in -> accepted groups -> one optimizer step per version.
 
 Each step:
-1. receive refs until `groups_per_step` groups are accepted by the staleness policy at the
-   current version (the rest are refused: dropped or requeued, and counted); the next step's
+1. receive and load refs into the replay window until it holds `groups_per_step` groups that may be
+   trained at the current version, then let the selection policy (`policies.selection`: fifo,
+   freshest, uniform) pick them. Groups whose rewards are all equal are filtered on the way in (with
+   `drop_zero_signal`; they give GRPO no gradient, and a producer makes another in their place), groups
+   the staleness policy refuses are dropped or requeued, and all of it is counted; the next step's
    groups are received and loaded while this step computes, and judged once their version is known;
 2. get + decode their payloads (checksum verified), compute group-normalised advantages and the
-   PPO-clip loss on each token's behaviour logprob, clip gradients, take an AdamW step;
+   PPO-clip loss with the configured off-policy correction (`policies.correction`: none clips
+   against each token's behaviour logprob; tis and decoupled clip against the learner's own logprobs
+   at the step's start and weight tokens by pi_prox / pi_behav), clip gradients, take an AdamW step;
 3. bump the version, publish the weights through the transport, advance the clock, and only
-   then mark the groups trained (at the version they were trained at) and free their payloads.
+   then mark the groups trained (at the version they were trained at). A group with uses left
+   (`max_reuse`) goes back into the window, to be selected again while the staleness policy accepts
+   it; a payload is freed only after its group's last use.
 Compute runs in a worker thread so the engine can decode at the same time.
 """
 
@@ -30,8 +37,11 @@ from pipeline.channel import Channel, ChannelClosed
 from pipeline.context import RunContext, free, redo, refuse
 from pipeline.refs import Ref
 from pipeline.telemetry import Panel
+from policies.correction import Correction
+from policies.selection import Fifo, NoSignalError, ReplayWindow, Selection, Taken
 from policies.staleness import staleness
-from stages.losses import group_advantages, ppo_clip_loss
+from stages.bias import outcome_panels, run_outcomes, step_outcomes
+from stages.losses import group_advantages
 from stages.model import load_model
 from stages.weights import TRANSPORTS
 from stages.weights.base import WeightTransport
@@ -53,6 +63,8 @@ class GRPOLearner:
     weights: str | WeightTransport = "inproc"
     snapshot_every: int = 1  # keep every n-th version in the store for engine processes that (re)start; 0: never
     device: str = "auto"  # "auto": cuda when a GPU is visible, else cpu
+    correction: Correction = Correction()  # off-policy correction of the loss (policies.correction)
+    selection: Selection = Fifo()  # which groups a step trains on, reuse, zero-signal filter (policies.selection)
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
@@ -65,6 +77,11 @@ class GRPOLearner:
     @property
     def units_per_version(self) -> int:
         return self.groups_per_step
+
+    @property
+    def max_uses(self) -> int:
+        """Most times one sample is trained on (the run's ledger enforces it)."""
+        return self.selection.max_reuse
 
     def actors(self, ctx: RunContext, inbox: Channel | None, outbox: Channel | None):
         assert inbox is not None
@@ -84,13 +101,15 @@ class GRPOLearner:
     # -- what the pipeline shows and returns -------------------------------------------------
     def summary(self, records: list[dict]) -> dict[str, Any]:
         """reward_start / reward_end: mean train reward of the first / last few steps (a quarter of
-        the run, at most 5); max_staleness_trained: over every trained group."""
+        the run, at most 5); max_staleness_trained: over every trained group; outcomes: response
+        length and reward of the samples trained vs dropped (stages.bias)."""
         window = max(1, min(5, len(records) // 4))
         mean = lambda rows: round(float(np.mean([r["reward"] for r in rows])), 4) if rows else None  # noqa: E731
         return {
             "reward_start": mean(records[:window]),
             "reward_end": mean(records[-window:]),
             "max_staleness_trained": max((r["staleness_max"] for r in records), default=None),
+            "outcomes": run_outcomes(records),
         }
 
     def progress(self, last: dict | None) -> dict[str, Any]:
@@ -107,6 +126,8 @@ class GRPOLearner:
             Panel("throughput (trained samples/s)", "line", x="t", y=["samples_per_s"]),
             Panel("learner time per version (s): compute vs waiting", "line", x="version",
                   y=["version_s", "step_s", "collect_s"]),
+            Panel("groups without signal: filtered fraction per step", "line", x="version", y=["filtered_frac"]),
+            *outcome_panels(records),
         ]
 
 
@@ -123,6 +144,9 @@ class LearnerActor(BaseActor):
         self.optimizer: torch.optim.Optimizer | None = None
         self._frees: anyio.abc.TaskGroup | None = None
         self._fetched: list[tuple[Ref, RolloutBatch]] = []  # received and loaded, not yet judged
+        # groups this learner may train on: admitted (with signal), within the bound, uses left
+        self._window: ReplayWindow[tuple[Ref, RolloutBatch]] = ReplayWindow(spec.selection, ctx.policy)
+        self._examined = self._filtered = 0  # groups judged by the signal filter during the current step
 
     @property
     def store(self) -> ObjectStore:
@@ -156,7 +180,8 @@ class LearnerActor(BaseActor):
         version = await ctx.clock.current()  # the learner is the clock's only writer
         last = time.perf_counter()
         while version < ctx.steps:
-            refs, batches = await self._collect(version)
+            taken = await self._collect(version)
+            refs, batches = [t.item[0] for t in taken], [t.item[1] for t in taken]
             t0 = time.perf_counter()
             collect_s = t0 - last
             async with anyio.create_task_group() as tg:
@@ -171,7 +196,8 @@ class LearnerActor(BaseActor):
                 await save_snapshot(self.store, key, version + 1, self.model.state_dict())
             await ctx.clock.advance_to(version + 1)
             await ctx.ledger.trained([i for ref in refs for i in ref.item_ids], at_version=version)
-            for ref in refs:
+            settled = await ctx.ledger.take_settled()  # trained now, and dropped since the last step
+            for ref, _ in self._window.returned(taken, version):  # their last use is over
                 await free(ctx, ref, self.store, self._frees)
             trained_samples += sum(r.rows for r in refs)
             stale = [staleness(version, r.version) for r in refs]
@@ -183,6 +209,10 @@ class LearnerActor(BaseActor):
                 "staleness_mean": round(float(np.mean(stale)), 3),
                 "staleness_max": int(max(stale)),
                 "staleness_hist": stale,
+                "outcomes": step_outcomes(settled),
+                "groups_reused": sum(t.reused for t in taken),  # trained before, trained again now
+                "groups_filtered": self._filtered,  # refused for equal rewards while collecting this step
+                "filtered_frac": round(self._filtered / self._examined, 4) if self._examined else 0.0,
                 "samples_per_s": round(trained_samples / elapsed, 1),
                 "step_s": round(step_s, 4),  # compute (forward, backward, optimizer)
                 "collect_s": round(collect_s, 4),  # waiting for and loading accepted groups
@@ -197,7 +227,7 @@ class LearnerActor(BaseActor):
         They are judged by the policy only once the version they would be trained at is known.
         Cancelled while waiting, it takes nothing (channel receives are cancellation-safe); once it
         holds refs, it finishes loading them (shielded), so no received ref is ever dropped."""
-        refs = await self._receive(version + 1, self.spec.groups_per_step - len(self._fetched))
+        refs = await self._receive(version + 1, self.spec.groups_per_step - len(self._fetched) - len(self._window))
         with anyio.CancelScope(shield=True):
             for ref in refs:
                 batch = await self._load(ref)
@@ -217,24 +247,58 @@ class LearnerActor(BaseActor):
                 raise ValueError(f"ref {ref.key} comes from store {ref.store!r}, not {self.store.name!r}")
         return refs
 
-    async def _collect(self, version: int) -> tuple[list[Ref], list[RolloutBatch]]:
-        """`groups_per_step` loaded groups the policy accepts at `version` (prefetched ones first)."""
-        refs: list[Ref] = []
-        batches: list[RolloutBatch] = []
-        while len(refs) < self.spec.groups_per_step:
-            if not self._fetched:
-                for ref in await self._receive(version, self.spec.groups_per_step - len(refs)):
-                    batch = await self._load(ref)
-                    if batch is not None:
-                        self._fetched.append((ref, batch))
+    async def _collect(self, version: int) -> list[Taken[tuple[Ref, RolloutBatch]]]:
+        """`groups_per_step` groups to train on at `version`, picked by the selection policy from the
+        replay window: loaded groups (prefetched ones first) that have signal, and groups trained
+        before with uses left. Before they cost a step, groups without signal are filtered, groups the
+        staleness policy refuses are dropped or requeued, and used-up or too old reused ones are freed."""
+        wanted, ctx = self.spec.groups_per_step, self.ctx
+        self._examined = self._filtered = 0
+        while True:
+            await self._admit_fetched(version)
+            for entry in self._window.expire(version):
+                ref = entry.item[0]
+                if entry.reused:  # trained already (its fate stays trained): only its payload goes
+                    await free(ctx, ref, self.store, self._frees)
+                else:
+                    await refuse(ctx, ref, version, self.store, self._frees)
+            if len(self._window) >= wanted:
+                break
+            for ref in await self._receive(version, wanted - len(self._window)):
+                batch = await self._load(ref)
+                if batch is not None:
+                    self._fetched.append((ref, batch))
+        taken = self._window.take(version, wanted)
+        replays = sum(t.reused for t in taken)
+        if replays:  # a replayed group fills the slot of a new one, so producers do not run ahead
+            await ctx.gate.replayed(replays)
+        return taken
+
+    async def _admit_fetched(self, version: int) -> None:
+        """Move loaded groups into the window; those the selection refuses (rewards all equal) are
+        recorded as filtered, their slots freed (a producer makes another) and their payloads removed.
+        Raises `NoSignalError` once this step has filtered more than the selection's budget."""
+        selection, ctx = self.spec.selection, self.ctx
+        fetched, self._fetched = self._fetched, []
+        for ref, batch in fetched:
+            self._examined += 1
+            rewards = batch.row_fields["rewards"]
+            if selection.admit(rewards):
+                self._window.add((ref, batch), ref.version)
                 continue
-            ref, batch = self._fetched.pop(0)
-            if self.ctx.policy.accept(version, ref.version) != "train":
-                await refuse(self.ctx, ref, version, self.store, self._frees)
-                continue
-            refs.append(ref)
-            batches.append(batch)
-        return refs, batches
+            self._filtered += 1
+            await ctx.ledger.finished("dropped", ref.item_ids, f"filtered: rewards all equal ({float(rewards[0]):g})")
+            await ctx.gate.discard(1)
+            await free(ctx, ref, self.store, self._frees)
+            if selection.gave_up(self._filtered, self.spec.groups_per_step):
+                raise NoSignalError(
+                    f"the step for version {version + 1} filtered {self._filtered} groups whose rewards were all "
+                    f"equal and still lacks {self.spec.groups_per_step - len(self._window)} of "
+                    f"learner.groups_per_step = {self.spec.groups_per_step} groups with signal: the policy may have "
+                    "collapsed (see the entropy metric) or the task is solved or hopeless for it; raise "
+                    f"replay.max_filtered_batches (now {selection.max_filtered_batches}) to wait longer, or set "
+                    "replay.drop_zero_signal = false"
+                )
 
     async def _load(self, ref: Ref) -> RolloutBatch | None:
         """The decoded payload, or None when it is gone or corrupt: then its samples are counted as
@@ -273,11 +337,14 @@ class LearnerActor(BaseActor):
                 i += 1
         ids, old, mask, attn = (t.to(self.device) for t in (ids, old, mask, attn))
         adv = group_advantages(rewards, group_index)[:, None].to(self.device)
-        for _ in range(spec.epochs):  # PPO epochs: later passes see ratios move away from 1, and clip
+        proximal: torch.Tensor | None = None
+        for epoch in range(spec.epochs):  # PPO epochs: later passes see ratios move away from 1, and clip
             logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float() / spec.temperature
             logp_all = torch.log_softmax(logits, -1)
             logp = logp_all.gather(2, ids[:, 1:, None]).squeeze(-1)
-            loss, info = ppo_clip_loss(logp, old[:, 1:], adv, mask[:, 1:], spec.clip_eps)
+            if epoch == 0:  # the proximal policy: the weights at the step's start, before any update of them;
+                proximal = logp.detach()  # epoch 0's forward runs on exactly those, so it costs no extra forward
+            loss, info = spec.correction.loss(logp, old[:, 1:], proximal, adv, mask[:, 1:], spec.clip_eps)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), spec.max_grad_norm)

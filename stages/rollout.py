@@ -131,15 +131,18 @@ class RolloutWorker(BaseActor):
         refs, records = [], []
         for g, prompt in enumerate(prompts):
             group = completions[g * spec.group_size : (g + 1) * spec.group_size]
-            ref = await self._store_group(prompt, prompt_ids[g], group)
+            ref, values = await self._store_group(prompt, prompt_ids[g], group)
             refs.append(ref)
-            records.append(Produced(ref.item_ids, ref.group, (ref.version, ref.version_max), _ENCODE(prompt)))
+            records.append(Produced(ref.item_ids, ref.group, (ref.version, ref.version_max), _ENCODE(prompt), values))
         # one ledger call and one channel call per engine batch: each may cross a process boundary
         await self.ctx.ledger.produced(records)
         await self.outbox.send_many(refs)
 
-    async def _store_group(self, prompt: Prompt, prompt_ids: list[int], group: list[Completion]) -> Ref:
-        """Score, encode and store one group; returns its Ref (not yet recorded or sent)."""
+    async def _store_group(
+        self, prompt: Prompt, prompt_ids: list[int], group: list[Completion]
+    ) -> tuple[Ref, dict[str, list[float]]]:
+        """Score, encode and store one group; returns its Ref (not yet recorded or sent) and, per sample,
+        the values the ledger keeps for bias accounting: `reward` and `length` (response tokens)."""
         spec, ctx, tok = self.spec, self.ctx, self.spec.tokenizer
         texts = [tok.decode(c.tokens, skip_special_tokens=True) for c in group]
         rewards = np.array([spec.task.reward(prompt, t) for t in texts], dtype=np.float32)
@@ -176,7 +179,8 @@ class RolloutWorker(BaseActor):
         key = make_key(ctx.run, lo, group_id, f"0-{len(group) - 1}")
         await with_retries(lambda: self.store.put(key, payload))
 
-        return Ref(
+        ref = Ref(
             store=self.store.name, key=key, version=lo, version_max=hi, rows=len(group),
             nbytes=payload.nbytes, checksum=peek(payload).checksum, group=group_id,
         )
+        return ref, {"reward": rewards.tolist(), "length": [float(len(c.tokens)) for c in group]}

@@ -26,6 +26,7 @@ def test_counts_and_balance_after_mixed_fates() -> None:
     assert len(ledger) == 11
     assert ledger.counts() == {
         "produced": 11, "trained": 4, "dropped": 2, "lost": 1, "regenerated": 2, "in_flight": 2,
+        "filtered": 0, "reused": 0,
     }
     assert ledger.violations() == []
     assert ledger.balanced()
@@ -159,3 +160,27 @@ def test_sources_are_kept_for_redo_and_forgotten_when_done() -> None:
     ledger.trained(["b/0"], at_version=0)
     with pytest.raises(LedgerError, match="no source"):
         ledger.take_source("b")  # trained: never redone, so not kept
+
+
+def test_reuse_and_filtered_are_counted_without_changing_fates() -> None:
+    ledger = Ledger(max_uses=3)
+    ledger.produced(ids("a", 2), group="a", versions=(0, 0))
+    ledger.produced(ids("b", 2), group="b", versions=(0, 0))
+    ledger.produced(ids("c", 2), group="c", versions=(1, 1))
+    for v in (0, 1, 2):
+        ledger.trained(ids("a", 2), at_version=v)
+    ledger.trained(ids("b", 2), at_version=1)
+    ledger.dropped(ids("c", 2), reason="filtered: rewards all equal (0.5)")
+    counts = ledger.counts()
+    assert counts["trained"] == 4 and counts["reused"] == 4  # a/0 and a/1 twice each beyond the first use
+    assert counts["dropped"] == 2 and counts["filtered"] == 2
+    assert sum(counts[f] for f in ("trained", "dropped", "lost", "regenerated", "in_flight")) == counts["produced"]
+    assert ledger.balanced()
+    assert ledger["a/0"].trained_at == [0, 1, 2]
+
+
+def test_a_stale_drop_is_not_counted_as_filtered() -> None:
+    ledger = Ledger()
+    ledger.produced(["a"], group="a", versions=(0, 0))
+    ledger.dropped(["a"], reason="stale: 3 > 2")
+    assert ledger.counts()["filtered"] == 0 and ledger.counts()["dropped"] == 1

@@ -69,6 +69,9 @@ class Conductor(LocalClock, LocalLedger):
     async def discard(self, units: int) -> None:
         self.gate.discard(units)
 
+    async def replayed(self, units: int) -> None:
+        self.gate.replayed(units)
+
     async def worker_died(self, worker: str) -> int:
         """Free the slots of the units `worker` had admitted but not produced; returns how many."""
         lost = self.outstanding.pop(worker, 0)
@@ -123,6 +126,9 @@ class RemoteGate:
     async def discard(self, units: int) -> None:
         await self.conductor.discard.remote(units)
 
+    async def replayed(self, units: int) -> None:
+        await self.conductor.replayed.remote(units)
+
 
 @dataclass
 class RemoteLedger:
@@ -143,6 +149,9 @@ class RemoteLedger:
 
     async def fates(self, ids: list[str]) -> list[str]:
         return await self.conductor.fates.remote(ids)
+
+    async def take_settled(self) -> dict[str, dict[str, list[float]]]:
+        return await self.conductor.take_settled.remote()
 
 
 @dataclass

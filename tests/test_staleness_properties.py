@@ -1,0 +1,123 @@
+"""Properties of the staleness contract over a simulated clock (tests/staleness_sim.py), with the real
+policies: admission and accept and interrupt (policies.staleness), admit / evict / select and reuse
+(policies.selection), and the static bound (policies.bounds) checked against the simulated worst case."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from staleness_sim import ACTIONS, Sim
+
+from policies.bounds import PipelineShape, arrival_staleness, check
+from policies.selection import make_selection
+from policies.staleness import MaxStaleness
+
+FAST = settings(max_examples=60, deadline=None)
+
+
+@st.composite
+def shapes(draw, max_reuse: bool = True, epochs: bool = False) -> PipelineShape:
+    k = draw(st.integers(0, 4))
+    return PipelineShape(
+        k=k,
+        groups_per_step=draw(st.integers(1, 4)),
+        engines=draw(st.integers(1, 3)),
+        batch_groups=draw(st.integers(1, 4)),
+        produced_channel=draw(st.integers(1, 6)),
+        buffer_refs=draw(st.integers(1, 10)),
+        ready_channel=draw(st.integers(1, 4)),
+        admission=draw(st.sampled_from(["pace", "eager"])),
+        max_reuse=draw(st.integers(1, k + 1)) if max_reuse else 1,
+        epochs=draw(st.integers(1, 3)) if epochs else 1,
+        corrected=draw(st.booleans()) if epochs else False,
+    )
+
+
+def simulate(shape: PipelineShape, kind: str, on_stale: str = "drop", signal: list[bool] | None = None,
+             in_order: bool = True, seed: int = 0) -> Sim:
+    staleness = MaxStaleness(k=shape.k, on_stale=on_stale, admission=shape.admission)
+    selection = make_selection(kind, max_reuse=shape.max_reuse, drop_zero_signal=True, seed=seed)
+    sim = Sim(shape, staleness, selection, in_order=in_order)
+    sim.signal = iter(signal or ())
+    return sim
+
+
+interleavings = st.lists(st.tuples(st.sampled_from(ACTIONS), st.integers(0, 5)), min_size=1, max_size=250)
+
+
+@FAST
+@given(shape=shapes(), kind=st.sampled_from(["fifo", "freshest", "uniform"]),
+       on_stale=st.sampled_from(["drop", "requeue"]), signal=st.lists(st.booleans(), max_size=80),
+       actions=interleavings, seed=st.integers(0, 9))
+def test_no_trained_group_is_older_than_k_and_none_is_reused_beyond_max_reuse(
+    shape, kind, on_stale, signal, actions, seed
+) -> None:
+    """Any interleaving, engines finishing in any order (stragglers included), any selection."""
+    sim = simulate(shape, kind, on_stale, signal, in_order=False, seed=seed)
+    for action, index in actions:
+        sim.act(action, index)
+    assert all(0 <= s <= shape.k for s in sim.trained), sim.trained
+    assert all(n <= shape.max_reuse for n in sim.uses.values()), sim.uses
+    # what was refused, filtered or is still held accounts for every group the engines delivered
+    assert sum(1 for _ in sim.uses) + sim.refused + sim.filtered <= sim._ids
+
+
+@FAST
+@given(b=st.integers(1, 4), engines=st.integers(1, 3), g=st.integers(1, 4), actions=interleavings)
+def test_sync_mode_is_exactly_on_policy(b, engines, g, actions) -> None:
+    """k = 0 through the same code: every group is judged and trained at the version that generated it,
+    whatever the interleaving (engines in any order): nothing is ever refused."""
+    shape = PipelineShape(k=0, groups_per_step=b, engines=engines, batch_groups=g, produced_channel=4,
+                          buffer_refs=8, ready_channel=2, admission="pace")
+    sim = simulate(shape, "fifo", in_order=False)
+    for action, index in actions:
+        sim.act(action, index)
+    sim.worst_case(3)  # and the learner does make progress
+    assert sim.version >= 3
+    assert set(sim.arrival) == {0} and set(sim.trained) == {0} and sim.refused == 0
+
+
+@FAST
+@given(shape=shapes(epochs=True))
+def test_static_validation_accepts_exactly_the_configs_whose_worst_case_holds_the_bound(shape) -> None:
+    """With max_reuse = 1 the static verdict equals the simulated worst case's: nothing reaches the
+    learner older than k, and no epoch trains more optimizer steps off the clip's reference than k
+    (or than PPO's own epochs on on-policy data). With reuse the check may only be stricter."""
+    steps = shape.capacity * shape.max_reuse // shape.groups_per_step + 2 * shape.k + 6
+    sim = simulate(shape, "fifo").worst_case(steps)
+    held = max(sim.arrival) <= shape.k and max(sim.lags) <= max(shape.k, shape.epochs - 1)
+    accepted = check(shape) == []
+    if shape.max_reuse == 1:
+        assert accepted == held, (check(shape), max(sim.arrival), max(sim.lags))
+        if held:  # and the derivation is tight: the worst case reaches it
+            assert max(sim.arrival) == arrival_staleness(shape)
+    elif accepted:
+        assert held
+
+
+@FAST
+@given(shape=shapes(), actions=interleavings)
+def test_an_accepted_config_holds_its_bound_in_every_in_order_interleaving(shape, actions) -> None:
+    """Static acceptance is a promise about every interleaving (engines finishing in start order), not
+    only the worst case: no group ever has to be thrown away for staleness."""
+    if check(shape):
+        return
+    sim = simulate(shape, "fifo")
+    for action, index in actions:
+        sim.act(action, index)
+    assert all(s <= shape.k for s in sim.arrival) and sim.refused == 0
+
+
+@settings(max_examples=30, deadline=None)
+@given(shape=shapes(), kind=st.sampled_from(["fifo", "freshest", "uniform"]))
+def test_reuse_reaches_max_reuse_when_the_bound_allows_it(shape, kind) -> None:
+    """Reuse is used, not only allowed: in a long worst-case run with FIFO some group is trained more
+    than once when max_reuse > 1 (and none more than max_reuse times, with any selection). FIFO puts a
+    reused group behind the groups already waiting, so it may age out before its last allowed use."""
+    sim = simulate(shape, kind).worst_case(3 * shape.k + 3 * shape.max_reuse + 4)
+    uses = Counter(sim.uses.values())
+    assert max(uses) <= shape.max_reuse
+    if kind == "fifo" and shape.max_reuse > 1:
+        assert max(uses) >= 2, (uses, sim.version)
