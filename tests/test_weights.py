@@ -182,7 +182,8 @@ async def test_p2p_push_is_bit_exact_in_every_engine_process(model, peers) -> No
 @pytest.mark.anyio
 async def test_the_engine_runs_on_the_slot_and_the_live_slot_is_never_written(model) -> None:
     """Zero-copy apply: the committed slot becomes the engine's weights; the next version goes to
-    the other slot, also after the learner had to say hello again (e.g. after a failed write)."""
+    the other slot, also after the learner had to say hello again (e.g. after a failed write) and
+    after a re-send the engine answered with "already applied"."""
     from stages.engines.torch import TorchEngine
     from stages.weights.mooncake_p2p import MooncakeP2PTransport
 
@@ -196,6 +197,8 @@ async def test_the_engine_runs_on_the_slot_and_the_live_slot_is_never_written(mo
         for version in (1, 2, 3):
             if version == 2:
                 transport._targets[0].slots = ()  # forget the slots: hello again
+            if version == 3:  # the version it holds, re-sent (as after a restart was suspected)
+                await transport.resend(transport._targets[0].asker)
             state = learner_version(model, seed=version)
             await transport.publish(version, state)
             live = receiver._slots[receiver._live]

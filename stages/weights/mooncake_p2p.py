@@ -70,6 +70,13 @@ class Commit(msgspec.Struct, frozen=True):
     layout: bytes
 
 
+class CommitReply(ApplyReply, frozen=True):
+    """An `ApplyReply` that also says which slot the engines run on afterwards: whatever happened
+    (applied, already held, refused), the learner's next write goes to the other one."""
+
+    live: int = -1
+
+
 def _transfer_engine(protocol: str, device: str) -> Any:
     from buffers.mooncake_master import require_mooncake
 
@@ -136,14 +143,17 @@ class SlotReceiver(EngineReceiver):
         return slots
 
     async def commit(self, header: bytes, _blob: Any = None) -> bytes:
+        return self._with_live(await self._commit(header))
+
+    async def _commit(self, header: bytes) -> bytes:
         try:
             commit = msgspec.msgpack.decode(header, type=Commit)
             layout = decode_layout(commit.layout)
+            if (held := self.holds(layout.version)) is not None:  # a re-send of what it has
+                return held
             if not 0 <= commit.slot < len(self._slots) or commit.slot == self._live:
                 raise LayoutError(f"slot {commit.slot} cannot take a version (live: {self._live})")
             slot = self._slots[commit.slot]
-            if (held := self.holds(layout.version)) is not None:  # a re-send of what it has
-                return held
             bad = await anyio.to_thread.run_sync(bad_buckets, slot, layout)
             if bad:
                 raise LayoutError(f"buckets {bad} of version {layout.version} fail their checksum")
@@ -152,6 +162,10 @@ class SlotReceiver(EngineReceiver):
         reply = await self.apply(layout.version, views(slot, layout))
         self._live = commit.slot
         return reply
+
+    def _with_live(self, reply: bytes) -> bytes:
+        r = msgspec.msgpack.decode(reply, type=ApplyReply)
+        return msgspec.msgpack.encode(CommitReply(r.ok, r.version, r.reason, self._live))
 
     def close(self) -> None:
         if self._te is not None:
@@ -326,10 +340,11 @@ class MooncakeP2PTransport:
             answer = await target.asker.ask(COMMIT, msgspec.msgpack.encode(commit))
             if answer is None:
                 self.stats["unreachable"] += 1
+                target.slots = ()  # whatever it holds now, the next push learns it from a hello
                 return
-            reply = msgspec.msgpack.decode(answer, type=ApplyReply)
+            reply = msgspec.msgpack.decode(answer, type=CommitReply)
+            target.next_slot = 1 - reply.live if reply.live in (0, 1) else slot  # never the live slot
             if reply.ok:
-                target.next_slot = 1 - slot  # the engines now run on `slot`: never written while live
                 self.stats["bytes"] += layout.total
                 return
             self.stats["retries"] += 1
