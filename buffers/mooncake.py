@@ -179,14 +179,19 @@ class MooncakeStore:
     # -- the five protocol methods -------------------------------------------------------------
     async def put(self, key: str, data: Buffer) -> None:
         """Upsert. While the store is full (-200) or the master is away (-900, e.g. restarting) it
-        waits, up to `full_wait_s`, then raises the typed error."""
+        waits, up to `full_wait_s`, then raises the typed error. With replicas > 1, a put the master
+        routed to a dead holder (-800) is retried too: the master drops that holder within its
+        client_ttl, and the copies then go to live segments."""
         view = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+        waits: tuple[type[MooncakeError], ...] = (MooncakeNoSpace, MooncakeMasterUnreachable)
+        if self.settings.replicas > 1:
+            waits = (*waits, MooncakeTransferFailed)
         try:
             return await self._call(self._put, key, view, nbytes=view.nbytes)
-        except (MooncakeNoSpace, MooncakeMasterUnreachable):
+        except waits:
             pass
         async for attempt in AsyncRetrying(
-            retry=retry_if_exception_type((MooncakeNoSpace, MooncakeMasterUnreachable)),
+            retry=retry_if_exception_type(waits),
             wait=wait_exponential(multiplier=0.02, max=0.5),
             stop=stop_after_delay(self.settings.full_wait_s),
             reraise=True,

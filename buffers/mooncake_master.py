@@ -133,6 +133,13 @@ class MooncakeMaster:
             self.process.kill()
             self.process.wait()
 
+    def restart(self, timeout_s: float = 20.0) -> None:
+        """SIGKILL this master and start a new one on the same port (store.master_restart: every key
+        is lost, clients reconnect to the new one); `stop()` then stops the new process."""
+        self.kill()
+        self.process = None
+        self.start(timeout_s)
+
     def __enter__(self) -> MooncakeMaster:
         return self.start()
 

@@ -20,6 +20,7 @@ import anyio
 from buffers.store import ObjectStore, StoreSpec, open_store
 from pipeline.actor import BaseActor
 from pipeline.channel import Channel
+from pipeline.checkpoint import HeldRef
 from pipeline.context import RunContext, refuse
 from pipeline.refs import Ref
 
@@ -41,7 +42,7 @@ class ReplayBuffer:
     def actors(self, ctx: RunContext, inbox: Channel | None, outbox: Channel | None):
         assert inbox is not None and outbox is not None
         if "store" not in ctx.services:  # a runtime may have opened this process's store already
-            ctx.services["store"] = open_store(self.store, holder=True)
+            ctx.services["store"] = open_store(self.store, holder=True, faults=ctx.services.get("faults"))
         store = ctx.services["store"]
         return [ReplayActor(self, store, ctx, inbox, outbox)]
 
@@ -58,9 +59,16 @@ class ReplayActor(BaseActor):
         self.evicted = 0
         self._changed = anyio.Event()
         self._frees = None
+        self._forwarding: list[Ref] = []  # taken from the index, being sent on
 
     async def stop(self) -> None:
         await self.store.close()
+
+    def held_refs(self) -> list[HeldRef]:
+        """The refs being forwarded and those in the index, oldest first (what a checkpoint records of the
+        buffer; a ref of the batch being forwarded may also be in the next channel already: a resume
+        counts each group once)."""
+        return [HeldRef(ref=ref, holder=self.name) for ref in (*self._forwarding, *self.index)]
 
     def _expired(self, ref: Ref, version: int) -> bool:
         return self.ctx.policy.accept(version, ref.version) != "train"
@@ -105,7 +113,11 @@ class ReplayActor(BaseActor):
             batch = [self.index.popleft() for _ in range(min(len(self.index), self.outbox.max_items))]
             self.nbytes -= sum(r.nbytes for r in batch)
             self._poke()
+            self.ctx.note(self.name, f"forwarding {len(batch)} refs ({len(self.index)} left in the index)")
+            self._forwarding = batch
             await self.outbox.send_many(batch)
+            self._forwarding = []
+            self.ctx.note(self.name, f"forwarded {len(batch)} refs ({len(self.index)} left in the index)")
 
     async def _evict_on_version(self) -> None:
         version = await self.ctx.clock.current()

@@ -9,8 +9,9 @@ from pipeline.dsl import Pipeline, RunContext
 from pipeline.ledger import Ledger
 from pipeline.refs import Ref, make_key, parse_key
 from pipeline.versions import VersionClock
+from pipeline.watchdog import PipelineHung, WatchdogSettings
 
 __all__ = [
-    "Actor", "ActorFailed", "BaseActor", "Channel", "ChannelClosed", "Ledger", "Pipeline", "Ref",
-    "RunContext", "VersionClock", "make_key", "parse_key",
+    "Actor", "ActorFailed", "BaseActor", "Channel", "ChannelClosed", "Ledger", "Pipeline", "PipelineHung", "Ref",
+    "RunContext", "VersionClock", "WatchdogSettings", "make_key", "parse_key",
 ]

@@ -30,7 +30,7 @@ A channel is not thread-safe: use it from the tasks of one event loop (any anyio
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from time import perf_counter
 from typing import Generic, TypeVar
 
@@ -80,6 +80,9 @@ class Channel(Generic[T]):
     """A bounded FIFO of items between tasks; see the module docstring for its guarantees."""
 
     CHECKPOINT_EVERY = 32
+    # fault injection (pipeline.faults, channel.stall): awaited before each send when set; None costs
+    # one attribute check per send
+    before_send: Callable[[], Awaitable[None]] | None = None
 
     def __init__(
         self,
@@ -128,6 +131,10 @@ class Channel(Generic[T]):
 
     def __len__(self) -> int:
         return len(self._buffer)
+
+    def items(self) -> list[T]:
+        """A snapshot of the items inside, oldest first (for checkpoints and diagnosis; takes nothing out)."""
+        return [item for item, _ in self._buffer]
 
     def stats(self) -> ChannelStats:
         return ChannelStats(
@@ -195,6 +202,8 @@ class Channel(Generic[T]):
 
     async def send(self, item: T) -> None:
         """Put `item` in, waiting (in FIFO order with other senders) while it does not fit."""
+        if self.before_send is not None:
+            await self.before_send()
         self._ops += 1
         if self._ops >= self.CHECKPOINT_EVERY:
             self._ops = 0

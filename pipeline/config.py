@@ -124,7 +124,7 @@ def resolve(target: str, aliases: Mapping[str, str] | None = None) -> Any:
 
 
 def to_toml(data: Mapping[str, Any]) -> str:
-    """A minimal TOML writer for plain config data (tables, scalars, arrays of scalars)."""
+    """A minimal TOML writer for plain config data (tables, arrays of tables, scalars, arrays of scalars)."""
     lines: list[str] = []
 
     def scalar(v: Any) -> str:
@@ -136,14 +136,24 @@ def to_toml(data: Mapping[str, Any]) -> str:
             return "[" + ", ".join(scalar(x) for x in v) + "]"
         return json.dumps(str(v))
 
-    def table(prefix: str, node: Mapping[str, Any]) -> None:
-        plain = {k: v for k, v in node.items() if not isinstance(v, Mapping) and v is not None}
+    def is_tables(v: Any) -> bool:  # an array of tables: [[key]] entries
+        return isinstance(v, list | tuple) and bool(v) and all(isinstance(x, Mapping) for x in v)
+
+    def table(prefix: str, node: Mapping[str, Any], header: str | None = None) -> None:
+        plain = {k: v for k, v in node.items() if not isinstance(v, Mapping) and not is_tables(v) and v is not None}
         nested = {k: v for k, v in node.items() if isinstance(v, Mapping)}
-        if prefix and plain:
+        if header is not None:
+            lines.append(f"\n{header}")
+        elif prefix and plain:
             lines.append(f"\n[{prefix}]")
         lines.extend(f"{k} = {scalar(v)}" for k, v in plain.items())
         for k, v in nested.items():
             table(f"{prefix}.{k}" if prefix else k, v)
+        for k, v in node.items():
+            if is_tables(v):
+                name = f"{prefix}.{k}" if prefix else k
+                for entry in v:
+                    table(name, entry, header=f"[[{name}]]")
 
     table("", data)
     return "\n".join(lines).lstrip("\n") + "\n"

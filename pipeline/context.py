@@ -26,6 +26,7 @@ from pipeline.ledger import Ledger
 from pipeline.refs import Ref
 from pipeline.telemetry import RunFolder, get_logger
 from pipeline.versions import VersionClock
+from pipeline.watchdog import Activity
 
 
 class VersionPolicy(Protocol):
@@ -176,6 +177,17 @@ class RunContext:
     channels: dict[str, Any] = field(default_factory=dict)
     services: dict[str, Any] = field(default_factory=dict)
     started_at: float = field(default_factory=time.time)  # wall clock: comparable across processes
+    checkpoint: Any = None  # a pipeline.checkpoint.Checkpointer when the run checkpoints (local runtime)
+    resume: Any = None  # a pipeline.checkpoint.Resumed when the run continues from a checkpoint
+    activity: Activity = field(default_factory=Activity)  # each actor's last event, for the watchdog
+
+    def note(self, actor: str, event: str) -> None:
+        """Record `actor`'s latest event (what a hang report shows, with its age). Cheap; never awaits."""
+        self.activity.note(actor, event)
+
+    def add_status(self, line: Any) -> None:
+        """Contribute a status line to hang reports: `line()` returns one string describing a stage."""
+        self.services.setdefault("status", []).append(line)
 
     def rng(self, stream: str) -> random.Random:
         """A reproducible random stream per named user, derived from the run seed."""

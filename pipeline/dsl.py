@@ -10,7 +10,12 @@ What the pipeline guarantees, whatever the stages are:
   `ready`: buffer -> consumer) and a `feedback` channel (consumer -> producer) for work to redo;
 * producers start work only through the AdmissionGate, which reads the staleness policy;
 * every item's fate lands in the ledger; at the end the run folder holds `config.toml`,
-  `metrics.jsonl`, `ledger.json` and `report.png`, and `run()` returns the summary.
+  `metrics.jsonl`, `ledger.json` and `report.png`, and `run()` returns the summary;
+* with `checkpoint_every = N` the consumer writes a checkpoint every N versions into the run folder,
+  and `resume(run_dir)` continues that run from its latest one (pipeline.checkpoint states the rule:
+  the resumed run is the checkpoint's run; nothing in flight is lost uncounted);
+* with `watchdog` set, a run that stops making progress is reported (which stage waits on what) and
+  then failed with `PipelineHung` (pipeline.watchdog).
 
 This module knows stages only through the small `Stage` protocol: it has no idea what a model,
 a reward or a gradient is.
@@ -29,10 +34,14 @@ import anyio
 from pipeline.actor import Actor, ActorFailed
 from pipeline.admission import AdmissionGate
 from pipeline.channel import Channel
+from pipeline.checkpoint import Checkpointer, CheckpointError, Resumed
 from pipeline.context import LocalClock, LocalGate, LocalLedger, RunContext, VersionPolicy
+from pipeline.faults import FaultPlan, FaultSpec, as_plan
+from pipeline.faults import install as install_faults
 from pipeline.ledger import Ledger
 from pipeline.telemetry import Panel, Progress, RunFolder, get_logger, render_report
 from pipeline.versions import VersionClock
+from pipeline.watchdog import PipelineHung, Watchdog, WatchdogSettings
 
 
 @runtime_checkable
@@ -75,6 +84,10 @@ class Pipeline:
     max_uses: int = 1
     ray_address: str | None = None  # runtime="ray": attach to this cluster (default: start a local one)
     hooks: list[Callable[[RunContext], Sequence[Actor] | None]] = field(default_factory=list)
+    checkpoint_every: int = 0  # versions between checkpoints; 0: none (local runtime)
+    checkpoint_keep: int = 2  # complete checkpoints kept in the run folder
+    watchdog: WatchdogSettings | None = None  # hang diagnosis (local runtime); None: off
+    faults: FaultPlan | list[FaultSpec] | None = None  # injected faults (pipeline.faults); None: none, no hooks
 
     def __post_init__(self) -> None:
         # a consumer that trains on an item more than once says so; the ledger must allow it
@@ -86,18 +99,42 @@ class Pipeline:
             raise ValueError(f"runtime={self.runtime!r}: use 'local' or 'ray'")
         return anyio.run(self.arun)
 
-    async def arun(self) -> dict[str, Any]:
+    def resume(self, run_dir: str | Path) -> dict[str, Any]:
+        """Continue the run in `run_dir` from its latest checkpoint (this pipeline must be the one that
+        made it: same name, same stages) to `steps`, in the same folder; returns the summary, whose
+        `resume` entry says what was rolled back, re-used and regenerated (pipeline.checkpoint)."""
+        if self.runtime != "local":
+            raise CheckpointError(f"resume needs runtime = 'local'; runtime = {self.runtime!r} does not checkpoint")
+        return anyio.run(self.arun, run_dir)
+
+    async def arun(self, resume_from: str | Path | None = None) -> dict[str, Any]:
         from pipeline.runtime.local import run_actors
 
         if self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
-        folder = RunFolder.create(self.run_root, self.name)
-        if self.config_text is not None:
-            folder.write_text("config.toml", self.config_text)
+        if self.checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every must be >= 0 (0: off), got {self.checkpoint_every}")
+        if self.runtime == "ray" and (self.checkpoint_every or resume_from is not None or self.watchdog is not None):
+            raise CheckpointError(
+                "checkpoints, resume and the watchdog need runtime = 'local' (the Ray runtime keeps the run's "
+                "state in several processes); set checkpoint_every = 0 and watchdog = None, or use runtime = 'local'"
+            )
+        resumed = Resumed.open(resume_from, self.name, self.steps) if resume_from is not None else None
+        if resumed is not None:
+            folder = resumed.folder
+        else:
+            folder = RunFolder.create(self.run_root, self.name)
+            if self.config_text is not None:
+                folder.write_text("config.toml", self.config_text)
         if self.runtime == "ray":
             return await self._arun_ray(folder)
-        clock, ledger = VersionClock(), Ledger(max_uses=self.max_uses)
+        if resumed is not None:
+            clock, ledger = resumed.clock(), resumed.ledger(self.max_uses)
+        else:
+            clock, ledger = VersionClock(), Ledger(max_uses=self.max_uses)
         gate = AdmissionGate(clock, self.staleness, self.consumer.units_per_version)
+        if resumed is not None:
+            resumed.restore_gate(gate)
         ctx = RunContext(
             run=self.name,
             seed=self.seed,
@@ -108,10 +145,18 @@ class Pipeline:
             policy=self.staleness,
             feedback=Channel("feedback", max_items=1 << 20),
             folder=folder,
+            resume=resumed,
         )
         produced = Channel("produced", max_items=self.produced_channel[0], max_bytes=self.produced_channel[1])
         ready = Channel("ready", max_items=self.ready_channel[0], max_bytes=self.ready_channel[1])
         ctx.channels.update(produced=produced, ready=ready, feedback=ctx.feedback)
+        install_faults(ctx, as_plan(self.faults))  # nothing at all when no fault is planned
+        if self.checkpoint_every:
+            ctx.checkpoint = Checkpointer(
+                folder.path, self.checkpoint_every, run=self.name, steps=self.steps, clock=clock, ledger=ledger,
+                gate=gate, channels={"produced": produced, "ready": ready}, feedback=ctx.feedback,
+                keep=self.checkpoint_keep,
+            )
         extra: list[Actor] = []
         for hook in self.hooks:  # a hook sees the context and may add actors (watchdogs, fault injectors)
             extra.extend(hook(ctx) or ())
@@ -120,7 +165,18 @@ class Pipeline:
         buffers = list(self.buffer.actors(ctx, produced, ready))
         producers = list(self.producer.actors(ctx, None, produced))
         consumers = list(self.consumer.actors(ctx, ready, None))
+        if ctx.checkpoint is not None:  # refs producers are sending and the buffer's index are checkpointed too
+            ctx.checkpoint.holders = [a for a in (*producers, *buffers) if hasattr(a, "held_refs")]
+        if resumed is not None:
+            extra.append(resumed.feeder(ctx, produced, ledger))
         actors = [*producers, *buffers, *consumers, *extra]
+        if self.watchdog is not None and self.watchdog.enabled:
+            actors.append(Watchdog(
+                self.watchdog, progress=lambda: (("version", clock.version), *ledger.counts().items()),
+                channels=ctx.channels, actors=list(actors), activity=ctx.activity,
+                status=ctx.services.setdefault("status", []), gate=lambda: _gate_status(gate), run=self.name,
+                folder=folder,
+            ))
         log = ctx.log("pipeline")
         log.info("run starting", folder=str(folder.path), actors=[a.name for a in actors], steps=self.steps)
 
@@ -142,8 +198,13 @@ class Pipeline:
             if failure is not None:
                 log.error("run failed", folder=str(folder.path), ledger=ledger.counts(), error=str(failure))
         if failure is not None:
+            if isinstance(failure.__cause__, PipelineHung):
+                raise failure.__cause__  # the watchdog's own diagnosis, not "actor 'watchdog' failed"
             raise failure
-        summary = self._summary(folder, records, clock.version, ledger.counts(), ledger.balanced(), ctx.started_at)
+        extra_summary = {"resume": resumed.summary()} if resumed is not None else {}
+        summary = self._summary(
+            folder, records, clock.version, ledger.counts(), ledger.balanced(), ctx.started_at, **extra_summary
+        )
         log.info("run finished", **{k: summary[k] for k in ("version", "wall_s", "samples_per_s")})
         return summary
 
@@ -206,3 +267,13 @@ class Pipeline:
         folder.write_json("summary.json", summary)
         folder.close()
         return summary
+
+
+def _gate_status(gate: AdmissionGate) -> dict[str, Any]:
+    """The admission gate's counts and whether its policy would admit one more unit now."""
+    return {
+        "version": gate.clock.version, "started": gate.started, "discarded": gate.discarded,
+        "live": gate.started - gate.discarded, "admits_now": gate.policy.admit(
+            gate.clock.version, gate.started, gate.discarded, gate.units_per_version
+        ),
+    }

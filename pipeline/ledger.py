@@ -29,7 +29,12 @@ values of items still in flight are the only ones held.
 
 The ledger also keeps, per group, what the group was made from (`source`, opaque bytes such as an
 encoded prompt) until the group is trained or dropped, so work that was lost or requeued can be
-redone exactly (`take_source`) by whichever producer picks it up.
+redone exactly (`take_source`) by whichever producer picks it up. A taken source stays *pending*
+until a group made from the same bytes is produced (`pending_redo()`), so a checkpoint taken while
+the redo is being generated still knows that work is owed (see pipeline.checkpoint).
+
+`state()` / `Ledger.from_state()` turn the whole ledger (records, counts, sources, pending redos,
+values of unsettled items) into a msgspec struct and back, for checkpoints.
 """
 
 from __future__ import annotations
@@ -58,6 +63,18 @@ class ItemRecord(msgspec.Struct):
     reason: str = ""
 
 
+class LedgerState(msgspec.Struct, kw_only=True):
+    """Everything a ledger holds, for a checkpoint (msgspec: no pickle). `pending_redo` lists the sources
+    taken for redoing (by the group they were taken from) whose new group was not produced yet."""
+
+    max_uses: int
+    records: list[ItemRecord]
+    counts: dict[str, int]
+    sources: dict[str, bytes]
+    pending_redo: list[tuple[str, bytes]]
+    values: dict[str, dict[str, float]]
+
+
 class Ledger:
     def __init__(self, max_uses: int = 1) -> None:
         if max_uses < 1:
@@ -67,6 +84,7 @@ class Ledger:
         self._counts: Counter[str] = Counter()
         self._sources: dict[str, bytes] = {}
         self._values: dict[str, dict[str, float]] = {}  # item id -> named values, until it settles
+        self._pending_redo: list[tuple[str, bytes]] = []  # (group, source) taken, its redo not produced yet
         self._settled: defaultdict[str, defaultdict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
 
     def __len__(self) -> int:
@@ -104,13 +122,69 @@ class Ledger:
                 self._values[item_id] = {name: float(numbers[i]) for name, numbers in values.items()}
         if source is not None:
             self._sources[group] = source
+            for i, (_, pending) in enumerate(self._pending_redo):  # a redo made from these bytes is done
+                if pending == source:
+                    del self._pending_redo[i]
+                    break
 
     def take_source(self, group: str) -> bytes:
-        """What `group` was made from (given at `produced`), for redoing it; forgotten once taken."""
+        """What `group` was made from (given at `produced`), for redoing it. Once taken it is no longer
+        the group's source, but stays in `pending_redo()` until a group made from it is produced."""
         try:
-            return self._sources.pop(group)
+            source = self._sources.pop(group)
         except KeyError:
             raise LedgerError(f"no source recorded for group {group!r} (never produced, or already done)") from None
+        self._pending_redo.append((group, source))
+        return source
+
+    def pending_redo(self) -> list[tuple[str, bytes]]:
+        """(group, source) of redos taken by a producer whose new group was not produced yet."""
+        return list(self._pending_redo)
+
+    def owe(self, group: str, source: bytes) -> None:
+        """Record work owed under the name `group` (no items yet): a producer makes it by `take_source(group)`
+        (a resumed run owes the prompts the crashed one had admitted but not produced)."""
+        if group in self._sources or any(rec.group == group for rec in self._items.values()):
+            raise LedgerError(f"group {group!r} is known already; owed work needs a new name")
+        self._sources[group] = source
+
+    def requeue_pending_redo(self) -> list[str]:
+        """Every pending redo becomes its group's source again, to be taken anew (a resumed run owes the
+        work the crashed one was redoing); returns those groups."""
+        groups = []
+        for group, source in self._pending_redo:
+            self._sources[group] = source
+            groups.append(group)
+        self._pending_redo.clear()
+        return groups
+
+    def state(self) -> LedgerState:
+        """A deep snapshot of the ledger (records are copied: later changes do not touch it)."""
+        return LedgerState(
+            max_uses=self.max_uses,
+            records=[
+                ItemRecord(r.id, r.group, r.versions, list(r.trained_at), r.fate, r.reason)
+                for r in self._items.values()
+            ],
+            counts=dict(self._counts),
+            sources=dict(self._sources),
+            pending_redo=list(self._pending_redo),
+            values={k: dict(v) for k, v in self._values.items()},
+        )
+
+    @classmethod
+    def from_state(cls, state: LedgerState, max_uses: int | None = None) -> Ledger:
+        """The ledger `state` describes (`max_uses`: the resumed run's, default the checkpoint's)."""
+        ledger = cls(max_uses=max_uses if max_uses is not None else state.max_uses)
+        ledger._items = {r.id: r for r in state.records}
+        ledger._counts = Counter(state.counts)
+        ledger._sources = dict(state.sources)
+        ledger._pending_redo = list(state.pending_redo)
+        ledger._values = {k: dict(v) for k, v in state.values.items()}
+        problems = ledger.violations()
+        if problems:
+            raise LedgerError(f"a checkpointed ledger does not balance: {'; '.join(problems[:5])}")
+        return ledger
 
     def trained(self, ids: Iterable[str], at_version: int) -> None:
         for item_id in ids:

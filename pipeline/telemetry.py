@@ -174,6 +174,12 @@ class RunFolder:
         self._metrics.write(_json_dumps(record) + "\n")
         self._metrics.flush()
 
+    def append_record(self, rel: str | Path, record: Mapping[str, Any]) -> None:
+        """Append `record` as one JSON line to the JSONL file `rel` (opened, written and closed each time:
+        one short line per call, written with O_APPEND, so several processes may append to one file)."""
+        with open(self._resolve(rel), "a", encoding="utf-8") as f:
+            f.write(_json_dumps(record) + "\n")
+
     def latest_metrics(self) -> dict[str, Any] | None:
         """The last complete record of metrics.jsonl (read incrementally: cheap to poll, and it
         sees records other processes append to the same file)."""

@@ -128,6 +128,14 @@ class Selection:
     def gave_up(self, filtered: int, groups_per_step: int) -> bool:
         return filtered > self.max_filtered_batches * groups_per_step
 
+    def rng_state(self) -> tuple | None:
+        """The state of this policy's random stream (`random.Random.getstate()`), None if it has none."""
+        return None
+
+    def set_rng_state(self, state: tuple) -> None:
+        """Continue the random stream from `state` (a checkpoint's); a policy without one ignores it."""
+        return None
+
     def select(self, candidates: Sequence[Candidate], version: int, n: int) -> list[int]:
         order = sorted(range(len(candidates)), key=lambda i: self._rank(candidates[i]))
         return order[: max(n, 0)]
@@ -174,6 +182,12 @@ class Uniform(Selection):
     def select(self, candidates: Sequence[Candidate], version: int, n: int) -> list[int]:
         return self._rng.sample(range(len(candidates)), min(max(n, 0), len(candidates)))
 
+    def rng_state(self) -> tuple:
+        return self._rng.getstate()
+
+    def set_rng_state(self, state: tuple) -> None:
+        self._rng.setstate(state)
+
 
 def make_selection(kind: str, **options) -> Selection:
     """The selection policy named `kind` ("fifo" | "freshest" | "uniform"), with its options."""
@@ -219,9 +233,18 @@ class ReplayWindow(Generic[T]):
     def __len__(self) -> int:
         return len(self._entries)
 
-    def add(self, item: T, version: int) -> None:
-        """A fresh group (never trained) enters at the back."""
-        self._entries.append(Taken(item, Candidate(version=version, uses=0, arrival=self._next_arrival())))
+    def add(self, item: T, version: int, uses: int = 0) -> None:
+        """A group enters at the back: a fresh one (never trained), or, restoring a checkpoint, one that
+        was trained `uses` times already (fewer than `max_reuse`)."""
+        if not 0 <= uses < self.selection.max_reuse:
+            raise ValueError(
+                f"a group trained {uses} times cannot enter the window (max_reuse={self.selection.max_reuse})"
+            )
+        self._entries.append(Taken(item, Candidate(version=version, uses=uses, arrival=self._next_arrival())))
+
+    def entries(self) -> list[Taken[T]]:
+        """The groups in the window now, in arrival order, with what the window knows of them."""
+        return list(self._entries)
 
     def expire(self, version: int) -> list[Taken[T]]:
         """Remove and return every group that may not be trained at `version` (too old, or used up)."""

@@ -1,8 +1,16 @@
 """`baton`: run or check a pipeline config.
 
     baton run CONFIG [--set key=value ...]     run; the last stdout line is the JSON summary
+    baton run --resume RUN_DIR [--set k=v ...] continue a checkpointed run (its config.toml) to its steps
     baton check CONFIG [--set key=value ...]   validate and print the resolved config; start nothing
     baton mooncake-master [--port N]           run a mooncake_master on 127.0.0.1 until interrupted
+    baton simulate CONFIG [--engines N] [--learners M] [--steps S] [--set k=v ...]
+                   [--calibrate RUN_DIR] [--sweep engines=1,2,4,8 k=0,1,2,4]
+                                               the pipeline in virtual time with cost models (stages.simulate):
+                                               a table, a run folder with a plot, one JSON line
+    baton faults CONFIG [--kinds a,b] [--seeds N] [--set k=v]
+                                               the fault matrix: a table, then one JSON line of totals;
+                                               exit 1 when any run breaks an invariant
 
 Exit codes: 0 done, 1 the run failed (an actor raised; the message names it), 2 bad config.
 """
@@ -22,11 +30,38 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_text in (("run", "run a pipeline config"), ("check", "validate a config, start nothing")):
         p = sub.add_parser(name, help=help_text)
-        p.add_argument("config", help="path to a TOML config, e.g. configs/quickstart.toml")
+        p.add_argument(
+            "config", nargs="?" if name == "run" else None,
+            help="path to a TOML config, e.g. configs/quickstart.toml (run --resume: default RUN_DIR/config.toml)",
+        )
+        if name == "run":
+            p.add_argument(
+                "--resume", metavar="RUN_DIR", default=None,
+                help="continue the run in RUN_DIR from its latest checkpoint (needs checkpoint.every > 0)",
+            )
         p.add_argument(
             "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
             help="override a config key, e.g. --set learner.lr=1e-3 (repeatable)",
         )
+    f = sub.add_parser("faults", help="run the fault matrix on a config; exit 1 if any invariant breaks")
+    f.add_argument("config", help="path to a TOML config, e.g. configs/faults.toml")
+    f.add_argument("--kinds", default=None, help="comma-separated fault kinds (default: all of them)")
+    f.add_argument("--seeds", type=int, default=3, help="seeds per fault kind: 0 .. N-1 (default 3)")
+    f.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key for every run (repeatable)")
+    s = sub.add_parser("simulate", help="predict throughput, staleness and idle time in virtual time")
+    s.add_argument("config", nargs="?", help="path to a TOML config (its [simulate] table declares costs); "
+                   "default with --calibrate: RUN_DIR/config.toml")
+    s.add_argument("--calibrate", metavar="RUN_DIR", default=None,
+                   help="use the costs measured in a real run's folder instead of the declared ones")
+    s.add_argument("--engines", type=int, default=None, help="engines to simulate (default: engine.count)")
+    s.add_argument("--learners", type=int, default=None, help="data-parallel learner replicas (default 1)")
+    s.add_argument("--steps", type=int, default=None, help="versions to simulate (default: simulate.steps or steps)")
+    s.add_argument("--sweep", nargs="+", default=None, metavar="KEY=V1,V2",
+                   help="simulate every combination, e.g. --sweep engines=1,2,4,8 k=0,1,2,4 (keys: engines, k, "
+                   "learners)")
+    s.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set simulate.decode_tokens_per_s=3000 (repeatable)")
     m = sub.add_parser("mooncake-master", help="run a mooncake_master on 127.0.0.1 (prints its address)")
     m.add_argument("--port", type=int, default=None, help="RPC port (default: a free one)")
     m.add_argument("--lease-ttl-ms", type=int, default=500, help="read lease before a key can be removed")
@@ -57,6 +92,21 @@ def run_mooncake_master(port: int | None, lease_ttl_ms: int) -> int:
     return 0
 
 
+def run_fault_matrix(config: str, kinds: str | None, seeds: int, overrides: list[str]) -> int:
+    """`baton faults`: each fault kind x seed on `config`; the table, then one JSON line of totals."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from pipeline.telemetry import configure_logging
+    from stages import fault_matrix
+
+    try:
+        cfg = load_config(config, overrides)  # the base config must be valid before any run starts
+    except ConfigError as exc:
+        print(f"baton: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(cfg.telemetry.log_format, cfg.telemetry.log_level)
+    return fault_matrix.main(config, kinds, seeds, overrides)
+
+
 def load_config(path: str, overrides: list[str]):
     from stages.config import RunConfig
 
@@ -67,8 +117,24 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "mooncake-master":
         return run_mooncake_master(args.port, args.lease_ttl_ms)
+    if args.command == "faults":
+        return run_fault_matrix(args.config, args.kinds, args.seeds, args.overrides)
+    if args.command == "simulate":
+        from stages import simulate
+
+        for flag in ("engines", "learners", "steps"):
+            value = getattr(args, flag)
+            if value is not None and value < 1:
+                print(f"baton: --{flag} must be >= 1, got {value}", file=sys.stderr)
+                return 2
+        return simulate.main(args.config, args.calibrate, args.engines, args.learners, args.steps, args.overrides,
+                             args.sweep)
+    resume = getattr(args, "resume", None)
+    if args.config is None and resume is None:
+        print("baton: run needs a CONFIG, or --resume RUN_DIR", file=sys.stderr)
+        return 2
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config or os.path.join(resume, "config.toml"), args.overrides)
     except ConfigError as exc:
         print(f"baton: {exc}", file=sys.stderr)
         return 2
@@ -78,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from pipeline.actor import ActorFailed
+    from pipeline.checkpoint import CheckpointError
     from pipeline.telemetry import configure_logging, get_logger
     from stages.config import build_pipeline
 
@@ -88,7 +155,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"baton: {exc}", file=sys.stderr)
         return 2
     try:
-        summary = pipeline.run()
+        summary = pipeline.resume(resume) if resume is not None else pipeline.run()
+    except CheckpointError as exc:
+        print(f"baton: {exc}", file=sys.stderr)
+        return 2
     except ActorFailed as exc:
         get_logger("baton").error("run failed", error=str(exc), exc_info=exc)
         return 1

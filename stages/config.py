@@ -17,6 +17,10 @@
     [weights]    transport = "inproc" | "mooncake_p2p" (protocol, device, bucket_bytes, pace, retries)
                  | "disk" (root, retries) | "delta" | "broadcast" (retries; runtime = "ray")
     [telemetry]  log_format = "console" | "json", progress
+    [[faults]]   kind (pipeline.faults.FAULT_KINDS), at = [occurrences] | probability, seed, delay_s
+    [checkpoint] every (versions between checkpoints, 0: off), keep (checkpoints kept); local runtime
+    [watchdog]   warn_after_s, fail_after_s (seconds without progress; 0: off), poll_s; local runtime
+    [simulate]   costs and cluster shape for `baton simulate` (stages.simulate.SimulateSpec); not used by run
 
 Unknown keys and bad values fail validation, naming the key, the value and what is allowed. So does a
 config whose shape can break its own staleness bound (`policies.bounds`: queues that let groups age
@@ -43,6 +47,8 @@ from pydantic import (
 )
 
 from pipeline.config import ConfigError, resolve, to_toml
+from pipeline.faults import FAULT_KINDS, FaultSpec
+from stages.simulate import SimulateSpec
 
 
 class Section(BaseModel):
@@ -154,6 +160,32 @@ class SGLangEngineSpec(Section):
 
 class RolloutSpec(Section):
     group_size: int = Field(8, ge=2)
+    request_timeout_s: float | None = Field(
+        None, gt=0, description="an engine call not answered within this is an error and its groups are generated "
+        "again; unset: wait (required by the engine.hang fault)"
+    )
+
+
+class FaultConfig(Section):
+    """One `[[faults]]` entry (pipeline.faults): a named injection point and when it fires."""
+
+    kind: Literal[FAULT_KINDS] = Field(description="the injection point, e.g. 'store.get_fail'")  # type: ignore[valid-type]
+    at: list[Annotated[int, Field(ge=1)]] = Field(
+        default_factory=list, description="occurrences (1-based) at which it fires; learner.crash: learner versions"
+    )
+    probability: float = Field(0.0, ge=0, le=1, description="instead of `at`: the chance it fires at each occurrence")
+    seed: int = Field(0, description="seeds the `probability` draws")
+    delay_s: float = Field(5.0, gt=0, description="engine.hang / channel.stall: how long it lasts")
+
+    @model_validator(mode="after")
+    def _one_schedule(self) -> FaultConfig:
+        if bool(self.at) == bool(self.probability):
+            both = "both `at` and" if self.at else "neither `at` nor"
+            raise ValueError(
+                f"fault {self.kind!r} has {both} `probability`: give exactly one, e.g. at = [3] "
+                "(fire at the 3rd occurrence) or probability = 0.01"
+            )
+        return self
 
 
 class MemoryStoreSpec(Section):
@@ -277,6 +309,32 @@ class WeightsSpec(Section):
     )
 
 
+class CheckpointSpec(Section):
+    """Checkpoints into the run folder, for `baton run --resume RUN_DIR` (pipeline.checkpoint)."""
+
+    every: int = Field(20, ge=0, description="write a checkpoint every this many versions; 0: never")
+    keep: int = Field(2, ge=1, description="complete checkpoints kept in the run folder (older ones are removed)")
+
+
+class WatchdogSpec(Section):
+    """Hang diagnosis (pipeline.watchdog): progress is the version or the ledger moving."""
+
+    warn_after_s: float = Field(60.0, ge=0, description="log where every stage waits after this long without "
+                                "progress (and again each time as long again passes); 0: never")
+    fail_after_s: float = Field(300.0, ge=0, description="fail the run with PipelineHung after this long without "
+                                "progress; 0: never")
+    poll_s: float = Field(1.0, gt=0, description="how often the watchdog looks")
+
+    @model_validator(mode="after")
+    def _warn_before_failing(self) -> WatchdogSpec:
+        if self.fail_after_s and self.warn_after_s and self.warn_after_s >= self.fail_after_s:
+            raise ValueError(
+                f"watchdog.warn_after_s = {self.warn_after_s:g} must be below watchdog.fail_after_s = "
+                f"{self.fail_after_s:g} (or 0), so a hang is reported before the run fails; lower warn_after_s"
+            )
+        return self
+
+
 class RaySpec(Section):
     address: str | None = Field(None, description="attach to this Ray cluster; default: start one on 127.0.0.1")
 
@@ -307,6 +365,11 @@ class RunConfig(Section):
     weights: WeightsSpec = WeightsSpec()
     telemetry: TelemetrySpec = TelemetrySpec()
     ray: RaySpec = RaySpec()
+    checkpoint: CheckpointSpec = CheckpointSpec()
+    watchdog: WatchdogSpec = WatchdogSpec()
+    faults: list[FaultConfig] = Field(default_factory=list, description="[[faults]]: injected faults (pipeline.faults)")
+    simulate: SimulateSpec | None = Field(None, description="[simulate]: cluster shape and declared costs for "
+                                          "`baton simulate` (stages.simulate); `baton run` ignores it")
 
     @model_validator(mode="after")
     def _mode_sets_k(self) -> RunConfig:
@@ -335,6 +398,47 @@ class RunConfig(Section):
                 f"model.path = {self.model.path!r} holds no model (no config.json) and model.create = false; "
                 "set model.create = true to make a tiny one there, or point model.path at an HF checkpoint"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _faults_fit(self) -> RunConfig:
+        """Each planned fault has what its recovery needs; say which key to set before anything starts."""
+        kinds = [f.kind for f in self.faults]
+        twice = sorted({k for k in kinds if kinds.count(k) > 1})
+        if twice:
+            raise ValueError(f"faults: {', '.join(twice)} planned more than once; merge their `at` lists into one")
+        if "engine.hang" in kinds and self.rollout.request_timeout_s is None:
+            raise ValueError(
+                "fault engine.hang needs rollout.request_timeout_s, which turns a hang into an error and the groups "
+                "into regenerated ones; set rollout.request_timeout_s (e.g. 10)"
+            )
+        for kind in ("store.master_restart", "store.holder_crash"):
+            if kind in kinds and not isinstance(self.store, MooncakeStoreSpec):
+                raise ValueError(f"fault {kind} acts on Mooncake processes, but store.kind = {self.store.kind!r}; "
+                                 "set store.kind = 'mooncake' or remove the fault")
+        if "store.master_restart" in kinds and self.runtime == "ray" and self.store.master == "auto":
+            raise ValueError(
+                "fault store.master_restart with runtime = 'ray' needs a master the faults runner owns: run it with "
+                "`baton faults CONFIG`, or use runtime = 'local' (which restarts its own store.master = 'auto')"
+            )
+        if "store.holder_crash" in kinds and self.store.replicas < 2:
+            raise ValueError(
+                f"fault store.holder_crash is survived with store.replicas = 2, but store.replicas = "
+                f"{self.store.replicas}; set store.replicas = 2 (`baton faults` does, and starts the second holder)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _local_only_features(self) -> RunConfig:
+        """Checkpoints and the watchdog need every actor in one process; say so rather than ignore them."""
+        if self.runtime != "local":
+            for section in ("checkpoint", "watchdog"):
+                spec = getattr(self, section)
+                if spec.model_fields_set and (section != "checkpoint" or spec.every):
+                    raise ValueError(
+                        f"[{section}] works with runtime = 'local' only, but runtime = {self.runtime!r}; remove "
+                        f"the [{section}] keys ({', '.join(sorted(spec.model_fields_set))}) or use runtime = 'local'"
+                    )
         return self
 
     @model_validator(mode="after")
@@ -390,6 +494,7 @@ def build_pipeline(cfg: RunConfig):
     from buffers.ray_store import RayStoreSpec
     from buffers.replay import ReplayBuffer
     from pipeline.dsl import Pipeline
+    from pipeline.watchdog import WatchdogSettings
     from policies import MaxStaleness
     from policies.correction import Correction
     from policies.selection import make_selection
@@ -495,7 +600,7 @@ def build_pipeline(cfg: RunConfig):
         producer=Rollout(
             task, engines, tokenizer=model, group_size=cfg.rollout.group_size,
             batch_groups=getattr(e, "batch_groups", 16), temperature=getattr(e, "temperature", 1.0),
-            top_p=getattr(e, "top_p", 1.0),
+            top_p=getattr(e, "top_p", 1.0), request_timeout_s=cfg.rollout.request_timeout_s,
         ),
         buffer=ReplayBuffer(store, max_refs=cfg.buffer.max_refs, max_bytes=int(cfg.buffer.max_bytes)),
         consumer=learner,
@@ -504,6 +609,11 @@ def build_pipeline(cfg: RunConfig):
         ready_channel=(cfg.buffer.ready_channel, int(cfg.buffer.ready_bytes)),
         progress=cfg.telemetry.progress,
         ray_address=cfg.ray.address,
+        checkpoint_every=cfg.checkpoint.every if cfg.runtime == "local" else 0,
+        checkpoint_keep=cfg.checkpoint.keep,
+        watchdog=WatchdogSettings(cfg.watchdog.warn_after_s, cfg.watchdog.fail_after_s, cfg.watchdog.poll_s)
+        if cfg.runtime == "local" else None,
+        faults=[FaultSpec(f.kind, tuple(f.at), f.probability, f.seed, f.delay_s) for f in cfg.faults] or None,
         config_text=cfg.resolved_toml(),
     )
 

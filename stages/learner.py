@@ -14,7 +14,11 @@ Each step:
 3. bump the version, publish the weights through the transport, advance the clock, and only
    then mark the groups trained (at the version they were trained at). A group with uses left
    (`max_reuse`) goes back into the window, to be selected again while the staleness policy accepts
-   it; a payload is freed only after its group's last use.
+   it; a payload is freed only after its group's last use;
+4. every `checkpoint.every` versions, write a checkpoint (pipeline.checkpoint): the run's state plus
+   this learner's model, optimizer and RNG states (stages.checkpoint) and the refs of its window. A
+   resumed learner starts from those, publishes the checkpoint's weights to the engines before any
+   generation, and takes back the reusable groups of its window whose payloads still exist.
 Compute runs in a worker thread so the engine can decode at the same time.
 """
 
@@ -34,17 +38,21 @@ from buffers.retry import with_retries
 from buffers.store import ObjectStore, StoreError
 from pipeline.actor import BaseActor
 from pipeline.channel import Channel, ChannelClosed
+from pipeline.checkpoint import CheckpointError, HeldRef
 from pipeline.context import RunContext, free, redo, refuse
+from pipeline.faults import plan_of
 from pipeline.refs import Ref
 from pipeline.telemetry import Panel
 from policies.correction import Correction
 from policies.selection import Fifo, NoSignalError, ReplayWindow, Selection, Taken
 from policies.staleness import staleness
 from stages.bias import outcome_panels, run_outcomes, step_outcomes
+from stages.checkpoint import read_learner_state, write_learner_state
 from stages.losses import group_advantages
 from stages.model import load_model
 from stages.weights import TRANSPORTS
 from stages.weights.base import WeightTransport
+from stages.weights.faulty import with_weight_faults
 from stages.weights.snapshot import save_snapshot, snapshot_key
 
 
@@ -86,6 +94,7 @@ class GRPOLearner:
     def actors(self, ctx: RunContext, inbox: Channel | None, outbox: Channel | None):
         assert inbox is not None
         transport = TRANSPORTS[self.weights]() if isinstance(self.weights, str) else self.weights
+        transport = with_weight_faults(transport, plan_of(ctx))  # itself unless weights.push_fail is planned
         for receiver in ctx.services.get("weight_receivers", []):  # engines in this process
             transport.subscribe(receiver)
         peers = ctx.services.get("producers", [])
@@ -96,7 +105,9 @@ class GRPOLearner:
         ctx.services["on_producer_restart"] = lambda index: remote[index].resend()
         # snapshots serve engine processes that (re)start; engines in this process never need one
         snapshot_every = self.snapshot_every if remote else 0
-        return [LearnerActor(self, ctx, inbox, transport, snapshot_every)]
+        actor = LearnerActor(self, ctx, inbox, transport, snapshot_every)
+        ctx.add_status(actor.status)
+        return [actor]
 
     # -- what the pipeline shows and returns -------------------------------------------------
     def summary(self, records: list[dict]) -> dict[str, Any]:
@@ -147,6 +158,8 @@ class LearnerActor(BaseActor):
         # groups this learner may train on: admitted (with signal), within the bound, uses left
         self._window: ReplayWindow[tuple[Ref, RolloutBatch]] = ReplayWindow(spec.selection, ctx.policy)
         self._examined = self._filtered = 0  # groups judged by the signal filter during the current step
+        self._version = 0  # the version this learner's weights are at (kept by _train)
+        self._load_s, self._loads = 0.0, 0  # store gets since the last metrics record (time, count)
 
     @property
     def store(self) -> ObjectStore:
@@ -161,8 +174,55 @@ class LearnerActor(BaseActor):
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=self.spec.lr, weight_decay=self.spec.weight_decay
         )
-        # every engine starts from exactly the learner's version 0
-        await self.transport.publish(0, self.model.state_dict())
+        version = 0
+        resume = self.ctx.resume
+        if resume is not None:
+            version = await anyio.to_thread.run_sync(
+                read_learner_state, resume.consumer_dir, self.model, self.optimizer, self.spec.selection
+            )
+            if version != resume.version:
+                raise CheckpointError(f"checkpoint {resume.checkpoint}: learner state of version {version}, "
+                                      f"run state of version {resume.version}")
+            kept = await self._restore_reusable(resume.reusable, version)
+            self.log.info("learner restored", version=version, checkpoint=str(resume.checkpoint), reusable_groups=kept)
+        # every engine starts from exactly the learner's weights of the run's first version (0 or the checkpoint's)
+        await self.transport.publish(version, self.model.state_dict())
+
+    async def _restore_reusable(self, held: list[HeldRef], version: int) -> int:
+        """Put the checkpoint's trained groups with uses left back into the window: those the staleness policy
+        still accepts at `version` and whose payload the store still holds (the others' payloads are freed;
+        their fate stays trained either way); returns how many came back."""
+        kept = 0
+        for h in held:
+            if self.ctx.policy.accept(version, h.ref.version) != "train":
+                await free(self.ctx, h.ref, self.store)
+                continue
+            try:
+                batch = decode(await self.store.get(h.ref.key, size_hint=h.ref.nbytes))
+            except (StoreError, CodecError):
+                continue
+            self._window.add((h.ref, batch), h.ref.version, uses=h.uses)
+            kept += 1
+        return kept
+
+    def held_refs(self) -> list[HeldRef]:
+        """The refs this learner holds between steps: loaded and not yet judged, then its window (with use
+        counts); what a checkpoint records of it."""
+        held = [HeldRef(ref=ref, holder=self.name) for ref, _ in self._fetched]
+        held.extend(HeldRef(ref=e.item[0], holder=self.name, uses=e.candidate.uses) for e in self._window.entries())
+        return held
+
+    def write_state(self, folder: Path) -> None:
+        """The learner's part of a checkpoint (stages.checkpoint); called between steps, in a worker thread."""
+        assert self.model is not None and self.optimizer is not None
+        write_learner_state(folder, self._version, self.model, self.optimizer, self.spec.selection)
+
+    def status(self) -> str:
+        """A line for hang reports: what the learner holds and waits for."""
+        return (
+            f"learner: version {self._version}, window {len(self._window)}/{self.spec.groups_per_step} groups, "
+            f"{len(self._fetched)} loaded and not yet judged"
+        )
 
     async def stop(self) -> None:
         await self.transport.close()
@@ -177,10 +237,12 @@ class LearnerActor(BaseActor):
         ctx = self.ctx
         t_start = time.perf_counter()
         trained_samples = 0
-        version = await ctx.clock.current()  # the learner is the clock's only writer
+        version = self._version = await ctx.clock.current()  # the learner is the clock's only writer
         last = time.perf_counter()
         while version < ctx.steps:
+            ctx.note(self.name, f"collecting {self.spec.groups_per_step} groups for version {version + 1}")
             taken = await self._collect(version)
+            ctx.note(self.name, f"training version {version + 1} on {len(taken)} groups")
             refs, batches = [t.item[0] for t in taken], [t.item[1] for t in taken]
             t0 = time.perf_counter()
             collect_s = t0 - last
@@ -190,7 +252,9 @@ class LearnerActor(BaseActor):
                 stats = await anyio.to_thread.run_sync(self._step, batches)
                 tg.cancel_scope.cancel()  # a prefetch still waiting for groups must not hold up the version
             step_s = time.perf_counter() - t0
+            t_push = time.perf_counter()
             await self.transport.publish(version + 1, self.model.state_dict())
+            push_s = time.perf_counter() - t_push
             if self.snapshot_every and (version + 1) % self.snapshot_every == 0:
                 key = snapshot_key(ctx.run, ctx.folder.path.name)
                 await save_snapshot(self.store, key, version + 1, self.model.state_dict())
@@ -216,11 +280,19 @@ class LearnerActor(BaseActor):
                 "samples_per_s": round(trained_samples / elapsed, 1),
                 "step_s": round(step_s, 4),  # compute (forward, backward, optimizer)
                 "collect_s": round(collect_s, 4),  # waiting for and loading accepted groups
+                "push_s": round(push_s, 4),  # publishing the new version's weights to the engines
+                "load_s": round(self._load_s, 4), "loads": self._loads,  # store gets since the last record
+                "tokens": int(sum(b.tokens for b in batches)),  # prompt + response tokens trained on
                 "version_s": round(time.perf_counter() - last, 4),  # this version, end to end
                 **stats,
             })
             last = time.perf_counter()
-            version += 1
+            self._load_s, self._loads = 0.0, 0
+            version = self._version = version + 1
+            ctx.note(self.name, f"trained version {version}")
+            if ctx.checkpoint is not None and ctx.checkpoint.due(version):
+                await ctx.checkpoint.save(version, self)
+                ctx.note(self.name, f"checkpoint of version {version} written")
 
     async def _prefetch(self, version: int) -> None:
         """Receive and load up to one step of groups (whatever is there, waiting for the first).
@@ -303,8 +375,11 @@ class LearnerActor(BaseActor):
     async def _load(self, ref: Ref) -> RolloutBatch | None:
         """The decoded payload, or None when it is gone or corrupt: then its samples are counted as
         lost, the slot is freed and the group's prompt goes back to the producer to be redone."""
+        t0 = time.perf_counter()
         try:
             payload = await with_retries(lambda: self.store.get(ref.key, size_hint=ref.nbytes))
+            self._load_s += time.perf_counter() - t0
+            self._loads += 1
             return decode(payload)
         except (StoreError, CodecError) as exc:
             reason = f"{type(exc).__name__}: {exc}"

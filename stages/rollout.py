@@ -12,6 +12,7 @@ A group is recorded in the ledger as produced only once its payload is stored.
 
 from __future__ import annotations
 
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,15 +21,19 @@ from typing import Any
 import anyio
 import msgspec
 import numpy as np
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from buffers.codec import RolloutBatch, encode, peek
 from buffers.retry import with_retries
-from buffers.store import ObjectStore
+from buffers.store import ObjectStore, StoreError
 from pipeline.actor import BaseActor
 from pipeline.channel import Channel
+from pipeline.checkpoint import HeldRef
 from pipeline.context import Produced, RunContext
+from pipeline.faults import FaultPlanError, plan_of
 from pipeline.refs import Ref, make_key
-from stages.engines.base import Completion, Engine, SamplingParams
+from stages.engines.base import Completion, Engine, EngineError, SamplingParams
+from stages.engines.faulty import EngineTimeout, with_engine_faults
 from stages.model import load_tokenizer
 from stages.tasks import Prompt, Task
 from stages.weights import engine_mailboxes
@@ -50,7 +55,9 @@ class Rollout:
     batch_groups: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
-    stats: dict = field(default_factory=lambda: {"groups": 0, "gen_s": 0.0, "tokens": 0})
+    request_timeout_s: float | None = None  # an engine call not answered by then is an EngineTimeout; None: wait
+    max_regenerations: int = 5  # attempts at work that failed (engine call, put) before the run fails
+    stats: dict = field(default_factory=lambda: {"groups": 0, "gen_s": 0.0, "tokens": 0, "regenerated": {}})
 
     def __post_init__(self) -> None:
         if self.group_size < 2:
@@ -59,6 +66,8 @@ class Rollout:
             raise ValueError(f"rollout.batch_groups must be >= 1, got {self.batch_groups}")
         if not self.engines:
             raise ValueError("rollout needs at least one engine")
+        if self.request_timeout_s is not None and self.request_timeout_s <= 0:
+            raise ValueError(f"rollout.request_timeout_s must be > 0 (or unset), got {self.request_timeout_s}")
         if isinstance(self.tokenizer, str | Path):
             self.tokenizer = load_tokenizer(self.tokenizer)
 
@@ -80,7 +89,20 @@ class Rollout:
                 engine.policy = ctx.policy
             if hasattr(engine, "log_dir"):  # server logs go to the run folder
                 engine.log_dir = getattr(ctx.folder, "path", ctx.folder)
-        return [RolloutWorker(self, engine, store, ctx, outbox) for engine in self.engines]
+        plan = plan_of(ctx)
+        if plan is not None and plan.planned("engine.hang") and self.request_timeout_s is None:
+            raise FaultPlanError("fault engine.hang needs rollout.request_timeout_s (e.g. 30) to turn a hang into "
+                                 "an error; set it, or remove the fault")
+        # engine faults wrap only what the worker calls; weight receivers keep the engine itself
+        return [RolloutWorker(self, with_engine_faults(engine, plan), store, ctx, outbox) for engine in self.engines]
+
+
+GENERATION_FILE = "generation.jsonl"  # per engine call: what `baton simulate --calibrate` reads of generation
+
+
+class GroupsNotStored(StoreError):
+    """Some groups of an engine batch could not be stored (after the store's retries); the rollout
+    worker generates them again."""
 
 
 _PROMPT = msgspec.json.Decoder(Prompt)
@@ -95,6 +117,8 @@ class RolloutWorker(BaseActor):
         self.incarnation = uuid.uuid4().hex[:8]
         self.rng = ctx.rng(self.name)
         self.log = ctx.log(self.name)
+        self._sending: list[Ref] = []  # recorded as produced, being sent downstream
+        self._generating: list[Prompt] = []  # admitted, not yet recorded as produced
 
     async def start(self) -> None:
         await self.engine.start()
@@ -107,10 +131,26 @@ class RolloutWorker(BaseActor):
     async def stop(self) -> None:
         await self.engine.stop()
 
+    def held_refs(self) -> list[HeldRef]:
+        """Refs recorded as produced and not yet all sent on (a checkpoint re-uses them on resume)."""
+        return [HeldRef(ref=ref, holder=self.name) for ref in self._sending]
+
+    def held_sources(self) -> list[bytes]:
+        """The encoded prompts admitted and not yet recorded as produced (a resumed run produces them)."""
+        return [_ENCODE(p) for p in self._generating]
+
     async def run(self) -> None:
         while True:
+            self.ctx.note(self.name, "waiting at the admission gate")
+            t_gate = anyio.current_time()
             n = await self.ctx.gate.acquire_many(self.spec.batch_groups)
+            t_prompts = anyio.current_time()
             prompts = [await self._next_prompt() for _ in range(n)]
+            self._call_timing = {"gate_s": t_prompts - t_gate, "prompts_s": anyio.current_time() - t_prompts}
+            self.ctx.note(
+                self.name, f"generating {n} groups ({n * self.spec.group_size} requests) on engine "
+                f"{self.engine.name} at version {self.engine.version}",
+            )
             await self._produce(prompts)
 
     async def _next_prompt(self) -> Prompt:
@@ -121,22 +161,94 @@ class RolloutWorker(BaseActor):
         return _PROMPT.decode(await self.ctx.ledger.take_source(redo.group))
 
     async def _produce(self, prompts: list[Prompt]) -> None:
+        """Generate, store, record and send the groups of `prompts`. Work that fails on the way is
+        generated again and counted (`stats["regenerated"]`, by cause), never silently dropped: an engine
+        call that does not answer (`EngineError`: it crashed, or outlived `request_timeout_s`) redoes all
+        its groups; a group whose put still fails after the store retries redoes that group. Each group
+        keeps its admission slot meanwhile (it was never recorded as produced, so the ledger has nothing
+        to correct); after `max_regenerations` further attempts the error ends the run, naming it."""
+        pending = self._generating = list(prompts)  # shrinks as groups are recorded
+        async for attempt in AsyncRetrying(
+            stop=stop_after_attempt(self.spec.max_regenerations + 1),
+            wait=wait_exponential(multiplier=0.1, max=2.0),
+            retry=retry_if_exception_type((EngineError, StoreError)),
+            before_sleep=lambda state: self._regenerating(len(pending), state.outcome.exception()),
+            reraise=True,
+        ):
+            with attempt:
+                await self._produce_once(pending)
+        self._generating = []
+
+    def _regenerating(self, groups: int, error: BaseException | None) -> None:
+        cause = type(error).__name__
+        counts = self.spec.stats.setdefault("regenerated", {})
+        counts[cause] = counts.get(cause, 0) + groups
+        self.log.warning("generating groups again", groups=groups, cause=cause, error=str(error))
+        plan = plan_of(self.ctx)
+        if plan is not None:  # the fault runner counts these (they never reached the ledger)
+            plan.record("regenerated", cause, self.name, groups=groups)
+
+    async def _produce_once(self, pending: list[Prompt]) -> None:
+        """One attempt at `pending`: what gets stored is recorded, sent and removed from `pending`;
+        raises when anything is left (EngineError: nothing came back; GroupsNotStored: some puts failed)."""
         spec, tok = self.spec, self.spec.tokenizer
-        prompt_ids = [[tok.bos_token_id, *tok.encode(p.text, add_special_tokens=False)] for p in prompts]
+        prompt_ids = [[tok.bos_token_id, *tok.encode(p.text, add_special_tokens=False)] for p in pending]
         t0 = anyio.current_time()
-        completions = await self.engine.generate(
-            [ids for ids in prompt_ids for _ in range(spec.group_size)], spec.sampling()
-        )
-        spec.stats["gen_s"] += anyio.current_time() - t0
-        refs, records = [], []
-        for g, prompt in enumerate(prompts):
+        try:
+            with anyio.fail_after(spec.request_timeout_s):  # None: no limit
+                completions = await self.engine.generate(
+                    [ids for ids in prompt_ids for _ in range(spec.group_size)], spec.sampling()
+                )
+        except TimeoutError:
+            raise EngineTimeout(
+                f"engine {self.engine.name} did not answer {len(pending)} groups within "
+                f"rollout.request_timeout_s = {spec.request_timeout_s} s"
+            ) from None
+        gen_s = anyio.current_time() - t0
+        spec.stats["gen_s"] += gen_s
+        t_put = anyio.current_time()
+        refs, records, unstored, failure = [], [], [], None
+        for g, prompt in enumerate(pending):
             group = completions[g * spec.group_size : (g + 1) * spec.group_size]
-            ref, values = await self._store_group(prompt, prompt_ids[g], group)
+            try:
+                ref, values = await self._store_group(prompt, prompt_ids[g], group)
+            except StoreError as exc:  # retried already (with_retries): this group is generated again
+                unstored.append(prompt)
+                failure = exc
+                continue
             refs.append(ref)
             records.append(Produced(ref.item_ids, ref.group, (ref.version, ref.version_max), _ENCODE(prompt), values))
+        put_s = anyio.current_time() - t_put
+        pending[:] = unstored
+        if not refs:
+            raise GroupsNotStored(f"no group of this batch could be stored: {failure}") from failure
         # one ledger call and one channel call per engine batch: each may cross a process boundary
         await self.ctx.ledger.produced(records)
+        self._sending = refs
+        self.ctx.note(self.name, f"sending {len(refs)} refs downstream")
         await self.outbox.send_many(refs)
+        self._log_generation(len(refs), gen_s, put_s, anyio.current_time() - t_put - put_s, completions, refs)
+        self._sending = []
+        if unstored:
+            raise GroupsNotStored(f"{len(unstored)} groups could not be stored: {failure}") from failure
+
+    def _log_generation(self, groups: int, gen_s: float, put_s: float, send_s: float, completions: list[Completion],
+                        refs: list[Ref]) -> None:
+        """One line per engine call in the run folder's generation.jsonl (`baton simulate --calibrate` reads
+        it): seconds waiting at the gate, taking prompts, generating, storing, recording and sending; groups,
+        response tokens and their lengths, bytes stored."""
+        folder = getattr(self.ctx, "folder", None)
+        if folder is None or not hasattr(folder, "append_record"):
+            return
+        timing = {k: round(v, 5) for k, v in getattr(self, "_call_timing", {}).items()}
+        folder.append_record(GENERATION_FILE, {
+            "engine": self.engine.name, "t": round(time.time() - self.ctx.started_at, 4), "groups": groups,
+            "group_size": self.spec.group_size, **timing, "gen_s": round(gen_s, 5), "put_s": round(put_s, 5),
+            "send_s": round(send_s, 5),
+            "tokens": int(sum(len(c.tokens) for c in completions)),
+            "lengths": [len(c.tokens) for c in completions],
+            "nbytes": int(sum(r.nbytes for r in refs)),
+        })
 
     async def _store_group(
         self, prompt: Prompt, prompt_ids: list[int], group: list[Completion]

@@ -38,6 +38,8 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, w
 from pipeline.actor import ActorFailed  # noqa: E402
 from pipeline.admission import AdmissionGate  # noqa: E402
 from pipeline.context import LocalClock, LocalLedger, Produced, Redo, RunContext, VersionPolicy  # noqa: E402
+from pipeline.faults import as_plan  # noqa: E402
+from pipeline.faults import install as install_faults  # noqa: E402
 from pipeline.ledger import Ledger  # noqa: E402
 from pipeline.runtime.ray_channel import RayChannel  # noqa: E402
 from pipeline.telemetry import RunFolder, configure_logging, get_logger  # noqa: E402
@@ -194,6 +196,7 @@ class Wiring:
     started_at: float
     log_format: str = "console"
     peers: dict[str, list[Any]] = field(default_factory=dict)
+    faults: Any = None  # a pipeline.faults.FaultPlan, bound in each host (process-level faults kill the host)
 
 
 @ray.remote(num_cpus=1, max_concurrency=64)
@@ -231,7 +234,8 @@ class StageHost:
             channels={k: v for k, v in w.channels.items() if k != "feedback"},
             started_at=w.started_at,
         )
-        ctx.services["store"] = open_store(w.store, holder=self.role == "buffer")
+        plan = install_faults(ctx, w.faults, isolated=True)
+        ctx.services["store"] = open_store(w.store, holder=self.role == "buffer", faults=plan)
         ctx.services["producers"] = [Peer(h) for h in peers.get("producer", [])]
         produced, ready = w.channels["produced"], w.channels["ready"]
         inbox, outbox = {
@@ -314,7 +318,7 @@ class RayRun:
             wiring = Wiring(
                 run=pipe.name, seed=pipe.seed, steps=pipe.steps, folder=str(folder.path), policy=pipe.staleness,
                 units_per_version=pipe.consumer.units_per_version, conductor=conductor, channels=channels,
-                store=store, started_at=time.time(), log_format=self.log_format,
+                store=store, started_at=time.time(), log_format=self.log_format, faults=as_plan(pipe.faults),
             )
             n_producers = len(pipe.producer.engines)
             tag = f"baton/{pipe.name}/{folder.path.name}"  # named, so operators (and tests) can find them

@@ -307,6 +307,7 @@ class RayChannel(Generic[T]):
     """Proxy on a `ChannelHost`: the surface of `Channel`, from any process (see the module docstring)."""
 
     CLEANUP_TIMEOUT_S = 10.0
+    before_send: Any = None  # fault injection (channel.stall), as on `Channel`: awaited before a send when set
 
     def __init__(self, host: Any, name: str, max_items: int, max_bytes: int | None, item_type: type[T]) -> None:
         self._host = host
@@ -429,6 +430,8 @@ class RayChannel(Generic[T]):
     # -- the Channel surface ---------------------------------------------------------------------
     async def send(self, item: T) -> None:
         """Put `item` in, waiting (in the host, FIFO with other senders) while it does not fit."""
+        if self.before_send is not None:
+            await self.before_send()
         if self._closed:
             raise self._closed_error()
         self._check(await self._call(self._send_m, self._encode(item)))
@@ -438,6 +441,8 @@ class RayChannel(Generic[T]):
 
         On `ChannelClosed`, the exception's `sent` attribute counts the items that went in first.
         """
+        if self.before_send is not None:
+            await self.before_send()
         if self._closed:
             raise self._closed_error()
         batch = items if isinstance(items, list) else list(items)

@@ -1,0 +1,495 @@
+"""Checkpoint and resume: a run that crashes continues from its last checkpoint, losing nothing uncounted.
+
+What a checkpoint holds (every `every` versions, written by the consumer between two steps):
+
+* `run_state.msgpack` (msgspec, no pickle): the version, the whole ledger (records, counts, redo sources,
+  redos in progress), the admission gate's counts, and every ref the pipeline held at that moment, with
+  where it was and how often the consumer had used it: refs a producer is sending, the `produced` and
+  `ready` channels, the buffer's index (and the batch it is forwarding), the consumer's replay window;
+  the redo requests waiting in the feedback channel; and the prompts producers had admitted but not yet
+  produced (`owed`);
+* `consumer/`: what the consumer writes for itself (`write_state`; the GRPO learner: model as
+  safetensors, optimizer via `torch.save` read back with `weights_only=True`, RNG states);
+* `manifest.json`, written last: every file with its size.
+
+Atomicity: a checkpoint is written into `checkpoints/.tmp-*`, fsynced, renamed to
+`checkpoints/v{version:08d}-{id}`, and only then named in `checkpoints/latest` (temp file + `os.replace`);
+older checkpoints are removed after that (`keep` are kept). A crash at any moment leaves `latest`
+naming a complete checkpoint (the old one or the new one); a half-written folder is never named, and
+`latest_checkpoint` also verifies the manifest, falling back to the newest complete one.
+
+The state is captured without yielding to the event loop (local runtime: every actor lives in this
+loop), so it is one consistent cut: a ref is either in one holder, or in transit inside some actor's
+call, and then the ledger still knows its group as in flight.
+
+Resume rule (`Resumed`): **the resumed run is the checkpoint's run.** Its version clock restarts at the
+checkpoint's version v, its ledger is the checkpoint's ledger, the model and optimizer are the
+checkpoint's. Whatever the crashed attempt did after the checkpoint never happened for the resumed run:
+versions above v, and the training of samples at those versions, were rolled back with the model
+(they are reported in the summary's `resume.rolled_back_*`, and the crashed attempt's outputs are kept
+in `attempts/{n}/`). So "no sample trained twice" keeps its meaning: in the resumed ledger every sample
+is trained at most `max_uses` times, counting only trainings whose gradient the final model contains.
+
+What happens to the work that was in flight at the checkpoint:
+* each group the ledger has in flight whose ref was checkpointed and whose payload the store still holds
+  is sent again, oldest first, into the `produced` channel (re-used: the buffer and the consumer judge it
+  like any other, so a group that would now exceed the staleness bound is dropped or requeued by the
+  normal policy);
+* each other group in flight (its payload is gone: a memory store dies with its process; or its ref
+  was in transit) is recorded `regenerated` (reason `resume: ...`), its slot freed and its prompt sent
+  to the producer, exactly like a lost payload;
+* redo requests that were waiting, redos a producer had taken but not produced yet, and prompts a
+  producer had admitted but not produced (`held_sources()`) are sent to the producer again, so no
+  admitted prompt is skipped;
+* groups the consumer had trained and may still reuse are handed back to it (`resumed.reusable`);
+  it keeps them (with their use counts) only while the staleness policy accepts them and their payload
+  still exists;
+* admission slots are restored as `version * units_per_version` consumed units plus one per group in
+  flight; the work sent back to the producer takes new slots like any redo.
+Engines get the checkpoint's weights from the consumer's `start()` (every actor's `start()` completes
+before any `run()`), so nothing is generated with weights older than v after the resume and the
+staleness bound holds across it. Producers' random streams restart from the run's seed (only the
+consumer's RNG states are restored), so the resumed run samples different fresh prompts than the
+crashed one would have.
+
+Only the local runtime checkpoints and resumes (the Ray runtime's state lives in several processes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import anyio
+import msgspec
+
+from pipeline.actor import BaseActor
+from pipeline.admission import AdmissionGate
+from pipeline.context import Redo, redo
+from pipeline.ledger import Ledger, LedgerState
+from pipeline.refs import Ref
+from pipeline.telemetry import METRICS_FILE, RunFolder, get_logger
+from pipeline.versions import VersionClock
+
+FORMAT = 1
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"
+STATE_FILE = "run_state.msgpack"
+MANIFEST = "manifest.json"
+CONSUMER_DIR = "consumer"
+ATTEMPT_FILES = ("metrics.jsonl", "ledger.json", "summary.json", "report.png")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, or belongs to another run."""
+
+
+class HeldRef(msgspec.Struct, frozen=True, kw_only=True):
+    """A ref the pipeline held at the checkpoint: `holder` says where ("channel:produced", "buffer",
+    "learner" ...), `uses` how often the consumer had trained on it already (its replay window)."""
+
+    ref: Ref
+    holder: str
+    uses: int = 0
+
+
+class GateCounts(msgspec.Struct, frozen=True):
+    started: int
+    discarded: int
+
+
+class RunState(msgspec.Struct, kw_only=True):
+    format: int = FORMAT
+    run: str
+    version: int
+    steps: int
+    units_per_version: int
+    created_at: float
+    ledger: LedgerState
+    gate: GateCounts
+    held: list[HeldRef]
+    redo: list[Redo]
+    owed: list[bytes] = []  # sources admitted by producers and not yet produced (beyond the ledger's pending redos)
+
+
+class Manifest(msgspec.Struct, kw_only=True):
+    format: int
+    version: int
+    files: dict[str, int]  # path relative to the checkpoint folder -> size in bytes
+
+
+class RefHolder(Protocol):
+    """An actor that holds refs between channels (a buffer's index, a consumer's replay window). A producer
+    may also have `held_sources()`: what it was asked to make and has not recorded as produced yet (the
+    same bytes it gives the ledger as a group's source)."""
+
+    def held_refs(self) -> list[HeldRef]: ...
+
+
+class CheckpointingConsumer(Protocol):
+    """What a consumer gives a checkpoint: the refs it holds and its own state."""
+
+    def held_refs(self) -> list[HeldRef]: ...
+
+    def write_state(self, folder: Path) -> None:
+        """Write everything needed to continue into `folder` (runs in a worker thread while the consumer
+        awaits the checkpoint, so its state does not change meanwhile)."""
+        ...
+
+
+_STATE_ENCODER = msgspec.msgpack.Encoder()
+_STATE_DECODER = msgspec.msgpack.Decoder(RunState)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class Checkpointer:
+    """Writes a checkpoint of one run every `every` versions (see the module docstring).
+
+    `holders` are the actors whose `held_refs()` are captured (set once the actors exist); `channels`
+    the run's channels of refs, `feedback` its channel of `Redo`s."""
+
+    def __init__(
+        self,
+        folder: Path,
+        every: int,
+        *,
+        run: str,
+        steps: int,
+        clock: VersionClock,
+        ledger: Ledger,
+        gate: AdmissionGate,
+        channels: dict[str, Any],
+        feedback: Any,
+        keep: int = 2,
+    ) -> None:
+        if every < 1:
+            raise ValueError(f"checkpoint.every must be >= 1 (0 turns checkpoints off), got {every}")
+        if keep < 1:
+            raise ValueError(f"checkpoint.keep must be >= 1, got {keep}")
+        self.root = Path(folder) / CHECKPOINTS
+        self.every, self.keep = every, keep
+        self.run, self.steps = run, steps
+        self.clock, self.ledger, self.gate = clock, ledger, gate
+        self.channels, self.feedback = channels, feedback
+        self.holders: list[RefHolder] = []
+        self.written: list[Path] = []
+        self.log = get_logger("checkpoint").bind(run=run)
+
+    def due(self, version: int) -> bool:
+        """Is a checkpoint due now that `version` was reached (never at 0, never at the run's end)?"""
+        return 0 < version < self.steps and version % self.every == 0
+
+    def capture(self, version: int, consumer: CheckpointingConsumer) -> RunState:
+        """The run's state now, as one consistent cut: nothing here awaits."""
+        held: list[HeldRef] = list(consumer.held_refs())  # downstream first: roughly oldest first
+        for holder in self.holders:
+            held.extend(holder.held_refs())
+        for name, channel in reversed(self.channels.items()):
+            held.extend(HeldRef(ref=r, holder=f"channel:{name}") for r in channel.items() if isinstance(r, Ref))
+        owed = [src for holder in self.holders for src in getattr(holder, "held_sources", list)()]
+        for _, source in self.ledger.pending_redo():  # redos being made are requeued as such on resume
+            if source in owed:
+                owed.remove(source)
+        return RunState(
+            run=self.run, version=version, steps=self.steps, units_per_version=self.gate.units_per_version,
+            created_at=time.time(), ledger=self.ledger.state(),
+            gate=GateCounts(self.gate.started, self.gate.discarded), held=held,
+            redo=[r for r in self.feedback.items() if isinstance(r, Redo)], owed=owed,
+        )
+
+    async def save(self, version: int, consumer: CheckpointingConsumer) -> Path:
+        """Capture the run's state and write it, with the consumer's, as the latest checkpoint. The consumer
+        waits for the write (its state must not change meanwhile); once begun, a write is finished even if the
+        run is being stopped. A write that fails raises (the run fails: it would otherwise go on unprotected)."""
+        if self.clock.version != version:
+            raise CheckpointError(f"a checkpoint of version {version} was asked at version {self.clock.version}")
+        t0 = time.perf_counter()
+        state = _STATE_ENCODER.encode(self.capture(version, consumer))
+        with anyio.CancelScope(shield=True):  # a run stopping meanwhile (another actor failed) still gets it
+            path = await anyio.to_thread.run_sync(self._write, version, state, consumer.write_state)
+        self.written.append(path)
+        self.log.info("checkpoint written", version=version, path=str(path), seconds=round(time.perf_counter() - t0, 3))
+        return path
+
+    def _write(self, version: int, state: bytes, write_consumer: Callable[[Path], None]) -> Path:
+        self.root.mkdir(parents=True, exist_ok=True)
+        name = f"v{version:08d}-{uuid.uuid4().hex[:8]}"
+        tmp = self.root / f".tmp-{name}"
+        tmp.mkdir()
+        try:
+            _write_file(tmp / STATE_FILE, state)
+            (tmp / CONSUMER_DIR).mkdir()
+            write_consumer(tmp / CONSUMER_DIR)
+            files = {}
+            for path in sorted(tmp.rglob("*")):
+                if path.is_file():
+                    if path.parent != tmp:  # the consumer's files: make them durable too
+                        with open(path, "rb+") as f:
+                            os.fsync(f.fileno())
+                    files[str(path.relative_to(tmp))] = path.stat().st_size
+            manifest = Manifest(format=FORMAT, version=version, files=files)
+            _write_file(tmp / MANIFEST, msgspec.json.encode(manifest))
+            _fsync_dir(tmp / CONSUMER_DIR)
+            _fsync_dir(tmp)
+            final = self.root / name
+            os.rename(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        _fsync_dir(self.root)
+        pointer = self.root / f".{LATEST}.{uuid.uuid4().hex}.tmp"
+        _write_file(pointer, name.encode())
+        os.replace(pointer, self.root / LATEST)  # the commit point
+        _fsync_dir(self.root)
+        self._prune(keep={final.name})
+        return final
+
+    def _prune(self, keep: set[str]) -> None:
+        """Remove checkpoints beyond the newest `keep` complete ones, and leftovers of interrupted writes."""
+        complete = sorted(_complete_checkpoints(self.root), key=lambda p: (_version_of(p), p.stat().st_mtime))
+        survivors = {p.name for p in complete[-self.keep:]} | keep
+        for path in self.root.iterdir():
+            if path.is_dir() and path.name not in survivors:
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def _version_of(path: Path) -> int:
+    return int(path.name[1:9])
+
+
+def _is_complete(path: Path) -> bool:
+    try:
+        manifest = msgspec.json.decode((path / MANIFEST).read_bytes(), type=Manifest)
+    except (OSError, msgspec.DecodeError):
+        return False
+    return all((path / rel).is_file() and (path / rel).stat().st_size == size for rel, size in manifest.files.items())
+
+
+def _complete_checkpoints(root: Path) -> list[Path]:
+    if not root.is_dir():
+        return []
+    return [p for p in root.iterdir() if p.is_dir() and p.name.startswith("v") and _is_complete(p)]
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The checkpoint `checkpoints/latest` names if it is complete, else the newest complete one, else None."""
+    root = Path(run_dir) / CHECKPOINTS
+    try:
+        named = root / (root / LATEST).read_text().strip()
+        if named.name and _is_complete(named):
+            return named
+    except OSError:
+        pass
+    complete = _complete_checkpoints(root)
+    return max(complete, key=lambda p: (_version_of(p), p.stat().st_mtime)) if complete else None
+
+
+def read_state(checkpoint: Path) -> RunState:
+    """The run state of a complete checkpoint folder."""
+    if not _is_complete(checkpoint):
+        raise CheckpointError(f"checkpoint {checkpoint} is incomplete (its manifest is missing or does not match)")
+    try:
+        state = _STATE_DECODER.decode((checkpoint / STATE_FILE).read_bytes())
+    except msgspec.DecodeError as exc:
+        raise CheckpointError(f"checkpoint {checkpoint}: {STATE_FILE} cannot be read: {exc}") from None
+    if state.format != FORMAT:
+        raise CheckpointError(f"checkpoint {checkpoint} has format {state.format}; this baton reads {FORMAT}")
+    return state
+
+
+@dataclass
+class Resumed:
+    """A run continuing from its latest checkpoint (see the module docstring for the rule)."""
+
+    folder: RunFolder
+    checkpoint: Path
+    state: RunState
+    attempt: int
+    rolled_back_versions: int = 0
+    rolled_back_trainings: int | None = None  # None: the crashed attempt left no ledger.json (killed)
+    reinjected: int = 0
+    regenerated: int = 0
+    redone: int = 0  # redo requests sent again (waiting ones, and redos being produced)
+    owed: int = 0  # prompts admitted but not produced at the checkpoint, sent to the producer
+    log: Any = field(default=None, repr=False)
+
+    @classmethod
+    def open(cls, run_dir: str | Path, run: str, steps: int) -> Resumed:
+        """Load `run_dir`'s latest checkpoint, move the crashed attempt's outputs to `attempts/{n}/`
+        and keep the metric records up to the checkpoint's version in `metrics.jsonl`."""
+        run_dir = Path(run_dir)
+        if not run_dir.is_dir():
+            raise CheckpointError(f"--resume {str(run_dir)!r}: no such run folder")
+        checkpoint = latest_checkpoint(run_dir)
+        if checkpoint is None:
+            raise CheckpointError(
+                f"--resume {str(run_dir)!r}: the run folder holds no complete checkpoint; runs checkpoint only "
+                "with checkpoint.every > 0 (and after that many versions)"
+            )
+        state = read_state(checkpoint)
+        if state.run != run:
+            raise CheckpointError(f"checkpoint {checkpoint} belongs to run {state.run!r}, not {run!r}")
+        if state.steps != steps:
+            get_logger("checkpoint").info("resuming with a new step count", was=state.steps, now=steps)
+        attempts = run_dir / "attempts"
+        attempt = 1 + sum(1 for p in attempts.iterdir() if p.is_dir()) if attempts.is_dir() else 1
+        archive = attempts / str(attempt)
+        archive.mkdir(parents=True)
+        for name in ATTEMPT_FILES:
+            if (run_dir / name).exists():
+                os.replace(run_dir / name, archive / name)
+        folder = RunFolder(run_dir)
+        old = RunFolder(archive).read_metrics()
+        kept = [r for r in old if r.get("version", 0) <= state.version]
+        folder.write_text(METRICS_FILE, "".join(json.dumps(r) + "\n" for r in kept))
+        resumed = cls(folder=folder, checkpoint=checkpoint, state=state, attempt=attempt)
+        resumed.rolled_back_versions = max((r.get("version", 0) for r in old), default=state.version) - state.version
+        if (archive / "ledger.json").exists():
+            records = json.loads((archive / "ledger.json").read_text())
+            resumed.rolled_back_trainings = sum(
+                1 for r in records for v in r.get("trained_at", []) if v >= state.version
+            )
+        resumed.log = get_logger("checkpoint").bind(run=run)
+        resumed.log.info(
+            "resuming", checkpoint=str(checkpoint), version=state.version, attempt=attempt,
+            rolled_back_versions=resumed.rolled_back_versions,
+        )
+        return resumed
+
+    @property
+    def version(self) -> int:
+        return self.state.version
+
+    @property
+    def consumer_dir(self) -> Path:
+        return self.checkpoint / CONSUMER_DIR
+
+    def clock(self) -> VersionClock:
+        return VersionClock(self.state.version)
+
+    def ledger(self, max_uses: int) -> Ledger:
+        return Ledger.from_state(self.state.ledger, max_uses=max_uses)
+
+    def in_flight_groups(self) -> dict[str, list[str]]:
+        """{group: item ids} of the groups the checkpoint's ledger has in flight, in production order."""
+        groups: dict[str, list[str]] = {}
+        for rec in self.state.ledger.records:
+            if rec.fate == "in_flight":
+                groups.setdefault(rec.group, []).append(rec.id)
+        return groups
+
+    def restore_gate(self, gate: AdmissionGate) -> None:
+        """Consumed units (`version * units_per_version`) plus one slot per group in flight; work
+        admitted but never produced is forgotten (producers start new work in its place)."""
+        if gate.units_per_version != self.state.units_per_version:
+            raise CheckpointError(
+                f"the checkpoint was taken with {self.state.units_per_version} units per version (groups per "
+                f"step), the resumed run has {gate.units_per_version}; resume with the checkpoint's value"
+            )
+        gate.started = self.state.version * gate.units_per_version + len(self.in_flight_groups())
+        gate.discarded = 0
+
+    @property
+    def reusable(self) -> list[HeldRef]:
+        """Groups the consumer had trained and could still reuse (its to restore if their payload exists)."""
+        return [h for h in self.state.held if h.uses > 0]
+
+    def feeder(self, ctx: Any, produced: Any, ledger: Ledger) -> ResumeFeeder:
+        """The actor that puts the checkpoint's work in flight again. Redos are queued at once."""
+        for request in self.state.redo:
+            ctx.feedback.send_nowait(request)
+        for group in ledger.requeue_pending_redo():
+            ctx.feedback.send_nowait(Redo(group, "resume: its redo was being produced at the checkpoint"))
+            self.redone += 1
+        for i, source in enumerate(self.state.owed):
+            group = f"resume{self.attempt}-owed-{i}"
+            ledger.owe(group, source)
+            ctx.feedback.send_nowait(Redo(group, "resume: admitted but not produced at the checkpoint"))
+            self.owed += 1
+        self.redone += len(self.state.redo)
+        return ResumeFeeder(self, ctx, produced)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "from_version": self.state.version, "attempt": self.attempt, "checkpoint": self.checkpoint.name,
+            "rolled_back_versions": self.rolled_back_versions, "rolled_back_trainings": self.rolled_back_trainings,
+            "reinjected_groups": self.reinjected, "regenerated_groups": self.regenerated, "redo_requests": self.redone,
+            "owed_prompts": self.owed,
+        }
+
+
+class ResumeFeeder(BaseActor):
+    """Re-uses or regenerates every group the checkpoint had in flight (see the module docstring)."""
+
+    name = "resume"
+
+    def __init__(self, resumed: Resumed, ctx: Any, produced: Any) -> None:
+        self.resumed, self.ctx, self.produced = resumed, ctx, produced
+
+    async def run(self) -> None:
+        ctx, resumed = self.ctx, self.resumed
+        store = ctx.services["store"]
+        pending = resumed.in_flight_groups()
+        for held in _oldest_first(h for h in resumed.state.held if h.uses == 0):
+            ref = held.ref
+            if ref.group not in pending:
+                continue  # settled already (a ref seen twice, or one the ledger finished)
+            del pending[ref.group]
+            if ref.store == store.name and await _payload_exists(store, ref):
+                await self.produced.send(ref)
+                resumed.reinjected += 1
+                ctx.note(self.name, f"re-sent {ref.group} (held by {held.holder})")
+            else:
+                await redo(ctx, ref, "regenerated", "resume: its payload was gone after the crash", store)
+                resumed.regenerated += 1
+        for group, ids in pending.items():  # in transit at the checkpoint: no ref to re-use
+            reason = "resume: its ref was in transit at the checkpoint"
+            await ctx.ledger.finished("regenerated", ids, reason)
+            await ctx.gate.discard(1)
+            await ctx.feedback.send(Redo(group, reason))
+            resumed.regenerated += 1
+        resumed.log.info(
+            "in-flight work restored", reinjected=resumed.reinjected, regenerated=resumed.regenerated,
+            redo_requests=resumed.redone, owed_prompts=resumed.owed,
+        )
+        ctx.note(self.name, f"done: {resumed.reinjected} re-sent, {resumed.regenerated} regenerated")
+
+
+def _oldest_first(held: Iterable[HeldRef]) -> Sequence[HeldRef]:
+    return sorted(held, key=lambda h: h.ref.version)  # stable: holders' own order among equals
+
+
+async def _payload_exists(store: Any, ref: Ref) -> bool:
+    """Does the store still hold `ref`'s payload, whole? (The consumer verifies its checksum when it loads it.)"""
+    try:
+        data = await store.get(ref.key, size_hint=ref.nbytes)
+    except Exception:  # any store failure: the payload cannot be re-used, so the group is regenerated
+        return False
+    return memoryview(data).nbytes == ref.nbytes
+
+
+__all__ = [
+    "CheckpointError", "Checkpointer", "CheckpointingConsumer", "GateCounts", "HeldRef", "RefHolder", "Resumed",
+    "RunState", "latest_checkpoint", "read_state",
+]

@@ -1,0 +1,92 @@
+"""The engine boundary's fault hooks: `FaultyEngine` wraps an engine's `generate` when a run plans
+`engine.crash` or `engine.hang` (otherwise the rollout stage uses the engine itself).
+
+* `engine.crash`: the engine generates, then dies before answering, so the whole call's work is
+  lost. Where every actor has its own process (Ray) the producer process is SIGKILLed (the runtime
+  restarts it and frees the slots of the groups it had in flight); in one process the call raises
+  `EngineCrashed` and the rollout worker generates those groups again.
+* `engine.hang`: the call answers nothing for `delay_s` (an unresponsive server); the rollout
+  worker's `request_timeout_s` turns it into `EngineTimeout` and generates the groups again.
+
+The schedule counts `generate` calls per engine (scope = the engine's name). A firing is recorded as
+recovered at the engine's next call that answers.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import anyio
+
+from pipeline.faults import FaultPlan, InjectedFault
+from pipeline.telemetry import get_logger
+from stages.engines.base import Completion, EngineError, SamplingParams
+
+
+class EngineCrashed(EngineError, InjectedFault):
+    """The engine died during the call (injected engine.crash); nothing it generated came back."""
+
+    kind = "engine.crash"
+
+
+class EngineTimeout(EngineError):
+    """The engine did not answer within the rollout's `request_timeout_s`."""
+
+
+class FaultyEngine:
+    """`engine` with the plan's engine faults in `generate`; everything else is the engine's."""
+
+    def __init__(self, engine: Any, plan: FaultPlan) -> None:
+        self.engine = engine
+        self._crash = plan.schedule("engine.crash", engine.name)
+        self._hang = plan.schedule("engine.hang", engine.name)
+        self._kill_process = plan.isolated
+        self.log = get_logger("faults").bind(boundary="engine", engine=engine.name)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    @property
+    def name(self) -> str:
+        return self.engine.name
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    async def start(self) -> None:
+        await self.engine.start()
+
+    async def stop(self) -> None:
+        await self.engine.stop()
+
+    async def receive_weights(self, version: int, tensors: dict) -> None:
+        await self.engine.receive_weights(version, tensors)
+
+    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        if self._hang is not None and self._hang.hit():
+            self.log.warning("injected fault: engine hangs", seconds=self._hang.spec.delay_s)
+            await anyio.sleep(self._hang.spec.delay_s)
+        completions = await self.engine.generate(prompts, params)
+        if self._crash is not None and self._crash.hit():
+            if self._kill_process:
+                self.log.warning("injected fault: killing the engine's process", pid=os.getpid())
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise EngineCrashed(f"injected fault engine.crash: engine {self.name} died during a call of "
+                                f"{len(prompts)} requests")
+        for schedule in (self._hang, self._crash):
+            if schedule is not None:
+                schedule.recovered(f"engine {self.name} answered")
+        return completions
+
+
+def with_engine_faults(engine: Any, plan: FaultPlan | None) -> Any:
+    """`engine` wrapped in a FaultyEngine when `plan` has an engine fault, else `engine` itself."""
+    if plan is None or not plan.planned("engine."):
+        return engine
+    return FaultyEngine(engine, plan)
+
+
+__all__ = ["EngineCrashed", "EngineTimeout", "FaultyEngine", "with_engine_faults"]

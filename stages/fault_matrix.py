@@ -1,0 +1,361 @@
+"""`baton faults CONFIG`: run the fault matrix and judge every run from its own ledger.
+
+For each fault kind (all of `pipeline.faults.FAULT_KINDS`, or `kinds`) and each seed, the config is
+run once with that one fault planned (the config's own `[[faults]]` entry of that kind, else
+`DEFAULT_SCHEDULES[kind]`), on infrastructure this module starts and stops by pid: a fresh
+`mooncake_master` per run (so store.master_restart has a master to restart) and, for
+store.holder_crash, a second segment-holder process with `store.replicas = 2`. A learner.crash run is
+continued from its last checkpoint (`Pipeline.resume`, local runtime); where that is impossible
+(Ray) it is reported as "needs resume".
+
+A run passes when, from its ledger.json, metrics.jsonl and faults.jsonl:
+* the fault fired at least once, its boundary recovered after each firing, and the run finished
+  (`version == steps`);
+* no sample was trained twice (`trained_at` longer than the run's max_uses);
+* nothing was lost uncounted: the ledger's fates sum to what was produced, and the samples still in
+  flight at the end fit the admission window ((k + 1) x groups_per_step groups; more would mean refs
+  vanished without a fate);
+* every trained sample is within the staleness bound;
+* the mean reward of the run's last quarter beats its first quarter by `REWARD_MARGIN`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline.actor import ActorFailed, innermost
+from pipeline.config import apply_override, load_toml, validate
+from pipeline.faults import FAULT_KINDS, FaultPlan, FaultSpec, LearnerCrashed, read_events
+from pipeline.telemetry import RunFolder, get_logger
+
+REWARD_MARGIN = 0.02  # last-quarter mean reward minus first-quarter mean, at least
+DEFAULT_SCHEDULES: dict[str, dict[str, Any]] = {
+    "engine.crash": {"at": [3]},
+    "engine.hang": {"at": [3], "delay_s": 3600.0},  # answered never: the request timeout must catch it
+    "store.put_fail": {"at": [5, 6, 7]},  # three in a row: the put retries give up, the group is regenerated
+    "store.get_fail": {"at": [5, 6, 7]},  # three in a row: the get retries give up, the group is lost and redone
+    "store.corrupt": {"at": [5]},
+    "store.master_restart": {"at": [20]},
+    "store.holder_crash": {"at": [20]},
+    "weights.push_fail": {"at": [3]},
+    "learner.crash": {"at": [12]},  # the version it dies at
+    "channel.stall": {"at": [3], "delay_s": 2.0},
+}
+MOONCAKE_ONLY = ("store.master_restart", "store.holder_crash")
+
+
+@dataclass
+class RunOutcome:
+    """One run of the matrix, judged from its run folder."""
+
+    kind: str
+    seed: int
+    run_dir: str = ""
+    status: str = "failed"  # "passed" | "failed" | "needs resume" | "skipped"
+    finished: bool = False
+    fired: int = 0
+    trained_twice: int = 0
+    lost_uncounted: int = 0
+    over_bound: int = 0
+    max_staleness: int | None = None
+    bound: int | None = None
+    recovery_s: float | None = None
+    reward_first: float | None = None
+    reward_last: float | None = None
+    lost: int = 0  # samples the ledger counts as lost (and whose groups were redone)
+    regenerated_groups: int = 0  # groups a producer generated again before they were stored
+    resumed: bool = False
+    runtime: str = "local"
+    restarts: int = 0  # processes the Ray runtime restarted
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "passed"
+
+
+def judge(outcome: RunOutcome, run_dir: Path, steps: int, window_groups: int | None, max_uses: int = 1) -> RunOutcome:
+    """Fill `outcome` from the run folder and decide its status (see the module docstring)."""
+    outcome.run_dir = str(run_dir)
+    problems = outcome.problems
+    ledger_path = run_dir / "ledger.json"
+    records = json.loads(ledger_path.read_text()) if ledger_path.exists() else []
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    outcome.bound = summary.get("staleness_bound", outcome.bound)
+    outcome.finished = summary.get("version") == steps
+    outcome.restarts = sum(summary.get("restarts", {}).values())
+    if not outcome.finished:
+        problems.append(f"did not finish (version {summary.get('version')} of {steps})")
+    outcome.trained_twice = sum(len(r["trained_at"]) > max_uses for r in records)
+    stale = [r["trained_at"][0] - r["versions"][0] for r in records if r["trained_at"]]
+    outcome.max_staleness = max(stale, default=None)
+    if outcome.bound is not None:
+        outcome.over_bound = sum(s > outcome.bound for s in stale)
+    outcome.lost = sum(r["fate"] == "lost" for r in records)
+    fates = ("trained", "dropped", "lost", "regenerated", "in_flight")
+    uncounted = sum(r["fate"] not in fates or (r["fate"] == "trained") != bool(r["trained_at"]) for r in records)
+    if summary and not summary.get("ledger_balanced", False):
+        uncounted = max(uncounted, 1)
+    if window_groups is not None and records:
+        groups_in_flight = {r["group"] for r in records if r["fate"] == "in_flight"}
+        rows = max(1, len(records) // max(1, len({r["group"] for r in records})))
+        uncounted += max(0, len(groups_in_flight) - window_groups) * rows
+    outcome.lost_uncounted = uncounted
+    for name, n in (("trained twice", outcome.trained_twice), ("lost uncounted", outcome.lost_uncounted),
+                    ("over the staleness bound", outcome.over_bound)):
+        if n:
+            problems.append(f"{n} samples {name}")
+    metrics = RunFolder(run_dir).read_metrics()
+    rewards = [m["reward"] for m in metrics]
+    if rewards:
+        quarter = max(1, len(rewards) // 4)
+        outcome.reward_first = round(sum(rewards[:quarter]) / quarter, 4)
+        outcome.reward_last = round(sum(rewards[-quarter:]) / quarter, 4)
+        if outcome.reward_last - outcome.reward_first < REWARD_MARGIN:
+            problems.append(f"reward did not rise: {outcome.reward_first} -> {outcome.reward_last} "
+                            f"(needs +{REWARD_MARGIN})")
+    else:
+        problems.append("no learner step recorded")
+    events = read_events(run_dir)
+    fired = [e for e in events if e["event"] == "fired" and e["kind"] == outcome.kind]
+    outcome.fired = len(fired)
+    if not fired:
+        problems.append(f"{outcome.kind} never fired (schedule beyond the run?)")
+    outcome.recovery_s = recovery_seconds(events, outcome.kind)
+    if outcome.recovery_s == math.inf and outcome.status != "needs resume":
+        problems.append(f"{outcome.kind} fired but its boundary never recovered")
+    outcome.regenerated_groups = sum(e.get("groups", 0) for e in events if e["event"] == "regenerated")
+    if outcome.status != "needs resume":
+        outcome.status = "failed" if problems else "passed"
+    return outcome
+
+
+def recovery_seconds(events: list[dict[str, Any]], kind: str) -> float | None:
+    """The longest time from a firing of `kind` to the next recovery of it at the same scope (None
+    when it never fired; inf when a firing was never followed by a recovery)."""
+    worst: float | None = None
+    for i, event in enumerate(events):
+        if event["event"] != "fired" or event["kind"] != kind:
+            continue
+        later = (e for e in events[i + 1:] if e["kind"] == kind and e["event"] == "recovered"
+                 and (e["scope"] == event["scope"] or kind == "learner.crash"))
+        back = next(later, None)
+        took = back["t"] - event["t"] if back is not None else math.inf
+        worst = took if worst is None else max(worst, took)
+    return None if worst is None else round(worst, 3)
+
+
+@contextlib.contextmanager
+def infrastructure(kind: str, mooncake: bool, workdir: Path, segment_bytes: int) -> Iterator[tuple[dict, list]]:
+    """(fault targets, config overrides) for one run: a fresh master (and a second holder for
+    store.holder_crash), all stopped by pid when the block ends."""
+    if not mooncake:
+        yield {}, []
+        return
+    from buffers.faulty import HolderByPid, MasterByPid, start_holder
+    from buffers.mooncake_master import MooncakeMaster
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    master = MooncakeMaster(lease_ttl_ms=500, client_ttl_s=3).start()
+    pid_file = workdir / "master.pid"
+    pid_file.write_text(str(master.pid))
+    restarter = MasterByPid(master.port, str(pid_file), lease_ttl_ms=500, client_ttl_s=3)
+    holder = None
+    try:
+        targets: dict[str, Any] = {"master": restarter}
+        overrides = [f"store.master='{master.address}'"]
+        if kind == "store.holder_crash":
+            holder = start_holder(master.address, segment_bytes, log_path=workdir / "holder.log")
+            targets["holder"] = HolderByPid(holder.pid)
+            overrides.append("store.replicas=2")
+        yield targets, overrides
+    finally:
+        if holder is not None:
+            if holder.poll() is None:
+                holder.terminate()
+            holder.wait(10)
+        restarter.stop()  # the master running now (a restarted one, if any), by its pid
+        master.stop()
+
+
+def run_one(
+    config: str, kind: str, seed: int, root: Path, overrides: Sequence[str] = (), base: dict | None = None
+) -> RunOutcome:
+    """One run of `config` with fault `kind` planned, judged (see the module docstring)."""
+    from stages.config import RunConfig, build_pipeline
+
+    data = base if base is not None else load_toml(config, overrides)
+    own = {f["kind"]: f for f in data.get("faults", [])}
+    spec = {"kind": kind, **DEFAULT_SCHEDULES[kind], **own.get(kind, {}), "seed": seed}
+    mooncake = data.get("store", {}).get("kind") == "mooncake"
+    outcome = RunOutcome(kind, seed)
+    if kind in MOONCAKE_ONLY and not mooncake:
+        outcome.status = "skipped"
+        outcome.problems.append("needs store.kind = 'mooncake'")
+        return outcome
+    name = f"{data.get('name', 'baton')}-{kind}-s{seed}"
+    run_overrides = [f"seed={seed}", f"name='{name}'", f"run_root='{root}'", "telemetry.progress=false"]
+    runtime = data.get("runtime", "local")
+    outcome.runtime = runtime
+    if kind == "learner.crash" and runtime == "local":
+        run_overrides.append("checkpoint.every=4")  # resume rolls back at most 3 versions
+    log = get_logger("faults").bind(kind=kind, seed=seed)
+    segment = 256 << 20
+    with infrastructure(kind, mooncake, root / f"{name}.infra", segment) as (targets, infra):
+        raw = json.loads(json.dumps(data))  # a deep copy: each run gets its own overrides
+        for item in (*run_overrides, *infra):
+            apply_override(raw, item)
+        raw["faults"] = [spec]
+        cfg = validate(RunConfig, raw, source=config)
+        plan = FaultPlan([_spec(spec)], targets=targets)
+        pipe = build_pipeline(cfg)
+        pipe.faults = plan
+        try:
+            pipe.run()
+        except ActorFailed as exc:
+            if not isinstance(innermost(exc.__cause__ or exc), LearnerCrashed):
+                outcome.problems.append(str(exc))
+            elif runtime != "local":
+                outcome.status = "needs resume"
+                outcome.problems.append("learner crashed; runtime = 'ray' has no checkpoint to resume from")
+            else:
+                run_dir = _latest(root, name)
+                log.info("learner crashed as planned; resuming", run_dir=str(run_dir))
+                resumed = build_pipeline(cfg)
+                resumed.faults = plan
+                try:
+                    resumed.resume(run_dir)
+                    outcome.resumed = True
+                except Exception as resume_exc:  # judged below: the run did not finish
+                    outcome.problems.append(f"resume failed: {type(resume_exc).__name__}: {resume_exc}")
+        except Exception as exc:  # the run could not even run: recorded, and the matrix goes on
+            outcome.problems.append(f"{type(exc).__name__}: {exc}")
+        window = _window_groups(cfg)
+        run_dir = _latest(root, name)
+        if run_dir is None:
+            outcome.problems.append("no run folder")
+            return outcome
+        return judge(outcome, run_dir, cfg.steps, window)
+
+
+def _spec(entry: dict[str, Any]) -> FaultSpec:
+    return FaultSpec(entry["kind"], tuple(entry.get("at", ())), entry.get("probability", 0.0),
+                     entry.get("seed", 0), entry.get("delay_s", 5.0))
+
+
+def _latest(root: Path, name: str) -> Path | None:
+    runs = sorted(root.glob(f"{name}-*[0-9]"), key=lambda p: p.stat().st_mtime)
+    return runs[-1] if runs else None
+
+
+def _window_groups(cfg: Any) -> int | None:
+    """Groups that may be in flight when the run ends: (k + 1) x groups_per_step under pace
+    admission (started - discarded < (steps + k + 1) x B, of which steps x B were trained)."""
+    staleness, learner = cfg.staleness, cfg.learner
+    if getattr(staleness, "admission", None) != "pace" or not hasattr(learner, "groups_per_step"):
+        return None
+    return (staleness.k + 1) * learner.groups_per_step
+
+
+def run_matrix(
+    config: str, kinds: Sequence[str], seeds: Sequence[int], overrides: Sequence[str] = (), root: Path | None = None,
+) -> tuple[Path, list[RunOutcome]]:
+    """Every kind x seed; returns the matrix folder and the outcomes (also written there as results.json)."""
+    base = load_toml(config, overrides)
+    folder = RunFolder.create(root or base.get("run_root", "runs"), f"{base.get('name', 'baton')}-matrix")
+    outcomes = []
+    for kind in kinds:
+        for seed in seeds:
+            outcome = run_one(config, kind, seed, folder.path, base=base)
+            get_logger("faults").info("fault run done", kind=kind, seed=seed, status=outcome.status,
+                                      problems=outcome.problems)
+            outcomes.append(outcome)
+            folder.write_json("results.json", [asdict(o) for o in outcomes])
+    return folder.path, outcomes
+
+
+def rows(outcomes: Sequence[RunOutcome]) -> list[dict[str, Any]]:
+    """One row per fault kind: seeds, passed, trained twice, lost uncounted, max staleness / bound, recovery."""
+    table = []
+    for kind in dict.fromkeys(o.kind for o in outcomes):
+        runs = [o for o in outcomes if o.kind == kind]
+        stale = [o.max_staleness for o in runs if o.max_staleness is not None]
+        bounds = {o.bound for o in runs if o.bound is not None}
+        recovery = [o.recovery_s for o in runs if o.recovery_s is not None]
+        status = {o.status for o in runs} - {"passed", "failed"}
+        table.append({
+            "fault": kind,
+            "seeds": ",".join(str(o.seed) for o in runs),
+            "passed": f"{sum(o.passed for o in runs)}/{len(runs)}" + (f" ({', '.join(sorted(status))})" * bool(status)),
+            "trained twice": sum(o.trained_twice for o in runs),
+            "lost uncounted": sum(o.lost_uncounted for o in runs),
+            "max staleness / bound": f"{max(stale) if stale else '-'} / {'/'.join(map(str, sorted(bounds))) or '-'}",
+            "recovery s": f"{max(recovery):.2f}" if recovery else "-",
+            "fired": sum(o.fired for o in runs),
+            "lost+redone / regen groups": f"{sum(o.lost for o in runs)} / {sum(o.regenerated_groups for o in runs)}",
+        })
+    return table
+
+
+def totals(outcomes: Sequence[RunOutcome], folder: Path | None = None) -> dict[str, Any]:
+    """The matrix's totals (skipped runs, e.g. Mooncake faults on another store, are not runs)."""
+    outcomes = [o for o in outcomes if o.status != "skipped"]
+    return {
+        "runs": len(outcomes),
+        "passed": sum(o.passed for o in outcomes),
+        "trained_twice": sum(o.trained_twice for o in outcomes),
+        "lost_uncounted": sum(o.lost_uncounted for o in outcomes),
+        "over_bound": sum(o.over_bound for o in outcomes),
+        **({"dir": str(folder)} if folder is not None else {}),
+    }
+
+
+def render(outcomes: Sequence[RunOutcome]) -> str:
+    """The matrix as a rich table, rendered to text."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="fault matrix")
+    data = rows(outcomes)
+    for column in (data[0] if data else {"fault": ""}):
+        table.add_column(column, justify="left" if column == "fault" else "right")
+    for row in data:
+        table.add_row(*(str(v) for v in row.values()))
+    console = Console(width=160, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
+    console.print(table)
+    failed = [o for o in outcomes if not o.passed]
+    if failed:
+        console.print("problems:")
+        for o in failed:
+            console.print(f"  {o.kind} seed {o.seed} ({o.status}): {'; '.join(o.problems)}  [{o.run_dir}]",
+                          markup=False, highlight=False)
+    return console.export_text()
+
+
+def main(config: str, kinds: str | None, seeds: int, overrides: Sequence[str]) -> int:
+    """`baton faults`: exit 0 when every run passed, 1 when any invariant broke, 2 for bad arguments."""
+    chosen = [k.strip() for k in kinds.split(",")] if kinds else list(FAULT_KINDS)
+    unknown = [k for k in chosen if k not in FAULT_KINDS]
+    if unknown or seeds < 1:
+        problem = f"unknown fault kind(s) {unknown}; allowed: {', '.join(FAULT_KINDS)}" if unknown else (
+            f"--seeds must be >= 1, got {seeds}")
+        print(f"baton: {problem}", flush=True)
+        return 2
+    folder, outcomes = run_matrix(config, chosen, range(seeds), overrides)
+    text = render(outcomes)
+    (folder / "faults.txt").write_text(text)
+    print(text, flush=True)
+    summary = totals(outcomes, folder)
+    print(json.dumps(summary), flush=True)
+    return 0 if summary["passed"] == summary["runs"] else 1
+
+
+__all__ = ["DEFAULT_SCHEDULES", "RunOutcome", "judge", "main", "recovery_seconds", "run_matrix", "run_one", "totals"]

@@ -1,0 +1,34 @@
+"""`resume_run`: continue a checkpointed run from Python, as `baton run --resume RUN_DIR` does.
+
+    summary = resume_run("runs/quickstart-20261129-153340")            # the run's own config.toml
+    summary = resume_run(run_dir, overrides=["steps=480"])            # ... with keys changed
+
+The run folder's `config.toml` (the resolved config the run started with) builds the same pipeline,
+which then continues from the folder's latest checkpoint (pipeline.checkpoint states what that keeps,
+re-uses, regenerates and rolls back). The summary's `resume` entry reports it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pipeline.checkpoint import CheckpointError
+from pipeline.config import load_toml, validate
+
+
+def resume_run(run_dir: str | Path, overrides: Sequence[str] = (), config: str | Path | None = None) -> dict[str, Any]:
+    """Continue the run in `run_dir` to its `steps` and return its summary. `config`: another config file
+    to build the pipeline from (default: `run_dir/config.toml`); it must describe the same run."""
+    from stages.config import RunConfig, build_pipeline
+
+    run_dir = Path(run_dir)
+    source = Path(config) if config is not None else run_dir / "config.toml"
+    if not source.is_file():
+        raise CheckpointError(f"--resume {str(run_dir)!r}: {source} is missing; give the run's config explicitly")
+    cfg = validate(RunConfig, load_toml(source, overrides), source=str(source))
+    return build_pipeline(cfg).resume(run_dir)
+
+
+__all__ = ["resume_run"]
