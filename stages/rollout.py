@@ -88,7 +88,7 @@ class Rollout:
             if hasattr(engine, "policy"):  # engines ask the policy what to do with requests in flight
                 engine.policy = ctx.policy
             if hasattr(engine, "log_dir"):  # server logs go to the run folder
-                engine.log_dir = getattr(ctx.folder, "path", ctx.folder)
+                engine.log_dir = ctx.folder.path
         plan = plan_of(ctx)
         if plan is not None and plan.planned("engine.hang") and self.request_timeout_s is None:
             raise FaultPlanError("fault engine.hang needs rollout.request_timeout_s (e.g. 30) to turn a hang into "

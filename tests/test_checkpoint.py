@@ -35,29 +35,13 @@ from stages.model import make_tiny_model
 from stages.rollout import Rollout
 from stages.tasks import ReverseDigits
 from tests.checkpoint_helpers import GROUPS, FileConsumer, K, make_checkpointer
+from tests.ledger_checks import check_ledger
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[1]
 
 
 # ------------------------------------------------------------------------------------------- helpers
-
-
-def check_ledger(run_dir: Path, bound: int) -> list[dict]:
-    """The run's final ledger.json: every invariant of a finished run, asserted."""
-    records = json.loads((run_dir / "ledger.json").read_text())
-    ids = [r["id"] for r in records]
-    assert len(ids) == len(set(ids)), "an item recorded twice"
-    for r in records:
-        lo, hi = r["versions"]
-        assert lo <= hi
-        assert len(r["trained_at"]) <= 1, f"{r['id']} trained twice: {r['trained_at']}"
-        if r["fate"] == "trained":
-            assert r["trained_at"][0] - lo <= bound, f"{r['id']} trained with staleness above {bound}"
-        else:
-            assert r["trained_at"] == [], r
-            assert r["fate"] in ("dropped", "lost", "regenerated", "in_flight"), r
-    return records
 
 
 # ------------------------------------------------------------------------------------------- unit

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.ledger_checks import check_ledger
+
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
@@ -24,24 +26,6 @@ def baton_run(tmp_path: Path, config: str, *overrides: str) -> dict:
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-1]
     return json.loads(last)
-
-
-def check_ledger(run_dir: Path, bound: int) -> list[dict]:
-    records = json.loads((run_dir / "ledger.json").read_text())
-    assert records, "empty ledger"
-    ids = [r["id"] for r in records]
-    assert len(ids) == len(set(ids))
-    for r in records:
-        assert set(r) == {"id", "group", "versions", "trained_at", "fate", "reason"}
-        lo, hi = r["versions"]
-        assert lo <= hi
-        assert len(r["trained_at"]) <= 1, f"{r['id']} trained twice"
-        if r["fate"] == "trained":
-            assert r["trained_at"][0] - lo <= bound, f"{r['id']} trained with staleness above {bound}"
-        else:
-            assert r["trained_at"] == []
-            assert r["fate"] in ("dropped", "lost", "regenerated", "in_flight")
-    return records
 
 
 def test_quickstart_learns_within_its_staleness_bound(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ from pipeline.actor import ActorFailed  # noqa: E402
 from pipeline.dsl import Pipeline  # noqa: E402
 from policies import MaxStaleness  # noqa: E402
 from stages import GRPOLearner, Rollout, TorchEngine, make_tiny_model, tasks  # noqa: E402
+from tests.ledger_checks import check_ledger
 
 pytestmark = pytest.mark.slow
 
@@ -54,15 +55,6 @@ def pipeline(model: Path, root: Path, steps: int, weights: object = "inproc") ->
         consumer=GRPOLearner(model, groups_per_step=8, weights=weights),
         staleness=MaxStaleness(k=2),
     )
-
-
-def check_ledger(run_dir: Path, bound: int) -> list[dict]:
-    records = json.loads((run_dir / "ledger.json").read_text())
-    for r in records:
-        assert len(r["trained_at"]) <= 1, f"{r['id']} trained twice"
-        if r["fate"] == "trained":
-            assert r["trained_at"][0] - r["versions"][0] <= bound
-    return records
 
 
 def test_every_actor_in_its_own_process_and_nothing_unaccounted(cluster, model: Path, tmp_path: Path) -> None:
