@@ -215,9 +215,10 @@ def _adopt(model: torch.nn.Module, version: int, tensors: dict[str, torch.Tensor
     and device match, else it is copied in. Every parameter must be given (a tied head may be
     left out: it is the embedding); nothing is changed unless the whole version fits."""
     params = dict(model.named_parameters())  # tied parameters appear once
+    buffers = dict(model.named_buffers())
     missing = [n for n in params if n not in tensors]
-    unexpected = [n for n in tensors if n not in params and n not in dict(model.named_buffers())]
-    unexpected = [n for n in unexpected if not n.endswith("lm_head.weight")]  # tied: the embedding
+    # a tied head is the embedding: sent under its own name too, but not a parameter of its own
+    unexpected = [n for n in tensors if n not in params and n not in buffers and not n.endswith("lm_head.weight")]
     wrong = [n for n, p in params.items() if n in tensors and tensors[n].shape != p.shape]
     if missing or unexpected or wrong:
         raise RuntimeError(
@@ -229,6 +230,6 @@ def _adopt(model: torch.nn.Module, version: int, tensors: dict[str, torch.Tensor
             param.data = t
         else:
             param.data.copy_(t)
-    for name, buffer in model.named_buffers():
+    for name, buffer in buffers.items():
         if name in tensors:
             buffer.copy_(tensors[name])
