@@ -18,9 +18,12 @@ older checkpoints are removed after that (`keep` are kept). A crash at any momen
 naming a complete checkpoint (the old one or the new one); a half-written folder is never named, and
 `latest_checkpoint` also verifies the manifest, falling back to the newest complete one.
 
-The state is captured without yielding to the event loop (local runtime: every actor lives in this
-loop), so it is one consistent cut: a ref is either in one holder, or in transit inside some actor's
-call, and then the ledger still knows its group as in flight.
+The state is one consistent cut of the run (`RunCut`): on the local runtime it is captured without
+yielding to the event loop (`LocalCut`: every actor lives in this loop), so a ref is either in one
+holder, or in transit inside some actor's call and then the ledger still knows its group as in
+flight. On the Ray runtime (`pipeline.runtime.ray_cut.RayCut`) the conductor's ledger is frozen while
+the hosts and channel actors report what they hold; refs still move meanwhile, and the resume rules
+below are written so that a ref seen twice or not at all is still neither lost nor trained twice.
 
 Resume rule (`Resumed`): **the resumed run is the checkpoint's run.** Its version clock restarts at the
 checkpoint's version v, its ledger is the checkpoint's ledger, the model and optimizer are the
@@ -38,9 +41,11 @@ What happens to the work that was in flight at the checkpoint:
 * each other group in flight (its payload is gone: a memory store dies with its process; or its ref
   was in transit) is recorded `regenerated` (reason `resume: ...`), its slot freed and its prompt sent
   to the producer, exactly like a lost payload;
-* redo requests that were waiting, redos a producer had taken but not produced yet, and prompts a
-  producer had admitted but not produced (`held_sources()`) are sent to the producer again, so no
-  admitted prompt is skipped;
+* redo requests that were waiting (in the feedback channel, or on their way to a producer: every
+  group whose source the ledger holds untaken with nothing in flight, `redo_requests`), redos a
+  producer had taken but not produced yet, and prompts a producer had admitted but not produced
+  (`held_sources()`, and a `produced` record the ledger had not received yet: `owed_sources`) are
+  sent to the producer again, so no admitted prompt is skipped;
 * groups the consumer had trained and may still reuse are handed back to it (`resumed.reusable`);
   it keeps them (with their use counts) only while the staleness policy accepts them and their payload
   still exists;
@@ -48,11 +53,12 @@ What happens to the work that was in flight at the checkpoint:
   flight; the work sent back to the producer takes new slots like any redo.
 Engines get the checkpoint's weights from the consumer's `start()` (every actor's `start()` completes
 before any `run()`), so nothing is generated with weights older than v after the resume and the
-staleness bound holds across it. Producers' random streams restart from the run's seed (only the
-consumer's RNG states are restored), so the resumed run samples different fresh prompts than the
-crashed one would have.
+staleness bound holds across it. Random streams continue where they stood at the checkpoint: the
+consumer's (torch, numpy, Python, its selection policy) and each producer's prompt sampler
+(`rng_state()`), so a resume does not replay the run's first prompts.
 
-Only the local runtime checkpoints and resumes (the Ray runtime's state lives in several processes).
+Both runtimes checkpoint and resume; on Ray the consumer's process writes the checkpoint and the
+driver re-sends the checkpoint's refs (`pipeline.runtime.ray`).
 """
 
 from __future__ import annotations
@@ -100,6 +106,21 @@ class HeldRef(msgspec.Struct, frozen=True, kw_only=True):
     uses: int = 0
 
 
+RandomState = tuple[int, list[int], float | None]  # random.Random.getstate(), as msgspec carries it
+
+
+def random_state(state: tuple) -> RandomState:
+    """`random.getstate()` / `Random.getstate()` in the form a checkpoint stores."""
+    version, internal, gauss = state
+    return version, list(internal), gauss
+
+
+def python_random_state(state: RandomState) -> tuple:
+    """What `random.setstate()` / `Random.setstate()` takes, from a stored `RandomState`."""
+    version, internal, gauss = state
+    return version, tuple(internal), gauss
+
+
 class GateCounts(msgspec.Struct, frozen=True):
     started: int
     discarded: int
@@ -117,6 +138,7 @@ class RunState(msgspec.Struct, kw_only=True):
     held: list[HeldRef]
     redo: list[Redo]
     owed: list[bytes] = []  # sources admitted by producers and not yet produced (beyond the ledger's pending redos)
+    rngs: dict[str, RandomState] = {}  # each producer's random stream (by actor name), where it stood at the cut
 
 
 class Manifest(msgspec.Struct, kw_only=True):
@@ -163,36 +185,90 @@ def _write_file(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
+class RunCut(Protocol):
+    """Takes one consistent cut of a run's state for a checkpoint: `LocalCut` (every actor in this event
+    loop) or the Ray runtime's `pipeline.runtime.ray_cut.RayCut` (the conductor pauses the ledger while
+    the hosts report what they hold). Called by the consumer between two steps, with its own state still."""
+
+    async def capture(self, version: int, consumer: CheckpointingConsumer) -> RunState: ...
+
+
+def owed_sources(
+    generating: Iterable[bytes], recording: Iterable[tuple[str, bytes]], ledger: LedgerState
+) -> list[bytes]:
+    """The prompts producers hold that a resumed run must produce: those being generated (`generating`),
+    and those whose `produced` record was on its way to the ledger (`recording`: (group, source)) unless
+    the ledger already has the group. A redo being produced is owed once, as the ledger's pending redo."""
+    known = {rec.group for rec in ledger.records}
+    owed = [*generating, *(source for group, source in recording if group not in known)]
+    for _, source in ledger.pending_redo:  # requeued as redos on resume
+        if source in owed:
+            owed.remove(source)
+    return owed
+
+
+def redo_requests(state: RunState) -> list[Redo]:
+    """Every redo the run owed at the checkpoint: the requests waiting in the feedback channel, in their
+    order, then every other group whose source the ledger holds untaken with none of its items in flight
+    (its Redo was on its way to a producer: polled, its source not yet taken)."""
+    requests = list(state.redo)
+    asked = {r.group for r in requests}
+    in_flight = {rec.group for rec in state.ledger.records if rec.fate == "in_flight"}
+    for group in state.ledger.sources:
+        if group not in asked and group not in in_flight:
+            requests.append(Redo(group, "resume: its redo request was on its way to a producer"))
+    return requests
+
+
+@dataclass
+class LocalCut:
+    """The cut of a run whose actors all live in this event loop: nothing in `capture` awaits, so it is
+    one instant of the run (a ref is in one holder, or inside some actor's call and then the ledger
+    still knows its group as in flight). `holders` are the actors whose `held_refs()` (and producers'
+    `held_sources()`) are captured; `channels` the channels of refs, `feedback` the channel of Redos."""
+
+    run: str
+    steps: int
+    clock: VersionClock
+    ledger: Ledger
+    gate: AdmissionGate
+    channels: dict[str, Any]
+    feedback: Any
+    holders: list[RefHolder] = field(default_factory=list)
+
+    async def capture(self, version: int, consumer: CheckpointingConsumer) -> RunState:
+        if self.clock.version != version:
+            raise CheckpointError(f"a checkpoint of version {version} was asked at version {self.clock.version}")
+        held: list[HeldRef] = list(consumer.held_refs())  # downstream first: roughly oldest first
+        for holder in self.holders:
+            held.extend(holder.held_refs())
+        for name, channel in reversed(self.channels.items()):
+            held.extend(HeldRef(ref=r, holder=f"channel:{name}") for r in channel.items() if isinstance(r, Ref))
+        ledger = self.ledger.state()
+        owed = owed_sources(
+            [src for holder in self.holders for src in getattr(holder, "held_sources", list)()],
+            [item for holder in self.holders for item in getattr(holder, "recording", list)()], ledger,
+        )
+        return RunState(
+            run=self.run, version=version, steps=self.steps, units_per_version=self.gate.units_per_version,
+            created_at=time.time(), ledger=ledger, gate=GateCounts(self.gate.started, self.gate.discarded),
+            held=held, redo=[r for r in self.feedback.items() if isinstance(r, Redo)], owed=owed,
+            rngs={h.name: h.rng_state() for h in self.holders if hasattr(h, "rng_state")},
+        )
+
+
 class Checkpointer:
-    """Writes a checkpoint of one run every `every` versions (see the module docstring).
+    """Writes a checkpoint of one run every `every` versions (see the module docstring); `cut` captures
+    the run's state, the consumer writes its own."""
 
-    `holders` are the actors whose `held_refs()` are captured (set once the actors exist); `channels`
-    the run's channels of refs, `feedback` its channel of `Redo`s."""
-
-    def __init__(
-        self,
-        folder: Path,
-        every: int,
-        *,
-        run: str,
-        steps: int,
-        clock: VersionClock,
-        ledger: Ledger,
-        gate: AdmissionGate,
-        channels: dict[str, Any],
-        feedback: Any,
-        keep: int = 2,
-    ) -> None:
+    def __init__(self, folder: Path, every: int, *, run: str, steps: int, cut: RunCut, keep: int = 2) -> None:
         if every < 1:
             raise ValueError(f"checkpoint.every must be >= 1 (0 turns checkpoints off), got {every}")
         if keep < 1:
             raise ValueError(f"checkpoint.keep must be >= 1, got {keep}")
         self.root = Path(folder) / CHECKPOINTS
         self.every, self.keep = every, keep
-        self.run, self.steps = run, steps
-        self.clock, self.ledger, self.gate = clock, ledger, gate
-        self.channels, self.feedback = channels, feedback
-        self.holders: list[RefHolder] = []
+        self.run, self.steps, self.cut = run, steps, cut
         self.written: list[Path] = []
         self.log = get_logger("checkpoint").bind(run=run)
 
@@ -200,32 +276,12 @@ class Checkpointer:
         """Is a checkpoint due now that `version` was reached (never at 0, never at the run's end)?"""
         return 0 < version < self.steps and version % self.every == 0
 
-    def capture(self, version: int, consumer: CheckpointingConsumer) -> RunState:
-        """The run's state now, as one consistent cut: nothing here awaits."""
-        held: list[HeldRef] = list(consumer.held_refs())  # downstream first: roughly oldest first
-        for holder in self.holders:
-            held.extend(holder.held_refs())
-        for name, channel in reversed(self.channels.items()):
-            held.extend(HeldRef(ref=r, holder=f"channel:{name}") for r in channel.items() if isinstance(r, Ref))
-        owed = [src for holder in self.holders for src in getattr(holder, "held_sources", list)()]
-        for _, source in self.ledger.pending_redo():  # redos being made are requeued as such on resume
-            if source in owed:
-                owed.remove(source)
-        return RunState(
-            run=self.run, version=version, steps=self.steps, units_per_version=self.gate.units_per_version,
-            created_at=time.time(), ledger=self.ledger.state(),
-            gate=GateCounts(self.gate.started, self.gate.discarded), held=held,
-            redo=[r for r in self.feedback.items() if isinstance(r, Redo)], owed=owed,
-        )
-
     async def save(self, version: int, consumer: CheckpointingConsumer) -> Path:
         """Capture the run's state and write it, with the consumer's, as the latest checkpoint. The consumer
         waits for the write (its state must not change meanwhile); once begun, a write is finished even if the
         run is being stopped. A write that fails raises (the run fails: it would otherwise go on unprotected)."""
-        if self.clock.version != version:
-            raise CheckpointError(f"a checkpoint of version {version} was asked at version {self.clock.version}")
         t0 = time.perf_counter()
-        state = _STATE_ENCODER.encode(self.capture(version, consumer))
+        state = _STATE_ENCODER.encode(await self.cut.capture(version, consumer))
         with anyio.CancelScope(shield=True):  # a run stopping meanwhile (another actor failed) still gets it
             path = await anyio.to_thread.run_sync(self._write, version, state, consumer.write_state)
         self.written.append(path)
@@ -318,6 +374,72 @@ def read_state(checkpoint: Path) -> RunState:
     return state
 
 
+class Reopened(msgspec.Struct, frozen=True):
+    """What `reopen` did to a resumed ledger: the Redo requests to queue first, how many of them redo
+    lost or refused work (`redone`) and how many produce prompts admitted but not produced (`owed`)."""
+
+    requests: list[Redo]
+    redone: int
+    owed: int
+
+
+def reopen(state: RunState, attempt: int, ledger: Ledger) -> Reopened:
+    """Make `ledger` (the checkpoint's, rebuilt) owe the checkpoint's unfinished work again: the redo
+    requests the run owed (`redo_requests`), the redos producers were making (their sources become
+    takeable again), and the prompts producers had admitted but not produced (owed under new group names
+    `resume{attempt}-owed-{i}`). Returns the Redo requests for all of it, in that order."""
+    requests = redo_requests(state)
+    redone = len(requests)
+    for group in ledger.requeue_pending_redo():
+        requests.append(Redo(group, "resume: its redo was being produced at the checkpoint"))
+        redone += 1
+    for i, source in enumerate(state.owed):
+        group = f"resume{attempt}-owed-{i}"
+        ledger.owe(group, source)
+        requests.append(Redo(group, "resume: admitted but not produced at the checkpoint"))
+    return Reopened(requests=requests, redone=redone, owed=len(state.owed))
+
+
+def in_flight_groups(state: RunState) -> dict[str, list[str]]:
+    """{group: item ids} of the groups `state`'s ledger has in flight, in production order."""
+    groups: dict[str, list[str]] = {}
+    for rec in state.ledger.records:
+        if rec.fate == "in_flight":
+            groups.setdefault(rec.group, []).append(rec.id)
+    return groups
+
+
+def restore_gate(state: RunState, gate: AdmissionGate) -> None:
+    """Set `gate` (at the checkpoint's version) to the checkpoint's consumed units (`version *
+    units_per_version`) plus one slot per group in flight; work admitted but never produced is
+    forgotten (producers start new work in its place, or make it as owed redos)."""
+    if gate.units_per_version != state.units_per_version:
+        raise CheckpointError(
+            f"the checkpoint was taken with {state.units_per_version} units per version (groups per "
+            f"step), the resumed run has {gate.units_per_version}; resume with the checkpoint's value"
+        )
+    gate.started = state.version * gate.units_per_version + len(in_flight_groups(state))
+    gate.discarded = 0
+
+
+class ResumePoint(msgspec.Struct, frozen=True, kw_only=True):
+    """The consumer's view of a resume: its checkpoint folder, version, and the trained groups it may
+    still reuse (the parts of `Resumed` a consumer in another process needs)."""
+
+    checkpoint: str
+    version: int
+    reusable: list[HeldRef]
+    rngs: dict[str, RandomState] = {}
+
+    @property
+    def consumer_dir(self) -> Path:
+        return Path(self.checkpoint) / CONSUMER_DIR
+
+    def rng_state(self, actor: str) -> RandomState | None:
+        """Where `actor`'s random stream stood at the checkpoint (None: it had none there)."""
+        return self.rngs.get(actor)
+
+
 @dataclass
 class Resumed:
     """A run continuing from its latest checkpoint (see the module docstring for the rule)."""
@@ -393,42 +515,41 @@ class Resumed:
 
     def in_flight_groups(self) -> dict[str, list[str]]:
         """{group: item ids} of the groups the checkpoint's ledger has in flight, in production order."""
-        groups: dict[str, list[str]] = {}
-        for rec in self.state.ledger.records:
-            if rec.fate == "in_flight":
-                groups.setdefault(rec.group, []).append(rec.id)
-        return groups
+        return in_flight_groups(self.state)
 
     def restore_gate(self, gate: AdmissionGate) -> None:
-        """Consumed units (`version * units_per_version`) plus one slot per group in flight; work
-        admitted but never produced is forgotten (producers start new work in its place)."""
-        if gate.units_per_version != self.state.units_per_version:
-            raise CheckpointError(
-                f"the checkpoint was taken with {self.state.units_per_version} units per version (groups per "
-                f"step), the resumed run has {gate.units_per_version}; resume with the checkpoint's value"
-            )
-        gate.started = self.state.version * gate.units_per_version + len(self.in_flight_groups())
-        gate.discarded = 0
+        restore_gate(self.state, gate)
 
     @property
     def reusable(self) -> list[HeldRef]:
         """Groups the consumer had trained and could still reuse (its to restore if their payload exists)."""
         return [h for h in self.state.held if h.uses > 0]
 
+    def reopen(self, ledger: Ledger) -> list[Redo]:
+        """Prepare the resumed `ledger` (see `reopen`) and count what it owes; returns the Redo requests
+        to queue before any actor runs."""
+        reopened = reopen(self.state, self.attempt, ledger)
+        self.count(reopened)
+        return reopened.requests
+
+    def count(self, reopened: Reopened) -> None:
+        self.redone, self.owed = reopened.redone, reopened.owed
+
     def feeder(self, ctx: Any, produced: Any, ledger: Ledger) -> ResumeFeeder:
         """The actor that puts the checkpoint's work in flight again. Redos are queued at once."""
-        for request in self.state.redo:
+        for request in self.reopen(ledger):
             ctx.feedback.send_nowait(request)
-        for group in ledger.requeue_pending_redo():
-            ctx.feedback.send_nowait(Redo(group, "resume: its redo was being produced at the checkpoint"))
-            self.redone += 1
-        for i, source in enumerate(self.state.owed):
-            group = f"resume{self.attempt}-owed-{i}"
-            ledger.owe(group, source)
-            ctx.feedback.send_nowait(Redo(group, "resume: admitted but not produced at the checkpoint"))
-            self.owed += 1
-        self.redone += len(self.state.redo)
         return ResumeFeeder(self, ctx, produced)
+
+    def point(self) -> ResumePoint:
+        """What the consumer needs to continue (sent to its process on the Ray runtime)."""
+        return ResumePoint(
+            checkpoint=str(self.checkpoint), version=self.version, reusable=self.reusable, rngs=self.state.rngs
+        )
+
+    def rng_state(self, actor: str) -> RandomState | None:
+        """Where `actor`'s random stream stood at the checkpoint (None: it had none there)."""
+        return self.state.rngs.get(actor)
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -490,6 +611,7 @@ async def _payload_exists(store: Any, ref: Ref) -> bool:
 
 
 __all__ = [
-    "CheckpointError", "Checkpointer", "CheckpointingConsumer", "GateCounts", "HeldRef", "RefHolder", "Resumed",
-    "RunState", "latest_checkpoint", "read_state",
+    "CheckpointError", "Checkpointer", "CheckpointingConsumer", "GateCounts", "HeldRef", "LocalCut", "RefHolder",
+    "Reopened", "ResumeFeeder", "ResumePoint", "Resumed", "RunCut", "RunState", "latest_checkpoint", "owed_sources",
+    "python_random_state", "random_state", "read_state", "redo_requests", "reopen", "restore_gate",
 ]

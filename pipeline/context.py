@@ -177,8 +177,8 @@ class RunContext:
     channels: dict[str, Any] = field(default_factory=dict)
     services: dict[str, Any] = field(default_factory=dict)
     started_at: float = field(default_factory=time.time)  # wall clock: comparable across processes
-    checkpoint: Any = None  # a pipeline.checkpoint.Checkpointer when the run checkpoints (local runtime)
-    resume: Any = None  # a pipeline.checkpoint.Resumed when the run continues from a checkpoint
+    checkpoint: Any = None  # a pipeline.checkpoint.Checkpointer where the run checkpoints (the consumer's process)
+    resume: Any = None  # a pipeline.checkpoint.Resumed (Ray: its ResumePoint) when the run continues from one
     activity: Activity = field(default_factory=Activity)  # each actor's last event, for the watchdog
 
     def note(self, actor: str, event: str) -> None:

@@ -34,7 +34,7 @@ import anyio
 from pipeline.actor import Actor, ActorFailed
 from pipeline.admission import AdmissionGate
 from pipeline.channel import Channel
-from pipeline.checkpoint import Checkpointer, CheckpointError, Resumed
+from pipeline.checkpoint import Checkpointer, LocalCut, Resumed
 from pipeline.context import LocalClock, LocalGate, LocalLedger, RunContext, VersionPolicy
 from pipeline.faults import FaultPlan, FaultSpec, as_plan
 from pipeline.faults import install as install_faults
@@ -84,9 +84,9 @@ class Pipeline:
     max_uses: int = 1
     ray_address: str | None = None  # runtime="ray": attach to this cluster (default: start a local one)
     hooks: list[Callable[[RunContext], Sequence[Actor] | None]] = field(default_factory=list)
-    checkpoint_every: int = 0  # versions between checkpoints; 0: none (local runtime)
+    checkpoint_every: int = 0  # versions between checkpoints; 0: none
     checkpoint_keep: int = 2  # complete checkpoints kept in the run folder
-    watchdog: WatchdogSettings | None = None  # hang diagnosis (local runtime); None: off
+    watchdog: WatchdogSettings | None = None  # hang diagnosis; None: off
     faults: FaultPlan | list[FaultSpec] | None = None  # injected faults (pipeline.faults); None: none, no hooks
 
     def __post_init__(self) -> None:
@@ -103,8 +103,8 @@ class Pipeline:
         """Continue the run in `run_dir` from its latest checkpoint (this pipeline must be the one that
         made it: same name, same stages) to `steps`, in the same folder; returns the summary, whose
         `resume` entry says what was rolled back, re-used and regenerated (pipeline.checkpoint)."""
-        if self.runtime != "local":
-            raise CheckpointError(f"resume needs runtime = 'local'; runtime = {self.runtime!r} does not checkpoint")
+        if self.runtime not in ("local", "ray"):
+            raise ValueError(f"runtime={self.runtime!r}: use 'local' or 'ray'")
         return anyio.run(self.arun, run_dir)
 
     async def arun(self, resume_from: str | Path | None = None) -> dict[str, Any]:
@@ -114,11 +114,6 @@ class Pipeline:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
         if self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 0 (0: off), got {self.checkpoint_every}")
-        if self.runtime == "ray" and (self.checkpoint_every or resume_from is not None or self.watchdog is not None):
-            raise CheckpointError(
-                "checkpoints, resume and the watchdog need runtime = 'local' (the Ray runtime keeps the run's "
-                "state in several processes); set checkpoint_every = 0 and watchdog = None, or use runtime = 'local'"
-            )
         resumed = Resumed.open(resume_from, self.name, self.steps) if resume_from is not None else None
         if resumed is not None:
             folder = resumed.folder
@@ -127,7 +122,7 @@ class Pipeline:
             if self.config_text is not None:
                 folder.write_text("config.toml", self.config_text)
         if self.runtime == "ray":
-            return await self._arun_ray(folder)
+            return await self._arun_ray(folder, resumed)
         if resumed is not None:
             clock, ledger = resumed.clock(), resumed.ledger(self.max_uses)
         else:
@@ -152,10 +147,10 @@ class Pipeline:
         ctx.channels.update(produced=produced, ready=ready, feedback=ctx.feedback)
         install_faults(ctx, as_plan(self.faults))  # nothing at all when no fault is planned
         if self.checkpoint_every:
+            cut = LocalCut(self.name, self.steps, clock, ledger, gate, {"produced": produced, "ready": ready},
+                           ctx.feedback)
             ctx.checkpoint = Checkpointer(
-                folder.path, self.checkpoint_every, run=self.name, steps=self.steps, clock=clock, ledger=ledger,
-                gate=gate, channels={"produced": produced, "ready": ready}, feedback=ctx.feedback,
-                keep=self.checkpoint_keep,
+                folder.path, self.checkpoint_every, run=self.name, steps=self.steps, cut=cut, keep=self.checkpoint_keep
             )
         extra: list[Actor] = []
         for hook in self.hooks:  # a hook sees the context and may add actors (watchdogs, fault injectors)
@@ -166,7 +161,7 @@ class Pipeline:
         producers = list(self.producer.actors(ctx, None, produced))
         consumers = list(self.consumer.actors(ctx, ready, None))
         if ctx.checkpoint is not None:  # refs producers are sending and the buffer's index are checkpointed too
-            ctx.checkpoint.holders = [a for a in (*producers, *buffers) if hasattr(a, "held_refs")]
+            cut.holders = [a for a in (*producers, *buffers) if hasattr(a, "held_refs")]
         if resumed is not None:
             extra.append(resumed.feeder(ctx, produced, ledger))
         actors = [*producers, *buffers, *consumers, *extra]
@@ -208,20 +203,22 @@ class Pipeline:
         log.info("run finished", **{k: summary[k] for k in ("version", "wall_s", "samples_per_s")})
         return summary
 
-    async def _arun_ray(self, folder: RunFolder) -> dict[str, Any]:
+    async def _arun_ray(self, folder: RunFolder, resumed: Resumed | None) -> dict[str, Any]:
         from pipeline.runtime.ray import RayRun
 
         started = time.time()
         get_logger("pipeline").bind(run=self.name).info("run starting on ray", folder=str(folder.path))
-        report = None
+        runner = RayRun(self, address=self.ray_address, watchdog=self.watchdog)
         try:
             with Progress(self.name, enabled=self.progress) as progress:
-                report = await RayRun(self, address=self.ray_address)(folder, progress)
+                await runner(folder, progress, resumed)
         finally:
+            report = runner.report  # a failed run's too: its ledger.json is what a resume reports against
             records = self._write_outputs(folder, report["ledger_json"] if report is not None else None)
         return self._summary(
             folder, records, report["version"], report["counts"], not report["violations"], started,
-            runtime="ray", restarts=report.get("restarts", {}),
+            runtime="ray", restarts=report.get("restarts", {}), checkpoint_pause_s=report.get("frozen_s", 0.0),
+            **({"resume": resumed.summary()} if resumed is not None else {}),
         )
 
     def _write_outputs(self, folder: RunFolder, ledger_json: bytes | None) -> list[dict]:

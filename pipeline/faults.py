@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -234,16 +235,19 @@ def unrecovered(folder: Path | str, kind: str, scope: str = "") -> bool:
 # -- generic hooks: the clock (learner.crash) and channels (channel.stall) ------------------------
 class CrashingClock:
     """A Clock whose `advance_to(v)` raises `LearnerCrashed` when the schedule fires at version v:
-    the learner dies after publishing v but before recording it (what resume must repair)."""
+    the learner dies after publishing v but before recording it (what resume must repair). Where the
+    learner has its own process (`kill_process`, the Ray runtime), that process is SIGKILLed instead."""
 
-    def __init__(self, clock: Any, schedule: Schedule) -> None:
-        self._clock, self._schedule = clock, schedule
+    def __init__(self, clock: Any, schedule: Schedule, kill_process: bool = False) -> None:
+        self._clock, self._schedule, self._kill_process = clock, schedule, kill_process
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._clock, name)
 
     async def advance_to(self, version: int) -> None:
         if self._schedule.hit(occurrence=version):
+            if self._kill_process:
+                os.kill(os.getpid(), signal.SIGKILL)
             raise LearnerCrashed(f"injected fault learner.crash at version {version}")
         await self._clock.advance_to(version)
         self._schedule.recovered(f"advanced to version {version}")  # a resumed run's first step after a crash
@@ -272,7 +276,7 @@ def install(ctx: Any, faults: FaultPlan | None, isolated: bool = False) -> Fault
     ctx.services["faults"] = plan
     crash = plan.schedule("learner.crash")
     if crash is not None:
-        ctx.clock = CrashingClock(ctx.clock, crash)
+        ctx.clock = CrashingClock(ctx.clock, crash, kill_process=isolated)
     if plan.planned("channel.stall"):
         for name, channel in ctx.channels.items():
             if name != "feedback" and hasattr(channel, "before_send"):

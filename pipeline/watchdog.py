@@ -20,6 +20,13 @@ Each report is logged with structured fields (channel depths, the gate, what eac
 last event; one line each, so JSON logs stay one object per line) and, with a run folder, written as
 text to `hang-report.txt` there (replaced atomically by each new report).
 
+Both runtimes run the same loop, `HangWatch`, over awaitable `Probes`: the local runtime's `Watchdog`
+actor adapts its in-process objects (sync callables, local channels, `asyncio.all_tasks()`); the Ray
+runtime's driver (`pipeline.runtime.ray_watchdog`) asks the conductor, the channel hosts and every
+stage host (`StageHost.diagnose()`, a msgspec-encoded `ProcessDiagnosis` of that process) and names
+each actor line's host and pid. Every probe is bounded (`probe_timeout_s`) and a probe that fails or
+does not answer never fails the watchdog: a dead or restarting host is shown as such.
+
 The watchdog watches `run()`: an actor whose `start()` hangs is not covered. Task introspection needs
 the asyncio backend (under another backend the `awaiting` chains are empty).
 """
@@ -27,8 +34,10 @@ the asyncio backend (under another backend the `awaiting` chains are empty).
 from __future__ import annotations
 
 import asyncio
+import gc
+import os
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,6 +78,22 @@ class ActorLine(msgspec.Struct, frozen=True):
     awaiting: list[list[str]]  # one frame chain per task of the actor, innermost last
     last_event: str | None
     last_event_age_s: float | None
+    host: str = ""  # the process the actor runs in, where actors have their own (Ray: e.g. "producer-0")
+    pid: int | None = None
+    unreachable: str = ""  # why the host could not be asked (dead, restarting, no answer); "" when it answered
+
+    def where(self) -> str:
+        """The suffix naming the actor's process, ' [producer-0, pid 4242]'; '' where it has none."""
+        return f" [{self.host}" + (f", pid {self.pid}" if self.pid is not None else "") + "]" if self.host else ""
+
+
+class ProcessDiagnosis(msgspec.Struct, frozen=True):
+    """One process's part of a report (what a Ray `StageHost.diagnose()` returns, msgspec-encoded)."""
+
+    host: str
+    pid: int
+    actors: list[ActorLine]
+    status: list[str]
 
 
 class HangReport(msgspec.Struct, frozen=True):
@@ -89,8 +114,11 @@ class HangReport(msgspec.Struct, frozen=True):
             lines.append("admission gate: " + ", ".join(f"{k}={v}" for k, v in self.gate.items()))
         lines.append("actors:")
         for a in self.actors:
+            if a.unreachable:
+                lines.append(f"  {a.name}{a.where()}: {a.unreachable}")
+                continue
             event = f"last event {a.last_event!r} {a.last_event_age_s:.1f}s ago" if a.last_event else "no event noted"
-            lines.append(f"  {a.name}: {event}")
+            lines.append(f"  {a.name}{a.where()}: {event}")
             for chain in a.awaiting:
                 lines.append(f"    awaiting {' -> '.join(chain)}")
         if self.status:
@@ -111,10 +139,17 @@ class HangReport(msgspec.Struct, frozen=True):
         events = {
             a.name: f"{a.last_event} ({a.last_event_age_s:.1f}s ago)" for a in self.actors if a.last_event is not None
         }
-        return {
+        fields = {
             "idle_s": self.idle_s, "at": self.progress, "channels": channels, "gate": self.gate,
             "waiting": waiting, "last_events": events, "status": self.status,
         }
+        hosts = {a.name: a.where().strip(" []") for a in self.actors if a.host}
+        unreachable = {a.name: a.unreachable for a in self.actors if a.unreachable}
+        if hosts:
+            fields["hosts"] = hosts
+        if unreachable:
+            fields["unreachable"] = unreachable
+        return fields
 
 
 class PipelineHung(ActorFailed):
@@ -150,27 +185,36 @@ class WatchdogSettings:
         return bool(self.warn_after_s or self.fail_after_s)
 
 
-class Watchdog:
-    """The watchdog actor (see the module docstring). It never returns; the run cancels it at the end."""
+@dataclass
+class Probes:
+    """What the watchdog reads, each an awaitable (the local runtime's are in-process reads, Ray's are
+    remote calls). `HangWatch` bounds every call; one that raises or does not answer in time counts as
+    no progress (`progress`) or leaves its part of the report empty with a status line saying why.
+
+    * progress: a hashable that changes whenever the run moves (version clock, ledger counts);
+    * channels: {name: stats}, each with the fields of `pipeline.channel.ChannelStats` (None: that
+      channel did not answer);
+    * gate: the admission gate's counts and whether it would admit a unit now ({} when there is none);
+    * actors: every actor's line (await chains, last event) and the stages' status lines.
+    """
+
+    progress: Callable[[], Awaitable[Hashable]]
+    channels: Callable[[], Awaitable[dict[str, Any]]]
+    gate: Callable[[], Awaitable[dict[str, Any]]]
+    actors: Callable[[], Awaitable[tuple[list[ActorLine], list[str]]]]
+
+
+class HangWatch:
+    """The watchdog's loop over `probes` (see the module docstring); the same for every runtime. `run()`
+    never returns: it raises `PipelineHung` after `fail_after_s` without progress, or is cancelled."""
 
     name = "watchdog"
 
     def __init__(
-        self,
-        settings: WatchdogSettings,
-        progress: Callable[[], Hashable],
-        channels: dict[str, Any],
-        actors: Sequence[Any],
-        activity: Activity,
-        status: list[Callable[[], str]] | None = None,
-        gate: Callable[[], dict[str, Any]] | None = None,
-        run: str = "",
-        folder: Any = None,
+        self, settings: WatchdogSettings, probes: Probes, run: str = "", folder: Any = None,
+        probe_timeout_s: float = 10.0,
     ) -> None:
-        self.settings, self.progress, self.channels = settings, progress, channels
-        self.actors, self.activity = list(actors), activity
-        self.status = status if status is not None else []
-        self.gate = gate
+        self.settings, self.probes, self.probe_timeout_s = settings, probes, probe_timeout_s
         self.folder = folder  # a RunFolder: each report is also written to hang-report.txt there
         self.log = get_logger("watchdog").bind(run=run)
         self._moved: dict[str, tuple[int, int, float]] = {}  # channel -> (sent, received, when they last moved)
@@ -184,24 +228,52 @@ class Watchdog:
 
     async def run(self) -> None:
         s = self.settings
-        seen, since, warned_at = self.progress(), time.monotonic(), None
+        seen, since, warned_at = await self._progress(None), time.monotonic(), None
         while True:
             await anyio.sleep(s.poll_s)
-            self._track_channels()
-            now, current = time.monotonic(), self.progress()
+            await self._channels()  # keeps "last moved" current between reports
+            current = await self._progress(seen)
+            now = time.monotonic()
             if current != seen:
                 seen, since, warned_at = current, now, None
                 continue
             idle = now - since
             if s.fail_after_s and idle >= s.fail_after_s:
-                report = self._publish(idle, seen, "pipeline hung: failing the run", "error")
+                report = await self._publish(idle, seen, "pipeline hung: failing the run", "error")
                 raise PipelineHung(report, s.fail_after_s)
             if s.warn_after_s and idle >= s.warn_after_s and (warned_at is None or now - warned_at >= s.warn_after_s):
-                self._publish(idle, seen, "pipeline stalled", "warning")
+                await self._publish(idle, seen, "pipeline stalled", "warning")
                 warned_at = now
 
-    def _publish(self, idle: float, progress: Hashable, event: str, level: str) -> HangReport:
-        report = self.report(idle, progress)
+    async def _ask(self, what: str, probe: Callable[[], Awaitable[Any]], problems: list[str]) -> Any:
+        """`await probe()` within `probe_timeout_s`; None (and a line in `problems`) if it fails or times out."""
+        with anyio.move_on_after(self.probe_timeout_s):
+            try:
+                return await probe()
+            except Exception as exc:  # a broken probe must not hide the rest of the report
+                problems.append(f"<{what} failed: {type(exc).__name__}: {exc}>")
+                return None
+        problems.append(f"<{what}: no answer within {self.probe_timeout_s:g}s>")
+        return None
+
+    async def _progress(self, seen: Hashable) -> Hashable:
+        current = await self._ask("progress", self.probes.progress, [])
+        return seen if current is None else current  # no answer: no progress seen
+
+    async def _channels(self, problems: list[str] | None = None) -> dict[str, Any]:
+        answers = await self._ask("channels", self.probes.channels, problems if problems is not None else []) or {}
+        stats = {name: st for name, st in answers.items() if st is not None}
+        if problems is not None:
+            problems.extend(f"<channel {name!r}: no answer>" for name, st in answers.items() if st is None)
+        now = time.monotonic()
+        for name, st in stats.items():
+            last = self._moved.get(name)
+            if last is None or (st.sent, st.received) != last[:2]:
+                self._moved[name] = (st.sent, st.received, now)
+        return stats
+
+    async def _publish(self, idle: float, progress: Hashable, event: str, level: str) -> HangReport:
+        report = await self.report(idle, progress)
         self.reports.append(report)
         fields = report.log_fields()
         if self.folder is not None:
@@ -212,47 +284,124 @@ class Watchdog:
         getattr(self.log, level)(event, **fields)
         return report
 
-    def _track_channels(self) -> None:
-        now = time.monotonic()
-        for name, channel in self.channels.items():
-            stats = channel.stats()
-            last = self._moved.get(name)
-            if last is None or (stats.sent, stats.received) != last[:2]:
-                self._moved[name] = (stats.sent, stats.received, now)
-
-    def report(self, idle_s: float, progress: Hashable) -> HangReport:
+    async def report(self, idle_s: float, progress: Hashable) -> HangReport:
         """Where the pipeline stands now (see the module docstring)."""
-        self._track_channels()
+        problems: list[str] = []
+        stats = await self._channels(problems)
         now = time.monotonic()
-        channels = []
-        for name, channel in self.channels.items():
-            st = channel.stats()
-            channels.append(ChannelLine(
+        channels = [
+            ChannelLine(
                 name=name, depth=st.depth, max_items=st.max_items, nbytes=st.nbytes, max_bytes=st.max_bytes,
                 closed=st.closed, idle_s=round(now - self._moved[name][2], 1),
-            ))
-        chains = _awaiting_by_actor(self.actors)
-        events = self.activity.last()
-        names = [a.name for a in self.actors] + sorted(set(events) - {a.name for a in self.actors})
-        actors = []
-        for name in names:
-            event, age = events.get(name, (None, None))
-            actors.append(ActorLine(
-                name=name, awaiting=chains.get(name, []), last_event=event,
-                last_event_age_s=round(age, 1) if age is not None else None,
-            ))
-        status = []
-        for line in self.status:
-            try:
-                status.append(str(line()))
-            except Exception as exc:  # a broken status line must not hide the report
-                status.append(f"<status failed: {type(exc).__name__}: {exc}>")
+            )
+            for name, st in stats.items()
+        ]
+        gate = await self._ask("gate", self.probes.gate, problems) or {}
+        actors, status = await self._ask("actors", self.probes.actors, problems) or ([], [])
         if isinstance(progress, tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in progress):
             progress = ", ".join(f"{k}={v}" for k, v in progress)  # (("version", 3), ("produced", 96), ...)
         return HangReport(
-            idle_s=round(idle_s, 1), progress=str(progress), channels=channels,
-            gate=self.gate() if self.gate is not None else {}, actors=actors, status=status,
+            idle_s=round(idle_s, 1), progress=str(progress), channels=channels, gate=gate, actors=list(actors),
+            status=[*status, *problems],
         )
+
+
+class Watchdog(HangWatch):
+    """The local runtime's watchdog actor: `HangWatch` over this process's objects (sync callables,
+    `Channel`s, the actors' asyncio tasks). It never returns; the run cancels it at the end."""
+
+    def __init__(
+        self,
+        settings: WatchdogSettings,
+        progress: Callable[[], Hashable],
+        channels: dict[str, Any],
+        actors: Sequence[Any],
+        activity: Activity,
+        status: list[Callable[[], str]] | None = None,
+        gate: Callable[[], dict[str, Any]] | None = None,
+        run: str = "",
+        folder: Any = None,
+    ) -> None:
+        self.channels, self.actors, self.activity = channels, list(actors), activity
+        self.status = status if status is not None else []  # read at each report: stages append to it
+
+        async def read_progress() -> Hashable:
+            return progress()
+
+        async def read_channels() -> dict[str, Any]:
+            return {name: channel.stats() for name, channel in self.channels.items()}
+
+        async def read_gate() -> dict[str, Any]:
+            return gate() if gate is not None else {}
+
+        async def read_actors() -> tuple[list[ActorLine], list[str]]:
+            return actor_lines(self.actors, self.activity, _awaiting_by_actor(self.actors)), status_lines(self.status)
+
+        super().__init__(settings, Probes(read_progress, read_channels, read_gate, read_actors), run, folder)
+
+
+def actor_lines(
+    actors: Sequence[Any], activity: Activity, chains: dict[str, list[list[str]]], host: str = "",
+    pid: int | None = None,
+) -> list[ActorLine]:
+    """A line per actor (and per other name that noted an event): what its tasks await (`chains`, by
+    actor name), its last event."""
+    events = activity.last()
+    names = [a.name for a in actors] + sorted(set(events) - {a.name for a in actors})
+    lines = []
+    for name in names:
+        event, age = events.get(name, (None, None))
+        lines.append(ActorLine(
+            name=name, awaiting=chains.get(name, []), last_event=event,
+            last_event_age_s=round(age, 1) if age is not None else None, host=host, pid=pid,
+        ))
+    return lines
+
+
+def status_lines(status: Sequence[Callable[[], str]]) -> list[str]:
+    """Each status callable's line; one that raises says so instead of hiding the others."""
+    lines = []
+    for line in status:
+        try:
+            lines.append(str(line()))
+        except Exception as exc:  # a broken status line must not hide the report
+            lines.append(f"<status failed: {type(exc).__name__}: {exc}>")
+    return lines
+
+
+def diagnose_process(
+    host: str, actors: Sequence[Any], activity: Activity, status: Sequence[Callable[[], str]],
+    root: asyncio.Task | None = None,
+) -> ProcessDiagnosis:
+    """This process's part of a report, for the actors it hosts. The tasks looked at are `root` (the
+    task running the actors, e.g. a Ray actor method's), the tasks anyio task groups started under it,
+    and any other task of the loop whose frames run a method of one of `actors`; so a process whose
+    event loop also serves other calls (a Ray async actor) reports only its actors' tasks. With one
+    actor, every task under `root` is that actor's, whatever object's method it runs."""
+    under, others = _tasks_under(root)
+    chains = _awaiting_by_actor(actors, under, owner_of_rest=actors[0].name if len(actors) == 1 else None)
+    for name, found in _awaiting_by_actor(actors, others).items():
+        chains.setdefault(name, []).extend(found)
+    return ProcessDiagnosis(
+        host=host, pid=os.getpid(), actors=actor_lines(actors, activity, chains, host, os.getpid()),
+        status=status_lines(status),
+    )
+
+
+def _tasks_under(root: asyncio.Task | None) -> tuple[list[asyncio.Task], list[asyncio.Task]]:
+    """(`root` and its descendants through anyio task groups, by anyio's parent task ids; every other
+    task of the loop)."""
+    tasks = {id(t): t for t in asyncio.all_tasks() if not t.done()}
+    parents = {info.id: info.parent_id for info in anyio.get_running_tasks()}
+    under = {id(root)} if root is not None and id(root) in tasks else set()
+    grew = True
+    while grew:
+        grew = False
+        for task_id, parent in parents.items():
+            if parent in under and task_id not in under and task_id in tasks:
+                under.add(task_id)
+                grew = True
+    return [t for tid, t in tasks.items() if tid in under], [t for tid, t in tasks.items() if tid not in under]
 
 
 def _frame_label(frame: Any) -> str:
@@ -270,43 +419,62 @@ def _is_library(frame: Any) -> bool:
 
 def await_chain(task: asyncio.Task) -> tuple[list[str], list[Any]]:
     """The frames `task` is suspended in, outermost first: (labels, the objects bound to `self` in them).
-    Library frames (asyncio, anyio, site-packages) are left out except the innermost one."""
+    Library frames (asyncio, anyio, site-packages) are left out except the innermost one. Compiled
+    coroutines without a frame (Ray's Cython wrappers around an actor method) are stepped through."""
     coro: Any = task.get_coro()
     frames = []
-    while coro is not None:
-        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None) or getattr(coro, "ag_frame", None)
-        if frame is None:
+    for _ in range(_MAX_AWAIT_DEPTH):
+        if coro is None:
             break
-        frames.append(frame)
-        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None) or getattr(coro, "ag_await", None)
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None) or getattr(coro, "ag_frame", None)
+        if frame is not None:
+            frames.append(frame)
+        awaited = next((a for a in (getattr(coro, n, None) for n in _AWAITED) if a is not None), None)
+        coro = awaited if awaited is not None or frame is not None else _wrapped_coroutine(coro)
     owners = [f.f_locals.get("self") for f in frames]
     kept = [f for i, f in enumerate(frames) if not _is_library(f) or i == len(frames) - 1]
     return [_frame_label(f) for f in kept], owners
 
 
-def _awaiting_by_actor(actors: Sequence[Any]) -> dict[str, list[list[str]]]:
-    """{actor name: frame chains of its tasks}: the task named `actor:{name}` (local runtime), and every
-    other task whose frames run a method of that actor (its task groups' children)."""
+_MAX_AWAIT_DEPTH = 200
+_AWAITED = ("cr_await", "gi_yieldfrom", "ag_await")  # what a coroutine, generator, async generator awaits
+
+
+def _wrapped_coroutine(awaitable: Any) -> Any:
+    """The one coroutine a frameless awaitable holds (e.g. Cython's `coroutine_wrapper`, which exposes
+    it only to the garbage collector), or None."""
+    inner = [r for r in gc.get_referents(awaitable) if hasattr(r, "cr_await") or hasattr(r, "gi_yieldfrom")]
+    return inner[0] if len(inner) == 1 else None
+
+
+def _awaiting_by_actor(
+    actors: Sequence[Any], tasks: Sequence[asyncio.Task] | None = None, owner_of_rest: str | None = None
+) -> dict[str, list[list[str]]]:
+    """{actor name: frame chains of its tasks} among `tasks` (default: all of the loop's): the task named
+    `actor:{name}` (local runtime), and every other task whose frames run a method of that actor (its
+    task groups' children); a task that runs no actor's method is `owner_of_rest`'s (if given)."""
     try:
-        tasks = asyncio.all_tasks()
+        current = asyncio.current_task()
+        tasks = asyncio.all_tasks() if tasks is None else tasks
     except RuntimeError:  # not under asyncio
         return {}
     by_id = {id(a): a.name for a in actors}
     names = {a.name for a in actors}
     found: dict[str, list[list[str]]] = {}
     for task in tasks:
-        if task is asyncio.current_task() or task.done():
+        if task is current or task.done():
             continue
         labels, owners = await_chain(task)
         task_name = task.get_name()
         owner = task_name.split(":", 1)[1] if task_name.startswith("actor:") else None
         if owner not in names:
-            owner = next((by_id[id(o)] for o in owners if id(o) in by_id), None)
+            owner = next((by_id[id(o)] for o in owners if id(o) in by_id), owner_of_rest)
         if owner is not None and owner != "watchdog" and labels:
             found.setdefault(owner, []).append(labels)
     return found
 
 
 __all__ = [
-    "Activity", "ActorLine", "ChannelLine", "HangReport", "PipelineHung", "Watchdog", "WatchdogSettings", "await_chain",
+    "Activity", "ActorLine", "ChannelLine", "HangReport", "HangWatch", "PipelineHung", "Probes", "ProcessDiagnosis",
+    "Watchdog", "WatchdogSettings", "actor_lines", "await_chain", "diagnose_process", "status_lines",
 ]

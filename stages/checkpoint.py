@@ -23,6 +23,8 @@ import numpy as np
 import safetensors.torch
 import torch
 
+from pipeline.checkpoint import RandomState, python_random_state, random_state
+
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 RNG_FILE = "rng.safetensors"
@@ -39,14 +41,9 @@ class NumpyRNG(msgspec.Struct, frozen=True):
 
 class LearnerState(msgspec.Struct, kw_only=True):
     version: int
-    python_rng: tuple[int, list[int], float | None]
+    python_rng: RandomState
     numpy_rng: NumpyRNG
-    selection_rng: tuple[int, list[int], float | None] | None = None
-
-
-def _python_state(state: tuple) -> tuple[int, list[int], float | None]:
-    version, internal, gauss = state
-    return version, list(internal), gauss
+    selection_rng: RandomState | None = None
 
 
 def write_learner_state(
@@ -65,9 +62,9 @@ def write_learner_state(
     selection_rng = getattr(selection, "rng_state", lambda: None)()
     state = LearnerState(
         version=version,
-        python_rng=_python_state(random.getstate()),
+        python_rng=random_state(random.getstate()),
         numpy_rng=NumpyRNG(str(kind), [int(k) for k in keys], int(pos), int(has_gauss), float(cached)),
-        selection_rng=_python_state(selection_rng) if selection_rng is not None else None,
+        selection_rng=random_state(selection_rng) if selection_rng is not None else None,
     )
     (folder / STATE_FILE).write_bytes(msgspec.json.encode(state))
 
@@ -93,13 +90,11 @@ def read_learner_state(
         cuda = [rng[k] for k in sorted(rng) if k.startswith("torch_cuda_")]
         if cuda:
             torch.cuda.set_rng_state_all(cuda)
-    version, internal, gauss = state.python_rng
-    random.setstate((version, tuple(internal), gauss))
+    random.setstate(python_random_state(state.python_rng))
     n = state.numpy_rng
     np.random.set_state((n.kind, np.asarray(n.keys, dtype=np.uint32), n.pos, n.has_gauss, n.cached_gaussian))
     if state.selection_rng is not None and hasattr(selection, "set_rng_state"):
-        version, internal, gauss = state.selection_rng
-        selection.set_rng_state((version, tuple(internal), gauss))
+        selection.set_rng_state(python_random_state(state.selection_rng))
     return state.version
 
 

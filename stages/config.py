@@ -18,8 +18,8 @@
                  | "disk" (root, retries) | "delta" | "broadcast" (retries; runtime = "ray")
     [telemetry]  log_format = "console" | "json", progress
     [[faults]]   kind (pipeline.faults.FAULT_KINDS), at = [occurrences] | probability, seed, delay_s
-    [checkpoint] every (versions between checkpoints, 0: off), keep (checkpoints kept); local runtime
-    [watchdog]   warn_after_s, fail_after_s (seconds without progress; 0: off), poll_s; local runtime
+    [checkpoint] every (versions between checkpoints, 0: off), keep (checkpoints kept); both runtimes
+    [watchdog]   warn_after_s, fail_after_s (seconds without progress; 0: off), poll_s; both runtimes
     [simulate]   costs and cluster shape for `baton simulate` (stages.simulate.SimulateSpec); not used by run
 
 Unknown keys and bad values fail validation, naming the key, the value and what is allowed. So does a
@@ -429,19 +429,6 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
-    def _local_only_features(self) -> RunConfig:
-        """Checkpoints and the watchdog need every actor in one process; say so rather than ignore them."""
-        if self.runtime != "local":
-            for section in ("checkpoint", "watchdog"):
-                spec = getattr(self, section)
-                if spec.model_fields_set and (section != "checkpoint" or spec.every):
-                    raise ValueError(
-                        f"[{section}] works with runtime = 'local' only, but runtime = {self.runtime!r}; remove "
-                        f"the [{section}] keys ({', '.join(sorted(spec.model_fields_set))}) or use runtime = 'local'"
-                    )
-        return self
-
-    @model_validator(mode="after")
     def _staleness_holds(self) -> RunConfig:
         """The static check of `policies.bounds`: refuse a shape that can break the staleness bound."""
         from policies.bounds import PipelineShape, check
@@ -609,10 +596,9 @@ def build_pipeline(cfg: RunConfig):
         ready_channel=(cfg.buffer.ready_channel, int(cfg.buffer.ready_bytes)),
         progress=cfg.telemetry.progress,
         ray_address=cfg.ray.address,
-        checkpoint_every=cfg.checkpoint.every if cfg.runtime == "local" else 0,
+        checkpoint_every=cfg.checkpoint.every,
         checkpoint_keep=cfg.checkpoint.keep,
-        watchdog=WatchdogSettings(cfg.watchdog.warn_after_s, cfg.watchdog.fail_after_s, cfg.watchdog.poll_s)
-        if cfg.runtime == "local" else None,
+        watchdog=WatchdogSettings(cfg.watchdog.warn_after_s, cfg.watchdog.fail_after_s, cfg.watchdog.poll_s),
         faults=[FaultSpec(f.kind, tuple(f.at), f.probability, f.seed, f.delay_s) for f in cfg.faults] or None,
         config_text=cfg.resolved_toml(),
     )

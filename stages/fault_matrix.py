@@ -4,9 +4,9 @@ For each fault kind (all of `pipeline.faults.FAULT_KINDS`, or `kinds`) and each 
 run once with that one fault planned (the config's own `[[faults]]` entry of that kind, else
 `DEFAULT_SCHEDULES[kind]`), on infrastructure this module starts and stops by pid: a fresh
 `mooncake_master` per run (so store.master_restart has a master to restart) and, for
-store.holder_crash, a second segment-holder process with `store.replicas = 2`. A learner.crash run is
-continued from its last checkpoint (`Pipeline.resume`, local runtime); where that is impossible
-(Ray) it is reported as "needs resume".
+store.holder_crash, a second segment-holder process with `store.replicas = 2`. A learner.crash run
+checkpoints every 4 versions and is continued from its last checkpoint (`Pipeline.resume`); on the
+Ray runtime the fault SIGKILLs the learner's process, locally it raises in the learner.
 
 A run passes when, from its ledger.json, metrics.jsonl and faults.jsonl:
 * the fault fired at least once, its boundary recovered after each firing, and the run finished
@@ -58,7 +58,7 @@ class RunOutcome:
     kind: str
     seed: int
     run_dir: str = ""
-    status: str = "failed"  # "passed" | "failed" | "needs resume" | "skipped"
+    status: str = "failed"  # "passed" | "failed" | "skipped"
     finished: bool = False
     fired: int = 0
     trained_twice: int = 0
@@ -72,6 +72,7 @@ class RunOutcome:
     lost: int = 0  # samples the ledger counts as lost (and whose groups were redone)
     regenerated_groups: int = 0  # groups a producer generated again before they were stored
     resumed: bool = False
+    reinjected_groups: int = 0  # learner.crash: checkpointed in-flight groups trained from the store after the resume
     runtime: str = "local"
     restarts: int = 0  # processes the Ray runtime restarted
     problems: list[str] = field(default_factory=list)
@@ -92,6 +93,7 @@ def judge(outcome: RunOutcome, run_dir: Path, steps: int, window_groups: int | N
     outcome.bound = summary.get("staleness_bound", outcome.bound)
     outcome.finished = summary.get("version") == steps
     outcome.restarts = sum(summary.get("restarts", {}).values())
+    outcome.reinjected_groups = summary.get("resume", {}).get("reinjected_groups", 0)
     if not outcome.finished:
         problems.append(f"did not finish (version {summary.get('version')} of {steps})")
     outcome.trained_twice = sum(len(r["trained_at"]) > max_uses for r in records)
@@ -130,11 +132,10 @@ def judge(outcome: RunOutcome, run_dir: Path, steps: int, window_groups: int | N
     if not fired:
         problems.append(f"{outcome.kind} never fired (schedule beyond the run?)")
     outcome.recovery_s = recovery_seconds(events, outcome.kind)
-    if outcome.recovery_s == math.inf and outcome.status != "needs resume":
+    if outcome.recovery_s == math.inf:
         problems.append(f"{outcome.kind} fired but its boundary never recovered")
     outcome.regenerated_groups = sum(e.get("groups", 0) for e in events if e["event"] == "regenerated")
-    if outcome.status != "needs resume":
-        outcome.status = "failed" if problems else "passed"
+    outcome.status = "failed" if problems else "passed"
     return outcome
 
 
@@ -155,8 +156,9 @@ def recovery_seconds(events: list[dict[str, Any]], kind: str) -> float | None:
 
 @contextlib.contextmanager
 def infrastructure(kind: str, mooncake: bool, workdir: Path, segment_bytes: int) -> Iterator[tuple[dict, list]]:
-    """(fault targets, config overrides) for one run: a fresh master (and a second holder for
-    store.holder_crash), all stopped by pid when the block ends."""
+    """(fault targets, config overrides) for one run: a fresh master (and, for store.holder_crash and
+    learner.crash, a second segment holder with `store.replicas = 2`: the copies the holder keeps outlive
+    the run's own processes), all stopped by pid when the block ends."""
     if not mooncake:
         yield {}, []
         return
@@ -172,7 +174,7 @@ def infrastructure(kind: str, mooncake: bool, workdir: Path, segment_bytes: int)
     try:
         targets: dict[str, Any] = {"master": restarter}
         overrides = [f"store.master='{master.address}'"]
-        if kind == "store.holder_crash":
+        if kind in ("store.holder_crash", "learner.crash"):
             holder = start_holder(master.address, segment_bytes, log_path=workdir / "holder.log")
             targets["holder"] = HolderByPid(holder.pid)
             overrides.append("store.replicas=2")
@@ -205,7 +207,7 @@ def run_one(
     run_overrides = [f"seed={seed}", f"name='{name}'", f"run_root='{root}'", "telemetry.progress=false"]
     runtime = data.get("runtime", "local")
     outcome.runtime = runtime
-    if kind == "learner.crash" and runtime == "local":
+    if kind == "learner.crash":
         run_overrides.append("checkpoint.every=4")  # resume rolls back at most 3 versions
     log = get_logger("faults").bind(kind=kind, seed=seed)
     segment = 256 << 20
@@ -221,13 +223,10 @@ def run_one(
         try:
             pipe.run()
         except ActorFailed as exc:
-            if not isinstance(innermost(exc.__cause__ or exc), LearnerCrashed):
+            run_dir = _latest(root, name)
+            if not (isinstance(innermost(exc.__cause__ or exc), LearnerCrashed) or _learner_crashed(run_dir)):
                 outcome.problems.append(str(exc))
-            elif runtime != "local":
-                outcome.status = "needs resume"
-                outcome.problems.append("learner crashed; runtime = 'ray' has no checkpoint to resume from")
             else:
-                run_dir = _latest(root, name)
                 log.info("learner crashed as planned; resuming", run_dir=str(run_dir))
                 resumed = build_pipeline(cfg)
                 resumed.faults = plan
@@ -249,6 +248,14 @@ def run_one(
 def _spec(entry: dict[str, Any]) -> FaultSpec:
     return FaultSpec(entry["kind"], tuple(entry.get("at", ())), entry.get("probability", 0.0),
                      entry.get("seed", 0), entry.get("delay_s", 5.0))
+
+
+def _learner_crashed(run_dir: Path | None) -> bool:
+    """Did a planned learner.crash fire in `run_dir` (on Ray the learner's process is killed, so the run's
+    error names a dead actor, not the fault)?"""
+    return run_dir is not None and any(
+        e["event"] == "fired" and e["kind"] == "learner.crash" for e in read_events(run_dir)
+    )
 
 
 def _latest(root: Path, name: str) -> Path | None:

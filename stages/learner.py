@@ -187,6 +187,9 @@ class LearnerActor(BaseActor):
             self.log.info("learner restored", version=version, checkpoint=str(resume.checkpoint), reusable_groups=kept)
         # every engine starts from exactly the learner's weights of the run's first version (0 or the checkpoint's)
         await self.transport.publish(version, self.model.state_dict())
+        if resume is not None and self.snapshot_every:  # replaces a snapshot of a rolled-back version
+            await save_snapshot(self.store, snapshot_key(self.ctx.run, self.ctx.folder.path.name), version,
+                                self.model.state_dict())
 
     async def _restore_reusable(self, held: list[HeldRef], version: int) -> int:
         """Put the checkpoint's trained groups with uses left back into the window: those the staleness policy

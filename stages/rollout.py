@@ -28,7 +28,7 @@ from buffers.retry import with_retries
 from buffers.store import ObjectStore, StoreError
 from pipeline.actor import BaseActor
 from pipeline.channel import Channel
-from pipeline.checkpoint import HeldRef
+from pipeline.checkpoint import HeldRef, RandomState, python_random_state, random_state
 from pipeline.context import Produced, RunContext
 from pipeline.faults import FaultPlanError, plan_of
 from pipeline.refs import Ref, make_key
@@ -119,12 +119,17 @@ class RolloutWorker(BaseActor):
         self.log = ctx.log(self.name)
         self._sending: list[Ref] = []  # recorded as produced, being sent downstream
         self._generating: list[Prompt] = []  # admitted, not yet recorded as produced
+        self._recording: list[tuple[str, bytes]] = []  # (group, source) of the `produced` call under way
 
     async def start(self) -> None:
+        resume = self.ctx.resume
+        if resume is not None and (state := resume.rng_state(self.name)) is not None:
+            self.rng.setstate(python_random_state(state))  # the prompt stream goes on from the checkpoint
         await self.engine.start()
         # an engine that starts late (or restarts) catches up from the learner's latest snapshot
         snapshot = await load_snapshot(self.store, snapshot_key(self.ctx.run, self.ctx.folder.path.name))
-        if snapshot is not None and snapshot[0] > self.engine.version:
+        # never newer than the clock: a snapshot a crashed attempt wrote after the checkpoint was rolled back
+        if snapshot is not None and self.engine.version < snapshot[0] <= await self.ctx.clock.current():
             await self.engine.receive_weights(*snapshot)
             self.log.info("weights from snapshot", version=snapshot[0])
 
@@ -139,13 +144,24 @@ class RolloutWorker(BaseActor):
         """The encoded prompts admitted and not yet recorded as produced (a resumed run produces them)."""
         return [_ENCODE(p) for p in self._generating]
 
+    def rng_state(self) -> RandomState:
+        """Where this worker's prompt stream stands (a checkpoint keeps it; a resume goes on from it)."""
+        return random_state(self.rng.getstate())
+
+    def recording(self) -> list[tuple[str, bytes]]:
+        """(group, source) of the groups whose `produced` record is on its way to the ledger: a checkpoint
+        owes them unless its ledger has them already (only a ledger in another process can be mid-call)."""
+        return list(self._recording)
+
     async def run(self) -> None:
         while True:
             self.ctx.note(self.name, "waiting at the admission gate")
             t_gate = anyio.current_time()
             n = await self.ctx.gate.acquire_many(self.spec.batch_groups)
             t_prompts = anyio.current_time()
-            prompts = [await self._next_prompt() for _ in range(n)]
+            prompts = self._generating = []  # filled as chosen: a checkpoint meanwhile owes what was chosen
+            for _ in range(n):
+                prompts.append(await self._next_prompt())
             self._call_timing = {"gate_s": t_prompts - t_gate, "prompts_s": anyio.current_time() - t_prompts}
             self.ctx.note(
                 self.name, f"generating {n} groups ({n * self.spec.group_size} requests) on engine "
@@ -219,12 +235,13 @@ class RolloutWorker(BaseActor):
             refs.append(ref)
             records.append(Produced(ref.item_ids, ref.group, (ref.version, ref.version_max), _ENCODE(prompt), values))
         put_s = anyio.current_time() - t_put
-        pending[:] = unstored
         if not refs:
             raise GroupsNotStored(f"no group of this batch could be stored: {failure}") from failure
         # one ledger call and one channel call per engine batch: each may cross a process boundary
+        self._recording = [(r.group, r.source) for r in records]
+        pending[:] = unstored
         await self.ctx.ledger.produced(records)
-        self._sending = refs
+        self._recording, self._sending = [], refs
         self.ctx.note(self.name, f"sending {len(refs)} refs downstream")
         await self.outbox.send_many(refs)
         self._log_generation(len(refs), gen_s, put_s, anyio.current_time() - t_put - put_s, completions, refs)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pipeline.admission import AdmissionGate
 from pipeline.channel import Channel
-from pipeline.checkpoint import Checkpointer, HeldRef
+from pipeline.checkpoint import Checkpointer, HeldRef, LocalCut
 from pipeline.context import Redo
 from pipeline.ledger import Ledger
 from pipeline.refs import Ref
@@ -50,8 +50,8 @@ def make_checkpointer(folder: Path) -> tuple[Checkpointer, VersionClock, Ledger]
     clock, ledger = VersionClock(), Ledger()
     gate = AdmissionGate(clock, MaxStaleness(k=K), GROUPS)
     produced, ready, feedback = Channel("produced", 8), Channel("ready", 8), Channel("feedback", 64)
-    ckpt = Checkpointer(folder, every=1, run="unit", steps=100, clock=clock, ledger=ledger, gate=gate,
-                        channels={"produced": produced, "ready": ready}, feedback=feedback)
+    cut = LocalCut("unit", 100, clock, ledger, gate, {"produced": produced, "ready": ready}, feedback)
+    ckpt = Checkpointer(folder, every=1, run="unit", steps=100, cut=cut)
     ledger.produced(["a/0", "a/1"], "a", (0, 0), b"prompt-a")
     ledger.produced(["b/0", "b/1"], "b", (0, 0), b"prompt-b")
     produced.send_nowait(ref("a"))

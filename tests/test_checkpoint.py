@@ -87,6 +87,19 @@ def test_checkpoint_holds_every_ref_and_redo_of_the_run(tmp_path: Path) -> None:
 class Producer:
     """A producer holding no refs, generating two prompts: a fresh one and the redo of group c."""
 
+    name = "rollout:p"
+
+    def __init__(self) -> None:
+        import random
+
+        self.rng = random.Random(7)
+        self.rng.random()
+
+    def rng_state(self):
+        from pipeline.checkpoint import random_state
+
+        return random_state(self.rng.getstate())
+
     def held_refs(self) -> list:
         return []
 
@@ -100,7 +113,7 @@ def test_a_resume_owes_the_prompts_being_generated_and_the_redos_in_progress(tmp
     from pipeline.channel import Channel
 
     ckpt, clock, ledger = make_checkpointer(tmp_path)
-    ckpt.holders = [Producer()]
+    producer = ckpt.cut.holders = [Producer()]
     ledger.produced(["c/0"], "c", (0, 0), b"prompt-c")
     ledger.lost(["c/0"], "KeyNotFound: gone")
     assert ledger.take_source("c") == b"prompt-c"  # the producer is making c again: a pending redo
@@ -109,6 +122,14 @@ def test_a_resume_owes_the_prompts_being_generated_and_the_redos_in_progress(tmp
 
     resumed = Resumed.open(tmp_path, "unit", steps=100)
     assert resumed.state.owed == [b"prompt-x"], "the redo of c is owed once, as a redo, not twice"
+    import random
+
+    from pipeline.checkpoint import python_random_state
+
+    again_rng = random.Random(0)
+    again_rng.setstate(python_random_state(resumed.rng_state("rollout:p")))
+    assert [again_rng.random() for _ in range(3)] == [producer[0].rng.random() for _ in range(3)], \
+        "the producer's prompt stream goes on from where it stood at the checkpoint"
     again = resumed.ledger(max_uses=1)
     ctx = SimpleNamespace(feedback=Channel("feedback", 64))
     resumed.feeder(ctx, Channel("produced", 8), again)
@@ -120,6 +141,58 @@ def test_a_resume_owes_the_prompts_being_generated_and_the_redos_in_progress(tmp
     gate = AdmissionGate(again_clock, MaxStaleness(k=2), 4)
     resumed.restore_gate(gate)
     assert again_clock.version == 1 and (gate.started, gate.discarded) == (1 * 4 + 2, 0)
+
+
+def test_a_cut_owes_each_prompt_once_whatever_reached_the_ledger() -> None:
+    """A producer's prompts are owed unless the ledger accounts for them: a `produced` record the ledger
+    received already, or a redo it knows is being made; a redo polled but not taken is found by its source."""
+    from pipeline.checkpoint import owed_sources, redo_requests
+
+    ledger = Ledger()
+    ledger.produced(["a/0"], "a", (0, 0), b"prompt-a")  # its produced call reached the ledger before the freeze
+    ledger.produced(["c/0"], "c", (0, 0), b"prompt-c")
+    ledger.lost(["c/0"], "KeyNotFound: gone")
+    assert ledger.take_source("c") == b"prompt-c"  # being redone
+    ledger.produced(["d/0"], "d", (0, 0), b"prompt-d")
+    ledger.regenerated(["d/0"], "stale")  # its Redo was polled by a producer, the source not taken yet
+    state = ledger.state()
+    owed = owed_sources(
+        [b"prompt-x", b"prompt-c"], [("a", b"prompt-a"), ("b", b"prompt-b")], state
+    )
+    assert owed == [b"prompt-x", b"prompt-b"], "a is in the ledger, c is its pending redo; x and b are owed"
+    from pipeline.checkpoint import GateCounts, RunState
+
+    run = RunState(run="u", version=1, steps=9, units_per_version=1, created_at=0.0, ledger=state,
+                   gate=GateCounts(0, 0), held=[], redo=[], owed=owed)
+    assert [r.group for r in redo_requests(run)] == ["d"], "the redo on its way to a producer is requeued"
+
+
+def test_a_frozen_conductor_holds_ledger_changes_until_thawed_and_a_lapsed_lease_voids_the_cut() -> None:
+    from pipeline.runtime.ray_cut import Freezer
+
+    async def main() -> None:
+        freezer = Freezer()
+        changed: list[str] = []
+
+        async def change(name: str) -> None:
+            await freezer.open()
+            changed.append(name)
+
+        token = freezer.freeze(lease_s=5.0)
+        with pytest.raises(CheckpointError, match="one at a time"):
+            freezer.freeze(lease_s=5.0)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(change, "produced")
+            await anyio.sleep(0.05)
+            assert changed == [], "a ledger change waits while the cut is taken"
+            assert freezer.thaw(token) is True
+        assert changed == ["produced"]
+        token = freezer.freeze(lease_s=0.05)
+        await anyio.sleep(0.2)
+        await freezer.open()  # the lease ran out: the ledger is open again
+        assert freezer.thaw(token) is False, "a cut that outlived its lease is not consistent"
+
+    anyio.run(main, backend="asyncio")
 
 
 @pytest.mark.parametrize("keep", [1, 2])

@@ -443,19 +443,28 @@ async def test_a_restarted_engine_catches_up_from_the_snapshot_in_mooncake(model
         assert await load_snapshot(store, key) is None  # nothing saved yet: the engine keeps its checkpoint
         state = learner_version(model, seed=7)
         await save_snapshot(store, key, 12, state)
-        engine = TorchEngine(model, name="restarted")
-        ctx = SimpleNamespace(
-            run="snap-run",
-            folder=run_folder,
-            rng=lambda name: np.random.default_rng(0),
-            log=lambda name: get_logger(name),
-            services={},
-        )
-        worker = RolloutWorker(Rollout(ReverseDigits(), [engine], tokenizer=model), engine, store, ctx, outbox=None)
+        from pipeline.context import LocalClock
+        from pipeline.versions import VersionClock
+
+        def worker_at(clock_version: int, name: str) -> tuple[TorchEngine, RolloutWorker]:
+            engine = TorchEngine(model, name=name)
+            ctx = SimpleNamespace(
+                run="snap-run", folder=run_folder, rng=lambda name: np.random.default_rng(0),
+                log=lambda name: get_logger(name), services={}, resume=None,
+                clock=LocalClock(VersionClock(clock_version)),
+            )
+            return engine, RolloutWorker(Rollout(ReverseDigits(), [engine], tokenizer=model), engine, store, ctx, None)
+
+        engine, worker = worker_at(12, "restarted")
         await worker.start()
         engine._apply_staged()
         assert engine.version == 12
         assert digest(engine._model.state_dict()) == digest(state)
+        await worker.stop()
+        # a resumed run's clock is behind a snapshot the crashed attempt wrote: that version was rolled back
+        engine, worker = worker_at(8, "resumed")
+        await worker.start()
+        assert engine.version == 0, "a snapshot newer than the clock is never adopted"
         await worker.stop()
     finally:
         await store.remove(key)

@@ -11,7 +11,11 @@ as the holder).
 Supervision. A producer host that dies is restarted by Ray (`max_restarts`); the conductor frees the
 admission slots of the groups it had in flight (they were never produced, so nothing is lost or
 trained twice), the consumer re-sends it the latest weights, and it starts producing again. A
-buffer or consumer that dies ends the run with `ActorFailed` naming it.
+buffer or consumer that dies ends the run with `ActorFailed` naming it; with checkpoints
+(`checkpoint_every`, cut by `pipeline.runtime.ray_cut`), `Pipeline.resume` continues it in a fresh
+cluster: the conductor starts from the checkpoint's ledger, the consumer from its state, and the
+driver re-sends (or regenerates) what was in flight. With `watchdog` set, the driver also watches
+for hangs across the hosts (`pipeline.runtime.ray_watchdog`).
 
 Networking: `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` keeps a local cluster on 127.0.0.1; give
 `address` to attach to a running cluster instead.
@@ -56,11 +60,36 @@ class Conductor(LocalClock, LocalLedger):
         self._args = (policy, units_per_version, max_uses)
         self.outstanding: Counter[str] = Counter()  # per producer: admitted units not yet produced
 
-    async def setup(self) -> None:  # anyio primitives need the actor's running event loop
+    async def setup(self, resume: bytes | None = None, attempt: int = 0) -> bytes | None:
+        """Build the clock, ledger and gate (anyio primitives need the actor's running event loop): new
+        ones, or the checkpoint's (`resume`: its msgpack `RunState`), reopened as `pipeline.checkpoint`
+        states; then returns the msgpack `Reopened` (the redo requests the driver queues first)."""
+        from pipeline.checkpoint import RunState, reopen, restore_gate
+        from pipeline.runtime.ray_cut import Freezer
+
         policy, units, max_uses = self._args
-        self.clock = VersionClock()
-        self.ledger = Ledger(max_uses=max_uses)
+        self.freezer = Freezer()
+        if resume is None:
+            self.clock = VersionClock()
+            self.ledger = Ledger(max_uses=max_uses)
+            self.gate = AdmissionGate(self.clock, policy, units)
+            return None
+        state = msgspec.msgpack.decode(resume, type=RunState)
+        self.clock = VersionClock(state.version)
+        self.ledger = Ledger.from_state(state.ledger, max_uses=max_uses)
         self.gate = AdmissionGate(self.clock, policy, units)
+        restore_gate(state, self.gate)
+        return msgspec.msgpack.encode(reopen(state, attempt, self.ledger))
+
+    # checkpoint cuts (pipeline.runtime.ray_cut): while frozen, the ledger does not change
+    async def freeze(self, lease_s: float) -> bytes:
+        from pipeline.runtime.ray_cut import frozen_run
+
+        gate = self.gate
+        return frozen_run(self.freezer, lease_s, self.clock.version, self.ledger, gate.started, gate.discarded)
+
+    async def thaw(self, token: str) -> bool:
+        return self.freezer.thaw(token)
 
     # gate
     async def acquire_many(self, worker: str, max_units: int) -> int:
@@ -83,8 +112,32 @@ class Conductor(LocalClock, LocalLedger):
 
     # ledger
     async def produced(self, worker: str, groups: list[Produced]) -> None:  # type: ignore[override]
+        await self.freezer.open()
         await LocalLedger.produced(self, groups)
         self.outstanding[worker] -= len(groups)
+
+    async def take_source(self, group: str) -> bytes:
+        await self.freezer.open()
+        return await LocalLedger.take_source(self, group)
+
+    async def trained(self, ids: list[str], at_version: int) -> None:
+        await self.freezer.open()
+        await LocalLedger.trained(self, ids, at_version)
+
+    async def finished(self, fate: str, ids: list[str], reason: str) -> None:
+        await self.freezer.open()
+        await LocalLedger.finished(self, fate, ids, reason)
+
+    async def watch_progress(self) -> bytes:
+        """The watchdog's progress, msgspec-encoded: [("version", v), (count, n), ...], as the local runtime's."""
+        return msgspec.msgpack.encode([("version", self.clock.version), *self.ledger.counts().items()])
+
+    async def gate_status(self) -> bytes:
+        """The admission gate's counts and whether it would admit a unit now (`pipeline.dsl._gate_status`),
+        msgspec-encoded."""
+        from pipeline.dsl import _gate_status
+
+        return msgspec.msgpack.encode(_gate_status(self.gate))
 
     async def report(self) -> bytes:
         """Everything the driver needs at the end, msgspec-encoded."""
@@ -95,6 +148,7 @@ class Conductor(LocalClock, LocalLedger):
                 "violations": self.ledger.violations(),
                 "ledger_json": self.ledger.to_json(),
                 "gate": {"started": self.gate.started, "discarded": self.gate.discarded, "wait_s": self.gate.wait_s},
+                "frozen_s": round(self.freezer.frozen_s, 3),  # ledger paused for checkpoint cuts, in all
             }
         )
 
@@ -197,6 +251,9 @@ class Wiring:
     log_format: str = "console"
     peers: dict[str, list[Any]] = field(default_factory=dict)
     faults: Any = None  # a pipeline.faults.FaultPlan, bound in each host (process-level faults kill the host)
+    checkpoint_every: int = 0  # the consumer checkpoints every this many versions (pipeline.runtime.ray_cut)
+    checkpoint_keep: int = 2
+    resume: Any = None  # a pipeline.checkpoint.ResumePoint: the consumer continues from that checkpoint
 
 
 @ray.remote(num_cpus=1, max_concurrency=64)
@@ -241,10 +298,27 @@ class StageHost:
         inbox, outbox = {
             "producer": (None, produced), "buffer": (produced, ready), "consumer": (ready, None)
         }[self.role]
+        ctx.resume = w.resume  # the consumer's state, the producers' random streams
+        if self.role == "consumer":
+            if w.checkpoint_every:
+                from pipeline.checkpoint import Checkpointer
+                from pipeline.runtime.ray_cut import RayCut
+
+                cut = RayCut(w.run, w.steps, w.units_per_version, w.conductor, peers.get("producer", []),
+                             peers["buffer"][0], w.channels)
+                ctx.checkpoint = Checkpointer(w.folder, w.checkpoint_every, run=w.run, steps=w.steps, cut=cut,
+                                              keep=w.checkpoint_keep)
         actors = list(self.stage.actors(ctx, inbox, outbox))
         self.actor = actors[self.index] if self.role == "producer" else actors[0]
         self.ctx = ctx
         return self.actor.name
+
+    async def held(self) -> bytes:
+        """What this host's actor holds for a checkpoint cut (`pipeline.runtime.ray_cut.HostHeld`, msgpack);
+        nothing when it is not set up (a restarting producer holds nothing)."""
+        from pipeline.runtime.ray_cut import HostHeld, held_by
+
+        return held_by(self.actor) if self.actor is not None else msgspec.msgpack.encode(HostHeld())
 
     async def start(self) -> None:
         await self.actor.start()
@@ -272,6 +346,20 @@ class StageHost:
             return None
         return await self.ctx.services["mailboxes"][box](header, None)
 
+    async def diagnose(self) -> bytes:
+        """This host's part of a hang report, a msgspec-encoded `pipeline.watchdog.ProcessDiagnosis`: the
+        await chains of its actor's tasks (the task running `run()` and those started under it), its
+        last events and its status lines. Answers while `run()` is blocked (another call on the loop)."""
+        from pipeline.watchdog import ProcessDiagnosis, diagnose_process
+
+        if self.ctx is None or self.actor is None:  # not set up yet, or again after a restart
+            return msgspec.msgpack.encode(ProcessDiagnosis(
+                host=self.name, pid=os.getpid(), actors=[], status=[f"{self.name}: not set up"]
+            ))
+        return msgspec.msgpack.encode(diagnose_process(
+            self.name, [self.actor], self.ctx.activity, self.ctx.services.get("status", []), root=self._run_task,
+        ))
+
     async def producer_restarted(self, index: int) -> None:
         hook = self.ctx.services.get("on_producer_restart")
         if hook is not None:
@@ -286,9 +374,14 @@ class RayRun:
     address: str | None = None
     max_restarts: int = 3
     log_format: str = "console"
+    watchdog: Any = None  # a pipeline.watchdog.WatchdogSettings: hang diagnosis across the hosts; None: off
     restarts: Counter[str] = field(default_factory=Counter)
+    _feeder: Any = None  # the resumed run's `_ResumeFeeding`, run by the driver
+    report: dict[str, Any] | None = None  # the conductor's final report, once the run ended (or failed)
 
-    async def __call__(self, folder: RunFolder, progress: Any) -> dict[str, Any]:
+    async def __call__(self, folder: RunFolder, progress: Any, resumed: Any = None) -> dict[str, Any]:
+        """Run the pipeline in `folder`; `resumed` (a `pipeline.checkpoint.Resumed`): continue from its
+        checkpoint. Returns the conductor's report."""
         pipe = self.pipeline
         started_ray = not ray.is_initialized()
         hosts_needed = len(pipe.producer.engines) + 2
@@ -309,7 +402,10 @@ class RayRun:
         try:
             store = serving.__enter__()  # e.g. a Mooncake master started for this run
             conductor = Conductor.remote(pipe.staleness, pipe.consumer.units_per_version, pipe.max_uses)
-            await conductor.setup.remote()
+            reopened = await conductor.setup.remote(
+                _STATE_ENCODER.encode(resumed.state) if resumed is not None else None,
+                resumed.attempt if resumed is not None else 0,
+            )
             channels = {
                 "produced": RayChannel.create("produced", pipe.produced_channel[0], pipe.produced_channel[1]),
                 "ready": RayChannel.create("ready", pipe.ready_channel[0], pipe.ready_channel[1]),
@@ -319,7 +415,16 @@ class RayRun:
                 run=pipe.name, seed=pipe.seed, steps=pipe.steps, folder=str(folder.path), policy=pipe.staleness,
                 units_per_version=pipe.consumer.units_per_version, conductor=conductor, channels=channels,
                 store=store, started_at=time.time(), log_format=self.log_format, faults=as_plan(pipe.faults),
+                checkpoint_every=pipe.checkpoint_every, checkpoint_keep=pipe.checkpoint_keep,
+                resume=resumed.point() if resumed is not None else None,
             )
+            if resumed is not None:  # the checkpoint's owed work is queued before any producer runs
+                from pipeline.checkpoint import Reopened
+
+                reopened = msgspec.msgpack.decode(reopened, type=Reopened)
+                resumed.count(reopened)
+                await channels["feedback"].send_many(reopened.requests)
+                self._feeder = _ResumeFeeding(resumed, wiring)
             n_producers = len(pipe.producer.engines)
             tag = f"baton/{pipe.name}/{folder.path.name}"  # named, so operators (and tests) can find them
             for i in range(n_producers):
@@ -332,7 +437,7 @@ class RayRun:
             hosts["consumer-0"] = StageHost.options(name=f"{tag}/consumer-0").remote(
                 pipe.consumer, "consumer", 0, wiring
             )
-            peers = {"producer": [hosts[f"producer-{i}"] for i in range(n_producers)]}
+            peers = {"producer": [hosts[f"producer-{i}"] for i in range(n_producers)], "buffer": [hosts["buffer-0"]]}
             # the buffer first: it holds the store the others open as clients
             await hosts["buffer-0"].setup.remote(peers)
             await asyncio.gather(*(h.setup.remote(peers) for n, h in hosts.items() if n != "buffer-0"))
@@ -345,6 +450,7 @@ class RayRun:
             report = msgspec.msgpack.decode(await conductor.report.remote()) if conductor is not None else None
             if report is not None:
                 report["restarts"] = dict(self.restarts)
+            self.report = report  # also when the run failed: its ledger is written all the same
             await self._teardown(hosts, channels, conductor)
             serving.__exit__(None, None, None)
             if started_ray:
@@ -405,6 +511,13 @@ class RayRun:
                     failure.append(ActorFailed(name, "run", exc))
                     done.set()
 
+        async def feed() -> None:
+            try:
+                await self._feeder.run()
+            except Exception as exc:
+                failure.append(ActorFailed("resume", "run", exc))
+                done.set()
+
         async def show() -> None:
             while True:
                 version = await conductor.current.remote()
@@ -414,12 +527,30 @@ class RayRun:
                 )
                 await anyio.sleep(0.5)
 
+        async def watch_for_hangs() -> None:
+            from pipeline.runtime.ray_watchdog import ray_watchdog
+            from pipeline.watchdog import PipelineHung
+
+            dog = ray_watchdog(
+                self.watchdog, conductor, wiring.channels, hosts, run=self.pipeline.name,
+                folder=RunFolder(wiring.folder),
+            )
+            try:
+                await dog.run()
+            except PipelineHung as hung:  # raised as it is, like the local runtime's
+                failure.append(hung)
+                done.set()
+
         async with anyio.create_task_group() as tg:
             for i in range(len(peers["producer"])):
                 tg.start_soon(watch_producer, f"producer-{i}", i)
             tg.start_soon(watch, "buffer-0", False)
             tg.start_soon(watch, "consumer-0", True)
             tg.start_soon(show)
+            if self._feeder is not None:
+                tg.start_soon(feed)
+            if self.watchdog is not None and self.watchdog.enabled:
+                tg.start_soon(watch_for_hangs)
             await done.wait()
             tg.cancel_scope.cancel()
         if failure:
@@ -439,5 +570,33 @@ class RayRun:
         if conductor is not None:
             ray.kill(conductor)
 
+
+@dataclass
+class _ResumeFeeding:
+    """A resumed run's `pipeline.checkpoint.ResumeFeeder`, in the driver: it re-sends the checkpoint's
+    refs whose payload the store still holds and regenerates the others, through the conductor."""
+
+    resumed: Any
+    wiring: Wiring
+
+    async def run(self) -> None:
+        from buffers.store import open_store
+        from pipeline.checkpoint import ResumeFeeder
+
+        w = self.wiring
+        ctx = RunContext(
+            run=w.run, seed=w.seed, steps=w.steps, clock=RemoteClock(w.conductor),
+            ledger=RemoteLedger(w.conductor, "resume"), gate=RemoteGate(w.conductor, w.units_per_version, "resume"),
+            policy=w.policy, feedback=w.channels["feedback"], folder=RunFolder(w.folder),
+            channels={k: v for k, v in w.channels.items() if k != "feedback"}, started_at=w.started_at,
+        )
+        store = ctx.services["store"] = open_store(w.store, holder=False)
+        try:
+            await ResumeFeeder(self.resumed, ctx, w.channels["produced"]).run()
+        finally:
+            await store.close()
+
+
+_STATE_ENCODER = msgspec.msgpack.Encoder()
 
 __all__ = ["Conductor", "RayRun", "StageHost"]

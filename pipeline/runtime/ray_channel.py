@@ -13,7 +13,7 @@ Same guarantees as `Channel` (bounds, backpressure, FIFO, no loss/no duplication
 differences:
 
 - Every operation is one actor round trip (1-3 ms on this 2-core box), so `send_nowait` / `receive_nowait` /
-  `stats` are coroutines, and `depth` / `nbytes` / `closed` are the snapshot carried by this proxy's
+  `stats` / `items` are coroutines, and `depth` / `nbytes` / `closed` are the snapshot carried by this proxy's
   last reply (`await stats()` for a fresh one). `close()` is synchronous and returns at once like
   `Channel.close`; the host applies it asynchronously (`await aclose()` waits until it has). Sends made
   through a proxy after its own `close()` raise `ChannelClosed` without a round trip.
@@ -291,6 +291,10 @@ class ChannelHost:
         and of those, sent back by a proxy because the reply had already left). For tests and debugging."""
         return dict(self._counters, pending_marks=len(self._abandoned))
 
+    async def items(self) -> bytes:
+        """The items inside, oldest first (given-back ones lead), msgpack-encoded; takes nothing out."""
+        return self._encode([*self._returned, *self._channel.items()])
+
     async def stats(self) -> bytes:
         s = self._channel.stats()
         stats = msgspec.structs.replace(
@@ -496,6 +500,10 @@ class RayChannel(Generic[T]):
         self._depth, self._nbytes = stats.depth, stats.nbytes
         self._closed = self._closed or stats.closed
         return stats
+
+    async def items(self) -> list[T]:
+        """A snapshot of the items inside, oldest first (for checkpoints and diagnosis; takes nothing out)."""
+        return self._decode_many(await self._host.items.remote())
 
     def kill(self) -> None:
         """Kill the host actor (its items are lost); calls in flight raise `ray.exceptions.RayActorError`."""

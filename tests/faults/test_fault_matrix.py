@@ -3,7 +3,7 @@ a real second segment holder for store.holder_crash), judged from the run's own 
 
 Quick part: one seed per kind on the local runtime (`configs/faults.toml`, 40 short steps).
 `-m long`: seeds 1 and 2 of the same (with seed 0: the 3-seed matrix), and the process-level faults
-(engine crash, holder crash, master restart) on the Ray runtime, one seed each.
+(engine crash, holder crash, master restart, learner crash) on the Ray runtime, one seed each.
 
 Every run asserts: the fault fired, the run finished, no sample trained twice, none lost uncounted,
 every trained sample within the staleness bound, and the last quarter's reward above the first's;
@@ -24,7 +24,7 @@ from stages.fault_matrix import RunOutcome, run_one
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "configs" / "faults.toml")
-PROCESS_LEVEL = ("engine.crash", "store.holder_crash", "store.master_restart")
+PROCESS_LEVEL = ("engine.crash", "store.holder_crash", "store.master_restart", "learner.crash")
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +62,7 @@ def check(outcome: RunOutcome) -> None:
         assert outcome.lost == 0, "with replicas = 2 the surviving copy served every get"
     if kind == "learner.crash":
         assert outcome.resumed, "the crashed run was resumed from its checkpoint"
+        assert outcome.reinjected_groups > 0, "in-flight groups whose copies outlived the crash were trained"
     if kind == "engine.hang":
         assert outcome.recovery_s >= 5.0, "recovered by the 5 s request timeout, not by the hang ending"
 
@@ -83,7 +84,8 @@ def test_each_fault_on_mooncake_local_more_seeds(kind: str, seed: int, tmp_path:
 @pytest.mark.parametrize("kind", PROCESS_LEVEL)
 def test_process_level_faults_on_ray(kind: str, tmp_path: Path, model_path: str) -> None:
     """engine.crash SIGKILLs the producer process (Ray restarts it); holder_crash SIGKILLs a second
-    segment-holder process; master_restart kills and restarts the mooncake_master. One seed each: a
+    segment-holder process; master_restart kills and restarts the mooncake_master; learner.crash SIGKILLs
+    the learner's process and the run is resumed from its checkpoint (in a new Ray cluster). One seed each: a
     Ray run is ~1-2 min on 2 cores (`baton faults --set runtime='"ray"'` runs more)."""
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     outcome = run(kind, 0, tmp_path / "ray", model_path, "runtime='ray'")
