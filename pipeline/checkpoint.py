@@ -2,15 +2,24 @@
 
 What a checkpoint holds (every `every` versions, written by the consumer between two steps):
 
-* `run_state.msgpack` (msgspec, no pickle): the version, the whole ledger (records, counts, redo sources,
-  redos in progress), the admission gate's counts, and every ref the pipeline held at that moment, with
-  where it was and how often the consumer had used it: refs a producer is sending, the `produced` and
-  `ready` channels, the buffer's index (and the batch it is forwarding), the consumer's replay window;
-  the redo requests waiting in the feedback channel; and the prompts producers had admitted but not yet
-  produced (`owed`);
+* `run_state.msgpack` (msgspec, no pickle): the version, the ledger's counts, redo sources and redos in
+  progress, the names of its journal segments (`ledger_chain`), the admission gate's counts, and every
+  ref the pipeline held at that moment, with where it was and how often the consumer had used it: refs
+  a producer is sending, the `produced` and `ready` channels, the buffer's index (and the batch it is
+  forwarding), the consumer's replay window; the redo requests waiting in the feedback channel; the
+  prompts producers had admitted but not yet produced (`owed`); each producer's random stream;
 * `consumer/`: what the consumer writes for itself (`write_state`; the GRPO learner: model as
   safetensors, optimizer via `torch.save` read back with `weights_only=True`, RNG states);
-* `manifest.json`, written last: every file with its size.
+* `manifest.json`, written last: every file with its size, the journal segments it needs included.
+
+Each checkpoint written adds a line to the run folder's `checkpoints.jsonl`: its version, seconds in
+all and for the cut, ledger records in its segment, and bytes (run state + segment, consumer files).
+
+The ledger's records live in a journal, `checkpoints/ledger/`: each checkpoint writes one segment with
+the records created or changed since the previous checkpoint (`Ledger.changes`), so a checkpoint costs
+what changed, not the run's whole history; `read_state` folds the chain back into the whole ledger.
+Segments are removed only once no kept checkpoint names them. (Format 1 checkpoints, with the whole
+ledger inside `run_state.msgpack`, are still read.)
 
 Atomicity: a checkpoint is written into `checkpoints/.tmp-*`, fsynced, renamed to
 `checkpoints/v{version:08d}-{id}`, and only then named in `checkpoints/latest` (temp file + `os.replace`);
@@ -79,13 +88,15 @@ import msgspec
 from pipeline.actor import BaseActor
 from pipeline.admission import AdmissionGate
 from pipeline.context import Redo, redo
-from pipeline.ledger import Ledger, LedgerState
+from pipeline.ledger import ItemRecord, Ledger, LedgerState, fold_records
 from pipeline.refs import Ref
 from pipeline.telemetry import METRICS_FILE, RunFolder, get_logger
 from pipeline.versions import VersionClock
 
-FORMAT = 1
+FORMAT = 2  # 1: the whole ledger inside run_state.msgpack (read still); 2: a ledger journal
 CHECKPOINTS = "checkpoints"
+JOURNAL = "ledger"  # checkpoints/ledger/: one segment of ledger records per checkpoint
+LOG_FILE = "checkpoints.jsonl"  # in the run folder: one line per checkpoint written (version, seconds, bytes)
 LATEST = "latest"
 STATE_FILE = "run_state.msgpack"
 MANIFEST = "manifest.json"
@@ -95,6 +106,16 @@ ATTEMPT_FILES = ("metrics.jsonl", "ledger.json", "summary.json", "report.png")
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, or belongs to another run."""
+
+
+class CutFailed(CheckpointError):
+    """A cut could not be taken consistently this time (a host did not answer within the lease); the
+    checkpoint is skipped, the run goes on. `records`: the ledger records the cut had taken from the
+    ledger's changes, which the next checkpoint's journal segment must hold."""
+
+    def __init__(self, message: str, records: list[ItemRecord]) -> None:
+        super().__init__(message)
+        self.records = records
 
 
 class HeldRef(msgspec.Struct, frozen=True, kw_only=True):
@@ -139,6 +160,7 @@ class RunState(msgspec.Struct, kw_only=True):
     redo: list[Redo]
     owed: list[bytes] = []  # sources admitted by producers and not yet produced (beyond the ledger's pending redos)
     rngs: dict[str, RandomState] = {}  # each producer's random stream (by actor name), where it stood at the cut
+    ledger_chain: list[str] = []  # the journal segments whose records, folded, are the ledger's (format 2)
 
 
 class Manifest(msgspec.Struct, kw_only=True):
@@ -168,6 +190,7 @@ class CheckpointingConsumer(Protocol):
 
 _STATE_ENCODER = msgspec.msgpack.Encoder()
 _STATE_DECODER = msgspec.msgpack.Decoder(RunState)
+_RECORDS_DECODER = msgspec.msgpack.Decoder(list[ItemRecord])
 
 
 def _fsync_dir(path: Path) -> None:
@@ -244,7 +267,7 @@ class LocalCut:
             held.extend(holder.held_refs())
         for name, channel in reversed(self.channels.items()):
             held.extend(HeldRef(ref=r, holder=f"channel:{name}") for r in channel.items() if isinstance(r, Ref))
-        ledger = self.ledger.state()
+        ledger = self.ledger.changes()  # the records since the last checkpoint: the journal's next segment
         owed = owed_sources(
             [src for holder in self.holders for src in getattr(holder, "held_sources", list)()],
             [item for holder in self.holders for item in getattr(holder, "recording", list)()], ledger,
@@ -261,7 +284,9 @@ class Checkpointer:
     """Writes a checkpoint of one run every `every` versions (see the module docstring); `cut` captures
     the run's state, the consumer writes its own."""
 
-    def __init__(self, folder: Path, every: int, *, run: str, steps: int, cut: RunCut, keep: int = 2) -> None:
+    def __init__(
+        self, folder: Path, every: int, *, run: str, steps: int, cut: RunCut, keep: int = 2, chain: Sequence[str] = ()
+    ) -> None:
         if every < 1:
             raise ValueError(f"checkpoint.every must be >= 1 (0 turns checkpoints off), got {every}")
         if keep < 1:
@@ -269,6 +294,8 @@ class Checkpointer:
         self.root = Path(folder) / CHECKPOINTS
         self.every, self.keep = every, keep
         self.run, self.steps, self.cut = run, steps, cut
+        self.chain = list(chain)  # the ledger journal so far: a resumed run's checkpoint's, then each new segment
+        self._unwritten: list[ItemRecord] = []  # records of a capture whose write failed: the next segment has them
         self.written: list[Path] = []
         self.log = get_logger("checkpoint").bind(run=run)
 
@@ -276,21 +303,52 @@ class Checkpointer:
         """Is a checkpoint due now that `version` was reached (never at 0, never at the run's end)?"""
         return 0 < version < self.steps and version % self.every == 0
 
-    async def save(self, version: int, consumer: CheckpointingConsumer) -> Path:
+    async def save(self, version: int, consumer: CheckpointingConsumer) -> Path | None:
         """Capture the run's state and write it, with the consumer's, as the latest checkpoint. The consumer
         waits for the write (its state must not change meanwhile); once begun, a write is finished even if the
-        run is being stopped. A write that fails raises (the run fails: it would otherwise go on unprotected)."""
+        run is being stopped. A write that fails raises (the run fails: it would otherwise go on unprotected);
+        a cut that cannot be taken this time (`CutFailed`) skips this checkpoint and returns None."""
         t0 = time.perf_counter()
-        state = _STATE_ENCODER.encode(await self.cut.capture(version, consumer))
-        with anyio.CancelScope(shield=True):  # a run stopping meanwhile (another actor failed) still gets it
-            path = await anyio.to_thread.run_sync(self._write, version, state, consumer.write_state)
+        try:
+            run_state = await self.cut.capture(version, consumer)  # its ledger: the records changed since the last
+        except CutFailed as failed:  # the previous checkpoint stays the latest; the next one holds these records
+            self._unwritten = fold_records([self._unwritten, failed.records])
+            self.log.warning("checkpoint skipped", version=version, reason=str(failed))
+            return None
+        records = fold_records([self._unwritten, run_state.ledger.records])
+        name = f"v{version:08d}-{uuid.uuid4().hex[:8]}"
+        chain = [*self.chain, f"{name}.msgpack"]
+        run_state.ledger.records, run_state.ledger_chain = [], chain
+        state, segment = _STATE_ENCODER.encode(run_state), _STATE_ENCODER.encode(records)
+        t_written = time.perf_counter()
+        try:
+            with anyio.CancelScope(shield=True):  # a run stopping meanwhile (another actor failed) still gets it
+                path = await anyio.to_thread.run_sync(self._write, name, version, state, segment, chain,
+                                                      consumer.write_state)
+        except BaseException:
+            self._unwritten = records
+            raise
+        self._unwritten, self.chain = [], chain
         self.written.append(path)
-        self.log.info("checkpoint written", version=version, path=str(path), seconds=round(time.perf_counter() - t0, 3))
+        entry = {
+            "version": version, "t": time.time(), "seconds": round(time.perf_counter() - t0, 4),
+            "capture_s": round(t_written - t0, 4), "ledger_records": len(records),
+            "run_bytes": len(state) + len(segment),  # run state + this journal segment
+            "consumer_bytes": sum(f.stat().st_size for f in (path / CONSUMER_DIR).rglob("*") if f.is_file()),
+        }
+        with open(self.root.parent / LOG_FILE, "a", encoding="utf-8") as f:  # one write: a line is never torn
+            f.write(json.dumps(entry) + "\n")
+        self.log.info("checkpoint written", path=str(path), **entry)
         return path
 
-    def _write(self, version: int, state: bytes, write_consumer: Callable[[Path], None]) -> Path:
-        self.root.mkdir(parents=True, exist_ok=True)
-        name = f"v{version:08d}-{uuid.uuid4().hex[:8]}"
+    def _write(
+        self, name: str, version: int, state: bytes, segment: bytes, chain: list[str],
+        write_consumer: Callable[[Path], None],
+    ) -> Path:
+        journal = self.root / JOURNAL
+        journal.mkdir(parents=True, exist_ok=True)
+        _write_file(journal / chain[-1], segment)  # named by no complete checkpoint until the commit below
+        _fsync_dir(journal)
         tmp = self.root / f".tmp-{name}"
         tmp.mkdir()
         try:
@@ -304,6 +362,8 @@ class Checkpointer:
                         with open(path, "rb+") as f:
                             os.fsync(f.fileno())
                     files[str(path.relative_to(tmp))] = path.stat().st_size
+            for segment_name in chain:  # the journal it needs: a checkpoint missing a segment is incomplete
+                files[f"../{JOURNAL}/{segment_name}"] = (journal / segment_name).stat().st_size
             manifest = Manifest(format=FORMAT, version=version, files=files)
             _write_file(tmp / MANIFEST, msgspec.json.encode(manifest))
             _fsync_dir(tmp / CONSUMER_DIR)
@@ -326,8 +386,13 @@ class Checkpointer:
         complete = sorted(_complete_checkpoints(self.root), key=lambda p: (_version_of(p), p.stat().st_mtime))
         survivors = {p.name for p in complete[-self.keep:]} | keep
         for path in self.root.iterdir():
-            if path.is_dir() and path.name not in survivors:
+            if path.is_dir() and path.name != JOURNAL and path.name not in survivors:
                 shutil.rmtree(path, ignore_errors=True)
+        needed = {segment for name in survivors for segment in _STATE_DECODER.decode(
+            (self.root / name / STATE_FILE).read_bytes()).ledger_chain}
+        for path in (self.root / JOURNAL).iterdir():  # segments of pruned or never-committed checkpoints
+            if path.name not in needed:
+                path.unlink(missing_ok=True)
 
 
 def _version_of(path: Path) -> int:
@@ -369,8 +434,16 @@ def read_state(checkpoint: Path) -> RunState:
         state = _STATE_DECODER.decode((checkpoint / STATE_FILE).read_bytes())
     except msgspec.DecodeError as exc:
         raise CheckpointError(f"checkpoint {checkpoint}: {STATE_FILE} cannot be read: {exc}") from None
-    if state.format != FORMAT:
-        raise CheckpointError(f"checkpoint {checkpoint} has format {state.format}; this baton reads {FORMAT}")
+    if state.format not in (1, FORMAT):
+        raise CheckpointError(f"checkpoint {checkpoint} has format {state.format}; this baton reads 1 and {FORMAT}")
+    if state.ledger_chain:  # format 2: the ledger's records are its journal's segments, folded
+        journal = checkpoint.parent / JOURNAL
+        try:
+            state.ledger.records = fold_records(
+                _RECORDS_DECODER.decode((journal / name).read_bytes()) for name in state.ledger_chain
+            )
+        except msgspec.DecodeError as exc:
+            raise CheckpointError(f"checkpoint {checkpoint}: a ledger journal segment cannot be read: {exc}") from None
     return state
 
 
@@ -430,6 +503,7 @@ class ResumePoint(msgspec.Struct, frozen=True, kw_only=True):
     version: int
     reusable: list[HeldRef]
     rngs: dict[str, RandomState] = {}
+    ledger_chain: list[str] = []  # the checkpoint's ledger journal, which the resumed run's checkpoints extend
 
     @property
     def consumer_dir(self) -> Path:
@@ -511,7 +585,7 @@ class Resumed:
         return VersionClock(self.state.version)
 
     def ledger(self, max_uses: int) -> Ledger:
-        return Ledger.from_state(self.state.ledger, max_uses=max_uses)
+        return Ledger.from_state(self.state.ledger, max_uses=max_uses, journaled=bool(self.state.ledger_chain))
 
     def in_flight_groups(self) -> dict[str, list[str]]:
         """{group: item ids} of the groups the checkpoint's ledger has in flight, in production order."""
@@ -544,7 +618,8 @@ class Resumed:
     def point(self) -> ResumePoint:
         """What the consumer needs to continue (sent to its process on the Ray runtime)."""
         return ResumePoint(
-            checkpoint=str(self.checkpoint), version=self.version, reusable=self.reusable, rngs=self.state.rngs
+            checkpoint=str(self.checkpoint), version=self.version, reusable=self.reusable, rngs=self.state.rngs,
+            ledger_chain=self.state.ledger_chain,
         )
 
     def rng_state(self, actor: str) -> RandomState | None:
@@ -611,7 +686,7 @@ async def _payload_exists(store: Any, ref: Ref) -> bool:
 
 
 __all__ = [
-    "CheckpointError", "Checkpointer", "CheckpointingConsumer", "GateCounts", "HeldRef", "LocalCut", "RefHolder",
-    "Reopened", "ResumeFeeder", "ResumePoint", "Resumed", "RunCut", "RunState", "latest_checkpoint", "owed_sources",
-    "python_random_state", "random_state", "read_state", "redo_requests", "reopen", "restore_gate",
+    "CheckpointError", "Checkpointer", "CheckpointingConsumer", "CutFailed", "GateCounts", "HeldRef", "LocalCut",
+    "RefHolder", "Reopened", "ResumeFeeder", "ResumePoint", "Resumed", "RunCut", "RunState", "latest_checkpoint",
+    "owed_sources", "python_random_state", "random_state", "read_state", "redo_requests", "reopen", "restore_gate",
 ]

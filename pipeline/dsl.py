@@ -150,7 +150,8 @@ class Pipeline:
             cut = LocalCut(self.name, self.steps, clock, ledger, gate, {"produced": produced, "ready": ready},
                            ctx.feedback)
             ctx.checkpoint = Checkpointer(
-                folder.path, self.checkpoint_every, run=self.name, steps=self.steps, cut=cut, keep=self.checkpoint_keep
+                folder.path, self.checkpoint_every, run=self.name, steps=self.steps, cut=cut, keep=self.checkpoint_keep,
+                chain=resumed.state.ledger_chain if resumed is not None else (),
             )
         extra: list[Actor] = []
         for hook in self.hooks:  # a hook sees the context and may add actors (watchdogs, fault injectors)

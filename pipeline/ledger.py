@@ -34,7 +34,9 @@ until a group made from the same bytes is produced (`pending_redo()`), so a chec
 the redo is being generated still knows that work is owed (see pipeline.checkpoint).
 
 `state()` / `Ledger.from_state()` turn the whole ledger (records, counts, sources, pending redos,
-values of unsettled items) into a msgspec struct and back, for checkpoints.
+values of unsettled items) into a msgspec struct and back, for checkpoints. `changes()` is the same
+struct with only the records created or changed since its last call: the next segment of a
+checkpoint's ledger journal, so a checkpoint writes what changed, not every record of the run.
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ class Ledger:
         self._sources: dict[str, bytes] = {}
         self._values: dict[str, dict[str, float]] = {}  # item id -> named values, until it settles
         self._pending_redo: list[tuple[str, bytes]] = []  # (group, source) taken, its redo not produced yet
+        self._changed: dict[str, None] = {}  # ids of records created or changed since `changes()`, in order
         self._settled: defaultdict[str, defaultdict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
 
     def __len__(self) -> int:
@@ -116,6 +119,7 @@ class Ledger:
             seen.add(item_id)
         for item_id in ids:
             self._items[item_id] = ItemRecord(id=item_id, group=group, versions=(lo, hi))
+            self._changed[item_id] = None
             self._counts["in_flight"] += 1
         if values:
             for i, item_id in enumerate(ids):
@@ -160,12 +164,20 @@ class Ledger:
 
     def state(self) -> LedgerState:
         """A deep snapshot of the ledger (records are copied: later changes do not touch it)."""
+        return self._state(self._items.values())
+
+    def changes(self) -> LedgerState:
+        """`state()` with only the records created or changed since the last call (every record at the
+        first call); everything else whole. Folding the records of successive calls, later over earlier
+        by id (`fold_records`), gives `state().records`."""
+        changed = [self._items[i] for i in self._changed]
+        self._changed = {}
+        return self._state(changed)
+
+    def _state(self, records: Iterable[ItemRecord]) -> LedgerState:
         return LedgerState(
             max_uses=self.max_uses,
-            records=[
-                ItemRecord(r.id, r.group, r.versions, list(r.trained_at), r.fate, r.reason)
-                for r in self._items.values()
-            ],
+            records=[ItemRecord(r.id, r.group, r.versions, list(r.trained_at), r.fate, r.reason) for r in records],
             counts=dict(self._counts),
             sources=dict(self._sources),
             pending_redo=list(self._pending_redo),
@@ -173,10 +185,13 @@ class Ledger:
         )
 
     @classmethod
-    def from_state(cls, state: LedgerState, max_uses: int | None = None) -> Ledger:
-        """The ledger `state` describes (`max_uses`: the resumed run's, default the checkpoint's)."""
+    def from_state(cls, state: LedgerState, max_uses: int | None = None, journaled: bool = True) -> Ledger:
+        """The ledger `state` describes (`max_uses`: the resumed run's, default the checkpoint's). With
+        `journaled` (its records are in a journal already) `changes()` starts empty, else with every record."""
         ledger = cls(max_uses=max_uses if max_uses is not None else state.max_uses)
         ledger._items = {r.id: r for r in state.records}
+        if not journaled:
+            ledger._changed = dict.fromkeys(ledger._items)
         ledger._counts = Counter(state.counts)
         ledger._sources = dict(state.sources)
         ledger._pending_redo = list(state.pending_redo)
@@ -283,6 +298,17 @@ class Ledger:
         self._counts[fate] += 1
         rec.fate = fate
         rec.reason = reason
+        self._changed[rec.id] = None
+
+
+def fold_records(segments: Iterable[Iterable[ItemRecord]]) -> list[ItemRecord]:
+    """The records of successive `Ledger.changes()` calls folded into one ledger's: a later record of
+    an id replaces the earlier one, and records keep the order in which they were first produced."""
+    folded: dict[str, ItemRecord] = {}
+    for records in segments:
+        for rec in records:
+            folded[rec.id] = rec
+    return list(folded.values())
 
 
 def outcome_of(fate: str, reason: str) -> str:

@@ -294,8 +294,8 @@ class LearnerActor(BaseActor):
             version = self._version = version + 1
             ctx.note(self.name, f"trained version {version}")
             if ctx.checkpoint is not None and ctx.checkpoint.due(version):
-                await ctx.checkpoint.save(version, self)
-                ctx.note(self.name, f"checkpoint of version {version} written")
+                written = await ctx.checkpoint.save(version, self)
+                ctx.note(self.name, f"checkpoint of version {version} {'written' if written else 'skipped'}")
 
     async def _prefetch(self, version: int) -> None:
         """Receive and load up to one step of groups (whatever is there, waiting for the first).

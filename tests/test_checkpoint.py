@@ -202,8 +202,97 @@ def test_only_the_newest_complete_checkpoints_are_kept(tmp_path: Path, keep: int
     for version in range(1, 5):
         clock.advance(version)
         anyio.run(ckpt.save, version, FileConsumer(b"w"))
-    left = sorted(p.name[:9] for p in (tmp_path / "checkpoints").iterdir() if p.is_dir())
+    left = sorted(p.name[:9] for p in (tmp_path / "checkpoints").iterdir() if p.is_dir() and p.name != "ledger")
     assert left == [f"v{v:08d}" for v in range(5 - keep, 5)]
+    segments = sorted(p.name[:9] for p in (tmp_path / "checkpoints" / "ledger").iterdir())
+    assert segments == [f"v{v:08d}" for v in range(1, 5)], "every kept checkpoint's journal is kept, whole"
+
+
+def test_each_checkpoint_writes_the_ledger_records_changed_since_the_last_and_reads_back_the_whole(
+    tmp_path: Path,
+) -> None:
+    """The ledger journal: a segment per checkpoint with what changed; a failed write's changes go into the
+    next segment; folding the chain gives the ledger exactly; a resumed run's checkpoints extend the chain."""
+    import msgspec
+
+    from pipeline.ledger import ItemRecord
+
+    ckpt, clock, ledger = make_checkpointer(tmp_path)
+    journal = tmp_path / "checkpoints" / "ledger"
+
+    def segment(path: Path) -> list[str]:
+        name = read_state_raw(path).ledger_chain[-1]
+        return [r.id for r in msgspec.msgpack.decode((journal / name).read_bytes(), type=list[ItemRecord])]
+
+    clock.advance(1)
+    first = anyio.run(ckpt.save, 1, FileConsumer(b"w"))
+    assert segment(first) == ["a/0", "a/1", "b/0", "b/1"]  # the first segment: every record so far
+    ledger.produced(["c/0"], "c", (1, 1), b"prompt-c")
+    ledger.trained(["a/0", "a/1"], at_version=1)
+    clock.advance(2)
+    with pytest.raises(OSError, match="disk full"):
+        anyio.run(ckpt.save, 2, FileConsumer(b"w", fail_after=0))
+    ledger.dropped(["b/0", "b/1"], "stale: 3 > 2")
+    clock.advance(3)
+    third = anyio.run(ckpt.save, 3, FileConsumer(b"w"))
+    assert segment(third) == ["c/0", "a/0", "a/1", "b/0", "b/1"], "what the failed write held, then what changed"
+    state = read_state(third)
+    assert [(r.id, r.fate, r.trained_at) for r in state.ledger.records] == [
+        (r.id, r.fate, r.trained_at) for r in ledger.records()
+    ], "the chain folds back into the ledger, in production order"
+    assert Ledger.from_state(state.ledger).counts() == ledger.counts()
+
+    resumed = Resumed.open(tmp_path, "unit", steps=100)
+    again = resumed.ledger(max_uses=1)
+    assert again.changes().records == [], "a resumed ledger's records are in the journal already"
+    again.regenerated(["c/0"], "resume: its payload was gone after the crash")
+    from pipeline.checkpoint import Checkpointer, LocalCut
+
+    cut = LocalCut("unit", 100, resumed.clock(), again, AdmissionGate(resumed.clock(), MaxStaleness(k=K), GROUPS),
+                   {}, __import__("pipeline.channel", fromlist=["Channel"]).Channel("feedback", 8))
+    cut.clock.advance(4)
+    resumed_ckpt = Checkpointer(tmp_path, 1, run="unit", steps=100, cut=cut, chain=resumed.state.ledger_chain)
+    fourth = anyio.run(resumed_ckpt.save, 4, FileConsumer(b"w"))
+    assert segment(fourth) == ["c/0"]
+    assert read_state_raw(fourth).ledger_chain[:-1] == state.ledger_chain
+    assert {r.id: r.fate for r in read_state(fourth).ledger.records}["c/0"] == "regenerated"
+
+
+def test_a_cut_that_fails_skips_its_checkpoint_and_the_next_one_holds_its_ledger_changes(tmp_path: Path) -> None:
+    from pipeline.checkpoint import CutFailed
+
+    ckpt, clock, ledger = make_checkpointer(tmp_path)
+
+    class VoidOnce:  # the Ray cut's failure (a host did not answer within the lease), once
+        def __init__(self, cut) -> None:
+            self.cut, self.voided = cut, False
+
+        async def capture(self, version, consumer):
+            state = await self.cut.capture(version, consumer)
+            if not self.voided:
+                self.voided = True
+                raise CutFailed("producer-0 did not answer", state.ledger.records)
+            return state
+
+    ckpt.cut = VoidOnce(ckpt.cut)
+    clock.advance(1)
+    assert anyio.run(ckpt.save, 1, FileConsumer(b"w")) is None, "skipped, and the run goes on"
+    assert latest_checkpoint(tmp_path) is None
+    ledger.trained(["a/0", "a/1"], at_version=1)
+    clock.advance(2)
+    path = anyio.run(ckpt.save, 2, FileConsumer(b"w"))
+    state = read_state(path)
+    assert {r.id: r.fate for r in state.ledger.records} == {
+        "a/0": "trained", "a/1": "trained", "b/0": "in_flight", "b/1": "in_flight"
+    }, "the records the skipped cut took are in the next checkpoint"
+
+
+def read_state_raw(checkpoint: Path):
+    import msgspec
+
+    from pipeline.checkpoint import STATE_FILE, RunState
+
+    return msgspec.msgpack.decode((checkpoint / STATE_FILE).read_bytes(), type=RunState)
 
 
 def test_a_write_that_fails_midway_leaves_the_previous_checkpoint(tmp_path: Path) -> None:

@@ -76,7 +76,7 @@ class Conductor(LocalClock, LocalLedger):
             return None
         state = msgspec.msgpack.decode(resume, type=RunState)
         self.clock = VersionClock(state.version)
-        self.ledger = Ledger.from_state(state.ledger, max_uses=max_uses)
+        self.ledger = Ledger.from_state(state.ledger, max_uses=max_uses, journaled=bool(state.ledger_chain))
         self.gate = AdmissionGate(self.clock, policy, units)
         restore_gate(state, self.gate)
         return msgspec.msgpack.encode(reopen(state, attempt, self.ledger))
@@ -307,7 +307,7 @@ class StageHost:
                 cut = RayCut(w.run, w.steps, w.units_per_version, w.conductor, peers.get("producer", []),
                              peers["buffer"][0], w.channels)
                 ctx.checkpoint = Checkpointer(w.folder, w.checkpoint_every, run=w.run, steps=w.steps, cut=cut,
-                                              keep=w.checkpoint_keep)
+                                              keep=w.checkpoint_keep, chain=w.resume.ledger_chain if w.resume else ())
         actors = list(self.stage.actors(ctx, inbox, outbox))
         self.actor = actors[self.index] if self.role == "producer" else actors[0]
         self.ctx = ctx

@@ -8,10 +8,15 @@ consumer between two steps, like `LocalCut`) takes the cut in three moves:
    `take_source`, `trained`, `finished`) waits, so the ledger snapshot in the reply is the ledger for
    the whole capture. The freeze is a lease: it thaws by itself after `lease_s`, and a capture whose
    lease ran out raises `CheckpointError` (its cut is no longer consistent) instead of writing;
-2. **ask** every producer host, the `produced` channel, the buffer host and the `ready` channel (in
-   that order, upstream first) for the refs they hold, and producers for the prompts they were making;
-   the consumer's own window is read in place (it waits in `Checkpointer.save`);
+2. **ask** every producer host, the `produced` channel, the buffer host and the `ready` channel (all
+   at once: one round trip of frozen time) for the refs they hold, and producers for the prompts they
+   were making; the consumer's own window is read in place (it waits in `Checkpointer.save`);
 3. **thaw** the conductor, then the checkpoint is written as on the local runtime.
+
+A host that does not answer within the lease (80 % of it, so the thaw comes in time) voids the cut:
+`CutFailed`, and `Checkpointer.save` skips this checkpoint (the previous one stays the latest; the
+ledger changes the cut took go into the next one's journal segment) while the run goes on. A dead
+host answers nothing and holds nothing: its groups are regenerated on resume.
 
 Why this cut is good enough for a resume (pipeline.checkpoint): refs keep moving downstream during
 step 2, but the ledger does not change, and resume trusts the ledger. A ref seen twice (it moved
@@ -31,11 +36,13 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
 import msgspec
 
 from pipeline.checkpoint import (
     CheckpointError,
     CheckpointingConsumer,
+    CutFailed,
     GateCounts,
     HeldRef,
     RandomState,
@@ -44,11 +51,11 @@ from pipeline.checkpoint import (
 )
 from pipeline.context import Redo
 from pipeline.ledger import Ledger, LedgerState
-from pipeline.refs import Ref
 
 
 class FrozenRun(msgspec.Struct, frozen=True, kw_only=True):
-    """The conductor's part of a cut: its version, ledger and gate counts at the freeze."""
+    """The conductor's part of a cut: its version, ledger (the records changed since the last cut: the
+    journal's next segment; `Ledger.changes`) and gate counts at the freeze."""
 
     token: str
     version: int
@@ -120,7 +127,7 @@ def frozen_run(freezer: Freezer, lease_s: float, version: int, ledger: Ledger, s
     """Freeze and describe the conductor's state (what `Conductor.freeze` answers)."""
     token = freezer.freeze(lease_s)
     return msgspec.msgpack.encode(FrozenRun(
-        token=token, version=version, ledger=ledger.state(), gate=GateCounts(started, discarded)
+        token=token, version=version, ledger=ledger.changes(), gate=GateCounts(started, discarded)
     ))
 
 
@@ -139,48 +146,62 @@ class RayCut:
     lease_s: float = 60.0
 
     async def capture(self, version: int, consumer: CheckpointingConsumer) -> RunState:
-        import ray
-
         frozen = msgspec.msgpack.decode(await self.conductor.freeze.remote(self.lease_s), type=FrozenRun)
         try:
             if frozen.version != version:
                 raise CheckpointError(f"a checkpoint of version {version} was asked at version {frozen.version}")
-            held: list[HeldRef] = list(consumer.held_refs())
-            generating: list[bytes] = []
-            recording: list[tuple[str, bytes]] = []
-            rngs: dict[str, RandomState] = {}
-
-            async def host(handle: Any, name: str) -> None:
-                try:
-                    part = msgspec.msgpack.decode(await handle.held.remote(), type=HostHeld)
-                except ray.exceptions.RayActorError:  # a dead producer holds nothing: its groups are regenerated
-                    return
-                held.extend(part.refs)
-                generating.extend(part.generating)
-                recording.extend(part.recording)
-                rngs.update(part.rngs)
-
-            async def channel(name: str) -> None:
-                held.extend(HeldRef(ref=r, holder=f"channel:{name}") for r in await self.channels[name].items())
-
-            await asyncio.gather(*(host(h, f"producer-{i}") for i, h in enumerate(self.producers)))
-            await channel("produced")
-            await host(self.buffer, "buffer-0")
-            await channel("ready")
-            redo = [r for r in await self.channels["feedback"].items() if isinstance(r, Redo)]
+            with anyio.fail_after(self.lease_s * ASK_SHARE):
+                parts = await self._ask_holders()
+        except TimeoutError:
+            parts = None
         finally:
             consistent = await self.conductor.thaw.remote(frozen.token)
-        if not consistent:
-            raise CheckpointError(
-                f"the checkpoint cut of version {version} took longer than its {self.lease_s:g} s lease on the "
-                "conductor's ledger; the checkpoint was not written (a host did not answer in time)"
+        if parts is None or not consistent:
+            raise CutFailed(
+                f"the cut of version {version} did not finish within its {self.lease_s:g} s lease on the conductor's "
+                "ledger (a host did not answer); this checkpoint is skipped", frozen.ledger.records,
             )
+        held, generating, recording, rngs, redo = parts
         return RunState(
             run=self.run, version=version, steps=self.steps, units_per_version=self.units_per_version,
             created_at=time.time(), ledger=frozen.ledger, gate=frozen.gate,
-            held=[h for h in held if isinstance(h.ref, Ref)], redo=redo,
+            held=[*consumer.held_refs(), *held], redo=redo,
             owed=owed_sources(generating, recording, frozen.ledger), rngs=rngs,
         )
+
+    async def _ask_holders(self) -> tuple[list[HeldRef], list[bytes], list[tuple[str, bytes]], dict, list[Redo]]:
+        """Every host's and channel's part of the cut (see the module docstring)."""
+        import ray
+
+        held: list[HeldRef] = []
+        generating: list[bytes] = []
+        recording: list[tuple[str, bytes]] = []
+        rngs: dict[str, RandomState] = {}
+
+        async def host(handle: Any) -> None:
+            try:
+                part = msgspec.msgpack.decode(await handle.held.remote(), type=HostHeld)
+            except ray.exceptions.RayActorError:  # a dead producer holds nothing: its groups are regenerated
+                return
+            held.extend(part.refs)
+            generating.extend(part.generating)
+            recording.extend(part.recording)
+            rngs.update(part.rngs)
+
+        async def channel(name: str) -> None:
+            held.extend(HeldRef(ref=r, holder=f"channel:{name}") for r in await self.channels[name].items())
+
+        async def feedback() -> list[Redo]:
+            return [r for r in await self.channels["feedback"].items() if isinstance(r, Redo)]
+
+        # all at once: the ledger is what resume trusts, and its rules absorb refs that move meanwhile
+        *_, redo = await asyncio.gather(
+            *(host(h) for h in self.producers), channel("produced"), host(self.buffer), channel("ready"), feedback()
+        )
+        return held, generating, recording, rngs, redo
+
+
+ASK_SHARE = 0.8  # of the lease: the hosts must have answered by then, so the thaw comes within the lease
 
 
 __all__ = ["Freezer", "FrozenRun", "HostHeld", "RayCut", "frozen_run", "held_by"]
