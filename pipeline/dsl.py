@@ -88,6 +88,7 @@ class Pipeline:
     checkpoint_keep: int = 2  # complete checkpoints kept in the run folder
     watchdog: WatchdogSettings | None = None  # hang diagnosis; None: off
     faults: FaultPlan | list[FaultSpec] | None = None  # injected faults (pipeline.faults); None: none, no hooks
+    run_dir: Path | None = field(default=None, init=False)  # the folder of the latest run (set as it starts)
 
     def __post_init__(self) -> None:
         # a consumer that trains on an item more than once says so; the ledger must allow it
@@ -121,6 +122,7 @@ class Pipeline:
             folder = RunFolder.create(self.run_root, self.name)
             if self.config_text is not None:
                 folder.write_text("config.toml", self.config_text)
+        self.run_dir = folder.path
         if self.runtime == "ray":
             return await self._arun_ray(folder, resumed)
         if resumed is not None:

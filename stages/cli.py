@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from pipeline.actor import ActorFailed
-    from pipeline.checkpoint import CheckpointError
+    from pipeline.checkpoint import CheckpointError, latest_checkpoint, read_state
     from pipeline.telemetry import configure_logging, get_logger
     from stages.config import build_pipeline
 
@@ -161,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except ActorFailed as exc:
         get_logger("baton").error("run failed", error=str(exc), exc_info=exc)
+        checkpoint = latest_checkpoint(pipeline.run_dir) if pipeline.run_dir is not None else None
+        if checkpoint is not None:
+            print(f"baton: {pipeline.run_dir} holds a checkpoint of version {read_state(checkpoint).version}; "
+                  f"continue the run with: baton run --resume {pipeline.run_dir}", file=sys.stderr)
         return 1
     print(json.dumps(summary), flush=True)
     return 0

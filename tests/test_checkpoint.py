@@ -593,3 +593,19 @@ def test_baton_run_resume_of_a_folder_without_checkpoints_exits_2_and_says_why(t
     )
     assert main(["run", "--resume", str(run_dir)]) == 2
     assert "holds no complete checkpoint; runs checkpoint only with checkpoint.every > 0" in capsys.readouterr().err
+
+
+def test_a_failed_baton_run_with_a_checkpoint_says_how_to_resume_it(tmp_path: Path, capsys) -> None:
+    from stages.cli import main
+
+    sets = [f"run_root='{tmp_path}'", f"model.path='{tmp_path / 'model'}'", "steps=6", "checkpoint.every=3",
+            "learner.groups_per_step=4", "engine.batch_groups=4", "rollout.group_size=4", "telemetry.progress=false",
+            "name='hint'", 'faults=[{kind="learner.crash", at=[5]}]']
+    args = [x for s in sets for x in ("--set", s)]
+    assert main(["run", str(ROOT / "configs" / "quickstart.toml"), *args]) == 1
+    run_dir = next(tmp_path.glob("hint-*"))
+    err = capsys.readouterr().err
+    assert f"{run_dir} holds a checkpoint of version 3; continue the run with: baton run --resume {run_dir}" in err
+    assert main(["run", "--resume", str(run_dir)]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["version"] == 6 and summary["resume"]["from_version"] == 3 and summary["ledger_balanced"]

@@ -12,6 +12,7 @@ then what the fault's own recovery path left as evidence (lost and redone, regen
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -50,7 +51,7 @@ def check(outcome: RunOutcome) -> None:
     assert outcome.over_bound == 0 and outcome.max_staleness is not None and outcome.max_staleness <= outcome.bound
     assert outcome.reward_last - outcome.reward_first >= 0.02, (outcome.reward_first, outcome.reward_last)
     assert outcome.passed, outcome.problems
-    assert outcome.recovery_s is not None and outcome.recovery_s < 60, "every firing was followed by a recovery"
+    assert outcome.recovery_s is not None and outcome.recovery_s != math.inf, "every firing was followed by a recovery"
     kind = outcome.kind
     if kind in ("store.get_fail", "store.corrupt", "store.master_restart"):
         assert outcome.lost > 0, "the payloads it destroyed were counted lost (and their groups redone)"
