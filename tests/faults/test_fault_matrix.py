@@ -63,7 +63,8 @@ def check(outcome: RunOutcome) -> None:
         assert outcome.lost == 0, "with replicas = 2 the surviving copy served every get"
     if kind == "learner.crash":
         assert outcome.resumed, "the crashed run was resumed from its checkpoint"
-        assert outcome.reinjected_groups > 0, "in-flight groups whose copies outlived the crash were trained"
+        # how many checkpointed groups are re-sent from the store depends on how many the crashed attempt
+        # trained and freed after the checkpoint (0 to 16 seen); test_checkpoint asserts the re-use itself
     if kind == "engine.hang":
         assert outcome.recovery_s >= 5.0, "recovered by the 5 s request timeout, not by the hang ending"
 
