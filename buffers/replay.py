@@ -12,17 +12,19 @@ Guarantees:
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 import anyio
 
 from buffers.store import ObjectStore, StoreSpec, open_store
 from pipeline.actor import BaseActor
 from pipeline.channel import Channel
-from pipeline.checkpoint import HeldRef
 from pipeline.context import RunContext, refuse
-from pipeline.refs import Ref
+from pipeline.refs import HeldRef, Ref
 
 
 @dataclass
@@ -39,12 +41,36 @@ class ReplayBuffer:
                 f"buffer.max_refs and buffer.max_bytes must be >= 1, got {self.max_refs}, {self.max_bytes}"
             )
 
+    @contextlib.contextmanager
+    def serve_store(self) -> Iterator[StoreOpening]:
+        """The store for this run: a spec that serves (a Mooncake master started for the run) does so
+        for the block; anything else is opened as it is."""
+        if isinstance(self.store, ServesStore):
+            with self.store.serve() as served:
+                yield StoreOpening(served)
+        else:
+            yield StoreOpening(self.store)
+
     def actors(self, ctx: RunContext, inbox: Channel | None, outbox: Channel | None):
         assert inbox is not None and outbox is not None
-        if "store" not in ctx.services:  # a runtime may have opened this process's store already
-            ctx.services["store"] = open_store(self.store, holder=True, faults=ctx.services.get("faults"))
-        store = ctx.services["store"]
-        return [ReplayActor(self, store, ctx, inbox, outbox)]
+        return [ReplayActor(self, ctx.services.store, ctx, inbox, outbox)]
+
+
+@runtime_checkable
+class ServesStore(Protocol):
+    """A store spec that needs something running for the run's length (a Mooncake master)."""
+
+    def serve(self) -> contextlib.AbstractContextManager[StoreSpec]: ...
+
+
+@dataclass(frozen=True)
+class StoreOpening:
+    """A `pipeline.contracts.StoreOpener`: opens `store` (a store, or a spec) in the calling process."""
+
+    store: ObjectStore | StoreSpec
+
+    def open(self, holder: bool, faults: Any) -> ObjectStore:
+        return open_store(self.store, holder=holder, faults=faults)
 
 
 class ReplayActor(BaseActor):

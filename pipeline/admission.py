@@ -85,3 +85,10 @@ class AdmissionGate:
         self.discarded += units
         self._discard_event.set()
         self._discard_event = anyio.Event()
+
+    def status(self) -> dict[str, int | bool]:
+        """The counts and whether the policy would admit one more unit now (what a hang report shows)."""
+        return {
+            "version": self.clock.version, "started": self.started, "discarded": self.discarded,
+            "live": self.started - self.discarded, "admits_now": self._open(),
+        }

@@ -87,9 +87,10 @@ import msgspec
 
 from pipeline.actor import BaseActor
 from pipeline.admission import AdmissionGate
-from pipeline.context import Redo, redo
+from pipeline.context import redo
+from pipeline.contracts import CheckpointedProducer, CheckpointingConsumer, RefHolder
 from pipeline.ledger import ItemRecord, Ledger, LedgerState, fold_records
-from pipeline.refs import Ref
+from pipeline.refs import HeldRef, Redo, Ref
 from pipeline.telemetry import METRICS_FILE, RunFolder, get_logger
 from pipeline.versions import VersionClock
 
@@ -116,15 +117,6 @@ class CutFailed(CheckpointError):
     def __init__(self, message: str, records: list[ItemRecord]) -> None:
         super().__init__(message)
         self.records = records
-
-
-class HeldRef(msgspec.Struct, frozen=True, kw_only=True):
-    """A ref the pipeline held at the checkpoint: `holder` says where ("channel:produced", "buffer",
-    "learner" ...), `uses` how often the consumer had trained on it already (its replay window)."""
-
-    ref: Ref
-    holder: str
-    uses: int = 0
 
 
 RandomState = tuple[int, list[int], float | None]  # random.Random.getstate(), as msgspec carries it
@@ -167,25 +159,6 @@ class Manifest(msgspec.Struct, kw_only=True):
     format: int
     version: int
     files: dict[str, int]  # path relative to the checkpoint folder -> size in bytes
-
-
-class RefHolder(Protocol):
-    """An actor that holds refs between channels (a buffer's index, a consumer's replay window). A producer
-    may also have `held_sources()`: what it was asked to make and has not recorded as produced yet (the
-    same bytes it gives the ledger as a group's source)."""
-
-    def held_refs(self) -> list[HeldRef]: ...
-
-
-class CheckpointingConsumer(Protocol):
-    """What a consumer gives a checkpoint: the refs it holds and its own state."""
-
-    def held_refs(self) -> list[HeldRef]: ...
-
-    def write_state(self, folder: Path) -> None:
-        """Write everything needed to continue into `folder` (runs in a worker thread while the consumer
-        awaits the checkpoint, so its state does not change meanwhile)."""
-        ...
 
 
 _STATE_ENCODER = msgspec.msgpack.Encoder()
@@ -276,7 +249,7 @@ class LocalCut:
             run=self.run, version=version, steps=self.steps, units_per_version=self.gate.units_per_version,
             created_at=time.time(), ledger=ledger, gate=GateCounts(self.gate.started, self.gate.discarded),
             held=held, redo=[r for r in self.feedback.items() if isinstance(r, Redo)], owed=owed,
-            rngs={h.name: h.rng_state() for h in self.holders if hasattr(h, "rng_state")},
+            rngs={h.name: h.rng_state() for h in self.holders if isinstance(h, CheckpointedProducer)},
         )
 
 
@@ -645,7 +618,7 @@ class ResumeFeeder(BaseActor):
 
     async def run(self) -> None:
         ctx, resumed = self.ctx, self.resumed
-        store = ctx.services["store"]
+        store = ctx.services.store
         pending = resumed.in_flight_groups()
         for held in _oldest_first(h for h in resumed.state.held if h.uses == 0):
             ref = held.ref

@@ -16,93 +16,17 @@ import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import anyio
-import msgspec
 
 from pipeline.admission import AdmissionGate
+from pipeline.contracts import Clock, Gate, LedgerClient, Services, VersionPolicy
 from pipeline.ledger import Ledger
-from pipeline.refs import Ref
+from pipeline.refs import Produced, Redo, Ref
 from pipeline.telemetry import RunFolder, get_logger
 from pipeline.versions import VersionClock
 from pipeline.watchdog import Activity
-
-
-class VersionPolicy(Protocol):
-    """What the pipeline needs of a staleness policy (see policies.staleness)."""
-
-    @property
-    def bound(self) -> int: ...
-
-    def admit(self, version: int, started: int, discarded: int, groups_per_step: int) -> bool: ...
-
-    def accept(self, learner_version: int, oldest_version: int) -> str: ...
-
-    def interrupt(self, oldest_version: int, new_version: int) -> str:
-        """"continue" | "restart": for work in flight when `new_version` reaches its worker."""
-        ...
-
-
-class Clock(Protocol):
-    async def current(self) -> int: ...
-
-    async def advance_to(self, version: int) -> None: ...
-
-    async def wait_change(self, seen: int) -> int: ...
-
-    async def wait_until(self, version: int) -> int: ...
-
-
-class Gate(Protocol):
-    units_per_version: int
-
-    async def acquire_many(self, max_units: int) -> int:
-        """Wait for at least one unit, take up to `max_units`; returns how many were taken."""
-        ...
-
-    async def discard(self, units: int) -> None: ...
-
-    async def replayed(self, units: int) -> None:
-        """The consumer took `units` already-consumed units again (see `AdmissionGate.replayed`)."""
-        ...
-
-
-class Produced(msgspec.Struct, frozen=True):
-    """One produced group, as the ledger records it: its items, versions and what it was made from,
-    and optionally named values with one number per item (for bias accounting; see pipeline.ledger)."""
-
-    ids: list[str]
-    group: str
-    versions: tuple[int, int]
-    source: bytes
-    values: dict[str, list[float]] = msgspec.field(default_factory=dict)
-
-
-class LedgerClient(Protocol):
-    async def produced(self, groups: list[Produced]) -> None: ...
-
-    async def take_source(self, group: str) -> bytes: ...
-
-    async def trained(self, ids: list[str], at_version: int) -> None: ...
-
-    async def finished(self, fate: str, ids: list[str], reason: str) -> None:
-        """fate: "dropped" | "lost" | "regenerated"."""
-        ...
-
-    async def fates(self, ids: list[str]) -> list[str]: ...
-
-    async def take_settled(self) -> dict[str, dict[str, list[float]]]:
-        """{outcome: {name: values}} of the items settled since the last call (see `Ledger.take_settled`)."""
-        ...
-
-
-class Redo(msgspec.Struct, frozen=True):
-    """Feedback to the producer: the work unit `group` must be produced again (its result was
-    lost, or refused by the policy). The producer remembers what each unit was made from."""
-
-    group: str
-    reason: str
 
 
 class LocalClock:
@@ -154,16 +78,13 @@ class LocalLedger:
     async def finished(self, fate: str, ids: list[str], reason: str) -> None:
         getattr(self.ledger, fate)(ids, reason)
 
-    async def fates(self, ids: list[str]) -> list[str]:
-        return [self.ledger[i].fate for i in ids]
-
     async def take_settled(self) -> dict[str, dict[str, list[float]]]:
         return self.ledger.take_settled()
 
 
 @dataclass
 class RunContext:
-    """Everything the stages of one run share. `services` is per process (stores, receivers)."""
+    """Everything the stages of one run share. `services` is per process (store, receivers, mailboxes)."""
 
     run: str
     seed: int
@@ -175,7 +96,7 @@ class RunContext:
     feedback: Any  # a Channel of Redo (local or Ray-hosted)
     folder: RunFolder
     channels: dict[str, Any] = field(default_factory=dict)
-    services: dict[str, Any] = field(default_factory=dict)
+    services: Services = field(default_factory=Services)
     started_at: float = field(default_factory=time.time)  # wall clock: comparable across processes
     checkpoint: Any = None  # a pipeline.checkpoint.Checkpointer where the run checkpoints (the consumer's process)
     resume: Any = None  # a pipeline.checkpoint.Resumed (Ray: its ResumePoint) when the run continues from one
@@ -187,7 +108,7 @@ class RunContext:
 
     def add_status(self, line: Any) -> None:
         """Contribute a status line to hang reports: `line()` returns one string describing a stage."""
-        self.services.setdefault("status", []).append(line)
+        self.services.status.append(line)
 
     def rng(self, stream: str) -> random.Random:
         """A reproducible random stream per named user, derived from the run seed."""
@@ -249,6 +170,5 @@ async def _remove(ctx: RunContext, ref: Ref, store: Any) -> None:
 
 
 __all__: Sequence[str] = [
-    "Clock", "Gate", "LedgerClient", "LocalClock", "LocalGate", "LocalLedger", "Produced", "Redo", "RunContext",
-    "VersionPolicy", "free", "redo", "refuse",
+    "LocalClock", "LocalGate", "LocalLedger", "RunContext", "free", "redo", "refuse",
 ]

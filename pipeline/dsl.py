@@ -17,8 +17,9 @@ What the pipeline guarantees, whatever the stages are:
 * with `watchdog` set, a run that stops making progress is reported (which stage waits on what) and
   then failed with `PipelineHung` (pipeline.watchdog).
 
-This module knows stages only through the small `Stage` protocol: it has no idea what a model,
-a reward or a gradient is.
+This module knows stages only through `pipeline.contracts` (Producer, Buffer, Consumer): it has no
+idea what a model, a reward or a gradient is. `arun` reads as the whole story: validate, open the run
+folder, hand the pipeline to its runtime (`pipeline.runtime.local` or `.ray`), write the outputs.
 """
 
 from __future__ import annotations
@@ -27,50 +28,27 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import anyio
 
-from pipeline.actor import Actor, ActorFailed
-from pipeline.admission import AdmissionGate
-from pipeline.channel import Channel
-from pipeline.checkpoint import Checkpointer, LocalCut, Resumed
-from pipeline.context import LocalClock, LocalGate, LocalLedger, RunContext, VersionPolicy
-from pipeline.faults import FaultPlan, FaultSpec, as_plan
-from pipeline.faults import install as install_faults
-from pipeline.ledger import Ledger
-from pipeline.telemetry import Panel, Progress, RunFolder, get_logger, render_report
-from pipeline.versions import VersionClock
-from pipeline.watchdog import PipelineHung, Watchdog, WatchdogSettings
+from pipeline.actor import Actor
+from pipeline.checkpoint import Resumed
+from pipeline.context import RunContext
+from pipeline.contracts import Buffer, Consumer, Producer, VersionPolicy
+from pipeline.faults import FaultPlan, FaultSpec
+from pipeline.runtime import RunReport, Runtime
+from pipeline.telemetry import Progress, RunFolder, get_logger, render_report
+from pipeline.watchdog import WatchdogSettings
 
-
-@runtime_checkable
-class Stage(Protocol):
-    """A stage contributes actors. `inbox`/`outbox` are None where the stage has none."""
-
-    def actors(self, ctx: RunContext, inbox: Channel | None, outbox: Channel | None) -> Sequence[Actor]: ...
-
-
-@runtime_checkable
-class Consumer(Stage, Protocol):
-    units_per_version: int
-
-    def summary(self, records: list[dict]) -> dict[str, Any]:
-        """Figures for the run summary, from the consumer's metric records."""
-        ...
-
-    def progress(self, last: dict | None) -> dict[str, Any]:
-        """Fields for the progress line, from the latest metric record."""
-        ...
-
-    def report_panels(self, records: list[dict]) -> list[Panel]: ...
+RUNTIMES = ("local", "ray")
 
 
 @dataclass
 class Pipeline:
     name: str
-    producer: Stage
-    buffer: Stage
+    producer: Producer
+    buffer: Buffer
     consumer: Consumer
     staleness: VersionPolicy
     steps: int = 60
@@ -92,166 +70,76 @@ class Pipeline:
 
     def __post_init__(self) -> None:
         # a consumer that trains on an item more than once says so; the ledger must allow it
-        self.max_uses = max(self.max_uses, getattr(self.consumer, "max_uses", 1))
+        self.max_uses = max(self.max_uses, self.consumer.max_uses)
 
     def run(self) -> dict[str, Any]:
         """Run to completion on the chosen runtime and return the summary."""
-        if self.runtime not in ("local", "ray"):
-            raise ValueError(f"runtime={self.runtime!r}: use 'local' or 'ray'")
         return anyio.run(self.arun)
 
     def resume(self, run_dir: str | Path) -> dict[str, Any]:
         """Continue the run in `run_dir` from its latest checkpoint (this pipeline must be the one that
         made it: same name, same stages) to `steps`, in the same folder; returns the summary, whose
         `resume` entry says what was rolled back, re-used and regenerated (pipeline.checkpoint)."""
-        if self.runtime not in ("local", "ray"):
-            raise ValueError(f"runtime={self.runtime!r}: use 'local' or 'ray'")
         return anyio.run(self.arun, run_dir)
 
     async def arun(self, resume_from: str | Path | None = None) -> dict[str, Any]:
-        from pipeline.runtime.local import run_actors
+        self._validate()
+        resume = Resumed.open(resume_from, self.name, self.steps) if resume_from is not None else None
+        folder = resume.folder if resume is not None else self._new_folder()
+        self.run_dir = folder.path
+        runtime = self._runtime()
+        try:
+            with Progress(self.name, enabled=self.progress) as progress:
+                await runtime.run(self, folder, progress, resume)
+        finally:  # a failed run's ledger.json too: it is what a resume reports against
+            records = self._write_outputs(folder, runtime.report)
+        summary = self._summary(folder, records, runtime.report, resume)
+        get_logger("pipeline").bind(run=self.name).info(
+            "run finished", **{k: summary[k] for k in ("version", "wall_s", "samples_per_s")}
+        )
+        return summary
 
+    def _validate(self) -> None:
+        if self.runtime not in RUNTIMES:
+            raise ValueError(f"runtime={self.runtime!r}: use 'local' or 'ray'")
         if self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
         if self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 0 (0: off), got {self.checkpoint_every}")
-        resumed = Resumed.open(resume_from, self.name, self.steps) if resume_from is not None else None
-        if resumed is not None:
-            folder = resumed.folder
-        else:
-            folder = RunFolder.create(self.run_root, self.name)
-            if self.config_text is not None:
-                folder.write_text("config.toml", self.config_text)
-        self.run_dir = folder.path
+
+    def _new_folder(self) -> RunFolder:
+        folder = RunFolder.create(self.run_root, self.name)
+        if self.config_text is not None:
+            folder.write_text("config.toml", self.config_text)
+        return folder
+
+    def _runtime(self) -> Runtime:
         if self.runtime == "ray":
-            return await self._arun_ray(folder, resumed)
-        if resumed is not None:
-            clock, ledger = resumed.clock(), resumed.ledger(self.max_uses)
-        else:
-            clock, ledger = VersionClock(), Ledger(max_uses=self.max_uses)
-        gate = AdmissionGate(clock, self.staleness, self.consumer.units_per_version)
-        if resumed is not None:
-            resumed.restore_gate(gate)
-        ctx = RunContext(
-            run=self.name,
-            seed=self.seed,
-            steps=self.steps,
-            clock=LocalClock(clock),
-            ledger=LocalLedger(ledger),
-            gate=LocalGate(gate),
-            policy=self.staleness,
-            feedback=Channel("feedback", max_items=1 << 20),
-            folder=folder,
-            resume=resumed,
-        )
-        produced = Channel("produced", max_items=self.produced_channel[0], max_bytes=self.produced_channel[1])
-        ready = Channel("ready", max_items=self.ready_channel[0], max_bytes=self.ready_channel[1])
-        ctx.channels.update(produced=produced, ready=ready, feedback=ctx.feedback)
-        install_faults(ctx, as_plan(self.faults))  # nothing at all when no fault is planned
-        if self.checkpoint_every:
-            cut = LocalCut(self.name, self.steps, clock, ledger, gate, {"produced": produced, "ready": ready},
-                           ctx.feedback)
-            ctx.checkpoint = Checkpointer(
-                folder.path, self.checkpoint_every, run=self.name, steps=self.steps, cut=cut, keep=self.checkpoint_keep,
-                chain=resumed.state.ledger_chain if resumed is not None else (),
-            )
-        extra: list[Actor] = []
-        for hook in self.hooks:  # a hook sees the context and may add actors (watchdogs, fault injectors)
-            extra.extend(hook(ctx) or ())
+            from pipeline.runtime.ray import RayRun  # imports ray: only when asked for
 
-        # the buffer first: it owns the store the others write to and read from
-        buffers = list(self.buffer.actors(ctx, produced, ready))
-        producers = list(self.producer.actors(ctx, None, produced))
-        consumers = list(self.consumer.actors(ctx, ready, None))
-        if ctx.checkpoint is not None:  # refs producers are sending and the buffer's index are checkpointed too
-            cut.holders = [a for a in (*producers, *buffers) if hasattr(a, "held_refs")]
-        if resumed is not None:
-            extra.append(resumed.feeder(ctx, produced, ledger))
-        actors = [*producers, *buffers, *consumers, *extra]
-        if self.watchdog is not None and self.watchdog.enabled:
-            actors.append(Watchdog(
-                self.watchdog, progress=lambda: (("version", clock.version), *ledger.counts().items()),
-                channels=ctx.channels, actors=list(actors), activity=ctx.activity,
-                status=ctx.services.setdefault("status", []), gate=lambda: _gate_status(gate), run=self.name,
-                folder=folder,
-            ))
-        log = ctx.log("pipeline")
-        log.info("run starting", folder=str(folder.path), actors=[a.name for a in actors], steps=self.steps)
+            return RayRun(address=self.ray_address, watchdog=self.watchdog)
+        from pipeline.runtime.local import LocalRun
 
-        failure: ActorFailed | None = None
-        try:
-            with Progress(self.name, enabled=self.progress) as progress:
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(self._show_progress, ctx, clock, progress)
-                    try:
-                        await run_actors(actors, until=[a.name for a in consumers])
-                    except ActorFailed as exc:
-                        failure = exc  # raised below, outside the task group, so it is not wrapped
-                    finally:
-                        tg.cancel_scope.cancel()
-        finally:
-            for channel in ctx.channels.values():
-                channel.close()
-            records = self._write_outputs(folder, ledger.to_json())
-            if failure is not None:
-                log.error("run failed", folder=str(folder.path), ledger=ledger.counts(), error=str(failure))
-        if failure is not None:
-            if isinstance(failure.__cause__, PipelineHung):
-                raise failure.__cause__  # the watchdog's own diagnosis, not "actor 'watchdog' failed"
-            raise failure
-        extra_summary = {"resume": resumed.summary()} if resumed is not None else {}
-        summary = self._summary(
-            folder, records, clock.version, ledger.counts(), ledger.balanced(), ctx.started_at, **extra_summary
-        )
-        log.info("run finished", **{k: summary[k] for k in ("version", "wall_s", "samples_per_s")})
-        return summary
+        return LocalRun()
 
-    async def _arun_ray(self, folder: RunFolder, resumed: Resumed | None) -> dict[str, Any]:
-        from pipeline.runtime.ray import RayRun
-
-        started = time.time()
-        get_logger("pipeline").bind(run=self.name).info("run starting on ray", folder=str(folder.path))
-        runner = RayRun(self, address=self.ray_address, watchdog=self.watchdog)
-        try:
-            with Progress(self.name, enabled=self.progress) as progress:
-                await runner(folder, progress, resumed)
-        finally:
-            report = runner.report  # a failed run's too: its ledger.json is what a resume reports against
-            records = self._write_outputs(folder, report["ledger_json"] if report is not None else None)
-        return self._summary(
-            folder, records, report["version"], report["counts"], not report["violations"], started,
-            runtime="ray", restarts=report.get("restarts", {}), checkpoint_pause_s=report.get("frozen_s", 0.0),
-            **({"resume": resumed.summary()} if resumed is not None else {}),
-        )
-
-    def _write_outputs(self, folder: RunFolder, ledger_json: bytes | None) -> list[dict]:
+    def _write_outputs(self, folder: RunFolder, report: RunReport | None) -> list[dict]:
         """ledger.json and report.png (also for a failed run); returns the metric records."""
-        if ledger_json is not None:
-            folder.write_text("ledger.json", ledger_json.decode())
+        if report is not None and report.ledger_json is not None:
+            folder.write_text("ledger.json", report.ledger_json.decode())
         records = folder.read_metrics()
         render_report(folder.path / "report.png", records, self.consumer.report_panels(records), title=self.name)
         return records
 
-    async def _show_progress(self, ctx: RunContext, clock: VersionClock, progress: Progress) -> None:
-        while True:
-            depths = {n: f"{c.depth}/{c.max_items}" for n, c in ctx.channels.items() if n != "feedback"}
-            progress.update(
-                version=f"{clock.version}/{self.steps}",
-                **self.consumer.progress(ctx.folder.latest_metrics()),
-                **depths,
-            )
-            await anyio.sleep(0.25)
-
     def _summary(
-        self, folder: RunFolder, records: list[dict], version: int, counts: dict[str, int], balanced: bool,
-        started_at: float, **extra: Any,
+        self, folder: RunFolder, records: list[dict], report: RunReport, resume: Resumed | None
     ) -> dict[str, Any]:
         """The run's summary (also written to summary.json); closes the run folder."""
-        wall = time.time() - started_at
+        wall = time.time() - report.started_at
+        counts = report.counts
         summary = {
             "run_dir": str(folder.path),
             "steps": self.steps,
-            "version": version,
+            "version": report.version,
             **self.consumer.summary(records),
             "staleness_bound": self.staleness.bound,
             "samples": {
@@ -259,21 +147,15 @@ class Pipeline:
                 for k in ("produced", "trained", "dropped", "lost", "regenerated", "filtered", "reused")
             },
             "in_flight": counts["in_flight"],
-            "ledger_balanced": balanced,
+            "ledger_balanced": report.balanced,
             "wall_s": round(wall, 2),
             "samples_per_s": round(counts["trained"] / wall, 1) if wall > 0 else 0.0,
-            **extra,
+            **report.extra,
+            **({"resume": resume.summary()} if resume is not None else {}),
         }
         folder.write_json("summary.json", summary)
         folder.close()
         return summary
 
 
-def _gate_status(gate: AdmissionGate) -> dict[str, Any]:
-    """The admission gate's counts and whether its policy would admit one more unit now."""
-    return {
-        "version": gate.clock.version, "started": gate.started, "discarded": gate.discarded,
-        "live": gate.started - gate.discarded, "admits_now": gate.policy.admit(
-            gate.clock.version, gate.started, gate.discarded, gate.units_per_version
-        ),
-    }
+__all__ = ["Pipeline", "RunContext"]

@@ -266,14 +266,14 @@ def stall_hook(schedule: Schedule) -> Callable[[], Awaitable[None]]:
 
 def install(ctx: Any, faults: FaultPlan | None, isolated: bool = False) -> FaultPlan | None:
     """Bind `faults` to this process of the run whose context is `ctx`: put the plan in
-    `ctx.services["faults"]` (stages look there for their boundary's schedule), wrap the clock for
+    `ctx.services.faults` (stages look there for their boundary's schedule), wrap the clock for
     learner.crash and hook the local channels for channel.stall. Returns the bound plan, or None
     (and changes nothing) when no fault is planned."""
     if not faults:
         return None
     folder = getattr(ctx.folder, "path", ctx.folder)
     plan = faults.bound(folder, isolated=isolated)
-    ctx.services["faults"] = plan
+    ctx.services.faults = plan
     crash = plan.schedule("learner.crash")
     if crash is not None:
         ctx.clock = CrashingClock(ctx.clock, crash, kill_process=isolated)
@@ -286,7 +286,7 @@ def install(ctx: Any, faults: FaultPlan | None, isolated: bool = False) -> Fault
 
 def plan_of(ctx: Any) -> FaultPlan | None:
     """This process's bound plan (None: no faults)."""
-    return ctx.services.get("faults")
+    return ctx.services.faults
 
 
 __all__ = [

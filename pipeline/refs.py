@@ -45,6 +45,34 @@ class Ref(msgspec.Struct, frozen=True, kw_only=True):
         return [f"{self.group}/{i}" for i in range(self.rows)]
 
 
+class HeldRef(msgspec.Struct, frozen=True, kw_only=True):
+    """A ref the pipeline held at a checkpoint: `holder` says where ("channel:produced", "buffer",
+    "learner" ...), `uses` how often the consumer had trained on it already (its replay window)."""
+
+    ref: Ref
+    holder: str
+    uses: int = 0
+
+
+class Produced(msgspec.Struct, frozen=True):
+    """One produced group, as the ledger records it: its items, versions and what it was made from,
+    and optionally named values with one number per item (for bias accounting; see pipeline.ledger)."""
+
+    ids: list[str]
+    group: str
+    versions: tuple[int, int]
+    source: bytes
+    values: dict[str, list[float]] = msgspec.field(default_factory=dict)
+
+
+class Redo(msgspec.Struct, frozen=True):
+    """Feedback to the producer: the work unit `group` must be produced again (its result was
+    lost, or refused by the policy). The producer remembers what each unit was made from."""
+
+    group: str
+    reason: str
+
+
 def make_key(run: str, version: int, group: str, sample: str) -> str:
     """`run/v{version:08d}/{group}/{sample}`; no part may contain '/'."""
     for name, part in (("run", run), ("group", group), ("sample", sample)):

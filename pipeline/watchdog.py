@@ -13,7 +13,7 @@ A report holds, generically (nothing here knows what a stage does):
 * every actor: what its tasks are awaiting right now (the chain of coroutine frames, innermost last,
   with the `name` of each object that has one, e.g. `Channel.send('produced')`), and the last event
   it noted (`RunContext.note`) with its age;
-* status lines stages contribute through the small hook `ctx.services["status"]` (callables returning
+* status lines stages contribute through the small hook `ctx.services.status` (callables returning
   a line each, e.g. "learner: window 3/16 groups for version 12").
 
 Each report is logged with structured fields (channel depths, the gate, what each actor awaits, its

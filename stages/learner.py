@@ -38,10 +38,10 @@ from buffers.retry import with_retries
 from buffers.store import ObjectStore, StoreError
 from pipeline.actor import BaseActor
 from pipeline.channel import Channel, ChannelClosed
-from pipeline.checkpoint import CheckpointError, HeldRef
+from pipeline.checkpoint import CheckpointError
 from pipeline.context import RunContext, free, redo, refuse
 from pipeline.faults import plan_of
-from pipeline.refs import Ref
+from pipeline.refs import HeldRef, Ref
 from pipeline.telemetry import Panel
 from policies.correction import Correction
 from policies.selection import Fifo, NoSignalError, ReplayWindow, Selection, Taken
@@ -95,14 +95,14 @@ class GRPOLearner:
         assert inbox is not None
         transport = TRANSPORTS[self.weights]() if isinstance(self.weights, str) else self.weights
         transport = with_weight_faults(transport, plan_of(ctx))  # itself unless weights.push_fail is planned
-        for receiver in ctx.services.get("weight_receivers", []):  # engines in this process
+        for receiver in ctx.services.weight_receivers:  # engines in this process
             transport.subscribe(receiver)
-        peers = ctx.services.get("producers", [])
+        peers = ctx.services.producers
         remote = [transport.remote_receiver(peer, f"producer-{i}") for i, peer in enumerate(peers)]
         for receiver in remote:  # engines in other processes (Ray runtime)
             transport.subscribe(receiver)
         # a restarted producer process catches up from the latest version at once
-        ctx.services["on_producer_restart"] = lambda index: remote[index].resend()
+        ctx.services.on_producer_restart = lambda index: remote[index].resend()
         # snapshots serve engine processes that (re)start; engines in this process never need one
         snapshot_every = self.snapshot_every if remote else 0
         actor = LearnerActor(self, ctx, inbox, transport, snapshot_every)
@@ -163,7 +163,7 @@ class LearnerActor(BaseActor):
 
     @property
     def store(self) -> ObjectStore:
-        return self.ctx.services["store"]
+        return self.ctx.services.store
 
     async def start(self) -> None:
         device = self.spec.device

@@ -28,10 +28,10 @@ from buffers.retry import with_retries
 from buffers.store import ObjectStore, StoreError
 from pipeline.actor import BaseActor
 from pipeline.channel import Channel
-from pipeline.checkpoint import HeldRef, RandomState, python_random_state, random_state
-from pipeline.context import Produced, RunContext
+from pipeline.checkpoint import RandomState, python_random_state, random_state
+from pipeline.context import RunContext
 from pipeline.faults import FaultPlanError, plan_of
-from pipeline.refs import Ref, make_key
+from pipeline.refs import HeldRef, Produced, Ref, make_key
 from stages.engines.base import Completion, Engine, EngineError, SamplingParams
 from stages.engines.faulty import EngineTimeout, with_engine_faults
 from stages.model import load_tokenizer
@@ -71,6 +71,11 @@ class Rollout:
         if isinstance(self.tokenizer, str | Path):
             self.tokenizer = load_tokenizer(self.tokenizer)
 
+    @property
+    def workers(self) -> int:
+        """One rollout worker per engine, in engine order (the Ray runtime gives each its own process)."""
+        return len(self.engines)
+
     def sampling(self) -> SamplingParams:
         return SamplingParams(
             max_new_tokens=self.task.max_new_tokens,
@@ -81,9 +86,9 @@ class Rollout:
 
     def actors(self, ctx: RunContext, inbox: Channel | None, outbox: Channel | None):
         assert outbox is not None
-        ctx.services.setdefault("weight_receivers", []).extend(self.engines)
-        ctx.services.setdefault("mailboxes", {}).update(engine_mailboxes(self.engines))  # weights from other processes
-        store: ObjectStore = ctx.services["store"]
+        ctx.services.weight_receivers.extend(self.engines)
+        ctx.services.mailboxes.update(engine_mailboxes(self.engines))  # weights from other processes
+        store: ObjectStore = ctx.services.store
         for engine in self.engines:
             if hasattr(engine, "policy"):  # engines ask the policy what to do with requests in flight
                 engine.policy = ctx.policy

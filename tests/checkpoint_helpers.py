@@ -8,10 +8,9 @@ from pathlib import Path
 
 from pipeline.admission import AdmissionGate
 from pipeline.channel import Channel
-from pipeline.checkpoint import Checkpointer, HeldRef, LocalCut
-from pipeline.context import Redo
+from pipeline.checkpoint import Checkpointer, LocalCut
 from pipeline.ledger import Ledger
-from pipeline.refs import Ref
+from pipeline.refs import HeldRef, Redo, Ref
 from pipeline.versions import VersionClock
 from policies.staleness import MaxStaleness
 

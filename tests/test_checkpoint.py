@@ -106,6 +106,9 @@ class Producer:
     def held_sources(self) -> list[bytes]:
         return [b"prompt-x", b"prompt-c"]
 
+    def recording(self) -> list[tuple[str, bytes]]:
+        return []
+
 
 def test_a_resume_owes_the_prompts_being_generated_and_the_redos_in_progress(tmp_path: Path) -> None:
     from types import SimpleNamespace

@@ -444,13 +444,14 @@ async def test_a_restarted_engine_catches_up_from_the_snapshot_in_mooncake(model
         state = learner_version(model, seed=7)
         await save_snapshot(store, key, 12, state)
         from pipeline.context import LocalClock
+        from pipeline.contracts import Services
         from pipeline.versions import VersionClock
 
         def worker_at(clock_version: int, name: str) -> tuple[TorchEngine, RolloutWorker]:
             engine = TorchEngine(model, name=name)
             ctx = SimpleNamespace(
                 run="snap-run", folder=run_folder, rng=lambda name: np.random.default_rng(0),
-                log=lambda name: get_logger(name), services={}, resume=None,
+                log=lambda name: get_logger(name), services=Services(), resume=None,
                 clock=LocalClock(VersionClock(clock_version)),
             )
             return engine, RolloutWorker(Rollout(ReverseDigits(), [engine], tokenizer=model), engine, store, ctx, None)

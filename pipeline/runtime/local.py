@@ -1,16 +1,140 @@
 """The local runtime: every actor is a task in one event loop (anyio task group).
 
-Blocking compute inside an actor belongs in `anyio.to_thread.run_sync`, so that two actors can
-compute at once (torch releases the GIL in its kernels).
+`LocalRun` builds the run's shared state in this process (version clock, ledger, admission gate,
+channels), opens the store once as its holder, asks each stage for its actors (the buffer first: it
+owns the store), adds the checkpoint feeder and the watchdog where they apply, and runs them all
+until the consumer returns. Blocking compute inside an actor belongs in `anyio.to_thread.run_sync`,
+so that two actors can compute at once (torch releases the GIL in its kernels).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import anyio
 
 from pipeline.actor import Actor, ActorFailed
+from pipeline.admission import AdmissionGate
+from pipeline.channel import Channel
+from pipeline.checkpoint import Checkpointer, LocalCut, Resumed
+from pipeline.context import LocalClock, LocalGate, LocalLedger, RunContext
+from pipeline.contracts import RefHolder
+from pipeline.faults import as_plan
+from pipeline.faults import install as install_faults
+from pipeline.ledger import Ledger
+from pipeline.runtime import RunReport
+from pipeline.telemetry import Progress, RunFolder
+from pipeline.versions import VersionClock
+from pipeline.watchdog import PipelineHung, Watchdog
+
+
+@dataclass
+class LocalRun:
+    """Runs one Pipeline in this process (`Pipeline(runtime="local")`)."""
+
+    report: RunReport | None = None
+
+    async def run(self, pipe: Any, folder: RunFolder, progress: Progress, resume: Resumed | None) -> None:
+        clock = resume.clock() if resume is not None else VersionClock()
+        ledger = resume.ledger(pipe.max_uses) if resume is not None else Ledger(max_uses=pipe.max_uses)
+        gate = AdmissionGate(clock, pipe.staleness, pipe.consumer.units_per_version)
+        if resume is not None:
+            resume.restore_gate(gate)
+        ctx = self._context(pipe, folder, clock, ledger, gate, resume)
+        log = ctx.log("pipeline")
+        with pipe.buffer.serve_store() as opener:
+            ctx.services.store = opener.open(holder=True, faults=ctx.services.faults)
+            actors, until = self._actors(pipe, ctx, clock, ledger, gate, resume)
+            log.info("run starting", folder=str(folder.path), actors=[a.name for a in actors], steps=pipe.steps)
+            try:
+                failure = await self._run(pipe, ctx, clock, actors, until, progress)
+            finally:
+                for channel in ctx.channels.values():
+                    channel.close()
+                self.report = RunReport(clock.version, ledger.counts(), ledger.balanced(), ledger.to_json(),
+                                        ctx.started_at)
+        if failure is not None:
+            log.error("run failed", folder=str(folder.path), ledger=ledger.counts(), error=str(failure))
+            if isinstance(failure.__cause__, PipelineHung):
+                raise failure.__cause__  # the watchdog's own diagnosis, not "actor 'watchdog' failed"
+            raise failure
+
+    def _context(
+        self, pipe: Any, folder: RunFolder, clock: VersionClock, ledger: Ledger, gate: AdmissionGate,
+        resume: Resumed | None,
+    ) -> RunContext:
+        """The run's context with its channels, faults bound and checkpointer set."""
+        ctx = RunContext(
+            run=pipe.name, seed=pipe.seed, steps=pipe.steps, clock=LocalClock(clock), ledger=LocalLedger(ledger),
+            gate=LocalGate(gate), policy=pipe.staleness, feedback=Channel("feedback", max_items=1 << 20),
+            folder=folder, resume=resume,
+        )
+        (items, nbytes), (ready_items, ready_bytes) = pipe.produced_channel, pipe.ready_channel
+        ctx.channels.update(
+            produced=Channel("produced", max_items=items, max_bytes=nbytes),
+            ready=Channel("ready", max_items=ready_items, max_bytes=ready_bytes), feedback=ctx.feedback,
+        )
+        install_faults(ctx, as_plan(pipe.faults))  # nothing at all when no fault is planned
+        if pipe.checkpoint_every:
+            cut = LocalCut(pipe.name, pipe.steps, clock, ledger, gate,
+                           {"produced": ctx.channels["produced"], "ready": ctx.channels["ready"]}, ctx.feedback)
+            ctx.checkpoint = Checkpointer(
+                folder.path, pipe.checkpoint_every, run=pipe.name, steps=pipe.steps, cut=cut,
+                keep=pipe.checkpoint_keep, chain=resume.state.ledger_chain if resume is not None else (),
+            )
+        return ctx
+
+    def _actors(
+        self, pipe: Any, ctx: RunContext, clock: VersionClock, ledger: Ledger, gate: AdmissionGate,
+        resume: Resumed | None,
+    ) -> tuple[list[Actor], list[str]]:
+        """Every actor of the run, and the names of those whose return ends it (the consumer's)."""
+        produced, ready = ctx.channels["produced"], ctx.channels["ready"]
+        extra: list[Actor] = []
+        for hook in pipe.hooks:  # a hook sees the context and may add actors (watchdogs, fault injectors)
+            extra.extend(hook(ctx) or ())
+        buffers = list(pipe.buffer.actors(ctx, produced, ready))  # first: the others use its store
+        producers = list(pipe.producer.actors(ctx, None, produced))
+        consumers = list(pipe.consumer.actors(ctx, ready, None))
+        if ctx.checkpoint is not None:  # refs producers are sending and the buffer's index are checkpointed too
+            ctx.checkpoint.cut.holders = [a for a in (*producers, *buffers) if isinstance(a, RefHolder)]
+        if resume is not None:
+            extra.append(resume.feeder(ctx, produced, ledger))
+        actors = [*producers, *buffers, *consumers, *extra]
+        if pipe.watchdog is not None and pipe.watchdog.enabled:
+            actors.append(Watchdog(
+                pipe.watchdog, progress=lambda: (("version", clock.version), *ledger.counts().items()),
+                channels=ctx.channels, actors=list(actors), activity=ctx.activity, status=ctx.services.status,
+                gate=gate.status, run=pipe.name, folder=ctx.folder,
+            ))
+        return actors, [a.name for a in consumers]
+
+    async def _run(
+        self, pipe: Any, ctx: RunContext, clock: VersionClock, actors: list[Actor], until: list[str],
+        progress: Progress,
+    ) -> ActorFailed | None:
+        """Run the actors with the progress line; the failure is returned, not raised, so the task group
+        does not wrap it."""
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_show_progress, pipe, ctx, clock, progress)
+            try:
+                await run_actors(actors, until=until)
+            except ActorFailed as exc:
+                return exc
+            finally:
+                tg.cancel_scope.cancel()
+        return None
+
+
+async def _show_progress(pipe: Any, ctx: RunContext, clock: VersionClock, progress: Progress) -> None:
+    while True:
+        depths = {n: f"{c.depth}/{c.max_items}" for n, c in ctx.channels.items() if n != "feedback"}
+        progress.update(
+            version=f"{clock.version}/{pipe.steps}", **pipe.consumer.progress(ctx.folder.latest_metrics()), **depths
+        )
+        await anyio.sleep(0.25)
 
 
 async def run_actors(actors: Sequence[Actor], until: Sequence[str]) -> None:
@@ -70,3 +194,6 @@ async def run_actors(actors: Sequence[Actor], until: Sequence[str]) -> None:
                     stop_errors.append(ActorFailed(actor.name, "stop", exc))
             if stop_errors and not failure:
                 raise stop_errors[0]
+
+
+__all__ = ["LocalRun", "run_actors"]

@@ -28,7 +28,6 @@ import os
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 import asyncio  # noqa: E402
-import contextlib  # noqa: E402
 import time  # noqa: E402
 from collections import Counter  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
@@ -41,10 +40,13 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, w
 
 from pipeline.actor import ActorFailed  # noqa: E402
 from pipeline.admission import AdmissionGate  # noqa: E402
-from pipeline.context import LocalClock, LocalLedger, Produced, Redo, RunContext, VersionPolicy  # noqa: E402
+from pipeline.context import LocalClock, LocalLedger, RunContext  # noqa: E402
+from pipeline.contracts import Services, StoreOpener, VersionPolicy  # noqa: E402
 from pipeline.faults import as_plan  # noqa: E402
 from pipeline.faults import install as install_faults  # noqa: E402
 from pipeline.ledger import Ledger  # noqa: E402
+from pipeline.refs import Produced, Redo  # noqa: E402
+from pipeline.runtime import RunReport  # noqa: E402
 from pipeline.runtime.ray_channel import RayChannel  # noqa: E402
 from pipeline.telemetry import RunFolder, configure_logging, get_logger  # noqa: E402
 from pipeline.versions import VersionClock  # noqa: E402
@@ -133,11 +135,9 @@ class Conductor(LocalClock, LocalLedger):
         return msgspec.msgpack.encode([("version", self.clock.version), *self.ledger.counts().items()])
 
     async def gate_status(self) -> bytes:
-        """The admission gate's counts and whether it would admit a unit now (`pipeline.dsl._gate_status`),
+        """The admission gate's counts and whether it would admit a unit now (`AdmissionGate.status`),
         msgspec-encoded."""
-        from pipeline.dsl import _gate_status
-
-        return msgspec.msgpack.encode(_gate_status(self.gate))
+        return msgspec.msgpack.encode(self.gate.status())
 
     async def report(self) -> bytes:
         """Everything the driver needs at the end, msgspec-encoded."""
@@ -203,9 +203,6 @@ class RemoteLedger:
     async def finished(self, fate: str, ids: list[str], reason: str) -> None:
         await self.conductor.finished.remote(fate, ids, reason)
 
-    async def fates(self, ids: list[str]) -> list[str]:
-        return await self.conductor.fates.remote(ids)
-
     async def take_settled(self) -> dict[str, dict[str, list[float]]]:
         return await self.conductor.take_settled.remote()
 
@@ -246,7 +243,7 @@ class Wiring:
     units_per_version: int
     conductor: Any
     channels: dict[str, RayChannel]
-    store: Any  # a StoreSpec or a process-portable store
+    store: StoreOpener  # opens the run's store in each process (the buffer's as holder)
     started_at: float
     log_format: str = "console"
     peers: dict[str, list[Any]] = field(default_factory=dict)
@@ -277,8 +274,6 @@ class StageHost:
 
     async def setup(self, peers: dict[str, list[Any]]) -> str:
         """Build the context and this host's actor (after every host exists, so peers are known)."""
-        from buffers.store import open_store
-
         w = self.wiring
         ctx = RunContext(
             run=w.run, seed=w.seed, steps=w.steps,
@@ -292,8 +287,8 @@ class StageHost:
             started_at=w.started_at,
         )
         plan = install_faults(ctx, w.faults, isolated=True)
-        ctx.services["store"] = open_store(w.store, holder=self.role == "buffer", faults=plan)
-        ctx.services["producers"] = [Peer(h) for h in peers.get("producer", [])]
+        ctx.services.store = w.store.open(holder=self.role == "buffer", faults=plan)
+        ctx.services.producers = [Peer(h) for h in peers.get("producer", [])]
         produced, ready = w.channels["produced"], w.channels["ready"]
         inbox, outbox = {
             "producer": (None, produced), "buffer": (produced, ready), "consumer": (ready, None)
@@ -337,14 +332,14 @@ class StageHost:
         a restart: the sender re-sends its latest once the supervisor says the host is back)."""
         if self.ctx is None:
             return False
-        await self.ctx.services["mailboxes"][box](header, blob)
+        await self.ctx.services.mailboxes[box](header, blob)
         return True
 
     async def ask(self, box: str, header: bytes) -> bytes | None:
         """Like `deliver`, returning the mailbox's reply (bytes); None if the host is not set up."""
         if self.ctx is None:
             return None
-        return await self.ctx.services["mailboxes"][box](header, None)
+        return await self.ctx.services.mailboxes[box](header, None)
 
     async def diagnose(self) -> bytes:
         """This host's part of a hang report, a msgspec-encoded `pipeline.watchdog.ProcessDiagnosis`: the
@@ -357,222 +352,251 @@ class StageHost:
                 host=self.name, pid=os.getpid(), actors=[], status=[f"{self.name}: not set up"]
             ))
         return msgspec.msgpack.encode(diagnose_process(
-            self.name, [self.actor], self.ctx.activity, self.ctx.services.get("status", []), root=self._run_task,
+            self.name, [self.actor], self.ctx.activity, self.ctx.services.status, root=self._run_task,
         ))
 
     async def producer_restarted(self, index: int) -> None:
-        hook = self.ctx.services.get("on_producer_restart")
+        hook = self.ctx.services.on_producer_restart
         if hook is not None:
             await hook(index)
 
 
 @dataclass
 class RayRun:
-    """Runs one Pipeline on Ray (see `Pipeline.run(runtime="ray")`)."""
+    """Runs one Pipeline on Ray (`Pipeline(runtime="ray")`), in the local runtime's shape: `run` builds
+    the run's shared state (here a `Conductor` actor and channel actors), opens the store, starts a
+    host per actor and supervises them until the consumer returns; `report` is left set either way."""
 
-    pipeline: Any
     address: str | None = None
+    watchdog: Any = None  # a pipeline.watchdog.WatchdogSettings: hang diagnosis across the hosts; None: off
     max_restarts: int = 3
     log_format: str = "console"
-    watchdog: Any = None  # a pipeline.watchdog.WatchdogSettings: hang diagnosis across the hosts; None: off
     restarts: Counter[str] = field(default_factory=Counter)
-    _feeder: Any = None  # the resumed run's `_ResumeFeeding`, run by the driver
-    report: dict[str, Any] | None = None  # the conductor's final report, once the run ended (or failed)
+    report: RunReport | None = None  # the conductor's final report, once the run ended (or failed)
 
-    async def __call__(self, folder: RunFolder, progress: Any, resumed: Any = None) -> dict[str, Any]:
-        """Run the pipeline in `folder`; `resumed` (a `pipeline.checkpoint.Resumed`): continue from its
-        checkpoint. Returns the conductor's report."""
-        pipe = self.pipeline
+    async def run(self, pipe: Any, folder: RunFolder, progress: Any, resume: Any = None) -> None:
+        """Run `pipe` in `folder`; `resume` (a `pipeline.checkpoint.Resumed`): continue from its checkpoint."""
         started_ray = not ray.is_initialized()
-        hosts_needed = len(pipe.producer.engines) + 2
         if started_ray:
-            local = self.address is None
-            ray.init(
-                # logical CPUs: one per host even on a 2-core machine (each host runs one torch thread)
-                num_cpus=max(os.cpu_count() or 1, hosts_needed) if local else None,
-                address=self.address, include_dashboard=False, log_to_driver=bool(os.environ.get("BATON_RAY_LOGS")),
-                runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}},
-            )
+            self._start_ray(hosts_needed=pipe.producer.workers + 2)
         log = get_logger("ray-runtime").bind(run=pipe.name)
-        hosts: dict[str, Any] = {}
-        conductor = None
-        channels: dict[str, RayChannel] = {}
-        store = pipe.buffer.store
-        serving = store.serve() if hasattr(store, "serve") else contextlib.nullcontext(store)
+        log.info("run starting on ray", folder=str(folder.path))
+        started_at = time.time()
+        self._hosts: dict[str, Any] = {}
+        self._conductor: Any = None
+        self._channels: dict[str, RayChannel] = {}
         try:
-            store = serving.__enter__()  # e.g. a Mooncake master started for this run
-            conductor = Conductor.remote(pipe.staleness, pipe.consumer.units_per_version, pipe.max_uses)
-            reopened = await conductor.setup.remote(
-                _STATE_ENCODER.encode(resumed.state) if resumed is not None else None,
-                resumed.attempt if resumed is not None else 0,
-            )
-            channels = {
-                "produced": RayChannel.create("produced", pipe.produced_channel[0], pipe.produced_channel[1]),
-                "ready": RayChannel.create("ready", pipe.ready_channel[0], pipe.ready_channel[1]),
-                "feedback": RayChannel.create("feedback", 1 << 20, None, item_type=Redo),
-            }
-            wiring = Wiring(
-                run=pipe.name, seed=pipe.seed, steps=pipe.steps, folder=str(folder.path), policy=pipe.staleness,
-                units_per_version=pipe.consumer.units_per_version, conductor=conductor, channels=channels,
-                store=store, started_at=time.time(), log_format=self.log_format, faults=as_plan(pipe.faults),
-                checkpoint_every=pipe.checkpoint_every, checkpoint_keep=pipe.checkpoint_keep,
-                resume=resumed.point() if resumed is not None else None,
-            )
-            if resumed is not None:  # the checkpoint's owed work is queued before any producer runs
-                from pipeline.checkpoint import Reopened
-
-                reopened = msgspec.msgpack.decode(reopened, type=Reopened)
-                resumed.count(reopened)
-                await channels["feedback"].send_many(reopened.requests)
-                self._feeder = _ResumeFeeding(resumed, wiring)
-            n_producers = len(pipe.producer.engines)
-            tag = f"baton/{pipe.name}/{folder.path.name}"  # named, so operators (and tests) can find them
-            for i in range(n_producers):
-                hosts[f"producer-{i}"] = StageHost.options(
-                    name=f"{tag}/producer-{i}", max_restarts=self.max_restarts, max_task_retries=0
-                ).remote(
-                    pipe.producer, "producer", i, wiring
-                )
-            hosts["buffer-0"] = StageHost.options(name=f"{tag}/buffer-0").remote(pipe.buffer, "buffer", 0, wiring)
-            hosts["consumer-0"] = StageHost.options(name=f"{tag}/consumer-0").remote(
-                pipe.consumer, "consumer", 0, wiring
-            )
-            peers = {"producer": [hosts[f"producer-{i}"] for i in range(n_producers)], "buffer": [hosts["buffer-0"]]}
-            # the buffer first: it holds the store the others open as clients
-            await hosts["buffer-0"].setup.remote(peers)
-            await asyncio.gather(*(h.setup.remote(peers) for n, h in hosts.items() if n != "buffer-0"))
-            await asyncio.gather(*(h.start.remote() for n, h in hosts.items() if n.startswith("producer")))
-            await hosts["buffer-0"].start.remote()
-            await hosts["consumer-0"].start.remote()  # publishes version 0 to every producer
-            log.info("ray run started", hosts=sorted(hosts), pids=await self._pids(hosts))
-            await self._supervise(hosts, conductor, peers, wiring, progress)
+            with pipe.buffer.serve_store() as opener:  # e.g. a Mooncake master started for this run
+                try:
+                    wiring, feeder = await self._shared_state(pipe, folder, opener, resume)
+                    peers = await self._start_hosts(pipe, folder, wiring)
+                    log.info("ray run started", hosts=sorted(self._hosts), pids=await self._pids())
+                    await Supervision(self, pipe, wiring, peers, progress, feeder).run()
+                finally:
+                    await self._finish(started_at)
         finally:
-            report = msgspec.msgpack.decode(await conductor.report.remote()) if conductor is not None else None
-            if report is not None:
-                report["restarts"] = dict(self.restarts)
-            self.report = report  # also when the run failed: its ledger is written all the same
-            await self._teardown(hosts, channels, conductor)
-            serving.__exit__(None, None, None)
             if started_ray:
                 ray.shutdown()
-        return report
 
-    async def _pids(self, hosts: dict[str, Any]) -> dict[str, int]:
-        return dict(zip(hosts, await asyncio.gather(*(h.pid.remote() for h in hosts.values())), strict=True))
+    def _start_ray(self, hosts_needed: int) -> None:
+        local = self.address is None
+        ray.init(
+            # logical CPUs: one per host even on a 2-core machine (each host runs one torch thread)
+            num_cpus=max(os.cpu_count() or 1, hosts_needed) if local else None,
+            address=self.address, include_dashboard=False, log_to_driver=bool(os.environ.get("BATON_RAY_LOGS")),
+            runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}},
+        )
 
-    async def _when_back(self, host: Any, peers: dict[str, list[Any]], timeout_s: float = 120.0) -> None:
-        """Set a restarted host up again, waiting while Ray still reports it as restarting."""
-        async for attempt in AsyncRetrying(
-            retry=retry_if_exception_type(ray.exceptions.ActorUnavailableError),
-            wait=wait_exponential(multiplier=0.1, max=2.0),
-            stop=stop_after_delay(timeout_s),
-            reraise=True,
-        ):
-            with attempt:
-                await host.setup.remote(peers)
+    async def _shared_state(
+        self, pipe: Any, folder: RunFolder, opener: StoreOpener, resume: Any
+    ) -> tuple[Wiring, ResumeFeeding | None]:
+        """The conductor (from the checkpoint when resuming), the channel actors and the wiring every host
+        gets; a resumed run's owed work is queued before any producer runs."""
+        self._conductor = Conductor.remote(pipe.staleness, pipe.consumer.units_per_version, pipe.max_uses)
+        reopened = await self._conductor.setup.remote(
+            _STATE_ENCODER.encode(resume.state) if resume is not None else None,
+            resume.attempt if resume is not None else 0,
+        )
+        self._channels = {
+            "produced": RayChannel.create("produced", *pipe.produced_channel),
+            "ready": RayChannel.create("ready", *pipe.ready_channel),
+            "feedback": RayChannel.create("feedback", 1 << 20, None, item_type=Redo),
+        }
+        wiring = Wiring(
+            run=pipe.name, seed=pipe.seed, steps=pipe.steps, folder=str(folder.path), policy=pipe.staleness,
+            units_per_version=pipe.consumer.units_per_version, conductor=self._conductor, channels=self._channels,
+            store=opener, started_at=time.time(), log_format=self.log_format, faults=as_plan(pipe.faults),
+            checkpoint_every=pipe.checkpoint_every, checkpoint_keep=pipe.checkpoint_keep,
+            resume=resume.point() if resume is not None else None,
+        )
+        if resume is None:
+            return wiring, None
+        from pipeline.checkpoint import Reopened
 
-    async def _supervise(self, hosts, conductor, peers, wiring, progress) -> None:
-        failure: list[ActorFailed] = []
-        done = anyio.Event()
+        reopened = msgspec.msgpack.decode(reopened, type=Reopened)
+        resume.count(reopened)
+        await self._channels["feedback"].send_many(reopened.requests)
+        return wiring, ResumeFeeding(resume, wiring)
 
-        async def watch_producer(name: str, index: int) -> None:
-            host = hosts[name]
-            while True:
-                try:
-                    await host.run.remote()
-                    return
-                except ray.exceptions.RayActorError as exc:
-                    if done.is_set():
-                        return
-                    if self.restarts[name] >= self.max_restarts:
-                        failure.append(ActorFailed(name, "run", exc))
-                        done.set()
-                        return
-                    self.restarts[name] += 1
-                    freed = await conductor.worker_died.remote(name)
-                    get_logger("ray-runtime").warning(
-                        "producer died; restarting it", host=name, restart=self.restarts[name], freed_slots=freed
-                    )
-                    await self._when_back(host, peers)  # Ray restarts the process; rebuild its actor
-                    await host.start.remote()
-                    await hosts["consumer-0"].producer_restarted.remote(index)
-                except Exception as exc:  # the actor's own error: the run fails, naming it
-                    failure.append(ActorFailed(name, "run", exc))
-                    done.set()
-                    return
+    async def _start_hosts(self, pipe: Any, folder: RunFolder, wiring: Wiring) -> dict[str, list[Any]]:
+        """One host per actor, set up (the buffer first: it holds the store the others open as clients) and
+        started (the consumer last: it publishes version 0 to every producer). Returns the peers."""
+        tag = f"baton/{pipe.name}/{folder.path.name}"  # named, so operators (and tests) can find them
+        hosts = self._hosts
+        for i in range(pipe.producer.workers):
+            hosts[f"producer-{i}"] = StageHost.options(
+                name=f"{tag}/producer-{i}", max_restarts=self.max_restarts, max_task_retries=0
+            ).remote(pipe.producer, "producer", i, wiring)
+        hosts["buffer-0"] = StageHost.options(name=f"{tag}/buffer-0").remote(pipe.buffer, "buffer", 0, wiring)
+        hosts["consumer-0"] = StageHost.options(name=f"{tag}/consumer-0").remote(pipe.consumer, "consumer", 0, wiring)
+        producers = [h for n, h in hosts.items() if n.startswith("producer")]
+        peers = {"producer": producers, "buffer": [hosts["buffer-0"]]}
+        await hosts["buffer-0"].setup.remote(peers)
+        await asyncio.gather(*(h.setup.remote(peers) for n, h in hosts.items() if n != "buffer-0"))
+        await asyncio.gather(*(h.start.remote() for h in producers))
+        await hosts["buffer-0"].start.remote()
+        await hosts["consumer-0"].start.remote()
+        return peers
 
-        async def watch(name: str, ends_run: bool) -> None:
-            try:
-                await hosts[name].run.remote()
-                if ends_run:
-                    done.set()
-            except Exception as exc:
-                if not done.is_set():
-                    failure.append(ActorFailed(name, "run", exc))
-                    done.set()
-
-        async def feed() -> None:
-            try:
-                await self._feeder.run()
-            except Exception as exc:
-                failure.append(ActorFailed("resume", "run", exc))
-                done.set()
-
-        async def show() -> None:
-            while True:
-                version = await conductor.current.remote()
-                progress.update(
-                    version=f"{version}/{self.pipeline.steps}",
-                    **self.pipeline.consumer.progress(RunFolder(wiring.folder).latest_metrics()),
-                )
-                await anyio.sleep(0.5)
-
-        async def watch_for_hangs() -> None:
-            from pipeline.runtime.ray_watchdog import ray_watchdog
-            from pipeline.watchdog import PipelineHung
-
-            dog = ray_watchdog(
-                self.watchdog, conductor, wiring.channels, hosts, run=self.pipeline.name,
-                folder=RunFolder(wiring.folder),
+    async def _finish(self, started_at: float) -> None:
+        """Keep the conductor's report (also when the run failed: its ledger is written all the same), then
+        stop and kill every actor of the run."""
+        if self._conductor is not None:
+            final = msgspec.msgpack.decode(await self._conductor.report.remote())
+            self.report = RunReport(
+                final["version"], final["counts"], not final["violations"], final["ledger_json"], started_at,
+                extra={"runtime": "ray", "restarts": dict(self.restarts), "checkpoint_pause_s": final["frozen_s"]},
             )
-            try:
-                await dog.run()
-            except PipelineHung as hung:  # raised as it is, like the local runtime's
-                failure.append(hung)
-                done.set()
-
-        async with anyio.create_task_group() as tg:
-            for i in range(len(peers["producer"])):
-                tg.start_soon(watch_producer, f"producer-{i}", i)
-            tg.start_soon(watch, "buffer-0", False)
-            tg.start_soon(watch, "consumer-0", True)
-            tg.start_soon(show)
-            if self._feeder is not None:
-                tg.start_soon(feed)
-            if self.watchdog is not None and self.watchdog.enabled:
-                tg.start_soon(watch_for_hangs)
-            await done.wait()
-            tg.cancel_scope.cancel()
-        if failure:
-            raise failure[0]
-
-    async def _teardown(self, hosts, channels, conductor) -> None:
-        for host in hosts.values():
+        for host in self._hosts.values():
             try:
                 with anyio.move_on_after(15):
                     await host.stop.remote()
             except Exception:  # a dead host has nothing to stop
                 pass
-        for host in hosts.values():
+        for host in self._hosts.values():
             ray.kill(host)
-        for channel in channels.values():
+        for channel in self._channels.values():
             channel.kill()
-        if conductor is not None:
-            ray.kill(conductor)
+        if self._conductor is not None:
+            ray.kill(self._conductor)
+
+    async def _pids(self) -> dict[str, int]:
+        hosts = self._hosts
+        return dict(zip(hosts, await asyncio.gather(*(h.pid.remote() for h in hosts.values())), strict=True))
 
 
 @dataclass
-class _ResumeFeeding:
+class Supervision:
+    """Watches every host of a Ray run until the consumer returns: restarts a dead producer (freeing its
+    admission slots, re-sending it the latest weights), fails the run on any other death, and runs the
+    progress line, a resumed run's feeder and the hang watch beside them."""
+
+    run_: RayRun
+    pipe: Any
+    wiring: Wiring
+    peers: dict[str, list[Any]]
+    progress: Any
+    feeder: ResumeFeeding | None
+    failure: list[BaseException] = field(default_factory=list)
+
+    async def run(self) -> None:
+        self.done = anyio.Event()
+        async with anyio.create_task_group() as tg:
+            for i in range(len(self.peers["producer"])):
+                tg.start_soon(self.watch_producer, i)
+            tg.start_soon(self.watch, "buffer-0", False)
+            tg.start_soon(self.watch, "consumer-0", True)
+            tg.start_soon(self.show_progress)
+            if self.feeder is not None:
+                tg.start_soon(self.guard, "resume", self.feeder.run)
+            if self.run_.watchdog is not None and self.run_.watchdog.enabled:
+                tg.start_soon(self.watch_for_hangs)
+            await self.done.wait()
+            tg.cancel_scope.cancel()
+        if self.failure:
+            raise self.failure[0]
+
+    def fail(self, error: BaseException) -> None:
+        if not self.done.is_set():
+            self.failure.append(error)
+            self.done.set()
+
+    async def watch(self, name: str, ends_run: bool) -> None:
+        await self.guard(name, self.run_._hosts[name].run.remote)
+        if ends_run:
+            self.done.set()
+
+    async def guard(self, name: str, work: Any) -> None:
+        try:
+            await work()
+        except Exception as exc:
+            self.fail(ActorFailed(name, "run", exc))
+
+    async def watch_producer(self, index: int) -> None:
+        name = f"producer-{index}"
+        host, run = self.run_._hosts[name], self.run_
+        while True:
+            try:
+                await host.run.remote()
+                return
+            except ray.exceptions.RayActorError as exc:
+                if self.done.is_set():
+                    return
+                if run.restarts[name] >= run.max_restarts:
+                    return self.fail(ActorFailed(name, "run", exc))
+                await self.restart_producer(name, index, exc)
+            except Exception as exc:  # the actor's own error: the run fails, naming it
+                return self.fail(ActorFailed(name, "run", exc))
+
+    async def restart_producer(self, name: str, index: int, exc: BaseException) -> None:
+        run = self.run_
+        run.restarts[name] += 1
+        freed = await self.wiring.conductor.worker_died.remote(name)
+        get_logger("ray-runtime").warning(
+            "producer died; restarting it", host=name, restart=run.restarts[name], freed_slots=freed, error=str(exc)
+        )
+        host = run._hosts[name]
+        await _when_back(host, self.peers)  # Ray restarts the process; rebuild its actor
+        await host.start.remote()
+        await run._hosts["consumer-0"].producer_restarted.remote(index)
+
+    async def show_progress(self) -> None:
+        while True:
+            version = await self.wiring.conductor.current.remote()
+            self.progress.update(
+                version=f"{version}/{self.pipe.steps}",
+                **self.pipe.consumer.progress(RunFolder(self.wiring.folder).latest_metrics()),
+            )
+            await anyio.sleep(0.5)
+
+    async def watch_for_hangs(self) -> None:
+        from pipeline.runtime.ray_watchdog import ray_watchdog
+        from pipeline.watchdog import PipelineHung
+
+        dog = ray_watchdog(
+            self.run_.watchdog, self.wiring.conductor, self.wiring.channels, self.run_._hosts, run=self.pipe.name,
+            folder=RunFolder(self.wiring.folder),
+        )
+        try:
+            await dog.run()
+        except PipelineHung as hung:  # raised as it is, like the local runtime's
+            self.fail(hung)
+
+
+async def _when_back(host: Any, peers: dict[str, list[Any]], timeout_s: float = 120.0) -> None:
+    """Set a restarted host up again, waiting while Ray still reports it as restarting."""
+    async for attempt in AsyncRetrying(
+        retry=retry_if_exception_type(ray.exceptions.ActorUnavailableError),
+        wait=wait_exponential(multiplier=0.1, max=2.0),
+        stop=stop_after_delay(timeout_s),
+        reraise=True,
+    ):
+        with attempt:
+            await host.setup.remote(peers)
+
+
+@dataclass
+class ResumeFeeding:
     """A resumed run's `pipeline.checkpoint.ResumeFeeder`, in the driver: it re-sends the checkpoint's
     refs whose payload the store still holds and regenerates the others, through the conductor."""
 
@@ -580,7 +604,6 @@ class _ResumeFeeding:
     wiring: Wiring
 
     async def run(self) -> None:
-        from buffers.store import open_store
         from pipeline.checkpoint import ResumeFeeder
 
         w = self.wiring
@@ -589,12 +612,12 @@ class _ResumeFeeding:
             ledger=RemoteLedger(w.conductor, "resume"), gate=RemoteGate(w.conductor, w.units_per_version, "resume"),
             policy=w.policy, feedback=w.channels["feedback"], folder=RunFolder(w.folder),
             channels={k: v for k, v in w.channels.items() if k != "feedback"}, started_at=w.started_at,
+            services=Services(store=w.store.open(holder=False, faults=None)),
         )
-        store = ctx.services["store"] = open_store(w.store, holder=False)
         try:
             await ResumeFeeder(self.resumed, ctx, w.channels["produced"]).run()
         finally:
-            await store.close()
+            await ctx.services.store.close()
 
 
 _STATE_ENCODER = msgspec.msgpack.Encoder()

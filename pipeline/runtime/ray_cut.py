@@ -39,18 +39,10 @@ from typing import Any
 import anyio
 import msgspec
 
-from pipeline.checkpoint import (
-    CheckpointError,
-    CheckpointingConsumer,
-    CutFailed,
-    GateCounts,
-    HeldRef,
-    RandomState,
-    RunState,
-    owed_sources,
-)
-from pipeline.context import Redo
+from pipeline.checkpoint import CheckpointError, CutFailed, GateCounts, RandomState, RunState, owed_sources
+from pipeline.contracts import CheckpointedProducer, CheckpointingConsumer, RefHolder
 from pipeline.ledger import Ledger, LedgerState
+from pipeline.refs import HeldRef, Redo
 
 
 class FrozenRun(msgspec.Struct, frozen=True, kw_only=True):
@@ -74,13 +66,13 @@ class HostHeld(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def held_by(actor: Any) -> bytes:
-    """What `actor` holds (its optional `held_refs`, `held_sources`, `recording`), msgpack-encoded."""
-    return msgspec.msgpack.encode(HostHeld(
-        refs=list(getattr(actor, "held_refs", list)()),
-        generating=list(getattr(actor, "held_sources", list)()),
-        recording=list(getattr(actor, "recording", list)()),
-        rngs={actor.name: actor.rng_state()} if hasattr(actor, "rng_state") else {},
-    ))
+    """What `actor` holds for a cut (`pipeline.contracts`: a producer's state, or any held refs), msgpack-encoded."""
+    if isinstance(actor, CheckpointedProducer):
+        return msgspec.msgpack.encode(HostHeld(
+            refs=actor.held_refs(), generating=actor.held_sources(), recording=actor.recording(),
+            rngs={actor.name: actor.rng_state()},
+        ))
+    return msgspec.msgpack.encode(HostHeld(refs=actor.held_refs() if isinstance(actor, RefHolder) else []))
 
 
 class Freezer:

@@ -1,0 +1,215 @@
+"""Every contract between the runtime and the stages, in one file.
+
+Read this to know every method a stage may implement and every call it may make on the run. The
+runtimes (`pipeline.runtime.local`, `pipeline.runtime.ray`) rely on nothing else: no string keys, no
+`hasattr` probes. Capabilities a stage offers are `runtime_checkable` Protocols, so a runtime asks
+`isinstance(actor, RefHolder)` where an actor may or may not hold something.
+
+What the run offers each stage, through its `RunContext` (`pipeline.context`):
+  `Clock`, `Gate`, `LedgerClient`, the `VersionPolicy`, channels, and this process's `Services`.
+What a stage offers the run:
+  `Stage` (every stage), `Producer` (how many workers, each its own process on Ray), `Buffer` (opens
+  the run's object store), `Consumer` (ends the run, summarises it), and, per actor, `RefHolder`,
+  `CheckpointedProducer`, `CheckpointingConsumer` for checkpoint cuts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from pipeline.refs import HeldRef, Produced
+
+if TYPE_CHECKING:  # annotations only
+    from pipeline.actor import Actor
+    from pipeline.context import RunContext
+    from pipeline.faults import FaultPlan
+    from pipeline.telemetry import Panel
+
+# -- what the run offers the stages ------------------------------------------------------------------
+
+
+class VersionPolicy(Protocol):
+    """What the pipeline needs of a staleness policy (see policies.staleness)."""
+
+    @property
+    def bound(self) -> int: ...
+
+    def admit(self, version: int, started: int, discarded: int, groups_per_step: int) -> bool: ...
+
+    def accept(self, learner_version: int, oldest_version: int) -> str:
+        """"train" | "drop" | "requeue" for a unit whose oldest token has `oldest_version`."""
+        ...
+
+    def interrupt(self, oldest_version: int, new_version: int) -> str:
+        """"continue" | "restart": for work in flight when `new_version` reaches its worker."""
+        ...
+
+
+class Clock(Protocol):
+    """The run's version clock; the consumer alone advances it."""
+
+    async def current(self) -> int: ...
+
+    async def advance_to(self, version: int) -> None: ...
+
+    async def wait_change(self, seen: int) -> int: ...
+
+    async def wait_until(self, version: int) -> int: ...
+
+
+class Gate(Protocol):
+    """The admission gate: producers start a unit only after acquiring it."""
+
+    units_per_version: int
+
+    async def acquire_many(self, max_units: int) -> int:
+        """Wait for at least one unit, take up to `max_units`; returns how many were taken."""
+        ...
+
+    async def discard(self, units: int) -> None: ...
+
+    async def replayed(self, units: int) -> None:
+        """The consumer took `units` already-consumed units again (see `AdmissionGate.replayed`)."""
+        ...
+
+
+class LedgerClient(Protocol):
+    """The run's ledger: every item's fate."""
+
+    async def produced(self, groups: list[Produced]) -> None: ...
+
+    async def take_source(self, group: str) -> bytes: ...
+
+    async def trained(self, ids: list[str], at_version: int) -> None: ...
+
+    async def finished(self, fate: str, ids: list[str], reason: str) -> None:
+        """fate: "dropped" | "lost" | "regenerated"."""
+        ...
+
+    async def take_settled(self) -> dict[str, dict[str, list[float]]]:
+        """{outcome: {name: values}} of the items settled since the last call (see `Ledger.take_settled`)."""
+        ...
+
+
+Mailbox = Callable[[bytes, Any], Awaitable[bytes | None]]
+"""A message handler a stage registers in its process: `await handler(header, blob)` -> reply or None."""
+
+
+class Peer(Protocol):
+    """Another process of the run (Ray runtime), reached through its mailboxes. A dead or restarting
+    peer misses the message (False / None) instead of failing the sender."""
+
+    async def deliver(self, box: str, header: bytes, blob: Any) -> bool: ...
+
+    async def ask(self, box: str, header: bytes) -> bytes | None: ...
+
+
+@dataclass
+class Services:
+    """What stages in one process share with each other and with the runtime. One per process."""
+
+    store: Any = None  # this process's buffers.store.ObjectStore, opened by the runtime
+    faults: FaultPlan | None = None  # the bound fault plan (pipeline.faults); None: no fault planned
+    producers: list[Peer] = field(default_factory=list)  # producer processes (Ray runtime); empty locally
+    weight_receivers: list[Any] = field(default_factory=list)  # engines living in this process
+    mailboxes: dict[str, Mailbox] = field(default_factory=dict)  # handlers other processes reach by name
+    status: list[Callable[[], str]] = field(default_factory=list)  # one-line states for hang reports
+    on_producer_restart: Callable[[int], Awaitable[None]] | None = None  # a restarted producer process catches up
+
+
+# -- what a stage offers the run ---------------------------------------------------------------------
+
+
+@runtime_checkable
+class Stage(Protocol):
+    """A stage contributes actors. `inbox`/`outbox` are None where the stage has none."""
+
+    def actors(self, ctx: RunContext, inbox: Any, outbox: Any) -> Sequence[Actor]: ...
+
+
+@runtime_checkable
+class Producer(Stage, Protocol):
+    """The producer stage: `workers` actors, in that order; the Ray runtime gives each its own process."""
+
+    @property
+    def workers(self) -> int: ...
+
+
+class StoreOpener(Protocol):
+    """Opens the run's object store in the calling process; travels to every process of the run."""
+
+    def open(self, holder: bool, faults: FaultPlan | None) -> Any:
+        """The store (a buffers.store.ObjectStore); `holder`: this process keeps the data (the buffer's)."""
+        ...
+
+
+@runtime_checkable
+class Buffer(Stage, Protocol):
+    """The buffer stage: it owns the run's object store."""
+
+    def serve_store(self) -> AbstractContextManager[StoreOpener]:
+        """Start what the store needs for this run (e.g. a Mooncake master) for the `with` block."""
+        ...
+
+
+@runtime_checkable
+class Consumer(Stage, Protocol):
+    """The consumer stage: the run ends when it has taken `steps` versions."""
+
+    units_per_version: int
+    max_uses: int  # most times one item may be consumed (the ledger enforces it)
+
+    def summary(self, records: list[dict]) -> dict[str, Any]:
+        """Figures for the run summary, from the consumer's metric records."""
+        ...
+
+    def progress(self, last: dict | None) -> dict[str, Any]:
+        """Fields for the progress line, from the latest metric record."""
+        ...
+
+    def report_panels(self, records: list[dict]) -> list[Panel]: ...
+
+
+@runtime_checkable
+class RefHolder(Protocol):
+    """An actor that holds refs between channels (a buffer's index, a consumer's replay window)."""
+
+    name: str
+
+    def held_refs(self) -> list[HeldRef]: ...
+
+
+@runtime_checkable
+class CheckpointedProducer(RefHolder, Protocol):
+    """A producer actor's part of a checkpoint cut."""
+
+    def held_sources(self) -> list[bytes]:
+        """What it was asked to make and has not recorded as produced (the sources the ledger would get)."""
+        ...
+
+    def recording(self) -> list[tuple[str, bytes]]:
+        """(group, source) of the groups whose `produced` record is on its way to the ledger."""
+        ...
+
+    def rng_state(self) -> Any:
+        """Where its random stream stands (a `pipeline.checkpoint.RandomState`)."""
+        ...
+
+
+class CheckpointingConsumer(RefHolder, Protocol):
+    """What a consumer gives a checkpoint: the refs it holds and its own state."""
+
+    def write_state(self, folder: Path) -> None:
+        """Write everything needed to continue into `folder` (runs in a worker thread while the consumer
+        awaits the checkpoint, so its state does not change meanwhile)."""
+        ...
+
+
+__all__ = [
+    "Buffer", "CheckpointedProducer", "CheckpointingConsumer", "Clock", "Consumer", "Gate", "LedgerClient", "Mailbox",
+    "Peer", "Producer", "RefHolder", "Services", "Stage", "StoreOpener", "VersionPolicy",
+]
