@@ -6,7 +6,7 @@
     baton mooncake-master [--port N]           run a mooncake_master on 127.0.0.1 until interrupted
     baton simulate CONFIG [--engines N] [--learners M] [--steps S] [--set k=v ...]
                    [--calibrate RUN_DIR] [--sweep engines=1,2,4,8 k=0,1,2,4]
-                                               the pipeline in virtual time with cost models (stages.simulate):
+                                               the pipeline in virtual time with cost models (baton.simulate):
                                                a table, a run folder with a plot, one JSON line
     baton faults CONFIG [--kinds a,b] [--seeds N] [--set k=v]
                                                the fault matrix: a table, then one JSON line of totals;
@@ -22,7 +22,7 @@ import json
 import os
 import sys
 
-from pipeline.config import ConfigError, load_toml, validate
+from baton.config import ConfigError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -95,22 +95,17 @@ def run_mooncake_master(port: int | None, lease_ttl_ms: int) -> int:
 def run_fault_matrix(config: str, kinds: str | None, seeds: int, overrides: list[str]) -> int:
     """`baton faults`: each fault kind x seed on `config`; the table, then one JSON line of totals."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from baton import fault_matrix
+    from baton.schema import load_run_config
     from pipeline.telemetry import configure_logging
-    from stages import fault_matrix
 
     try:
-        cfg = load_config(config, overrides)  # the base config must be valid before any run starts
+        cfg = load_run_config(config, overrides)  # the base config must be valid before any run starts
     except ConfigError as exc:
         print(f"baton: {exc}", file=sys.stderr)
         return 2
     configure_logging(cfg.telemetry.log_format, cfg.telemetry.log_level)
     return fault_matrix.main(config, kinds, seeds, overrides)
-
-
-def load_config(path: str, overrides: list[str]):
-    from stages.config import RunConfig
-
-    return validate(RunConfig, load_toml(path, overrides), source=path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "faults":
         return run_fault_matrix(args.config, args.kinds, args.seeds, args.overrides)
     if args.command == "simulate":
-        from stages import simulate
+        from baton import simulate
 
         for flag in ("engines", "learners", "steps"):
             value = getattr(args, flag)
@@ -133,8 +128,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.config is None and resume is None:
         print("baton: run needs a CONFIG, or --resume RUN_DIR", file=sys.stderr)
         return 2
+    from baton.schema import load_run_config
+
     try:
-        cfg = load_config(args.config or os.path.join(resume, "config.toml"), args.overrides)
+        cfg = load_run_config(args.config or os.path.join(resume, "config.toml"), args.overrides)
     except ConfigError as exc:
         print(f"baton: {exc}", file=sys.stderr)
         return 2
@@ -143,10 +140,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from baton.builder import build_pipeline
     from pipeline.actor import ActorFailed
     from pipeline.checkpoint import CheckpointError, latest_checkpoint, read_state
     from pipeline.telemetry import configure_logging, get_logger
-    from stages.config import build_pipeline
 
     configure_logging(cfg.telemetry.log_format, cfg.telemetry.log_level)
     try:

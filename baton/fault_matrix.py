@@ -30,8 +30,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from baton.config import apply_override, load_toml, validate
 from pipeline.actor import ActorFailed, innermost
-from pipeline.config import apply_override, load_toml, validate
 from pipeline.faults import FAULT_KINDS, FaultPlan, FaultSpec, LearnerCrashed, read_events
 from pipeline.telemetry import RunFolder, get_logger
 
@@ -192,7 +192,8 @@ def run_one(
     config: str, kind: str, seed: int, root: Path, overrides: Sequence[str] = (), base: dict | None = None
 ) -> RunOutcome:
     """One run of `config` with fault `kind` planned, judged (see the module docstring)."""
-    from stages.config import RunConfig, build_pipeline
+    from baton.builder import build_pipeline
+    from baton.schema import RunConfig
 
     data = base if base is not None else load_toml(config, overrides)
     own = {f["kind"]: f for f in data.get("faults", [])}
