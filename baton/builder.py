@@ -16,19 +16,9 @@ from typing import Any
 
 import torch
 
+from baton import schema
 from baton.config import resolve
-from baton.schema import (
-    MaxStalenessSpec,
-    ModelSpec,
-    MooncakeStoreSpec,
-    PluginSpec,
-    RayStoreSpec,
-    ReverseDigitsSpec,
-    RunConfig,
-    SGLangEngineSpec,
-    WeightsSpec,
-    default_of,
-)
+from baton.schema import PluginSpec, RunConfig, default_of
 from buffers import MemoryStore, ReplayBuffer
 from buffers.mooncake import MooncakeSettings, MooncakeStore
 from buffers.mooncake import MooncakeStoreSpec as MooncakeOpener
@@ -48,7 +38,7 @@ from stages.tasks import Addition, ReverseDigits
 from stages.weights import TRANSPORTS
 from stages.weights.base import WeightTransport
 
-# the WeightsSpec keys each transport takes (as its constructor's keywords); one not named here is made
+# the schema.WeightsSpec keys each transport takes (as its constructor's keywords); one not named here is made
 # by the learner from its name alone, in the learner's process
 TRANSPORT_OPTIONS: dict[str, tuple[str, ...]] = {
     "mooncake_p2p": ("protocol", "device", "bucket_bytes", "pace_bytes_per_s", "retries"),
@@ -58,8 +48,7 @@ TRANSPORT_OPTIONS: dict[str, tuple[str, ...]] = {
 SAMPLING_KEYS = ("batch_groups", "temperature", "top_p")  # engine-section keys the rollout stage takes
 
 
-# ------------------------------------------------------------------------------------------ tasks
-def reverse_digits(spec: ReverseDigitsSpec, cfg: RunConfig) -> ReverseDigits:
+def reverse_digits(spec: schema.ReverseDigitsSpec, cfg: RunConfig) -> ReverseDigits:
     return ReverseDigits(digits=spec.digits)
 
 
@@ -67,12 +56,11 @@ def addition(spec: Any, cfg: RunConfig) -> Addition:
     return Addition()
 
 
-# ---------------------------------------------------------------------------------------- engines
 def torch_engine(spec: Any, cfg: RunConfig, *, model: Path, index: int) -> TorchEngine:
     return TorchEngine(model, name=f"torch-{index}", seed=cfg.seed + index)
 
 
-def sglang_engine(spec: SGLangEngineSpec, cfg: RunConfig, *, model: Path, index: int) -> SGLangEngine:
+def sglang_engine(spec: schema.SGLangEngineSpec, cfg: RunConfig, *, model: Path, index: int) -> SGLangEngine:
     return SGLangEngine(
         model, name=f"sglang-{index}", url=spec.urls[index] if spec.urls else None, python=spec.python,
         dtype=spec.dtype, device=spec.device, threads=spec.threads, max_total_tokens=spec.max_total_tokens,
@@ -81,12 +69,11 @@ def sglang_engine(spec: SGLangEngineSpec, cfg: RunConfig, *, model: Path, index:
     )
 
 
-# ----------------------------------------------------------------------------------------- stores
 def memory_store(spec: Any, cfg: RunConfig) -> MemoryStore:
     return MemoryStore(capacity_bytes=spec.capacity)
 
 
-def mooncake_store(spec: MooncakeStoreSpec, cfg: RunConfig) -> MooncakeStore | MooncakeOpener:
+def mooncake_store(spec: schema.MooncakeStoreSpec, cfg: RunConfig) -> MooncakeStore | MooncakeOpener:
     """Locally, the store itself; on Ray, an opener: each process opens its own client (the buffer's holds
     the segment)."""
     settings = MooncakeSettings(
@@ -98,13 +85,12 @@ def mooncake_store(spec: MooncakeStoreSpec, cfg: RunConfig) -> MooncakeStore | M
     return MooncakeStore.open(settings, master=spec.master)
 
 
-def ray_store(spec: RayStoreSpec, cfg: RunConfig) -> RayStoreOpener:
+def ray_store(spec: schema.RayStoreSpec, cfg: RunConfig) -> RayStoreOpener:
     """One index per run, so runs sharing a cluster never mix keys."""
     capacity = int(spec.capacity) if spec.capacity else None
     return RayStoreOpener(name=f"ray-{cfg.name}-{uuid.uuid4().hex[:8]}", capacity_bytes=capacity)
 
 
-# ------------------------------------------------------------------------------- learner, policies
 def grpo_learner(spec: Any, cfg: RunConfig, *, model: Path) -> GRPOLearner:
     return GRPOLearner(
         model, lr=spec.lr, groups_per_step=spec.groups_per_step, clip_eps=spec.clip_eps,
@@ -116,11 +102,11 @@ def grpo_learner(spec: Any, cfg: RunConfig, *, model: Path) -> GRPOLearner:
     )
 
 
-def max_staleness(spec: MaxStalenessSpec, cfg: RunConfig) -> MaxStaleness:
-    return MaxStaleness(k=spec.k, on_stale=spec.on_stale, max_span=spec.max_span, admission=spec.admission)
+def max_staleness(spec: schema.MaxStalenessSpec, cfg: RunConfig) -> MaxStaleness:
+    return MaxStaleness(**spec.model_dump(exclude={"kind"}))  # the spec mirrors the class, key for key
 
 
-def weight_transport(spec: WeightsSpec, cfg: RunConfig) -> WeightTransport | str:
+def weight_transport(spec: schema.WeightsSpec, cfg: RunConfig) -> WeightTransport | str:
     """The transport with its config keys, or its name when it takes none (the learner makes it then)."""
     values = {"protocol": spec.protocol, "device": spec.device, "bucket_bytes": int(spec.bucket_bytes),
               "pace_bytes_per_s": float(spec.pace) if spec.pace else None, "retries": spec.retries, "root": spec.root}
@@ -132,8 +118,7 @@ def weight_transport(spec: WeightsSpec, cfg: RunConfig) -> WeightTransport | str
 
 
 def make_correction(cfg: RunConfig) -> Correction:
-    c = cfg.correction
-    return Correction(kind=c.kind, tis_cap=c.tis_cap, decoupled_cap=c.decoupled_cap)
+    return Correction(**cfg.correction.model_dump())
 
 
 def make_selection_policy(cfg: RunConfig) -> Selection:
@@ -142,7 +127,6 @@ def make_selection_policy(cfg: RunConfig) -> Selection:
                           max_filtered_batches=r.max_filtered_batches, seed=cfg.seed)
 
 
-# ------------------------------------------------------------------------------------ the registry
 KINDS: dict[str, dict[str, Callable[..., Any]]] = {
     "task": {"reverse-digits": reverse_digits, "addition": addition},
     "engine": {"torch": torch_engine, "sglang": sglang_engine},
@@ -162,8 +146,7 @@ def make_part(part: str, cfg: RunConfig, **context: Any) -> Any:
     return KINDS[part][spec.kind](spec, cfg, **context)
 
 
-# ------------------------------------------------------------------------------- the other parts
-def make_model(spec: ModelSpec) -> Path:
+def make_model(spec: schema.ModelSpec) -> Path:
     """The model folder: a tiny random-init model made there when `create` (reused when present)."""
     if not spec.create:
         return Path(spec.path)
@@ -203,7 +186,7 @@ def build_pipeline(cfg: RunConfig) -> Pipeline:
         ready_channel=(cfg.buffer.ready_channel, int(cfg.buffer.ready_bytes)),
         progress=cfg.telemetry.progress, ray_address=cfg.ray.address,
         checkpoint_every=cfg.checkpoint.every, checkpoint_keep=cfg.checkpoint.keep,
-        watchdog=WatchdogSettings(cfg.watchdog.warn_after_s, cfg.watchdog.fail_after_s, cfg.watchdog.poll_s),
+        watchdog=WatchdogSettings(**cfg.watchdog.model_dump()),
         faults=make_faults(cfg), config_text=cfg.resolved_toml(),
     )
 

@@ -25,6 +25,10 @@ import sys
 from baton.config import ConfigError
 
 
+def add_overrides(parser: argparse.ArgumentParser, help_text: str) -> None:
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=help_text)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="baton", description="fully-asynchronous RL rollout pipeline")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -39,16 +43,12 @@ def _parser() -> argparse.ArgumentParser:
                 "--resume", metavar="RUN_DIR", default=None,
                 help="continue the run in RUN_DIR from its latest checkpoint (needs checkpoint.every > 0)",
             )
-        p.add_argument(
-            "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-            help="override a config key, e.g. --set learner.lr=1e-3 (repeatable)",
-        )
+        add_overrides(p, "override a config key, e.g. --set learner.lr=1e-3 (repeatable)")
     f = sub.add_parser("faults", help="run the fault matrix on a config; exit 1 if any invariant breaks")
     f.add_argument("config", help="path to a TOML config, e.g. configs/faults.toml")
     f.add_argument("--kinds", default=None, help="comma-separated fault kinds (default: all of them)")
     f.add_argument("--seeds", type=int, default=3, help="seeds per fault kind: 0 .. N-1 (default 3)")
-    f.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key for every run (repeatable)")
+    add_overrides(f, "override a config key for every run (repeatable)")
     s = sub.add_parser("simulate", help="predict throughput, staleness and idle time in virtual time")
     s.add_argument("config", nargs="?", help="path to a TOML config (its [simulate] table declares costs); "
                    "default with --calibrate: RUN_DIR/config.toml")
@@ -60,8 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--sweep", nargs="+", default=None, metavar="KEY=V1,V2",
                    help="simulate every combination, e.g. --sweep engines=1,2,4,8 k=0,1,2,4 (keys: engines, k, "
                    "learners)")
-    s.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key, e.g. --set simulate.decode_tokens_per_s=3000 (repeatable)")
+    add_overrides(s, "override a config key, e.g. --set simulate.decode_tokens_per_s=3000 (repeatable)")
     m = sub.add_parser("mooncake-master", help="run a mooncake_master on 127.0.0.1 (prints its address)")
     m.add_argument("--port", type=int, default=None, help="RPC port (default: a free one)")
     m.add_argument("--lease-ttl-ms", type=int, default=500, help="read lease before a key can be removed")

@@ -1,26 +1,6 @@
-"""The run config: a TOML file that maps one to one onto the Python DSL.
-
-    name, seed, steps, mode ("async" | "sync"), runtime ("local"), run_root
-    [model]      path, create, hidden_size, layers, heads, kv_heads, seed
-    [task]       kind = "reverse-digits" | "addition" | "pkg.mod:Class" (+ its keys)
-    [engine]     kind = "torch" | "sglang" | "pkg.mod:Class", count, batch_groups, temperature, top_p
-                 (sglang: urls, python, dtype, device, threads, max_total_tokens, extra_args, update,
-                 pause_mode, max_restarts)
-    [rollout]    group_size
-    [store]      kind = "memory" (capacity) | "mooncake" (master, protocol, device, global_segment_size,
-                 local_buffer_size, chunk_bytes, replicas) | "pkg.mod:Class"
-    [buffer]     max_refs, max_bytes, produced_channel, produced_bytes, ready_channel, ready_bytes
-    [learner]    kind = "grpo", lr, groups_per_step, clip_eps, max_grad_norm, weight_decay, epochs, device
-    [staleness]  kind = "max-staleness", k, on_stale = "drop" | "requeue", max_span, admission = "pace" | "eager"
-    [correction] kind = "none" | "tis" | "decoupled", tis_cap, decoupled_cap
-    [replay]     max_reuse, selection = "fifo" | "freshest" | "uniform", drop_zero_signal, max_filtered_batches
-    [weights]    transport = "inproc" | "mooncake_p2p" (protocol, device, bucket_bytes, pace, retries)
-                 | "disk" (root, retries) | "delta" | "broadcast" (retries; runtime = "ray")
-    [telemetry]  log_format = "console" | "json", progress
-    [[faults]]   kind (pipeline.faults.FAULT_KINDS), at = [occurrences] | probability, seed, delay_s
-    [checkpoint] every (versions between checkpoints, 0: off), keep (checkpoints kept); both runtimes
-    [watchdog]   warn_after_s, fail_after_s (seconds without progress; 0: off), poll_s; both runtimes
-    [simulate]   costs and cluster shape for `baton simulate` (SimulateSpec here); not used by run
+"""The run config: a TOML file that maps one to one onto the Python DSL. One Section class per table
+([model], [task], [engine], ... [simulate]), RunConfig for the whole file; the README's "Config
+reference" lists every key. A `kind` key picks a built-in class or a "pkg.mod:Class" plug-in.
 
 Unknown keys and bad values fail validation, naming the key, the value and what is allowed. So does a
 config whose shape can break its own staleness bound (`policies.bounds`: queues that let groups age
@@ -534,15 +514,14 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _staleness_holds(self) -> RunConfig:
-        """The static check of `policies.bounds`: refuse a shape that can break the staleness bound."""
+        """The static check of `policies.bounds`: refuse a shape that can break the staleness bound. Runs after
+        _mode_sets_k (validators run in the order defined), so staleness.k is set."""
         from policies.bounds import PipelineShape, check
 
         if not isinstance(self.staleness, MaxStalenessSpec) or not isinstance(self.learner, GRPOSpec):
             return self  # plug-ins: their numbers mean what their authors say
-        k = self.staleness.k if self.staleness.k is not None else (
-            0 if self.mode == "sync" else default_of(MaxStaleness, "k"))
         problems = check(PipelineShape(
-            k=k, groups_per_step=self.learner.groups_per_step, engines=getattr(self.engine, "count", 1),
+            k=self.staleness.k, groups_per_step=self.learner.groups_per_step, engines=getattr(self.engine, "count", 1),
             batch_groups=getattr(self.engine, "batch_groups", 1), produced_channel=self.buffer.produced_channel,
             buffer_refs=self.buffer.max_refs, ready_channel=self.buffer.ready_channel,
             admission=self.staleness.admission, max_reuse=self.replay.max_reuse, epochs=self.learner.epochs,

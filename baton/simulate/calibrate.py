@@ -4,11 +4,14 @@ figures, which the simulation of the same config is compared against."""
 from __future__ import annotations
 
 import json
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
 from baton.config import ConfigError
+from baton.schema import default_of
 from baton.simulate.costs import RAY_HOP_S, MeasuredCosts
+from stages.learner import GRPOLearner
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -79,11 +82,11 @@ def calibrate(run_dir: str | Path, warmup: int = 10, learners: int = 1) -> Calib
     loads = sum(r.get("loads", 0) for r in window)
     get_s = (sum(r.get("load_s", 0.0) for r in window) / loads if loads
              else sum(c["put_s"] for c in steady_calls) / sum(c["groups"] for c in steady_calls))
-    config_text = (run / "config.toml").read_text()
-    runtime = "ray" if 'runtime = "ray"' in config_text else "local"
+    config = tomllib.loads((run / "config.toml").read_text())
+    runtime = config.get("runtime", "local")
     engines = len({c["engine"] for c in calls})
     summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").exists() else {}
-    gps = _groups_per_step(config_text)
+    gps = int(config.get("learner", {}).get("groups_per_step", default_of(GRPOLearner, "groups_per_step")))
     group_size = steady_calls[0].get("group_size", 1)
     samples = summary.get("samples", {}).get("trained", 0) / len(records) if summary else gps * group_size
     costs = MeasuredCosts(steady_calls, window, learners=learners, hop_s=RAY_HOP_S if runtime == "ray" else 0.0,
@@ -91,8 +94,3 @@ def calibrate(run_dir: str | Path, warmup: int = 10, learners: int = 1) -> Calib
     measured = steady_figures(records, round(samples), warmup, engines)
     return Calibration(run, costs, measured, engines, run / "config.toml")
 
-
-def _groups_per_step(config_text: str) -> int:
-    import tomllib
-
-    return int(tomllib.loads(config_text).get("learner", {}).get("groups_per_step", 16))
