@@ -38,7 +38,7 @@ from stages.tasks import Addition, ReverseDigits
 from stages.weights import TRANSPORTS
 from stages.weights.base import WeightTransport
 
-# the schema.WeightsSpec keys each transport takes (as its constructor's keywords); one not named here is made
+# the WeightsSpec keys each transport takes (as its constructor's keywords); one not named here is made
 # by the learner from its name alone, in the learner's process
 TRANSPORT_OPTIONS: dict[str, tuple[str, ...]] = {
     "mooncake_p2p": ("protocol", "device", "bucket_bytes", "pace_bytes_per_s", "retries"),
@@ -96,9 +96,8 @@ def grpo_learner(spec: Any, cfg: RunConfig, *, model: Path) -> GRPOLearner:
         model, lr=spec.lr, groups_per_step=spec.groups_per_step, clip_eps=spec.clip_eps,
         max_grad_norm=spec.max_grad_norm, weight_decay=spec.weight_decay, epochs=spec.epochs,
         temperature=getattr(cfg.engine, "temperature", default_of(GRPOLearner, "temperature")),
-        weights=make_part("weights", cfg),
-        device=spec.device, snapshot_every=cfg.weights.snapshot_every, correction=make_correction(cfg),
-        selection=make_selection_policy(cfg),
+        weights=make_part("weights", cfg), device=spec.device, snapshot_every=cfg.weights.snapshot_every,
+        correction=make_correction(cfg), selection=make_selection_policy(cfg),
     )
 
 
