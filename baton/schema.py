@@ -356,8 +356,7 @@ class WatchdogSpec(Section):
                                 description="log where every stage waits after this long without "
                                 "progress (and again each time as long again passes); 0: never")
     fail_after_s: float = Field(default_of(WatchdogSettings, "fail_after_s"), ge=0,
-                                description="fail the run with PipelineHung after this long without "
-                                "progress; 0: never")
+                                description="fail the run with PipelineHung after this long without progress; 0: never")
     poll_s: float = Field(default_of(WatchdogSettings, "poll_s"), gt=0, description="how often the watchdog looks")
 
     @model_validator(mode="after")
