@@ -38,7 +38,7 @@ def test_quickstart_on_mooncake_stops_its_master(tmp_path: Path) -> None:
     before = masters_running()
     sets = [f"run_root='{tmp_path}'", f"model.path='{tmp_path / 'model'}'", "steps=20"]
     proc = subprocess.run(
-        [sys.executable, "-m", "stages.cli", "run", str(ROOT / "configs" / "quickstart-mooncake.toml"),
+        [sys.executable, "-m", "baton.cli", "run", str(ROOT / "configs" / "quickstart-mooncake.toml"),
          *[x for s in sets for x in ("--set", s)]],
         capture_output=True, text=True, cwd=ROOT, timeout=240,
     )

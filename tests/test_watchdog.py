@@ -13,6 +13,7 @@ import pytest
 import structlog
 import torch
 
+from baton.schema import RunConfig
 from buffers.memory import MemoryStore
 from buffers.replay import ReplayBuffer
 from pipeline.channel import Channel
@@ -20,7 +21,6 @@ from pipeline.dsl import Pipeline
 from pipeline.faults import FaultSpec
 from pipeline.watchdog import Activity, HangReport, PipelineHung, Watchdog, WatchdogSettings
 from policies import MaxStaleness
-from stages.config import RunConfig
 from stages.engines.torch import TorchEngine
 from stages.learner import GRPOLearner
 from stages.model import make_tiny_model
@@ -224,7 +224,7 @@ def test_the_watchdog_warns_repeatedly_and_resets_when_progress_resumes() -> Non
 
 
 def test_watchdog_config_names_the_key_and_the_fix() -> None:
-    from pipeline.config import ConfigError, validate
+    from baton.config import ConfigError, validate
 
     with pytest.raises(ConfigError, match="watchdog.warn_after_s = 400 must be below watchdog.fail_after_s = 300"):
         validate(RunConfig, {"watchdog": {"warn_after_s": 400}}, source="test")
