@@ -174,7 +174,7 @@ async def test_p2p_push_is_bit_exact_in_every_engine_process(model, peers) -> No
                 got_version, rejected, got = await peer.state()
                 assert got_version == version and rejected == 0
                 assert got == digest(state)  # every byte of every parameter
-        assert transport.stats["bytes"] > 0 and transport.stats["retries"] == 0
+        assert transport.stats["bytes"] > 0 and transport.stats["refused"] == 0
     finally:
         await transport.close()
 
@@ -208,7 +208,7 @@ async def test_the_engine_runs_on_the_slot_and_the_live_slot_is_never_written(mo
             live_slots.append(receiver._live)
     finally:
         await transport.close()
-    assert live_slots == [0, 1, 0] and receiver.rejected == 0 and transport.stats["packed"] == 0
+    assert live_slots == [0, 1, 0] and receiver.rejected == 0 and transport.stats["copied"] == 0
 
 
 @pytest.mark.anyio

@@ -1,14 +1,16 @@
-"""The WeightTransport protocol: how a new weight version reaches the engines.
+"""The weight-transport contract: how a new weight version reaches the engines.
 
 `publish(version, tensors)` returns once every subscribed receiver holds the whole version
 (staged for the next decode step). A transport never delivers part of a version: a receiver
-either gets all named tensors of `version` or none. Versions published are strictly increasing.
-A receiver that refuses a version (damaged, or not its base) is retried and then raised as
-`WeightPushError`, never counted as delivered; a receiver whose process is unreachable is skipped
-and caught up by `resend()` once it is back, so one dead engine never stops the others.
+either gets all named tensors of `version` or none. Versions published are strictly increasing
+(a publish that raised published nothing). A receiver that refuses a version (damaged, or not
+its base) is retried and then raised as `WeightPushError`, never counted as delivered; a receiver
+whose process is unreachable is skipped and caught up by `resend()` once it is back, so one dead
+engine never stops the others.
 
-Engines in another process are reached as a `RemoteReceiver` (their host's `ask` mailboxes) and
-answer each version with an `ApplyReply`; every message is msgpack, validated on arrival.
+Engines in this process are `WeightReceiver`s; engines in another process are reached as an
+`Asker` (their host's `ask` mailboxes, see `remote_receiver`) and answer each version with an
+`ApplyReply`; every message is msgpack, validated on arrival.
 """
 
 from __future__ import annotations
@@ -22,25 +24,68 @@ import torch
 
 @runtime_checkable
 class WeightReceiver(Protocol):
+    """An engine in the learner's process."""
+
     name: str
 
     async def receive_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None: ...
 
 
 @runtime_checkable
-class WeightTransport(Protocol):
+class Asker(Protocol):
+    """A receiver reached by messages: `ask(box, header)` hands `header` to mailbox `box` and returns
+    the encoded reply, or None when the receiver's process does not answer (it is gone)."""
+
     name: str
 
-    def subscribe(self, receiver: WeightReceiver) -> None: ...
+    async def ask(self, box: str, header: bytes) -> bytes | None: ...
+
+
+@runtime_checkable
+class WeightTransport(Protocol):
+    """Everything the learner calls on a transport; `stats` has the keys of `new_stats()`."""
+
+    name: str
+    stats: dict[str, float]
+
+    def subscribe(self, receiver: WeightReceiver | Asker) -> None: ...
 
     def remote_receiver(self, peer: Any, name: str) -> Any:
         """A receiver to subscribe for the engines of another process, reached through `peer`
-        (`deliver`/`ask` into its mailboxes); it has `resend()` for when that process restarts."""
+        (`deliver`/`ask` into its mailboxes); its `resend()` calls this transport's `resend`."""
         ...
 
     async def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> None: ...
 
+    async def resend(self, receiver: Any) -> None:
+        """Catch one subscribed receiver up with the latest version (its process was restarted).
+        Best effort: a refused catch-up is counted (`deferred`) and left to the next `publish`."""
+        ...
+
     async def close(self) -> None: ...
+
+
+STATS = {
+    "versions": "versions published",
+    "state_bytes": "the published versions' own bytes, summed",
+    "bytes": "bytes sent, summed over receivers and over every attempt a receiver answered",
+    "seconds": "time spent in publish",
+    "copied": "versions sent from a copy (a file, a packed buffer, clones), not the learner's tensors",
+    "refused": "attempts that did not deliver (refused, or the link broke); retried, then raised",
+    "full_sends": "whole states sent in place of a partial version (the receiver lacked its base)",
+    "unreachable": "sends skipped because the receiver's process did not answer",
+    "resent": "catch-ups `resend` delivered",
+    "deferred": "catch-ups `resend` could not deliver (left to the next publish)",
+}
+
+
+def new_stats() -> dict[str, float]:
+    """A transport's counters: the keys of `STATS`, all zero; every transport counts them alike."""
+    return dict.fromkeys(STATS, 0)
+
+
+def state_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 class WeightPushError(RuntimeError):
@@ -63,7 +108,7 @@ class RemoteReceiver:
 
     peer: Any
     name: str
-    transport: Any
+    transport: WeightTransport
 
     async def ask(self, box: str, header: bytes) -> bytes | None:
         return await self.peer.ask(box, header)

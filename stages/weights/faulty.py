@@ -16,7 +16,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt,
 
 from pipeline.faults import FaultPlan, InjectedFault, Schedule
 from pipeline.telemetry import get_logger
-from stages.weights.base import WeightPushError
+from stages.weights.base import WeightPushError, WeightTransport
 
 
 class InjectedPushError(WeightPushError, InjectedFault):
@@ -26,7 +26,7 @@ class InjectedPushError(WeightPushError, InjectedFault):
 class FaultyTransport:
     """`transport` with weights.push_fail in `publish`; everything else is the transport's."""
 
-    def __init__(self, transport: Any, schedule: Schedule, retries: int = 2) -> None:
+    def __init__(self, transport: WeightTransport, schedule: Schedule, retries: int = 2) -> None:
         self.transport, self.schedule, self.retries = transport, schedule, retries
         self.name = transport.name
         self.log = get_logger("faults").bind(boundary="weights", transport=transport.name)
@@ -39,6 +39,9 @@ class FaultyTransport:
 
     def remote_receiver(self, peer: Any, name: str) -> Any:
         return self.transport.remote_receiver(peer, name)
+
+    async def resend(self, receiver: Any) -> None:
+        await self.transport.resend(receiver)
 
     async def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         async for attempt in AsyncRetrying(

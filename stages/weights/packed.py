@@ -7,7 +7,7 @@ pickle, and an engine never applies a damaged or partial version.
 
 `PackedWeightReceiver` is the learner's side of a receiver in another process: a WeightReceiver
 whose `receive_weights` packs the version and delivers it to the peer's mailbox "weights"; it
-keeps the latest version so a restarted peer catches up at once (`resend`).
+keeps the latest version so a restarted peer catches up at once (`resend`, through its transport).
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ def unpack(header: bytes, blob: np.ndarray) -> tuple[int, dict[str, torch.Tensor
 class PackedWeightReceiver:
     """A WeightReceiver for a peer process (any object with `async deliver(box, header, blob)`)."""
 
-    def __init__(self, peer: Any, name: str) -> None:
-        self.peer, self.name = peer, name
+    def __init__(self, peer: Any, name: str, transport: Any) -> None:
+        self.peer, self.name, self.transport = peer, name, transport
         self._latest: tuple[bytes, np.ndarray] | None = None
 
     async def receive_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
@@ -57,8 +57,14 @@ class PackedWeightReceiver:
         await self.peer.deliver(MAILBOX, *self._latest)
 
     async def resend(self) -> None:
-        if self._latest is not None:
-            await self.peer.deliver(MAILBOX, *self._latest)
+        await self.transport.resend(self)
+
+    async def deliver_latest(self) -> bool:
+        """Deliver the latest version again; False when there is none yet."""
+        if self._latest is None:
+            return False
+        await self.peer.deliver(MAILBOX, *self._latest)
+        return True
 
 
 def mailbox_for(engines: list[Any]):
