@@ -34,16 +34,9 @@ def engine_mailboxes(engines: list[Any]) -> dict[str, Any]:
     """The mailbox handlers an engine process registers: packed versions through Ray, TransferEngine
     slots (started lazily, on the learner's first hello), safetensors notices, deltas and broadcast
     groups (formed on the learner's first join)."""
-    from stages.weights.broadcast import BroadcastReceiver
-    from stages.weights.delta import DeltaReceiver
-    from stages.weights.disk import DiskReceiver
-    from stages.weights.mooncake_p2p import SlotReceiver
-    from stages.weights.packed import MAILBOX, mailbox_for
+    from stages.weights import broadcast, delta, disk, mooncake_p2p, packed
 
-    return {
-        MAILBOX: mailbox_for(engines),
-        **SlotReceiver(engines).handlers(),
-        **DiskReceiver(engines).handlers(),
-        **DeltaReceiver(engines).handlers(),
-        **BroadcastReceiver(engines).handlers(),
+    receivers = (mooncake_p2p.SlotReceiver, disk.DiskReceiver, delta.DeltaReceiver, broadcast.BroadcastReceiver)
+    return {packed.MAILBOX: packed.mailbox_for(engines)} | {
+        box: handler for receiver in receivers for box, handler in receiver(engines).handlers().items()
     }

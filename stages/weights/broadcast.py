@@ -6,10 +6,10 @@ learner's first hello through the process's mailbox), so one dead engine can onl
 group, never hang the others; every collective has a timeout (`timeout_s`). A version is announced
 with a msgpack `Announce` (names, dtypes, shapes, an xxh3 checksum of all the bytes); the engine
 receives the tensors, recomputes the checksum and applies the version only if it matches, then
-replies. A refused version is sent again (`retries`), then raised as `WeightPushError`; an engine
-that cannot be reached (or whose group broke) is skipped and caught up with a fresh group on
-restart. SGLang servers take this same path through their own `update_weights_from_distributed`
-(`engine.update = "distributed"`); this module is for engine processes baton runs.
+replies (retries, unreachable engines and catch-ups: `PushTransport`; a restarted engine gets
+a fresh group). SGLang servers take this same path through their own
+`update_weights_from_distributed` (`engine.update = "distributed"`); this module is for engine
+processes baton runs.
 """
 
 from __future__ import annotations
@@ -23,11 +23,10 @@ import msgspec
 import torch
 
 from pipeline.net import free_port
-from stages.weights.base import ApplyReply, EngineReceiver, state_bytes
+from stages.weights.base import ApplyReply, EngineReceiver, LinkBroken, PushTransport, Target, state_bytes
 from stages.weights.delta import state_checksum
 from stages.weights.groups import pair_group
 from stages.weights.layout import DTYPES
-from stages.weights.push import LinkBroken, PushTransport, Target
 
 JOIN, RECEIVE = "weights.broadcast.join", "weights.broadcast.receive"
 
@@ -120,24 +119,36 @@ class BroadcastTransport(PushTransport):
         raise TypeError("the broadcast transport reaches engine processes; in-process engines use 'inproc'")
 
     async def stage(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
-        self._latest = {n: t.detach().clone() for n, t in tensors.items()}
-        names = tuple(self._latest)
-        self._announce = Announce(
-            version,
-            names,
-            tuple(str(self._latest[n].dtype) for n in names),
-            tuple(tuple(self._latest[n].shape) for n in names),
-            state_checksum(self._latest),
-        )
+        latest = self._latest = {n: t.detach().clone() for n, t in tensors.items()}
+        dtypes, shapes = tuple(str(t.dtype) for t in latest.values()), tuple(tuple(t.shape) for t in latest.values())
+        self._announce = Announce(version, tuple(latest), dtypes, shapes, state_checksum(latest))
         self.stats["copied"] += 1
 
     async def send(self, member: _Member, attempt: int) -> tuple[bytes | None, int]:
+        """Announce the version and broadcast its tensors into the member's group (formed first if
+        need be); a group that breaks mid-send is `LinkBroken`, and the next attempt forms a new one."""
         if member.group is None and not await self._join(member):
             return None, 0
         outgoing = {n: t.contiguous() for n, t in self._latest.items()}
         if self.before_send is not None:
             outgoing = self.before_send(outgoing, attempt)
-        return await self._send_once(member, outgoing), state_bytes(outgoing)
+        group, announce, answered = member.group, self._announce, []
+
+        async def ask() -> None:
+            answered.append(await member.asker.ask(RECEIVE, msgspec.msgpack.encode(announce)))
+
+        def send_all() -> None:
+            for name in announce.names:
+                torch.distributed.broadcast(outgoing[name], src=0, group=group)
+
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(ask)
+                await anyio.to_thread.run_sync(send_all)
+        except* RuntimeError as group_error:
+            member.group = None
+            raise LinkBroken(str(group_error.exceptions[0])) from None
+        return answered[0], state_bytes(outgoing)
 
     async def close(self) -> None:
         for member in self._targets:
@@ -169,29 +180,3 @@ class BroadcastTransport(PushTransport):
             except RuntimeError:
                 member.group = None
         return member.group is not None and bool(answered) and answered[0] is not None
-
-    async def _send_once(self, member: _Member, outgoing: dict[str, torch.Tensor]) -> bytes | None:
-        """One announce + broadcast; the engine's reply (None: unreachable). Raises `LinkBroken`
-        (and forgets the group: the next attempt forms a new one) when the group breaks mid-send."""
-        answered: list[bytes | None] = []
-        group, announce = member.group, self._announce
-        assert announce is not None
-
-        async def ask() -> None:
-            answered.append(await member.asker.ask(RECEIVE, msgspec.msgpack.encode(announce)))
-
-        def send_all() -> None:
-            for name in announce.names:
-                torch.distributed.broadcast(outgoing[name], src=0, group=group)
-
-        broken = ""
-        try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(ask)
-                await anyio.to_thread.run_sync(send_all)
-        except* RuntimeError as group_error:
-            broken = str(group_error.exceptions[0])
-        if broken:
-            member.group = None
-            raise LinkBroken(broken)
-        return answered[0]

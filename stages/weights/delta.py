@@ -23,9 +23,9 @@ import numpy as np
 import torch
 import xxhash
 
-from stages.weights.base import EngineReceiver
-from stages.weights.layout import LayoutError, bad_buckets, decode_layout, encode_layout, fill, plan, views
-from stages.weights.push import PushTransport, Target
+from stages.weights.base import EngineReceiver, PushTransport, Target
+from stages.weights.layout import LayoutError
+from stages.weights.packed import pack, unpack
 
 DELTA = "weights.delta"
 
@@ -63,11 +63,7 @@ class DeltaReceiver(EngineReceiver):
                 return held
             if message.base != -1 and message.base != self.version:
                 raise LayoutError(f"a delta against version {message.base}, but this engine holds {self.version}")
-            layout = decode_layout(message.layout)
-            blob = np.frombuffer(message.blob, dtype=np.uint8)
-            if blob.nbytes != layout.total or bad_buckets(blob, layout):
-                raise LayoutError(f"the delta to version {message.version} fails its checksum")
-            changed = {name: t.clone() for name, t in views(blob, layout).items()}
+            _, changed = unpack(message.layout, np.frombuffer(message.blob, dtype=np.uint8))
             result = changed if message.base == -1 else {**self.state, **changed}
             if state_checksum(result) != message.checksum:
                 raise LayoutError(f"version {message.version} rebuilt from the delta does not match its checksum")
@@ -104,13 +100,9 @@ class DeltaTransport(PushTransport):
         """The delta against the last staged version (a receiver that does not hold it refuses and
         gets the whole state), which is the next delta's base even if not every receiver took it."""
         current = {name: t.detach().cpu().clone() for name, t in tensors.items()}
-        prev = self._state
-        if prev is None:
-            self._delta = self._full = self._message(-1, version, current, current)
-        else:
-            changed = {n: t for n, t in current.items() if n not in prev or not torch.equal(t, prev[n])}
-            self._delta, self._full = self._message(self._staged, version, current, changed), None
-        self._state = current
+        base, prev = (-1, {}) if self._state is None else (self._staged, self._state)
+        changed = {n: t for n, t in current.items() if n not in prev or not torch.equal(t, prev[n])}
+        self._delta, self._full, self._state = self._message(base, version, current, changed), None, current
         self.stats["copied"] += 1
 
     async def send(self, target: _DeltaTarget, attempt: int) -> tuple[bytes | None, int]:
@@ -126,7 +118,5 @@ class DeltaTransport(PushTransport):
         return await target.asker.ask(DELTA, msgspec.msgpack.encode(message)), len(message.blob)
 
     def _message(self, base: int, version: int, state: dict, changed: dict) -> DeltaMessage:
-        layout = plan(version, changed, 1 << 62)
-        blob = np.zeros(layout.total, dtype=np.uint8)
-        layout = fill(blob, changed, layout)
-        return DeltaMessage(base, version, state_checksum(state), encode_layout(layout), blob.tobytes())
+        layout, blob = pack(version, changed, bucket_bytes=1 << 62)
+        return DeltaMessage(base, version, state_checksum(state), layout, blob.tobytes())

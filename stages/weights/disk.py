@@ -5,10 +5,9 @@ into place, so a reader never sees half a version; the file's xxh3 checksum trav
 Engines in the learner's process load it directly; an engine process gets a msgpack `DiskNotice`
 (version, path, checksum) through its host's `ask` and replies whether it applied it
 (`DiskReceiver`). A receiver verifies the checksum before it loads anything, so a damaged or
-partial file is refused and the engine keeps its version; the learner re-sends (`retries`) and then
-raises `WeightPushError`. An unreachable engine process is skipped and caught up on restart. Only
-the newest `keep` versions stay on disk. ROOT must be shared by all engine processes (one host, or
-a network filesystem).
+partial file is refused and the engine keeps its version (retries, unreachable engines and
+catch-ups: `PushTransport`). Only the newest `keep` versions stay on disk. ROOT must be
+shared by all engine processes (one host, or a network filesystem).
 """
 
 from __future__ import annotations
@@ -24,8 +23,7 @@ import msgspec
 import torch
 import xxhash
 
-from stages.weights.base import EngineReceiver, WeightPushError
-from stages.weights.push import PushTransport, Target
+from stages.weights.base import EngineReceiver, PushTransport, Target, WeightPushError
 
 NOTICE = "weights.disk"
 
@@ -105,12 +103,10 @@ class DiskTransport(PushTransport):
         root.mkdir(parents=True, exist_ok=True)
         final = root / f"v{version:08d}"
         staging = Path(tempfile.mkdtemp(prefix=f".v{version:08d}-", dir=root))
-        unique, seen = {}, set()
+        unique: dict[int, tuple[str, torch.Tensor]] = {}
         for name, t in tensors.items():  # tied weights share storage: store them once
-            if t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
-                unique[name] = t.detach().cpu().contiguous()
-        save_file(unique, staging / "model.safetensors")
+            unique.setdefault(t.data_ptr(), (name, t.detach().cpu().contiguous()))
+        save_file(dict(unique.values()), staging / "model.safetensors")
         checksum = file_checksum(staging / "model.safetensors")
         shutil.rmtree(final, ignore_errors=True)
         staging.rename(final)  # atomic: readers see the whole version or none

@@ -41,8 +41,7 @@ class InprocTransport:
         self.stats["seconds"] += time.perf_counter() - started
 
     async def resend(self, receiver: Any) -> None:
-        """A restarted engine process gets the latest version again (engines in this process never
-        restart on their own: there is nothing to resend to them)."""
+        """A restarted engine process gets the latest version again (engines here never restart alone)."""
         if isinstance(receiver, PackedWeightReceiver) and await receiver.deliver_latest():
             self.stats["resent"] += 1
 

@@ -12,10 +12,8 @@ Learner side, `MooncakeP2PTransport`: cuts each version into buckets (`stages.we
 writes them from the learner's own registered tensors (CUDA or strided ones through a staging
 buffer) to each receiver's free slot with
 `batch_transfer_sync_write` (paced when `pace_bytes_per_s` is set: on a 2-core box an unpaced TCP
-push starves generation), and commits. A refused commit is retried (`retries`), then raised as
-`WeightPushError`: never reported as success. A receiver that cannot be reached (its process died)
-is skipped, counted in `unreachable`, and caught up with the latest version once its process is
-back (`resend`), so one dead engine never stops the run.
+push starves generation), and commits (retries, unreachable engines and catch-ups:
+`PushTransport`; a restarted engine says hello again).
 
 The control messages (hello, commit and their replies) are msgpack structs, validated on arrival;
 weights never travel pickled. TransferEngine listens on all interfaces (Mooncake's choice);
@@ -37,7 +35,15 @@ import msgspec
 import numpy as np
 import torch
 
-from stages.weights.base import ApplyReply, EngineReceiver, LocalAsker, WeightPushError
+from stages.weights.base import (
+    ApplyReply,
+    EngineReceiver,
+    LinkBroken,
+    LocalAsker,
+    PushTransport,
+    Target,
+    WeightPushError,
+)
 from stages.weights.layout import (
     Layout,
     LayoutError,
@@ -49,9 +55,9 @@ from stages.weights.layout import (
     views,
     with_checksums,
 )
-from stages.weights.push import LinkBroken, PushTransport, Target
 
 HELLO, COMMIT = "weights.p2p.hello", "weights.p2p.commit"
+_CHECKSUMS = ThreadPoolExecutor(1, thread_name_prefix="baton-p2p-checksums")  # a version's, beside its first write
 
 
 class Hello(msgspec.Struct, frozen=True):
@@ -145,7 +151,9 @@ class SlotReceiver(EngineReceiver):
         return slots
 
     async def commit(self, header: bytes, _blob: Any = None) -> bytes:
-        return self._with_live(await self._commit(header))
+        """Every reply, whatever happened, says which slot the engines run on now."""
+        r = msgspec.msgpack.decode(await self._commit(header), type=ApplyReply)
+        return msgspec.msgpack.encode(CommitReply(r.ok, r.version, r.reason, self._live))
 
     async def _commit(self, header: bytes) -> bytes:
         try:
@@ -164,10 +172,6 @@ class SlotReceiver(EngineReceiver):
         reply = await self.apply(layout.version, views(slot, layout))
         self._live = commit.slot
         return reply
-
-    def _with_live(self, reply: bytes) -> bytes:
-        r = msgspec.msgpack.decode(reply, type=ApplyReply)
-        return msgspec.msgpack.encode(CommitReply(r.ok, r.version, r.reason, self._live))
 
     def close(self) -> None:
         if self._te is not None:
@@ -208,7 +212,6 @@ class MooncakeP2PTransport(PushTransport):
         self._sources: list[int] = []  # where each layout entry's bytes are, in this process
         self._source: dict[str, torch.Tensor] = {}  # the staged tensors: `_sources` point into them
         self._checksums: Future[Layout] | None = None  # the layout's checksums, being computed
-        self._pool: ThreadPoolExecutor | None = None
         # fault injection: called with (layout, attempt) after a version's buckets were written; a
         # returned (offset, bytes) is written over the receiver's slot (damage in flight)
         self.damage: Callable[[Layout, int], tuple[int, bytes] | None] | None = None
@@ -224,8 +227,7 @@ class MooncakeP2PTransport(PushTransport):
         packed = await anyio.to_thread.run_sync(self._prepare, tensors, layout)
         self._source, self._layout = tensors, packed or layout
         if packed is None:  # checksum them while the first write runs
-            self._pool = self._pool or ThreadPoolExecutor(1)
-            self._checksums = self._pool.submit(with_checksums, tensors, layout)
+            self._checksums = _CHECKSUMS.submit(with_checksums, tensors, layout)
 
     async def send(self, target: _SlotTarget, attempt: int) -> tuple[bytes | None, int]:
         """Write the version into the receiver's free slot, then commit it."""
@@ -255,11 +257,8 @@ class MooncakeP2PTransport(PushTransport):
         if self._te is not None:
             for address in self._registered:
                 self._te.unregister_memory(address)
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
         self._registered.clear()
-        self._te = self._staging = self._pool = None
-        self._source = {}
+        self._te, self._staging, self._source = None, None, {}
         await super().close()
 
     # -- internals -------------------------------------------------------------------------------
@@ -271,11 +270,8 @@ class MooncakeP2PTransport(PushTransport):
             self._te = _transfer_engine(self.protocol, self.device)
         direct = all(t.device.type == "cpu" and t.is_contiguous() for t in tensors.values())
         if direct:
-            regions = {}
-            for t in tensors.values():
-                storage = t.untyped_storage()
-                regions[storage.data_ptr()] = max(storage.nbytes(), 1)
-            self._register(regions)
+            storages = [t.untyped_storage() for t in tensors.values()]
+            self._register({s.data_ptr(): max(s.nbytes(), 1) for s in storages})
             self._sources = [tensors[e.name].data_ptr() for e in layout.tensors]
             return None
         if self._staging is None or self._staging.nbytes < layout.total:
