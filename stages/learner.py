@@ -50,7 +50,7 @@ from stages.bias import outcome_panels, run_outcomes, step_outcomes
 from stages.checkpoint import read_learner_state, write_learner_state
 from stages.losses import group_advantages
 from stages.model import load_model
-from stages.weights import TRANSPORTS
+from stages.weights import make_transport
 from stages.weights.base import WeightTransport
 from stages.weights.faulty import with_weight_faults
 from stages.weights.snapshot import save_snapshot, snapshot_key
@@ -93,7 +93,7 @@ class GRPOLearner:
 
     def actors(self, ctx: RunContext, inbox: Channel | None, outbox: Channel | None):
         assert inbox is not None
-        transport = TRANSPORTS[self.weights]() if isinstance(self.weights, str) else self.weights
+        transport = make_transport(self.weights) if isinstance(self.weights, str) else self.weights
         transport = with_weight_faults(transport, plan_of(ctx))  # itself unless weights.push_fail is planned
         for receiver in ctx.services.weight_receivers:  # engines in this process
             transport.subscribe(receiver)

@@ -337,8 +337,8 @@ async def test_inproc_publish_delivers_private_copies() -> None:
         assert torch.equal(got, torch.arange(6, dtype=torch.float32))
         assert not got.requires_grad
     assert r1.got[0][1]["w"].data_ptr() != r2.got[0][1]["w"].data_ptr()
-    assert transport.pushes == 1
-    assert transport.bytes_pushed == 2 * 6 * 4
+    assert transport.stats["versions"] == 1
+    assert transport.stats["bytes"] == 2 * 6 * 4
 
 
 async def test_inproc_versions_must_increase() -> None:
@@ -351,7 +351,7 @@ async def test_inproc_versions_must_increase() -> None:
         with pytest.raises(WeightPushError):
             await transport.publish(bad, {"w": torch.ones(2)})
     assert [v for v, _ in sink.got] == [0, 2]
-    assert transport.pushes == 2
+    assert transport.stats["versions"] == 2
 
 
 async def test_inproc_feeds_a_real_engine(engine: TorchEngine, model_a, model_b) -> None:
