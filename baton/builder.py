@@ -35,7 +35,7 @@ from stages.learner import GRPOLearner
 from stages.model import make_tiny_model
 from stages.rollout import Rollout
 from stages.tasks import Addition, ReverseDigits
-from stages.weights import TRANSPORTS
+from stages.weights import TRANSPORTS, make_transport
 from stages.weights.base import WeightTransport
 
 # the WeightsSpec keys each transport takes (as its constructor's keywords); one not named here is made
@@ -112,8 +112,7 @@ def weight_transport(spec: schema.WeightsSpec, cfg: RunConfig) -> WeightTranspor
     options = {key: values[key] for key in TRANSPORT_OPTIONS.get(spec.transport, ())}
     if not options:
         return spec.transport
-    transport = TRANSPORTS[spec.transport]  # a class, or a lazy "module:Class" path
-    return (resolve(transport) if isinstance(transport, str) else transport)(**options)
+    return make_transport(spec.transport, **options)
 
 
 def make_correction(cfg: RunConfig) -> Correction:
