@@ -14,7 +14,7 @@ import structlog
 import torch
 
 from buffers.memory import MemoryStore
-from buffers.replay import ReplayBuffer
+from buffers.ref_buffer import RefBuffer
 from pipeline.channel import Channel
 from pipeline.dsl import Pipeline
 from pipeline.faults import FaultSpec
@@ -48,7 +48,7 @@ def test_a_wedged_engine_is_reported_then_fails_the_run_with_pipeline_hung(model
     pipe = Pipeline(
         name="hang",
         producer=Rollout(ReverseDigits(digits=2), [engine], tokenizer=model, group_size=4, batch_groups=4),
-        buffer=ReplayBuffer(MemoryStore()),
+        buffer=RefBuffer(MemoryStore()),
         consumer=GRPOLearner(model, groups_per_step=4),
         staleness=MaxStaleness(k=1),
         steps=5, run_root=tmp_path, progress=False,
@@ -99,7 +99,7 @@ def test_on_ray_a_wedged_engine_is_reported_across_the_hosts_then_fails_the_run(
             ReverseDigits(digits=2), [TorchEngine(model, name="torch-0")], tokenizer=model, group_size=4,
             batch_groups=4, request_timeout_s=600.0,  # longer than the run: the watchdog, not the timeout, ends it
         ),
-        buffer=ReplayBuffer(RayStoreSpec(name=f"hang-{uuid.uuid4().hex[:8]}")),
+        buffer=RefBuffer(RayStoreSpec(name=f"hang-{uuid.uuid4().hex[:8]}")),
         consumer=GRPOLearner(model, groups_per_step=4),
         staleness=MaxStaleness(k=1),
         steps=5, run_root=tmp_path, progress=False, runtime="ray",

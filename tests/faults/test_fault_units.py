@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from buffers.codec import CodecError, RolloutBatch, decode, encode
-from buffers.faulty import FaultyStore, InjectedStoreError
+from buffers.faulty import FaultyStore, InjectedStoreError, open_store
 from buffers.memory import MemoryStore
 from buffers.retry import with_retries
-from buffers.store import StoreError, open_store
+from buffers.store import StoreError
 from pipeline.channel import Channel
 from pipeline.config import ConfigError, to_toml, validate
 from pipeline.faults import (

@@ -1,4 +1,7 @@
-"""ReplayBuffer: the buffer stage. It indexes refs (never payloads) and hands them on in order.
+"""RefBuffer: the buffer stage. It indexes refs (never payloads) and hands them on in order.
+
+It replays nothing: reuse of a group (training on it more than once) happens in the learner's
+`policies.selection.ReplayWindow`. The buffer only bounds and orders what is on its way there.
 
 Guarantees:
 * every ref received is either forwarded to the consumer exactly once or expired exactly once
@@ -17,7 +20,8 @@ from dataclasses import dataclass
 
 import anyio
 
-from buffers.store import ObjectStore, StoreSpec, open_store
+from buffers.faulty import open_store
+from buffers.store import ObjectStore, StoreSpec
 from pipeline.actor import BaseActor
 from pipeline.channel import Channel
 from pipeline.checkpoint import HeldRef
@@ -26,8 +30,8 @@ from pipeline.refs import Ref
 
 
 @dataclass
-class ReplayBuffer:
-    """The DSL/config object: `ReplayBuffer(store, max_refs=256, max_bytes=256 << 20)`."""
+class RefBuffer:
+    """The DSL/config object: `RefBuffer(store, max_refs=256, max_bytes=256 << 20)`."""
 
     store: ObjectStore | StoreSpec
     max_refs: int = 256
@@ -44,14 +48,14 @@ class ReplayBuffer:
         if "store" not in ctx.services:  # a runtime may have opened this process's store already
             ctx.services["store"] = open_store(self.store, holder=True, faults=ctx.services.get("faults"))
         store = ctx.services["store"]
-        return [ReplayActor(self, store, ctx, inbox, outbox)]
+        return [RefBufferActor(self, store, ctx, inbox, outbox)]
 
 
-class ReplayActor(BaseActor):
+class RefBufferActor(BaseActor):
     name = "buffer"
 
     def __init__(
-        self, spec: ReplayBuffer, store: ObjectStore, ctx: RunContext, inbox: Channel, outbox: Channel
+        self, spec: RefBuffer, store: ObjectStore, ctx: RunContext, inbox: Channel, outbox: Channel
     ) -> None:
         self.spec, self.store, self.ctx, self.inbox, self.outbox = spec, store, ctx, inbox, outbox
         self.index: deque[Ref] = deque()
