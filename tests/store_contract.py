@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import numpy as np
+
+from buffers.codec import RolloutBatch, decode, encode
 from buffers.store import ObjectStore
 from pipeline.refs import make_key, older_than_pattern
 
@@ -19,3 +22,19 @@ async def check_remove_matching_by_version(store: ObjectStore) -> None:
     assert await store.remove_matching(older_than_pattern("run", 10)) == 0
     assert await store.remove_matching(older_than_pattern("run", 0)) == 0
     assert await store.remove_matching(older_than_pattern("run", 101)) == 8
+
+
+async def check_encoded_batch_round_trip(store: ObjectStore) -> int:
+    """An encoded rollout batch comes back from the store decoded unchanged; returns its encoded size."""
+    batch = RolloutBatch.from_rows(
+        [{"tokens": np.arange(5, dtype=np.int32)}, {"tokens": np.arange(2, dtype=np.int32)}],
+        row_fields={"rewards": np.array([1.0, -1.0], np.float32)},
+        meta={"group": "g00000001"},
+    )
+    payload = encode(batch)
+    await store.put("run/v00000001/g00000001/0", payload)
+    decoded = decode(await store.get("run/v00000001/g00000001/0", size_hint=len(payload)))
+    assert decoded.token_fields["tokens"].tolist() == [0, 1, 2, 3, 4, 0, 1]
+    assert decoded.row_fields["rewards"].tolist() == [1.0, -1.0]
+    assert decoded.meta == {"group": "g00000001"}
+    return len(payload)

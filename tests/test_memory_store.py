@@ -5,10 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from buffers.codec import RolloutBatch, decode, encode
 from buffers.memory import MemoryStore
 from buffers.store import KeyNotFound, ObjectStore, StoreError, StoreFull
-from tests.store_contract import SURVIVORS, check_remove_matching_by_version
+from tests.store_contract import SURVIVORS, check_encoded_batch_round_trip, check_remove_matching_by_version
 
 pytestmark = pytest.mark.anyio
 
@@ -49,18 +48,8 @@ async def test_multidimensional_buffers_are_stored_as_bytes() -> None:
 
 async def test_encoded_batch_round_trip() -> None:
     store = MemoryStore()
-    batch = RolloutBatch.from_rows(
-        [{"tokens": np.arange(5, dtype=np.int32)}, {"tokens": np.arange(2, dtype=np.int32)}],
-        row_fields={"rewards": np.array([1.0, -1.0], np.float32)},
-        meta={"group": "g00000001"},
-    )
-    payload = encode(batch)
-    await store.put("run/v00000001/g00000001/0", payload)
-    decoded = decode(await store.get("run/v00000001/g00000001/0"))
-    assert decoded.token_fields["tokens"].tolist() == [0, 1, 2, 3, 4, 0, 1]
-    assert decoded.row_fields["rewards"].tolist() == [1.0, -1.0]
-    assert decoded.meta == {"group": "g00000001"}
-    assert store.nbytes == len(payload)
+    payload_bytes = await check_encoded_batch_round_trip(store)
+    assert store.nbytes == payload_bytes
 
 
 async def test_upsert_replaces_and_accounting_follows() -> None:

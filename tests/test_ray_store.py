@@ -16,9 +16,8 @@ from buffers.ray_store import RayIndexUnavailable, RayObjectLost, RaySizeMismatc
 
 import ray  # isort: skip  (after buffers.ray_store, which pins Ray's listeners to 127.0.0.1)
 
-from buffers.codec import RolloutBatch, decode, encode
 from buffers.store import KeyNotFound, ObjectStore, StoreError, StoreFull
-from tests.store_contract import SURVIVORS, check_remove_matching_by_version
+from tests.store_contract import SURVIVORS, check_encoded_batch_round_trip, check_remove_matching_by_version
 
 pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("ray_cluster")]
 
@@ -211,17 +210,7 @@ async def test_capacity_raises_store_full_and_changes_nothing(store: RayStore) -
 
 
 async def test_codec_round_trip(store: RayStore) -> None:
-    batch = RolloutBatch.from_rows(
-        [{"tokens": np.arange(5, dtype=np.int32)}, {"tokens": np.arange(2, dtype=np.int32)}],
-        row_fields={"rewards": np.array([1.0, -1.0], np.float32)},
-        meta={"group": "g00000001"},
-    )
-    data = encode(batch)
-    await store.put("run/v00000001/g00000001/0", data)
-    decoded = decode(await store.get("run/v00000001/g00000001/0", size_hint=len(data)))
-    assert decoded.token_fields["tokens"].tolist() == [0, 1, 2, 3, 4, 0, 1]
-    assert decoded.row_fields["rewards"].tolist() == [1.0, -1.0]
-    assert decoded.meta == {"group": "g00000001"}
+    await check_encoded_batch_round_trip(store)
 
 
 async def test_close_only_kills_the_index_from_its_creator() -> None:

@@ -72,6 +72,24 @@ async def without_waiting(call):
     return results[0]
 
 
+async def assert_acquire_waits_for(gate: AdmissionGate, *releases) -> None:
+    """A producer's `gate.acquire()` keeps waiting after each release but the last, and returns after it."""
+    acquired = anyio.Event()
+
+    async def producer() -> None:
+        await gate.acquire()
+        acquired.set()
+
+    with anyio.fail_after(HUNG_AFTER):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(producer)
+            for release in releases:
+                await anyio.wait_all_tasks_blocked()
+                assert not acquired.is_set()
+                release()
+            await acquired.wait()
+
+
 def stops(log: list[str]) -> list[str]:
     return [e.split(":", 1)[1] for e in log if e.startswith("stop:")]
 
@@ -285,19 +303,7 @@ async def test_gate_acquire_blocks_until_clock_advances() -> None:
         await gate.acquire()
     assert scope.cancelled_caught and gate.started == 1
 
-    acquired = anyio.Event()
-
-    async def producer() -> None:
-        await gate.acquire()
-        acquired.set()
-
-    with anyio.fail_after(HUNG_AFTER):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(producer)
-            await anyio.wait_all_tasks_blocked()
-            assert not acquired.is_set()
-            clock.advance()
-            await acquired.wait()
+    await assert_acquire_waits_for(gate, clock.advance)
     assert gate.started == 2
     assert gate.wait_s > 0
 
@@ -306,19 +312,7 @@ async def test_gate_acquire_released_by_discard() -> None:
     clock = VersionClock()
     gate = AdmissionGate(clock, MaxStaleness(k=0), units_per_version=2)
     assert gate.try_acquire() and gate.try_acquire()
-    acquired = anyio.Event()
-
-    async def producer() -> None:
-        await gate.acquire()
-        acquired.set()
-
-    with anyio.fail_after(HUNG_AFTER):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(producer)
-            await anyio.wait_all_tasks_blocked()
-            assert not acquired.is_set()
-            gate.discard()
-            await acquired.wait()
+    await assert_acquire_waits_for(gate, gate.discard)
     assert clock.version == 0
     assert gate.started == 3 and gate.discarded == 1
 
@@ -335,22 +329,12 @@ async def test_gate_stays_blocked_when_advance_is_not_enough() -> None:
 
     gate = AdmissionGate(clock, EveryOther(), units_per_version=1)
     assert gate.try_acquire()
-    acquired = anyio.Event()
 
-    async def producer() -> None:
-        await gate.acquire()
-        acquired.set()
+    def advance_after_the_policy_was_asked_again() -> None:
+        assert any(c[0] == 1 for c in policy_calls)  # it did re-evaluate on the advance
+        clock.advance()  # version 2: limit 2
 
-    with anyio.fail_after(HUNG_AFTER):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(producer)
-            await anyio.wait_all_tasks_blocked()
-            clock.advance()  # version 1: limit still 1
-            await anyio.wait_all_tasks_blocked()
-            assert not acquired.is_set()
-            assert any(c[0] == 1 for c in policy_calls)  # it did re-evaluate on the advance
-            clock.advance()  # version 2: limit 2
-            await acquired.wait()
+    await assert_acquire_waits_for(gate, clock.advance, advance_after_the_policy_was_asked_again)
     assert gate.started == 2
 
 
