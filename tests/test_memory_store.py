@@ -6,8 +6,13 @@ import numpy as np
 import pytest
 
 from buffers.memory import MemoryStore
-from buffers.store import KeyNotFound, ObjectStore, StoreError, StoreFull
-from tests.store_contract import SURVIVORS, check_encoded_batch_round_trip, check_remove_matching_by_version
+from buffers.store import KeyNotFound, ObjectStore, StoreError
+from tests.store_contract import (
+    SURVIVORS,
+    check_capacity_refuses_and_changes_nothing,
+    check_encoded_batch_round_trip,
+    check_remove_matching_by_version,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -73,15 +78,11 @@ async def test_missing_key_raises_key_not_found() -> None:
 
 async def test_capacity_raises_store_full_and_changes_nothing() -> None:
     store = MemoryStore(capacity_bytes=100)
-    await store.put("a", b"x" * 70)
-    with pytest.raises(StoreFull, match=r"'b' \(40 bytes\).*70 of 100") as err:
-        await store.put("b", b"x" * 40)
-    assert isinstance(err.value, StoreError)
-    with pytest.raises(StoreFull):
-        await store.put("a", b"x" * 101)
-    assert (store.nbytes, store.keys(), bytes(await store.get("a"))) == (70, ["a"], b"x" * 70)
-    await store.put("b", b"x" * 30)
-    assert store.nbytes == 100
+
+    async def held():
+        return store.nbytes, store.keys()
+
+    await check_capacity_refuses_and_changes_nothing(store, held)
     with pytest.raises(ValueError):
         MemoryStore(capacity_bytes=-1)
 
