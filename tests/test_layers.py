@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -14,8 +15,11 @@ MAX_FUNCTION_LINES = 60
 
 
 def lint_imports(root: Path) -> subprocess.CompletedProcess:
+    """`lint-imports` (this interpreter's import-linter) on the packages and pyproject.toml under `root`."""
+    command = "from importlinter.cli import lint_imports_command; lint_imports_command()"
     return subprocess.run(
-        ["lint-imports", "--no-cache", "--no-logo"], cwd=root, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", command, "--no-cache", "--no-logo"], cwd=root, capture_output=True, text=True,
+        timeout=120,
     )
 
 
