@@ -1,8 +1,6 @@
 """Where rollout data lives: the codec, the ObjectStore protocol, its backends and the ref buffer.
-
-`ReplayBuffer` is the old name of `RefBuffer`, kept as an alias for one release (0.1.x); it will be
-removed in the next. The buffer never replayed anything: reuse happens in the learner's ReplayWindow.
-"""
+`ReplayBuffer`, its old name (it never replayed: reuse happens in the learner's ReplayWindow), is an
+alias of `RefBuffer` for one release (0.1.x) and goes in the next."""
 
 from buffers.codec import RolloutBatch, decode, encode
 from buffers.memory import MemoryStore

@@ -202,8 +202,7 @@ def with_store_faults(store: Any, plan: FaultPlan | None) -> Any:
 
 def open_store(store: ObjectStore | StoreSpec, holder: bool, faults: FaultPlan | None = None) -> ObjectStore:
     """The store for this process: `store` itself, or `store.open(holder)` for a spec; wrapped in a
-    FaultyStore only when `faults` plans a store fault. (It lives here, above `buffers.store`, so
-    that the protocol module imports nothing of its implementations.)"""
+    FaultyStore only when `faults` plans a store fault (here, so `buffers.store` imports no backend)."""
     if isinstance(store, StoreSpec) and not isinstance(store, ObjectStore):
         store = store.open(holder)
     return with_store_faults(store, faults)
