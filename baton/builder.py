@@ -19,7 +19,7 @@ import torch
 from baton import schema
 from baton.config import resolve
 from baton.schema import PluginSpec, RunConfig, default_of
-from buffers import MemoryStore, ReplayBuffer
+from buffers import MemoryStore, RefBuffer
 from buffers.mooncake import MooncakeSettings, MooncakeStore
 from buffers.mooncake import MooncakeStoreSpec as MooncakeOpener
 from buffers.ray_store import RayStoreSpec as RayStoreOpener
@@ -161,8 +161,8 @@ def make_rollout(cfg: RunConfig, model: Path) -> Rollout:
                    request_timeout_s=cfg.rollout.request_timeout_s, **sampling)
 
 
-def make_buffer(cfg: RunConfig) -> ReplayBuffer:
-    return ReplayBuffer(make_part("store", cfg), max_refs=cfg.buffer.max_refs, max_bytes=int(cfg.buffer.max_bytes))
+def make_buffer(cfg: RunConfig) -> RefBuffer:
+    return RefBuffer(make_part("store", cfg), max_refs=cfg.buffer.max_refs, max_bytes=int(cfg.buffer.max_bytes))
 
 
 def make_faults(cfg: RunConfig) -> list[FaultSpec] | None:

@@ -32,7 +32,7 @@ from pydantic import (
 )
 
 from baton.config import load_toml, to_toml, validate
-from buffers import MemoryStore, ReplayBuffer
+from buffers import MemoryStore, RefBuffer
 from buffers.mooncake import MooncakeSettings
 from pipeline.dsl import Pipeline
 from pipeline.faults import FAULT_KINDS, FaultSpec
@@ -229,8 +229,8 @@ class RayStoreSpec(Section):
 
 
 class BufferSpec(Section):
-    max_refs: int = Field(default_of(ReplayBuffer, "max_refs"), ge=1)
-    max_bytes: ByteSize = ByteSize(default_of(ReplayBuffer, "max_bytes"))
+    max_refs: int = Field(default_of(RefBuffer, "max_refs"), ge=1)
+    max_bytes: ByteSize = ByteSize(default_of(RefBuffer, "max_bytes"))
     produced_channel: int = Field(64, ge=1, description="refs in flight producer -> buffer")
     produced_bytes: ByteSize = Field(ByteSize(64 << 20), description="payload bytes in flight producer -> buffer")
     ready_channel: int = Field(16, ge=1, description="refs in flight buffer -> learner")

@@ -47,7 +47,7 @@ from policies.correction import Correction
 from policies.selection import Fifo, NoSignalError, ReplayWindow, Selection, Taken
 from policies.staleness import staleness
 from stages.bias import outcome_panels, run_outcomes, step_outcomes
-from stages.checkpoint import read_learner_state, write_learner_state
+from stages.learner_state import read_learner_state, write_learner_state
 from stages.losses import group_advantages
 from stages.model import load_model
 from stages.weights import make_transport

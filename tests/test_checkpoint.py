@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from buffers.memory import MemoryStore
-from buffers.replay import ReplayBuffer
+from buffers.ref_buffer import RefBuffer
 from pipeline.actor import ActorFailed, BaseActor
 from pipeline.admission import AdmissionGate
 from pipeline.checkpoint import CheckpointError, Resumed, latest_checkpoint, read_state
@@ -387,7 +387,7 @@ def pipeline(
         name="resume",
         producer=Rollout(ReverseDigits(digits=2), [TorchEngine(model, seed=0)], tokenizer=model, group_size=4,
                          batch_groups=GROUPS),
-        buffer=ReplayBuffer(store),
+        buffer=RefBuffer(store),
         consumer=GRPOLearner(model, lr=3e-3, groups_per_step=GROUPS, selection=Fifo(max_reuse=max_reuse)),
         staleness=MaxStaleness(k=k, admission=admission),
         steps=steps, run_root=root, progress=False, checkpoint_every=3, hooks=hooks,

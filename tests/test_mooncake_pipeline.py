@@ -14,7 +14,7 @@ import torch
 
 from buffers.mooncake import MooncakeSettings, MooncakeStore
 from buffers.mooncake_master import MooncakeMaster
-from buffers.replay import ReplayBuffer
+from buffers.ref_buffer import RefBuffer
 from pipeline.actor import BaseActor
 from pipeline.dsl import Pipeline
 from policies import MaxStaleness
@@ -87,7 +87,7 @@ def test_master_restart_loses_keys_that_are_counted_and_redone(tmp_path: Path) -
             name="restart", steps=10, run_root=tmp_path, progress=False,
             producer=Rollout(ReverseDigits(digits=2), [TorchEngine(model)], tokenizer=model, group_size=4,
                              batch_groups=4),
-            buffer=ReplayBuffer(store),
+            buffer=RefBuffer(store),
             consumer=GRPOLearner(model, groups_per_step=4),
             staleness=MaxStaleness(k=2),
             hooks=[add_restarter],

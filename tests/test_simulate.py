@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import anyio
@@ -152,12 +151,14 @@ def test_the_staleness_bound_holds_in_every_simulated_run(
     assert all(r["staleness_max"] <= k for r in result.records)
 
 
-def test_ten_thousand_steps_take_seconds() -> None:
-    cfg, spec = tiny("learner.groups_per_step=4", "engine.batch_groups=4", steps=10_000)
-    started = time.perf_counter()
-    result = simulate(cfg, spec)
-    assert len(result.records) == 10_000
-    assert time.perf_counter() - started < 15  # about 2 s on an idle core
+def test_ten_thousand_steps_cost_ten_times_a_thousand() -> None:
+    """The simulator's work (process resumptions in its event loop) grows linearly with the steps, so
+    a long run stays seconds long (benchmarks measure the seconds)."""
+    shape = ("learner.groups_per_step=4", "engine.batch_groups=4")
+    short = simulate(*tiny(*shape, steps=1_000))
+    long = simulate(*tiny(*shape, steps=10_000))
+    assert len(short.records) == 1_000 and len(long.records) == 10_000
+    assert 0 < long.events <= 10 * short.events
 
 
 # ----------------------------------------------------------------------------------------- event loop

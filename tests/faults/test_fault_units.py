@@ -15,10 +15,10 @@ import torch
 from baton.config import ConfigError, to_toml, validate
 from baton.fault_matrix import RunOutcome, judge, recovery_seconds
 from buffers.codec import CodecError, RolloutBatch, decode, encode
-from buffers.faulty import FaultyStore, InjectedStoreError
+from buffers.faulty import FaultyStore, InjectedStoreError, open_store
 from buffers.memory import MemoryStore
 from buffers.retry import with_retries
-from buffers.store import StoreError, open_store
+from buffers.store import StoreError
 from pipeline.channel import Channel
 from pipeline.contracts import Services
 from pipeline.faults import (
