@@ -16,7 +16,7 @@ Each step:
    (`max_reuse`) goes back into the window, to be selected again while the staleness policy accepts
    it; a payload is freed only after its group's last use;
 4. every `checkpoint.every` versions, write a checkpoint (pipeline.checkpoint): the run's state plus
-   this learner's model, optimizer and RNG states (stages.checkpoint) and the refs of its window. A
+   this learner's model, optimizer and RNG states (stages.learner_state) and the refs of its window. A
    resumed learner starts from those, publishes the checkpoint's weights to the engines before any
    generation, and takes back the reusable groups of its window whose payloads still exist.
 Compute runs in a worker thread so the engine can decode at the same time.
@@ -216,7 +216,7 @@ class LearnerActor(BaseActor):
         return held
 
     def write_state(self, folder: Path) -> None:
-        """The learner's part of a checkpoint (stages.checkpoint); called between steps, in a worker thread."""
+        """The learner's part of a checkpoint (stages.learner_state); called between steps, in a worker thread."""
         assert self.model is not None and self.optimizer is not None
         write_learner_state(folder, self._version, self.model, self.optimizer, self.spec.selection)
 

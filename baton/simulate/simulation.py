@@ -173,7 +173,7 @@ class Simulation:
                 yield from channel_send(self.loop, self.ready, group)
 
     def _buffer_evict(self, version: int) -> None:
-        """ReplayActor._evict_on_version: refuse the indexed refs the policy no longer accepts."""
+        """RefBufferActor._evict_on_version: refuse the indexed refs the policy no longer accepts."""
         expired = [g for g in self.index if self.policy.accept(version, g.version) != "train"]
         if not expired:
             return
