@@ -133,7 +133,8 @@ class Pipeline:
         if report is not None and report.ledger_json is not None:
             folder.write_text("ledger.json", report.ledger_json.decode())
         records = folder.read_metrics()
-        render_report(folder.path / "report.png", records, self.consumer.report_panels(records), title=self.name)
+        render_report(folder.path / "report.png", records, self.consumer.report_panels(records, folder.path),
+                      title=self.name)
         return records
 
     def _summary(
