@@ -37,6 +37,7 @@ __all__ = [
     "RunFolder",
     "configure_logging",
     "format_value",
+    "report_failure",
     "get_logger",
     "render_report",
     "sliding_rate",
@@ -234,6 +235,51 @@ class RunFolder:
 
     def __repr__(self) -> str:
         return f"RunFolder({str(self.path)!r})"
+
+
+# -------------------------------------------------------------------------------------------- failure
+
+FAILURE_FILE = "failure.log"
+
+
+def root_cause(exc: BaseException) -> BaseException:
+    """The error a failure started from: down the `__cause__` chain and into exception groups of one."""
+    seen: set[int] = set()
+    while id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+            exc = exc.exceptions[0]
+        elif exc.__cause__ is not None:
+            exc = exc.__cause__
+        else:
+            break
+    return exc
+
+
+def report_failure(exc: BaseException, folder: Path | str | None, *, exit_code: int = 1,
+                   with_locals: bool | None = None) -> str:
+    """A failed run, said in a few lines: the named cause (its message says what to change), where it
+    happened (`actor`/`phase` of the error, when it has them), the exit code, and the file that holds the
+    full traceback: `failure.log` in the run folder (written here; the same short message first). Local
+    variables go into the traceback only when asked (`with_locals`, or BATON_TRACEBACK_LOCALS=1)."""
+    import traceback
+
+    cause = root_cause(exc)
+    lines = [f"baton: the run failed: {type(cause).__name__}: {cause}"]
+    actor, phase = getattr(exc, "actor", None), getattr(exc, "phase", None)
+    if actor is not None:
+        lines.append(f"  in actor {actor!r}" + (f", during {phase}()" if phase else ""))
+    if with_locals is None:
+        with_locals = os.environ.get("BATON_TRACEBACK_LOCALS", "") not in ("", "0")
+    if folder is not None:
+        trace = traceback.TracebackException.from_exception(exc, capture_locals=with_locals)
+        path = Path(folder) / FAILURE_FILE
+        lines.append(f"  full traceback: {path}")
+        lines.append(f"  exit code {exit_code}")
+        _atomic_write(path, "\n".join(lines) + "\n\n" + "".join(trace.format()))
+    else:
+        lines.append(f"  exit code {exit_code}")
+    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------- progress
