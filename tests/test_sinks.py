@@ -179,3 +179,30 @@ def test_mlflow_local_store_holds_metrics_jsonl_and_params(run: tuple[dict, list
     assert_same(got, want)
     assert mlrun.data.params["learner.groups_per_step"] == "2" and mlrun.data.params["steps"] == "4"
     assert mlrun.data.metrics["summary/reward_end"] == summary["reward_end"]
+
+
+@pytest.mark.slow
+def test_on_ray_the_driver_forwards_what_the_learner_process_writes(tmp_path: Path) -> None:
+    """The learner runs in its own Ray process; the driver alone writes the sink, the same records."""
+    pytest.importorskip("ray")
+    pytest.importorskip("mooncake")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from pipeline.config import load_toml
+
+    root = Path(__file__).resolve().parents[1]
+    data = load_toml(root / "configs" / "ray-mooncake.toml", [
+        "steps=3", f"run_root='{tmp_path}'", f"model.path='{tmp_path / 'model'}'", "engine.count=1",
+        "engine.batch_groups=4", "learner.groups_per_step=4", "store.global_segment_size='512MiB'",
+        "telemetry.progress=false",
+    ])
+    pipe = build_pipeline(validate(RunConfig, data))
+    pipe.sinks = ["jsonl", "tensorboard"]
+    summary = pipe.run()
+    run_dir = Path(summary["run_dir"])
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["version"] for r in records] == [1, 2, 3]
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    got = {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
+    assert_same(got, expected(records), rel=1e-6)
