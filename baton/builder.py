@@ -182,7 +182,7 @@ def build_pipeline(cfg: RunConfig) -> Pipeline:
         staleness=make_part("staleness", cfg),
         produced_channel=(cfg.buffer.produced_channel, int(cfg.buffer.produced_bytes)),
         ready_channel=(cfg.buffer.ready_channel, int(cfg.buffer.ready_bytes)),
-        progress=cfg.telemetry.progress, ray_address=cfg.ray.address,
+        progress=cfg.telemetry.progress, sinks=cfg.telemetry.sinks, ray_address=cfg.ray.address,
         checkpoint_every=cfg.checkpoint.every, checkpoint_keep=cfg.checkpoint.keep,
         watchdog=WatchdogSettings(**cfg.watchdog.model_dump()),
         faults=make_faults(cfg), config_text=cfg.resolved_toml(),

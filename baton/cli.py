@@ -11,6 +11,7 @@
     baton faults CONFIG [--kinds a,b] [--seeds N] [--set k=v]
                                                the fault matrix: a table, then one JSON line of totals;
                                                exit 1 when any run breaks an invariant
+    baton watch RUN_DIR                        follow a run's progress from its folder, then its summary
 
 Exit codes: 0 done, 1 the run failed (an actor raised; the message names it), 2 bad config.
 """
@@ -22,6 +23,7 @@ import json
 import os
 import sys
 
+from baton import watch_command
 from baton.config import ConfigError
 
 
@@ -61,6 +63,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="simulate every combination, e.g. --sweep engines=1,2,4,8 k=0,1,2,4 (keys: engines, k, "
                    "learners)")
     add_overrides(s, "override a config key, e.g. --set simulate.decode_tokens_per_s=3000 (repeatable)")
+    watch_command.add_parser(sub)
     m = sub.add_parser("mooncake-master", help="run a mooncake_master on 127.0.0.1 (prints its address)")
     m.add_argument("--port", type=int, default=None, help="RPC port (default: a free one)")
     m.add_argument("--lease-ttl-ms", type=int, default=500, help="read lease before a key can be removed")
@@ -107,22 +110,31 @@ def run_fault_matrix(config: str, kinds: str | None, seeds: int, overrides: list
     return fault_matrix.main(config, kinds, seeds, overrides)
 
 
+def run_simulate(args: argparse.Namespace) -> int:
+    from baton import simulate
+
+    for flag in ("engines", "learners", "steps"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            print(f"baton: --{flag} must be >= 1, got {value}", file=sys.stderr)
+            return 2
+    return simulate.main(args.config, args.calibrate, args.engines, args.learners, args.steps, args.overrides,
+                         args.sweep)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.command == "mooncake-master":
-        return run_mooncake_master(args.port, args.lease_ttl_ms)
-    if args.command == "faults":
-        return run_fault_matrix(args.config, args.kinds, args.seeds, args.overrides)
-    if args.command == "simulate":
-        from baton import simulate
+    commands = {
+        "mooncake-master": lambda: run_mooncake_master(args.port, args.lease_ttl_ms),
+        "faults": lambda: run_fault_matrix(args.config, args.kinds, args.seeds, args.overrides),
+        "simulate": lambda: run_simulate(args),
+        "watch": lambda: watch_command.run(args),
+    }
+    return commands[args.command]() if args.command in commands else run_or_check(args)
 
-        for flag in ("engines", "learners", "steps"):
-            value = getattr(args, flag)
-            if value is not None and value < 1:
-                print(f"baton: --{flag} must be >= 1, got {value}", file=sys.stderr)
-                return 2
-        return simulate.main(args.config, args.calibrate, args.engines, args.learners, args.steps, args.overrides,
-                             args.sweep)
+
+def run_or_check(args: argparse.Namespace) -> int:
+    """`baton run` / `baton check`: validate the config, then (run) build the pipeline and run or resume it."""
     resume = getattr(args, "resume", None)
     if args.config is None and resume is None:
         print("baton: run needs a CONFIG, or --resume RUN_DIR", file=sys.stderr)
@@ -142,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     from baton.builder import build_pipeline
     from pipeline.actor import ActorFailed
     from pipeline.checkpoint import CheckpointError, latest_checkpoint, read_state
-    from pipeline.telemetry import configure_logging, get_logger
+    from pipeline.telemetry import configure_logging, report_failure
 
     configure_logging(cfg.telemetry.log_format, cfg.telemetry.log_level)
     try:
@@ -155,8 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as exc:
         print(f"baton: {exc}", file=sys.stderr)
         return 2
-    except ActorFailed as exc:
-        get_logger("baton").error("run failed", error=str(exc), exc_info=exc)
+    except ActorFailed as exc:  # the cause and its fix in a few lines; the traceback in the run folder
+        print(report_failure(exc, pipeline.run_dir), file=sys.stderr)
         checkpoint = latest_checkpoint(pipeline.run_dir) if pipeline.run_dir is not None else None
         if checkpoint is not None:
             print(f"baton: {pipeline.run_dir} holds a checkpoint of version {read_state(checkpoint).version}; "

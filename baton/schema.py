@@ -377,6 +377,10 @@ class TelemetrySpec(Section):
     log_format: Literal["console", "json"] = "console"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     progress: bool = default_of(Pipeline, "progress")
+    sinks: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = Field(
+        default_factory=lambda: ["jsonl"], description="where metrics go: metrics.jsonl always, plus tensorboard, "
+        "wandb (offline in the run folder unless WANDB_MODE=online), mlflow (the run folder, or MLFLOW_TRACKING_URI)",
+    )
 
 
 class SimulateSpec(Section):

@@ -25,6 +25,7 @@ folder, hand the pipeline to its runtime (`pipeline.runtime.local` or `.ray`), w
 from __future__ import annotations
 
 import time
+import tomllib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +39,7 @@ from pipeline.context import RunContext
 from pipeline.contracts import Buffer, Consumer, Producer, VersionPolicy
 from pipeline.faults import FaultPlan, FaultSpec
 from pipeline.runtime import RunReport, Runtime
+from pipeline.sinks import metric_sinks
 from pipeline.telemetry import Progress, RunFolder, get_logger, render_report
 from pipeline.watchdog import WatchdogSettings
 
@@ -66,6 +68,7 @@ class Pipeline:
     checkpoint_keep: int = 2  # complete checkpoints kept in the run folder
     watchdog: WatchdogSettings | None = None  # hang diagnosis; None: off
     faults: FaultPlan | list[FaultSpec] | None = None  # injected faults (pipeline.faults); None: none, no hooks
+    sinks: list[str] = field(default_factory=lambda: ["jsonl"])  # where metrics go (pipeline.sinks)
     run_dir: Path | None = field(default=None, init=False)  # the folder of the latest run (set as it starts)
 
     def __post_init__(self) -> None:
@@ -88,12 +91,15 @@ class Pipeline:
         folder = resume.folder if resume is not None else self._new_folder()
         self.run_dir = folder.path
         runtime = self._runtime()
-        try:
-            with Progress(self.name, enabled=self.progress) as progress:
-                await runtime.run(self, folder, progress, resume)
-        finally:  # a failed run's ledger.json too: it is what a resume reports against
-            records = self._write_outputs(folder, runtime.report)
-        summary = self._summary(folder, records, runtime.report, resume)
+        config = tomllib.loads(self.config_text or "")
+        async with metric_sinks(folder.path, self.sinks, run_name=self.name, config=config) as sinks:
+            try:
+                with Progress(self.name, enabled=self.progress) as progress:
+                    await runtime.run(self, folder, progress, resume)
+            finally:  # a failed run's ledger.json too: it is what a resume reports against
+                records = self._write_outputs(folder, runtime.report)
+            summary = self._summary(folder, records, runtime.report, resume)
+            sinks.finish(summary)
         get_logger("pipeline").bind(run=self.name).info(
             "run finished", **{k: summary[k] for k in ("version", "wall_s", "samples_per_s")}
         )
@@ -127,7 +133,8 @@ class Pipeline:
         if report is not None and report.ledger_json is not None:
             folder.write_text("ledger.json", report.ledger_json.decode())
         records = folder.read_metrics()
-        render_report(folder.path / "report.png", records, self.consumer.report_panels(records), title=self.name)
+        render_report(folder.path / "report.png", records, self.consumer.report_panels(records, folder.path),
+                      title=self.name)
         return records
 
     def _summary(

@@ -22,7 +22,7 @@ from pipeline.histograms import Bins, merge
 from pipeline.telemetry import Panel
 
 BINS: dict[str, Bins] = {"length": Bins(log2=True), "reward": Bins(width=0.1)}
-TITLES = {"length": "response length (tokens; bins 0, 1, 2-3, 4-7 ...)", "reward": "reward (bins of 0.1)"}
+TITLES = {"length": "response length (tokens, bins 0, 1, 2-3, 4-7 ...)", "reward": "reward (bins of 0.1)"}
 
 
 def step_outcomes(settled: Mapping[str, Mapping[str, Sequence[float]]]) -> dict[str, dict[str, Any]]:
@@ -61,11 +61,14 @@ def run_outcomes(records: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, An
 
 
 def outcome_panels(records: Sequence[Mapping[str, Any]]) -> list[Panel]:
-    """One report panel per value: its distribution for each outcome, as fractions of that outcome."""
+    """One report panel per value: its distribution for each outcome, as fractions of that outcome; none
+    when every sample was trained (there is nothing to compare)."""
     outcomes = run_outcomes(records)
+    if set(outcomes) <= {"trained"}:
+        return []
     return [
         Panel(
-            f"{TITLES[name]}: trained vs dropped, fraction of each",
+            f"trained vs dropped: {TITLES[name]}",
             "hist",
             counts={f"{outcome} (n={entry['n']})": entry[name] for outcome, entry in outcomes.items() if name in entry},
         )

@@ -25,6 +25,7 @@ Compute runs in a worker thread so the engine can decode at the same time.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,7 +43,7 @@ from pipeline.checkpoint import CheckpointError
 from pipeline.context import RunContext, free, redo, refuse
 from pipeline.faults import plan_of
 from pipeline.refs import HeldRef, Ref
-from pipeline.telemetry import Panel
+from pipeline.telemetry import Panel, sliding_rate
 from policies.correction import Correction
 from policies.selection import Fifo, NoSignalError, ReplayWindow, Selection, Taken
 from policies.staleness import staleness
@@ -50,6 +51,7 @@ from stages.bias import outcome_panels, run_outcomes, step_outcomes
 from stages.learner_state import read_learner_state, write_learner_state
 from stages.losses import group_advantages
 from stages.model import load_model
+from stages.timeline import timeline_panel
 from stages.weights import make_transport
 from stages.weights.base import WeightTransport
 from stages.weights.faulty import with_weight_faults
@@ -128,18 +130,38 @@ class GRPOLearner:
             return {}
         return {"reward": last["reward"], "staleness": last["staleness_mean"], "samples/s": last["samples_per_s"]}
 
-    def report_panels(self, records: list[dict]) -> list[Panel]:
-        trained_staleness = [s for r in records for s in r.get("staleness_hist", [])]
+    def report_panels(self, records: list[dict], run_dir: Path | None = None) -> list[Panel]:
+        """Reward, staleness (integer bins), throughput over a sliding window, the learner's time per
+        version, eval metrics (`eval...` keys), the filtered fraction (when anything was filtered), trained
+        vs dropped (when anything was dropped) and the timeline of the first minutes (stages.timeline)."""
+        stale = Counter(s for r in records for s in r.get("staleness_hist", []))
+        evals = sorted({k for r in records for k in r if k.startswith("eval")})
+        timeline = timeline_panel(run_dir, records)
         return [
             Panel("mean reward per step", "line", x="version", y=["reward"]),
-            Panel("staleness of trained groups", "hist", values=trained_staleness,
-                  bins=max(trained_staleness, default=0) + 1),
-            Panel("throughput (trained samples/s)", "line", x="t", y=["samples_per_s"]),
-            Panel("learner time per version (s): compute vs waiting", "line", x="version",
-                  y=["version_s", "step_s", "collect_s"]),
-            Panel("groups without signal: filtered fraction per step", "line", x="version", y=["filtered_frac"]),
+            Panel("staleness of trained groups", "hist", xlabel="staleness (versions behind the learner)",
+                  counts={"trained groups": {str(k): stale[k] for k in range(max(stale, default=-1) + 1)}}),
+            _throughput_panel(records),
+            Panel("learner time per version (s)", "line", x="version",
+                  y=["version_s", "step_s", "collect_s", "push_s"]),
+            *([Panel("eval", "line", x="version", y=evals)] if evals else []),
+            *([Panel("groups without signal: filtered fraction", "line", x="version", y=["filtered_frac"])]
+              if any(r.get("filtered_frac") for r in records) else []),
             *outcome_panels(records),
+            *([timeline] if timeline is not None else []),
         ]
+
+
+def _throughput_panel(records: list[dict]) -> Panel:
+    """Trained samples per second over a sliding window (a tenth of the run, at most 60 s): a stall
+    shows as a dip, which a cumulative average hides."""
+    rows = [r for r in records if "t" in r and "trained" in (r.get("outcomes") or {})]
+    span = rows[-1]["t"] if rows else 0.0
+    window_s = min(60.0, span / 10) or 1.0
+    ts = [r["t"] for r in rows]
+    rates = sliding_rate(ts, [r["outcomes"]["trained"]["n"] for r in rows], window_s)
+    return Panel(f"throughput: trained samples/s over the last {window_s:.2g} s", "line",
+                 series={"samples/s": (ts, rates)}, xlabel="seconds since the run started")
 
 
 class LearnerActor(BaseActor):

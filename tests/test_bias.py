@@ -188,9 +188,14 @@ def test_report_draws_binned_counts_per_outcome(tmp_path: Path) -> None:
     from pipeline.telemetry import Panel, render_report
     from stages.bias import outcome_panels
 
-    records = [{"outcomes": step_outcomes({"trained": {"length": [1, 2], "reward": [0.0, 1.0]}})}]
+    trained_only = [{"outcomes": step_outcomes({"trained": {"length": [1, 2], "reward": [0.0, 1.0]}})}]
+    assert outcome_panels(trained_only) == []  # nothing dropped: nothing to compare, no panel
+    records = [{"outcomes": step_outcomes({"trained": {"length": [1, 2], "reward": [0.0, 1.0]},
+                                           "dropped:stale": {"length": [8], "reward": [0.5]}})}]
     panels = outcome_panels(records)
-    assert [set(p.counts) for p in panels] == [{"trained (n=2)"}] * 2
+    assert [set(p.counts) for p in panels] == [{"trained (n=2)", "dropped:stale (n=1)"}] * 2
     assert panels[0].counts["trained (n=2)"] == {"1": 1, "2": 1}
-    render_report(tmp_path / "r.png", records, [*panels, Panel("empty", "hist", counts={})])
+    assert panels[0].counts["dropped:stale (n=1)"] == {"8": 1}
+    drawn = render_report(tmp_path / "r.png", records, [*panels, Panel("empty", "hist", counts={})])
+    assert drawn == [p.title for p in panels]  # the empty panel is left out
     assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"

@@ -398,13 +398,21 @@ class RayRun:
                 ray.shutdown()
 
     def _start_ray(self, hosts_needed: int) -> None:
+        """Without an address, a new local cluster of this run's own ("local": never one that `ray start`
+        left behind, live or dead); with one, that cluster, or an error naming ray.address."""
         local = self.address is None
-        ray.init(
-            # logical CPUs: one per host even on a 2-core machine (each host runs one torch thread)
-            num_cpus=max(os.cpu_count() or 1, hosts_needed) if local else None,
-            address=self.address, include_dashboard=False, log_to_driver=bool(os.environ.get("BATON_RAY_LOGS")),
-            runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}},
-        )
+        try:
+            ray.init(
+                # logical CPUs: one per host even on a 2-core machine (each host runs one torch thread)
+                num_cpus=max(os.cpu_count() or 1, hosts_needed) if local else None,
+                address="local" if local else self.address, include_dashboard=False,
+                log_to_driver=bool(os.environ.get("BATON_RAY_LOGS")),
+                runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}},
+            )
+        except (ConnectionError, ValueError, RuntimeError) as exc:
+            if local:
+                raise
+            raise ConnectionError(f"ray.address = {self.address!r}: could not join that Ray cluster ({exc})") from exc
 
     async def _shared_state(
         self, pipe: Any, folder: RunFolder, opener: StoreOpener, resume: Any
