@@ -29,7 +29,7 @@ def math_pipeline(example: str | Path, steps: int = 60, run_root: str | Path = "
         prompt_field="question",            # sent as a user message through the chat template
         answer_field="answer",
         system_prompt="Answer with a number.",
-        max_new_tokens=4,
+        max_new_tokens=2,
         reward_function=RewardFunction(weighted_sum(("math_verify", 0.8), ("format_number", 0.2)), timeout_s=5),
         eval_path=example / "data" / "eval.jsonl",
     )
