@@ -15,9 +15,8 @@ from pathlib import Path
 from buffers import MemoryStore, ReplayBuffer
 from pipeline import Pipeline
 from policies import MaxStaleness
-from stages import GRPOLearner, Rollout, TorchEngine
-from stages.datasets import DatasetTask
-from stages.rewards import RewardFunction, weighted_sum
+from stages import DatasetTask, GRPOLearner, RewardFunction, Rollout, TorchEngine
+from stages.rewards import weighted_sum
 
 
 def math_pipeline(example: str | Path, steps: int = 60, run_root: str | Path = "runs", **overrides) -> Pipeline:
