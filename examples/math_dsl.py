@@ -4,7 +4,8 @@
     python examples/math_dsl.py runs/math-example [STEPS]
 
 A chat model (byte-level BPE tokenizer, no BOS, ChatML template) is trained with GRPO on math word
-problems read from JSONL, scored by math-verify plus a small format reward, fully asynchronously.
+problems read from JSONL, scored by math-verify plus a small format reward, fully asynchronously;
+the eval split is answered greedily every `eval_every` versions (eval.jsonl in the run folder).
 """
 
 from __future__ import annotations
@@ -16,11 +17,14 @@ from buffers import MemoryStore, ReplayBuffer
 from pipeline import Pipeline
 from policies import MaxStaleness
 from stages import DatasetTask, GRPOLearner, RewardFunction, Rollout, TorchEngine
+from stages.evaluation import Evaluation
 from stages.rewards import weighted_sum
 
 
-def math_pipeline(example: str | Path, steps: int = 60, run_root: str | Path = "runs", **overrides) -> Pipeline:
-    """The math example's pipeline over the folder `tools/make_math_example.py` wrote."""
+def math_pipeline(example: str | Path, steps: int = 60, run_root: str | Path = "runs", eval_every: int = 50,
+                  **overrides) -> Pipeline:
+    """The math example's pipeline over the folder `tools/make_math_example.py` wrote; every `eval_every`
+    versions the eval split is answered greedily (the run folder's eval.jsonl)."""
     example = Path(example)
     model = example / "model"
     task = DatasetTask(
@@ -36,7 +40,8 @@ def math_pipeline(example: str | Path, steps: int = 60, run_root: str | Path = "
     return Pipeline(
         name="math",
         producer=Rollout(task, [TorchEngine(model)], tokenizer=model, group_size=settings["group_size"],
-                         batch_groups=settings["batch_groups"]),
+                         batch_groups=settings["batch_groups"],
+                         evaluation=Evaluation(task.eval_task(), every=eval_every)),
         buffer=ReplayBuffer(MemoryStore(), max_bytes=256 << 20),
         consumer=GRPOLearner(model, lr=settings["lr"], groups_per_step=settings["groups_per_step"]),
         staleness=MaxStaleness(k=2, on_stale="drop"),
@@ -48,4 +53,4 @@ def math_pipeline(example: str | Path, steps: int = 60, run_root: str | Path = "
 if __name__ == "__main__":
     pipe = math_pipeline(sys.argv[1], steps=int(sys.argv[2]) if len(sys.argv) > 2 else 60)
     summary = pipe.run()
-    print(summary["reward_start"], summary["reward_end"], summary["samples"])
+    print("reward", summary["reward_start"], "->", summary["reward_end"], "eval", pipe.producer.stats.get("eval"))

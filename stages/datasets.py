@@ -148,6 +148,11 @@ class DatasetTask:
             messages = [{"role": "system", "content": self.system_prompt}, *messages]
         return Prompt(text=text, answer=str(answer), messages=messages, metadata=metadata or None)
 
+    @property
+    def prompts(self) -> list[Prompt]:
+        """Every row as a Prompt, in file order (what an evaluation of this split generates)."""
+        return list(self._prompts)
+
     # -- the Task protocol ------------------------------------------------------------------------
 
     def sample(self, rng: random.Random) -> Prompt:

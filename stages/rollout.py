@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from pipeline.faults import FaultPlanError, plan_of
 from pipeline.refs import HeldRef, Produced, Ref, make_key
 from stages.engines.base import Completion, Engine, EngineError, SamplingParams
 from stages.engines.faulty import EngineTimeout, with_engine_faults
+from stages.evaluation import EVAL_FILE, Evaluation
 from stages.model import ModelFolderError, load_tokenizer, prompt_token_ids, stop_token_ids
 from stages.rewards import RewardFunction, Sample, Scores, task_reward
 from stages.tasks import Prompt, Task
@@ -64,6 +65,7 @@ class Rollout:
     request_timeout_s: float | None = None  # an engine call not answered by then is an EngineTimeout; None: wait
     max_regenerations: int = 5  # attempts at work that failed (engine call, put) before the run fails
     reward: Any = None
+    evaluation: Evaluation | None = None  # generate an eval split every few versions (stages.evaluation)
     stats: dict = field(default_factory=lambda: {"groups": 0, "gen_s": 0.0, "tokens": 0, "regenerated": {}})
 
     def __post_init__(self) -> None:
@@ -116,7 +118,7 @@ class Rollout:
                                  "an error; set it, or remove the fault")
         # engine faults wrap only what the worker calls; weight receivers keep the engine itself
         return [
-            RolloutWorker(self, with_engine_faults(engine, plan), store, ctx, outbox, task=self._task_of(i))
+            RolloutWorker(self, with_engine_faults(engine, plan), store, ctx, outbox, task=self._task_of(i), index=i)
             for i, engine in enumerate(self.engines)
         ]
 
@@ -144,9 +146,12 @@ _MT_WORDS = len(random.Random().getstate()[1])  # a Mersenne Twister state's len
 
 class RolloutWorker(BaseActor):
     def __init__(self, spec: Rollout, engine: Engine, store: ObjectStore, ctx: RunContext, outbox: Channel,
-                 task: Task | None = None) -> None:
+                 task: Task | None = None, index: int = 0) -> None:
         self.spec, self.engine, self.store, self.ctx, self.outbox = spec, engine, store, ctx, outbox
         self.task = task if task is not None else spec.task
+        self.index = index  # the first worker (index 0) runs the evaluations
+        self._next_eval = 0  # the engine version at which the next evaluation is due
+        self._eval_prompts: list[Prompt] | None = None
         self.name = f"rollout:{engine.name}"
         self.groups_made = 0
         self.incarnation = uuid.uuid4().hex[:8]
@@ -199,6 +204,7 @@ class RolloutWorker(BaseActor):
 
     async def run(self) -> None:
         while True:
+            await self._evaluate_if_due()
             self.ctx.note(self.name, "waiting at the admission gate")
             t_gate = anyio.current_time()
             n = await self.ctx.gate.acquire_many(self.spec.batch_groups)
@@ -300,8 +306,40 @@ class RolloutWorker(BaseActor):
         if unstored:
             raise GroupsNotStored(f"{len(unstored)} groups could not be stored: {failure}") from failure
 
-    async def _score(self, prompt: Prompt, group: list[Completion]) -> Scores:
-        """The group's rewards (never raises); failed samples are counted in `stats["reward_failed"]`."""
+    async def _evaluate_if_due(self) -> None:
+        """Generate and score the eval prompts once the engine reaches the next due version
+        (`stages.evaluation`); an engine failure skips this evaluation, it never ends the run."""
+        evaluation, spec = self.spec.evaluation, self.spec
+        if evaluation is None or self.index != 0 or self.engine.version < self._next_eval:
+            return
+        self._next_eval = evaluation.next_due(self.engine.version)
+        if self._eval_prompts is None:
+            self._eval_prompts = evaluation.prompt_list()
+        prompts, n = self._eval_prompts, evaluation.samples
+        ids = [prompt_token_ids(spec.tokenizer, p.text, p.messages) for p in prompts]
+        self.ctx.note(self.name, f"evaluating {len(prompts)} prompts at version {self.engine.version}")
+        t0 = anyio.current_time()
+        try:
+            with anyio.fail_after(spec.request_timeout_s):
+                completions = await self.engine.generate(
+                    [i for i in ids for _ in range(n)], replace(spec.sampling(), temperature=evaluation.temperature)
+                )
+        except (EngineError, TimeoutError) as exc:
+            self.log.warning("evaluation skipped", version=self.engine.version, error=repr(exc))
+            return
+        rewards: list[float] = []
+        for g, prompt in enumerate(prompts):
+            rewards += (await self._score(prompt, completions[g * n : (g + 1) * n], "eval_reward_failed")).rewards
+        record = evaluation.record([c.versions for c in completions], rewards, anyio.current_time() - t0,
+                                   self.engine.version)
+        spec.stats["eval"] = record
+        self.log.info("evaluated", **{k.replace("/", "_"): v for k, v in record.items()})
+        folder = getattr(self.ctx, "folder", None)
+        if folder is not None and hasattr(folder, "append_record"):
+            folder.append_record(EVAL_FILE, {"t": round(time.time() - self.ctx.started_at, 4), **record})
+
+    async def _score(self, prompt: Prompt, group: list[Completion], failures: str = "reward_failed") -> Scores:
+        """The group's rewards (never raises); failed samples are counted in `stats[failures]` by reason."""
         tok = self.spec.tokenizer
         scores = await self.spec.reward.score([
             Sample(prompt=prompt.text, completion=tok.decode(c.tokens, skip_special_tokens=True),
@@ -309,7 +347,7 @@ class RolloutWorker(BaseActor):
                    messages=prompt.messages, source=prompt)
             for c in group
         ])
-        counts = self.spec.stats.setdefault("reward_failed", {}) if any(scores.failures) else {}
+        counts = self.spec.stats.setdefault(failures, {}) if any(scores.failures) else {}
         for reason in filter(None, scores.failures):
             counts[reason] = counts.get(reason, 0) + 1
         return scores
