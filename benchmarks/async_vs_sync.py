@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run(config: str, steps: int, overrides: list[str], root: Path) -> dict:
     sets = [f"steps={steps}", f"run_root='{root}'", "telemetry.progress=false", *overrides]
-    cmd = [sys.executable, "-m", "stages.cli", "run", config, *[x for s in sets for x in ("--set", s)]]
+    cmd = [sys.executable, "-m", "baton.cli", "run", config, *[x for s in sets for x in ("--set", s)]]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900)
     if proc.returncode != 0:
         raise SystemExit(f"run failed ({' '.join(cmd)}):\n{proc.stderr[-3000:]}")

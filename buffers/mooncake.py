@@ -26,14 +26,15 @@ import re
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 
 import anyio
 import numpy as np
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 from typing_extensions import Buffer
 
 from buffers.mooncake_master import MooncakeMaster, require_mooncake
 from buffers.pool import BufferPool
+from buffers.retry import retry_while
 from buffers.store import KeyNotFound, StoreError, StoreFull
 
 _MANIFEST = struct.Struct("<16sQQI")  # magic, total bytes, chunk bytes, parts
@@ -183,21 +184,11 @@ class MooncakeStore:
         routed to a dead holder (-800) is retried too: the master drops that holder within its
         client_ttl, and the copies then go to live segments."""
         view = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+        put = partial(self._call, self._put, key, view, nbytes=view.nbytes)
         waits: tuple[type[MooncakeError], ...] = (MooncakeNoSpace, MooncakeMasterUnreachable)
         if self.settings.replicas > 1:
             waits = (*waits, MooncakeTransferFailed)
-        try:
-            return await self._call(self._put, key, view, nbytes=view.nbytes)
-        except waits:
-            pass
-        async for attempt in AsyncRetrying(
-            retry=retry_if_exception_type(waits),
-            wait=wait_exponential(multiplier=0.02, max=0.5),
-            stop=stop_after_delay(self.settings.full_wait_s),
-            reraise=True,
-        ):
-            with attempt:
-                await self._call(self._put, key, view, nbytes=view.nbytes)
+        await retry_while(put, waits, first_wait_s=0.02, max_wait_s=0.5, within_s=self.settings.full_wait_s)
 
     async def get(self, key: str, size_hint: int | None = None) -> memoryview:
         """The value of `key`. `size_hint` (a Ref's nbytes) saves the size lookup and is checked: a
@@ -206,24 +197,11 @@ class MooncakeStore:
         A read whose lease expired mid-transfer (-707) is retried. With replicas > 1, a get that hits
         a dead holder is retried until the master drops that replica (its client_ttl), then served
         from a surviving copy; with one replica that failure is raised at once."""
-        nbytes = size_hint or 0
-        try:
-            return await self._call(self._get, key, size_hint, nbytes=nbytes)
-        except (MooncakeTransferFailed, MooncakeLeaseExpired) as exc:
-            if isinstance(exc, MooncakeTransferFailed) and self.settings.replicas == 1:
-                raise
+        get = partial(self._call, self._get, key, size_hint, nbytes=size_hint or 0)
         retry_on: tuple[type[MooncakeError], ...] = (MooncakeLeaseExpired,)
         if self.settings.replicas > 1:
             retry_on = (MooncakeLeaseExpired, MooncakeTransferFailed)
-        async for attempt in AsyncRetrying(
-            retry=retry_if_exception_type(retry_on),
-            wait=wait_exponential(multiplier=0.1, max=1.0),
-            stop=stop_after_delay(self.settings.failover_s),
-            reraise=True,
-        ):
-            with attempt:
-                return await self._call(self._get, key, size_hint, nbytes=nbytes)
-        raise AssertionError("unreachable")
+        return await retry_while(get, retry_on, first_wait_s=0.1, max_wait_s=1.0, within_s=self.settings.failover_s)
 
     async def _call(self, fn, *args, nbytes: int):
         """Small transfers run inline (about a millisecond; a thread hop would double it); large
@@ -234,15 +212,8 @@ class MooncakeStore:
         return await anyio.to_thread.run_sync(fn, *args)
 
     async def remove(self, key: str) -> int:
-        async for attempt in AsyncRetrying(
-            retry=retry_if_exception_type(MooncakeLeased),
-            wait=wait_exponential(multiplier=0.05, max=0.5),
-            stop=stop_after_delay(30),
-            reraise=True,
-        ):
-            with attempt:
-                return await anyio.to_thread.run_sync(self._remove, key)
-        raise AssertionError("unreachable")
+        remove = partial(anyio.to_thread.run_sync, self._remove, key)
+        return await retry_while(remove, (MooncakeLeased,), first_wait_s=0.05, max_wait_s=0.5, within_s=30)
 
     async def remove_matching(self, pattern: str) -> int:
         """Remove keys matching `pattern` (ECMAScript regex, anchored like re.match); leased ones wait."""

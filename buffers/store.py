@@ -15,7 +15,7 @@ methods in its own module. The contract every implementation keeps:
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from typing_extensions import Buffer
 
@@ -65,14 +65,3 @@ class StoreSpec(Protocol):
 
     def open(self, holder: bool) -> ObjectStore: ...
 
-
-def open_store(store: ObjectStore | StoreSpec, holder: bool, faults: Any = None) -> ObjectStore:
-    """The store for this process: `store` itself, or `store.open(holder)` for a spec; wrapped in a
-    `buffers.faulty.FaultyStore` only when `faults` (a `pipeline.faults.FaultPlan`) plans a store fault."""
-    if isinstance(store, StoreSpec) and not isinstance(store, ObjectStore):
-        store = store.open(holder)
-    if faults is not None:
-        from buffers.faulty import with_store_faults
-
-        store = with_store_faults(store, faults)
-    return store

@@ -1,10 +1,12 @@
-"""baton's runtime: refs, versions, channels, actors, the ledger and the Pipeline builder.
+"""baton's runtime: refs, versions, channels, actors, the ledger, the two runtimes and the Pipeline.
 
-Nothing here knows about models, rewards or gradients; see `stages` for that.
+Nothing here knows about models, rewards or gradients; see `stages` for that. `pipeline.contracts`
+declares every method a stage may implement and every call it may make on the run.
 """
 
 from pipeline.actor import Actor, ActorFailed, BaseActor
 from pipeline.channel import Channel, ChannelClosed
+from pipeline.contracts import Buffer, Consumer, Producer, Services, Stage
 from pipeline.dsl import Pipeline, RunContext
 from pipeline.ledger import Ledger
 from pipeline.refs import Ref, make_key, parse_key
@@ -12,6 +14,7 @@ from pipeline.versions import VersionClock
 from pipeline.watchdog import PipelineHung, WatchdogSettings
 
 __all__ = [
-    "Actor", "ActorFailed", "BaseActor", "Channel", "ChannelClosed", "Ledger", "Pipeline", "PipelineHung", "Ref",
-    "RunContext", "VersionClock", "WatchdogSettings", "make_key", "parse_key",
+    "Actor", "ActorFailed", "BaseActor", "Buffer", "Channel", "ChannelClosed", "Consumer", "Ledger", "Pipeline",
+    "PipelineHung", "Producer", "Ref", "RunContext", "Services", "Stage", "VersionClock", "WatchdogSettings",
+    "make_key", "parse_key",
 ]

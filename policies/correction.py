@@ -102,41 +102,38 @@ def none(
 
 
 def tis(
-    logprobs: torch.Tensor,
-    behaviour_logprobs: torch.Tensor,
-    proximal_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    clip_eps: float = 0.2,
-    cap: float = 2.0,
+    logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, proximal_logprobs: torch.Tensor,
+    advantages: torch.Tensor, mask: torch.Tensor, clip_eps: float = 0.2, cap: float = 2.0,
 ) -> tuple[torch.Tensor, Stats]:
     """PPO-clip against the proximal policy, each token weighted by min(pi_prox / pi_behav, cap)."""
-    proximal = proximal_logprobs.detach()
-    per_token, ratio = clipped_surrogate(logprobs, proximal, advantages, clip_eps)
-    weights = importance_weights(proximal, behaviour_logprobs)
+    per_token, weights, stats = _against_proximal(
+        logprobs, behaviour_logprobs, proximal_logprobs, advantages, mask, clip_eps
+    )
     loss = _token_mean(per_token * weights.clamp(max=cap), mask)
-    stats = _surrogate_stats(logprobs, proximal, ratio, mask, clip_eps)
     return loss, stats | _weight_stats(weights, weights > cap, mask)
 
 
 def decoupled(
-    logprobs: torch.Tensor,
-    behaviour_logprobs: torch.Tensor,
-    proximal_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    clip_eps: float = 0.2,
-    cap: float | None = None,
+    logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, proximal_logprobs: torch.Tensor,
+    advantages: torch.Tensor, mask: torch.Tensor, clip_eps: float = 0.2, cap: float | None = None,
 ) -> tuple[torch.Tensor, Stats]:
     """PPO-clip against the proximal policy, each token weighted by pi_prox / pi_behav; with `cap`,
     tokens whose weight exceeds it get weight 0 (they stay in the denominator)."""
-    proximal = proximal_logprobs.detach()
-    per_token, ratio = clipped_surrogate(logprobs, proximal, advantages, clip_eps)
-    weights = importance_weights(proximal, behaviour_logprobs)
+    per_token, weights, stats = _against_proximal(
+        logprobs, behaviour_logprobs, proximal_logprobs, advantages, mask, clip_eps
+    )
     capped = weights > cap if cap is not None else torch.zeros_like(weights, dtype=torch.bool)
     loss = _token_mean(per_token * torch.where(capped, torch.zeros_like(weights), weights), mask)
-    stats = _surrogate_stats(logprobs, proximal, ratio, mask, clip_eps)
     return loss, stats | _weight_stats(weights, capped, mask)
+
+
+def _against_proximal(logprobs, behaviour_logprobs, proximal_logprobs, advantages, mask, clip_eps):
+    """What tis and decoupled share: the per-token PPO-clip loss against the proximal policy (no
+    gradient through it), the weights pi_prox / pi_behav, and the surrogate's stats."""
+    proximal = proximal_logprobs.detach()
+    per_token, ratio = clipped_surrogate(logprobs, proximal, advantages, clip_eps)
+    stats = _surrogate_stats(logprobs, proximal, ratio, mask, clip_eps)
+    return per_token, importance_weights(proximal, behaviour_logprobs), stats
 
 
 @dataclass(frozen=True)

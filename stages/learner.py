@@ -16,7 +16,7 @@ Each step:
    (`max_reuse`) goes back into the window, to be selected again while the staleness policy accepts
    it; a payload is freed only after its group's last use;
 4. every `checkpoint.every` versions, write a checkpoint (pipeline.checkpoint): the run's state plus
-   this learner's model, optimizer and RNG states (stages.checkpoint) and the refs of its window. A
+   this learner's model, optimizer and RNG states (stages.learner_state) and the refs of its window. A
    resumed learner starts from those, publishes the checkpoint's weights to the engines before any
    generation, and takes back the reusable groups of its window whose payloads still exist.
 Compute runs in a worker thread so the engine can decode at the same time.
@@ -47,10 +47,10 @@ from policies.correction import Correction
 from policies.selection import Fifo, NoSignalError, ReplayWindow, Selection, Taken
 from policies.staleness import staleness
 from stages.bias import outcome_panels, run_outcomes, step_outcomes
-from stages.checkpoint import read_learner_state, write_learner_state
+from stages.learner_state import read_learner_state, write_learner_state
 from stages.losses import group_advantages
 from stages.model import load_model
-from stages.weights import TRANSPORTS
+from stages.weights import make_transport
 from stages.weights.base import WeightTransport
 from stages.weights.faulty import with_weight_faults
 from stages.weights.snapshot import save_snapshot, snapshot_key
@@ -93,7 +93,7 @@ class GRPOLearner:
 
     def actors(self, ctx: RunContext, inbox: Channel | None, outbox: Channel | None):
         assert inbox is not None
-        transport = TRANSPORTS[self.weights]() if isinstance(self.weights, str) else self.weights
+        transport = make_transport(self.weights) if isinstance(self.weights, str) else self.weights
         transport = with_weight_faults(transport, plan_of(ctx))  # itself unless weights.push_fail is planned
         for receiver in ctx.services.weight_receivers:  # engines in this process
             transport.subscribe(receiver)
@@ -216,7 +216,7 @@ class LearnerActor(BaseActor):
         return held
 
     def write_state(self, folder: Path) -> None:
-        """The learner's part of a checkpoint (stages.checkpoint); called between steps, in a worker thread."""
+        """The learner's part of a checkpoint (stages.learner_state); called between steps, in a worker thread."""
         assert self.model is not None and self.optimizer is not None
         write_learner_state(folder, self._version, self.model, self.optimizer, self.spec.selection)
 

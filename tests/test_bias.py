@@ -12,12 +12,13 @@ torch.set_num_threads(1)
 
 import pytest  # noqa: E402
 
-from pipeline.config import ConfigError, validate  # noqa: E402
+from baton.builder import build_pipeline  # noqa: E402
+from baton.config import ConfigError, validate  # noqa: E402
+from baton.schema import RunConfig  # noqa: E402
 from pipeline.histograms import Bins, merge  # noqa: E402
 from pipeline.ledger import Ledger, LedgerError, outcome_of  # noqa: E402
 from policies.staleness import MaxStaleness  # noqa: E402
 from stages.bias import run_outcomes, step_outcomes  # noqa: E402
-from stages.config import RunConfig, build_pipeline  # noqa: E402
 
 
 def ids(prefix: str, n: int) -> list[str]:

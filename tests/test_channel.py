@@ -14,7 +14,7 @@ from pipeline.channel import Channel, ChannelClosed, ChannelStats
 pytestmark = pytest.mark.anyio
 
 SHORT = 0.05
-LONG = 2.0
+HUNG_AFTER = 60.0  # a guard against a hang, far above any correct run's time
 
 
 
@@ -33,7 +33,7 @@ async def assert_blocks(call) -> None:
 
 async def test_send_blocks_when_full_until_a_receive() -> None:
     ch: Channel[Item] = Channel("c", max_items=2)
-    with anyio.fail_after(LONG):
+    with anyio.fail_after(HUNG_AFTER):
         await ch.send(Item(0))
         await ch.send(Item(1))
     await assert_blocks(lambda: ch.send(Item(99)))
@@ -50,7 +50,7 @@ async def test_send_blocks_when_full_until_a_receive() -> None:
         assert not done.is_set()
         with pytest.raises(anyio.WouldBlock):
             ch.send_nowait(Item(3))
-        with anyio.fail_after(LONG):
+        with anyio.fail_after(HUNG_AFTER):
             assert (await ch.receive()).id == 0
             await done.wait()
     assert [ch.receive_nowait().id for _ in range(2)] == [1, 2]
@@ -58,13 +58,13 @@ async def test_send_blocks_when_full_until_a_receive() -> None:
 
 async def test_send_blocks_by_bytes() -> None:
     ch: Channel[Item] = Channel("c", max_items=100, max_bytes=100)
-    with anyio.fail_after(LONG):
+    with anyio.fail_after(HUNG_AFTER):
         await ch.send(Item(0, nbytes=60))
         await ch.send(Item(1, nbytes=40))
     assert ch.nbytes == 100
     await assert_blocks(lambda: ch.send(Item(2, nbytes=1)))
     ch.receive_nowait()
-    with anyio.fail_after(LONG):
+    with anyio.fail_after(HUNG_AFTER):
         await ch.send(Item(2, nbytes=50))
     await assert_blocks(lambda: ch.send(Item(3, nbytes=11)))
     assert (ch.depth, ch.nbytes) == (2, 90)
@@ -86,7 +86,7 @@ async def test_one_receive_admits_every_waiting_sender_that_now_fits() -> None:
 
 async def test_oversize_item_is_admitted_into_an_empty_channel_only() -> None:
     ch: Channel[Item] = Channel("c", max_items=4, max_bytes=10)
-    with anyio.fail_after(LONG):
+    with anyio.fail_after(HUNG_AFTER):
         await ch.send(Item(0, nbytes=1000))
     assert (ch.depth, ch.nbytes) == (1, 1000)
     await assert_blocks(lambda: ch.send(Item(1, nbytes=1)))
@@ -116,7 +116,7 @@ async def test_fifo_under_concurrent_senders() -> None:
         async for item in ch:
             received.append(item)
 
-    with anyio.fail_after(10):
+    with anyio.fail_after(HUNG_AFTER):
         async with anyio.create_task_group() as tg:
             tg.start_soon(consumer)
             async with anyio.create_task_group() as senders:
@@ -140,7 +140,7 @@ async def test_waiting_senders_are_admitted_in_arrival_order_and_not_overtaken()
             ch.send_nowait("newcomer")
         with anyio.move_on_after(SHORT):
             await ch.send("newcomer")
-        with anyio.fail_after(LONG):
+        with anyio.fail_after(HUNG_AFTER):
             got = [await ch.receive() for _ in range(3)]
     assert got == ["A", "B", "C"]
 
@@ -200,7 +200,7 @@ async def test_blocked_sender_is_woken_by_close() -> None:
         except ChannelClosed:
             outcomes.append("closed")
 
-    with anyio.fail_after(LONG):
+    with anyio.fail_after(HUNG_AFTER):
         async with anyio.create_task_group() as tg:
             tg.start_soon(sender, 1)
             tg.start_soon(sender, 2)
@@ -212,7 +212,7 @@ async def test_blocked_sender_is_woken_by_close() -> None:
 
 async def test_blocked_receiver_is_woken_by_close() -> None:
     ch: Channel[int] = Channel("c", max_items=1)
-    with anyio.fail_after(LONG):
+    with anyio.fail_after(HUNG_AFTER):
         async with anyio.create_task_group() as tg:
 
             async def receiver() -> None:
@@ -285,7 +285,7 @@ async def test_cancelled_sender_neither_loses_nor_duplicates_nor_blocks_the_next
             assert ch.receive_nowait() == 0
             scope.cancel()
         expected = [2] if cancel_first else [1, 2]
-        with anyio.fail_after(LONG):
+        with anyio.fail_after(HUNG_AFTER):
             got = [await ch.receive() for _ in expected]
     assert got == expected
     assert sorted(completed) == expected
@@ -407,7 +407,7 @@ async def test_random_interleavings_keep_order_bounds_and_items(
             received.append(item.id)
             check_bounds()
 
-    with anyio.fail_after(10):
+    with anyio.fail_after(HUNG_AFTER):
         async with anyio.create_task_group() as tg:
             for plan in consumers:
                 tg.start_soon(consumer, plan)

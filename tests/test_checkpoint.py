@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from buffers.memory import MemoryStore
-from buffers.replay import ReplayBuffer
+from buffers.ref_buffer import RefBuffer
 from pipeline.actor import ActorFailed, BaseActor
 from pipeline.admission import AdmissionGate
 from pipeline.checkpoint import CheckpointError, Resumed, latest_checkpoint, read_state
@@ -387,7 +387,7 @@ def pipeline(
         name="resume",
         producer=Rollout(ReverseDigits(digits=2), [TorchEngine(model, seed=0)], tokenizer=model, group_size=4,
                          batch_groups=GROUPS),
-        buffer=ReplayBuffer(store),
+        buffer=RefBuffer(store),
         consumer=GRPOLearner(model, lr=3e-3, groups_per_step=GROUPS, selection=Fifo(max_reuse=max_reuse)),
         staleness=MaxStaleness(k=k, admission=admission),
         steps=steps, run_root=root, progress=False, checkpoint_every=3, hooks=hooks,
@@ -488,7 +488,7 @@ def test_baton_run_killed_with_sigkill_resumes_with_baton_run_resume(tmp_path: P
     sets = ["steps=16", "checkpoint.every=4", "telemetry.progress=false", "name=killed",
             f"run_root='{tmp_path}'", f"model.path='{tmp_path / 'model'}'"]
     args = [x for s in sets for x in ("--set", s)]
-    cmd = [sys.executable, "-m", "stages.cli", "run"]
+    cmd = [sys.executable, "-m", "baton.cli", "run"]
     proc = subprocess.Popen([*cmd, str(ROOT / "configs" / "quickstart.toml"), *args], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
@@ -527,9 +527,10 @@ def test_baton_run_killed_with_sigkill_resumes_with_baton_run_resume(tmp_path: P
 def test_resume_run_continues_a_config_built_run_from_its_checkpoint(tmp_path: Path) -> None:
     """`resume_run` (the Python API behind `baton run --resume`) rolls a finished run back to its
     checkpoint and trains on to new `steps` from the run folder's own config.toml."""
-    from pipeline.config import load_toml, validate
-    from stages.config import RunConfig, build_pipeline
-    from stages.resume import resume_run
+    from baton.builder import build_pipeline
+    from baton.config import load_toml, validate
+    from baton.resume import resume_run
+    from baton.schema import RunConfig
 
     overrides = [f"run_root='{tmp_path}'", f"model.path='{tmp_path / 'model'}'", "steps=6", "checkpoint.every=3",
                  "learner.groups_per_step=4", "engine.batch_groups=4", "rollout.group_size=4",
@@ -585,7 +586,7 @@ def test_payloads_held_by_another_mooncake_process_are_reused_after_a_crash(
 
 
 def test_baton_run_resume_of_a_folder_without_checkpoints_exits_2_and_says_why(tmp_path: Path, capsys) -> None:
-    from stages.cli import main
+    from baton.cli import main
 
     assert main(["run"]) == 2
     assert "needs a CONFIG, or --resume RUN_DIR" in capsys.readouterr().err
@@ -599,7 +600,7 @@ def test_baton_run_resume_of_a_folder_without_checkpoints_exits_2_and_says_why(t
 
 
 def test_a_failed_baton_run_with_a_checkpoint_says_how_to_resume_it(tmp_path: Path, capsys) -> None:
-    from stages.cli import main
+    from baton.cli import main
 
     sets = [f"run_root='{tmp_path}'", f"model.path='{tmp_path / 'model'}'", "steps=6", "checkpoint.every=3",
             "learner.groups_per_step=4", "engine.batch_groups=4", "rollout.group_size=4", "telemetry.progress=false",

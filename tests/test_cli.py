@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import ConfigError, apply_override, load_toml, resolve, validate
-from stages.cli import main
-from stages.config import RunConfig
+from baton.builder import make_part
+from baton.cli import main
+from baton.config import ConfigError, apply_override, load_toml, resolve, validate
+from baton.schema import RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "configs" / "quickstart.toml"
@@ -89,7 +90,7 @@ def test_overrides_parse_toml_values() -> None:
 
 def test_plugin_kinds_resolve_by_dotted_path() -> None:
     cfg = validate(RunConfig, {"task": {"kind": "stages.tasks:ReverseDigits", "digits": 3}})
-    task = cfg.task.build()
+    task = make_part("task", cfg)
     assert type(task).__name__ == "ReverseDigits" and task.digits == 3
     with pytest.raises(ConfigError, match="cannot import"):
         resolve("no_such_module:Thing")
@@ -111,7 +112,7 @@ def test_sglang_engine_without_a_server_environment_names_the_key_and_the_fix(ca
 
 @pytest.mark.parametrize("transport", ["inproc", "mooncake_p2p", "disk", "delta", "broadcast"])
 def test_each_weight_transport_builds_from_config(transport: str, tmp_path: Path) -> None:
-    from stages.config import build_pipeline
+    from baton.builder import build_pipeline
 
     data = load_toml(QUICKSTART)
     data.update(run_root=str(tmp_path), runtime="ray" if transport == "broadcast" else "local")
@@ -138,7 +139,7 @@ def test_sglang_urls_and_count_must_agree(capsys) -> None:
 
 def test_console_script_reports_config_errors() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "stages.cli", "run", str(QUICKSTART), "--set", "learner.lr=0"],
+        [sys.executable, "-m", "baton.cli", "run", str(QUICKSTART), "--set", "learner.lr=0"],
         capture_output=True, text=True, cwd=ROOT, timeout=60,
     )
     assert proc.returncode == 2

@@ -13,9 +13,9 @@ import pytest  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from pipeline.config import ConfigError, validate  # noqa: E402
+from baton.config import ConfigError, validate  # noqa: E402
+from baton.schema import RunConfig  # noqa: E402
 from policies.correction import Correction, decoupled, importance_weights, none, tis  # noqa: E402
-from stages.config import RunConfig  # noqa: E402
 from stages.losses import ppo_clip_loss  # noqa: E402
 
 log = math.log
@@ -174,7 +174,7 @@ def test_correction_rejects_bad_values(kwargs: dict, match: str) -> None:
 
 
 def test_config_selects_the_correction() -> None:
-    from stages.config import CorrectionSpec
+    from baton.schema import CorrectionSpec
 
     assert RunConfig().correction == CorrectionSpec(kind="none", tis_cap=2.0, decoupled_cap=None)
     cfg = validate(RunConfig, {"correction": {"kind": "decoupled", "decoupled_cap": 5.0}})
@@ -188,7 +188,7 @@ def test_config_selects_the_correction() -> None:
 
 
 def test_build_pipeline_hands_the_correction_to_the_learner(tmp_path) -> None:
-    from stages.config import build_pipeline
+    from baton.builder import build_pipeline
 
     cfg = validate(
         RunConfig,

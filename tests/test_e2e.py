@@ -20,7 +20,7 @@ def baton_run(tmp_path: Path, config: str, *overrides: str) -> dict:
     overrides = (f"run_root='{tmp_path}'", f"model.path='{tmp_path / 'model'}'", *overrides)
     sets = [x for o in overrides for x in ("--set", o)]
     proc = subprocess.run(
-        [sys.executable, "-m", "stages.cli", "run", str(ROOT / "configs" / config), *sets],
+        [sys.executable, "-m", "baton.cli", "run", str(ROOT / "configs" / config), *sets],
         capture_output=True, text=True, cwd=ROOT, timeout=240,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

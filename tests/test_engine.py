@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-import time
+import os
+import threading
 
 import torch
 
@@ -240,16 +241,27 @@ async def test_receive_returns_only_after_the_running_batch_took_the_version(eng
     the decode loop must have moved to the new tensors (at its next step boundary)."""
     tensors = load_model(model_b).state_dict()
     seen: list[int] = []
-    real = engine._sample
+    real_sample, real_stage = engine._sample, engine._stage
+    mid_batch, staged = threading.Event(), threading.Event()
+    calls = 0
 
-    def slow(logits, params):
-        time.sleep(0.05)  # a decode step long enough for the push to arrive in the middle
-        return real(logits, params)
+    def step_that_waits_for_the_push(logits, params):
+        nonlocal calls
+        calls += 1
+        if calls == 3:  # the batch is running: hold this step until the push has staged its version
+            mid_batch.set()
+            assert staged.wait(timeout=120), "the push never staged its version"
+        return real_sample(logits, params)
 
-    monkeypatch.setattr(engine, "_sample", slow)
+    def stage(version, tensors):
+        real_stage(version, tensors)
+        staged.set()
+
+    monkeypatch.setattr(engine, "_sample", step_that_waits_for_the_push)
+    monkeypatch.setattr(engine, "_stage", stage)
 
     async def push() -> None:
-        await anyio.sleep(0.12)
+        await anyio.to_thread.run_sync(mid_batch.wait)
         await engine.receive_weights(1, tensors)
         seen.append(engine.version)
 
@@ -278,9 +290,12 @@ async def test_policy_restart_decodes_the_batch_again_on_the_new_weights(engine:
 
 
 def test_make_tiny_model_reuse_and_mismatch(model_a) -> None:
-    t0 = time.perf_counter()
+    files = sorted(model_a.iterdir())
+    for f in files:
+        os.utime(f, ns=(1_000_000_000, 1_000_000_000))
     assert make_tiny_model(model_a) == model_a
-    assert time.perf_counter() - t0 < 1.0
+    assert sorted(model_a.iterdir()) == files
+    assert all(f.stat().st_mtime_ns == 1_000_000_000 for f in files), "reused: no file written again"
     with pytest.raises(ModelFolderError, match="overwrite"):
         make_tiny_model(model_a, hidden_size=32)
     with pytest.raises(ModelFolderError):
@@ -337,8 +352,8 @@ async def test_inproc_publish_delivers_private_copies() -> None:
         assert torch.equal(got, torch.arange(6, dtype=torch.float32))
         assert not got.requires_grad
     assert r1.got[0][1]["w"].data_ptr() != r2.got[0][1]["w"].data_ptr()
-    assert transport.pushes == 1
-    assert transport.bytes_pushed == 2 * 6 * 4
+    assert transport.stats["versions"] == 1
+    assert transport.stats["bytes"] == 2 * 6 * 4
 
 
 async def test_inproc_versions_must_increase() -> None:
@@ -351,7 +366,7 @@ async def test_inproc_versions_must_increase() -> None:
         with pytest.raises(WeightPushError):
             await transport.publish(bad, {"w": torch.ones(2)})
     assert [v for v, _ in sink.got] == [0, 2]
-    assert transport.pushes == 2
+    assert transport.stats["versions"] == 2
 
 
 async def test_inproc_feeds_a_real_engine(engine: TorchEngine, model_a, model_b) -> None:

@@ -27,8 +27,9 @@ torch.set_num_threads(1)
 
 import pytest  # noqa: E402
 
-from pipeline.config import validate  # noqa: E402
-from stages.config import RunConfig, build_pipeline  # noqa: E402
+from baton.builder import build_pipeline  # noqa: E402
+from baton.config import validate  # noqa: E402
+from baton.schema import RunConfig  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

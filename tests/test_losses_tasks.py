@@ -165,13 +165,8 @@ def test_reverse_digits_prompts(digits: int) -> None:
 def test_reverse_digits_rewards() -> None:
     task = ReverseDigits(digits=4)
     p = Prompt(text="1234>", answer="4321")
-    assert task.reward(p, "4321") == 1.0
-    assert task.reward(p, "1234") == 0.0
-    assert task.reward(p, "5555") == 0.0
-    assert task.reward(p, "4300") == 0.5
-    assert task.reward(p, "4") == 0.25
-    assert task.reward(p, "") == 0.0
-    assert task.reward(p, "43219") == 1.0  # extra characters are ignored
+    expected = {"4321": 1.0, "1234": 0.0, "5555": 0.0, "4300": 0.5, "4": 0.25, "": 0.0, "43219": 1.0}
+    assert {completion: task.reward(p, completion) for completion in expected} == expected  # extras ignored
 
 
 @pytest.mark.parametrize("digits", [0, -1, 17, 100])
@@ -191,11 +186,8 @@ def test_addition_prompts_and_rewards() -> None:
         assert p.answer == f"{a + b:02d}" and len(p.answer) == 2
         assert task.reward(p, p.answer) == 1.0
     p = Prompt(text="3+5=", answer="08")
-    assert task.reward(p, "08") == 1.0
-    assert task.reward(p, "8") == 0.0
-    assert task.reward(p, "09") == 0.5
-    assert task.reward(p, "18") == 0.5
-    assert task.reward(p, "91") == 0.0
+    expected = {"08": 1.0, "8": 0.0, "09": 0.5, "18": 0.5, "91": 0.0}
+    assert {completion: task.reward(p, completion) for completion in expected} == expected
     q = Prompt(text="9+9=", answer="18")
     assert task.reward(q, "18") == 1.0 and task.reward(q, "81") == 0.0
 

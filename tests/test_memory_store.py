@@ -5,10 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from buffers.codec import RolloutBatch, decode, encode
 from buffers.memory import MemoryStore
-from buffers.store import KeyNotFound, ObjectStore, StoreError, StoreFull
-from tests.store_contract import SURVIVORS, check_remove_matching_by_version
+from buffers.store import KeyNotFound, ObjectStore, StoreError
+from tests.store_contract import (
+    SURVIVORS,
+    check_capacity_refuses_and_changes_nothing,
+    check_encoded_batch_round_trip,
+    check_remove_matching_by_version,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -49,18 +53,8 @@ async def test_multidimensional_buffers_are_stored_as_bytes() -> None:
 
 async def test_encoded_batch_round_trip() -> None:
     store = MemoryStore()
-    batch = RolloutBatch.from_rows(
-        [{"tokens": np.arange(5, dtype=np.int32)}, {"tokens": np.arange(2, dtype=np.int32)}],
-        row_fields={"rewards": np.array([1.0, -1.0], np.float32)},
-        meta={"group": "g00000001"},
-    )
-    payload = encode(batch)
-    await store.put("run/v00000001/g00000001/0", payload)
-    decoded = decode(await store.get("run/v00000001/g00000001/0"))
-    assert decoded.token_fields["tokens"].tolist() == [0, 1, 2, 3, 4, 0, 1]
-    assert decoded.row_fields["rewards"].tolist() == [1.0, -1.0]
-    assert decoded.meta == {"group": "g00000001"}
-    assert store.nbytes == len(payload)
+    payload_bytes = await check_encoded_batch_round_trip(store)
+    assert store.nbytes == payload_bytes
 
 
 async def test_upsert_replaces_and_accounting_follows() -> None:
@@ -84,15 +78,11 @@ async def test_missing_key_raises_key_not_found() -> None:
 
 async def test_capacity_raises_store_full_and_changes_nothing() -> None:
     store = MemoryStore(capacity_bytes=100)
-    await store.put("a", b"x" * 70)
-    with pytest.raises(StoreFull, match=r"'b' \(40 bytes\).*70 of 100") as err:
-        await store.put("b", b"x" * 40)
-    assert isinstance(err.value, StoreError)
-    with pytest.raises(StoreFull):
-        await store.put("a", b"x" * 101)
-    assert (store.nbytes, store.keys(), bytes(await store.get("a"))) == (70, ["a"], b"x" * 70)
-    await store.put("b", b"x" * 30)
-    assert store.nbytes == 100
+
+    async def held():
+        return store.nbytes, store.keys()
+
+    await check_capacity_refuses_and_changes_nothing(store, held)
     with pytest.raises(ValueError):
         MemoryStore(capacity_bytes=-1)
 

@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import anyio
@@ -15,6 +14,7 @@ import numpy as np
 import pytest
 
 from buffers.mooncake import (
+    MooncakeLeased,
     MooncakeMasterUnreachable,
     MooncakeSettings,
     MooncakeStore,
@@ -173,9 +173,24 @@ async def test_leased_object_is_removed_after_the_lease(holder) -> None:
     await holder.put("ls/v00000000/g/0", b"leased")
     await holder.get("ls/v00000000/g/0")  # takes a 500 ms read lease
     assert holder._client.remove("ls/v00000000/g/0") == -706
-    t0 = time.monotonic()
+    attempts: list[str] = []
+    remove_once = holder._remove
+
+    def recorded(key: str) -> int:
+        try:
+            removed = remove_once(key)
+        except MooncakeLeased:
+            attempts.append("leased")
+            raise
+        attempts.append(f"removed {removed}")
+        return removed
+
+    holder._remove = recorded
     assert await holder.remove("ls/v00000000/g/0") == 1  # retried with tenacity until the lease ends
-    assert time.monotonic() - t0 < 5
+    assert attempts[0] == "leased" and attempts[-1] == "removed 1"
+    assert set(attempts[:-1]) == {"leased"}, "every retry before the last met the lease"
+    with pytest.raises(KeyNotFound):
+        await holder.get("ls/v00000000/g/0")
 
 
 async def test_holder_death_is_a_transfer_failure(mooncake_master) -> None:

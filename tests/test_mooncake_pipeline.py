@@ -14,7 +14,7 @@ import torch
 
 from buffers.mooncake import MooncakeSettings, MooncakeStore
 from buffers.mooncake_master import MooncakeMaster
-from buffers.replay import ReplayBuffer
+from buffers.ref_buffer import RefBuffer
 from pipeline.actor import BaseActor
 from pipeline.dsl import Pipeline
 from policies import MaxStaleness
@@ -38,7 +38,7 @@ def test_quickstart_on_mooncake_stops_its_master(tmp_path: Path) -> None:
     before = masters_running()
     sets = [f"run_root='{tmp_path}'", f"model.path='{tmp_path / 'model'}'", "steps=20"]
     proc = subprocess.run(
-        [sys.executable, "-m", "stages.cli", "run", str(ROOT / "configs" / "quickstart-mooncake.toml"),
+        [sys.executable, "-m", "baton.cli", "run", str(ROOT / "configs" / "quickstart-mooncake.toml"),
          *[x for s in sets for x in ("--set", s)]],
         capture_output=True, text=True, cwd=ROOT, timeout=240,
     )
@@ -87,7 +87,7 @@ def test_master_restart_loses_keys_that_are_counted_and_redone(tmp_path: Path) -
             name="restart", steps=10, run_root=tmp_path, progress=False,
             producer=Rollout(ReverseDigits(digits=2), [TorchEngine(model)], tokenizer=model, group_size=4,
                              batch_groups=4),
-            buffer=ReplayBuffer(store),
+            buffer=RefBuffer(store),
             consumer=GRPOLearner(model, groups_per_step=4),
             staleness=MaxStaleness(k=2),
             hooks=[add_restarter],

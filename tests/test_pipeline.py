@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from buffers.memory import MemoryStore
-from buffers.replay import ReplayBuffer
+from buffers.ref_buffer import RefBuffer
 from pipeline.actor import ActorFailed, BaseActor
 from pipeline.dsl import Pipeline
 from policies import MaxStaleness
@@ -69,7 +69,7 @@ def pipeline(model: Path, tmp_path: Path, *, store=None, staleness=None, steps=6
         progress=False,
         producer=Rollout(ReverseDigits(digits=2), [TorchEngine(model)], tokenizer=model,
                          group_size=4, batch_groups=4),
-        buffer=ReplayBuffer(store),
+        buffer=RefBuffer(store),
         consumer=GRPOLearner(model, groups_per_step=4),
         staleness=staleness or MaxStaleness(k=1),
         **kw,

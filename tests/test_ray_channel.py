@@ -23,7 +23,7 @@ from pipeline.runtime.ray_channel import ChannelItemError, RayChannel  # noqa: E
 pytestmark = pytest.mark.anyio
 
 SHORT = 0.4  # "does not complete within": long enough for several round trips on a busy 2-core box
-LONG = 20.0  # "completes within"
+HUNG_AFTER = 120.0  # a guard against a hang, far above any correct run's time
 
 _encode = msgspec.msgpack.encode
 
@@ -147,7 +147,7 @@ class Peer:
 async def test_fifo_actor_producer_to_driver(peers, make_channel) -> None:
     ch = make_channel(max_items=4)
     items = [ref(i) for i in range(60)]
-    with anyio.fail_after(LONG):
+    with anyio.fail_after(HUNG_AFTER):
         pid = peers[0].produce.remote(ch, _encode(items[:30]), 0)  # plain sends
         got = [await ch.receive() for _ in range(30)]
         assert await pid != os.getpid()
@@ -162,7 +162,7 @@ async def test_fifo_actor_producer_to_driver(peers, make_channel) -> None:
 async def test_fifo_driver_to_actor_consumer(peers, make_channel) -> None:
     ch = make_channel(max_items=8)
     items = [ref(i) for i in range(100)]
-    with anyio.fail_after(LONG):
+    with anyio.fail_after(HUNG_AFTER):
         consumed = peers[1].consume.remote(ch, 5)
         for item in items[:20]:
             await ch.send(item)
@@ -175,7 +175,7 @@ async def test_fifo_driver_to_actor_consumer(peers, make_channel) -> None:
 
 async def test_backpressure_by_items_across_processes(peers, make_channel) -> None:
     ch = make_channel(max_items=2)
-    with anyio.fail_after(LONG):
+    with anyio.fail_after(HUNG_AFTER):
         await ch.send_many([ref(0), ref(1)])
     assert ch.depth == 2
     blocked = peers[0].send_timed.remote(ch, _encode([ref(2)]))
@@ -184,12 +184,12 @@ async def test_backpressure_by_items_across_processes(peers, make_channel) -> No
     assert scope.cancelled_caught, "the producer's send should block while the channel is full"
     with pytest.raises(anyio.WouldBlock):
         await ch.send_nowait(ref(99))
-    with anyio.fail_after(LONG):
+    with anyio.fail_after(HUNG_AFTER):
         before_receive = time.monotonic()
         assert (await ch.receive()).checksum == 0
         completed_at = await blocked
     assert completed_at >= before_receive, "the blocked send completed before the driver received"
-    with anyio.fail_after(LONG):
+    with anyio.fail_after(HUNG_AFTER):
         assert [r.checksum for r in await ch.receive_many(10)] == [1, 2]
     stats = await ch.stats()
     assert stats.send_wait_s >= SHORT / 2  # the host's view starts when the send reached it
@@ -198,7 +198,7 @@ async def test_backpressure_by_items_across_processes(peers, make_channel) -> No
 
 async def test_backpressure_by_bytes_across_processes(peers, make_channel) -> None:
     ch = make_channel(max_items=100, max_bytes=100)
-    with anyio.fail_after(LONG):
+    with anyio.fail_after(HUNG_AFTER):
         await ch.send(ref(0, nbytes=60))
         await ch.send(ref(1, nbytes=40))
     assert (ch.depth, ch.nbytes) == (2, 100)
@@ -206,7 +206,7 @@ async def test_backpressure_by_bytes_across_processes(peers, make_channel) -> No
     with anyio.move_on_after(SHORT) as scope:
         await blocked
     assert scope.cancelled_caught, "the producer's send should block while its bytes do not fit"
-    with anyio.fail_after(LONG):
+    with anyio.fail_after(HUNG_AFTER):
         before_receive = time.monotonic()
         assert (await ch.receive()).nbytes == 60
         completed_at = await blocked
@@ -218,7 +218,7 @@ async def test_backpressure_by_bytes_across_processes(peers, make_channel) -> No
 async def test_close_then_drain_across_processes(peers, make_channel) -> None:
     ch = make_channel(max_items=10)
     waiting = peers[1].receive_one.remote(ch)  # the consumer process waits on the empty channel
-    with anyio.fail_after(LONG):
+    with anyio.fail_after(HUNG_AFTER):
         await ch.send(ref(0))
         assert [r.checksum for r in _decode_refs(await waiting)] == [0]
         await peers[0].produce.remote(ch, _encode([ref(i) for i in range(1, 6)]), 2, True)
@@ -239,19 +239,19 @@ async def test_close_wakes_a_blocked_receiver_in_another_process(peers, make_cha
     waiting = peers[1].receive_one.remote(ch)
     with anyio.move_on_after(SHORT):
         await waiting
-    with anyio.fail_after(LONG):
+    with anyio.fail_after(HUNG_AFTER):
         await ch.aclose()
         assert await waiting == "EndOfStream"
 
 
 async def test_send_after_close_raises_in_the_other_process(peers, make_channel) -> None:
     ch = make_channel(max_items=1)
-    with anyio.fail_after(LONG):
+    with anyio.fail_after(HUNG_AFTER):
         await ch.send(ref(0))
     blocked = peers[0].send_timed.remote(ch, _encode([ref(1)]))  # waits for room in the host
     with anyio.move_on_after(SHORT):
         await blocked
-    with anyio.fail_after(LONG):
+    with anyio.fail_after(HUNG_AFTER):
         await ch.aclose()
         assert await blocked == "ChannelClosed"  # a waiting sender is woken to raise it
         assert await peers[0].send_timed.remote(ch, _encode([ref(2)])) == "ChannelClosed"
@@ -266,7 +266,7 @@ async def test_two_producer_processes_one_consumer_no_loss_no_duplication(peers,
     streams = {name: [ref(i, producer=name) for i in range(n)] for name in ("a", "b")}
     got: list[Ref] = []
 
-    with anyio.fail_after(LONG * 2):
+    with anyio.fail_after(HUNG_AFTER):
         started = time.perf_counter()
         a = peers[0].produce_random_batches.remote(ch, _encode(streams["a"]), 0)
         b = peers[1].produce_random_batches.remote(ch, _encode(streams["b"]), 1)
@@ -296,7 +296,7 @@ async def test_stats_reflect_depth_and_waits(make_channel) -> None:
     ch = make_channel(max_items=3, max_bytes=1000)
     with anyio.move_on_after(SHORT):
         await ch.receive()  # waits (then is cancelled: takes nothing)
-    with anyio.fail_after(LONG):
+    with anyio.fail_after(HUNG_AFTER):
         await ch.send_many([ref(0, nbytes=100), ref(1, nbytes=200)])
         stats = await ch.stats()
     assert (stats.depth, stats.nbytes, stats.sent, stats.received) == (2, 300, 2, 0)
@@ -304,7 +304,7 @@ async def test_stats_reflect_depth_and_waits(make_channel) -> None:
     assert stats.receive_wait_s >= SHORT / 2
     assert stats.send_wait_s == 0
     assert (ch.depth, ch.nbytes) == (2, 300)
-    with anyio.fail_after(LONG):
+    with anyio.fail_after(HUNG_AFTER):
         await ch.send(ref(2, nbytes=700))
         with anyio.move_on_after(SHORT):
             await ch.send(ref(3))  # full: waits, is cancelled, puts nothing in
@@ -320,7 +320,7 @@ async def test_cancelled_receive_loses_nothing(peers, make_channel) -> None:
     assert scope.cancelled_caught
     with anyio.move_on_after(SHORT):
         await ch.receive_many(10)
-    with anyio.fail_after(LONG):
+    with anyio.fail_after(HUNG_AFTER):
         await peers[0].produce.remote(ch, _encode([ref(0), ref(1)]), 0)
         assert [r.checksum for r in await ch.receive_many(10)] == [0, 1]
         counts = await ch.host.cancellations.remote()
@@ -336,7 +336,7 @@ async def test_random_cancellation_of_receives_keeps_every_item_once_in_order(pe
     items = [ref(i) for i in range(n)]
     rng = random.Random(7)
     got: list[Ref] = []
-    with anyio.fail_after(LONG * 2):
+    with anyio.fail_after(HUNG_AFTER):
         done = peers[0].produce.remote(ch, _encode(items), 3, True)
         while True:
             with anyio.move_on_after(rng.random() * 0.004):
@@ -357,14 +357,14 @@ async def test_random_cancellation_of_receives_keeps_every_item_once_in_order(pe
 
 async def test_cancelled_blocked_send_puts_nothing_in(make_channel) -> None:
     ch = make_channel(max_items=1)
-    with anyio.fail_after(LONG):
+    with anyio.fail_after(HUNG_AFTER):
         await ch.send(ref(0))
     with anyio.move_on_after(SHORT) as scope:
         await ch.send(ref(1))
     assert scope.cancelled_caught
     with anyio.move_on_after(SHORT):
         await ch.send_many([ref(2), ref(3)])
-    with anyio.fail_after(LONG):
+    with anyio.fail_after(HUNG_AFTER):
         await ch.aclose()
         assert [r.checksum for r in await ch.receive_many(10)] == [0]
         with pytest.raises(anyio.EndOfStream):
@@ -373,7 +373,7 @@ async def test_cancelled_blocked_send_puts_nothing_in(make_channel) -> None:
 
 async def test_nowait_variants(make_channel) -> None:
     ch = make_channel(max_items=1)
-    with anyio.fail_after(LONG):
+    with anyio.fail_after(HUNG_AFTER):
         with pytest.raises(anyio.WouldBlock):
             await ch.receive_nowait()
         await ch.send_nowait(ref(0))
@@ -385,7 +385,7 @@ async def test_nowait_variants(make_channel) -> None:
 async def test_malformed_item_is_refused_at_the_sender(make_channel) -> None:
     ch = make_channel(max_items=4)
     bad = Ref(store="s", key="k", version="zero", version_max=0, rows=1, nbytes=1, checksum=0, group="g")  # type: ignore[arg-type]
-    with anyio.fail_after(LONG):
+    with anyio.fail_after(HUNG_AFTER):
         with pytest.raises(ChannelItemError, match="version"):
             await ch.send(bad)
         with pytest.raises(ChannelItemError):

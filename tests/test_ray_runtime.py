@@ -17,7 +17,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 import ray  # noqa: E402
 
 from buffers.mooncake import MooncakeSettings, MooncakeStoreSpec  # noqa: E402
-from buffers.replay import ReplayBuffer  # noqa: E402
+from buffers.ref_buffer import RefBuffer  # noqa: E402
 from pipeline.actor import ActorFailed  # noqa: E402
 from pipeline.dsl import Pipeline  # noqa: E402
 from policies import MaxStaleness  # noqa: E402
@@ -51,7 +51,7 @@ def pipeline(model: Path, root: Path, steps: int, weights: object = "inproc") ->
             [TorchEngine(model, name="torch-0"), TorchEngine(model, name="torch-1", seed=1)],
             tokenizer=model, group_size=8, batch_groups=8,
         ),
-        buffer=ReplayBuffer(MooncakeStoreSpec(MooncakeSettings(global_segment_size=256 << 20), master="auto")),
+        buffer=RefBuffer(MooncakeStoreSpec(MooncakeSettings(global_segment_size=256 << 20), master="auto")),
         consumer=GRPOLearner(model, groups_per_step=8, weights=weights),
         staleness=MaxStaleness(k=2),
     )

@@ -16,9 +16,13 @@ from buffers.ray_store import RayIndexUnavailable, RayObjectLost, RaySizeMismatc
 
 import ray  # isort: skip  (after buffers.ray_store, which pins Ray's listeners to 127.0.0.1)
 
-from buffers.codec import RolloutBatch, decode, encode
 from buffers.store import KeyNotFound, ObjectStore, StoreError, StoreFull
-from tests.store_contract import SURVIVORS, check_remove_matching_by_version
+from tests.store_contract import (
+    SURVIVORS,
+    check_capacity_refuses_and_changes_nothing,
+    check_encoded_batch_round_trip,
+    check_remove_matching_by_version,
+)
 
 pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("ray_cluster")]
 
@@ -193,14 +197,11 @@ async def test_batches_outlive_their_killed_producer(store: RayStore) -> None:
 
 async def test_capacity_raises_store_full_and_changes_nothing(store: RayStore) -> None:
     s = RayStore(store.name, capacity_bytes=100)  # the bound applies to this handle's puts, on the shared total
-    await s.put("a", b"x" * 70)
-    with pytest.raises(StoreFull, match=r"'b' \(40 bytes\).*70 of 100") as err:
-        await s.put("b", b"x" * 40)
-    assert isinstance(err.value, StoreError)
-    with pytest.raises(StoreFull):
-        await s.put("a", b"x" * 101)
-    assert (await s.keys(), await s.nbytes(), bytes(await s.get("a"))) == (["a"], 70, b"x" * 70)
-    await s.put("b", b"x" * 30)
+
+    async def held():
+        return await s.nbytes(), await s.keys()
+
+    await check_capacity_refuses_and_changes_nothing(s, held)
     await s.put("a", b"y" * 70)  # an upsert only needs room for the difference
     assert await s.nbytes() == 100
     with pytest.raises(StoreFull):
@@ -211,17 +212,7 @@ async def test_capacity_raises_store_full_and_changes_nothing(store: RayStore) -
 
 
 async def test_codec_round_trip(store: RayStore) -> None:
-    batch = RolloutBatch.from_rows(
-        [{"tokens": np.arange(5, dtype=np.int32)}, {"tokens": np.arange(2, dtype=np.int32)}],
-        row_fields={"rewards": np.array([1.0, -1.0], np.float32)},
-        meta={"group": "g00000001"},
-    )
-    data = encode(batch)
-    await store.put("run/v00000001/g00000001/0", data)
-    decoded = decode(await store.get("run/v00000001/g00000001/0", size_hint=len(data)))
-    assert decoded.token_fields["tokens"].tolist() == [0, 1, 2, 3, 4, 0, 1]
-    assert decoded.row_fields["rewards"].tolist() == [1.0, -1.0]
-    assert decoded.meta == {"group": "g00000001"}
+    await check_encoded_batch_round_trip(store)
 
 
 async def test_close_only_kills_the_index_from_its_creator() -> None:

@@ -25,7 +25,7 @@ def baton(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
     overrides = (f"run_root='{tmp_path}'", f"model.path='{tmp_path / 'model'}'", *overrides)
     sets = [x for o in overrides for x in ("--set", o)]
     return subprocess.run(
-        [sys.executable, "-m", "stages.cli", "run", str(ROOT / "configs" / "quickstart.toml"), *sets],
+        [sys.executable, "-m", "baton.cli", "run", str(ROOT / "configs" / "quickstart.toml"), *sets],
         capture_output=True, text=True, cwd=ROOT, timeout=240,
     )
 

@@ -14,7 +14,7 @@ from policies.staleness import MaxStaleness
 pytestmark = pytest.mark.anyio
 
 SHORT = 0.05
-LONG = 2.0
+HUNG_AFTER = 60.0  # a guard against a hang, far above any correct run's time
 
 
 
@@ -56,6 +56,40 @@ class Recorder(BaseActor):
             raise self.fail_stop
 
 
+async def without_waiting(call):
+    """The result of `await call()`, which must return on its own: once every other task is
+    blocked, nothing can wake it any more, so by then it has returned."""
+    results = []
+
+    async def run() -> None:
+        results.append(await call())
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run)
+        await anyio.wait_all_tasks_blocked()
+        tg.cancel_scope.cancel()
+    assert results, "it waited for something"
+    return results[0]
+
+
+async def assert_acquire_waits_for(gate: AdmissionGate, *releases) -> None:
+    """A producer's `gate.acquire()` keeps waiting after each release but the last, and returns after it."""
+    acquired = anyio.Event()
+
+    async def producer() -> None:
+        await gate.acquire()
+        acquired.set()
+
+    with anyio.fail_after(HUNG_AFTER):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(producer)
+            for release in releases:
+                await anyio.wait_all_tasks_blocked()
+                assert not acquired.is_set()
+                release()
+            await acquired.wait()
+
+
 def stops(log: list[str]) -> list[str]:
     return [e.split(":", 1)[1] for e in log if e.startswith("stop:")]
 
@@ -65,7 +99,7 @@ async def test_runs_all_and_stops_when_until_finishes() -> None:
     a = Recorder("a", log, steps=5)
     b = Recorder("b", log, steps=None)  # would run forever
     c = Recorder("c", log, steps=2)  # returns early; not awaited, but must not end the run
-    with anyio.fail_after(LONG):
+    with anyio.fail_after(HUNG_AFTER):
         await run_actors([a, b, c], until=["a"])
     assert a.done == 5 and not a.cancelled
     assert b.cancelled and b.done >= 1
@@ -82,7 +116,7 @@ async def test_run_waits_for_every_until_actor() -> None:
     fast = Recorder("fast", log, steps=1)
     slow = Recorder("slow", log, steps=20)
     forever = Recorder("forever", log)
-    with anyio.fail_after(LONG):
+    with anyio.fail_after(HUNG_AFTER):
         await run_actors([fast, slow, forever], until=["fast", "slow"])
     assert slow.done == 20 and not slow.cancelled
     assert forever.cancelled
@@ -94,7 +128,7 @@ async def test_failing_run_raises_actor_failed_with_cause_and_stops_all() -> Non
     a = Recorder("a", log)
     bad = Recorder("bad", log, steps=3, fail_run=boom)
     c = Recorder("c", log)
-    with anyio.fail_after(LONG):
+    with anyio.fail_after(HUNG_AFTER):
         with pytest.raises(ActorFailed) as info:
             await run_actors([a, bad, c], until=["a"])
     err = info.value
@@ -112,7 +146,7 @@ async def test_failing_start_stops_earlier_actors_only() -> None:
     b = Recorder("b", log)
     bad = Recorder("bad", log, fail_start=err0)
     d = Recorder("d", log)
-    with anyio.fail_after(LONG):
+    with anyio.fail_after(HUNG_AFTER):
         with pytest.raises(ActorFailed) as info:
             await run_actors([a, b, bad, d], until=["a"])
     assert info.value.actor == "bad" and info.value.phase == "start"
@@ -127,7 +161,7 @@ async def test_stop_failure_does_not_skip_other_stops() -> None:
     a = Recorder("a", log)
     b = Recorder("b", log, fail_stop=ValueError("stuck"))
     c = Recorder("c", log, steps=1)
-    with anyio.fail_after(LONG):
+    with anyio.fail_after(HUNG_AFTER):
         with pytest.raises(ActorFailed) as info:
             await run_actors([a, b, c], until=["c"])
     assert info.value.actor == "b" and info.value.phase == "stop"
@@ -138,7 +172,7 @@ async def test_run_failure_wins_over_stop_failure() -> None:
     log: list[str] = []
     a = Recorder("a", log, fail_stop=ValueError("stuck"))
     bad = Recorder("bad", log, steps=1, fail_run=OSError("disk"))
-    with anyio.fail_after(LONG):
+    with anyio.fail_after(HUNG_AFTER):
         with pytest.raises(ActorFailed) as info:
             await run_actors([a, bad], until=["a"])
     assert info.value.actor == "bad" and isinstance(info.value.__cause__, OSError)
@@ -149,7 +183,7 @@ async def test_start_failure_not_masked_by_stop_failure() -> None:
     log: list[str] = []
     a = Recorder("a", log, fail_stop=ValueError("stuck"))
     bad = Recorder("bad", log, fail_start=RuntimeError("no gpu"))
-    with anyio.fail_after(LONG):
+    with anyio.fail_after(HUNG_AFTER):
         with pytest.raises(ActorFailed) as info:
             await run_actors([a, bad], until=["a"])
     assert stops(log) == ["a"]
@@ -189,13 +223,13 @@ async def test_clock_wait_until_wakes_on_advance() -> None:
     async def waiter() -> None:
         got.append(await clock.wait_until(2))
 
-    with anyio.fail_after(LONG):
+    with anyio.fail_after(HUNG_AFTER):
         async with anyio.create_task_group() as tg:
             tg.start_soon(waiter)
-            await anyio.sleep(SHORT)
+            await anyio.wait_all_tasks_blocked()
             assert got == []
             assert clock.advance() == 1
-            await anyio.sleep(SHORT)
+            await anyio.wait_all_tasks_blocked()
             assert got == []  # 1 < 2: still waiting
             clock.advance()
     assert got == [2]
@@ -208,11 +242,11 @@ async def test_clock_wait_change_wakes_all_waiters() -> None:
     async def waiter() -> None:
         got.append(await clock.wait_change(3))
 
-    with anyio.fail_after(LONG):
+    with anyio.fail_after(HUNG_AFTER):
         async with anyio.create_task_group() as tg:
             for _ in range(3):
                 tg.start_soon(waiter)
-            await anyio.sleep(SHORT)
+            await anyio.wait_all_tasks_blocked()
             assert got == []
             clock.advance(5)
     assert got == [5, 5, 5]
@@ -220,10 +254,9 @@ async def test_clock_wait_change_wakes_all_waiters() -> None:
 
 async def test_clock_returns_at_once_when_already_there() -> None:
     clock = VersionClock(4)
-    with anyio.fail_after(SHORT):
-        assert await clock.wait_until(4) == 4
-        assert await clock.wait_until(1) == 4
-        assert await clock.wait_change(2) == 4
+    assert await without_waiting(lambda: clock.wait_until(4)) == 4
+    assert await without_waiting(lambda: clock.wait_until(1)) == 4
+    assert await without_waiting(lambda: clock.wait_change(2)) == 4
 
 
 async def test_clock_same_version_advance_does_not_wake() -> None:
@@ -265,25 +298,12 @@ async def test_gate_try_acquire_follows_policy() -> None:
 async def test_gate_acquire_blocks_until_clock_advances() -> None:
     clock = VersionClock()
     gate = AdmissionGate(clock, MaxStaleness(k=0), units_per_version=1)
-    with anyio.fail_after(SHORT):
-        await gate.acquire()
+    await without_waiting(gate.acquire)
     with anyio.move_on_after(SHORT) as scope:
         await gate.acquire()
     assert scope.cancelled_caught and gate.started == 1
 
-    acquired = anyio.Event()
-
-    async def producer() -> None:
-        await gate.acquire()
-        acquired.set()
-
-    with anyio.fail_after(LONG):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(producer)
-            await anyio.sleep(SHORT)
-            assert not acquired.is_set()
-            clock.advance()
-            await acquired.wait()
+    await assert_acquire_waits_for(gate, clock.advance)
     assert gate.started == 2
     assert gate.wait_s > 0
 
@@ -292,19 +312,7 @@ async def test_gate_acquire_released_by_discard() -> None:
     clock = VersionClock()
     gate = AdmissionGate(clock, MaxStaleness(k=0), units_per_version=2)
     assert gate.try_acquire() and gate.try_acquire()
-    acquired = anyio.Event()
-
-    async def producer() -> None:
-        await gate.acquire()
-        acquired.set()
-
-    with anyio.fail_after(LONG):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(producer)
-            await anyio.sleep(SHORT)
-            assert not acquired.is_set()
-            gate.discard()
-            await acquired.wait()
+    await assert_acquire_waits_for(gate, gate.discard)
     assert clock.version == 0
     assert gate.started == 3 and gate.discarded == 1
 
@@ -321,22 +329,12 @@ async def test_gate_stays_blocked_when_advance_is_not_enough() -> None:
 
     gate = AdmissionGate(clock, EveryOther(), units_per_version=1)
     assert gate.try_acquire()
-    acquired = anyio.Event()
 
-    async def producer() -> None:
-        await gate.acquire()
-        acquired.set()
+    def advance_after_the_policy_was_asked_again() -> None:
+        assert any(c[0] == 1 for c in policy_calls)  # it did re-evaluate on the advance
+        clock.advance()  # version 2: limit 2
 
-    with anyio.fail_after(LONG):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(producer)
-            await anyio.sleep(SHORT)
-            clock.advance()  # version 1: limit still 1
-            await anyio.sleep(SHORT)
-            assert not acquired.is_set()
-            assert any(c[0] == 1 for c in policy_calls)  # it did re-evaluate on the advance
-            clock.advance()  # version 2: limit 2
-            await acquired.wait()
+    await assert_acquire_waits_for(gate, clock.advance, advance_after_the_policy_was_asked_again)
     assert gate.started == 2
 
 
@@ -351,15 +349,15 @@ async def test_many_producers_never_exceed_limit() -> None:
             await gate.acquire()
             live_max.append(gate.started - gate.discarded)
 
-    with anyio.fail_after(LONG):
+    with anyio.fail_after(HUNG_AFTER):
         async with anyio.create_task_group() as tg:
             for _ in range(4):
                 tg.start_soon(producer)
             for _ in range(3):
-                await anyio.sleep(SHORT / 2)
+                await anyio.wait_all_tasks_blocked()
                 assert gate.started - gate.discarded == (clock.version + k + 1) * b
                 clock.advance()
-            await anyio.sleep(SHORT / 2)
+            await anyio.wait_all_tasks_blocked()
             tg.cancel_scope.cancel()
     assert max(live_max) <= (clock.version + k + 1) * b
     assert gate.started == (clock.version + k + 1) * b

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import ConfigError, load_toml, validate
+from baton.cli import main
+from baton.config import ConfigError, load_toml, validate
+from baton.schema import RunConfig
 from policies.bounds import PipelineShape, check
 from policies.selection import Candidate, Fifo, Freshest, ReplayWindow, Uniform, has_signal, make_selection
 from policies.staleness import MaxStaleness
-from stages.cli import main
-from stages.config import RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -143,7 +143,7 @@ def test_baton_check_refuses_before_anything_starts(capsys) -> None:
 
 
 def test_replay_keys_validate_and_reach_the_learner(tmp_path) -> None:
-    from stages.config import build_pipeline
+    from baton.builder import build_pipeline
 
     data = load_toml(ROOT / "configs" / "quickstart.toml")
     data.update(run_root=str(tmp_path), model={"path": str(tmp_path / "m")}, staleness={"k": 4})

@@ -230,8 +230,9 @@ async def test_policy_restarts_requests_that_would_span_too_many_versions(engine
 
 async def test_sglang_run_learns(engine, tmp_path):
     """The quickstart on SGLang (the module's server, attached by url), short: reward rises."""
-    from pipeline.config import load_toml
-    from stages.config import RunConfig, build_pipeline
+    from baton.builder import build_pipeline
+    from baton.config import load_toml
+    from baton.schema import RunConfig
 
     data = load_toml("configs/sglang-cpu.toml")
     data.update(steps=80, run_root=str(tmp_path))

@@ -1,4 +1,4 @@
-"""`baton simulate` (stages.simulate on pipeline.discrete_events): it runs the runtimes' own policy, gate,
+"""`baton simulate` (baton.simulate on baton.simulate.events): it runs the runtimes' own policy, gate,
 clock, channel and replay-window objects; its properties; its CLI; and (slow) its accuracy against real
 Ray runs of benchmarks/async_vs_sync.py's pair, each simulated from its own calibration."""
 
@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import anyio
@@ -20,11 +19,13 @@ import pipeline.admission
 import pipeline.channel
 import pipeline.versions
 import policies.selection
-from pipeline.config import ConfigError
-from pipeline.discrete_events import TIMEOUT, EventLoop, Wait, channel_receive, channel_send
+from baton.cli import main as cli
+from baton.config import ConfigError
+from baton.simulate.calibrate import calibrate
+from baton.simulate.costs import DeclaredCosts
+from baton.simulate.events import TIMEOUT, EventLoop, Wait, channel_receive, channel_send
+from baton.simulate.simulation import Simulation, load_simulation_config, simulate
 from policies.staleness import MaxStaleness
-from stages import simulate as sim
-from stages.cli import main as cli
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = str(ROOT / "configs" / "quickstart.toml")
@@ -34,7 +35,7 @@ FAST = settings(max_examples=25, deadline=None)
 def tiny(*overrides: str, steps: int = 40):
     """The quickstart config with deterministic declared costs (every response as long as the mean)."""
     sets = ["simulate.response_tokens_sigma=0", "simulate.warmup=5", f"steps={steps}", *overrides]
-    return sim.load_simulation_config(QUICKSTART, sets)
+    return load_simulation_config(QUICKSTART, sets)
 
 
 # ------------------------------------------------------------------------- the runtimes' own objects
@@ -42,7 +43,7 @@ def tiny(*overrides: str, steps: int = 40):
 
 def test_the_simulation_is_built_from_the_runtimes_classes() -> None:
     cfg, spec = tiny()
-    s = sim.Simulation(cfg, spec, sim.DeclaredCosts(spec, 8, "inproc", "local"))
+    s = Simulation(cfg, spec, DeclaredCosts(spec, 8, "inproc", "local"))
     assert type(s.policy) is MaxStaleness and s.policy.k == 2
     assert type(s.gate) is pipeline.admission.AdmissionGate and s.gate.policy is s.policy
     assert type(s.clock) is pipeline.versions.VersionClock and s.gate.clock is s.clock
@@ -70,7 +71,7 @@ def test_the_simulation_asks_the_policy_and_moves_refs_through_the_channel(monke
     counting(pipeline.channel.Channel, "send_nowait")
     counting(pipeline.channel.Channel, "receive_nowait")
     cfg, spec = tiny()
-    result = sim.simulate(cfg, spec)
+    result = simulate(cfg, spec)
     groups = cfg.steps * cfg.learner.groups_per_step
     assert result.counts["trained"] == groups
     assert calls["admit"] >= groups and calls["accept"] >= groups
@@ -82,13 +83,13 @@ def test_a_patched_policy_changes_what_the_simulation_does(monkeypatch) -> None:
     """k = 2, but an admit rule that only ever admits the current version's groups makes it on-policy:
     the simulation runs whatever the policy object decides."""
     cfg, spec = tiny()
-    assert sim.simulate(cfg, spec).figures["mean_staleness"] > 0.5
+    assert simulate(cfg, spec).figures["mean_staleness"] > 0.5
 
     def on_policy_admit(self, version, started, discarded, groups_per_step):
         return started - discarded < (version + 1) * groups_per_step
 
     monkeypatch.setattr(MaxStaleness, "admit", on_policy_admit)
-    result = sim.simulate(cfg, spec)
+    result = simulate(cfg, spec)
     assert result.staleness_hist == {0: cfg.steps * cfg.learner.groups_per_step}
 
 
@@ -96,9 +97,9 @@ def test_interrupt_decides_whether_generation_in_flight_restarts(monkeypatch) ->
     """With k = 1 the policy lets a call span one version change (continue); patched to restart, every
     call a new version reaches starts again on the new weights."""
     cfg, spec = tiny("staleness.k=1", "simulate.decode_tokens_per_s=500")
-    assert sim.simulate(cfg, spec, engines=2).counts.get("restarted", 0) == 0
+    assert simulate(cfg, spec, engines=2).counts.get("restarted", 0) == 0
     monkeypatch.setattr(MaxStaleness, "interrupt", lambda self, oldest, new: "restart")
-    assert sim.simulate(cfg, spec, engines=2).counts.get("restarted", 0) > 0
+    assert simulate(cfg, spec, engines=2).counts.get("restarted", 0) > 0
 
 
 # --------------------------------------------------------------------------------------- properties
@@ -116,8 +117,8 @@ def test_in_sync_mode_more_engines_never_lower_throughput(gps, batch, mean, trai
         f"simulate.response_tokens_mean={mean}", f"simulate.train_tokens_per_s={train}",
         f"simulate.push_latency_s={push}", steps=24,
     )
-    fewer = sim.simulate(cfg, spec, engines=engines).figures["samples_per_s"]
-    more = sim.simulate(cfg, spec, engines=engines + 1).figures["samples_per_s"]
+    fewer = simulate(cfg, spec, engines=engines).figures["samples_per_s"]
+    more = simulate(cfg, spec, engines=engines + 1).figures["samples_per_s"]
     assert more >= fewer * (1 - 1e-9)
 
 
@@ -134,7 +135,7 @@ def test_the_staleness_bound_holds_in_every_simulated_run(
 ) -> None:
     assume(reuse <= k + 1)
     try:
-        cfg, spec = sim.load_simulation_config(QUICKSTART, [
+        cfg, spec = load_simulation_config(QUICKSTART, [
             f"mode='{'sync' if k == 0 else 'async'}'", f"staleness.k={k}", f"staleness.admission='{admission}'",
             f"staleness.on_stale='{on_stale}'", f"engine.batch_groups={batch}", f"learner.groups_per_step={gps}",
             f"buffer.produced_channel={produced}", f"buffer.max_refs={refs}", f"buffer.ready_channel={ready}",
@@ -144,18 +145,20 @@ def test_the_staleness_bound_holds_in_every_simulated_run(
         ])
     except ConfigError:
         assume(False)  # a shape `baton run` refuses (policies.bounds) is not simulated either
-    result = sim.simulate(cfg, spec)
+    result = simulate(cfg, spec)
     assert result.counts["trained"] >= 20 * gps // reuse
     assert max(result.staleness_hist) <= k
     assert all(r["staleness_max"] <= k for r in result.records)
 
 
-def test_ten_thousand_steps_take_seconds() -> None:
-    cfg, spec = tiny("learner.groups_per_step=4", "engine.batch_groups=4", steps=10_000)
-    started = time.perf_counter()
-    result = sim.simulate(cfg, spec)
-    assert len(result.records) == 10_000
-    assert time.perf_counter() - started < 15  # about 2 s on an idle core
+def test_ten_thousand_steps_cost_ten_times_a_thousand() -> None:
+    """The simulator's work (process resumptions in its event loop) grows linearly with the steps, so
+    a long run stays seconds long (benchmarks measure the seconds)."""
+    shape = ("learner.groups_per_step=4", "engine.batch_groups=4")
+    short = simulate(*tiny(*shape, steps=1_000))
+    long = simulate(*tiny(*shape, steps=10_000))
+    assert len(short.records) == 1_000 and len(long.records) == 10_000
+    assert 0 < long.events <= 10 * short.events
 
 
 # ----------------------------------------------------------------------------------------- event loop
@@ -261,7 +264,7 @@ def test_calibration_reads_a_run_folder_and_reproduces_a_steady_pipeline(tmp_pat
              for i in range(80)]
     (run / "generation.jsonl").write_text("".join(json.dumps(c) + "\n" for c in calls))
     (run / "summary.json").write_text(json.dumps({"samples": {"trained": 40 * 128}}))
-    cal = sim.calibrate(run)
+    cal = calibrate(run)
     assert cal.measured["samples_per_s"] == pytest.approx(1280, rel=1e-3) and cal.engines == 1
     assert cal.costs.get_s_per_group == pytest.approx(0.0001)
     code = cli(["simulate", "--calibrate", str(run), "--set", f"run_root='{tmp_path}'"])
@@ -279,7 +282,7 @@ def _ray_run(root: Path, mode: str, k: int, steps: int) -> Path:
     sets = [f"steps={steps}", f"run_root='{root}'", "telemetry.progress=false", "engine.count=1",
             f"mode='{mode}'", f"staleness.k={k}"]
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "stages.cli", "run", str(ROOT / "configs" / "ray-mooncake.toml"),
+    cmd = [sys.executable, "-m", "baton.cli", "run", str(ROOT / "configs" / "ray-mooncake.toml"),
            *[x for s in sets for x in ("--set", s)]]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -293,9 +296,9 @@ ACCURACY_STEPS = 36  # 9 warm-up versions (a quarter), 27 in steady state: about
 def test_simulated_ray_runs_match_their_measurements_within_20_percent(tmp_path) -> None:
     errors = {}
     for mode, k in (("sync", 0), ("async", 1)):
-        cal = sim.calibrate(_ray_run(tmp_path, mode, k, ACCURACY_STEPS))
-        cfg, spec = sim.load_simulation_config(str(cal.config_path))
-        predicted = sim.simulate(cfg, spec, cal.costs, engines=cal.engines, steps=ACCURACY_STEPS).figures
+        cal = calibrate(_ray_run(tmp_path, mode, k, ACCURACY_STEPS))
+        cfg, spec = load_simulation_config(str(cal.config_path))
+        predicted = simulate(cfg, spec, cal.costs, engines=cal.engines, steps=ACCURACY_STEPS).figures
         for key in ("samples_per_s", "learner_busy", "mean_staleness"):
             measured = cal.measured[key]
             errors[f"{mode} {key}"] = (predicted[key], measured)

@@ -174,7 +174,7 @@ async def test_p2p_push_is_bit_exact_in_every_engine_process(model, peers) -> No
                 got_version, rejected, got = await peer.state()
                 assert got_version == version and rejected == 0
                 assert got == digest(state)  # every byte of every parameter
-        assert transport.stats["bytes"] > 0 and transport.stats["retries"] == 0
+        assert transport.stats["bytes"] > 0 and transport.stats["refused"] == 0
     finally:
         await transport.close()
 
@@ -208,7 +208,7 @@ async def test_the_engine_runs_on_the_slot_and_the_live_slot_is_never_written(mo
             live_slots.append(receiver._live)
     finally:
         await transport.close()
-    assert live_slots == [0, 1, 0] and receiver.rejected == 0 and transport.stats["packed"] == 0
+    assert live_slots == [0, 1, 0] and receiver.rejected == 0 and transport.stats["copied"] == 0
 
 
 @pytest.mark.anyio
@@ -316,6 +316,21 @@ async def test_disk_skips_a_dead_engine(model, peers, tmp_path) -> None:
     assert version == 1 and got == digest(state)
 
 
+def test_every_transport_is_made_by_name_with_one_stats_shape() -> None:
+    from stages.weights import TRANSPORTS, make_transport
+    from stages.weights.base import STATS, WeightTransport
+
+    for kind in TRANSPORTS:
+        transport = make_transport(kind)
+        assert isinstance(transport, WeightTransport) and transport.name == kind
+        assert transport.stats == dict.fromkeys(STATS, 0)
+    assert make_transport("disk", keep=5).keep == 5
+    with pytest.raises(ValueError, match="known: inproc, mooncake_p2p, disk, delta, broadcast"):
+        make_transport("carrier-pigeon")
+    lazy = "import sys, stages.weights; assert 'torch' not in sys.modules, 'importing stages.weights imported torch'"
+    subprocess.run([sys.executable, "-c", lazy], cwd=ROOT, check=True)
+
+
 # ---------------------------------------------------------------- delta
 
 
@@ -344,6 +359,43 @@ async def test_delta_sends_only_what_changed_and_rebuilds_the_exact_state(model,
     for peer in peers:
         version, _, got = await peer.state()
         assert version == 3 and got == digest(frozen)
+
+
+@pytest.mark.anyio
+async def test_delta_skips_a_dead_engine_and_counts_it(model, peers) -> None:
+    from stages.weights.delta import DeltaTransport
+
+    transport = DeltaTransport()
+    for peer in peers:
+        transport.subscribe(peer)
+    peers[0].stop()
+    state = learner_version(model, seed=5)
+    await transport.publish(1, state)
+    assert transport.stats["unreachable"] == 1
+    version, _, got = await peers[1].state()
+    assert version == 1 and got == digest(state)
+
+
+@pytest.mark.anyio
+async def test_a_restarted_delta_receiver_is_caught_up_with_the_whole_state_at_once() -> None:
+    from stages.weights.base import LocalAsker
+    from stages.weights.delta import DeltaReceiver, DeltaTransport
+
+    class Sink:
+        name, got = "sink", None
+
+        async def receive_weights(self, version, state) -> None:
+            self.got = version, state
+
+    transport, sink = DeltaTransport(retries=0), Sink()
+    asker = LocalAsker(DeltaReceiver([sink]), "engine-0")
+    transport.subscribe(asker)
+    await transport.publish(1, tensors(1))
+    await transport.publish(2, tensors(2))
+    asker.receiver = DeltaReceiver([sink])  # its process restarted: it holds no base
+    await transport.resend(asker)  # one attempt, and it must not be a delta it would refuse
+    assert sink.got[0] == 2 and all(torch.equal(sink.got[1][n], t) for n, t in tensors(2).items())
+    assert (transport.stats["resent"], transport.stats["full_sends"], transport.stats["refused"]) == (1, 1, 0)
 
 
 @pytest.mark.anyio

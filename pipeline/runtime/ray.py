@@ -41,7 +41,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, w
 from pipeline.actor import ActorFailed  # noqa: E402
 from pipeline.admission import AdmissionGate  # noqa: E402
 from pipeline.context import LocalClock, LocalLedger, RunContext  # noqa: E402
-from pipeline.contracts import Services, StoreOpener, VersionPolicy  # noqa: E402
+from pipeline.contracts import StoreOpener, VersionPolicy  # noqa: E402
 from pipeline.faults import as_plan  # noqa: E402
 from pipeline.faults import install as install_faults  # noqa: E402
 from pipeline.ledger import Ledger  # noqa: E402
@@ -246,11 +246,20 @@ class Wiring:
     store: StoreOpener  # opens the run's store in each process (the buffer's as holder)
     started_at: float
     log_format: str = "console"
-    peers: dict[str, list[Any]] = field(default_factory=dict)
     faults: Any = None  # a pipeline.faults.FaultPlan, bound in each host (process-level faults kill the host)
     checkpoint_every: int = 0  # the consumer checkpoints every this many versions (pipeline.runtime.ray_cut)
     checkpoint_keep: int = 2
     resume: Any = None  # a pipeline.checkpoint.ResumePoint: the consumer continues from that checkpoint
+
+    def context(self, worker: str) -> RunContext:
+        """`worker`'s context in this process: the conductor's clock, gate and ledger, the channel actors."""
+        return RunContext(
+            run=self.run, seed=self.seed, steps=self.steps, clock=RemoteClock(self.conductor),
+            ledger=RemoteLedger(self.conductor, worker),
+            gate=RemoteGate(self.conductor, self.units_per_version, worker),
+            policy=self.policy, feedback=self.channels["feedback"], folder=RunFolder(self.folder),
+            channels={k: v for k, v in self.channels.items() if k != "feedback"}, started_at=self.started_at,
+        )
 
 
 @ray.remote(num_cpus=1, max_concurrency=64)
@@ -275,17 +284,7 @@ class StageHost:
     async def setup(self, peers: dict[str, list[Any]]) -> str:
         """Build the context and this host's actor (after every host exists, so peers are known)."""
         w = self.wiring
-        ctx = RunContext(
-            run=w.run, seed=w.seed, steps=w.steps,
-            clock=RemoteClock(w.conductor),
-            ledger=RemoteLedger(w.conductor, self.name),
-            gate=RemoteGate(w.conductor, w.units_per_version, self.name),
-            policy=w.policy,
-            feedback=w.channels["feedback"],
-            folder=RunFolder(w.folder),
-            channels={k: v for k, v in w.channels.items() if k != "feedback"},
-            started_at=w.started_at,
-        )
+        ctx = w.context(self.name)
         plan = install_faults(ctx, w.faults, isolated=True)
         ctx.services.store = w.store.open(holder=self.role == "buffer", faults=plan)
         ctx.services.producers = [Peer(h) for h in peers.get("producer", [])]
@@ -607,13 +606,8 @@ class ResumeFeeding:
         from pipeline.checkpoint import ResumeFeeder
 
         w = self.wiring
-        ctx = RunContext(
-            run=w.run, seed=w.seed, steps=w.steps, clock=RemoteClock(w.conductor),
-            ledger=RemoteLedger(w.conductor, "resume"), gate=RemoteGate(w.conductor, w.units_per_version, "resume"),
-            policy=w.policy, feedback=w.channels["feedback"], folder=RunFolder(w.folder),
-            channels={k: v for k, v in w.channels.items() if k != "feedback"}, started_at=w.started_at,
-            services=Services(store=w.store.open(holder=False, faults=None)),
-        )
+        ctx = w.context("resume")
+        ctx.services.store = w.store.open(holder=False, faults=None)
         try:
             await ResumeFeeder(self.resumed, ctx, w.channels["produced"]).run()
         finally:

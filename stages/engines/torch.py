@@ -129,23 +129,11 @@ class TorchEngine:
             return self._model(**inputs)
 
     def _decode(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        model = self._model
-        assert model is not None
+        """Sample up to `max_new_tokens` for every prompt, applying staged versions between decode
+        steps; when the policy says the batch must `restart` on a staged version, decode it again
+        from the prompts on that version."""
         n = len(prompts)
-        lengths = torch.tensor([len(p) for p in prompts])
-        width = int(lengths.max())
-        pad = model.config.pad_token_id or 0
-        # left-pad so every row's next token sits in the last column
-        ids = torch.full((n, width), pad, dtype=torch.long)
-        mask = torch.zeros((n, width), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p) :] = torch.tensor(p)
-            mask[i, width - len(p) :] = 1
-        positions = (mask.cumsum(1) - 1).clamp(min=0)
-        out = self._forward(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
-        cache, logits = _cache_of(out), out.logits[:, -1]
-        next_pos = lengths.clone()
-
+        cache, logits, mask, next_pos = self._prefill(prompts)
         tokens = torch.zeros((n, params.max_new_tokens), dtype=torch.long)
         logps = torch.zeros((n, params.max_new_tokens))
         versions = torch.zeros((n, params.max_new_tokens), dtype=torch.int32)
@@ -177,20 +165,23 @@ class TorchEngine:
             )
             cache, logits = _cache_of(out), out.logits[:, -1]
             next_pos += 1
+        return _completions(tokens, logps, versions, count, stops)
 
-        results = []
-        for i in range(n):
-            k = int(count[i])
-            stopped = stops is not None and k > 0 and bool(torch.isin(tokens[i, k - 1], stops))
-            results.append(
-                Completion(
-                    tokens=tokens[i, :k].numpy().astype(np.int32),
-                    logprobs=logps[i, :k].numpy().astype(np.float32),
-                    versions=versions[i, :k].numpy(),
-                    finish_reason="stop" if stopped else "length",
-                )
-            )
-        return results
+    def _prefill(self, prompts: list[list[int]]):
+        """One forward pass over the prompts, left-padded so every row's next token sits in the last
+        column: the KV cache, the next token's logits, the attention mask and each row's next position."""
+        model = self._model
+        assert model is not None
+        lengths = torch.tensor([len(p) for p in prompts])
+        width = int(lengths.max())
+        ids = torch.full((len(prompts), width), model.config.pad_token_id or 0, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
+        positions = (mask.cumsum(1) - 1).clamp(min=0)
+        out = self._forward(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        return _cache_of(out), out.logits[:, -1], mask, lengths.clone()
 
     def _must_restart(self, oldest: int) -> bool:
         with self._lock:
@@ -208,6 +199,22 @@ class TorchEngine:
             probs = torch.zeros_like(probs).scatter(-1, order, sorted_p * keep)
         nxt = torch.multinomial(probs, 1, generator=self._generator).squeeze(1)
         return nxt, logp.gather(1, nxt[:, None]).squeeze(1)
+
+
+def _completions(tokens, logps, versions, count, stops) -> list[Completion]:
+    """Each row's first `count` sampled tokens; it finished by "stop" when its last one is a stop token."""
+    results = []
+    for i, k in enumerate(count.tolist()):
+        stopped = stops is not None and k > 0 and bool(torch.isin(tokens[i, k - 1], stops))
+        results.append(
+            Completion(
+                tokens=tokens[i, :k].numpy().astype(np.int32),
+                logprobs=logps[i, :k].numpy().astype(np.float32),
+                versions=versions[i, :k].numpy(),
+                finish_reason="stop" if stopped else "length",
+            )
+        )
+    return results
 
 
 def _adopt(model: torch.nn.Module, version: int, tensors: dict[str, torch.Tensor]) -> None:

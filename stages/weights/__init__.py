@@ -1,37 +1,42 @@
 """How new weight versions reach the engines: one module per transport, chosen by name.
 
-Learner side, `TRANSPORTS[name]()` is a `WeightTransport`. Engine side, every engine process
+Learner side, `make_transport(name, **options)` is a `WeightTransport` (`TRANSPORTS` names every
+one; a transport's module is imported only when it is made). Engine side, every engine process
 answers every transport (`engine_mailboxes`), so the transport is the learner's choice alone.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
 
-from stages.weights.broadcast import BroadcastReceiver, BroadcastTransport
-from stages.weights.delta import DeltaReceiver, DeltaTransport
-from stages.weights.disk import DiskReceiver, DiskTransport
-from stages.weights.inproc import InprocTransport
-from stages.weights.mooncake_p2p import MooncakeP2PTransport, SlotReceiver
-from stages.weights.packed import MAILBOX, mailbox_for
+if TYPE_CHECKING:
+    from stages.weights.base import WeightTransport
 
-TRANSPORTS = {
-    "inproc": InprocTransport,
-    "mooncake_p2p": MooncakeP2PTransport,
-    "disk": DiskTransport,
-    "delta": DeltaTransport,
-    "broadcast": BroadcastTransport,
+TRANSPORTS: dict[str, str] = {
+    "inproc": "stages.weights.inproc:InprocTransport",
+    "mooncake_p2p": "stages.weights.mooncake_p2p:MooncakeP2PTransport",
+    "disk": "stages.weights.disk:DiskTransport",
+    "delta": "stages.weights.delta:DeltaTransport",
+    "broadcast": "stages.weights.broadcast:BroadcastTransport",
 }
+
+
+def make_transport(kind: str, **options: Any) -> WeightTransport:
+    """The transport named `kind`, made with `options` (its constructor's keyword arguments)."""
+    if kind not in TRANSPORTS:
+        raise ValueError(f"unknown weight transport {kind!r}; known: {', '.join(TRANSPORTS)}")
+    module, _, cls = TRANSPORTS[kind].partition(":")
+    return getattr(import_module(module), cls)(**options)
 
 
 def engine_mailboxes(engines: list[Any]) -> dict[str, Any]:
     """The mailbox handlers an engine process registers: packed versions through Ray, TransferEngine
     slots (started lazily, on the learner's first hello), safetensors notices, deltas and broadcast
     groups (formed on the learner's first join)."""
-    return {
-        MAILBOX: mailbox_for(engines),
-        **SlotReceiver(engines).handlers(),
-        **DiskReceiver(engines).handlers(),
-        **DeltaReceiver(engines).handlers(),
-        **BroadcastReceiver(engines).handlers(),
+    from stages.weights import broadcast, delta, disk, mooncake_p2p, packed
+
+    receivers = (mooncake_p2p.SlotReceiver, disk.DiskReceiver, delta.DeltaReceiver, broadcast.BroadcastReceiver)
+    return {packed.MAILBOX: packed.mailbox_for(engines)} | {
+        box: handler for receiver in receivers for box, handler in receiver(engines).handlers().items()
     }

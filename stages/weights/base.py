@@ -1,46 +1,98 @@
-"""The WeightTransport protocol: how a new weight version reaches the engines.
+"""The weight-transport contract: how a new weight version reaches the engines.
 
-`publish(version, tensors)` returns once every subscribed receiver holds the whole version
-(staged for the next decode step). A transport never delivers part of a version: a receiver
-either gets all named tensors of `version` or none. Versions published are strictly increasing.
-A receiver that refuses a version (damaged, or not its base) is retried and then raised as
-`WeightPushError`, never counted as delivered; a receiver whose process is unreachable is skipped
-and caught up by `resend()` once it is back, so one dead engine never stops the others.
+`publish(version, tensors)` returns once every subscribed receiver holds the whole version (staged
+for the next decode step); a receiver gets all named tensors of `version` or none. Versions
+published are strictly increasing (a publish that raised published nothing). Engines in this
+process are `WeightReceiver`s; engines in another process are an `Asker` (their host's mailboxes,
+`remote_receiver`) and answer each version with an `ApplyReply`; every message is msgpack,
+validated on arrival.
 
-Engines in another process are reached as a `RemoteReceiver` (their host's `ask` mailboxes) and
-answer each version with an `ApplyReply`; every message is msgpack, validated on arrival.
+The byte-moving transports (`disk`, `delta`, `broadcast`, `mooncake_p2p`) share one push loop,
+`PushTransport`, and say only what differs: `engine_receiver(engines)` (their engine side, for
+engines in this process), `stage(version, tensors)` (make a version sendable once: a file, a packed
+buffer, clones) and `send(target, attempt)`: one attempt at one receiver, sending what they choose
+(a delta, the whole state), returning (the encoded `ApplyReply`, None when the receiver does not
+answer; the bytes sent) or raising `LinkBroken`. A refused or broken attempt is tried again
+`retries` more times, then raised as `WeightPushError`, never counted as delivered. A receiver that
+does not answer is skipped and its session forgotten (`Target.forget`): `resend()` catches it up
+once its process is back, so one dead engine never stops the others.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
+import anyio
 import msgspec
 import torch
 
 
 @runtime_checkable
 class WeightReceiver(Protocol):
+    """An engine in the learner's process."""
+
     name: str
 
     async def receive_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None: ...
 
 
 @runtime_checkable
-class WeightTransport(Protocol):
+class Asker(Protocol):
+    """A receiver reached by messages: `ask(box, header)` hands `header` to mailbox `box` and returns
+    the encoded reply, or None when the receiver's process does not answer (it is gone)."""
+
     name: str
 
-    def subscribe(self, receiver: WeightReceiver) -> None: ...
+    async def ask(self, box: str, header: bytes) -> bytes | None: ...
+
+
+@runtime_checkable
+class WeightTransport(Protocol):
+    """Everything the learner calls on a transport; `stats` has the keys of `new_stats()`."""
+
+    name: str
+    stats: dict[str, float]
+
+    def subscribe(self, receiver: WeightReceiver | Asker) -> None: ...
 
     def remote_receiver(self, peer: Any, name: str) -> Any:
         """A receiver to subscribe for the engines of another process, reached through `peer`
-        (`deliver`/`ask` into its mailboxes); it has `resend()` for when that process restarts."""
+        (`deliver`/`ask` into its mailboxes); its `resend()` calls this transport's `resend`."""
         ...
 
     async def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> None: ...
 
+    async def resend(self, receiver: Any) -> None:
+        """Catch one subscribed receiver up with the latest version (its process was restarted).
+        Best effort: a refused catch-up is counted (`deferred`) and left to the next `publish`."""
+        ...
+
     async def close(self) -> None: ...
+
+
+STATS = {
+    "versions": "versions published",
+    "state_bytes": "the published versions' own bytes, summed",
+    "bytes": "bytes sent, summed over receivers and over every attempt a receiver answered",
+    "seconds": "time spent in publish",
+    "copied": "versions sent from a copy (a file, a packed buffer, clones), not the learner's tensors",
+    "refused": "attempts that did not deliver (refused, or the link broke); retried, then raised",
+    "full_sends": "whole states sent in place of a partial version (the receiver lacked its base)",
+    "unreachable": "sends skipped because the receiver's process did not answer",
+    "resent": "catch-ups `resend` delivered",
+    "deferred": "catch-ups `resend` could not deliver (left to the next publish)",
+}
+
+
+def new_stats() -> dict[str, float]:
+    """A transport's counters: the keys of `STATS`, all zero; every transport counts them alike."""
+    return dict.fromkeys(STATS, 0)
+
+
+def state_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 class WeightPushError(RuntimeError):
@@ -63,7 +115,7 @@ class RemoteReceiver:
 
     peer: Any
     name: str
-    transport: Any
+    transport: WeightTransport
 
     async def ask(self, box: str, header: bytes) -> bytes | None:
         return await self.peer.ask(box, header)
@@ -116,3 +168,105 @@ class LocalAsker:
 
     async def ask(self, box: str, header: bytes) -> bytes | None:
         return await self.receiver.handlers()[box](header, None)
+
+
+class LinkBroken(RuntimeError):
+    """An attempt broke on the way (a write, a collective); tried again like a refusal."""
+
+
+@dataclass(eq=False)
+class Target:
+    """One subscribed receiver; a transport's subclass adds its session with it (a group, slots)."""
+
+    asker: Asker
+
+    def forget(self) -> None:
+        """Drop the session: the receiver's process is gone or new, the next send starts over."""
+
+
+class PushTransport:
+    """See the module docstring. Subclasses are dataclasses with the fields `retries` and `name`."""
+
+    name: str
+    retries: int
+    target_type: ClassVar[type[Target]] = Target
+
+    def __post_init__(self) -> None:
+        self.stats = new_stats()
+        self._targets: list[Target] = []
+        self._published = -1  # the last version `publish` returned for
+        self._staged = -1  # the version `send` sends (`resend` too)
+        self._lock: anyio.Lock | None = None
+
+    def engine_receiver(self, engines: list[Any]) -> EngineReceiver:
+        raise NotImplementedError
+
+    async def stage(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        raise NotImplementedError
+
+    async def send(self, target: Any, attempt: int) -> tuple[bytes | None, int]:
+        raise NotImplementedError
+
+    def subscribe(self, receiver: WeightReceiver | Asker) -> None:
+        """An `Asker` (another process, a `remote_receiver`) or an engine in this process."""
+        if not isinstance(receiver, Asker):
+            receiver = LocalAsker(self.engine_receiver([receiver]), receiver.name)
+        self._targets.append(self.target_type(receiver))
+
+    def remote_receiver(self, peer: Any, name: str) -> RemoteReceiver:
+        return RemoteReceiver(peer, name, self)
+
+    async def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        require_newer(version, self._published)
+        started = time.perf_counter()
+        async with self._busy:
+            await self.stage(version, tensors)
+            self._staged = version
+            for target in self._targets:
+                await self._deliver(target, self.retries + 1)
+        self._published = version
+        self.stats["versions"] += 1
+        self.stats["state_bytes"] += state_bytes(tensors)
+        self.stats["seconds"] += time.perf_counter() - started
+
+    async def resend(self, receiver: Any) -> None:
+        """One attempt at catching `receiver` up with the staged version, from a fresh session."""
+        async with self._busy:
+            for target in (t for t in self._targets if t.asker is receiver):
+                target.forget()
+                try:
+                    if self._staged >= 0 and await self._deliver(target, attempts=1):
+                        self.stats["resent"] += 1
+                except WeightPushError:
+                    self.stats["deferred"] += 1
+
+    async def close(self) -> None:
+        self._targets.clear()
+
+    @property
+    def _busy(self) -> anyio.Lock:
+        if self._lock is None:  # made on first use, inside the event loop that uses it
+            self._lock = anyio.Lock()
+        return self._lock
+
+    async def _deliver(self, target: Target, attempts: int) -> bool:
+        """The push loop: True once `target` holds the staged version, False when it is unreachable."""
+        reason = ""
+        for attempt in range(attempts):
+            try:
+                answer, nbytes = await self.send(target, attempt)
+            except LinkBroken as exc:
+                reason = str(exc)
+                self.stats["refused"] += 1
+                continue
+            if answer is None:
+                target.forget()
+                self.stats["unreachable"] += 1
+                return False
+            self.stats["bytes"] += nbytes
+            reply = msgspec.msgpack.decode(answer, type=ApplyReply)
+            if reply.ok:
+                return True
+            reason = reply.reason
+            self.stats["refused"] += 1
+        raise WeightPushError(f"receiver {target.asker.name} refused version {self._staged} {attempts} times: {reason}")

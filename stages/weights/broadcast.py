@@ -6,16 +6,16 @@ learner's first hello through the process's mailbox), so one dead engine can onl
 group, never hang the others; every collective has a timeout (`timeout_s`). A version is announced
 with a msgpack `Announce` (names, dtypes, shapes, an xxh3 checksum of all the bytes); the engine
 receives the tensors, recomputes the checksum and applies the version only if it matches, then
-replies. A refused version is sent again (`retries`), then raised as `WeightPushError`; an engine
-that cannot be reached (or whose group broke) is skipped and caught up with a fresh group on
-restart. SGLang servers take this same path through their own `update_weights_from_distributed`
-(`engine.update = "distributed"`); this module is for engine processes baton runs.
+replies (retries, unreachable engines and catch-ups: `PushTransport`; a restarted engine gets
+a fresh group). SGLang servers take this same path through their own
+`update_weights_from_distributed` (`engine.update = "distributed"`); this module is for engine
+processes baton runs.
 """
 
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -23,16 +23,12 @@ import msgspec
 import torch
 
 from pipeline.net import free_port
-from stages.weights.base import ApplyReply, EngineReceiver, RemoteReceiver, WeightPushError, require_newer
+from stages.weights.base import ApplyReply, EngineReceiver, LinkBroken, PushTransport, Target, state_bytes
 from stages.weights.delta import state_checksum
 from stages.weights.groups import pair_group
 from stages.weights.layout import DTYPES
 
 JOIN, RECEIVE = "weights.broadcast.join", "weights.broadcast.receive"
-
-
-class GroupBroken(RuntimeError):
-    """A collective failed: the other member died or the link broke."""
 
 
 class Join(msgspec.Struct, frozen=True):
@@ -96,60 +92,73 @@ class BroadcastReceiver(EngineReceiver):
         return await self.apply(announce.version, tensors)
 
 
-@dataclass
-class _Member:
-    asker: Any
-    group: Any = None
+@dataclass(eq=False)
+class _Member(Target):
+    group: Any = None  # its two-member group with the learner, formed on the first send
+
+    def forget(self) -> None:
+        self.group = None  # a new process: a new group
 
 
 @dataclass
-class BroadcastTransport:
+class BroadcastTransport(PushTransport):
     backend: str = "auto"  # "auto": nccl for CUDA tensors, else gloo
     timeout_s: float = 120.0
     retries: int = 1
     name: str = "broadcast"
-    stats: dict = field(default_factory=lambda: {"pushes": 0, "bytes": 0, "retries": 0, "unreachable": 0})
+    target_type = _Member
 
     def __post_init__(self) -> None:
-        self._members: list[_Member] = []
-        self._latest: dict[str, torch.Tensor] | None = None
-        self._version = -1
+        super().__post_init__()
+        self._latest: dict[str, torch.Tensor] = {}  # a copy: the learner trains on while it is sent
+        self._announce: Announce | None = None
         # fault injection (tests): called with (tensors, attempt) right before they are sent
         self.before_send: Any = None
 
-    def subscribe(self, receiver: Any) -> None:
-        """Anything with `ask(box, header)`: a `remote_receiver` (engines in another process)."""
-        if not hasattr(receiver, "ask"):
-            raise TypeError("the broadcast transport reaches engine processes; in-process engines use 'inproc'")
-        self._members.append(_Member(receiver))
+    def engine_receiver(self, engines: list[Any]) -> EngineReceiver:
+        raise TypeError("the broadcast transport reaches engine processes; in-process engines use 'inproc'")
 
-    def remote_receiver(self, peer: Any, name: str) -> Any:
-        return RemoteReceiver(peer, name, self)
+    async def stage(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        latest = self._latest = {n: t.detach().clone() for n, t in tensors.items()}
+        dtypes, shapes = tuple(str(t.dtype) for t in latest.values()), tuple(tuple(t.shape) for t in latest.values())
+        self._announce = Announce(version, tuple(latest), dtypes, shapes, state_checksum(latest))
+        self.stats["copied"] += 1
 
-    async def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
-        require_newer(version, self._version)
-        self._latest, self._version = tensors, version
-        for member in self._members:
-            await self._send(member)
-        self._latest = {n: t.detach().clone() for n, t in tensors.items()}  # for a restarted engine
-        self.stats["pushes"] += 1
+    async def send(self, member: _Member, attempt: int) -> tuple[bytes | None, int]:
+        """Announce the version and broadcast its tensors into the member's group (formed first if
+        need be); a group that breaks mid-send is `LinkBroken`, and the next attempt forms a new one."""
+        if member.group is None and not await self._join(member):
+            return None, 0
+        outgoing = {n: t.contiguous() for n, t in self._latest.items()}
+        if self.before_send is not None:
+            outgoing = self.before_send(outgoing, attempt)
+        group, announce, answered = member.group, self._announce, []
 
-    async def resend(self, asker: Any) -> None:
-        for member in self._members:
-            if member.asker is asker and self._latest is not None:
-                member.group = None  # a new process: a new group
-                await self._send(member)
+        async def ask() -> None:
+            answered.append(await member.asker.ask(RECEIVE, msgspec.msgpack.encode(announce)))
+
+        def send_all() -> None:
+            for name in announce.names:
+                torch.distributed.broadcast(outgoing[name], src=0, group=group)
+
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(ask)
+                await anyio.to_thread.run_sync(send_all)
+        except* RuntimeError as group_error:
+            member.group = None
+            raise LinkBroken(str(group_error.exceptions[0])) from None
+        return answered[0], state_bytes(outgoing)
 
     async def close(self) -> None:
-        for member in self._members:
+        for member in self._targets:
             if member.group is not None:
                 torch.distributed.destroy_process_group(member.group)
-        self._members.clear()
+        await super().close()
 
     def _backend(self) -> str:
         if self.backend != "auto":
             return self.backend
-        assert self._latest is not None
         return "nccl" if next(iter(self._latest.values())).is_cuda else "gloo"
 
     async def _join(self, member: _Member) -> bool:
@@ -171,64 +180,3 @@ class BroadcastTransport:
             except RuntimeError:
                 member.group = None
         return member.group is not None and bool(answered) and answered[0] is not None
-
-    async def _send_once(self, member: _Member, announce: Announce, outgoing: dict[str, torch.Tensor]) -> bytes | None:
-        """One announce + broadcast; the engine's reply (None: unreachable). Raises GroupBroken
-        when the group breaks mid-send."""
-        answered: list[bytes | None] = []
-        group = member.group
-
-        async def ask() -> None:
-            answered.append(await member.asker.ask(RECEIVE, msgspec.msgpack.encode(announce)))
-
-        def send_all() -> None:
-            for name in announce.names:
-                torch.distributed.broadcast(outgoing[name], src=0, group=group)
-
-        broken = ""
-        try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(ask)
-                await anyio.to_thread.run_sync(send_all)
-        except* RuntimeError as group_error:
-            broken = str(group_error.exceptions[0])
-        if broken:
-            raise GroupBroken(broken)
-        return answered[0]
-
-    async def _send(self, member: _Member) -> None:
-        tensors = self._latest
-        assert tensors is not None
-        names = tuple(tensors)
-        announce = Announce(
-            self._version,
-            names,
-            tuple(str(tensors[n].dtype) for n in names),
-            tuple(tuple(tensors[n].shape) for n in names),
-            state_checksum(tensors),
-        )
-        reason = ""
-        for attempt in range(self.retries + 1):
-            if member.group is None and not await self._join(member):
-                self.stats["unreachable"] += 1
-                return
-            outgoing = {n: t.detach().contiguous() for n, t in tensors.items()}
-            if self.before_send is not None:
-                outgoing = self.before_send(outgoing, attempt)
-            try:
-                answer = await self._send_once(member, announce, outgoing)
-            except GroupBroken as exc:  # the group broke mid-send: a new one next attempt
-                member.group, reason = None, str(exc)
-                self.stats["retries"] += 1
-                continue
-            if answer is None:
-                self.stats["unreachable"] += 1
-                member.group = None
-                return
-            reply = msgspec.msgpack.decode(answer, type=ApplyReply)
-            self.stats["bytes"] += sum(t.numel() * t.element_size() for t in outgoing.values())
-            if reply.ok:
-                return
-            reason = reply.reason
-            self.stats["retries"] += 1
-        raise WeightPushError(f"receiver {member.asker.name} refused version {self._version}: {reason}")

@@ -10,12 +10,12 @@ the full state (a delta against nothing), which is how a new or restarted engine
 
 What it buys depends on the training: with full-parameter AdamW every tensor moves every step and a
 delta is the whole model; with frozen parts (embeddings, LoRA bases, a frozen tower) only the
-trained tensors travel. `stats["bytes"]` and `stats["full_bytes"]` show which case a run is in.
+trained tensors travel. `stats["bytes"]` against `stats["state_bytes"]` shows which case a run is in.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -23,8 +23,9 @@ import numpy as np
 import torch
 import xxhash
 
-from stages.weights.base import ApplyReply, EngineReceiver, LocalAsker, RemoteReceiver, WeightPushError, require_newer
-from stages.weights.layout import LayoutError, bad_buckets, decode_layout, encode_layout, fill, plan, views
+from stages.weights.base import EngineReceiver, PushTransport, Target
+from stages.weights.layout import LayoutError
+from stages.weights.packed import pack, unpack
 
 DELTA = "weights.delta"
 
@@ -62,11 +63,7 @@ class DeltaReceiver(EngineReceiver):
                 return held
             if message.base != -1 and message.base != self.version:
                 raise LayoutError(f"a delta against version {message.base}, but this engine holds {self.version}")
-            layout = decode_layout(message.layout)
-            blob = np.frombuffer(message.blob, dtype=np.uint8)
-            if blob.nbytes != layout.total or bad_buckets(blob, layout):
-                raise LayoutError(f"the delta to version {message.version} fails its checksum")
-            changed = {name: t.clone() for name, t in views(blob, layout).items()}
+            _, changed = unpack(message.layout, np.frombuffer(message.blob, dtype=np.uint8))
             result = changed if message.base == -1 else {**self.state, **changed}
             if state_checksum(result) != message.checksum:
                 raise LayoutError(f"version {message.version} rebuilt from the delta does not match its checksum")
@@ -76,71 +73,50 @@ class DeltaReceiver(EngineReceiver):
         return await self.apply(message.version, result)
 
 
+@dataclass(eq=False)
+class _DeltaTarget(Target):
+    full: bool = False  # send the whole state first: a new process holds no base
+
+    def forget(self) -> None:
+        self.full = True
+
+
 @dataclass
-class DeltaTransport:
+class DeltaTransport(PushTransport):
     retries: int = 1
     name: str = "delta"
-    stats: dict = field(default_factory=lambda: {"pushes": 0, "bytes": 0, "full_bytes": 0, "full_sends": 0})
+    target_type = _DeltaTarget
 
     def __post_init__(self) -> None:
-        self._targets: list[Any] = []
-        self._prev: dict[str, torch.Tensor] | None = None
-        self._prev_version = -1
-        self._latest: dict[str, torch.Tensor] | None = None
+        super().__post_init__()
+        self._state: dict[str, torch.Tensor] | None = None  # the staged version's: the next delta's base
+        self._delta: DeltaMessage | None = None
+        self._full: DeltaMessage | None = None  # made when a receiver first needs the whole state
 
-    def subscribe(self, receiver: Any) -> None:
-        """An engine in this process, or anything with `ask(box, header)` (a `remote_receiver`)."""
-        if not hasattr(receiver, "ask"):
-            receiver = LocalAsker(DeltaReceiver([receiver]), getattr(receiver, "name", "local"))
-        self._targets.append(receiver)
+    def engine_receiver(self, engines: list[Any]) -> DeltaReceiver:
+        return DeltaReceiver(engines)
 
-    def remote_receiver(self, peer: Any, name: str) -> Any:
-        return RemoteReceiver(peer, name, self)
-
-    async def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
-        require_newer(version, self._prev_version)
+    async def stage(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        """The delta against the last staged version (a receiver that does not hold it refuses and
+        gets the whole state), which is the next delta's base even if not every receiver took it."""
         current = {name: t.detach().cpu().clone() for name, t in tensors.items()}
-        prev = self._prev
-        changed = (
-            current
-            if prev is None
-            else {n: t for n, t in current.items() if n not in prev or not torch.equal(t, prev[n])}
-        )
-        base = -1 if prev is None else self._prev_version
-        delta = self._message(base, version, current, changed)
-        full = delta if base == -1 else None
-        for target in self._targets:
-            await self._send(target, delta, lambda: full or self._message(-1, version, current, current))
-        self._prev, self._prev_version = current, version
-        self.stats["pushes"] += 1
-        self.stats["full_bytes"] += sum(t.numel() * t.element_size() for t in current.values())
+        base, prev = (-1, {}) if self._state is None else (self._staged, self._state)
+        changed = {n: t for n, t in current.items() if n not in prev or not torch.equal(t, prev[n])}
+        self._delta, self._full, self._state = self._message(base, version, current, changed), None, current
+        self.stats["copied"] += 1
 
-    async def resend(self, target: Any) -> None:
-        if self._prev is not None:
-            message = self._message(-1, self._prev_version, self._prev, self._prev)
-            await self._send(target, message, lambda: message)
-
-    async def close(self) -> None:
-        self._targets.clear()
+    async def send(self, target: _DeltaTarget, attempt: int) -> tuple[bytes | None, int]:
+        """The delta first; the whole state to a receiver that refused it or is new (`forget`)."""
+        message = self._delta
+        assert message is not None and self._state is not None
+        if (attempt > 0 or target.full) and message.base != -1:
+            if self._full is None:
+                self._full = self._message(-1, message.version, self._state, self._state)
+            message = self._full
+            self.stats["full_sends"] += 1
+        target.full = False
+        return await target.asker.ask(DELTA, msgspec.msgpack.encode(message)), len(message.blob)
 
     def _message(self, base: int, version: int, state: dict, changed: dict) -> DeltaMessage:
-        layout = plan(version, changed, 1 << 62)
-        blob = np.zeros(layout.total, dtype=np.uint8)
-        layout = fill(blob, changed, layout)
-        return DeltaMessage(base, version, state_checksum(state), encode_layout(layout), blob.tobytes())
-
-    async def _send(self, target: Any, message: DeltaMessage, full: Any) -> None:
-        reason = ""
-        for _ in range(self.retries + 1):
-            answer = await target.ask(DELTA, msgspec.msgpack.encode(message))
-            if answer is None:
-                return  # unreachable: caught up with a full state on restart (`resend`)
-            reply = msgspec.msgpack.decode(answer, type=ApplyReply)
-            self.stats["bytes"] += len(message.blob)
-            if reply.ok:
-                return
-            reason = reply.reason
-            if message.base != -1:  # the receiver does not hold the base: send the whole state
-                message = full()
-                self.stats["full_sends"] += 1
-        raise WeightPushError(f"receiver {target.name} refused version {message.version}: {reason}")
+        layout, blob = pack(version, changed, bucket_bytes=1 << 62)
+        return DeltaMessage(base, version, state_checksum(state), layout, blob.tobytes())

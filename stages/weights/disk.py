@@ -5,17 +5,16 @@ into place, so a reader never sees half a version; the file's xxh3 checksum trav
 Engines in the learner's process load it directly; an engine process gets a msgpack `DiskNotice`
 (version, path, checksum) through its host's `ask` and replies whether it applied it
 (`DiskReceiver`). A receiver verifies the checksum before it loads anything, so a damaged or
-partial file is refused and the engine keeps its version; the learner re-sends (`retries`) and then
-raises `WeightPushError`. An unreachable engine process is skipped and caught up on restart. Only
-the newest `keep` versions stay on disk. ROOT must be shared by all engine processes (one host, or
-a network filesystem).
+partial file is refused and the engine keeps its version (retries, unreachable engines and
+catch-ups: `PushTransport`). Only the newest `keep` versions stay on disk. ROOT must be
+shared by all engine processes (one host, or a network filesystem).
 """
 
 from __future__ import annotations
 
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ import msgspec
 import torch
 import xxhash
 
-from stages.weights.base import ApplyReply, EngineReceiver, LocalAsker, RemoteReceiver, WeightPushError, require_newer
+from stages.weights.base import EngineReceiver, PushTransport, Target, WeightPushError
 
 NOTICE = "weights.disk"
 
@@ -73,39 +72,27 @@ class DiskReceiver(EngineReceiver):
 
 
 @dataclass
-class DiskTransport:
+class DiskTransport(PushTransport):
     root: str | Path | None = None  # default: a fresh temporary folder
     keep: int = 2
     retries: int = 2
     name: str = "disk"
-    stats: dict = field(default_factory=lambda: {"pushes": 0, "bytes": 0, "retries": 0, "unreachable": 0})
 
     def __post_init__(self) -> None:
-        self._targets: list[Any] = []
-        self._latest: DiskNotice | None = None
+        super().__post_init__()
+        self._notice: DiskNotice | None = None
+        self._file_bytes = 0
 
-    def subscribe(self, receiver: Any) -> None:
-        """An engine in this process, or anything with `ask(box, header)` (a `remote_receiver`)."""
-        if not hasattr(receiver, "ask"):
-            receiver = LocalAsker(DiskReceiver([receiver]), getattr(receiver, "name", "local"))
-        self._targets.append(receiver)
+    def engine_receiver(self, engines: list[Any]) -> DiskReceiver:
+        return DiskReceiver(engines)
 
-    def remote_receiver(self, peer: Any, name: str) -> Any:
-        return RemoteReceiver(peer, name, self)
+    async def stage(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        self._notice = await anyio.to_thread.run_sync(self._write, version, tensors)
+        self._file_bytes = Path(self._notice.path).stat().st_size
+        self.stats["copied"] += 1
 
-    async def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
-        require_newer(version, self._latest.version if self._latest is not None else -1)
-        self._latest = await anyio.to_thread.run_sync(self._write, version, tensors)
-        for target in self._targets:
-            await self._send(target)
-        self.stats["pushes"] += 1
-
-    async def resend(self, target: Any) -> None:
-        if self._latest is not None:
-            await self._send(target)
-
-    async def close(self) -> None:
-        self._targets.clear()
+    async def send(self, target: Target, attempt: int) -> tuple[bytes | None, int]:
+        return await target.asker.ask(NOTICE, msgspec.msgpack.encode(self._notice)), self._file_bytes
 
     def _write(self, version: int, tensors: dict[str, torch.Tensor]) -> DiskNotice:
         from safetensors.torch import save_file
@@ -116,34 +103,13 @@ class DiskTransport:
         root.mkdir(parents=True, exist_ok=True)
         final = root / f"v{version:08d}"
         staging = Path(tempfile.mkdtemp(prefix=f".v{version:08d}-", dir=root))
-        unique, seen = {}, set()
+        unique: dict[int, tuple[str, torch.Tensor]] = {}
         for name, t in tensors.items():  # tied weights share storage: store them once
-            if t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
-                unique[name] = t.detach().cpu().contiguous()
-        save_file(unique, staging / "model.safetensors")
+            unique.setdefault(t.data_ptr(), (name, t.detach().cpu().contiguous()))
+        save_file(dict(unique.values()), staging / "model.safetensors")
         checksum = file_checksum(staging / "model.safetensors")
         shutil.rmtree(final, ignore_errors=True)
         staging.rename(final)  # atomic: readers see the whole version or none
-        self.stats["bytes"] += (final / "model.safetensors").stat().st_size
         for old in sorted(p for p in root.glob("v*") if p.is_dir())[: -self.keep]:
             shutil.rmtree(old, ignore_errors=True)
         return DiskNotice(version, str(final / "model.safetensors"), checksum)
-
-    async def _send(self, target: Any) -> None:
-        notice = self._latest
-        assert notice is not None
-        reason = ""
-        for _ in range(self.retries + 1):
-            answer = await target.ask(NOTICE, msgspec.msgpack.encode(notice))
-            if answer is None:
-                self.stats["unreachable"] += 1
-                return
-            reply = msgspec.msgpack.decode(answer, type=ApplyReply)
-            if reply.ok:
-                return
-            self.stats["retries"] += 1
-            reason = reply.reason
-        raise WeightPushError(
-            f"receiver {target.name} refused version {notice.version} {self.retries + 1} times: {reason}"
-        )

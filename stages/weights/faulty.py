@@ -16,7 +16,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt,
 
 from pipeline.faults import FaultPlan, InjectedFault, Schedule
 from pipeline.telemetry import get_logger
-from stages.weights.base import WeightPushError
+from stages.weights.base import WeightPushError, WeightTransport
 
 
 class InjectedPushError(WeightPushError, InjectedFault):
@@ -24,21 +24,14 @@ class InjectedPushError(WeightPushError, InjectedFault):
 
 
 class FaultyTransport:
-    """`transport` with weights.push_fail in `publish`; everything else is the transport's."""
+    """`transport` with weights.push_fail in `publish`; the rest of `WeightTransport` is the transport's."""
 
-    def __init__(self, transport: Any, schedule: Schedule, retries: int = 2) -> None:
+    def __init__(self, transport: WeightTransport, schedule: Schedule, retries: int = 2) -> None:
         self.transport, self.schedule, self.retries = transport, schedule, retries
-        self.name = transport.name
         self.log = get_logger("faults").bind(boundary="weights", transport=transport.name)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.transport, name)
-
-    def subscribe(self, receiver: Any) -> None:
-        self.transport.subscribe(receiver)
-
-    def remote_receiver(self, peer: Any, name: str) -> Any:
-        return self.transport.remote_receiver(peer, name)
 
     async def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         async for attempt in AsyncRetrying(
@@ -55,9 +48,6 @@ class FaultyTransport:
                     raise InjectedPushError(f"injected fault weights.push_fail: version {version} was refused")
                 await self.transport.publish(version, tensors)
         self.schedule.recovered(f"version {version} delivered")
-
-    async def close(self) -> None:
-        await self.transport.close()
 
 
 def with_weight_faults(transport: Any, plan: FaultPlan | None, retries: int = 2) -> Any:

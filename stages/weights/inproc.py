@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
 
-from stages.weights.base import WeightReceiver, require_newer
+from stages.weights.base import WeightReceiver, new_stats, require_newer, state_bytes
 from stages.weights.packed import PackedWeightReceiver
 
 
@@ -16,25 +17,33 @@ class InprocTransport:
     def __init__(self) -> None:
         self._receivers: list[WeightReceiver] = []
         self._last = -1
-        self.pushes = 0
-        self.bytes_pushed = 0
+        self.stats = new_stats()
 
     def subscribe(self, receiver: WeightReceiver) -> None:
         self._receivers.append(receiver)
 
     def remote_receiver(self, peer: Any, name: str) -> PackedWeightReceiver:
         """Engines in another process get each version packed and checksummed through `peer`."""
-        return PackedWeightReceiver(peer, name)
+        return PackedWeightReceiver(peer, name, self)
 
     async def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         require_newer(version, self._last)
+        started = time.perf_counter()
         for receiver in self._receivers:
             # a copy per receiver: the learner keeps training in place while engines decode
             copy = {name: t.detach().clone() for name, t in tensors.items()}
             await receiver.receive_weights(version, copy)
-            self.bytes_pushed += sum(t.numel() * t.element_size() for t in copy.values())
+            self.stats["bytes"] += state_bytes(copy)
         self._last = version
-        self.pushes += 1
+        self.stats["versions"] += 1
+        self.stats["copied"] += 1
+        self.stats["state_bytes"] += state_bytes(tensors)
+        self.stats["seconds"] += time.perf_counter() - started
+
+    async def resend(self, receiver: Any) -> None:
+        """A restarted engine process gets the latest version again (engines here never restart alone)."""
+        if isinstance(receiver, PackedWeightReceiver) and await receiver.deliver_latest():
+            self.stats["resent"] += 1
 
     async def close(self) -> None:
         self._receivers.clear()

@@ -8,13 +8,12 @@ live weights. On `commit(slot, layout)` it verifies every bucket's xxh3 checksum
 only then hands the version to its engines (which apply it whole, between decode steps); a slot
 with any bad bucket is refused and the engines stay on their version.
 
-Learner side, `MooncakeP2PTransport`: packs each version into one registered staging buffer cut
-into buckets (`stages.weights.layout`), writes the buckets to each receiver's free slot with
+Learner side, `MooncakeP2PTransport`: cuts each version into buckets (`stages.weights.layout`),
+writes them from the learner's own registered tensors (CUDA or strided ones through a staging
+buffer) to each receiver's free slot with
 `batch_transfer_sync_write` (paced when `pace_bytes_per_s` is set: on a 2-core box an unpaced TCP
-push starves generation), and commits. A refused commit is retried (`retries`), then raised as
-`WeightPushError`: never reported as success. A receiver that cannot be reached (its process died)
-is skipped, counted in `unreachable`, and caught up with the latest version once its process is
-back (`resend`), so one dead engine never stops the run.
+push starves generation), and commits (retries, unreachable engines and catch-ups:
+`PushTransport`; a restarted engine says hello again).
 
 The control messages (hello, commit and their replies) are msgpack structs, validated on arrival;
 weights never travel pickled. TransferEngine listens on all interfaces (Mooncake's choice);
@@ -28,7 +27,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -36,7 +35,15 @@ import msgspec
 import numpy as np
 import torch
 
-from stages.weights.base import ApplyReply, EngineReceiver, LocalAsker, RemoteReceiver, WeightPushError, require_newer
+from stages.weights.base import (
+    ApplyReply,
+    EngineReceiver,
+    LinkBroken,
+    LocalAsker,
+    PushTransport,
+    Target,
+    WeightPushError,
+)
 from stages.weights.layout import (
     Layout,
     LayoutError,
@@ -50,6 +57,7 @@ from stages.weights.layout import (
 )
 
 HELLO, COMMIT = "weights.p2p.hello", "weights.p2p.commit"
+_CHECKSUMS = ThreadPoolExecutor(1, thread_name_prefix="baton-p2p-checksums")  # a version's, beside its first write
 
 
 class Hello(msgspec.Struct, frozen=True):
@@ -143,7 +151,9 @@ class SlotReceiver(EngineReceiver):
         return slots
 
     async def commit(self, header: bytes, _blob: Any = None) -> bytes:
-        return self._with_live(await self._commit(header))
+        """Every reply, whatever happened, says which slot the engines run on now."""
+        r = msgspec.msgpack.decode(await self._commit(header), type=ApplyReply)
+        return msgspec.msgpack.encode(CommitReply(r.ok, r.version, r.reason, self._live))
 
     async def _commit(self, header: bytes) -> bytes:
         try:
@@ -163,10 +173,6 @@ class SlotReceiver(EngineReceiver):
         self._live = commit.slot
         return reply
 
-    def _with_live(self, reply: bytes) -> bytes:
-        r = msgspec.msgpack.decode(reply, type=ApplyReply)
-        return msgspec.msgpack.encode(CommitReply(r.ok, r.version, r.reason, self._live))
-
     def close(self) -> None:
         if self._te is not None:
             for slot in self._slots:
@@ -174,17 +180,19 @@ class SlotReceiver(EngineReceiver):
         self._slots, self._te = [], None
 
 
-@dataclass
-class _Target:
-    asker: Any
+@dataclass(eq=False)
+class _SlotTarget(Target):
     peer: str = ""
     slots: tuple[int, ...] = ()
     capacity: int = 0
     next_slot: int = 0
 
+    def forget(self) -> None:
+        self.slots = ()  # whatever it holds now, the next send learns it from a hello
+
 
 @dataclass
-class MooncakeP2PTransport:
+class MooncakeP2PTransport(PushTransport):
     """The learner side (see the module docstring)."""
 
     protocol: str = "tcp"
@@ -193,79 +201,54 @@ class MooncakeP2PTransport:
     pace_bytes_per_s: float | None = None
     retries: int = 2
     name: str = "mooncake_p2p"
-    stats: dict = field(
-        default_factory=lambda: {
-            "pushes": 0, "bytes": 0, "retries": 0, "unreachable": 0, "push_s": 0.0, "packed": 0, "resend_deferred": 0,
-        }
-    )
+    target_type = _SlotTarget
 
     def __post_init__(self) -> None:
-        self._targets: list[_Target] = []
+        super().__post_init__()
         self._te: Any = None
         self._registered: dict[int, int] = {}  # address -> bytes registered with TransferEngine
         self._staging: np.ndarray | None = None
         self._layout: Layout | None = None
         self._sources: list[int] = []  # where each layout entry's bytes are, in this process
-        self._source: dict[str, torch.Tensor] | None = None
+        self._source: dict[str, torch.Tensor] = {}  # the staged tensors: `_sources` point into them
         self._checksums: Future[Layout] | None = None  # the layout's checksums, being computed
-        self._last = -1
-        self._busy_lock: anyio.Lock | None = None
         # fault injection: called with (layout, attempt) after a version's buckets were written; a
         # returned (offset, bytes) is written over the receiver's slot (damage in flight)
         self.damage: Callable[[Layout, int], tuple[int, bytes] | None] | None = None
 
-    @property
-    def _busy(self) -> anyio.Lock:
-        if self._busy_lock is None:  # made on first use, inside the event loop that uses it
-            self._busy_lock = anyio.Lock()
-        return self._busy_lock
+    def engine_receiver(self, engines: list[Any]) -> SlotReceiver:
+        return SlotReceiver(engines)
 
-    def subscribe(self, receiver: Any) -> None:
-        """A receiver: anything with `ask(box, header)` (another process) or an engine in this process."""
-        if not hasattr(receiver, "ask"):
-            receiver = LocalAsker(SlotReceiver([receiver]), getattr(receiver, "name", "local"))
-        self._targets.append(_Target(receiver))
-
-    def remote_receiver(self, peer: Any, name: str) -> Any:
-        """The receiver for an engine process reachable through `peer.ask` (the Ray runtime)."""
-        return RemoteReceiver(peer, name, self)
-
-    async def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
-        """Write `version` to every receiver and commit it. `tensors` must not change until this
-        returns (the learner's next optimizer step waits for it): on CPU their own memory is
-        written from, without a packing copy."""
-        require_newer(version, self._last)
-        t0 = time.perf_counter()
-        async with self._busy:  # a resend and a publish never share the sources
-            await self._publish(version, tensors)
-        self.stats["pushes"] += 1
-        self.stats["push_s"] += time.perf_counter() - t0
-
-    async def _publish(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+    async def stage(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Written from `tensors` themselves when they are on CPU, without a packing copy: they must
+        not change until `publish` returns (the learner's next optimizer step waits for it). A
+        `resend` while the learner changes them sends torn bytes, which the receiver refuses."""
         layout = plan(version, tensors, self.bucket_bytes)
         packed = await anyio.to_thread.run_sync(self._prepare, tensors, layout)
         self._source, self._layout = tensors, packed or layout
-        with ThreadPoolExecutor(1) as pool:
-            if packed is None:  # written straight from the tensors: checksum them while the first write runs
-                self._checksums = pool.submit(with_checksums, tensors, layout)
-            for target in self._targets:
-                await self._push(target)
-        self._last = version
+        if packed is None:  # checksum them while the first write runs
+            self._checksums = _CHECKSUMS.submit(with_checksums, tensors, layout)
 
-    async def resend(self, asker: Any) -> None:
-        """Push the latest version to one receiver again (its process was restarted). Best effort:
-        the learner may already be changing its tensors for the next version; then the receiver
-        refuses the torn bytes and the next `publish` (or the run's snapshot) catches it up."""
-        async with self._busy:
-            for target in self._targets:
-                if target.asker is asker:
-                    target.slots = ()  # a new process: say hello again
-                    if self._layout is None or self._source is None:
-                        return
-                    try:
-                        await self._push(target, attempts=1)
-                    except WeightPushError:
-                        self.stats["resend_deferred"] += 1
+    async def send(self, target: _SlotTarget, attempt: int) -> tuple[bytes | None, int]:
+        """Write the version into the receiver's free slot, then commit it."""
+        layout = self._layout
+        assert layout is not None
+        if (not target.slots or target.capacity < layout.total) and not await self._hello(target, layout):
+            return None, 0
+        slot = target.next_slot
+        try:
+            await anyio.to_thread.run_sync(self._write, target, slot, layout, attempt)
+        except WeightPushError as exc:
+            if not await self._hello(target, layout):
+                return None, 0  # the write failed because its process is gone
+            raise LinkBroken(str(exc)) from None
+        if self._checksums is not None:
+            self._layout, self._checksums = await anyio.to_thread.run_sync(self._checksums.result), None
+        answer = await target.asker.ask(COMMIT, msgspec.msgpack.encode(Commit(slot, encode_layout(self._layout))))
+        if answer is not None:
+            live = msgspec.msgpack.decode(answer, type=CommitReply).live
+            target.next_slot = 1 - live if live in (0, 1) else slot  # never the live slot
+        return answer, layout.total
 
     async def close(self) -> None:
         for target in self._targets:
@@ -274,9 +257,9 @@ class MooncakeP2PTransport:
         if self._te is not None:
             for address in self._registered:
                 self._te.unregister_memory(address)
-        self._targets.clear()
         self._registered.clear()
-        self._te = self._staging = self._source = None
+        self._te, self._staging, self._source = None, None, {}
+        await super().close()
 
     # -- internals -------------------------------------------------------------------------------
     def _prepare(self, tensors: dict[str, torch.Tensor], layout: Layout) -> Layout | None:
@@ -287,18 +270,15 @@ class MooncakeP2PTransport:
             self._te = _transfer_engine(self.protocol, self.device)
         direct = all(t.device.type == "cpu" and t.is_contiguous() for t in tensors.values())
         if direct:
-            regions = {}
-            for t in tensors.values():
-                storage = t.untyped_storage()
-                regions[storage.data_ptr()] = max(storage.nbytes(), 1)
-            self._register(regions)
+            storages = [t.untyped_storage() for t in tensors.values()]
+            self._register({s.data_ptr(): max(s.nbytes(), 1) for s in storages})
             self._sources = [tensors[e.name].data_ptr() for e in layout.tensors]
             return None
         if self._staging is None or self._staging.nbytes < layout.total:
             self._staging = np.zeros(layout.total, dtype=np.uint8)
         self._register({self._staging.ctypes.data: self._staging.nbytes})
         self._sources = [self._staging.ctypes.data + e.offset for e in layout.tensors]
-        self.stats["packed"] += 1
+        self.stats["copied"] += 1
         return fill(self._staging, tensors, layout)
 
     def _register(self, regions: dict[int, int]) -> None:
@@ -314,52 +294,17 @@ class MooncakeP2PTransport:
                     raise WeightPushError(f"cannot register {nbytes} bytes of weights with TransferEngine")
                 self._registered[address] = nbytes
 
-    async def _push(self, target: _Target, attempts: int | None = None) -> None:
-        reason = ""
-        for attempt in range(self.retries + 1 if attempts is None else attempts):
-            layout = self._layout
-            assert layout is not None
-            if not target.slots or target.capacity < layout.total:
-                answer = await target.asker.ask(HELLO, self._hello(layout))
-                if answer is None:
-                    self.stats["unreachable"] += 1
-                    return  # its process is gone; `resend` catches it up once it is back
-                hello = msgspec.msgpack.decode(answer, type=HelloReply)
-                target.peer, target.slots, target.capacity = hello.peer, hello.slots, hello.capacity
-                target.next_slot = 1 - hello.live if hello.live in (0, 1) else 0
-            slot = target.next_slot
-            try:
-                await anyio.to_thread.run_sync(self._write, target, slot, layout, attempt)
-            except WeightPushError as exc:  # its process may be gone: the next attempt says hello first
-                reason, target.slots = str(exc), ()
-                self.stats["retries"] += 1
-                continue
-            if self._checksums is not None:
-                self._layout, self._checksums = await anyio.to_thread.run_sync(self._checksums.result), None
-            commit = Commit(slot, encode_layout(self._layout))
-            answer = await target.asker.ask(COMMIT, msgspec.msgpack.encode(commit))
-            if answer is None:
-                self.stats["unreachable"] += 1
-                target.slots = ()  # whatever it holds now, the next push learns it from a hello
-                return
-            reply = msgspec.msgpack.decode(answer, type=CommitReply)
-            target.next_slot = 1 - reply.live if reply.live in (0, 1) else slot  # never the live slot
-            if reply.ok:
-                self.stats["bytes"] += layout.total
-                return
-            self.stats["retries"] += 1
-            reason = reply.reason
-        if not target.slots and await target.asker.ask(HELLO, self._hello(self._layout)) is None:
-            self.stats["unreachable"] += 1  # the last write failed because its process is gone
-            return
-        raise WeightPushError(
-            f"receiver {target.asker.name} refused version {self._layout.version} {attempt + 1} times: {reason}"
-        )
+    async def _hello(self, target: _SlotTarget, layout: Layout) -> bool:
+        """Learn the receiver's slots (its process may be new); False when it does not answer."""
+        answer = await target.asker.ask(HELLO, msgspec.msgpack.encode(Hello(layout.total, self.protocol, self.device)))
+        if answer is None:
+            return False
+        hello = msgspec.msgpack.decode(answer, type=HelloReply)
+        target.peer, target.slots, target.capacity = hello.peer, hello.slots, hello.capacity
+        target.next_slot = 1 - hello.live if hello.live in (0, 1) else 0
+        return True
 
-    def _hello(self, layout: Layout) -> bytes:
-        return msgspec.msgpack.encode(Hello(layout.total, self.protocol, self.device))
-
-    def _write(self, target: _Target, slot: int, layout: Layout, attempt: int) -> None:
+    def _write(self, target: _SlotTarget, slot: int, layout: Layout, attempt: int) -> None:
         dst = target.slots[slot]
         started, sent = time.perf_counter(), 0
         for bucket in layout.buckets:
@@ -382,7 +327,7 @@ class MooncakeP2PTransport:
         if self.damage is not None and (hit := self.damage(layout, attempt)) is not None:
             self._write_bytes(target, dst + hit[0], hit[1])
 
-    def _write_bytes(self, target: _Target, address: int, data: bytes) -> None:
+    def _write_bytes(self, target: _SlotTarget, address: int, data: bytes) -> None:
         scratch = np.frombuffer(bytearray(data), dtype=np.uint8)
         self._te.register_memory(scratch.ctypes.data, scratch.nbytes)
         try:

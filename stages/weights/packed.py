@@ -7,16 +7,18 @@ pickle, and an engine never applies a damaged or partial version.
 
 `PackedWeightReceiver` is the learner's side of a receiver in another process: a WeightReceiver
 whose `receive_weights` packs the version and delivers it to the peer's mailbox "weights"; it
-keeps the latest version so a restarted peer catches up at once (`resend`).
+keeps the latest version so a restarted peer catches up at once (`resend`, through its transport).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from stages.weights.base import RemoteReceiver
 from stages.weights.layout import LayoutError, bad_buckets, decode_layout, encode_layout, fill, plan, views
 
 MAILBOX = "weights"
@@ -45,20 +47,22 @@ def unpack(header: bytes, blob: np.ndarray) -> tuple[int, dict[str, torch.Tensor
     return layout.version, {name: t.clone() for name, t in views(blob, layout).items()}
 
 
-class PackedWeightReceiver:
+@dataclass
+class PackedWeightReceiver(RemoteReceiver):
     """A WeightReceiver for a peer process (any object with `async deliver(box, header, blob)`)."""
 
-    def __init__(self, peer: Any, name: str) -> None:
-        self.peer, self.name = peer, name
-        self._latest: tuple[bytes, np.ndarray] | None = None
+    _latest: tuple[bytes, np.ndarray] | None = None
 
     async def receive_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         self._latest = pack(version, tensors)
         await self.peer.deliver(MAILBOX, *self._latest)
 
-    async def resend(self) -> None:
-        if self._latest is not None:
-            await self.peer.deliver(MAILBOX, *self._latest)
+    async def deliver_latest(self) -> bool:
+        """Deliver the latest version again (`resend`); False when there is none yet."""
+        if self._latest is None:
+            return False
+        await self.peer.deliver(MAILBOX, *self._latest)
+        return True
 
 
 def mailbox_for(engines: list[Any]):

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from baton.fault_matrix import RunOutcome, run_one
 from pipeline.faults import FAULT_KINDS
-from stages.fault_matrix import RunOutcome, run_one
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,7 +36,7 @@ def model_path(tmp_path_factory) -> str:
 
 
 def run(kind: str, seed: int, root: Path, model: str, *overrides: str) -> RunOutcome:
-    from pipeline.config import load_toml
+    from baton.config import load_toml
 
     base = load_toml(CONFIG, [f"model.path='{model}'", "model.create=false", *overrides])
     return run_one(CONFIG, kind, seed, root, base=base)

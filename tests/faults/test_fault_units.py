@@ -12,13 +12,14 @@ import numpy as np
 import pytest
 import torch
 
+from baton.config import ConfigError, to_toml, validate
+from baton.fault_matrix import RunOutcome, judge, recovery_seconds
 from buffers.codec import CodecError, RolloutBatch, decode, encode
-from buffers.faulty import FaultyStore, InjectedStoreError
+from buffers.faulty import FaultyStore, InjectedStoreError, open_store
 from buffers.memory import MemoryStore
 from buffers.retry import with_retries
-from buffers.store import StoreError, open_store
+from buffers.store import StoreError
 from pipeline.channel import Channel
-from pipeline.config import ConfigError, to_toml, validate
 from pipeline.contracts import Services
 from pipeline.faults import (
     FAULT_KINDS,
@@ -32,7 +33,6 @@ from pipeline.faults import (
 )
 from pipeline.versions import VersionClock
 from stages.engines.faulty import EngineCrashed, with_engine_faults
-from stages.fault_matrix import RunOutcome, judge, recovery_seconds
 from stages.weights.base import WeightPushError
 from stages.weights.faulty import with_weight_faults
 from stages.weights.inproc import InprocTransport
@@ -221,7 +221,7 @@ def config(**extra) -> dict:
     (config(faults=[{"kind": "channel.stall", "at": [1]}, {"kind": "channel.stall", "at": [2]}]), "merge"),
 ])
 def test_config_names_the_key_and_the_fix(data: dict, expected: str) -> None:
-    from stages.config import RunConfig
+    from baton.schema import RunConfig
 
     with pytest.raises(ConfigError, match=expected.replace("(", r"\(").replace(".", r"\.")):
         validate(RunConfig, data)
@@ -230,7 +230,7 @@ def test_config_names_the_key_and_the_fix(data: dict, expected: str) -> None:
 def test_faults_survive_the_resolved_config_round_trip() -> None:
     import tomllib
 
-    from stages.config import RunConfig
+    from baton.schema import RunConfig
 
     cfg = validate(RunConfig, config(faults=[{"kind": "store.corrupt", "at": [2, 4]}]))
     again = validate(RunConfig, tomllib.loads(cfg.resolved_toml()))

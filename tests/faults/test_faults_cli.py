@@ -20,7 +20,7 @@ def test_a_push_that_keeps_failing_breaks_the_matrix_with_exit_1(tmp_path: Path)
     sets = [f"run_root='{tmp_path}'", f"model.path='{tmp_path / 'model'}'",
             'faults=[{kind="weights.push_fail", at=[1, 2, 3]}]']  # the first push and both of its retries
     proc = subprocess.run(
-        [sys.executable, "-m", "stages.cli", "faults", str(ROOT / "configs" / "faults.toml"),
+        [sys.executable, "-m", "baton.cli", "faults", str(ROOT / "configs" / "faults.toml"),
          "--kinds", "weights.push_fail", "--seeds", "1", *[x for s in sets for x in ("--set", s)]],
         capture_output=True, text=True, cwd=ROOT, timeout=240,
     )
@@ -42,7 +42,7 @@ def test_a_push_that_keeps_failing_breaks_the_matrix_with_exit_1(tmp_path: Path)
 
 def test_baton_faults_refuses_an_unknown_kind() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "stages.cli", "faults", str(ROOT / "configs" / "faults.toml"), "--kinds", "engine.boom"],
+        [sys.executable, "-m", "baton.cli", "faults", str(ROOT / "configs" / "faults.toml"), "--kinds", "engine.boom"],
         capture_output=True, text=True, cwd=ROOT, timeout=120,
     )
     assert proc.returncode == 2
@@ -50,9 +50,10 @@ def test_baton_faults_refuses_an_unknown_kind() -> None:
 
 
 def test_the_config_plans_its_faults(tmp_path: Path) -> None:
-    from pipeline.config import load_toml, validate
+    from baton.builder import build_pipeline
+    from baton.config import load_toml, validate
+    from baton.schema import RunConfig
     from pipeline.faults import FaultSpec
-    from stages.config import RunConfig, build_pipeline
 
     data = load_toml(ROOT / "configs" / "faults.toml", [f"model.path='{tmp_path / 'model'}'"])
     data["store"] = {"kind": "memory"}  # building a Mooncake store would start a master

@@ -6,7 +6,7 @@
     baton mooncake-master [--port N]           run a mooncake_master on 127.0.0.1 until interrupted
     baton simulate CONFIG [--engines N] [--learners M] [--steps S] [--set k=v ...]
                    [--calibrate RUN_DIR] [--sweep engines=1,2,4,8 k=0,1,2,4]
-                                               the pipeline in virtual time with cost models (stages.simulate):
+                                               the pipeline in virtual time with cost models (baton.simulate):
                                                a table, a run folder with a plot, one JSON line
     baton faults CONFIG [--kinds a,b] [--seeds N] [--set k=v]
                                                the fault matrix: a table, then one JSON line of totals;
@@ -22,7 +22,11 @@ import json
 import os
 import sys
 
-from pipeline.config import ConfigError, load_toml, validate
+from baton.config import ConfigError
+
+
+def add_overrides(parser: argparse.ArgumentParser, help_text: str) -> None:
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=help_text)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -39,16 +43,12 @@ def _parser() -> argparse.ArgumentParser:
                 "--resume", metavar="RUN_DIR", default=None,
                 help="continue the run in RUN_DIR from its latest checkpoint (needs checkpoint.every > 0)",
             )
-        p.add_argument(
-            "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-            help="override a config key, e.g. --set learner.lr=1e-3 (repeatable)",
-        )
+        add_overrides(p, "override a config key, e.g. --set learner.lr=1e-3 (repeatable)")
     f = sub.add_parser("faults", help="run the fault matrix on a config; exit 1 if any invariant breaks")
     f.add_argument("config", help="path to a TOML config, e.g. configs/faults.toml")
     f.add_argument("--kinds", default=None, help="comma-separated fault kinds (default: all of them)")
     f.add_argument("--seeds", type=int, default=3, help="seeds per fault kind: 0 .. N-1 (default 3)")
-    f.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key for every run (repeatable)")
+    add_overrides(f, "override a config key for every run (repeatable)")
     s = sub.add_parser("simulate", help="predict throughput, staleness and idle time in virtual time")
     s.add_argument("config", nargs="?", help="path to a TOML config (its [simulate] table declares costs); "
                    "default with --calibrate: RUN_DIR/config.toml")
@@ -60,8 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--sweep", nargs="+", default=None, metavar="KEY=V1,V2",
                    help="simulate every combination, e.g. --sweep engines=1,2,4,8 k=0,1,2,4 (keys: engines, k, "
                    "learners)")
-    s.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key, e.g. --set simulate.decode_tokens_per_s=3000 (repeatable)")
+    add_overrides(s, "override a config key, e.g. --set simulate.decode_tokens_per_s=3000 (repeatable)")
     m = sub.add_parser("mooncake-master", help="run a mooncake_master on 127.0.0.1 (prints its address)")
     m.add_argument("--port", type=int, default=None, help="RPC port (default: a free one)")
     m.add_argument("--lease-ttl-ms", type=int, default=500, help="read lease before a key can be removed")
@@ -95,22 +94,17 @@ def run_mooncake_master(port: int | None, lease_ttl_ms: int) -> int:
 def run_fault_matrix(config: str, kinds: str | None, seeds: int, overrides: list[str]) -> int:
     """`baton faults`: each fault kind x seed on `config`; the table, then one JSON line of totals."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from baton import fault_matrix
+    from baton.schema import load_run_config
     from pipeline.telemetry import configure_logging
-    from stages import fault_matrix
 
     try:
-        cfg = load_config(config, overrides)  # the base config must be valid before any run starts
+        cfg = load_run_config(config, overrides)  # the base config must be valid before any run starts
     except ConfigError as exc:
         print(f"baton: {exc}", file=sys.stderr)
         return 2
     configure_logging(cfg.telemetry.log_format, cfg.telemetry.log_level)
     return fault_matrix.main(config, kinds, seeds, overrides)
-
-
-def load_config(path: str, overrides: list[str]):
-    from stages.config import RunConfig
-
-    return validate(RunConfig, load_toml(path, overrides), source=path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "faults":
         return run_fault_matrix(args.config, args.kinds, args.seeds, args.overrides)
     if args.command == "simulate":
-        from stages import simulate
+        from baton import simulate
 
         for flag in ("engines", "learners", "steps"):
             value = getattr(args, flag)
@@ -133,8 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.config is None and resume is None:
         print("baton: run needs a CONFIG, or --resume RUN_DIR", file=sys.stderr)
         return 2
+    from baton.schema import load_run_config
+
     try:
-        cfg = load_config(args.config or os.path.join(resume, "config.toml"), args.overrides)
+        cfg = load_run_config(args.config or os.path.join(resume, "config.toml"), args.overrides)
     except ConfigError as exc:
         print(f"baton: {exc}", file=sys.stderr)
         return 2
@@ -143,10 +139,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from baton.builder import build_pipeline
     from pipeline.actor import ActorFailed
     from pipeline.checkpoint import CheckpointError, latest_checkpoint, read_state
     from pipeline.telemetry import configure_logging, get_logger
-    from stages.config import build_pipeline
 
     configure_logging(cfg.telemetry.log_format, cfg.telemetry.log_level)
     try:

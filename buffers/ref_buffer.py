@@ -1,4 +1,7 @@
-"""ReplayBuffer: the buffer stage. It indexes refs (never payloads) and hands them on in order.
+"""RefBuffer: the buffer stage. It indexes refs (never payloads) and hands them on in order.
+
+It replays nothing: reuse of a group (training on it more than once) happens in the learner's
+`policies.selection.ReplayWindow`. The buffer only bounds and orders what is on its way there.
 
 Guarantees:
 * every ref received is either forwarded to the consumer exactly once or expired exactly once
@@ -20,7 +23,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import anyio
 
-from buffers.store import ObjectStore, StoreSpec, open_store
+from buffers.faulty import open_store
+from buffers.store import ObjectStore, StoreSpec
 from pipeline.actor import BaseActor
 from pipeline.channel import Channel
 from pipeline.context import RunContext, refuse
@@ -28,8 +32,8 @@ from pipeline.refs import HeldRef, Ref
 
 
 @dataclass
-class ReplayBuffer:
-    """The DSL/config object: `ReplayBuffer(store, max_refs=256, max_bytes=256 << 20)`."""
+class RefBuffer:
+    """The DSL/config object: `RefBuffer(store, max_refs=256, max_bytes=256 << 20)`."""
 
     store: ObjectStore | StoreSpec
     max_refs: int = 256
@@ -53,7 +57,7 @@ class ReplayBuffer:
 
     def actors(self, ctx: RunContext, inbox: Channel | None, outbox: Channel | None):
         assert inbox is not None and outbox is not None
-        return [ReplayActor(self, ctx.services.store, ctx, inbox, outbox)]
+        return [RefBufferActor(self, ctx.services.store, ctx, inbox, outbox)]
 
 
 @runtime_checkable
@@ -73,11 +77,11 @@ class StoreOpening:
         return open_store(self.store, holder=holder, faults=faults)
 
 
-class ReplayActor(BaseActor):
+class RefBufferActor(BaseActor):
     name = "buffer"
 
     def __init__(
-        self, spec: ReplayBuffer, store: ObjectStore, ctx: RunContext, inbox: Channel, outbox: Channel
+        self, spec: RefBuffer, store: ObjectStore, ctx: RunContext, inbox: Channel, outbox: Channel
     ) -> None:
         self.spec, self.store, self.ctx, self.inbox, self.outbox = spec, store, ctx, inbox, outbox
         self.index: deque[Ref] = deque()

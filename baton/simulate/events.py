@@ -1,6 +1,6 @@
 """A discrete-event loop in virtual time, and blocking channel operations on the real `Channel` for it.
 
-Used by `baton simulate` (stages.simulate) to run a pipeline's stages as cost models. Nothing here is
+Used by `baton simulate` (baton.simulate) to run a pipeline's stages as cost models. Nothing here is
 RL-specific.
 
 Processes are generators. A process yields what it waits for:

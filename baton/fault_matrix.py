@@ -30,9 +30,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from baton.config import apply_override, load_toml, validate
 from pipeline.actor import ActorFailed, innermost
-from pipeline.config import apply_override, load_toml, validate
-from pipeline.faults import FAULT_KINDS, FaultPlan, FaultSpec, LearnerCrashed, read_events
+from pipeline.faults import FAULT_KINDS, FaultPlan, LearnerCrashed, read_events
 from pipeline.telemetry import RunFolder, get_logger
 
 REWARD_MARGIN = 0.02  # last-quarter mean reward minus first-quarter mean, at least
@@ -192,7 +192,8 @@ def run_one(
     config: str, kind: str, seed: int, root: Path, overrides: Sequence[str] = (), base: dict | None = None
 ) -> RunOutcome:
     """One run of `config` with fault `kind` planned, judged (see the module docstring)."""
-    from stages.config import RunConfig, build_pipeline
+    from baton.builder import build_pipeline, make_faults
+    from baton.schema import RunConfig
 
     data = base if base is not None else load_toml(config, overrides)
     own = {f["kind"]: f for f in data.get("faults", [])}
@@ -217,7 +218,7 @@ def run_one(
             apply_override(raw, item)
         raw["faults"] = [spec]
         cfg = validate(RunConfig, raw, source=config)
-        plan = FaultPlan([_spec(spec)], targets=targets)
+        plan = FaultPlan(make_faults(cfg), targets=targets)
         pipe = build_pipeline(cfg)
         pipe.faults = plan
         try:
@@ -243,11 +244,6 @@ def run_one(
             outcome.problems.append("no run folder")
             return outcome
         return judge(outcome, run_dir, cfg.steps, window)
-
-
-def _spec(entry: dict[str, Any]) -> FaultSpec:
-    return FaultSpec(entry["kind"], tuple(entry.get("at", ())), entry.get("probability", 0.0),
-                     entry.get("seed", 0), entry.get("delay_s", 5.0))
 
 
 def _learner_crashed(run_dir: Path | None) -> bool:

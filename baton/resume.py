@@ -14,21 +14,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from baton.builder import build_pipeline
+from baton.schema import load_run_config
 from pipeline.checkpoint import CheckpointError
-from pipeline.config import load_toml, validate
 
 
 def resume_run(run_dir: str | Path, overrides: Sequence[str] = (), config: str | Path | None = None) -> dict[str, Any]:
     """Continue the run in `run_dir` to its `steps` and return its summary. `config`: another config file
     to build the pipeline from (default: `run_dir/config.toml`); it must describe the same run."""
-    from stages.config import RunConfig, build_pipeline
-
     run_dir = Path(run_dir)
     source = Path(config) if config is not None else run_dir / "config.toml"
     if not source.is_file():
         raise CheckpointError(f"--resume {str(run_dir)!r}: {source} is missing; give the run's config explicitly")
-    cfg = validate(RunConfig, load_toml(source, overrides), source=str(source))
-    return build_pipeline(cfg).resume(run_dir)
+    return build_pipeline(load_run_config(source, overrides)).resume(run_dir)
 
 
 __all__ = ["resume_run"]

@@ -1,36 +1,21 @@
-"""The run config: a TOML file that maps one to one onto the Python DSL.
-
-    name, seed, steps, mode ("async" | "sync"), runtime ("local"), run_root
-    [model]      path, create, hidden_size, layers, heads, kv_heads, seed
-    [task]       kind = "reverse-digits" | "addition" | "pkg.mod:Class" (+ its keys)
-    [engine]     kind = "torch" | "sglang" | "pkg.mod:Class", count, batch_groups, temperature, top_p
-                 (sglang: urls, python, dtype, device, threads, max_total_tokens, extra_args, update,
-                 pause_mode, max_restarts)
-    [rollout]    group_size
-    [store]      kind = "memory" (capacity) | "mooncake" (master, protocol, device, global_segment_size,
-                 local_buffer_size, chunk_bytes, replicas) | "pkg.mod:Class"
-    [buffer]     max_refs, max_bytes, produced_channel, produced_bytes, ready_channel, ready_bytes
-    [learner]    kind = "grpo", lr, groups_per_step, clip_eps, max_grad_norm, weight_decay, epochs, device
-    [staleness]  kind = "max-staleness", k, on_stale = "drop" | "requeue", max_span, admission = "pace" | "eager"
-    [correction] kind = "none" | "tis" | "decoupled", tis_cap, decoupled_cap
-    [replay]     max_reuse, selection = "fifo" | "freshest" | "uniform", drop_zero_signal, max_filtered_batches
-    [weights]    transport = "inproc" | "mooncake_p2p" (protocol, device, bucket_bytes, pace, retries)
-                 | "disk" (root, retries) | "delta" | "broadcast" (retries; runtime = "ray")
-    [telemetry]  log_format = "console" | "json", progress
-    [[faults]]   kind (pipeline.faults.FAULT_KINDS), at = [occurrences] | probability, seed, delay_s
-    [checkpoint] every (versions between checkpoints, 0: off), keep (checkpoints kept); both runtimes
-    [watchdog]   warn_after_s, fail_after_s (seconds without progress; 0: off), poll_s; both runtimes
-    [simulate]   costs and cluster shape for `baton simulate` (stages.simulate.SimulateSpec); not used by run
+"""The run config: a TOML file that maps one to one onto the Python DSL. One Section class per table
+([model], [task], [engine], ... [simulate]), RunConfig for the whole file; the README's "Config
+reference" lists every key. A `kind` key picks a built-in class or a "pkg.mod:Class" plug-in.
 
 Unknown keys and bad values fail validation, naming the key, the value and what is allowed. So does a
 config whose shape can break its own staleness bound (`policies.bounds`: queues that let groups age
 past k, PPO epochs that compound staleness, a reuse count k cannot reach), before anything starts.
+
+A default is defined once, in the part's own class (`default_of`); a section that mirrors a class reads
+it from there. `baton.builder` turns a validated RunConfig into the Pipeline.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import os
-import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -46,9 +31,29 @@ from pydantic import (
     model_validator,
 )
 
-from pipeline.config import ConfigError, resolve, to_toml
+from baton.config import load_toml, to_toml, validate
+from buffers import MemoryStore, RefBuffer
+from buffers.mooncake import MooncakeSettings
+from pipeline.dsl import Pipeline
 from pipeline.faults import FAULT_KINDS, FaultSpec
-from stages.simulate import SimulateSpec
+from pipeline.watchdog import WatchdogSettings
+from policies.correction import Correction
+from policies.selection import Selection
+from policies.staleness import MaxStaleness
+from stages.engines.sglang import SGLangEngine
+from stages.learner import GRPOLearner
+from stages.model import make_tiny_model
+from stages.rollout import Rollout
+from stages.tasks import ReverseDigits
+from stages.weights import TRANSPORTS
+from stages.weights.mooncake_p2p import MooncakeP2PTransport
+
+
+def default_of(part: Any, name: str) -> Any:
+    """The default of keyword `name` in the part's own class (or function): the one place it is defined."""
+    if dataclasses.is_dataclass(part):
+        return next(f.default for f in dataclasses.fields(part) if f.name == name)
+    return inspect.signature(part).parameters[name].default
 
 
 class Section(BaseModel):
@@ -56,13 +61,10 @@ class Section(BaseModel):
 
 
 class PluginSpec(BaseModel):
-    """`kind = "package.module:Class"`; every other key is passed to the class as a keyword."""
+    """`kind = "package.module:Class"`; every other key is passed to the class as a keyword (baton.builder)."""
 
     model_config = ConfigDict(extra="allow")
     kind: Annotated[str, Field(pattern=r"^[\w.]+:\w+$")]
-
-    def build(self, **extra: Any) -> Any:
-        return resolve(self.kind)(**{**(self.model_extra or {}), **extra})
 
 
 def kinds(*members: type[BaseModel]) -> Any:
@@ -83,16 +85,17 @@ def kinds(*members: type[BaseModel]) -> Any:
 class ModelSpec(Section):
     path: str = "runs/models/tiny-qwen2"
     create: bool = Field(True, description="make a random-init tiny model there if it is missing")
-    hidden_size: int = Field(64, ge=8)
-    layers: int = Field(2, ge=1)
-    heads: int = Field(4, ge=1)
-    kv_heads: int = Field(2, ge=1)
-    seed: int = Field(0, description="seed of the random init (independent of the run's seed)")
+    hidden_size: int = Field(default_of(make_tiny_model, "hidden_size"), ge=8)
+    layers: int = Field(default_of(make_tiny_model, "layers"), ge=1)
+    heads: int = Field(default_of(make_tiny_model, "heads"), ge=1)
+    kv_heads: int = Field(default_of(make_tiny_model, "kv_heads"), ge=1)
+    seed: int = Field(default_of(make_tiny_model, "seed"), description="seed of the random init (independent of "
+                      "the run's seed)")
 
 
 class ReverseDigitsSpec(Section):
     kind: Literal["reverse-digits"] = "reverse-digits"
-    digits: int = Field(2, ge=1, le=16)
+    digits: int = Field(default_of(ReverseDigits, "digits"), ge=1, le=16)
 
 
 class AdditionSpec(Section):
@@ -102,9 +105,9 @@ class AdditionSpec(Section):
 class TorchEngineSpec(Section):
     kind: Literal["torch"] = "torch"
     count: int = Field(1, ge=1, le=16, description="engine workers (each its own producer actor)")
-    batch_groups: int = Field(16, ge=1, description="groups generated per engine call")
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
+    batch_groups: int = Field(default_of(Rollout, "batch_groups"), ge=1, description="groups generated per engine call")
+    temperature: float = Field(default_of(Rollout, "temperature"), gt=0)
+    top_p: float = Field(default_of(Rollout, "top_p"), gt=0, le=1)
 
 
 class SGLangEngineSpec(Section):
@@ -118,21 +121,26 @@ class SGLangEngineSpec(Section):
     python: str | None = Field(
         None, description="interpreter with sglang (default: $BATON_SGLANG_PYTHON, then .venv-sglang)"
     )
-    batch_groups: int = Field(16, ge=1, description="groups generated per engine call")
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    threads: int = Field(1, ge=1, description="torch threads per server process on CPU")
-    max_total_tokens: int = Field(16384, ge=256, description="KV-cache tokens per server")
+    batch_groups: int = Field(default_of(Rollout, "batch_groups"), ge=1, description="groups generated per engine call")
+    temperature: float = Field(default_of(Rollout, "temperature"), gt=0)
+    top_p: float = Field(default_of(Rollout, "top_p"), gt=0, le=1)
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = default_of(SGLangEngine, "dtype")
+    device: Literal["auto", "cpu", "cuda"] = default_of(SGLangEngine, "device")
+    threads: int = Field(default_of(SGLangEngine, "threads"), ge=1, description="torch threads per server process "
+                         "on CPU")
+    max_total_tokens: int = Field(default_of(SGLangEngine, "max_total_tokens"), ge=256, description="KV-cache "
+                                  "tokens per server")
     extra_args: list[str] = Field(default_factory=list, description="more sglang.launch_server flags, verbatim")
     update: Literal["tensor", "distributed", "disk"] = Field(
-        "tensor", description="how weights enter the server: update_weights_from_{tensor,distributed,disk}"
+        default_of(SGLangEngine, "update"),
+        description="how weights enter the server: update_weights_from_{tensor,distributed,disk}",
     )
     pause_mode: Literal["in_place", "retract"] = Field(
-        "in_place", description="how in-flight requests pause for a weight update (keep or recompute their KV)"
+        default_of(SGLangEngine, "pause_mode"),
+        description="how in-flight requests pause for a weight update (keep or recompute their KV)",
     )
-    max_restarts: int = Field(3, ge=0, description="restarts of a dead server before the run fails")
+    max_restarts: int = Field(default_of(SGLangEngine, "max_restarts"), ge=0, description="restarts of a dead server "
+                              "before the run fails")
     base_gpu_id: int = Field(0, ge=0, description="device = 'cuda': engine i runs on GPU base_gpu_id + i")
 
     @model_validator(mode="after")
@@ -159,9 +167,10 @@ class SGLangEngineSpec(Section):
 
 
 class RolloutSpec(Section):
-    group_size: int = Field(8, ge=2)
+    group_size: int = Field(default_of(Rollout, "group_size"), ge=2)
     request_timeout_s: float | None = Field(
-        None, gt=0, description="an engine call not answered within this is an error and its groups are generated "
+        default_of(Rollout, "request_timeout_s"), gt=0,
+        description="an engine call not answered within this is an error and its groups are generated "
         "again; unset: wait (required by the engine.hang fault)"
     )
 
@@ -173,9 +182,11 @@ class FaultConfig(Section):
     at: list[Annotated[int, Field(ge=1)]] = Field(
         default_factory=list, description="occurrences (1-based) at which it fires; learner.crash: learner versions"
     )
-    probability: float = Field(0.0, ge=0, le=1, description="instead of `at`: the chance it fires at each occurrence")
-    seed: int = Field(0, description="seeds the `probability` draws")
-    delay_s: float = Field(5.0, gt=0, description="engine.hang / channel.stall: how long it lasts")
+    probability: float = Field(default_of(FaultSpec, "probability"), ge=0, le=1,
+                               description="instead of `at`: the chance it fires at each occurrence")
+    seed: int = Field(default_of(FaultSpec, "seed"), description="seeds the `probability` draws")
+    delay_s: float = Field(default_of(FaultSpec, "delay_s"), gt=0, description="engine.hang / channel.stall: how "
+                           "long it lasts")
 
     @model_validator(mode="after")
     def _one_schedule(self) -> FaultConfig:
@@ -190,7 +201,7 @@ class FaultConfig(Section):
 
 class MemoryStoreSpec(Section):
     kind: Literal["memory"] = "memory"
-    capacity: ByteSize | None = None
+    capacity: ByteSize | None = default_of(MemoryStore, "capacity_bytes")
 
 
 class MooncakeStoreSpec(Section):
@@ -205,9 +216,9 @@ class MooncakeStoreSpec(Section):
     protocol: str = Field(default_factory=lambda: os.environ.get("MOONCAKE_PROTOCOL", "tcp"))
     device: str = Field(default_factory=lambda: os.environ.get("MOONCAKE_DEVICE", ""))
     global_segment_size: ByteSize = ByteSize(1 << 30)
-    local_buffer_size: ByteSize = ByteSize(16 << 20)
-    chunk_bytes: ByteSize = ByteSize(64 << 20)
-    replicas: int = Field(1, ge=1)
+    local_buffer_size: ByteSize = ByteSize(default_of(MooncakeSettings, "local_buffer_size"))
+    chunk_bytes: ByteSize = ByteSize(default_of(MooncakeSettings, "chunk_bytes"))
+    replicas: int = Field(default_of(MooncakeSettings, "replicas"), ge=1)
 
 
 class RayStoreSpec(Section):
@@ -218,8 +229,8 @@ class RayStoreSpec(Section):
 
 
 class BufferSpec(Section):
-    max_refs: int = Field(256, ge=1)
-    max_bytes: ByteSize = ByteSize(256 << 20)
+    max_refs: int = Field(default_of(RefBuffer, "max_refs"), ge=1)
+    max_bytes: ByteSize = ByteSize(default_of(RefBuffer, "max_bytes"))
     produced_channel: int = Field(64, ge=1, description="refs in flight producer -> buffer")
     produced_bytes: ByteSize = Field(ByteSize(64 << 20), description="payload bytes in flight producer -> buffer")
     ready_channel: int = Field(16, ge=1, description="refs in flight buffer -> learner")
@@ -233,24 +244,27 @@ class BufferSpec(Section):
 
 class GRPOSpec(Section):
     kind: Literal["grpo"] = "grpo"
-    lr: float = Field(3e-3, gt=0)
-    groups_per_step: int = Field(16, ge=1)
-    clip_eps: float = Field(0.2, gt=0)
-    max_grad_norm: float = Field(1.0, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    epochs: int = Field(1, ge=1, description="optimizer passes over each step's batch (PPO epochs)")
-    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description='"auto": cuda when a GPU is visible')
+    lr: float = Field(default_of(GRPOLearner, "lr"), gt=0)
+    groups_per_step: int = Field(default_of(GRPOLearner, "groups_per_step"), ge=1)
+    clip_eps: float = Field(default_of(GRPOLearner, "clip_eps"), gt=0)
+    max_grad_norm: float = Field(default_of(GRPOLearner, "max_grad_norm"), gt=0)
+    weight_decay: float = Field(default_of(GRPOLearner, "weight_decay"), ge=0)
+    epochs: int = Field(default_of(GRPOLearner, "epochs"), ge=1, description="optimizer passes over each step's "
+                        "batch (PPO epochs)")
+    device: str = Field(default_of(GRPOLearner, "device"), pattern=r"^(auto|cpu|cuda(:\d+)?)$",
+                        description='"auto": cuda when a GPU is visible')
 
 
 class MaxStalenessSpec(Section):
     kind: Literal["max-staleness"] = "max-staleness"
-    k: int | None = Field(None, ge=0, description="default: 2 in async mode, 0 in sync mode")
-    on_stale: Literal["drop", "requeue"] = "drop"
+    k: int | None = Field(None, ge=0, description="default: MaxStaleness's k in async mode, 0 in sync mode")
+    on_stale: Literal["drop", "requeue"] = default_of(MaxStaleness, "on_stale")
     max_span: int | None = Field(
-        None, ge=1, description="most weight versions one sample may span; longer ones restart on the new weights"
+        default_of(MaxStaleness, "max_span"), ge=1,
+        description="most weight versions one sample may span; longer ones restart on the new weights",
     )
     admission: Literal["pace", "eager"] = Field(
-        "pace",
+        default_of(MaxStaleness, "admission"),
         description='"pace": producers wait rather than start work that would be too stale to train; '
         '"eager": they start work as fast as the channels take it, and what turns too stale is refused',
     )
@@ -260,12 +274,15 @@ class CorrectionSpec(Section):
     """Off-policy correction in the learner's loss (policies.correction)."""
 
     kind: Literal["none", "tis", "decoupled"] = Field(
-        "none", description="none: PPO-clip on behaviour logprobs; tis / decoupled: clip against the learner's "
+        default_of(Correction, "kind"),
+        description="none: PPO-clip on behaviour logprobs; tis / decoupled: clip against the learner's "
         "logprobs at the step's start, tokens weighted by pi_prox / pi_behav"
     )
-    tis_cap: float = Field(2.0, ge=1, description="tis: importance weights above this are truncated to it")
+    tis_cap: float = Field(default_of(Correction, "tis_cap"), ge=1, description="tis: importance weights above "
+                           "this are truncated to it")
     decoupled_cap: float | None = Field(
-        None, ge=1, description="decoupled: tokens whose importance weight exceeds this are left out; unset: none are"
+        default_of(Correction, "decoupled_cap"), ge=1,
+        description="decoupled: tokens whose importance weight exceeds this are left out; unset: none are"
     )
 
     @model_validator(mode="after")
@@ -282,48 +299,65 @@ class CorrectionSpec(Section):
 class ReplaySpec(Section):
     """Which groups each learner step trains on, and how often one may be (policies.selection)."""
 
-    max_reuse: int = Field(1, ge=1, description="most learner steps one group is trained in (only while within k)")
+    max_reuse: int = Field(default_of(Selection, "max_reuse"), ge=1, description="most learner steps one group is "
+                           "trained in (only while within k)")
     selection: Literal["fifo", "freshest", "uniform"] = Field(
-        "fifo", description="fifo: in arrival order; freshest: newest version first; uniform: at random (seeded)"
+        default_of(GRPOLearner, "selection").kind,
+        description="fifo: in arrival order; freshest: newest version first; uniform: at random (seeded)"
     )
     drop_zero_signal: bool = Field(
-        False, description="filter groups whose rewards are all equal before they cost a step (DAPO dynamic sampling)"
+        default_of(Selection, "drop_zero_signal"),
+        description="filter groups whose rewards are all equal before they cost a step (DAPO dynamic sampling)"
     )
     max_filtered_batches: int = Field(
-        10, ge=1, description="a step that filters more than this many times groups_per_step groups fails the run"
+        default_of(Selection, "max_filtered_batches"), ge=1,
+        description="a step that filters more than this many times groups_per_step groups fails the run"
     )
 
 
 class WeightsSpec(Section):
     """How each new version reaches the engines; independent of `store` (rollout data)."""
 
-    transport: Literal["inproc", "mooncake_p2p", "disk", "delta", "broadcast"] = "inproc"
-    protocol: str = Field("tcp", description='mooncake_p2p: TransferEngine protocol, "tcp" or "rdma"')
-    device: str = Field("", description="mooncake_p2p: RDMA device names (empty for tcp)")
-    bucket_bytes: ByteSize = Field(ByteSize(32 << 20), description="mooncake_p2p: bytes per checksummed bucket")
-    pace: ByteSize | None = Field(None, description="mooncake_p2p: push at most this many bytes per second")
-    retries: int = Field(2, ge=0, description="re-sends of a refused version before the run fails (mooncake_p2p, disk)")
+    transport: Literal[tuple(TRANSPORTS)] = default_of(GRPOLearner, "weights")  # type: ignore[valid-type]
+    protocol: str = Field(default_of(MooncakeP2PTransport, "protocol"),
+                          description='mooncake_p2p: TransferEngine protocol, "tcp" or "rdma"')
+    device: str = Field(default_of(MooncakeP2PTransport, "device"),
+                        description="mooncake_p2p: RDMA device names (empty for tcp)")
+    bucket_bytes: ByteSize = Field(ByteSize(default_of(MooncakeP2PTransport, "bucket_bytes")),
+                                   description="mooncake_p2p: bytes per checksummed bucket")
+    pace: ByteSize | None = Field(default_of(MooncakeP2PTransport, "pace_bytes_per_s"),
+                                  description="mooncake_p2p: push at most this many bytes per second")
+    retries: int = Field(default_of(MooncakeP2PTransport, "retries"), ge=0, description="re-sends of a refused "
+                         "version before the run fails (mooncake_p2p, disk, broadcast)")
     root: str | None = Field(None, description="disk: folder every engine can read (default: a temporary one)")
     snapshot_every: int = Field(
-        1, ge=0, description="keep every n-th version in the store for engines that (re)start; 0: never"
+        default_of(GRPOLearner, "snapshot_every"), ge=0,
+        description="keep every n-th version in the store for engines that (re)start; 0: never",
     )
+
+    @property
+    def kind(self) -> str:
+        """The registry key of this part (baton.builder): the transport's name."""
+        return self.transport
 
 
 class CheckpointSpec(Section):
     """Checkpoints into the run folder, for `baton run --resume RUN_DIR` (pipeline.checkpoint)."""
 
     every: int = Field(20, ge=0, description="write a checkpoint every this many versions; 0: never")
-    keep: int = Field(2, ge=1, description="complete checkpoints kept in the run folder (older ones are removed)")
+    keep: int = Field(default_of(Pipeline, "checkpoint_keep"), ge=1,
+                      description="complete checkpoints kept in the run folder (older ones are removed)")
 
 
 class WatchdogSpec(Section):
     """Hang diagnosis (pipeline.watchdog): progress is the version or the ledger moving."""
 
-    warn_after_s: float = Field(60.0, ge=0, description="log where every stage waits after this long without "
+    warn_after_s: float = Field(default_of(WatchdogSettings, "warn_after_s"), ge=0,
+                                description="log where every stage waits after this long without "
                                 "progress (and again each time as long again passes); 0: never")
-    fail_after_s: float = Field(300.0, ge=0, description="fail the run with PipelineHung after this long without "
-                                "progress; 0: never")
-    poll_s: float = Field(1.0, gt=0, description="how often the watchdog looks")
+    fail_after_s: float = Field(default_of(WatchdogSettings, "fail_after_s"), ge=0,
+                                description="fail the run with PipelineHung after this long without progress; 0: never")
+    poll_s: float = Field(default_of(WatchdogSettings, "poll_s"), gt=0, description="how often the watchdog looks")
 
     @model_validator(mode="after")
     def _warn_before_failing(self) -> WatchdogSpec:
@@ -342,16 +376,65 @@ class RaySpec(Section):
 class TelemetrySpec(Section):
     log_format: Literal["console", "json"] = "console"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
-    progress: bool = True
+    progress: bool = default_of(Pipeline, "progress")
+
+
+class SimulateSpec(Section):
+    """The `[simulate]` table: cluster shape and declared costs (ignored by `baton run`).
+
+    Declared generation cost of one engine call of n groups (group_size samples each, response lengths
+    drawn from a lognormal with the given mean and shape, capped at max_response_tokens):
+    `engine_call_overhead_s + max(response tokens / decode_tokens_per_s, longest response /
+    sequence_tokens_per_s)`: throughput-bound for big batches, bound by the longest sample otherwise.
+    Training: `step_overhead_s + tokens / (train_tokens_per_s * learners)` per step (prompt + response
+    tokens). Weights: `push_latency_s + weight_bytes * copies / push_bytes_per_s` (copies: the engine count
+    with `push_per_engine`, else 1). Store put/get per group:
+    `store_latency_s + bytes / store_bytes_per_s`.
+    """
+
+    engines: int | None = Field(None, ge=1, description="engines (producers); default: engine.count")
+    learners: int = Field(1, ge=1, description="data-parallel learner replicas (step time / learners)")
+    steps: int | None = Field(None, ge=1, description="versions to simulate; default: steps")
+    warmup: int = Field(10, ge=0, description="versions left out of the steady-state figures")
+    seed: int = 0
+    prompt_tokens: int = Field(16, ge=1)
+    response_tokens_mean: float = Field(8.0, gt=0)
+    response_tokens_sigma: float = Field(0.5, ge=0, description="lognormal shape of response lengths")
+    max_response_tokens: int = Field(16, ge=1)
+    decode_tokens_per_s: float = Field(5_000.0, gt=0, description="one engine's decode throughput at batch")
+    sequence_tokens_per_s: float = Field(500.0, gt=0, description="one sequence's decode speed")
+    engine_call_overhead_s: float = Field(0.0, ge=0)
+    engine_load_s: float = Field(0.0, ge=0, description="an engine's pause to load a new version")
+    train_tokens_per_s: float = Field(20_000.0, gt=0, description="one learner replica's training throughput")
+    step_overhead_s: float = Field(0.0, ge=0)
+    learner_overhead_s: float = Field(0.0, ge=0, description="per-version bookkeeping besides the step")
+    weight_bytes: ByteSize = Field(ByteSize(1 << 20))
+    push_bytes_per_s: float | None = Field(None, gt=0, description="learner egress; default: by weights.transport")
+    push_per_engine: bool = Field(False, description="each engine gets its own copy from the learner (P2P "
+                                  "without relays): push time grows with engines; false: one broadcast")
+    push_latency_s: float = Field(0.0, ge=0)
+    store_bytes_per_s: float = Field(1e9, gt=0)
+    store_latency_s: float = Field(1e-4, ge=0)
+    hop_s: float | None = Field(None, ge=0, description="per cross-process channel call; default 1 ms on ray")
+    zero_signal_fraction: float = Field(0.0, ge=0, lt=1, description="groups whose rewards are all equal")
+
+    @model_validator(mode="after")
+    def _lengths_fit(self) -> SimulateSpec:
+        if self.response_tokens_mean > self.max_response_tokens:
+            raise ValueError(
+                f"simulate.response_tokens_mean = {self.response_tokens_mean:g} is above simulate.max_response_tokens"
+                f" = {self.max_response_tokens}; lower the mean or raise max_response_tokens"
+            )
+        return self
 
 
 class RunConfig(Section):
     name: str = Field("baton", pattern=r"^[A-Za-z0-9_.-]+$")
-    seed: int = 0
-    steps: int = Field(60, ge=1, description="learner versions to train")
+    seed: int = default_of(Pipeline, "seed")
+    steps: int = Field(default_of(Pipeline, "steps"), ge=1, description="learner versions to train")
     mode: Literal["async", "sync"] = "async"
-    runtime: Literal["local", "ray"] = "local"
-    run_root: str = "runs"
+    runtime: Literal["local", "ray"] = default_of(Pipeline, "runtime")
+    run_root: str = default_of(Pipeline, "run_root")
     model: ModelSpec = ModelSpec()
     task: kinds(ReverseDigitsSpec, AdditionSpec) = ReverseDigitsSpec()  # type: ignore[valid-type]
     engine: kinds(TorchEngineSpec, SGLangEngineSpec) = TorchEngineSpec()  # type: ignore[valid-type]
@@ -369,7 +452,7 @@ class RunConfig(Section):
     watchdog: WatchdogSpec = WatchdogSpec()
     faults: list[FaultConfig] = Field(default_factory=list, description="[[faults]]: injected faults (pipeline.faults)")
     simulate: SimulateSpec | None = Field(None, description="[simulate]: cluster shape and declared costs for "
-                                          "`baton simulate` (stages.simulate); `baton run` ignores it")
+                                          "`baton simulate` (baton.simulate); `baton run` ignores it")
 
     @model_validator(mode="after")
     def _mode_sets_k(self) -> RunConfig:
@@ -380,7 +463,7 @@ class RunConfig(Section):
                     "remove staleness.k or set mode = 'async'"
                 )
             if self.staleness.k is None:
-                self.staleness.k = 0 if self.mode == "sync" else 2
+                self.staleness.k = 0 if self.mode == "sync" else default_of(MaxStaleness, "k")
         if isinstance(self.store, MooncakeStoreSpec):
             self._check_mooncake_capacity(self.store)
         if self.weights.transport == "broadcast" and self.runtime == "local":
@@ -430,14 +513,14 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _staleness_holds(self) -> RunConfig:
-        """The static check of `policies.bounds`: refuse a shape that can break the staleness bound."""
+        """The static check of `policies.bounds`: refuse a shape that can break the staleness bound. Runs after
+        _mode_sets_k (validators run in the order defined), so staleness.k is set."""
         from policies.bounds import PipelineShape, check
 
         if not isinstance(self.staleness, MaxStalenessSpec) or not isinstance(self.learner, GRPOSpec):
             return self  # plug-ins: their numbers mean what their authors say
-        k = self.staleness.k if self.staleness.k is not None else (0 if self.mode == "sync" else 2)
         problems = check(PipelineShape(
-            k=k, groups_per_step=self.learner.groups_per_step, engines=getattr(self.engine, "count", 1),
+            k=self.staleness.k, groups_per_step=self.learner.groups_per_step, engines=getattr(self.engine, "count", 1),
             batch_groups=getattr(self.engine, "batch_groups", 1), produced_channel=self.buffer.produced_channel,
             buffer_refs=self.buffer.max_refs, ready_channel=self.buffer.ready_channel,
             admission=self.staleness.admission, max_reuse=self.replay.max_reuse, epochs=self.learner.epochs,
@@ -471,137 +554,10 @@ class RunConfig(Section):
         return to_toml(self.model_dump(mode="json", exclude_none=True))
 
 
-def build_pipeline(cfg: RunConfig):
-    """The Pipeline this config describes (the same objects the Python DSL builds)."""
-    import torch
 
-    from buffers.memory import MemoryStore
-    from buffers.mooncake import MooncakeSettings, MooncakeStore
-    from buffers.mooncake import MooncakeStoreSpec as MooncakeSpec
-    from buffers.ray_store import RayStoreSpec
-    from buffers.replay import ReplayBuffer
-    from pipeline.dsl import Pipeline
-    from pipeline.watchdog import WatchdogSettings
-    from policies import MaxStaleness
-    from policies.correction import Correction
-    from policies.selection import make_selection
-    from stages.engines.sglang import SGLangEngine
-    from stages.engines.torch import TorchEngine
-    from stages.learner import GRPOLearner
-    from stages.model import make_tiny_model
-    from stages.rollout import Rollout
-    from stages.tasks import Addition, ReverseDigits
-    from stages.weights.broadcast import BroadcastTransport
-    from stages.weights.disk import DiskTransport
-    from stages.weights.mooncake_p2p import MooncakeP2PTransport
-
-    torch.set_num_threads(1)
-    torch.manual_seed(cfg.seed)
-    m = cfg.model
-    model = (
-        make_tiny_model(
-            m.path, hidden_size=m.hidden_size, layers=m.layers, heads=m.heads, kv_heads=m.kv_heads, seed=m.seed
-        )
-        if m.create
-        else Path(m.path)
-    )
-
-    def mooncake(s: MooncakeStoreSpec) -> Any:
-        settings = MooncakeSettings(
-            protocol=s.protocol, device=s.device, global_segment_size=int(s.global_segment_size),
-            local_buffer_size=int(s.local_buffer_size), chunk_bytes=int(s.chunk_bytes), replicas=s.replicas,
-        )
-        if cfg.runtime == "ray":  # each process opens its own client; the buffer's holds the segment
-            return MooncakeSpec(settings, master=s.master)
-        return MooncakeStore.open(settings, master=s.master)
-
-    def build(spec: Any, builtin: dict[str, Any], **extra: Any) -> Any:
-        if isinstance(spec, PluginSpec):
-            return spec.build(**extra)
-        return builtin[spec.kind](spec, **extra)
-
-    task = build(cfg.task, {
-        "reverse-digits": lambda s: ReverseDigits(digits=s.digits),
-        "addition": lambda s: Addition(),
-    })
-    store = build(cfg.store, {
-        "memory": lambda s: MemoryStore(capacity_bytes=s.capacity),
-        "mooncake": lambda s: mooncake(s),
-        "ray": lambda s: RayStoreSpec(  # one index per run, so runs sharing a cluster never mix keys
-            name=f"ray-{cfg.name}-{uuid.uuid4().hex[:8]}", capacity_bytes=int(s.capacity) if s.capacity else None
-        ),
-    })
-    engine_count = getattr(cfg.engine, "count", 1)
-    def sglang(s: SGLangEngineSpec, i: int) -> SGLangEngine:
-        return SGLangEngine(
-            model, name=f"sglang-{i}", url=s.urls[i] if s.urls else None, python=s.python, dtype=s.dtype,
-            device=s.device, threads=s.threads, max_total_tokens=s.max_total_tokens, extra_args=tuple(s.extra_args),
-            update=s.update, pause_mode=s.pause_mode, max_restarts=s.max_restarts,
-            gpu_id=s.base_gpu_id + i if s.device == "cuda" else None,
-        )
-
-    def weights(w: WeightsSpec) -> Any:
-        if w.transport == "mooncake_p2p":
-            return MooncakeP2PTransport(
-                protocol=w.protocol, device=w.device, bucket_bytes=int(w.bucket_bytes),
-                pace_bytes_per_s=float(w.pace) if w.pace else None, retries=w.retries,
-            )
-        if w.transport == "disk":
-            return DiskTransport(root=w.root, retries=w.retries)
-        if w.transport == "broadcast":
-            return BroadcastTransport(retries=w.retries)
-        return w.transport
-
-    engines = [
-        build(cfg.engine, {
-            "torch": lambda s, i=i: TorchEngine(model, name=f"torch-{i}", seed=cfg.seed + i),
-            "sglang": lambda s, i=i: sglang(s, i),
-        })
-        for i in range(engine_count)
-    ]
-    learner = build(cfg.learner, {
-        "grpo": lambda s: GRPOLearner(
-            model, lr=s.lr, groups_per_step=s.groups_per_step, clip_eps=s.clip_eps,
-            max_grad_norm=s.max_grad_norm, weight_decay=s.weight_decay, epochs=s.epochs,
-            temperature=getattr(cfg.engine, "temperature", 1.0), weights=weights(cfg.weights),
-            device=s.device, snapshot_every=cfg.weights.snapshot_every,
-            correction=Correction(
-                kind=cfg.correction.kind, tis_cap=cfg.correction.tis_cap, decoupled_cap=cfg.correction.decoupled_cap
-            ),
-            selection=make_selection(
-                cfg.replay.selection, max_reuse=cfg.replay.max_reuse, drop_zero_signal=cfg.replay.drop_zero_signal,
-                max_filtered_batches=cfg.replay.max_filtered_batches, seed=cfg.seed,
-            ),
-        )
-    })
-    staleness = build(cfg.staleness, {
-        "max-staleness": lambda s: MaxStaleness(k=s.k, on_stale=s.on_stale, max_span=s.max_span, admission=s.admission)
-    })
-    e = cfg.engine
-    return Pipeline(
-        name=cfg.name,
-        seed=cfg.seed,
-        steps=cfg.steps,
-        runtime=cfg.runtime,
-        run_root=cfg.run_root,
-        producer=Rollout(
-            task, engines, tokenizer=model, group_size=cfg.rollout.group_size,
-            batch_groups=getattr(e, "batch_groups", 16), temperature=getattr(e, "temperature", 1.0),
-            top_p=getattr(e, "top_p", 1.0), request_timeout_s=cfg.rollout.request_timeout_s,
-        ),
-        buffer=ReplayBuffer(store, max_refs=cfg.buffer.max_refs, max_bytes=int(cfg.buffer.max_bytes)),
-        consumer=learner,
-        staleness=staleness,
-        produced_channel=(cfg.buffer.produced_channel, int(cfg.buffer.produced_bytes)),
-        ready_channel=(cfg.buffer.ready_channel, int(cfg.buffer.ready_bytes)),
-        progress=cfg.telemetry.progress,
-        ray_address=cfg.ray.address,
-        checkpoint_every=cfg.checkpoint.every,
-        checkpoint_keep=cfg.checkpoint.keep,
-        watchdog=WatchdogSettings(cfg.watchdog.warn_after_s, cfg.watchdog.fail_after_s, cfg.watchdog.poll_s),
-        faults=[FaultSpec(f.kind, tuple(f.at), f.probability, f.seed, f.delay_s) for f in cfg.faults] or None,
-        config_text=cfg.resolved_toml(),
-    )
+def load_run_config(path: str | Path, overrides: Sequence[str] = ()) -> RunConfig:
+    """The RunConfig of the TOML at `path` with `--set` overrides; a ConfigError names every bad key."""
+    return validate(RunConfig, load_toml(path, overrides), source=str(path))
 
 
-__all__ = ["ConfigError", "RunConfig", "build_pipeline"]
+__all__ = ["RunConfig", "SimulateSpec", "default_of", "load_run_config"]

@@ -1,0 +1,5 @@
+"""The composition root: the `baton` CLI, the config schema, the builder that wires the parts, resume,
+the fault matrix and the simulator. It imports every layer below it; nothing imports it.
+
+Imports nothing itself, so `baton mooncake-master` does not pay for torch.
+"""

@@ -1,0 +1,192 @@
+"""`build_pipeline(cfg)`: the Pipeline a RunConfig describes, the same objects the Python DSL builds.
+
+Every kinded part (task, engine, store, learner, staleness, weights) is made through one registry,
+`KINDS[part][kind]`, of small named factories `factory(spec, cfg, **context)`; a `"pkg.mod:Class"`
+kind (a PluginSpec) takes the same path, `make_part`, and is called with its section's other keys.
+The parts without kinds (model, rollout, buffer, correction, selection, watchdog, faults) have one
+factory each below. Factories only call the parts' public constructors.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from baton import schema
+from baton.config import resolve
+from baton.schema import PluginSpec, RunConfig, default_of
+from buffers import MemoryStore, RefBuffer
+from buffers.mooncake import MooncakeSettings, MooncakeStore
+from buffers.mooncake import MooncakeStoreSpec as MooncakeOpener
+from buffers.ray_store import RayStoreSpec as RayStoreOpener
+from pipeline.dsl import Pipeline
+from pipeline.faults import FaultSpec
+from pipeline.watchdog import WatchdogSettings
+from policies import MaxStaleness
+from policies.correction import Correction
+from policies.selection import Selection, make_selection
+from stages.engines.sglang import SGLangEngine
+from stages.engines.torch import TorchEngine
+from stages.learner import GRPOLearner
+from stages.model import make_tiny_model
+from stages.rollout import Rollout
+from stages.tasks import Addition, ReverseDigits
+from stages.weights import TRANSPORTS, make_transport
+from stages.weights.base import WeightTransport
+
+# the WeightsSpec keys each transport takes (as its constructor's keywords); one not named here is made
+# by the learner from its name alone, in the learner's process
+TRANSPORT_OPTIONS: dict[str, tuple[str, ...]] = {
+    "mooncake_p2p": ("protocol", "device", "bucket_bytes", "pace_bytes_per_s", "retries"),
+    "disk": ("root", "retries"),
+    "broadcast": ("retries",),
+}
+SAMPLING_KEYS = ("batch_groups", "temperature", "top_p")  # engine-section keys the rollout stage takes
+
+
+def reverse_digits(spec: schema.ReverseDigitsSpec, cfg: RunConfig) -> ReverseDigits:
+    return ReverseDigits(digits=spec.digits)
+
+
+def addition(spec: Any, cfg: RunConfig) -> Addition:
+    return Addition()
+
+
+def torch_engine(spec: Any, cfg: RunConfig, *, model: Path, index: int) -> TorchEngine:
+    return TorchEngine(model, name=f"torch-{index}", seed=cfg.seed + index)
+
+
+def sglang_engine(spec: schema.SGLangEngineSpec, cfg: RunConfig, *, model: Path, index: int) -> SGLangEngine:
+    return SGLangEngine(
+        model, name=f"sglang-{index}", url=spec.urls[index] if spec.urls else None, python=spec.python,
+        dtype=spec.dtype, device=spec.device, threads=spec.threads, max_total_tokens=spec.max_total_tokens,
+        extra_args=tuple(spec.extra_args), update=spec.update, pause_mode=spec.pause_mode,
+        max_restarts=spec.max_restarts, gpu_id=spec.base_gpu_id + index if spec.device == "cuda" else None,
+    )
+
+
+def memory_store(spec: Any, cfg: RunConfig) -> MemoryStore:
+    return MemoryStore(capacity_bytes=spec.capacity)
+
+
+def mooncake_store(spec: schema.MooncakeStoreSpec, cfg: RunConfig) -> MooncakeStore | MooncakeOpener:
+    """Locally, the store itself; on Ray, an opener: each process opens its own client (the buffer's holds
+    the segment)."""
+    settings = MooncakeSettings(
+        protocol=spec.protocol, device=spec.device, global_segment_size=int(spec.global_segment_size),
+        local_buffer_size=int(spec.local_buffer_size), chunk_bytes=int(spec.chunk_bytes), replicas=spec.replicas,
+    )
+    if cfg.runtime == "ray":
+        return MooncakeOpener(settings, master=spec.master)
+    return MooncakeStore.open(settings, master=spec.master)
+
+
+def ray_store(spec: schema.RayStoreSpec, cfg: RunConfig) -> RayStoreOpener:
+    """One index per run, so runs sharing a cluster never mix keys."""
+    capacity = int(spec.capacity) if spec.capacity else None
+    return RayStoreOpener(name=f"ray-{cfg.name}-{uuid.uuid4().hex[:8]}", capacity_bytes=capacity)
+
+
+def grpo_learner(spec: Any, cfg: RunConfig, *, model: Path) -> GRPOLearner:
+    return GRPOLearner(
+        model, lr=spec.lr, groups_per_step=spec.groups_per_step, clip_eps=spec.clip_eps,
+        max_grad_norm=spec.max_grad_norm, weight_decay=spec.weight_decay, epochs=spec.epochs,
+        temperature=getattr(cfg.engine, "temperature", default_of(GRPOLearner, "temperature")),
+        weights=make_part("weights", cfg), device=spec.device, snapshot_every=cfg.weights.snapshot_every,
+        correction=make_correction(cfg), selection=make_selection_policy(cfg),
+    )
+
+
+def max_staleness(spec: schema.MaxStalenessSpec, cfg: RunConfig) -> MaxStaleness:
+    return MaxStaleness(**spec.model_dump(exclude={"kind"}))  # the spec mirrors the class, key for key
+
+
+def weight_transport(spec: schema.WeightsSpec, cfg: RunConfig) -> WeightTransport | str:
+    """The transport with its config keys, or its name when it takes none (the learner makes it then)."""
+    values = {"protocol": spec.protocol, "device": spec.device, "bucket_bytes": int(spec.bucket_bytes),
+              "pace_bytes_per_s": float(spec.pace) if spec.pace else None, "retries": spec.retries, "root": spec.root}
+    options = {key: values[key] for key in TRANSPORT_OPTIONS.get(spec.transport, ())}
+    if not options:
+        return spec.transport
+    return make_transport(spec.transport, **options)
+
+
+def make_correction(cfg: RunConfig) -> Correction:
+    return Correction(**cfg.correction.model_dump())
+
+
+def make_selection_policy(cfg: RunConfig) -> Selection:
+    r = cfg.replay
+    return make_selection(r.selection, max_reuse=r.max_reuse, drop_zero_signal=r.drop_zero_signal,
+                          max_filtered_batches=r.max_filtered_batches, seed=cfg.seed)
+
+
+KINDS: dict[str, dict[str, Callable[..., Any]]] = {
+    "task": {"reverse-digits": reverse_digits, "addition": addition},
+    "engine": {"torch": torch_engine, "sglang": sglang_engine},
+    "store": {"memory": memory_store, "mooncake": mooncake_store, "ray": ray_store},
+    "learner": {"grpo": grpo_learner},
+    "staleness": {"max-staleness": max_staleness},
+    "weights": dict.fromkeys(TRANSPORTS, weight_transport),
+}
+
+
+def make_part(part: str, cfg: RunConfig, **context: Any) -> Any:
+    """The object `cfg.<part>` describes: its kind's factory from KINDS (given `context`, e.g. the model),
+    or a plug-in's class, resolved from `"pkg.mod:Class"` and called with the section's other keys."""
+    spec = getattr(cfg, part)
+    if isinstance(spec, PluginSpec):
+        return resolve(spec.kind)(**(spec.model_extra or {}))
+    return KINDS[part][spec.kind](spec, cfg, **context)
+
+
+def make_model(spec: schema.ModelSpec) -> Path:
+    """The model folder: a tiny random-init model made there when `create` (reused when present)."""
+    if not spec.create:
+        return Path(spec.path)
+    return make_tiny_model(spec.path, hidden_size=spec.hidden_size, layers=spec.layers, heads=spec.heads,
+                           kv_heads=spec.kv_heads, seed=spec.seed)
+
+
+def make_rollout(cfg: RunConfig, model: Path) -> Rollout:
+    """The producer: the task and `engine.count` engines; the engine section's sampling keys when it has them."""
+    task = make_part("task", cfg)
+    engines = [make_part("engine", cfg, model=model, index=i) for i in range(getattr(cfg.engine, "count", 1))]
+    sampling = {key: getattr(cfg.engine, key) for key in SAMPLING_KEYS if hasattr(cfg.engine, key)}
+    return Rollout(task, engines, tokenizer=model, group_size=cfg.rollout.group_size,
+                   request_timeout_s=cfg.rollout.request_timeout_s, **sampling)
+
+
+def make_buffer(cfg: RunConfig) -> RefBuffer:
+    return RefBuffer(make_part("store", cfg), max_refs=cfg.buffer.max_refs, max_bytes=int(cfg.buffer.max_bytes))
+
+
+def make_faults(cfg: RunConfig) -> list[FaultSpec] | None:
+    return [FaultSpec(f.kind, tuple(f.at), f.probability, f.seed, f.delay_s) for f in cfg.faults] or None
+
+
+def build_pipeline(cfg: RunConfig) -> Pipeline:
+    """The Pipeline this config describes. Seeds torch with the run's seed before any model is made."""
+    torch.set_num_threads(1)
+    torch.manual_seed(cfg.seed)
+    model = make_model(cfg.model)
+    buffer = make_buffer(cfg)
+    producer = make_rollout(cfg, model)
+    return Pipeline(
+        name=cfg.name, seed=cfg.seed, steps=cfg.steps, runtime=cfg.runtime, run_root=cfg.run_root,
+        producer=producer, buffer=buffer, consumer=make_part("learner", cfg, model=model),
+        staleness=make_part("staleness", cfg),
+        produced_channel=(cfg.buffer.produced_channel, int(cfg.buffer.produced_bytes)),
+        ready_channel=(cfg.buffer.ready_channel, int(cfg.buffer.ready_bytes)),
+        progress=cfg.telemetry.progress, ray_address=cfg.ray.address,
+        checkpoint_every=cfg.checkpoint.every, checkpoint_keep=cfg.checkpoint.keep,
+        watchdog=WatchdogSettings(**cfg.watchdog.model_dump()),
+        faults=make_faults(cfg), config_text=cfg.resolved_toml(),
+    )
+
+
+__all__ = ["KINDS", "build_pipeline", "make_part"]
