@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from buffers import MemoryStore, ReplayBuffer
+from buffers import MemoryStore, RefBuffer
 from pipeline import Pipeline
 from policies import MaxStaleness
 from stages import DatasetTask, GRPOLearner, RewardFunction, Rollout, TorchEngine
@@ -42,7 +42,7 @@ def math_pipeline(example: str | Path, steps: int = 60, run_root: str | Path = "
         producer=Rollout(task, [TorchEngine(model)], tokenizer=model, group_size=settings["group_size"],
                          batch_groups=settings["batch_groups"],
                          evaluation=Evaluation(task.eval_task(), every=eval_every)),
-        buffer=ReplayBuffer(MemoryStore(), max_bytes=256 << 20),
+        buffer=RefBuffer(MemoryStore(), max_bytes=256 << 20),
         consumer=GRPOLearner(model, lr=settings["lr"], groups_per_step=settings["groups_per_step"]),
         staleness=MaxStaleness(k=2, on_stale="drop"),
         steps=steps,

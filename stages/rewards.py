@@ -17,6 +17,7 @@ drops their group. A sync function runs in a worker thread; one that times out i
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import logging
 import math
@@ -27,8 +28,6 @@ from functools import partial
 from typing import Any
 
 import anyio
-
-from pipeline.config import resolve
 
 ON_ERROR = ("zero", "drop")
 KEYWORDS = ("prompt", "messages", "completion", "tokens", "answer", "metadata", "source")
@@ -56,6 +55,20 @@ class Scores:
 
     rewards: list[float]
     failures: list[str | None]
+
+
+def resolve(target: str) -> Callable:
+    """A built-in reward's name (`BUILT_IN`) or `"pkg.module:function"` -> the function."""
+    path = BUILT_IN.get(target, target)
+    module_name, sep, attr = path.partition(":")
+    if not sep:
+        raise ValueError(f"reward {target!r}: use one of {sorted(BUILT_IN)} or a 'package.module:function' path")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except ImportError as exc:
+        raise ValueError(f"reward {target!r}: cannot import {module_name!r}: {exc}") from None
+    except AttributeError:
+        raise ValueError(f"reward {target!r}: module {module_name!r} has no {attr!r}") from None
 
 
 def batched(fn: Callable) -> Callable:
@@ -101,7 +114,7 @@ class RewardFunction:
 
     def __post_init__(self) -> None:
         if isinstance(self.fn, str):
-            self.fn = resolve(self.fn, BUILT_IN)
+            self.fn = resolve(self.fn)
         if not callable(self.fn):
             raise ValueError(f"reward {self.fn!r} is not callable")
         if self.on_error not in ON_ERROR:
@@ -199,7 +212,7 @@ format_number = regex_reward(r"-?\d+(\.\d+)?")
 def weighted_sum(*parts: tuple[Callable | str, float]) -> Callable[..., Any]:
     """One per-sample reward: the sum of `weight * part(...)` over `(part, weight)` pairs; a part is a
     callable or a `"pkg.module:function"` path / built-in name, sync or async."""
-    resolved = [(resolve(p, BUILT_IN) if isinstance(p, str) else p, float(w)) for p, w in parts]
+    resolved = [(resolve(p) if isinstance(p, str) else p, float(w)) for p, w in parts]
     for fn, _ in resolved:
         accepted_keywords(fn)
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from buffers import RefBuffer
 from buffers.memory import MemoryStore
-from buffers.replay import ReplayBuffer
 from examples.math_dsl import math_pipeline
 from pipeline.actor import ActorFailed
 from pipeline.checkpoint import latest_checkpoint, read_state
@@ -67,7 +67,7 @@ def test_a_resumed_run_continues_the_dataset(tmp_path: Path) -> None:
         return Pipeline(
             name="data-resume", steps=12, run_root=tmp_path, progress=False, checkpoint_every=3,
             producer=Rollout(task, [TorchEngine(model)], tokenizer=model, group_size=4, batch_groups=4),
-            buffer=ReplayBuffer(MemoryStore()), consumer=GRPOLearner(model, groups_per_step=4),
+            buffer=RefBuffer(MemoryStore()), consumer=GRPOLearner(model, groups_per_step=4),
             staleness=MaxStaleness(k=1), hooks=[lambda ctx: [CrashAt(ctx, crash_at)]] if crash_at else [],
         )
 

@@ -14,7 +14,6 @@ import pytest
 
 from buffers.codec import decode
 from buffers.memory import MemoryStore
-from pipeline.config import ConfigError
 from stages.datasets import DatasetTask
 from stages.engines.torch import TorchEngine
 from stages.model import make_tiny_model
@@ -111,8 +110,12 @@ def test_failures_are_reasons_not_errors() -> None:
 def test_resolution_weighted_sum_and_bad_settings() -> None:
     assert RewardFunction("math_verify").fn is math_verify
     assert RewardFunction("stages.rewards:exact_match").fn is exact_match
-    with pytest.raises(ConfigError, match="no 'nope'"):
+    with pytest.raises(ValueError, match="no 'nope'"):
         RewardFunction("stages.rewards:nope")
+    with pytest.raises(ValueError, match="cannot import"):
+        RewardFunction("no_such_package.rewards:f")
+    with pytest.raises(ValueError, match="use one of"):
+        RewardFunction("exactmatch")
     with pytest.raises(ValueError, match="on_error"):
         RewardFunction(exact_match, on_error="retry")
     with pytest.raises(ValueError, match="timeout_s"):
