@@ -197,6 +197,9 @@ class DatasetTask:
         """The part of each epoch rollout worker `index` of `count` takes (the rows are shared)."""
         if not 0 <= index < count:
             raise ValueError(f"shard {index} of {count} does not exist")
+        if count > len(self._prompts):
+            raise DatasetError(f"dataset {self.path!r} has {len(self._prompts)} rows, fewer than the {count} "
+                               "rollout workers sharing it")
         return replace(self, shard_index=index, shard_count=count, _prompts=self._prompts, _cursor=(0, 0))
 
     def eval_task(self) -> DatasetTask:

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from stages.datasets import DatasetError, DatasetExhausted, DatasetTask
-from stages.rollout import RolloutWorker
+from stages.rollout import _ENCODE, _PROMPT, RolloutWorker
 from stages.tasks import Prompt
 
 ROWS = [{"question": f"What is {i} plus 1?", "answer": i + 1, "level": i % 3} for i in range(10)]
@@ -58,8 +58,9 @@ def test_every_format_reads_the_same_rows(tmp_path: Path, fmt: str) -> None:
 
 
 def test_field_mappings(tmp_path: Path, jsonl: Path) -> None:
-    plain = DatasetTask(jsonl, prompt_field="question", chat=False, shuffle=False)
-    assert plain.sample(Random(0)) == Prompt("What is 0 plus 1?", "1") and not plain.uses_chat
+    plain = DatasetTask(jsonl, prompt_field="question", chat=False, shuffle=False, metadata_fields=("level",))
+    assert plain.sample(Random(0)) == Prompt("What is 0 plus 1?", "1", metadata={"level": 0})
+    assert not plain.uses_chat and _PROMPT.decode(_ENCODE(plain.sample(Random(0)))).metadata == {"level": 1}
     system = DatasetTask(jsonl, prompt_field="question", system_prompt="Be brief.", shuffle=False)
     assert system.sample(Random(0)).messages == [
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 0 plus 1?"}
@@ -69,6 +70,7 @@ def test_field_mappings(tmp_path: Path, jsonl: Path) -> None:
     chat = DatasetTask(write_jsonl(tmp_path / "c.jsonl", chats), messages_field="conv", answer_field="gold",
                        system_prompt="Default.", shuffle=False)
     first, second = all_prompts(chat, 2)
+    assert _PROMPT.decode(_ENCODE(first)) == first, "a chat prompt goes through the ledger (redo) unchanged"
     assert first.messages[0]["content"] == "Own." and first.text == "Hi" and first.answer == "x"
     assert second.messages == [{"role": "system", "content": "Default."}, {"role": "user", "content": "Yo"}]
 
@@ -92,6 +94,8 @@ def test_shards_split_each_epoch(jsonl: Path) -> None:
     assert sorted(seen) == sorted(r["question"] for r in ROWS)
     with pytest.raises(ValueError):
         task.shard(3, 3)
+    with pytest.raises(DatasetError, match="fewer than the 11 rollout workers"):
+        task.shard(0, 11)
 
 
 def test_position_survives_a_checkpoint_through_the_worker_stream(jsonl: Path) -> None:
