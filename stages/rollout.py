@@ -38,7 +38,7 @@ from stages.engines.faulty import EngineTimeout, with_engine_faults
 from stages.evaluation import EVAL_FILE, Evaluation
 from stages.model import ModelFolderError, load_tokenizer, prompt_token_ids, stop_token_ids
 from stages.rewards import RewardFunction, Sample, Scores, task_reward
-from stages.tasks import Prompt, Task
+from stages.tasks import DataTask, Prompt, Task
 from stages.weights import engine_mailboxes
 from stages.weights.snapshot import load_snapshot, snapshot_key
 
@@ -79,13 +79,14 @@ class Rollout:
             raise ValueError(f"rollout.request_timeout_s must be > 0 (or unset), got {self.request_timeout_s}")
         if isinstance(self.tokenizer, str | Path):
             self.tokenizer = load_tokenizer(self.tokenizer)
-        if getattr(self.task, "uses_chat", False) and not self.tokenizer.chat_template:
+        data = self.task if isinstance(self.task, DataTask) else None
+        if data is not None and data.uses_chat and not self.tokenizer.chat_template:
             raise ModelFolderError(f"task {self.task.name!r} gives chat prompts, and the tokenizer of "
                                    f"{self.tokenizer.name_or_path!r} has no chat template; use a chat checkpoint "
                                    "or plain prompts (task.chat = false)")
         self.stop_token_ids = stop_token_ids(self.tokenizer)
         if self.reward is None:
-            self.reward = getattr(self.task, "reward_function", None) or task_reward(self.task)
+            self.reward = data.reward_function if data is not None else task_reward(self.task)
         elif not isinstance(self.reward, RewardFunction):
             self.reward = RewardFunction(self.reward)
 
@@ -125,8 +126,7 @@ class Rollout:
     def _task_of(self, worker: int) -> Task:
         """Worker `worker`'s task: its own shard of a dataset (workers may live in other processes),
         else the task itself."""
-        shard = getattr(self.task, "shard", None)
-        return shard(worker, len(self.engines)) if shard is not None else self.task
+        return self.task.shard(worker, len(self.engines)) if isinstance(self.task, DataTask) else self.task
 
 
 GENERATION_FILE = "generation.jsonl"  # per engine call: what `baton simulate --calibrate` reads of generation
@@ -188,13 +188,12 @@ class RolloutWorker(BaseActor):
         """Where this worker's prompt stream stands (a checkpoint keeps it; a resume goes on from it):
         its random state, and a dataset task's position (`state()`) appended to the state's words."""
         version, words, gauss = random_state(self.rng.getstate())
-        position = getattr(self.task, "state", None)
-        return version, [*words, *position()] if position is not None else words, gauss
+        return version, [*words, *self.task.state()] if isinstance(self.task, DataTask) else words, gauss
 
     def _restore_stream(self, state: RandomState) -> None:
         version, words, gauss = state
         self.rng.setstate(python_random_state((version, words[:_MT_WORDS], gauss)))
-        if len(words) > _MT_WORDS and hasattr(self.task, "restore"):
+        if len(words) > _MT_WORDS and isinstance(self.task, DataTask):
             self.task.restore(tuple(words[_MT_WORDS:]))
 
     def recording(self) -> list[tuple[str, bytes]]:

@@ -35,6 +35,22 @@ class Task(Protocol):
     def reward(self, prompt: Prompt, completion: str) -> float: ...
 
 
+@runtime_checkable
+class DataTask(Task, Protocol):
+    """A task over rows of data (`stages.datasets.DatasetTask`): its prompts may be chat messages, it
+    brings its own reward function, each rollout worker samples its own shard, and its position is
+    kept by checkpoints (`state()` / `restore(state)`: two ints)."""
+
+    uses_chat: bool
+    reward_function: Any
+
+    def shard(self, index: int, count: int) -> DataTask: ...
+
+    def state(self) -> tuple[int, int]: ...
+
+    def restore(self, state: tuple[int, int]) -> None: ...
+
+
 def positional_credit(answer: str, completion: str) -> float:
     """Fraction of answer positions the completion gets right (dense partial credit)."""
     return sum(a == c for a, c in zip(answer, completion, strict=False)) / len(answer)
