@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from baton import schema
-from baton.config import resolve
+from baton.config import ConfigError, resolve
 from baton.schema import PluginSpec, RunConfig, default_of
 from buffers import MemoryStore, RefBuffer
 from buffers.mooncake import MooncakeSettings, MooncakeStore
@@ -29,10 +29,13 @@ from pipeline.watchdog import WatchdogSettings
 from policies import MaxStaleness
 from policies.correction import Correction
 from policies.selection import Selection, make_selection
+from stages.datasets import DatasetTask
 from stages.engines.sglang import SGLangEngine
 from stages.engines.torch import TorchEngine
+from stages.evaluation import Evaluation
 from stages.learner import GRPOLearner
 from stages.model import make_tiny_model
+from stages.rewards import RewardFunction, weighted_sum
 from stages.rollout import Rollout
 from stages.tasks import Addition, ReverseDigits
 from stages.weights import TRANSPORTS, make_transport
@@ -56,14 +59,24 @@ def addition(spec: Any, cfg: RunConfig) -> Addition:
     return Addition()
 
 
+def dataset_task(spec: schema.DatasetTaskSpec, cfg: RunConfig) -> DatasetTask:
+    """Reads (and checks) every row now, before anything starts; the run's seed orders the epochs."""
+    try:
+        return DatasetTask(**spec.model_dump(exclude={"kind", "metadata_fields"}),
+                           metadata_fields=tuple(spec.metadata_fields), seed=cfg.seed)
+    except ValueError as exc:
+        raise ConfigError(f"task: {exc}") from None
+
+
 def torch_engine(spec: Any, cfg: RunConfig, *, model: Path, index: int) -> TorchEngine:
-    return TorchEngine(model, name=f"torch-{index}", seed=cfg.seed + index)
+    return TorchEngine(model, name=f"torch-{index}", seed=cfg.seed + index, dtype=cfg.model.dtype)
 
 
 def sglang_engine(spec: schema.SGLangEngineSpec, cfg: RunConfig, *, model: Path, index: int) -> SGLangEngine:
     return SGLangEngine(
         model, name=f"sglang-{index}", url=spec.urls[index] if spec.urls else None, python=spec.python,
-        dtype=spec.dtype, device=spec.device, threads=spec.threads, max_total_tokens=spec.max_total_tokens,
+        dtype=spec.dtype if "dtype" in spec.model_fields_set else cfg.model.dtype, device=spec.device,
+        threads=spec.threads, max_total_tokens=spec.max_total_tokens,
         extra_args=tuple(spec.extra_args), update=spec.update, pause_mode=spec.pause_mode,
         max_restarts=spec.max_restarts, gpu_id=spec.base_gpu_id + index if spec.device == "cuda" else None,
     )
@@ -126,7 +139,7 @@ def make_selection_policy(cfg: RunConfig) -> Selection:
 
 
 KINDS: dict[str, dict[str, Callable[..., Any]]] = {
-    "task": {"reverse-digits": reverse_digits, "addition": addition},
+    "task": {"reverse-digits": reverse_digits, "addition": addition, "dataset": dataset_task},
     "engine": {"torch": torch_engine, "sglang": sglang_engine},
     "store": {"memory": memory_store, "mooncake": mooncake_store, "ray": ray_store},
     "learner": {"grpo": grpo_learner},
@@ -152,13 +165,31 @@ def make_model(spec: schema.ModelSpec) -> Path:
                            kv_heads=spec.kv_heads, seed=spec.seed)
 
 
+def make_reward(cfg: RunConfig) -> RewardFunction | None:
+    """[reward]: one function, or the weighted sum of `weights`; None: the task's own."""
+    spec = cfg.reward
+    if spec is None:
+        return None
+    fn = spec.function or weighted_sum(*spec.weights.items())
+    return RewardFunction(fn, timeout_s=spec.timeout_s, on_error=spec.on_error, batched=spec.batched)
+
+
+def make_evaluation(cfg: RunConfig, task: Any) -> Evaluation | None:
+    """[eval]: a dataset task's eval split, or seeded samples of a built-in task; None when eval.every = 0."""
+    if not cfg.eval.every:
+        return None
+    eval_task = task.eval_task() if isinstance(task, DatasetTask) else task
+    return Evaluation(eval_task, seed=cfg.seed, **cfg.eval.model_dump())
+
+
 def make_rollout(cfg: RunConfig, model: Path) -> Rollout:
     """The producer: the task and `engine.count` engines; the engine section's sampling keys when it has them."""
     task = make_part("task", cfg)
     engines = [make_part("engine", cfg, model=model, index=i) for i in range(getattr(cfg.engine, "count", 1))]
     sampling = {key: getattr(cfg.engine, key) for key in SAMPLING_KEYS if hasattr(cfg.engine, key)}
     return Rollout(task, engines, tokenizer=model, group_size=cfg.rollout.group_size,
-                   request_timeout_s=cfg.rollout.request_timeout_s, **sampling)
+                   request_timeout_s=cfg.rollout.request_timeout_s, reward=make_reward(cfg),
+                   evaluation=make_evaluation(cfg, task), **sampling)
 
 
 def make_buffer(cfg: RunConfig) -> RefBuffer:

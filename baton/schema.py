@@ -40,9 +40,12 @@ from pipeline.watchdog import WatchdogSettings
 from policies.correction import Correction
 from policies.selection import Selection
 from policies.staleness import MaxStaleness
+from stages.datasets import DatasetTask
 from stages.engines.sglang import SGLangEngine
+from stages.evaluation import Evaluation
 from stages.learner import GRPOLearner
-from stages.model import make_tiny_model
+from stages.model import DTYPES, check_model_folder, make_tiny_model
+from stages.rewards import ON_ERROR, RewardFunction, resolve
 from stages.rollout import Rollout
 from stages.tasks import ReverseDigits
 from stages.weights import TRANSPORTS
@@ -91,6 +94,8 @@ class ModelSpec(Section):
     kv_heads: int = Field(default_of(make_tiny_model, "kv_heads"), ge=1)
     seed: int = Field(default_of(make_tiny_model, "seed"), description="seed of the random init (independent of "
                       "the run's seed)")
+    dtype: Literal[tuple(DTYPES)] = Field("float32", description="the engines' weights (the learner trains in "  # type: ignore[valid-type]
+                                          "float32)")
 
 
 class ReverseDigitsSpec(Section):
@@ -100,6 +105,75 @@ class ReverseDigitsSpec(Section):
 
 class AdditionSpec(Section):
     kind: Literal["addition"] = "addition"
+
+
+class DatasetTaskSpec(Section):
+    """Prompts from a local JSONL/JSON/Parquet/CSV file or a `save_to_disk` folder (stages.datasets)."""
+
+    kind: Literal["dataset"] = "dataset"
+    path: str = Field(description="the train split: a file or a save_to_disk folder")
+    eval_path: str | None = Field(None, description="the eval split, read like `path` ([eval] generates it)")
+    split: str | None = Field(None, description="which split of a save_to_disk DatasetDict")
+    prompt_field: str | None = Field(None, description="text prompts (a user message when `chat`)")
+    messages_field: str | None = Field(None, description="chat prompts: [{role, content}, ...]")
+    answer_field: str = default_of(DatasetTask, "answer_field")
+    metadata_fields: list[str] = Field(default_factory=list, description="row fields passed to the reward")
+    system_prompt: str | None = None
+    chat: bool = Field(default_of(DatasetTask, "chat"), description="prompt_field text goes through the chat "
+                       "template")
+    max_new_tokens: int = Field(default_of(DatasetTask, "max_new_tokens"), ge=1)
+    shuffle: bool = default_of(DatasetTask, "shuffle")
+    epochs: int | None = Field(default_of(DatasetTask, "epochs"), ge=1, description="unset: cycle forever")
+
+    @model_validator(mode="after")
+    def _check(self) -> DatasetTaskSpec:
+        if (self.prompt_field is None) == (self.messages_field is None):
+            raise ValueError("give exactly one of task.prompt_field (text) and task.messages_field (chat messages)")
+        for key in ("path", "eval_path"):
+            value = getattr(self, key)
+            if value is not None and not Path(value).exists():
+                raise ValueError(f"task.{key} = {value!r} does not exist")
+        return self
+
+    @property
+    def uses_chat(self) -> bool:
+        return self.messages_field is not None or self.chat
+
+
+class RewardSpec(Section):
+    """The reward function ([reward]): `function`, or `weights` (a weighted sum of several)."""
+
+    function: str | None = Field(None, description="a built-in (exact_match, math_verify, format_number) or "
+                                 "'pkg.module:function'")
+    weights: dict[str, float] = Field(default_factory=dict, description="function -> weight: their weighted sum")
+    timeout_s: float | None = Field(default_of(RewardFunction, "timeout_s"), gt=0, description="per call")
+    on_error: Literal[ON_ERROR] = Field(default_of(RewardFunction, "on_error"), description="what a sample "  # type: ignore[valid-type]
+                                        "whose reward raised or timed out gets: 'zero' (scored 0) or 'drop' "
+                                        "(its group dropped)")
+    batched: bool = Field(False, description="the function takes a whole group at once")
+
+    @model_validator(mode="after")
+    def _check(self) -> RewardSpec:
+        if (self.function is None) == (not self.weights):
+            raise ValueError("give exactly one of reward.function and reward.weights")
+        for name in [self.function] if self.function else list(self.weights):
+            try:
+                resolve(name)
+            except ValueError as exc:
+                raise ValueError(f"reward: {exc}") from None
+        return self
+
+
+class EvalSpec(Section):
+    """Evaluation during training ([eval], stages.evaluation): off unless `every` is set."""
+
+    every: int = Field(0, ge=0, description="generate the eval split every this many versions; 0: never")
+    samples: int = Field(default_of(Evaluation, "samples"), ge=1, description="completions per eval prompt")
+    temperature: float = Field(default_of(Evaluation, "temperature"), ge=0, description="0: greedy")
+    sample_prompts: int = Field(default_of(Evaluation, "sample_prompts"), ge=1, description="prompts drawn from "
+                                "a built-in task (a dataset task evaluates its eval_path)")
+    pass_reward: float = Field(default_of(Evaluation, "pass_reward"), description="eval/pass_rate counts samples "
+                               "whose reward reaches this")
 
 
 class TorchEngineSpec(Section):
@@ -440,7 +514,10 @@ class RunConfig(Section):
     runtime: Literal["local", "ray"] = default_of(Pipeline, "runtime")
     run_root: str = default_of(Pipeline, "run_root")
     model: ModelSpec = ModelSpec()
-    task: kinds(ReverseDigitsSpec, AdditionSpec) = ReverseDigitsSpec()  # type: ignore[valid-type]
+    task: kinds(ReverseDigitsSpec, AdditionSpec, DatasetTaskSpec) = ReverseDigitsSpec()  # type: ignore[valid-type]
+    reward: RewardSpec | None = Field(None, description="[reward]: the reward function; unset: the task's own "
+                                      "(a dataset task: exact_match)")
+    eval: EvalSpec = EvalSpec()
     engine: kinds(TorchEngineSpec, SGLangEngineSpec) = TorchEngineSpec()  # type: ignore[valid-type]
     rollout: RolloutSpec = RolloutSpec()
     store: kinds(MemoryStoreSpec, MooncakeStoreSpec, RayStoreSpec) = MemoryStoreSpec()  # type: ignore[valid-type]
@@ -485,6 +562,19 @@ class RunConfig(Section):
                 f"model.path = {self.model.path!r} holds no model (no config.json) and model.create = false; "
                 "set model.create = true to make a tiny one there, or point model.path at an HF checkpoint"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _own_model_fits(self) -> RunConfig:
+        """A model folder of one's own loads, with a chat template when the task gives chat prompts; a
+        reward or eval split needs a task that has answers to check (a dataset's)."""
+        if not self.model.create:
+            try:
+                check_model_folder(self.model.path, needs_chat_template=getattr(self.task, "uses_chat", False))
+            except ValueError as exc:
+                raise ValueError(f"model.path: {exc}") from None
+        if self.eval.every and isinstance(self.task, DatasetTaskSpec) and self.task.eval_path is None:
+            raise ValueError("eval.every is set, but the dataset task has no task.eval_path to evaluate")
         return self
 
     @model_validator(mode="after")

@@ -6,9 +6,12 @@ Exports load lazily, so `baton check` and `baton mooncake-master` do not pay for
 from importlib import import_module
 
 _EXPORTS = {
+    "DatasetTask": "stages.datasets",
     "GRPOLearner": "stages.learner",
+    "RewardFunction": "stages.rewards",
     "Rollout": "stages.rollout",
     "TorchEngine": "stages.engines.torch",
+    "check_model_folder": "stages.model",
     "load_model": "stages.model",
     "load_tokenizer": "stages.model",
     "make_tiny_model": "stages.model",

@@ -2,8 +2,13 @@
 
 Nothing is downloaded: `make_tiny_model` writes a transformers Qwen2 checkpoint (config,
 safetensors weights) and a fast tokenizer into one folder, so the learner, the torch engine and
-SGLang all load the very same files. The folder is created once and reused; `load_model` and
-`load_tokenizer` refuse a folder that is missing or incomplete with a message saying how to make it.
+SGLang all load the very same files. The folder is created once and reused.
+
+Any local Hugging Face causal-LM folder loads the same way (Qwen2/Qwen3/Llama/Mistral, through the
+transformers Auto classes): `check_model_folder` says before a run what is wrong with a folder (not a
+model, an architecture that cannot load, no chat template where chat prompts need one);
+`load_tokenizer` gives a pad token, `stop_token_ids` the tokenizer's EOS plus generation_config.json's,
+and `prompt_token_ids` tokenizes plain text (BOS only where the tokenizer adds one) or chat messages.
 """
 
 from __future__ import annotations
@@ -26,8 +31,9 @@ def _quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
-class ModelFolderError(FileNotFoundError):
-    """The model folder is missing or incomplete."""
+class ModelFolderError(FileNotFoundError, ValueError):
+    """The model folder is missing, incomplete, or holds something no engine can load (the message says
+    what is wrong and what to do; the config layer prefixes the key that named the folder)."""
 
 
 def _build_tokenizer():
@@ -102,28 +108,116 @@ def make_tiny_model(
     return folder
 
 
+WEIGHT_FILES = (
+    "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json"
+)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
 def _check_folder(folder: str | Path) -> Path:
     folder = Path(folder)
-    missing = [f for f in ("config.json", "model.safetensors", "tokenizer.json") if not (folder / f).exists()]
+    if not folder.is_dir():
+        raise ModelFolderError(
+            f"model folder {str(folder)!r} does not exist (a model folder holds config.json, model.safetensors "
+            "and tokenizer.json); create the demo model with "
+            "stages.model.make_tiny_model(folder) or point model.path at a local Hugging Face checkpoint folder"
+        )
+    missing = [] if (folder / "config.json").exists() else ["config.json"]
+    if not any((folder / f).exists() for f in WEIGHT_FILES):
+        missing.append(" or ".join(WEIGHT_FILES[:2]))
+    if not any((folder / f).exists() for f in TOKENIZER_FILES):
+        missing.append(" or ".join(TOKENIZER_FILES))
     if missing:
         raise ModelFolderError(
-            f"model folder {str(folder)!r} lacks {', '.join(missing)}; create it with "
-            "stages.model.make_tiny_model(folder) or point model.path at an HF checkpoint"
+            f"model folder {str(folder)!r} lacks {', '.join(missing)}: it is not a Hugging Face model folder; "
+            "create it with stages.model.make_tiny_model(folder) or point model.path at an HF checkpoint"
         )
     return folder
 
 
-def load_model(folder: str | Path) -> torch.nn.Module:
-    """Load the causal LM in float32 on CPU, in train mode."""
+def _check_architecture(folder: Path) -> None:
+    """The folder's config names a causal-LM architecture transformers can build."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except (ValueError, KeyError, OSError) as exc:
+        raise ModelFolderError(f"model folder {str(folder)!r}: its config.json cannot be read ({exc})") from None
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ModelFolderError(
+            f"model folder {str(folder)!r} holds a {config.model_type!r} model, which is not a causal LM "
+            "transformers can load (use a decoder-only checkpoint such as Qwen2, Qwen3, Llama or Mistral)"
+        )
+
+
+def check_model_folder(folder: str | Path, needs_chat_template: bool = False) -> None:
+    """Raise `ModelFolderError` (a ValueError) unless `folder` is a local causal-LM checkpoint the learner
+    and the torch engine can load, with a tokenizer, and a chat template when `needs_chat_template`.
+    Reads only configs and the tokenizer (no weights), so a config check can call it before a run."""
+    folder = _check_folder(folder)
+    _check_architecture(folder)
+    try:
+        tokenizer = load_tokenizer(folder)
+    except (ValueError, OSError, TypeError) as exc:
+        raise ModelFolderError(f"model folder {str(folder)!r}: its tokenizer cannot be loaded ({exc})") from None
+    if needs_chat_template and not tokenizer.chat_template:
+        raise ModelFolderError(
+            f"the tokenizer in {str(folder)!r} has no chat template, and the task gives chat messages; "
+            "use a chat (instruct) checkpoint, add a chat_template to its tokenizer_config.json, or give "
+            "plain prompts (a prompt field instead of a messages field)"
+        )
+
+
+def load_model(folder: str | Path, dtype: str = "float32") -> torch.nn.Module:
+    """Load the causal LM on CPU, in train mode, in `dtype` ("float32" or "bfloat16")."""
     from transformers import AutoModelForCausalLM
 
+    if dtype not in DTYPES:
+        raise ValueError(f"model dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     _quiet_transformers()
-    model = AutoModelForCausalLM.from_pretrained(_check_folder(folder), dtype=torch.float32)
+    folder = _check_folder(folder)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[dtype])
+    except (ValueError, KeyError) as exc:
+        _check_architecture(folder)  # names the architecture when that is what failed
+        raise ModelFolderError(f"model folder {str(folder)!r} cannot be loaded as a causal LM: {exc}") from None
     model.train()
     return model
 
 
 def load_tokenizer(folder: str | Path):
+    """The folder's tokenizer, with a pad token (its EOS when it names none). The tiny demo model's
+    tokenizer adds BOS to plain prompts (as the rollout always did for it); others add what their
+    config says (Llama/Mistral: BOS; Qwen: nothing)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(_check_folder(folder))
+    folder = _check_folder(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    if (folder / MARKER).exists():
+        tokenizer.add_bos_token = True
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def stop_token_ids(tokenizer) -> tuple[int, ...]:
+    """Token ids that end a completion: the tokenizer's EOS and every `eos_token_id` (an int or a list)
+    of the model folder's generation_config.json, in that order, without repeats."""
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    generation = Path(getattr(tokenizer, "name_or_path", "") or ".") / "generation_config.json"
+    if generation.is_file():
+        found = json.loads(generation.read_text()).get("eos_token_id")
+        ids += found if isinstance(found, list) else [found] if found is not None else []
+    return tuple(dict.fromkeys(int(i) for i in ids))
+
+
+def prompt_token_ids(tokenizer, text: str | None = None, messages: list[dict] | None = None) -> list[int]:
+    """A prompt's token ids: chat `messages` rendered by the tokenizer's chat template (with the
+    generation prompt; the template adds any BOS itself), else plain `text` with the special tokens
+    the tokenizer itself adds (BOS only when it has one and its config says to add it)."""
+    if messages is not None:
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(tokenizer.encode(rendered, add_special_tokens=False))
+    return list(tokenizer.encode(text or "", add_special_tokens=True))

@@ -12,9 +12,10 @@ A group is recorded in the ledger as produced only once its payload is stored.
 
 from __future__ import annotations
 
+import random
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +35,10 @@ from pipeline.faults import FaultPlanError, plan_of
 from pipeline.refs import HeldRef, Produced, Ref, make_key
 from stages.engines.base import Completion, Engine, EngineError, SamplingParams
 from stages.engines.faulty import EngineTimeout, with_engine_faults
-from stages.model import load_tokenizer
-from stages.tasks import Prompt, Task
+from stages.evaluation import EVAL_FILE, Evaluation
+from stages.model import ModelFolderError, load_tokenizer, prompt_token_ids, stop_token_ids
+from stages.rewards import RewardFunction, Sample, Scores, task_reward
+from stages.tasks import DataTask, Prompt, Task
 from stages.weights import engine_mailboxes
 from stages.weights.snapshot import load_snapshot, snapshot_key
 
@@ -44,8 +47,12 @@ from stages.weights.snapshot import load_snapshot, snapshot_key
 class Rollout:
     """The DSL/config object: `Rollout(task, [TorchEngine(model)], tokenizer=model, group_size=8)`.
 
-    `tokenizer` is a tokenizer object or the model folder to load it from. Payloads go to the
-    store the run's buffer stage owns.
+    `tokenizer` is a tokenizer object or the model folder to load it from; generation stops at its
+    EOS and at generation_config.json's `eos_token_id`s. `reward` scores completions: a
+    `stages.rewards.RewardFunction`, a callable or a "pkg.module:function" path; None: the task's
+    `reward_function` if it has one, else its own `reward(prompt, completion)`. A sample whose reward
+    fails is counted in `stats["reward_failed"]` by reason and gets what the reward's `on_error` says
+    (scored 0, or its group dropped). Payloads go to the store the run's buffer stage owns.
     """
 
     task: Task
@@ -57,6 +64,8 @@ class Rollout:
     top_p: float = 1.0
     request_timeout_s: float | None = None  # an engine call not answered by then is an EngineTimeout; None: wait
     max_regenerations: int = 5  # attempts at work that failed (engine call, put) before the run fails
+    reward: Any = None
+    evaluation: Evaluation | None = None  # generate an eval split every few versions (stages.evaluation)
     stats: dict = field(default_factory=lambda: {"groups": 0, "gen_s": 0.0, "tokens": 0, "regenerated": {}})
 
     def __post_init__(self) -> None:
@@ -70,6 +79,16 @@ class Rollout:
             raise ValueError(f"rollout.request_timeout_s must be > 0 (or unset), got {self.request_timeout_s}")
         if isinstance(self.tokenizer, str | Path):
             self.tokenizer = load_tokenizer(self.tokenizer)
+        data = self.task if isinstance(self.task, DataTask) else None
+        if data is not None and data.uses_chat and not self.tokenizer.chat_template:
+            raise ModelFolderError(f"task {self.task.name!r} gives chat prompts, and the tokenizer of "
+                                   f"{self.tokenizer.name_or_path!r} has no chat template; use a chat checkpoint "
+                                   "or plain prompts (task.chat = false)")
+        self.stop_token_ids = stop_token_ids(self.tokenizer)
+        if self.reward is None:
+            self.reward = data.reward_function if data is not None else task_reward(self.task)
+        elif not isinstance(self.reward, RewardFunction):
+            self.reward = RewardFunction(self.reward)
 
     @property
     def workers(self) -> int:
@@ -81,7 +100,7 @@ class Rollout:
             max_new_tokens=self.task.max_new_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
-            stop_token_ids=(self.tokenizer.eos_token_id,),
+            stop_token_ids=self.stop_token_ids,
         )
 
     def actors(self, ctx: RunContext, inbox: Channel | None, outbox: Channel | None):
@@ -99,7 +118,15 @@ class Rollout:
             raise FaultPlanError("fault engine.hang needs rollout.request_timeout_s (e.g. 30) to turn a hang into "
                                  "an error; set it, or remove the fault")
         # engine faults wrap only what the worker calls; weight receivers keep the engine itself
-        return [RolloutWorker(self, with_engine_faults(engine, plan), store, ctx, outbox) for engine in self.engines]
+        return [
+            RolloutWorker(self, with_engine_faults(engine, plan), store, ctx, outbox, task=self._task_of(i), index=i)
+            for i, engine in enumerate(self.engines)
+        ]
+
+    def _task_of(self, worker: int) -> Task:
+        """Worker `worker`'s task: its own shard of a dataset (workers may live in other processes),
+        else the task itself."""
+        return self.task.shard(worker, len(self.engines)) if isinstance(self.task, DataTask) else self.task
 
 
 GENERATION_FILE = "generation.jsonl"  # per engine call: what `baton simulate --calibrate` reads of generation
@@ -114,9 +141,17 @@ _PROMPT = msgspec.json.Decoder(Prompt)
 _ENCODE = msgspec.json.encode
 
 
+_MT_WORDS = len(random.Random().getstate()[1])  # a Mersenne Twister state's length
+
+
 class RolloutWorker(BaseActor):
-    def __init__(self, spec: Rollout, engine: Engine, store: ObjectStore, ctx: RunContext, outbox: Channel) -> None:
+    def __init__(self, spec: Rollout, engine: Engine, store: ObjectStore, ctx: RunContext, outbox: Channel,
+                 task: Task | None = None, index: int = 0) -> None:
         self.spec, self.engine, self.store, self.ctx, self.outbox = spec, engine, store, ctx, outbox
+        self.task = task if task is not None else spec.task
+        self.index = index  # the first worker (index 0) runs the evaluations
+        self._next_eval = 0  # the engine version at which the next evaluation is due
+        self._eval_prompts: list[Prompt] | None = None
         self.name = f"rollout:{engine.name}"
         self.groups_made = 0
         self.incarnation = uuid.uuid4().hex[:8]
@@ -129,7 +164,7 @@ class RolloutWorker(BaseActor):
     async def start(self) -> None:
         resume = self.ctx.resume
         if resume is not None and (state := resume.rng_state(self.name)) is not None:
-            self.rng.setstate(python_random_state(state))  # the prompt stream goes on from the checkpoint
+            self._restore_stream(state)  # the prompt stream goes on from the checkpoint
         await self.engine.start()
         # an engine that starts late (or restarts) catches up from the learner's latest snapshot
         snapshot = await load_snapshot(self.store, snapshot_key(self.ctx.run, self.ctx.folder.path.name))
@@ -150,8 +185,16 @@ class RolloutWorker(BaseActor):
         return [_ENCODE(p) for p in self._generating]
 
     def rng_state(self) -> RandomState:
-        """Where this worker's prompt stream stands (a checkpoint keeps it; a resume goes on from it)."""
-        return random_state(self.rng.getstate())
+        """Where this worker's prompt stream stands (a checkpoint keeps it; a resume goes on from it):
+        its random state, and a dataset task's position (`state()`) appended to the state's words."""
+        version, words, gauss = random_state(self.rng.getstate())
+        return version, [*words, *self.task.state()] if isinstance(self.task, DataTask) else words, gauss
+
+    def _restore_stream(self, state: RandomState) -> None:
+        version, words, gauss = state
+        self.rng.setstate(python_random_state((version, words[:_MT_WORDS], gauss)))
+        if len(words) > _MT_WORDS and isinstance(self.task, DataTask):
+            self.task.restore(tuple(words[_MT_WORDS:]))
 
     def recording(self) -> list[tuple[str, bytes]]:
         """(group, source) of the groups whose `produced` record is on its way to the ledger: a checkpoint
@@ -160,6 +203,7 @@ class RolloutWorker(BaseActor):
 
     async def run(self) -> None:
         while True:
+            await self._evaluate_if_due()
             self.ctx.note(self.name, "waiting at the admission gate")
             t_gate = anyio.current_time()
             n = await self.ctx.gate.acquire_many(self.spec.batch_groups)
@@ -177,7 +221,7 @@ class RolloutWorker(BaseActor):
     async def _next_prompt(self) -> Prompt:
         redo = await self.ctx.poll_feedback()
         if redo is None:
-            return self.spec.task.sample(self.rng)
+            return self.task.sample(self.rng)
         self.spec.stats["redone"] = self.spec.stats.get("redone", 0) + 1
         return _PROMPT.decode(await self.ctx.ledger.take_source(redo.group))
 
@@ -210,10 +254,11 @@ class RolloutWorker(BaseActor):
             plan.record("regenerated", cause, self.name, groups=groups)
 
     async def _produce_once(self, pending: list[Prompt]) -> None:
-        """One attempt at `pending`: what gets stored is recorded, sent and removed from `pending`;
-        raises when anything is left (EngineError: nothing came back; GroupsNotStored: some puts failed)."""
+        """One attempt at `pending`: what gets stored (or dropped for a failed reward) is recorded, sent
+        and removed from `pending`; raises when anything is left (EngineError: nothing came back;
+        GroupsNotStored: some puts failed)."""
         spec, tok = self.spec, self.spec.tokenizer
-        prompt_ids = [[tok.bos_token_id, *tok.encode(p.text, add_special_tokens=False)] for p in pending]
+        prompt_ids = [prompt_token_ids(tok, p.text, p.messages) for p in pending]
         t0 = anyio.current_time()
         try:
             with anyio.fail_after(spec.request_timeout_s):  # None: no limit
@@ -228,11 +273,16 @@ class RolloutWorker(BaseActor):
         gen_s = anyio.current_time() - t0
         spec.stats["gen_s"] += gen_s
         t_put = anyio.current_time()
-        refs, records, unstored, failure = [], [], [], None
+        refs, records, dropped, unstored, failure = [], [], [], [], None
         for g, prompt in enumerate(pending):
             group = completions[g * spec.group_size : (g + 1) * spec.group_size]
+            scores = await self._score(prompt, group)
+            if spec.reward.on_error == "drop" and any(scores.failures):
+                records.append(self._dropped_group(prompt, group, scores))
+                dropped.append(records[-1])
+                continue
             try:
-                ref, values = await self._store_group(prompt, prompt_ids[g], group)
+                ref, values = await self._store_group(prompt, prompt_ids[g], group, scores)
             except StoreError as exc:  # retried already (with_retries): this group is generated again
                 unstored.append(prompt)
                 failure = exc
@@ -240,19 +290,96 @@ class RolloutWorker(BaseActor):
             refs.append(ref)
             records.append(Produced(ref.item_ids, ref.group, (ref.version, ref.version_max), _ENCODE(prompt), values))
         put_s = anyio.current_time() - t_put
-        if not refs:
+        if not records:
             raise GroupsNotStored(f"no group of this batch could be stored: {failure}") from failure
         # one ledger call and one channel call per engine batch: each may cross a process boundary
         self._recording = [(r.group, r.source) for r in records]
         pending[:] = unstored
         await self.ctx.ledger.produced(records)
         self._recording, self._sending = [], refs
+        await self._drop(dropped)
         self.ctx.note(self.name, f"sending {len(refs)} refs downstream")
         await self.outbox.send_many(refs)
         self._log_generation(len(refs), gen_s, put_s, anyio.current_time() - t_put - put_s, completions, refs)
         self._sending = []
         if unstored:
             raise GroupsNotStored(f"{len(unstored)} groups could not be stored: {failure}") from failure
+
+    async def _evaluate_if_due(self) -> None:
+        """Generate and score the eval prompts once the engine reaches the next due version
+        (`stages.evaluation`); an engine failure skips this evaluation, it never ends the run."""
+        evaluation, spec = self.spec.evaluation, self.spec
+        if evaluation is None or self.index != 0 or self.engine.version < self._next_eval:
+            return
+        self._next_eval = evaluation.next_due(self.engine.version)
+        if self._eval_prompts is None:
+            self._eval_prompts = evaluation.prompt_list()
+        prompts, n = self._eval_prompts, evaluation.samples
+        ids = [prompt_token_ids(spec.tokenizer, p.text, p.messages) for p in prompts]
+        self.ctx.note(self.name, f"evaluating {len(prompts)} prompts at version {self.engine.version}")
+        t0 = anyio.current_time()
+        try:
+            with anyio.fail_after(spec.request_timeout_s):
+                completions = await self.engine.generate(
+                    [i for i in ids for _ in range(n)], replace(spec.sampling(), temperature=evaluation.temperature)
+                )
+        except (EngineError, TimeoutError) as exc:
+            self.log.warning("evaluation skipped", version=self.engine.version, error=repr(exc))
+            return
+        rewards: list[float] = []
+        for g, prompt in enumerate(prompts):
+            rewards += (await self._score(prompt, completions[g * n : (g + 1) * n], "eval_reward_failed")).rewards
+        record = evaluation.record([c.versions for c in completions], rewards, anyio.current_time() - t0,
+                                   self.engine.version)
+        spec.stats["eval"] = record
+        self.log.info("evaluated", **{k.replace("/", "_"): v for k, v in record.items()})
+        folder = getattr(self.ctx, "folder", None)
+        if folder is not None and hasattr(folder, "append_record"):
+            folder.append_record(EVAL_FILE, {"t": round(time.time() - self.ctx.started_at, 4), **record})
+
+    async def _score(self, prompt: Prompt, group: list[Completion], failures: str = "reward_failed") -> Scores:
+        """The group's rewards (never raises); failed samples are counted in `stats[failures]` by reason."""
+        tok = self.spec.tokenizer
+        scores = await self.spec.reward.score([
+            Sample(prompt=prompt.text, completion=tok.decode(c.tokens, skip_special_tokens=True),
+                   tokens=c.tokens.tolist(), answer=prompt.answer, metadata=prompt.metadata or {},
+                   messages=prompt.messages, source=prompt)
+            for c in group
+        ])
+        counts = self.spec.stats.setdefault(failures, {}) if any(scores.failures) else {}
+        for reason in filter(None, scores.failures):
+            counts[reason] = counts.get(reason, 0) + 1
+        return scores
+
+    def _dropped_group(self, prompt: Prompt, group: list[Completion], scores: Scores) -> Produced:
+        """The ledger record of a group dropped because its reward failed (nothing is stored)."""
+        group_id = self._new_group_id()
+        lo, hi = self._version_span(group)
+        ids = [f"{group_id}/{i}" for i in range(len(group))]
+        reason = next(f for f in scores.failures if f)
+        self.log.warning("reward failed; group dropped", group=group_id, reason=reason)
+        return Produced(ids, group_id, (lo, hi), _ENCODE(prompt), {"reward_failed": [float(f is not None) for f in
+                                                                                  scores.failures]})
+
+    async def _drop(self, dropped: list[Produced]) -> None:
+        """Settle groups dropped for a failed reward: their ledger fate (with the reason) and slots."""
+        for record in dropped:
+            await self.ctx.ledger.finished("dropped", record.ids, "reward failed")
+        if dropped:
+            await self.ctx.gate.discard(len(dropped))
+
+    def _new_group_id(self) -> str:
+        # unique across workers, processes and restarts: engine name, this incarnation, a counter
+        group_id = f"{self.engine.name}.{self.incarnation}.{self.groups_made:08d}"
+        self.groups_made += 1
+        return group_id
+
+    def _version_span(self, group: list[Completion]) -> tuple[int, int]:
+        """(oldest, newest) weight version of the group's tokens (the engine's version if it has none)."""
+        if not any(len(c.tokens) for c in group):
+            return self.engine.version, self.engine.version
+        versions = np.concatenate([c.versions for c in group])
+        return int(versions.min()), int(versions.max())
 
     def _log_generation(self, groups: int, gen_s: float, put_s: float, send_s: float, completions: list[Completion],
                         refs: list[Ref]) -> None:
@@ -273,13 +400,13 @@ class RolloutWorker(BaseActor):
         })
 
     async def _store_group(
-        self, prompt: Prompt, prompt_ids: list[int], group: list[Completion]
+        self, prompt: Prompt, prompt_ids: list[int], group: list[Completion], scores: Scores
     ) -> tuple[Ref, dict[str, list[float]]]:
-        """Score, encode and store one group; returns its Ref (not yet recorded or sent) and, per sample,
-        the values the ledger keeps for bias accounting: `reward` and `length` (response tokens)."""
-        spec, ctx, tok = self.spec, self.ctx, self.spec.tokenizer
-        texts = [tok.decode(c.tokens, skip_special_tokens=True) for c in group]
-        rewards = np.array([spec.task.reward(prompt, t) for t in texts], dtype=np.float32)
+        """Encode and store one scored group; returns its Ref (not yet recorded or sent) and, per sample,
+        the values the ledger keeps for bias accounting: `reward`, `length` (response tokens) and, when a
+        reward failed (scored 0), `reward_failed` (1 for those samples)."""
+        spec, ctx = self.spec, self.ctx
+        rewards = np.array(scores.rewards, dtype=np.float32)
         plen = len(prompt_ids)
         rows = []
         for c in group:
@@ -292,12 +419,8 @@ class RolloutWorker(BaseActor):
                     "token_versions": np.concatenate([np.full(plen, -1, np.int32), c.versions]),
                 }
             )
-        versions = np.concatenate([c.versions for c in group]) if any(len(c.tokens) for c in group) else None
-        lo = int(versions.min()) if versions is not None else self.engine.version
-        hi = int(versions.max()) if versions is not None else self.engine.version
-        # unique across workers, processes and restarts: engine name, this incarnation, a counter
-        group_id = f"{self.engine.name}.{self.incarnation}.{self.groups_made:08d}"
-        self.groups_made += 1
+        lo, hi = self._version_span(group)
+        group_id = self._new_group_id()
         spec.stats["groups"] += 1
         spec.stats["tokens"] += sum(len(c.tokens) for c in group)
         batch = RolloutBatch.from_rows(
@@ -317,4 +440,7 @@ class RolloutWorker(BaseActor):
             store=self.store.name, key=key, version=lo, version_max=hi, rows=len(group),
             nbytes=payload.nbytes, checksum=peek(payload).checksum, group=group_id,
         )
-        return ref, {"reward": rewards.tolist(), "length": [float(len(c.tokens)) for c in group]}
+        values = {"reward": rewards.tolist(), "length": [float(len(c.tokens)) for c in group]}
+        if any(scores.failures):
+            values["reward_failed"] = [float(f is not None) for f in scores.failures]
+        return ref, values

@@ -1,21 +1,28 @@
 """Tasks with verifiable rewards.
 
 A task makes prompts and scores completions; it never sees a model. Rewards are in [0, 1].
-Prompts are text in the tiny tokenizer's alphabet (digits and a few symbols); the rollout stage
-tokenizes them and prepends BOS.
+The built-in tasks' prompts are plain text in the tiny tokenizer's alphabet (digits and a few
+symbols); the rollout stage tokenizes them (with BOS where the tokenizer adds one). Tasks over
+dataset files are in `stages.datasets`.
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 
 @dataclass(frozen=True)
 class Prompt:
+    """What a task asks: `text` (plain prompt; for a chat prompt, its user text), the ground truth,
+    and optionally chat `messages` (the tokenizer's chat template renders them instead of `text`)
+    and `metadata` for the reward function."""
+
     text: str
     answer: str
+    messages: list[dict[str, str]] | None = None
+    metadata: dict[str, Any] | None = None
 
 
 @runtime_checkable
@@ -26,6 +33,22 @@ class Task(Protocol):
     def sample(self, rng: random.Random) -> Prompt: ...
 
     def reward(self, prompt: Prompt, completion: str) -> float: ...
+
+
+@runtime_checkable
+class DataTask(Task, Protocol):
+    """A task over rows of data (`stages.datasets.DatasetTask`): its prompts may be chat messages, it
+    brings its own reward function, each rollout worker samples its own shard, and its position is
+    kept by checkpoints (`state()` / `restore(state)`: two ints)."""
+
+    uses_chat: bool
+    reward_function: Any
+
+    def shard(self, index: int, count: int) -> DataTask: ...
+
+    def state(self) -> tuple[int, int]: ...
+
+    def restore(self, state: tuple[int, int]) -> None: ...
 
 
 def positional_credit(answer: str, completion: str) -> float:

@@ -38,10 +38,10 @@ def _cache_of(out):
 
 
 class TorchEngine:
-    def __init__(self, model_path: str | Path, name: str = "torch-0", seed: int = 0) -> None:
+    def __init__(self, model_path: str | Path, name: str = "torch-0", seed: int = 0, dtype: str = "float32") -> None:
         self.name = name
         self.model_path = Path(model_path)
-        self.seed = seed
+        self.seed, self.dtype = seed, dtype
         self._model: torch.nn.Module | None = None
         self._version = 0
         self._staged: tuple[int, dict[str, torch.Tensor]] | None = None
@@ -61,14 +61,14 @@ class TorchEngine:
         """What another process needs to make this engine there: its path, name and seed."""
         if self._model is not None:
             raise RuntimeError(f"engine {self.name} is started; only an unstarted engine can move to another process")
-        return {"model_path": self.model_path, "name": self.name, "seed": self.seed}
+        return {"model_path": self.model_path, "name": self.name, "seed": self.seed, "dtype": self.dtype}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["model_path"], name=state["name"], seed=state["seed"])
+        self.__init__(state["model_path"], name=state["name"], seed=state["seed"], dtype=state["dtype"])
 
     async def start(self) -> None:
         if self._model is None:
-            self._model = await anyio.to_thread.run_sync(load_model, self.model_path)
+            self._model = await anyio.to_thread.run_sync(load_model, self.model_path, self.dtype)
             self._model.eval()
 
     async def stop(self) -> None:

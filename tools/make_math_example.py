@@ -1,0 +1,146 @@
+"""Build the math example: a small random-init model shaped like a Qwen2 chat checkpoint, and a small
+math word-problem dataset. Nothing is downloaded; the same seed gives the same files.
+
+    python tools/make_math_example.py OUT_DIR [--seed 0]
+
+writes OUT_DIR/model (config.json, model.safetensors, generation_config.json and a byte-level BPE
+tokenizer trained here with `tokenizers`: no BOS, `<|im_start|>`/`<|im_end|>` ChatML chat template,
+`<|endoftext|>` pad, tied embeddings) and OUT_DIR/data/{train,eval}.jsonl (`question`, `answer`).
+The problems are one-step additions and subtractions in words with answers 0..`max_answer`, so a
+2-layer model trained from random init with a math-verify reward learns some of them on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+NAMES = ["Ann", "Ben", "Cara", "Dan", "Eve", "Finn", "Gia", "Hugo", "Ivy", "Jon"]
+ITEMS = ["apple", "pen", "book", "coin", "shell", "card", "cup", "ball"]
+TEMPLATES = [  # (question, operation)
+    ("{name} has {a} {item}s and gets {b} more. How many {item}s does {name} have now?", "+"),
+    ("There are {a} {item}s in a box. {name} puts in {b} more. How many {item}s are in the box?", "+"),
+    ("{name} has {a} {item}s and gives {b} away. How many {item}s does {name} have left?", "-"),
+    ("A shelf holds {a} {item}s. {name} takes {b} of them. How many {item}s stay on the shelf?", "-"),
+]
+
+
+def word_problem(rng: random.Random, max_answer: int) -> dict[str, str]:
+    """One problem: `question` in words, `answer` the number as text (0 <= answer <= max_answer)."""
+    template, op = rng.choice(TEMPLATES)
+    if op == "+":
+        answer = rng.randint(0, max_answer)
+        a = rng.randint(0, answer)
+        b = answer - a
+    else:
+        a = rng.randint(0, max_answer)
+        b = rng.randint(0, a)
+        answer = a - b
+    question = template.format(name=rng.choice(NAMES), item=rng.choice(ITEMS), a=a, b=b)
+    return {"question": question, "answer": str(answer)}
+
+
+def make_math_data(folder: str | Path, *, train: int = 2000, eval: int = 200, max_answer: int = 9,
+                   seed: int = 0) -> tuple[Path, Path]:
+    """Write `train.jsonl` and `eval.jsonl` into `folder` (no eval question is a train question)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    train_rows = [word_problem(rng, max_answer) for _ in range(train)]
+    seen = {row["question"] for row in train_rows}
+    eval_rows: list[dict[str, str]] = []
+    for _ in range(100 * eval):
+        if len(eval_rows) == eval:
+            break
+        row = word_problem(rng, max_answer)
+        if row["question"] not in seen:
+            seen.add(row["question"])
+            eval_rows.append(row)
+    paths = folder / "train.jsonl", folder / "eval.jsonl"
+    for path, rows in zip(paths, (train_rows, eval_rows), strict=True):
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return paths
+
+
+def _corpus(rng: random.Random, lines: int) -> list[str]:
+    """Text the tokenizer is trained on: chat-formatted problems with their answers."""
+    out = []
+    for _ in range(lines):
+        row = word_problem(rng, 99)
+        out.append(f"<|im_start|>user\n{row['question']}<|im_end|>\n<|im_start|>assistant\n{row['answer']}<|im_end|>\n")
+    return out
+
+
+def make_tokenizer(vocab_size: int = 1024, seed: int = 0):
+    """A byte-level BPE tokenizer trained on generated text, wrapped for transformers: no BOS, EOS
+    `<|im_end|>`, pad `<|endoftext|>`, the ChatML chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(_corpus(random.Random(seed), 3000), trainer)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    hf.chat_template = CHAT_TEMPLATE
+    return hf
+
+
+def make_qwen_like_model(folder: str | Path, *, vocab_size: int = 1024, hidden_size: int = 96, layers: int = 2,
+                         heads: int = 4, kv_heads: int = 2, seed: int = 0) -> Path:
+    """Write a random-init Qwen2ForCausalLM with tied embeddings, its tokenizer and generation config."""
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = make_tokenizer(vocab_size, seed)
+    tokenizer.save_pretrained(folder)
+    im_end, pad = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    config = Qwen2Config(
+        vocab_size=-(-len(tokenizer) // 64) * 64, hidden_size=hidden_size, intermediate_size=4 * hidden_size,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=None, eos_token_id=im_end,
+        pad_token_id=pad,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        Qwen2ForCausalLM(config).save_pretrained(folder)
+    GenerationConfig(eos_token_id=[im_end, pad], pad_token_id=pad, bos_token_id=None).save_pretrained(folder)
+    return folder
+
+
+def make_math_example(out: str | Path, seed: int = 0) -> tuple[Path, Path]:
+    """OUT/model and OUT/data/{train,eval}.jsonl; returns (model folder, data folder)."""
+    out = Path(out)
+    model = make_qwen_like_model(out / "model", seed=seed)
+    make_math_data(out / "data", seed=seed)
+    return model, out / "data"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", help="folder to write model/ and data/ into")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    model, data = make_math_example(args.out, args.seed)
+    print(f"model: {model}\ndata:  {data}/train.jsonl, {data}/eval.jsonl")
+
+
+if __name__ == "__main__":
+    main()
