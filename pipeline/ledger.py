@@ -112,11 +112,11 @@ class Ledger:
         for name, numbers in (values or {}).items():
             if len(numbers) != len(ids):
                 raise LedgerError(f"values[{name!r}] has {len(numbers)} entries for {len(ids)} items of {group!r}")
-        seen = set(self._items)
+        fresh: set[str] = set()
         for item_id in ids:  # all or nothing: check the whole batch before recording any of it
-            if item_id in seen:
+            if item_id in self._items or item_id in fresh:
                 raise LedgerError(f"item {item_id!r} produced twice")
-            seen.add(item_id)
+            fresh.add(item_id)
         for item_id in ids:
             self._items[item_id] = ItemRecord(id=item_id, group=group, versions=(lo, hi))
             self._changed[item_id] = None
