@@ -128,7 +128,7 @@ class Pipeline:
         if resumed is not None:
             clock, ledger = resumed.clock(), resumed.ledger(self.max_uses)
         else:
-            clock, ledger = VersionClock(), Ledger(max_uses=self.max_uses)
+            clock, ledger = VersionClock(), Ledger.create(folder.path, max_uses=self.max_uses)
         gate = AdmissionGate(clock, self.staleness, self.consumer.units_per_version)
         if resumed is not None:
             resumed.restore_gate(gate)
@@ -153,7 +153,6 @@ class Pipeline:
                            ctx.feedback)
             ctx.checkpoint = Checkpointer(
                 folder.path, self.checkpoint_every, run=self.name, steps=self.steps, cut=cut, keep=self.checkpoint_keep,
-                chain=resumed.state.ledger_chain if resumed is not None else (),
             )
         extra: list[Actor] = []
         for hook in self.hooks:  # a hook sees the context and may add actors (watchdogs, fault injectors)
