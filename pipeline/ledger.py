@@ -88,6 +88,7 @@ class Ledger:
             raise ValueError(f"max_uses must be >= 1, got {max_uses}")
         self.max_uses = max_uses
         self.store = store if store is not None else LedgerStore(None, max_uses)
+        self.store.counts = self.counts
         self._live: dict[str, ItemRecord] = {}  # the items in flight, in production order
         self._counts: Counter[str] = Counter()
         self._sources: dict[str, bytes] = {}
@@ -186,7 +187,7 @@ class Ledger:
     def state(self) -> LedgerState:
         """A snapshot for a checkpoint (records in flight copied: later changes do not touch it); the store
         is committed and fsynced first, and its position recorded."""
-        position = self.store.sync(self.counts())
+        position = self.store.sync()
         return LedgerState(
             max_uses=self.max_uses,
             records=[ItemRecord(r.id, r.group, r.versions, list(r.trained_at), r.fate, r.reason)
@@ -210,9 +211,9 @@ class Ledger:
         ledger._counts.setdefault("produced", sum(state.counts.get(f, 0) for f in FATES))
         try:
             if state.position is not None:
-                ledger.store.rewind(state.position, live, ledger.counts())
+                ledger.store.rewind(state.position, live)
             else:
-                ledger.store.rewind(ledger.store.position(), live, ledger.counts())
+                ledger.store.rewind(ledger.store.position(), live)
                 ledger.store.settled((r, use) for r in state.records if r.fate != "in_flight"
                                      for use in range(max(len(r.trained_at), 1)))
         except StoreError as exc:
@@ -293,7 +294,7 @@ class Ledger:
         if rows != self.store.rows:
             found.append(f"{rows} settlings and reuses counted, the store holds {self.store.rows} rows")
         if full and self.store.rows <= FULL_CHECK_ROWS:
-            self.store.commit(counts)
+            self.store.commit()
             found.extend(f"{v.kind}: {v.message}" for v in check(self.store.conn))
         return found
 
@@ -303,7 +304,7 @@ class Ledger:
     def records(self) -> list[ItemRecord]:
         """Every record (read back from the store: for small ledgers; `pipeline.ledger_store.records`
         streams): the settled ones in the order they settled, then those in flight."""
-        self.store.commit(self.counts())
+        self.store.commit()
         return list(records(self.store.conn))
 
     def to_json(self) -> bytes | None:
@@ -311,7 +312,7 @@ class Ledger:
         the run folder's ledger.json; None beyond `LEDGER_JSON_LIMIT` items (read the store instead:
         `baton ledger RUN_DIR --export`). Commits the store either way."""
         if self._counts["produced"] > LEDGER_JSON_LIMIT:
-            self.store.commit(self.counts())
+            self.store.commit()
             return None
         return msgspec.json.encode(self.records())
 

@@ -30,7 +30,7 @@ import json
 import os
 import sqlite3
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -92,13 +92,15 @@ def connect(path: Path | str | None) -> sqlite3.Connection:
 
 
 class LedgerStore:
-    """The writing side, owned by one `pipeline.ledger.Ledger` (one thread at a time)."""
+    """The writing side, owned by one `pipeline.ledger.Ledger` (one thread at a time). Every commit writes
+    the ledger's counts (`counts`, set by the ledger) with the rows, so the file is always consistent."""
 
     def __init__(self, path: Path | str | None = None, max_uses: int = 1) -> None:
         self.path = Path(path) if path is not None else None
         self.conn = connect(self.path)
         self.rows = self.conn.execute("SELECT coalesce(max(seq), 0) FROM settled").fetchone()[0]
         self._set_meta("max_uses", max_uses)
+        self.counts: Callable[[], dict[str, int]] | None = None
         self._pending, self._since = 0, time.monotonic()
 
     @classmethod
@@ -128,18 +130,18 @@ class LedgerStore:
     def _wrote(self, n: int) -> None:
         self._pending += n
         if self._pending >= COMMIT_ROWS or time.monotonic() - self._since >= COMMIT_S:
-            self.conn.commit()
-            self._pending, self._since = 0, time.monotonic()
+            self.commit()
 
-    def commit(self, counts: dict[str, int]) -> None:
-        """Commit everything written, with the ledger's `counts` (what the invariant checks compare to)."""
-        self._set_meta("counts", counts)
+    def commit(self) -> None:
+        """Commit everything written, with the ledger's counts (what the invariant checks compare to)."""
+        if self.counts is not None:
+            self._set_meta("counts", self.counts())
         self.conn.commit()
         self._pending, self._since = 0, time.monotonic()
 
-    def sync(self, counts: dict[str, int]) -> Position:
+    def sync(self) -> Position:
         """Commit and make it durable (fsync): the position a checkpoint records."""
-        self.commit(counts)
+        self.commit()
         if self.path is not None:
             for path in (self.path, self.path.with_name(self.path.name + "-wal")):
                 if path.exists():
@@ -154,7 +156,7 @@ class LedgerStore:
         row = self.conn.execute("SELECT id FROM settled WHERE seq = ?", (self.rows,)).fetchone()
         return Position(self.rows, row[0] if row else "")
 
-    def rewind(self, position: Position, live: Iterable[Any], counts: dict[str, int]) -> None:
+    def rewind(self, position: Position, live: Iterable[Any]) -> None:
         """Go back to a checkpoint: rows past `position` are deleted (they settled after it), `live` becomes
         the items in flight. Raises `StoreError` when the store does not hold the checkpoint's rows."""
         if self.rows < position.rows or self.position_at(position.rows) != position.last:
@@ -166,7 +168,7 @@ class LedgerStore:
         self.conn.execute("DELETE FROM live")
         self.rows = position.rows
         self.produced(live)
-        self.commit(counts)
+        self.commit()
 
     def position_at(self, rows: int) -> str:
         row = self.conn.execute("SELECT id FROM settled WHERE seq = ?", (rows,)).fetchone()

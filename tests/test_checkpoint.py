@@ -248,7 +248,7 @@ def test_each_checkpoint_records_the_stores_position_and_reads_back_the_whole_le
     assert checkpoint_ledger(third) == {r.id: (r.fate, r.trained_at) for r in ledger.records()}, \
         "the store up to the position, and the records in flight, are the ledger"
     ledger.trained(["c/0"], at_version=3)  # after the checkpoint: the resume rolls it back
-    ledger.store.commit(ledger.counts())
+    ledger.store.commit()
     ledger.store.close()  # the crashed process is gone
 
     resumed = Resumed.open(tmp_path, "unit", steps=100)
