@@ -92,7 +92,7 @@ from pipeline.context import Redo, redo
 from pipeline.ledger import Ledger, LedgerState
 from pipeline.ledger_store import LedgerStore
 from pipeline.refs import Ref
-from pipeline.telemetry import METRICS_FILE, RunFolder, get_logger
+from pipeline.telemetry import METRICS_FILE, RunFolder, get_logger, metric_parts
 from pipeline.versions import VersionClock
 
 FORMAT = 3  # 1: the whole ledger in run_state.msgpack (read still); 2: a ledger journal (not read); 3: a store position
@@ -544,6 +544,8 @@ class Resumed:
         for name in ATTEMPT_FILES:
             if (run_dir / name).exists():
                 os.replace(run_dir / name, archive / name)
+        for part in metric_parts(run_dir):  # a long run's rotated metrics (pipeline.telemetry)
+            os.replace(part, archive / part.name)
         folder = RunFolder(run_dir)
         old = RunFolder(archive).read_metrics()
         kept = [r for r in old if r.get("version", 0) <= state.version]
