@@ -212,8 +212,8 @@ class Ledger:
         try:
             if state.position is not None:
                 ledger.store.rewind(state.position, live)
-            else:
-                ledger.store.rewind(ledger.store.position(), live)
+            else:  # format 1: the state's records replace whatever the store held
+                ledger.store.rewind(Position(0), live)
                 ledger.store.settled((r, use) for r in state.records if r.fate != "in_flight"
                                      for use in range(max(len(r.trained_at), 1)))
         except StoreError as exc:

@@ -51,11 +51,9 @@ def damage(folder: Path, *sql: str) -> None:
     conn.close()
 
 
-def baton_ledger(folder: Path, *extra: str, bound: int | None = 2) -> tuple[int, dict]:
-    args = argparse.Namespace(run_dir=str(folder), export=None, item_id=None, bound=bound)
-    for key, value in zip(extra[::2], extra[1::2], strict=True):
-        setattr(args, key, value)
-    return ledger_command(args), None
+def baton_ledger(folder: Path, item_id: str | None = None, bound: int | None = 2) -> int:
+    """`baton ledger FOLDER [--id ID] [--bound K]`'s exit code."""
+    return ledger_command(argparse.Namespace(run_dir=str(folder), export=None, item_id=item_id, bound=bound))
 
 
 def test_settled_records_leave_memory_for_the_store_and_still_answer_by_id(tmp_path: Path) -> None:
@@ -159,10 +157,10 @@ def test_export_is_what_ledger_json_holds_on_the_same_run(tmp_path: Path) -> Non
 ])
 def test_baton_ledger_exits_1_on_each_broken_invariant(tmp_path: Path, capsys, kind: str, sql: list[str]) -> None:
     small_run(tmp_path).store.close()
-    assert baton_ledger(tmp_path)[0] == 0
+    assert baton_ledger(tmp_path) == 0
     capsys.readouterr()
     damage(tmp_path, *sql)
-    assert baton_ledger(tmp_path)[0] == 1
+    assert baton_ledger(tmp_path) == 1
     out = capsys.readouterr().out
     assert f"BROKEN {kind}:" in out
     assert kind in {v["kind"] for v in json.loads(out.strip().splitlines()[-1])["violations"]}
@@ -170,15 +168,15 @@ def test_baton_ledger_exits_1_on_each_broken_invariant(tmp_path: Path, capsys, k
 
 def test_baton_ledger_shows_one_samples_history_and_says_what_is_missing(tmp_path: Path, capsys) -> None:
     small_run(tmp_path, max_uses=2).store.close()
-    assert baton_ledger(tmp_path, "item_id", "a/0")[0] == 0
+    assert baton_ledger(tmp_path, "a/0") == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert out[0] == "row 1: trained at version 1" and out[1].endswith("trained at version 2 (reuse 1)")
     assert msgspec.json.decode(out[-1]) == {
         "id": "a/0", "group": "a", "versions": [0, 0], "trained_at": [1, 2], "fate": "trained", "reason": ""}
-    assert baton_ledger(tmp_path, "item_id", "zz/9")[0] == 2
-    assert baton_ledger(tmp_path / "nowhere")[0] == 2
+    assert baton_ledger(tmp_path, "zz/9") == 2
+    assert baton_ledger(tmp_path / "nowhere") == 2
     (tmp_path / "summary.json").write_text(json.dumps({"staleness_bound": 0}))
-    assert baton_ledger(tmp_path, bound=None)[0] == 1, "the run's own bound (0) is checked: a/0 was 1 stale"
+    assert baton_ledger(tmp_path, bound=None) == 1, "the run's own bound (0) is checked: a/0 was 1 stale"
 
 
 def test_a_long_run_holds_only_live_records_in_memory(tmp_path: Path) -> None:
@@ -199,3 +197,20 @@ def test_a_long_run_holds_only_live_records_in_memory(tmp_path: Path) -> None:
     assert ledger.counts()["produced"] == 20_000 and ledger.counts()["in_flight"] == 12
     assert max(h[0] for h in held) == 12 and held[-1] == (12, 12, 6), "only the 3 versions in flight are held"
     assert ledger.violations() == []
+
+
+def test_a_format_1_state_with_every_record_is_written_into_the_store_once(tmp_path: Path) -> None:
+    from pipeline.ledger import LedgerState
+
+    (tmp_path / "old").mkdir()
+    ledger = small_run(tmp_path / "old", max_uses=2)
+    whole = [msgspec.structs.replace(r) for r in ledger.records()]  # what a format-1 checkpoint held
+    state = LedgerState(max_uses=2, records=whole, counts=dict(ledger._counts), sources={}, pending_redo=[],
+                        values={})
+    for _ in range(2):  # resumed twice from the same checkpoint: the store is rebuilt, not appended to
+        again = Ledger.from_state(state, store=Ledger.create(tmp_path, max_uses=2).store)
+        again.store.commit()
+        assert [(r.id, r.fate, r.trained_at) for r in records(open_run(tmp_path))] == [
+            (r.id, r.fate, r.trained_at) for r in whole]
+        assert again.violations() == []
+        again.store.close()
