@@ -10,7 +10,7 @@ Prints, then as the last stdout line one JSON object with "figures" and "ratios"
   versions / over versions 50-150 (goal <= 1.1);
 * rss_growth_mb_per_100k_samples: RSS growth between version 150 and the end, per 100k samples
   trained (goal <= 10);
-* checkpoint seconds, first vs last (`checkpoints.jsonl`);
+* checkpoint seconds, first vs last, and the medians of the first and last ten (`checkpoints.jsonl`);
 * the ledger: rows in its store, records ledger.json held (none beyond 1M samples).
 """
 
@@ -114,6 +114,9 @@ def figures_of(summary: dict, samples: list[tuple[float, int, float]], per_versi
         "rss_growth_mb_per_100k_samples": round((end[2] - start[2]) / grown * 1e5, 2) if grown else None,
         "checkpoint_s_first": checkpoints[0]["seconds"] if checkpoints else None,
         "checkpoint_s_last": checkpoints[-1]["seconds"] if checkpoints else None,
+        # medians of the first and last ten: one checkpoint's seconds are noisy (the consumer's fsyncs)
+        "checkpoint_s_first10": statistics.median(c["seconds"] for c in checkpoints[:10]) if checkpoints else None,
+        "checkpoint_s_last10": statistics.median(c["seconds"] for c in checkpoints[-10:]) if checkpoints else None,
         "checkpoint_run_bytes_first": checkpoints[0]["run_bytes"] if checkpoints else None,
         "checkpoint_run_bytes_last": checkpoints[-1]["run_bytes"] if checkpoints else None,
         "ledger_store_rows": rows, "ledger_json": (run_dir / "ledger.json").exists(),
@@ -143,8 +146,8 @@ def main() -> None:
     ratios = {
         "late_vs_early_version_s": round(figures["version_s_late"] / figures["version_s_early"], 3),
         "rss_growth_mb_per_100k_samples": figures["rss_growth_mb_per_100k_samples"],
-        "checkpoint_s_last_vs_first": round(figures["checkpoint_s_last"] / figures["checkpoint_s_first"], 3)
-        if figures["checkpoint_s_first"] else None,
+        "checkpoint_s_last10_vs_first10": round(figures["checkpoint_s_last10"] / figures["checkpoint_s_first10"], 3)
+        if figures["checkpoint_s_first10"] else None,
     }
     print(f"{a.runtime}: {figures['versions']} versions, {figures['samples_trained']} samples in "
           f"{figures['wall_s']} s; "
