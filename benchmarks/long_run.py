@@ -1,7 +1,8 @@
 """A long quickstart-shaped run: does a version cost the same at the end as at the start, and does
 memory stay put? Small groups (`--group-size 2`, `--groups 4`) so per-version overhead dominates;
 enough versions to settle `--samples` (default 200k) samples. While it runs, the RSS of every baton
-process (the run's process tree; on Ray also every `ray::` worker) is sampled each second.
+process (the run's process tree: on Ray with a local cluster, its gcs, raylet and workers) is sampled
+each second.
 
     python benchmarks/long_run.py [--runtime local|ray] [--samples 200000] [--set key=value ...]
 
@@ -29,27 +30,23 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGE = 4096
 
 
-def rss_mb(root_pid: int, ray: bool) -> float:
-    """RSS of `root_pid`'s process tree (and of every `ray::` process when `ray`), in MB."""
+def rss_mb(root_pid: int) -> float:
+    """RSS of `root_pid`'s process tree in MB (on Ray, the local cluster the run starts is in it: gcs, raylet,
+    every `ray::` worker)."""
     parents: dict[int, int] = {}
-    ray_pids: set[int] = set()
     for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            stat = (proc / "stat").read_text()
-            parents[int(proc.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-            if ray and (proc / "cmdline").read_bytes().startswith(b"ray::"):
-                ray_pids.add(int(proc.name))
-        except (OSError, ValueError, IndexError):
-            continue
+        if proc.name.isdigit():
+            try:
+                parents[int(proc.name)] = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
     tree, grew = {root_pid}, True
     while grew:
         more = {pid for pid, parent in parents.items() if parent in tree} - tree
         tree |= more
         grew = bool(more)
     total = 0
-    for pid in tree | ray_pids:
+    for pid in tree:
         try:
             total += int((Path("/proc") / str(pid) / "statm").read_text().split()[1]) * PAGE
         except (OSError, ValueError, IndexError):
@@ -74,14 +71,14 @@ def latest_version(metrics: Path) -> int:
     return 0
 
 
-def run_sampled(cmd: list[str], root: Path, ray: bool) -> tuple[dict, list[tuple[float, int, float]]]:
+def run_sampled(cmd: list[str], root: Path) -> tuple[dict, list[tuple[float, int, float]]]:
     """Run `cmd`, sampling (seconds, version, RSS MB) every second; returns its summary and the samples."""
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     samples, t0 = [], time.monotonic()
     while proc.poll() is None:
         metrics = next(root.glob("*/metrics.jsonl"), None)
         version = latest_version(metrics) if metrics else 0
-        samples.append((time.monotonic() - t0, version, rss_mb(proc.pid, ray)))
+        samples.append((time.monotonic() - t0, version, rss_mb(proc.pid)))
         time.sleep(1.0)
     out = proc.stdout.read()
     if proc.returncode != 0:
@@ -141,7 +138,7 @@ def main() -> None:
                 f"engine.batch_groups={a.groups}", f"model.path='{ROOT / 'runs' / 'models' / 'tiny-qwen2'}'",
                 *a.overrides]
         cmd = [sys.executable, "-m", "stages.cli", "run", a.config, *[x for s in sets for x in ("--set", s)]]
-        summary, samples = run_sampled(cmd, Path(tmp), a.runtime == "ray")
+        summary, samples = run_sampled(cmd, Path(tmp))
         figures = figures_of(summary, samples, per_version)
     ratios = {
         "late_vs_early_version_s": round(figures["version_s_late"] / figures["version_s_early"], 3),
