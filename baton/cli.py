@@ -12,6 +12,7 @@
                                                the fault matrix: a table, then one JSON line of totals;
                                                exit 1 when any run breaks an invariant
     baton watch RUN_DIR                        follow a run's progress from its folder, then its summary
+    baton ledger RUN_DIR [--export F] [--id ID] the ledger's totals and invariants (exit 1 on a broken one)
 
 Exit codes: 0 done, 1 the run failed (an actor raised; the message names it), 2 bad config.
 """
@@ -23,7 +24,7 @@ import json
 import os
 import sys
 
-from baton import watch_command
+from baton import ledger_command, watch_command
 from baton.config import ConfigError
 
 
@@ -64,6 +65,7 @@ def _parser() -> argparse.ArgumentParser:
                    "learners)")
     add_overrides(s, "override a config key, e.g. --set simulate.decode_tokens_per_s=3000 (repeatable)")
     watch_command.add_parser(sub)
+    ledger_command.add_parser(sub)
     m = sub.add_parser("mooncake-master", help="run a mooncake_master on 127.0.0.1 (prints its address)")
     m.add_argument("--port", type=int, default=None, help="RPC port (default: a free one)")
     m.add_argument("--lease-ttl-ms", type=int, default=500, help="read lease before a key can be removed")
@@ -129,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         "faults": lambda: run_fault_matrix(args.config, args.kinds, args.seeds, args.overrides),
         "simulate": lambda: run_simulate(args),
         "watch": lambda: watch_command.run(args),
+        "ledger": lambda: ledger_command.run(args),
     }
     return commands[args.command]() if args.command in commands else run_or_check(args)
 

@@ -1,15 +1,15 @@
 """What checkpoints cost a run: the same config, seed and step count run without checkpoints (the
 reference) and with `checkpoint.every = N`, interleaved `--repeats` times. Prints samples/s of each
 (steady state, after `--warmup` versions), the seconds and bytes of each checkpoint (from the run
-folder's `checkpoints.jsonl`), the ledger journal's last segment against the whole ledger (what a
-checkpoint wrote before the journal), and on the Ray runtime how long the conductor's ledger was
-frozen for the cuts.
+folder's `checkpoints.jsonl`), the last checkpoint's run state against the whole ledger (what a
+checkpoint wrote before the ledger store: now it records the store's position and what is in flight),
+and on the Ray runtime how long the conductor's ledger was frozen for the cuts.
 
     python benchmarks/checkpoints.py [--config configs/ray-mooncake.toml] [--steps 240] [--every 20]
 
 Last stdout line: one JSON object with "figures", "reference" (the run without checkpoints) and
 "ratios": samples_per_s_vs_none (goal >= 0.95: checkpoints every 20 versions cost under 5 %) and
-last_segment_vs_whole_ledger (the journal writes what changed, not the run's history; goal <= 0.2).
+last_run_state_vs_whole_ledger (a checkpoint writes what is in flight, not the run's history; goal <= 0.2).
 """
 
 from __future__ import annotations
@@ -29,9 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def checkpoint_figures(summary: dict) -> dict:
     run_dir = Path(summary["run_dir"])
     lines = [json.loads(x) for x in (run_dir / "checkpoints.jsonl").read_text().splitlines()]
-    # the run's whole ledger in msgpack: what a checkpoint wrote before the journal (at the run's end)
+    # the run's whole ledger in msgpack: what a checkpoint wrote before the store (at the run's end)
     whole = len(msgspec.msgpack.encode(msgspec.json.decode((run_dir / "ledger.json").read_bytes())))
-    journal = sorted((run_dir / "checkpoints" / "ledger").iterdir())
     last = lines[-1]
     return {
         "checkpoints": len(lines),
@@ -40,8 +39,7 @@ def checkpoint_figures(summary: dict) -> dict:
         "capture_s_median": round(statistics.median(x["capture_s"] for x in lines), 4),
         "run_bytes_last": last["run_bytes"],
         "consumer_bytes_last": last["consumer_bytes"],
-        "journal_segments": len(journal),
-        "journal_bytes": sum(p.stat().st_size for p in journal),
+        "ledger_store_bytes": (run_dir / "ledger.sqlite").stat().st_size,
         "whole_ledger_bytes": whole,
         "ledger_frozen_s": summary.get("checkpoint_pause_s"),
     }
@@ -68,13 +66,13 @@ def main() -> None:
     last = every[-1]
     ratios = {
         "samples_per_s_vs_none": round(figures["samples_per_s"] / reference["samples_per_s"], 3),
-        # the last checkpoint's run state + segment, against the whole ledger it would otherwise rewrite
-        "last_segment_vs_whole_ledger": round(last["run_bytes_last"] / last["whole_ledger_bytes"], 4),
+        # the last checkpoint's run state, against the whole ledger it would otherwise rewrite
+        "last_run_state_vs_whole_ledger": round(last["run_bytes_last"] / last["whole_ledger_bytes"], 4),
     }
     print(f"without checkpoints: {reference['samples_per_s']} samples/s; every {a.every}: "
           f"{figures['samples_per_s']} samples/s (x{ratios['samples_per_s_vs_none']}); last checkpoint "
           f"{last['checkpoint_s_last']} s, {last['run_bytes_last']} run-state bytes vs {last['whole_ledger_bytes']} "
-          f"bytes of whole ledger (x{ratios['last_segment_vs_whole_ledger']}); "
+          f"bytes of whole ledger (x{ratios['last_run_state_vs_whole_ledger']}); "
           f"ledger frozen {last['ledger_frozen_s']} s")
     print(json.dumps({"figures": figures, "reference": reference, "ratios": ratios}))
 

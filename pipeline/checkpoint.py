@@ -2,24 +2,25 @@
 
 What a checkpoint holds (every `every` versions, written by the consumer between two steps):
 
-* `run_state.msgpack` (msgspec, no pickle): the version, the ledger's counts, redo sources and redos in
-  progress, the names of its journal segments (`ledger_chain`), the admission gate's counts, and every
+* `run_state.msgpack` (msgspec, no pickle): the version, the ledger's records in flight, counts, redo
+  sources and redos in progress and its store's position, the admission gate's counts, and every
   ref the pipeline held at that moment, with where it was and how often the consumer had used it: refs
   a producer is sending, the `produced` and `ready` channels, the buffer's index (and the batch it is
   forwarding), the consumer's replay window; the redo requests waiting in the feedback channel; the
   prompts producers had admitted but not yet produced (`owed`); each producer's random stream;
 * `consumer/`: what the consumer writes for itself (`write_state`; the GRPO learner: model as
   safetensors, optimizer via `torch.save` read back with `weights_only=True`, RNG states);
-* `manifest.json`, written last: every file with its size, the journal segments it needs included.
+* `manifest.json`, written last: every file with its size.
 
 Each checkpoint written adds a line to the run folder's `checkpoints.jsonl`: its version, seconds in
-all and for the cut, ledger records in its segment, and bytes (run state + segment, consumer files).
+all and for the cut, ledger records in flight, and bytes (run state, consumer files).
 
-The ledger's records live in a journal, `checkpoints/ledger/`: each checkpoint writes one segment with
-the records created or changed since the previous checkpoint (`Ledger.changes`), so a checkpoint costs
-what changed, not the run's whole history; `read_state` folds the chain back into the whole ledger.
-Segments are removed only once no kept checkpoint names them. (Format 1 checkpoints, with the whole
-ledger inside `run_state.msgpack`, are still read.)
+The ledger's settled records are in its store, the run folder's `ledger.sqlite` (pipeline.ledger_store),
+appended as they settle; a checkpoint records the store's position (its rows so far, committed and
+fsynced at the cut), so it costs what is in flight, not the run's history. Resume rewinds the store to
+that position (`Resumed.ledger`): rows written after it, by the crashed attempt, are deleted. (Format 1
+checkpoints, with the whole ledger inside `run_state.msgpack`, are still read: their settled records
+are written into the store on resume.)
 
 Atomicity: a checkpoint is written into `checkpoints/.tmp-*`, fsynced, renamed to
 `checkpoints/v{version:08d}-{id}`, and only then named in `checkpoints/latest` (temp file + `os.replace`);
@@ -89,14 +90,14 @@ from pipeline.actor import BaseActor
 from pipeline.admission import AdmissionGate
 from pipeline.context import redo
 from pipeline.contracts import CheckpointedProducer, CheckpointingConsumer, RefHolder
-from pipeline.ledger import ItemRecord, Ledger, LedgerState, fold_records
+from pipeline.ledger import Ledger, LedgerState
+from pipeline.ledger_store import LedgerStore
 from pipeline.refs import HeldRef, Redo, Ref
-from pipeline.telemetry import METRICS_FILE, RunFolder, get_logger
+from pipeline.telemetry import METRICS_FILE, RunFolder, get_logger, metric_parts
 from pipeline.versions import VersionClock
 
-FORMAT = 2  # 1: the whole ledger inside run_state.msgpack (read still); 2: a ledger journal
+FORMAT = 3  # 1: the whole ledger in run_state.msgpack (read still); 2: a ledger journal (not read); 3: a store position
 CHECKPOINTS = "checkpoints"
-JOURNAL = "ledger"  # checkpoints/ledger/: one segment of ledger records per checkpoint
 LOG_FILE = "checkpoints.jsonl"  # in the run folder: one line per checkpoint written (version, seconds, bytes)
 LATEST = "latest"
 STATE_FILE = "run_state.msgpack"
@@ -111,12 +112,8 @@ class CheckpointError(RuntimeError):
 
 class CutFailed(CheckpointError):
     """A cut could not be taken consistently this time (a host did not answer within the lease); the
-    checkpoint is skipped, the run goes on. `records`: the ledger records the cut had taken from the
-    ledger's changes, which the next checkpoint's journal segment must hold."""
-
-    def __init__(self, message: str, records: list[ItemRecord]) -> None:
-        super().__init__(message)
-        self.records = records
+    checkpoint is skipped, the run goes on (the ledger's store keeps every record; nothing is owed to the
+    next checkpoint)."""
 
 
 RandomState = tuple[int, list[int], float | None]  # random.Random.getstate(), as msgspec carries it
@@ -152,7 +149,6 @@ class RunState(msgspec.Struct, kw_only=True):
     redo: list[Redo]
     owed: list[bytes] = []  # sources admitted by producers and not yet produced (beyond the ledger's pending redos)
     rngs: dict[str, RandomState] = {}  # each producer's random stream (by actor name), where it stood at the cut
-    ledger_chain: list[str] = []  # the journal segments whose records, folded, are the ledger's (format 2)
 
 
 class Manifest(msgspec.Struct, kw_only=True):
@@ -163,7 +159,6 @@ class Manifest(msgspec.Struct, kw_only=True):
 
 _STATE_ENCODER = msgspec.msgpack.Encoder()
 _STATE_DECODER = msgspec.msgpack.Decoder(RunState)
-_RECORDS_DECODER = msgspec.msgpack.Decoder(list[ItemRecord])
 
 
 def _fsync_dir(path: Path) -> None:
@@ -194,7 +189,9 @@ def owed_sources(
 ) -> list[bytes]:
     """The prompts producers hold that a resumed run must produce: those being generated (`generating`),
     and those whose `produced` record was on its way to the ledger (`recording`: (group, source)) unless
-    the ledger already has the group. A redo being produced is owed once, as the ledger's pending redo."""
+    the ledger already has the group. A redo being produced is owed once, as the ledger's pending redo.
+    (`ledger.records` are the items in flight: a group whose `produced` call is still under way cannot have
+    settled, its ref is not sent before the call returns.)"""
     known = {rec.group for rec in ledger.records}
     owed = [*generating, *(source for group, source in recording if group not in known)]
     for _, source in ledger.pending_redo:  # requeued as redos on resume
@@ -240,7 +237,7 @@ class LocalCut:
             held.extend(holder.held_refs())
         for name, channel in reversed(self.channels.items()):
             held.extend(HeldRef(ref=r, holder=f"channel:{name}") for r in channel.items() if isinstance(r, Ref))
-        ledger = self.ledger.changes()  # the records since the last checkpoint: the journal's next segment
+        ledger = self.ledger.state()  # in flight, and the store's position (committed, fsynced)
         owed = owed_sources(
             [src for holder in self.holders for src in getattr(holder, "held_sources", list)()],
             [item for holder in self.holders for item in getattr(holder, "recording", list)()], ledger,
@@ -258,7 +255,7 @@ class Checkpointer:
     the run's state, the consumer writes its own."""
 
     def __init__(
-        self, folder: Path, every: int, *, run: str, steps: int, cut: RunCut, keep: int = 2, chain: Sequence[str] = ()
+        self, folder: Path, every: int, *, run: str, steps: int, cut: RunCut, keep: int = 2
     ) -> None:
         if every < 1:
             raise ValueError(f"checkpoint.every must be >= 1 (0 turns checkpoints off), got {every}")
@@ -267,8 +264,6 @@ class Checkpointer:
         self.root = Path(folder) / CHECKPOINTS
         self.every, self.keep = every, keep
         self.run, self.steps, self.cut = run, steps, cut
-        self.chain = list(chain)  # the ledger journal so far: a resumed run's checkpoint's, then each new segment
-        self._unwritten: list[ItemRecord] = []  # records of a capture whose write failed: the next segment has them
         self.written: list[Path] = []
         self.log = get_logger("checkpoint").bind(run=run)
 
@@ -283,30 +278,20 @@ class Checkpointer:
         a cut that cannot be taken this time (`CutFailed`) skips this checkpoint and returns None."""
         t0 = time.perf_counter()
         try:
-            run_state = await self.cut.capture(version, consumer)  # its ledger: the records changed since the last
-        except CutFailed as failed:  # the previous checkpoint stays the latest; the next one holds these records
-            self._unwritten = fold_records([self._unwritten, failed.records])
+            run_state = await self.cut.capture(version, consumer)
+        except CutFailed as failed:  # the previous checkpoint stays the latest
             self.log.warning("checkpoint skipped", version=version, reason=str(failed))
             return None
-        records = fold_records([self._unwritten, run_state.ledger.records])
         name = f"v{version:08d}-{uuid.uuid4().hex[:8]}"
-        chain = [*self.chain, f"{name}.msgpack"]
-        run_state.ledger.records, run_state.ledger_chain = [], chain
-        state, segment = _STATE_ENCODER.encode(run_state), _STATE_ENCODER.encode(records)
+        state = _STATE_ENCODER.encode(run_state)
         t_written = time.perf_counter()
-        try:
-            with anyio.CancelScope(shield=True):  # a run stopping meanwhile (another actor failed) still gets it
-                path = await anyio.to_thread.run_sync(self._write, name, version, state, segment, chain,
-                                                      consumer.write_state)
-        except BaseException:
-            self._unwritten = records
-            raise
-        self._unwritten, self.chain = [], chain
+        with anyio.CancelScope(shield=True):  # a run stopping meanwhile (another actor failed) still gets it
+            path = await anyio.to_thread.run_sync(self._write, name, version, state, consumer.write_state)
         self.written.append(path)
         entry = {
             "version": version, "t": time.time(), "seconds": round(time.perf_counter() - t0, 4),
-            "capture_s": round(t_written - t0, 4), "ledger_records": len(records),
-            "run_bytes": len(state) + len(segment),  # run state + this journal segment
+            "capture_s": round(t_written - t0, 4), "ledger_records": len(run_state.ledger.records),
+            "run_bytes": len(state),
             "consumer_bytes": sum(f.stat().st_size for f in (path / CONSUMER_DIR).rglob("*") if f.is_file()),
         }
         with open(self.root.parent / LOG_FILE, "a", encoding="utf-8") as f:  # one write: a line is never torn
@@ -314,14 +299,8 @@ class Checkpointer:
         self.log.info("checkpoint written", path=str(path), **entry)
         return path
 
-    def _write(
-        self, name: str, version: int, state: bytes, segment: bytes, chain: list[str],
-        write_consumer: Callable[[Path], None],
-    ) -> Path:
-        journal = self.root / JOURNAL
-        journal.mkdir(parents=True, exist_ok=True)
-        _write_file(journal / chain[-1], segment)  # named by no complete checkpoint until the commit below
-        _fsync_dir(journal)
+    def _write(self, name: str, version: int, state: bytes, write_consumer: Callable[[Path], None]) -> Path:
+        self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.root / f".tmp-{name}"
         tmp.mkdir()
         try:
@@ -335,8 +314,6 @@ class Checkpointer:
                         with open(path, "rb+") as f:
                             os.fsync(f.fileno())
                     files[str(path.relative_to(tmp))] = path.stat().st_size
-            for segment_name in chain:  # the journal it needs: a checkpoint missing a segment is incomplete
-                files[f"../{JOURNAL}/{segment_name}"] = (journal / segment_name).stat().st_size
             manifest = Manifest(format=FORMAT, version=version, files=files)
             _write_file(tmp / MANIFEST, msgspec.json.encode(manifest))
             _fsync_dir(tmp / CONSUMER_DIR)
@@ -359,13 +336,8 @@ class Checkpointer:
         complete = sorted(_complete_checkpoints(self.root), key=lambda p: (_version_of(p), p.stat().st_mtime))
         survivors = {p.name for p in complete[-self.keep:]} | keep
         for path in self.root.iterdir():
-            if path.is_dir() and path.name != JOURNAL and path.name not in survivors:
+            if path.is_dir() and path.name not in survivors:
                 shutil.rmtree(path, ignore_errors=True)
-        needed = {segment for name in survivors for segment in _STATE_DECODER.decode(
-            (self.root / name / STATE_FILE).read_bytes()).ledger_chain}
-        for path in (self.root / JOURNAL).iterdir():  # segments of pruned or never-committed checkpoints
-            if path.name not in needed:
-                path.unlink(missing_ok=True)
 
 
 def _version_of(path: Path) -> int:
@@ -409,14 +381,6 @@ def read_state(checkpoint: Path) -> RunState:
         raise CheckpointError(f"checkpoint {checkpoint}: {STATE_FILE} cannot be read: {exc}") from None
     if state.format not in (1, FORMAT):
         raise CheckpointError(f"checkpoint {checkpoint} has format {state.format}; this baton reads 1 and {FORMAT}")
-    if state.ledger_chain:  # format 2: the ledger's records are its journal's segments, folded
-        journal = checkpoint.parent / JOURNAL
-        try:
-            state.ledger.records = fold_records(
-                _RECORDS_DECODER.decode((journal / name).read_bytes()) for name in state.ledger_chain
-            )
-        except msgspec.DecodeError as exc:
-            raise CheckpointError(f"checkpoint {checkpoint}: a ledger journal segment cannot be read: {exc}") from None
     return state
 
 
@@ -444,6 +408,32 @@ def reopen(state: RunState, attempt: int, ledger: Ledger) -> Reopened:
         ledger.owe(group, source)
         requests.append(Redo(group, "resume: admitted but not produced at the checkpoint"))
     return Reopened(requests=requests, redone=redone, owed=len(state.owed))
+
+
+def resumed_ledger(state: RunState, run_dir: str | Path, max_uses: int) -> Ledger:
+    """The ledger of checkpoint `state` over `run_dir`'s store, rewound to the checkpoint's position (see
+    the module docstring); raises CheckpointError when the store does not hold the checkpoint's rows."""
+    from pipeline.ledger import LedgerError
+
+    try:
+        return Ledger.from_state(state.ledger, max_uses=max_uses, store=LedgerStore.in_folder(run_dir, max_uses))
+    except LedgerError as exc:
+        raise CheckpointError(f"the run's ledger cannot be resumed: {exc}") from None
+
+
+def _trainings_after(run_dir: Path, state: RunState) -> int | None:
+    """Trainings the crashed attempt recorded after the checkpoint (its store's rows past the checkpoint's
+    position); None when the checkpoint has no position (format 1) or the run folder no store."""
+    from pipeline.ledger_store import STORE_FILE, open_run
+
+    if state.ledger.position is None or not (run_dir / STORE_FILE).is_file():
+        return None
+    conn = open_run(run_dir)
+    try:
+        return conn.execute("SELECT count(*) FROM settled WHERE seq > ? AND fate = 'trained'",
+                            (state.ledger.position.rows,)).fetchone()[0]
+    finally:
+        conn.close()
 
 
 def in_flight_groups(state: RunState) -> dict[str, list[str]]:
@@ -476,7 +466,6 @@ class ResumePoint(msgspec.Struct, frozen=True, kw_only=True):
     version: int
     reusable: list[HeldRef]
     rngs: dict[str, RandomState] = {}
-    ledger_chain: list[str] = []  # the checkpoint's ledger journal, which the resumed run's checkpoints extend
 
     @property
     def consumer_dir(self) -> Path:
@@ -496,7 +485,7 @@ class Resumed:
     state: RunState
     attempt: int
     rolled_back_versions: int = 0
-    rolled_back_trainings: int | None = None  # None: the crashed attempt left no ledger.json (killed)
+    rolled_back_trainings: int | None = None  # None: the checkpoint has no store position (format 1)
     reinjected: int = 0
     regenerated: int = 0
     redone: int = 0  # redo requests sent again (waiting ones, and redos being produced)
@@ -528,17 +517,15 @@ class Resumed:
         for name in ATTEMPT_FILES:
             if (run_dir / name).exists():
                 os.replace(run_dir / name, archive / name)
+        for part in metric_parts(run_dir):  # a long run's rotated metrics (pipeline.telemetry)
+            os.replace(part, archive / part.name)
         folder = RunFolder(run_dir)
         old = RunFolder(archive).read_metrics()
         kept = [r for r in old if r.get("version", 0) <= state.version]
         folder.write_text(METRICS_FILE, "".join(json.dumps(r) + "\n" for r in kept))
         resumed = cls(folder=folder, checkpoint=checkpoint, state=state, attempt=attempt)
         resumed.rolled_back_versions = max((r.get("version", 0) for r in old), default=state.version) - state.version
-        if (archive / "ledger.json").exists():
-            records = json.loads((archive / "ledger.json").read_text())
-            resumed.rolled_back_trainings = sum(
-                1 for r in records for v in r.get("trained_at", []) if v >= state.version
-            )
+        resumed.rolled_back_trainings = _trainings_after(run_dir, state)
         resumed.log = get_logger("checkpoint").bind(run=run)
         resumed.log.info(
             "resuming", checkpoint=str(checkpoint), version=state.version, attempt=attempt,
@@ -558,7 +545,8 @@ class Resumed:
         return VersionClock(self.state.version)
 
     def ledger(self, max_uses: int) -> Ledger:
-        return Ledger.from_state(self.state.ledger, max_uses=max_uses, journaled=bool(self.state.ledger_chain))
+        """The checkpoint's ledger over the run folder's store, rewound to the checkpoint's position."""
+        return resumed_ledger(self.state, self.folder.path, max_uses)
 
     def in_flight_groups(self) -> dict[str, list[str]]:
         """{group: item ids} of the groups the checkpoint's ledger has in flight, in production order."""
@@ -592,7 +580,6 @@ class Resumed:
         """What the consumer needs to continue (sent to its process on the Ray runtime)."""
         return ResumePoint(
             checkpoint=str(self.checkpoint), version=self.version, reusable=self.reusable, rngs=self.state.rngs,
-            ledger_chain=self.state.ledger_chain,
         )
 
     def rng_state(self, actor: str) -> RandomState | None:
@@ -662,4 +649,5 @@ __all__ = [
     "CheckpointError", "Checkpointer", "CheckpointingConsumer", "CutFailed", "GateCounts", "HeldRef", "LocalCut",
     "RefHolder", "Reopened", "ResumeFeeder", "ResumePoint", "Resumed", "RunCut", "RunState", "latest_checkpoint",
     "owed_sources", "python_random_state", "random_state", "read_state", "redo_requests", "reopen", "restore_gate",
+    "resumed_ledger",
 ]

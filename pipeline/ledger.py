@@ -33,41 +33,45 @@ redone exactly (`take_source`) by whichever producer picks it up. A taken source
 until a group made from the same bytes is produced (`pending_redo()`), so a checkpoint taken while
 the redo is being generated still knows that work is owed (see pipeline.checkpoint).
 
-`state()` / `Ledger.from_state()` turn the whole ledger (records, counts, sources, pending redos,
-values of unsettled items) into a msgspec struct and back, for checkpoints. `changes()` is the same
-struct with only the records created or changed since its last call: the next segment of a
-checkpoint's ledger journal, so a checkpoint writes what changed, not every record of the run.
+Memory holds only what is in flight. Every record that settles (its first training, or a terminal
+fate) is appended to the ledger's store (pipeline.ledger_store: `ledger.sqlite` in the run folder for
+`Ledger.create(run_dir)`, a private in-memory one otherwise) and leaves memory; a reused item's later
+trainings are appended too. A settled record still answers `ledger[id]` (read back from the store, a
+copy). So every operation costs what its own items cost, whatever the run's length.
+
+`state()` / `Ledger.from_state()` turn the ledger into a msgspec struct and back, for checkpoints: the
+records in flight, counts, sources, pending redos, values of unsettled items, and the store's
+`position` (its settled rows so far, committed and fsynced): a checkpoint records where the store
+stood, not the records. `from_state` with the run's store rewinds it to that position (rows that
+settled after the checkpoint are deleted: the resumed run is the checkpoint's run).
 """
 
 from __future__ import annotations
 
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Literal
+from pathlib import Path
 
 import msgspec
 
-Fate = Literal["in_flight", "trained", "dropped", "lost", "regenerated"]
+from pipeline.ledger_store import Fate, ItemRecord, LedgerStore, Position, StoreError, check, records
+
 FATES: tuple[Fate, ...] = ("trained", "dropped", "lost", "regenerated", "in_flight")
+SETTLED: tuple[Fate, ...] = FATES[:-1]
 FILTERED = "filtered"  # the reason kind of items a selection refused for carrying no signal ("filtered: ...")
+LEDGER_JSON_LIMIT = 1_000_000  # produced items up to which `to_json` writes them all (ledger.json); beyond: None
+FULL_CHECK_ROWS = 1_000_000  # store rows up to which `violations()` checks every settled record too
 
 
 class LedgerError(RuntimeError):
     """An illegal fate transition: the pipeline tried to use or drop an item twice."""
 
 
-class ItemRecord(msgspec.Struct):
-    id: str
-    group: str
-    versions: tuple[int, int]
-    trained_at: list[int] = msgspec.field(default_factory=list)
-    fate: Fate = "in_flight"
-    reason: str = ""
-
-
 class LedgerState(msgspec.Struct, kw_only=True):
-    """Everything a ledger holds, for a checkpoint (msgspec: no pickle). `pending_redo` lists the sources
-    taken for redoing (by the group they were taken from) whose new group was not produced yet."""
+    """What a checkpoint holds of a ledger (msgspec: no pickle): the records in flight (`records`; a
+    checkpoint of format 1 held every record here, and `position` None), the counts, the store's
+    `position`, and what is owed. `pending_redo` lists the sources taken for redoing (by the group they
+    were taken from) whose new group was not produced yet."""
 
     max_uses: int
     records: list[ItemRecord]
@@ -75,26 +79,39 @@ class LedgerState(msgspec.Struct, kw_only=True):
     sources: dict[str, bytes]
     pending_redo: list[tuple[str, bytes]]
     values: dict[str, dict[str, float]]
+    position: Position | None = None
 
 
 class Ledger:
-    def __init__(self, max_uses: int = 1) -> None:
+    def __init__(self, max_uses: int = 1, store: LedgerStore | None = None) -> None:
         if max_uses < 1:
             raise ValueError(f"max_uses must be >= 1, got {max_uses}")
         self.max_uses = max_uses
-        self._items: dict[str, ItemRecord] = {}
+        self.store = store if store is not None else LedgerStore(None, max_uses)
+        self.store.counts = self.counts
+        self._live: dict[str, ItemRecord] = {}  # the items in flight, in production order
         self._counts: Counter[str] = Counter()
         self._sources: dict[str, bytes] = {}
         self._values: dict[str, dict[str, float]] = {}  # item id -> named values, until it settles
         self._pending_redo: list[tuple[str, bytes]] = []  # (group, source) taken, its redo not produced yet
-        self._changed: dict[str, None] = {}  # ids of records created or changed since `changes()`, in order
         self._settled: defaultdict[str, defaultdict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
 
+    @classmethod
+    def create(cls, run_dir: str | Path, max_uses: int = 1) -> Ledger:
+        """A new ledger whose settled records go to `run_dir`'s ledger.sqlite."""
+        return cls(max_uses, LedgerStore.in_folder(run_dir, max_uses))
+
     def __len__(self) -> int:
-        return len(self._items)
+        """Items produced (settled or not)."""
+        return self._counts["produced"]
 
     def __getitem__(self, item_id: str) -> ItemRecord:
-        return self._items[item_id]
+        """The item's record; a settled one is read back from the store (a copy)."""
+        return self._get(item_id)
+
+    def in_memory(self) -> int:
+        """Records held in memory: exactly the items in flight."""
+        return len(self._live)
 
     def produced(
         self,
@@ -112,15 +129,19 @@ class Ledger:
         for name, numbers in (values or {}).items():
             if len(numbers) != len(ids):
                 raise LedgerError(f"values[{name!r}] has {len(numbers)} entries for {len(ids)} items of {group!r}")
-        seen = set(self._items)
+        fresh: set[str] = set()
         for item_id in ids:  # all or nothing: check the whole batch before recording any of it
-            if item_id in seen:
+            if item_id in self._live or item_id in fresh:
                 raise LedgerError(f"item {item_id!r} produced twice")
-            seen.add(item_id)
-        for item_id in ids:
-            self._items[item_id] = ItemRecord(id=item_id, group=group, versions=(lo, hi))
-            self._changed[item_id] = None
-            self._counts["in_flight"] += 1
+            fresh.add(item_id)
+        settled = self.store.known(ids)
+        if settled:
+            raise LedgerError(f"item {settled[0]!r} produced twice")
+        made = [ItemRecord(id=item_id, group=group, versions=(lo, hi)) for item_id in ids]
+        self._live.update((rec.id, rec) for rec in made)
+        self.store.produced(made)
+        self._counts["produced"] += len(ids)
+        self._counts["in_flight"] += len(ids)
         if values:
             for i, item_id in enumerate(ids):
                 self._values[item_id] = {name: float(numbers[i]) for name, numbers in values.items()}
@@ -147,8 +168,9 @@ class Ledger:
 
     def owe(self, group: str, source: bytes) -> None:
         """Record work owed under the name `group` (no items yet): a producer makes it by `take_source(group)`
-        (a resumed run owes the prompts the crashed one had admitted but not produced)."""
-        if group in self._sources or any(rec.group == group for rec in self._items.values()):
+        (a resumed run owes the prompts the crashed one had admitted but not produced). The name must be
+        new to the sources and the items in flight (settled groups are not searched: name it uniquely)."""
+        if group in self._sources or any(rec.group == group for rec in self._live.values()):
             raise LedgerError(f"group {group!r} is known already; owed work needs a new name")
         self._sources[group] = source
 
@@ -163,58 +185,71 @@ class Ledger:
         return groups
 
     def state(self) -> LedgerState:
-        """A deep snapshot of the ledger (records are copied: later changes do not touch it)."""
-        return self._state(self._items.values())
-
-    def changes(self) -> LedgerState:
-        """`state()` with only the records created or changed since the last call (every record at the
-        first call); everything else whole. Folding the records of successive calls, later over earlier
-        by id (`fold_records`), gives `state().records`."""
-        changed = [self._items[i] for i in self._changed]
-        self._changed = {}
-        return self._state(changed)
-
-    def _state(self, records: Iterable[ItemRecord]) -> LedgerState:
+        """A snapshot for a checkpoint (records in flight copied: later changes do not touch it); the store
+        is committed and fsynced first, and its position recorded."""
+        position = self.store.sync()
         return LedgerState(
             max_uses=self.max_uses,
-            records=[ItemRecord(r.id, r.group, r.versions, list(r.trained_at), r.fate, r.reason) for r in records],
+            records=[ItemRecord(r.id, r.group, r.versions, list(r.trained_at), r.fate, r.reason)
+                     for r in self._live.values()],
             counts=dict(self._counts),
             sources=dict(self._sources),
             pending_redo=list(self._pending_redo),
             values={k: dict(v) for k, v in self._values.items()},
+            position=position,
         )
 
     @classmethod
-    def from_state(cls, state: LedgerState, max_uses: int | None = None, journaled: bool = True) -> Ledger:
-        """The ledger `state` describes (`max_uses`: the resumed run's, default the checkpoint's). With
-        `journaled` (its records are in a journal already) `changes()` starts empty, else with every record."""
-        ledger = cls(max_uses=max_uses if max_uses is not None else state.max_uses)
-        ledger._items = {r.id: r for r in state.records}
-        if not journaled:
-            ledger._changed = dict.fromkeys(ledger._items)
+    def from_state(cls, state: LedgerState, max_uses: int | None = None, store: LedgerStore | None = None) -> Ledger:
+        """The ledger `state` describes (`max_uses`: the resumed run's, default the checkpoint's), over
+        `store` (default: a new one in memory), rewound to the state's position. A format-1 state (every
+        record in it, no position) has its settled records written into the store."""
+        max_uses = max_uses if max_uses is not None else state.max_uses
+        ledger = cls(max_uses, store)
+        live = [r for r in state.records if r.fate == "in_flight"]
         ledger._counts = Counter(state.counts)
+        ledger._counts.setdefault("produced", sum(state.counts.get(f, 0) for f in FATES))
+        try:
+            if state.position is not None:
+                ledger.store.rewind(state.position, live)
+            else:  # format 1: the state's records replace whatever the store held
+                ledger.store.rewind(Position(0), live)
+                ledger.store.settled((r, use) for r in state.records if r.fate != "in_flight"
+                                     for use in range(max(len(r.trained_at), 1)))
+        except StoreError as exc:
+            raise LedgerError(str(exc)) from None
+        ledger._live = {r.id: r for r in live}
         ledger._sources = dict(state.sources)
         ledger._pending_redo = list(state.pending_redo)
         ledger._values = {k: dict(v) for k, v in state.values.items()}
-        problems = ledger.violations()
+        problems = ledger.violations(full=False)
         if problems:
             raise LedgerError(f"a checkpointed ledger does not balance: {'; '.join(problems[:5])}")
         return ledger
 
     def trained(self, ids: Iterable[str], at_version: int) -> None:
-        for item_id in ids:
-            rec = self._get(item_id)
-            if rec.fate not in ("in_flight", "trained"):
-                raise LedgerError(f"item {item_id!r} is {rec.fate} ({rec.reason}) and cannot be consumed")
-            if len(rec.trained_at) >= self.max_uses:
-                raise LedgerError(
-                    f"item {item_id!r} already consumed {len(rec.trained_at)} time(s) "
-                    f"at versions {rec.trained_at}; max_uses={self.max_uses}"
-                )
-            if rec.trained_at:
+        rows: list[tuple[ItemRecord, int]] = []
+        try:
+            for item_id in ids:
+                rec = self._live.pop(item_id, None)
+                if rec is not None:  # its first training: it settles
+                    rec.trained_at.append(at_version)
+                    self._move(rec, "trained", "")
+                    rows.append((rec, 0))
+                    continue
+                rec = self._get(item_id)
+                if rec.fate != "trained":
+                    raise LedgerError(f"item {item_id!r} is {rec.fate} ({rec.reason}) and cannot be consumed")
+                if len(rec.trained_at) >= self.max_uses:
+                    raise LedgerError(
+                        f"item {item_id!r} already consumed {len(rec.trained_at)} time(s) "
+                        f"at versions {rec.trained_at}; max_uses={self.max_uses}"
+                    )
                 self._counts["reused"] += 1
-            rec.trained_at.append(at_version)
-            self._move(rec, "trained", "")
+                rec.trained_at.append(at_version)
+                rows.append((rec, len(rec.trained_at) - 1))
+        finally:
+            self.store.settled(rows)
 
     def dropped(self, ids: Iterable[str], reason: str) -> None:
         self._finish(ids, "dropped", reason)
@@ -237,78 +272,86 @@ class Ledger:
         fates: "filtered", the dropped items whose reason is `FILTERED` (a part of "dropped"), and "reused",
         the consumptions beyond each item's first (a trained item counts once in "trained")."""
         return {
-            "produced": len(self._items),
+            "produced": self._counts["produced"],
             **{fate: self._counts[fate] for fate in FATES},
             "filtered": self._counts["filtered"],
             "reused": self._counts["reused"],
         }
 
-    def violations(self) -> list[str]:
-        """Every broken invariant, as a sentence; empty when the ledger balances."""
+    def violations(self, full: bool = True) -> list[str]:
+        """Every broken invariant, as a sentence; empty when the ledger balances. Checks the counts (the
+        fates sum to what was produced; the store holds one row per settling and per reuse) and the
+        records in flight; with `full`, and a store of at most `FULL_CHECK_ROWS` rows, also every settled
+        record (`pipeline.ledger_store.check`; `baton ledger RUN_DIR` checks any store)."""
         found = []
         counts = self.counts()
         total = sum(counts[f] for f in FATES)
         if total != counts["produced"]:
             found.append(f"fates sum to {total} but {counts['produced']} items were produced")
-        for rec in self._items.values():
-            if len(rec.trained_at) > self.max_uses:
-                found.append(f"{rec.id} consumed {len(rec.trained_at)} times (max_uses={self.max_uses})")
-            if rec.fate == "trained" and not rec.trained_at:
-                found.append(f"{rec.id} is trained but has no trained_at")
-        reused = sum(max(len(rec.trained_at) - 1, 0) for rec in self._items.values())
-        if reused != counts["reused"]:
-            found.append(f"{counts['reused']} reuses counted but items record {reused}")
+        if len(self._live) != counts["in_flight"]:
+            found.append(f"{counts['in_flight']} items counted in flight, {len(self._live)} held")
+        rows = sum(counts[f] for f in SETTLED) + counts["reused"]
+        if rows != self.store.rows:
+            found.append(f"{rows} settlings and reuses counted, the store holds {self.store.rows} rows")
+        if full and self.store.rows <= FULL_CHECK_ROWS:
+            self.store.commit()
+            found.extend(f"{v.kind}: {v.message}" for v in check(self.store.conn))
         return found
 
     def balanced(self) -> bool:
         return not self.violations()
 
     def records(self) -> list[ItemRecord]:
-        return list(self._items.values())
+        """Every record (read back from the store: for small ledgers; `pipeline.ledger_store.records`
+        streams): the settled ones in the order they settled, then those in flight."""
+        self.store.commit()
+        return list(records(self.store.conn))
 
-    def to_json(self) -> bytes:
+    def to_json(self) -> bytes | None:
         """One record per item as a JSON list (fields: id, group, versions, trained_at, fate, reason):
-        the run folder's ledger.json."""
+        the run folder's ledger.json; None beyond `LEDGER_JSON_LIMIT` items (read the store instead:
+        `baton ledger RUN_DIR --export`). Commits the store either way."""
+        if self._counts["produced"] > LEDGER_JSON_LIMIT:
+            self.store.commit()
+            return None
         return msgspec.json.encode(self.records())
 
     def _get(self, item_id: str) -> ItemRecord:
-        try:
-            return self._items[item_id]
-        except KeyError:
-            raise LedgerError(f"item {item_id!r} was never produced") from None
+        rec = self._live.get(item_id)
+        if rec is None:
+            rec = self.store.lookup(item_id)
+        if rec is None:
+            raise LedgerError(f"item {item_id!r} was never produced")
+        return rec
 
     def _finish(self, ids: Iterable[str], fate: Fate, reason: str) -> None:
-        for item_id in ids:
-            rec = self._get(item_id)
-            if rec.fate != "in_flight":
-                raise LedgerError(f"item {item_id!r} is already {rec.fate}; cannot mark it {fate}")
-            self._move(rec, fate, reason)
+        rows: list[tuple[ItemRecord, int]] = []
+        try:
+            for item_id in ids:
+                rec = self._live.pop(item_id, None)
+                if rec is None:
+                    rec = self._get(item_id)
+                    raise LedgerError(f"item {item_id!r} is already {rec.fate}; cannot mark it {fate}")
+                self._move(rec, fate, reason)
+                rows.append((rec, 0))
+        finally:
+            self.store.settled(rows)
 
     def _move(self, rec: ItemRecord, fate: Fate, reason: str) -> None:
+        """`rec` (in flight, already out of `_live`) settles as `fate`."""
         if fate in ("trained", "dropped"):
             self._sources.pop(rec.group, None)  # done: it will never be redone
-        values = self._values.pop(rec.id, None)  # only the first settling counts (a reused item stays put)
+        values = self._values.pop(rec.id, None)
         if values:
             outcome = outcome_of(fate, reason)
             for name, value in values.items():
                 self._settled[outcome][name].append(value)
         if fate == "dropped" and outcome_of(fate, reason) == f"dropped:{FILTERED}":
             self._counts["filtered"] += 1
-        self._counts[rec.fate] -= 1
+        self._counts["in_flight"] -= 1
         self._counts[fate] += 1
         rec.fate = fate
         rec.reason = reason
-        self._changed[rec.id] = None
-
-
-def fold_records(segments: Iterable[Iterable[ItemRecord]]) -> list[ItemRecord]:
-    """The records of successive `Ledger.changes()` calls folded into one ledger's: a later record of
-    an id replaces the earlier one, and records keep the order in which they were first produced."""
-    folded: dict[str, ItemRecord] = {}
-    for records in segments:
-        for rec in records:
-            folded[rec.id] = rec
-    return list(folded.values())
 
 
 def outcome_of(fate: str, reason: str) -> str:
@@ -317,3 +360,9 @@ def outcome_of(fate: str, reason: str) -> str:
         return fate
     kind = reason.split(":", 1)[0].strip()
     return f"{fate}:{kind}" if kind else fate
+
+
+__all__ = [
+    "FATES", "FILTERED", "LEDGER_JSON_LIMIT", "Fate", "ItemRecord", "Ledger", "LedgerError", "LedgerState",
+    "outcome_of",
+]

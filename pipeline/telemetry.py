@@ -6,6 +6,12 @@ Invariants:
 - A run folder is created fresh (never reused) and files in it are replaced atomically, so a reader
   sees either the old or the new content of a file, never a partial one. `metrics.jsonl` is append-
   only, one JSON object per line, flushed after each record.
+- Files that grow cost the same per record whatever their size: appending is one write; reading the
+  latest metric record reads the file's end only. Past `ROTATE_BYTES` (64 MiB) a JSONL file is
+  rotated: `metrics.jsonl` becomes the part `metrics-00001.jsonl.gz` (gzip, compressed in a background
+  thread) and a new `metrics.jsonl` starts; `read_metrics` reads the parts in order, then the current
+  file. Files appended by several processes (`append_record`: generation.jsonl) rotate to plain
+  `name-{ns}-{pid}.jsonl` parts (not compressed: a writer may still be finishing a line in the part).
 - Rendering a report never fails because data is missing: absent keys are skipped, a panel without
   data is left out, and a report without any says "no data".
 """
@@ -13,12 +19,15 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import logging
 import math
 import os
+import shutil
 import sys
 import textwrap
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -44,6 +53,29 @@ __all__ = [
 ]
 
 METRICS_FILE = "metrics.jsonl"
+ROTATE_BYTES = 64 << 20  # a growing JSONL file is rotated past this size (see the module docstring)
+TAIL_BYTES = 1 << 16  # `latest_metrics` reads at most this much of the file's end
+
+
+def metric_parts(folder: Path) -> list[Path]:
+    """The rotated parts of `folder`'s metrics.jsonl, oldest first (a part not yet compressed counts once)."""
+    parts: dict[str, Path] = {}
+    for path in folder.glob("metrics-[0-9]*.jsonl*"):
+        stem = path.name.split(".", 1)[0]
+        if path.name.endswith(".jsonl"):  # the plain part wins until its .gz is complete (then it is removed)
+            parts[stem] = path
+        elif path.name.endswith(".jsonl.gz"):
+            parts.setdefault(stem, path)
+    return [parts[stem] for stem in sorted(parts)]
+
+
+def _compress(path: Path) -> None:
+    """`path` -> `path`.gz (written whole, then renamed), then `path` removed."""
+    tmp = path.with_name(path.name + ".gz.tmp")
+    with open(path, "rb") as src, gzip.open(tmp, "wb", compresslevel=1) as dst:
+        shutil.copyfileobj(src, dst)
+    os.replace(tmp, path.with_name(path.name + ".gz"))
+    path.unlink()
 
 
 def _jsonable(obj: Any) -> Any:
@@ -176,22 +208,44 @@ class RunFolder:
             self._metrics = open(self.path / METRICS_FILE, "a", encoding="utf-8")
         self._metrics.write(_json_dumps(record) + "\n")
         self._metrics.flush()
+        if self._metrics.tell() > ROTATE_BYTES:
+            self._metrics.close()
+            self._metrics = None
+            part = self.path / f"metrics-{len(metric_parts(self.path)) + 1:05d}.jsonl"
+            os.replace(self.path / METRICS_FILE, part)
+            self._tail_offset = 0
+            threading.Thread(target=_compress, args=(part,), name="compress-metrics", daemon=True).start()
 
     def append_record(self, rel: str | Path, record: Mapping[str, Any]) -> None:
         """Append `record` as one JSON line to the JSONL file `rel` (opened, written and closed each time:
         one short line per call, written with O_APPEND, so several processes may append to one file)."""
-        with open(self._resolve(rel), "a", encoding="utf-8") as f:
+        path = self._resolve(rel)
+        with open(path, "a", encoding="utf-8") as f:
             f.write(_json_dumps(record) + "\n")
+            rotate = f.tell() > ROTATE_BYTES
+        if rotate:
+            try:
+                os.replace(path, path.with_name(f"{path.stem}-{time.time_ns()}-{os.getpid()}{path.suffix}"))
+            except FileNotFoundError:  # another process rotated it first
+                pass
 
     def latest_metrics(self) -> dict[str, Any] | None:
-        """The last complete record of metrics.jsonl (read incrementally: cheap to poll, and it
-        sees records other processes append to the same file)."""
-        path = self.path / "metrics.jsonl"
+        """The last complete record of metrics.jsonl (reads what was appended since the last call, and
+        at most the file's last `TAIL_BYTES`: cheap to poll, even from a new RunFolder on a long run's
+        file; it sees records other processes append to the same file)."""
+        path = self.path / METRICS_FILE
         if not path.exists():
             return None
         with path.open("rb") as f:
-            f.seek(self._tail_offset)
+            size = f.seek(0, os.SEEK_END)
+            if size < self._tail_offset:  # rotated: a new file
+                self._tail_offset = 0
+            start = max(self._tail_offset, size - TAIL_BYTES)
+            f.seek(start)
             data = f.read()
+        if start > self._tail_offset:  # skipped ahead: the first line may be a part of one
+            cut = data.find(b"\n") + 1
+            data, self._tail_offset = data[cut:], start + cut
         end = data.rfind(b"\n")
         if end >= 0:
             lines = data[: end + 1].splitlines()
@@ -205,12 +259,17 @@ class RunFolder:
         return self._latest
 
     def read_metrics(self) -> list[dict[str, Any]]:
-        """All records of `metrics.jsonl`, in order; a torn last line (crash mid-write) is ignored."""
+        """All metric records, in order: the rotated parts', then `metrics.jsonl`'s; a torn last line
+        (crash mid-write) is ignored."""
+        records = []
+        for part in metric_parts(self.path):
+            opener = gzip.open if part.suffix == ".gz" else open
+            with opener(part, "rt", encoding="utf-8") as f:
+                records.extend(json.loads(line) for line in f if line.strip())
         path = self.path / METRICS_FILE
         if not path.exists():
-            return []
+            return records
         lines = path.read_text(encoding="utf-8").splitlines()
-        records = []
         for i, line in enumerate(lines):
             if not line.strip():
                 continue

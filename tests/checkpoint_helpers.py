@@ -46,7 +46,7 @@ class FileConsumer:
 
 def make_checkpointer(folder: Path) -> tuple[Checkpointer, VersionClock, Ledger]:
     """A checkpointer over a real clock, ledger, gate and channels holding two groups and a redo request."""
-    clock, ledger = VersionClock(), Ledger()
+    clock, ledger = VersionClock(), Ledger.create(folder)  # its store in the run folder, as a run's
     gate = AdmissionGate(clock, MaxStaleness(k=K), GROUPS)
     produced, ready, feedback = Channel("produced", 8), Channel("ready", 8), Channel("feedback", 64)
     cut = LocalCut("unit", 100, clock, ledger, gate, {"produced": produced, "ready": ready}, feedback)

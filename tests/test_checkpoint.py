@@ -55,18 +55,22 @@ def test_ledger_state_round_trips_through_msgpack_with_pending_redos() -> None:
     ledger = Ledger(max_uses=2)
     ledger.produced(["g/0", "g/1"], "g", (0, 1), b"pg", {"reward": [0.0, 1.0]})
     ledger.produced(["h/0"], "h", (1, 1), b"ph")
+    ledger.produced(["k/0"], "k", (1, 1), b"pk")
     ledger.trained(["g/0", "g/1"], at_version=1)
     ledger.lost(["h/0"], "KeyNotFound: gone")
     assert ledger.take_source("h") == b"ph"
     state = msgspec.msgpack.decode(msgspec.msgpack.encode(ledger.state()), type=LedgerState)
-    again = Ledger.from_state(state)
+    assert [r.id for r in state.records] == ["k/0"], "in flight: in the state; settled: in the store"
+    assert state.position.rows == 3
+    again = Ledger.from_state(state, store=ledger.store)  # the settled records are the store's
     assert again.counts() == ledger.counts() and again.balanced()
+    assert again["g/0"].trained_at == [1] and again["h/0"].fate == "lost"
     assert again.pending_redo() == [("h", b"ph")]  # taken for a redo that was not produced yet
     assert again.requeue_pending_redo() == ["h"] and again.take_source("h") == b"ph"
     again.produced(["h2/0"], "h2", (2, 2), b"ph")  # the redo made from those bytes: no longer pending
     assert again.pending_redo() == []
-    ledger.trained(["g/0"], at_version=2)  # the snapshot is a copy: later changes do not reach it
-    assert [r.trained_at for r in state.records if r.id == "g/0"] == [[1]]
+    ledger.dropped(["k/0"], "stale")  # the snapshot is a copy: later changes do not reach it
+    assert [(r.fate, r.trained_at) for r in state.records if r.id == "k/0"] == [("in_flight", [])]
 
 
 def test_checkpoint_holds_every_ref_and_redo_of_the_run(tmp_path: Path) -> None:
@@ -198,38 +202,42 @@ def test_a_frozen_conductor_holds_ledger_changes_until_thawed_and_a_lapsed_lease
     anyio.run(main, backend="asyncio")
 
 
+def checkpoint_ledger(path: Path) -> dict[str, tuple]:
+    """{id: (fate, trained_at)} of a checkpoint's whole ledger: the store's rows up to its position, then
+    the records it holds in flight."""
+    from pipeline.ledger_store import open_run, records
+
+    state = read_state(path)
+    conn = open_run(path.parents[1])
+    try:
+        settled = list(records(conn, upto=state.ledger.position.rows))
+    finally:
+        conn.close()
+    return {r.id: (r.fate, r.trained_at) for r in [*settled, *state.ledger.records]}
+
+
 @pytest.mark.parametrize("keep", [1, 2])
 def test_only_the_newest_complete_checkpoints_are_kept(tmp_path: Path, keep: int) -> None:
-    ckpt, clock, _ = make_checkpointer(tmp_path)
+    ckpt, clock, ledger = make_checkpointer(tmp_path)
     ckpt.keep = keep
     for version in range(1, 5):
         clock.advance(version)
+        ledger.trained([f"{'ab'[version % 2]}/{version // 3}"], at_version=version)
         anyio.run(ckpt.save, version, FileConsumer(b"w"))
-    left = sorted(p.name[:9] for p in (tmp_path / "checkpoints").iterdir() if p.is_dir() and p.name != "ledger")
+    left = sorted(p.name[:9] for p in (tmp_path / "checkpoints").iterdir() if p.is_dir())
     assert left == [f"v{v:08d}" for v in range(5 - keep, 5)]
-    segments = sorted(p.name[:9] for p in (tmp_path / "checkpoints" / "ledger").iterdir())
-    assert segments == [f"v{v:08d}" for v in range(1, 5)], "every kept checkpoint's journal is kept, whole"
+    positions = [read_state(p).ledger.position.rows for p in sorted((tmp_path / "checkpoints").glob("v*"))]
+    assert positions == list(range(5 - keep, 5)), "each checkpoint records the store's rows at its cut"
 
 
-def test_each_checkpoint_writes_the_ledger_records_changed_since_the_last_and_reads_back_the_whole(
-    tmp_path: Path,
-) -> None:
-    """The ledger journal: a segment per checkpoint with what changed; a failed write's changes go into the
-    next segment; folding the chain gives the ledger exactly; a resumed run's checkpoints extend the chain."""
-    import msgspec
-
-    from pipeline.ledger import ItemRecord
-
+def test_each_checkpoint_records_the_stores_position_and_reads_back_the_whole_ledger(tmp_path: Path) -> None:
+    """Settled records go to the store as they settle; a checkpoint records where the store stood, so a
+    failed write loses nothing; its position and its records in flight give the ledger exactly; a resumed
+    run rewinds the store to the checkpoint (rows settled after it are gone) and its checkpoints go on."""
     ckpt, clock, ledger = make_checkpointer(tmp_path)
-    journal = tmp_path / "checkpoints" / "ledger"
-
-    def segment(path: Path) -> list[str]:
-        name = read_state_raw(path).ledger_chain[-1]
-        return [r.id for r in msgspec.msgpack.decode((journal / name).read_bytes(), type=list[ItemRecord])]
-
     clock.advance(1)
     first = anyio.run(ckpt.save, 1, FileConsumer(b"w"))
-    assert segment(first) == ["a/0", "a/1", "b/0", "b/1"]  # the first segment: every record so far
+    assert read_state(first).ledger.position.rows == 0 and len(read_state(first).ledger.records) == 4
     ledger.produced(["c/0"], "c", (1, 1), b"prompt-c")
     ledger.trained(["a/0", "a/1"], at_version=1)
     clock.advance(2)
@@ -238,27 +246,41 @@ def test_each_checkpoint_writes_the_ledger_records_changed_since_the_last_and_re
     ledger.dropped(["b/0", "b/1"], "stale: 3 > 2")
     clock.advance(3)
     third = anyio.run(ckpt.save, 3, FileConsumer(b"w"))
-    assert segment(third) == ["c/0", "a/0", "a/1", "b/0", "b/1"], "what the failed write held, then what changed"
-    state = read_state(third)
-    assert [(r.id, r.fate, r.trained_at) for r in state.ledger.records] == [
-        (r.id, r.fate, r.trained_at) for r in ledger.records()
-    ], "the chain folds back into the ledger, in production order"
-    assert Ledger.from_state(state.ledger).counts() == ledger.counts()
+    state, at_third = read_state(third), ledger.counts()
+    assert state.ledger.position.rows == 4 and [r.id for r in state.ledger.records] == ["c/0"]
+    assert checkpoint_ledger(third) == {r.id: (r.fate, r.trained_at) for r in ledger.records()}, \
+        "the store up to the position, and the records in flight, are the ledger"
+    ledger.trained(["c/0"], at_version=3)  # after the checkpoint: the resume rolls it back
+    ledger.store.commit()
+    ledger.store.close()  # the crashed process is gone
 
     resumed = Resumed.open(tmp_path, "unit", steps=100)
+    assert resumed.summary()["rolled_back_trainings"] == 1
     again = resumed.ledger(max_uses=1)
-    assert again.changes().records == [], "a resumed ledger's records are in the journal already"
+    assert again.counts() == at_third
+    assert again["c/0"].fate == "in_flight" and again.in_memory() == 1 and again.store.rows == 4
     again.regenerated(["c/0"], "resume: its payload was gone after the crash")
     from pipeline.checkpoint import Checkpointer, LocalCut
 
     cut = LocalCut("unit", 100, resumed.clock(), again, AdmissionGate(resumed.clock(), MaxStaleness(k=K), GROUPS),
                    {}, __import__("pipeline.channel", fromlist=["Channel"]).Channel("feedback", 8))
     cut.clock.advance(4)
-    resumed_ckpt = Checkpointer(tmp_path, 1, run="unit", steps=100, cut=cut, chain=resumed.state.ledger_chain)
-    fourth = anyio.run(resumed_ckpt.save, 4, FileConsumer(b"w"))
-    assert segment(fourth) == ["c/0"]
-    assert read_state_raw(fourth).ledger_chain[:-1] == state.ledger_chain
-    assert {r.id: r.fate for r in read_state(fourth).ledger.records}["c/0"] == "regenerated"
+    fourth = anyio.run(Checkpointer(tmp_path, 1, run="unit", steps=100, cut=cut).save, 4, FileConsumer(b"w"))
+    assert read_state(fourth).ledger.position.rows == 5
+    assert checkpoint_ledger(fourth)["c/0"] == ("regenerated", [])
+    assert again.violations() == []
+
+
+def test_a_resume_refuses_a_store_that_does_not_hold_its_checkpoints_rows(tmp_path: Path) -> None:
+    ckpt, clock, ledger = make_checkpointer(tmp_path)
+    ledger.trained(["a/0", "a/1"], at_version=0)
+    clock.advance(1)
+    anyio.run(ckpt.save, 1, FileConsumer(b"w"))
+    ledger.store.close()
+    for suffix in ("", "-wal", "-shm"):
+        (tmp_path / f"ledger.sqlite{suffix}").unlink(missing_ok=True)
+    with pytest.raises(CheckpointError, match="holds 0 settled rows"):
+        Resumed.open(tmp_path, "unit", steps=100).ledger(max_uses=1)
 
 
 def test_a_cut_that_fails_skips_its_checkpoint_and_the_next_one_holds_its_ledger_changes(tmp_path: Path) -> None:
@@ -274,7 +296,7 @@ def test_a_cut_that_fails_skips_its_checkpoint_and_the_next_one_holds_its_ledger
             state = await self.cut.capture(version, consumer)
             if not self.voided:
                 self.voided = True
-                raise CutFailed("producer-0 did not answer", state.ledger.records)
+                raise CutFailed("producer-0 did not answer")
             return state
 
     ckpt.cut = VoidOnce(ckpt.cut)
@@ -284,10 +306,9 @@ def test_a_cut_that_fails_skips_its_checkpoint_and_the_next_one_holds_its_ledger
     ledger.trained(["a/0", "a/1"], at_version=1)
     clock.advance(2)
     path = anyio.run(ckpt.save, 2, FileConsumer(b"w"))
-    state = read_state(path)
-    assert {r.id: r.fate for r in state.ledger.records} == {
-        "a/0": "trained", "a/1": "trained", "b/0": "in_flight", "b/1": "in_flight"
-    }, "the records the skipped cut took are in the next checkpoint"
+    assert checkpoint_ledger(path) == {
+        "a/0": ("trained", [1]), "a/1": ("trained", [1]), "b/0": ("in_flight", []), "b/1": ("in_flight", [])
+    }, "the next checkpoint holds the whole ledger"
 
 
 def read_state_raw(checkpoint: Path):
@@ -504,6 +525,7 @@ def test_baton_run_killed_with_sigkill_resumes_with_baton_run_resume(tmp_path: P
     assert not (run_dir / "summary.json").exists(), "the run finished before it was killed"
     state = read_state(latest_checkpoint(run_dir))
     assert state.version >= 8
+    known = set(checkpoint_ledger(latest_checkpoint(run_dir)))  # the checkpoint's whole ledger
 
     done = subprocess.run([*cmd, "--resume", str(run_dir), "--set", "telemetry.progress=false"], cwd=ROOT,
                           capture_output=True, text=True, timeout=180)
@@ -515,7 +537,6 @@ def test_baton_run_killed_with_sigkill_resumes_with_baton_run_resume(tmp_path: P
     assert summary["samples"]["lost"] == 0
     assert summary["max_staleness_trained"] <= 2
     records = check_ledger(run_dir, bound=2)
-    known = {r.id for r in state.ledger.records}
     assert min(r["versions"][0] for r in records if r["id"] not in known) >= state.version, \
         "engines generated with the checkpoint's weights (or newer) from the resume on"
     in_flight_at_checkpoint = {r.id for r in state.ledger.records if r.fate == "in_flight"}

@@ -195,3 +195,41 @@ def test_progress_fields_merge_and_disabled_prints_nothing(capsys: pytest.Captur
         progress.update(a=None, c="x")
         assert progress.line() == "t  b 2.5  c x"
     assert capsys.readouterr().err == ""
+
+
+def test_growing_metrics_rotate_into_compressed_parts_and_read_back_whole(tmp_path, monkeypatch) -> None:
+    import time as _time
+
+    from pipeline import telemetry
+
+    monkeypatch.setattr(telemetry, "ROTATE_BYTES", 2000)
+    folder = RunFolder(tmp_path)
+    for version in range(1, 201):
+        folder.log_metrics({"version": version, "pad": "x" * 40})
+        if version % 50 == 0:
+            folder.append_record("generation.jsonl", {"version": version, "pad": "y" * 1000})
+    deadline = _time.monotonic() + 10
+    while list(tmp_path.glob("metrics-*.jsonl")) and _time.monotonic() < deadline:  # compressed in a thread
+        _time.sleep(0.01)
+    parts = telemetry.metric_parts(tmp_path)
+    assert len(parts) >= 4 and all(p.name.endswith(".jsonl.gz") for p in parts)
+    assert (tmp_path / "metrics.jsonl").stat().st_size <= 2000 + 100
+    assert [r["version"] for r in folder.read_metrics()] == list(range(1, 201)), "every record, in order"
+    assert folder.latest_metrics()["version"] == 200
+    assert RunFolder(tmp_path).latest_metrics()["version"] == 200, "a new reader reads only the file's end"
+    generation = sorted(tmp_path.glob("generation*.jsonl"))
+    assert len(generation) >= 2 and sum(len(p.read_text().splitlines()) for p in generation) == 4
+
+
+def test_latest_metrics_reads_only_the_end_of_a_long_file(tmp_path, monkeypatch) -> None:
+    from pipeline import telemetry
+
+    monkeypatch.setattr(telemetry, "TAIL_BYTES", 300)
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        for version in range(1, 1001):
+            f.write(json.dumps({"version": version, "pad": "z" * 50}) + "\n")
+    folder = RunFolder(tmp_path)
+    assert folder.latest_metrics()["version"] == 1000
+    assert folder._tail_offset > (tmp_path / "metrics.jsonl").stat().st_size - 300, "it skipped the history"
+    folder.log_metrics({"version": 1001})
+    assert folder.latest_metrics()["version"] == 1001

@@ -38,7 +38,10 @@ class LocalRun:
 
     async def run(self, pipe: Any, folder: RunFolder, progress: Progress, resume: Resumed | None) -> None:
         clock = resume.clock() if resume is not None else VersionClock()
-        ledger = resume.ledger(pipe.max_uses) if resume is not None else Ledger(max_uses=pipe.max_uses)
+        if resume is not None:
+            ledger = resume.ledger(pipe.max_uses)
+        else:
+            ledger = Ledger.create(folder.path, max_uses=pipe.max_uses)
         gate = AdmissionGate(clock, pipe.staleness, pipe.consumer.units_per_version)
         if resume is not None:
             resume.restore_gate(gate)
@@ -82,7 +85,7 @@ class LocalRun:
                            {"produced": ctx.channels["produced"], "ready": ctx.channels["ready"]}, ctx.feedback)
             ctx.checkpoint = Checkpointer(
                 folder.path, pipe.checkpoint_every, run=pipe.name, steps=pipe.steps, cut=cut,
-                keep=pipe.checkpoint_keep, chain=resume.state.ledger_chain if resume is not None else (),
+                keep=pipe.checkpoint_keep,
             )
         return ctx
 

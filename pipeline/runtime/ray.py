@@ -58,27 +58,28 @@ class Conductor(LocalClock, LocalLedger):
     calls are the local runtime's (`LocalClock`, `LocalLedger`); what differs is per-worker
     bookkeeping of admitted units, so a dead producer's slots can be freed."""
 
-    def __init__(self, policy: VersionPolicy, units_per_version: int, max_uses: int) -> None:
+    def __init__(self, policy: VersionPolicy, units_per_version: int, max_uses: int, folder: str) -> None:
         self._args = (policy, units_per_version, max_uses)
+        self.folder = folder  # the ledger's store is its ledger.sqlite
         self.outstanding: Counter[str] = Counter()  # per producer: admitted units not yet produced
 
     async def setup(self, resume: bytes | None = None, attempt: int = 0) -> bytes | None:
         """Build the clock, ledger and gate (anyio primitives need the actor's running event loop): new
         ones, or the checkpoint's (`resume`: its msgpack `RunState`), reopened as `pipeline.checkpoint`
         states; then returns the msgpack `Reopened` (the redo requests the driver queues first)."""
-        from pipeline.checkpoint import RunState, reopen, restore_gate
+        from pipeline.checkpoint import RunState, reopen, restore_gate, resumed_ledger
         from pipeline.runtime.ray_cut import Freezer
 
         policy, units, max_uses = self._args
         self.freezer = Freezer()
         if resume is None:
             self.clock = VersionClock()
-            self.ledger = Ledger(max_uses=max_uses)
+            self.ledger = Ledger.create(self.folder, max_uses=max_uses)
             self.gate = AdmissionGate(self.clock, policy, units)
             return None
         state = msgspec.msgpack.decode(resume, type=RunState)
         self.clock = VersionClock(state.version)
-        self.ledger = Ledger.from_state(state.ledger, max_uses=max_uses, journaled=bool(state.ledger_chain))
+        self.ledger = resumed_ledger(state, self.folder, max_uses)
         self.gate = AdmissionGate(self.clock, policy, units)
         restore_gate(state, self.gate)
         return msgspec.msgpack.encode(reopen(state, attempt, self.ledger))
@@ -301,7 +302,7 @@ class StageHost:
                 cut = RayCut(w.run, w.steps, w.units_per_version, w.conductor, peers.get("producer", []),
                              peers["buffer"][0], w.channels)
                 ctx.checkpoint = Checkpointer(w.folder, w.checkpoint_every, run=w.run, steps=w.steps, cut=cut,
-                                              keep=w.checkpoint_keep, chain=w.resume.ledger_chain if w.resume else ())
+                                              keep=w.checkpoint_keep)
         actors = list(self.stage.actors(ctx, inbox, outbox))
         self.actor = actors[self.index] if self.role == "producer" else actors[0]
         self.ctx = ctx
@@ -419,7 +420,9 @@ class RayRun:
     ) -> tuple[Wiring, ResumeFeeding | None]:
         """The conductor (from the checkpoint when resuming), the channel actors and the wiring every host
         gets; a resumed run's owed work is queued before any producer runs."""
-        self._conductor = Conductor.remote(pipe.staleness, pipe.consumer.units_per_version, pipe.max_uses)
+        self._conductor = Conductor.remote(
+            pipe.staleness, pipe.consumer.units_per_version, pipe.max_uses, str(folder.path)
+        )
         reopened = await self._conductor.setup.remote(
             _STATE_ENCODER.encode(resume.state) if resume is not None else None,
             resume.attempt if resume is not None else 0,

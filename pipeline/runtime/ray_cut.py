@@ -15,7 +15,7 @@ consumer between two steps, like `LocalCut`) takes the cut in three moves:
 
 A host that does not answer within the lease (80 % of it, so the thaw comes in time) voids the cut:
 `CutFailed`, and `Checkpointer.save` skips this checkpoint (the previous one stays the latest; the
-ledger changes the cut took go into the next one's journal segment) while the run goes on. A dead
+ledger's store keeps every record) while the run goes on. A dead
 host answers nothing and holds nothing: its groups are regenerated on resume.
 
 Why this cut is good enough for a resume (pipeline.checkpoint): refs keep moving downstream during
@@ -46,8 +46,8 @@ from pipeline.refs import HeldRef, Redo
 
 
 class FrozenRun(msgspec.Struct, frozen=True, kw_only=True):
-    """The conductor's part of a cut: its version, ledger (the records changed since the last cut: the
-    journal's next segment; `Ledger.changes`) and gate counts at the freeze."""
+    """The conductor's part of a cut: its version, ledger (`Ledger.state`: in flight, and the store's
+    position) and gate counts at the freeze."""
 
     token: str
     version: int
@@ -119,7 +119,7 @@ def frozen_run(freezer: Freezer, lease_s: float, version: int, ledger: Ledger, s
     """Freeze and describe the conductor's state (what `Conductor.freeze` answers)."""
     token = freezer.freeze(lease_s)
     return msgspec.msgpack.encode(FrozenRun(
-        token=token, version=version, ledger=ledger.changes(), gate=GateCounts(started, discarded)
+        token=token, version=version, ledger=ledger.state(), gate=GateCounts(started, discarded)
     ))
 
 
@@ -151,7 +151,7 @@ class RayCut:
         if parts is None or not consistent:
             raise CutFailed(
                 f"the cut of version {version} did not finish within its {self.lease_s:g} s lease on the conductor's "
-                "ledger (a host did not answer); this checkpoint is skipped", frozen.ledger.records,
+                "ledger (a host did not answer); this checkpoint is skipped"
             )
         held, generating, recording, rngs, redo = parts
         return RunState(

@@ -1,0 +1,159 @@
+"""A long quickstart-shaped run: does a version cost the same at the end as at the start, and does
+memory stay put? Small groups (`--group-size 2`, `--groups 4`) so per-version overhead dominates;
+enough versions to settle `--samples` (default 200k) samples. While it runs, the RSS of every baton
+process (the run's process tree: on Ray with a local cluster, its gcs, raylet and workers) is sampled
+each second.
+
+    python benchmarks/long_run.py [--runtime local|ray] [--samples 200000] [--set key=value ...]
+
+Prints, then as the last stdout line one JSON object with "figures" and "ratios":
+* late_vs_early_version_s: median version wall time (metrics' `version_s`) over the last 10 % of
+  versions / over versions 50-150 (goal <= 1.1);
+* rss_growth_mb_per_100k_samples: RSS growth between version 150 and the end, per 100k samples
+  trained (goal <= 10);
+* checkpoint seconds, first vs last, and the medians of the first and last ten (`checkpoints.jsonl`);
+* the ledger: rows in its store, records ledger.json held (none beyond 1M samples).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGE = 4096
+
+
+def rss_mb(root_pid: int) -> float:
+    """RSS of `root_pid`'s process tree in MB (on Ray, the local cluster the run starts is in it: gcs, raylet,
+    every `ray::` worker)."""
+    parents: dict[int, int] = {}
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                parents[int(proc.name)] = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    tree, grew = {root_pid}, True
+    while grew:
+        more = {pid for pid, parent in parents.items() if parent in tree} - tree
+        tree |= more
+        grew = bool(more)
+    total = 0
+    for pid in tree:
+        try:
+            total += int((Path("/proc") / str(pid) / "statm").read_text().split()[1]) * PAGE
+        except (OSError, ValueError, IndexError):
+            continue
+    return total / 1e6
+
+
+def latest_version(metrics: Path) -> int:
+    """The version of metrics.jsonl's last complete line (reads only its end)."""
+    try:
+        with open(metrics, "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(f.tell() - 8192, 0))
+            lines = f.read().splitlines()
+    except OSError:
+        return 0
+    for line in reversed(lines):
+        try:
+            return int(json.loads(line)["version"])
+        except (ValueError, KeyError):
+            continue
+    return 0
+
+
+def run_sampled(cmd: list[str], root: Path) -> tuple[dict, list[tuple[float, int, float]]]:
+    """Run `cmd`, sampling (seconds, version, RSS MB) every second; returns its summary and the samples."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    samples, t0 = [], time.monotonic()
+    while proc.poll() is None:
+        metrics = next(root.glob("*/metrics.jsonl"), None)
+        version = latest_version(metrics) if metrics else 0
+        samples.append((time.monotonic() - t0, version, rss_mb(proc.pid)))
+        time.sleep(1.0)
+    out = proc.stdout.read()
+    if proc.returncode != 0:
+        raise SystemExit(f"run failed (exit {proc.returncode}): {' '.join(cmd)}")
+    return json.loads(out.strip().splitlines()[-1]), samples
+
+
+def figures_of(summary: dict, samples: list[tuple[float, int, float]], per_version: int) -> dict:
+    run_dir = Path(summary["run_dir"])
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    version_s = [r["version_s"] for r in records]
+    early = statistics.median(version_s[50:150])
+    late = statistics.median(version_s[-max(len(version_s) // 10, 1):])
+    start = next((s for s in samples if s[1] >= 150), samples[0])
+    training = [s for s in samples if s[1] < len(records)] or samples
+    end = training[-1]  # the last sample while it trained (not the report rendered at its end)
+    grown = (end[1] - start[1]) * per_version
+    checkpoints = [json.loads(x) for x in (run_dir / "checkpoints.jsonl").read_text().splitlines()]
+    import sqlite3
+
+    conn = sqlite3.connect(run_dir / "ledger.sqlite")
+    rows = conn.execute("SELECT count(*) FROM settled").fetchone()[0]
+    conn.close()
+    return {
+        "versions": len(records), "samples_trained": summary["samples"]["trained"], "wall_s": summary["wall_s"],
+        "version_s_early": round(early, 5), "version_s_late": round(late, 5),
+        "rss_mb_start": round(start[2], 1), "rss_mb_end": round(end[2], 1),
+        "rss_mb_max": round(max(s[2] for s in samples), 1),
+        "samples_between_rss": grown,
+        "rss_growth_mb_per_100k_samples": round((end[2] - start[2]) / grown * 1e5, 2) if grown else None,
+        "checkpoint_s_first": checkpoints[0]["seconds"] if checkpoints else None,
+        "checkpoint_s_last": checkpoints[-1]["seconds"] if checkpoints else None,
+        # medians of the first and last ten: one checkpoint's seconds are noisy (the consumer's fsyncs)
+        "checkpoint_s_first10": statistics.median(c["seconds"] for c in checkpoints[:10]) if checkpoints else None,
+        "checkpoint_s_last10": statistics.median(c["seconds"] for c in checkpoints[-10:]) if checkpoints else None,
+        "checkpoint_run_bytes_first": checkpoints[0]["run_bytes"] if checkpoints else None,
+        "checkpoint_run_bytes_last": checkpoints[-1]["run_bytes"] if checkpoints else None,
+        "ledger_store_rows": rows, "ledger_json": (run_dir / "ledger.json").exists(),
+        "ledger_balanced": summary["ledger_balanced"],
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default=str(ROOT / "configs" / "quickstart.toml"))
+    p.add_argument("--runtime", choices=("local", "ray"), default="local")
+    p.add_argument("--samples", type=int, default=200_000, help="samples to settle (sets the step count)")
+    p.add_argument("--groups", type=int, default=4, help="learner.groups_per_step")
+    p.add_argument("--group-size", type=int, default=2, help="rollout.group_size")
+    p.add_argument("--set", dest="overrides", action="append", default=[])
+    a = p.parse_args()
+    per_version = a.groups * a.group_size
+    steps = -(-a.samples // per_version)
+    with tempfile.TemporaryDirectory(prefix="baton-long-") as tmp:
+        sets = [f"steps={steps}", f"run_root='{tmp}'", "telemetry.progress=false", f"runtime='{a.runtime}'",
+                f"learner.groups_per_step={a.groups}", f"rollout.group_size={a.group_size}",
+                f"engine.batch_groups={a.groups}", f"model.path='{ROOT / 'runs' / 'models' / 'tiny-qwen2'}'",
+                *a.overrides]
+        cmd = [sys.executable, "-m", "stages.cli", "run", a.config, *[x for s in sets for x in ("--set", s)]]
+        summary, samples = run_sampled(cmd, Path(tmp))
+        figures = figures_of(summary, samples, per_version)
+    ratios = {
+        "late_vs_early_version_s": round(figures["version_s_late"] / figures["version_s_early"], 3),
+        "rss_growth_mb_per_100k_samples": figures["rss_growth_mb_per_100k_samples"],
+        "checkpoint_s_last10_vs_first10": round(figures["checkpoint_s_last10"] / figures["checkpoint_s_first10"], 3)
+        if figures["checkpoint_s_first10"] else None,
+    }
+    print(f"{a.runtime}: {figures['versions']} versions, {figures['samples_trained']} samples in "
+          f"{figures['wall_s']} s; "
+          f"version {figures['version_s_early']} s early, {figures['version_s_late']} s late "
+          f"(x{ratios['late_vs_early_version_s']}); RSS {figures['rss_mb_start']} -> {figures['rss_mb_end']} MB "
+          f"({ratios['rss_growth_mb_per_100k_samples']} MB per 100k samples); checkpoint "
+          f"{figures['checkpoint_s_first']} s first, {figures['checkpoint_s_last']} s last")
+    print(json.dumps({"runtime": a.runtime, "figures": figures, "ratios": ratios}))
+
+
+if __name__ == "__main__":
+    main()
