@@ -18,7 +18,7 @@ all and for the cut, ledger records in flight, and bytes (run state, consumer fi
 The ledger's settled records are in its store, the run folder's `ledger.sqlite` (pipeline.ledger_store),
 appended as they settle; a checkpoint records the store's position (its rows so far, committed and
 fsynced at the cut), so it costs what is in flight, not the run's history. Resume rewinds the store to
-that position (`Resumed.ledger`): rows written after it, by the crashed attempt, are deleted. (Format 1
+that position (`Resume.ledger`): rows written after it, by the crashed attempt, are deleted. (Format 1
 checkpoints, with the whole ledger inside `run_state.msgpack`, are still read: their settled records
 are written into the store on resume.)
 
@@ -35,7 +35,7 @@ flight. On the Ray runtime (`pipeline.runtime.ray_cut.RayCut`) the conductor's l
 the hosts and channel actors report what they hold; refs still move meanwhile, and the resume rules
 below are written so that a ref seen twice or not at all is still neither lost nor trained twice.
 
-Resume rule (`Resumed`): **the resumed run is the checkpoint's run.** Its version clock restarts at the
+Resume rule (`Resume`): **the resumed run is the checkpoint's run.** Its version clock restarts at the
 checkpoint's version v, its ledger is the checkpoint's ledger, the model and optimizer are the
 checkpoint's. Whatever the crashed attempt did after the checkpoint never happened for the resumed run:
 versions above v, and the training of samples at those versions, were rolled back with the model
@@ -69,6 +69,10 @@ consumer's (torch, numpy, Python, its selection policy) and each producer's prom
 
 Both runtimes checkpoint and resume; on Ray the consumer's process writes the checkpoint and the
 driver re-sends the checkpoint's refs (`pipeline.runtime.ray`).
+
+Vocabulary: a `Resume` is a run continuing from its latest checkpoint (opened by the driver); its
+`PortableResume` is the part other processes need; `reopen` returns the `OwedWork` the resumed ledger
+owes the producers first; the `ResumeFeeder` actor re-sends or regenerates what was in flight.
 """
 
 from __future__ import annotations
@@ -384,7 +388,7 @@ def read_state(checkpoint: Path) -> RunState:
     return state
 
 
-class Reopened(msgspec.Struct, frozen=True):
+class OwedWork(msgspec.Struct, frozen=True):
     """What `reopen` did to a resumed ledger: the Redo requests to queue first, how many of them redo
     lost or refused work (`redone`) and how many produce prompts admitted but not produced (`owed`)."""
 
@@ -393,7 +397,7 @@ class Reopened(msgspec.Struct, frozen=True):
     owed: int
 
 
-def reopen(state: RunState, attempt: int, ledger: Ledger) -> Reopened:
+def reopen(state: RunState, attempt: int, ledger: Ledger) -> OwedWork:
     """Make `ledger` (the checkpoint's, rebuilt) owe the checkpoint's unfinished work again: the redo
     requests the run owed (`redo_requests`), the redos producers were making (their sources become
     takeable again), and the prompts producers had admitted but not produced (owed under new group names
@@ -407,7 +411,7 @@ def reopen(state: RunState, attempt: int, ledger: Ledger) -> Reopened:
         group = f"resume{attempt}-owed-{i}"
         ledger.owe(group, source)
         requests.append(Redo(group, "resume: admitted but not produced at the checkpoint"))
-    return Reopened(requests=requests, redone=redone, owed=len(state.owed))
+    return OwedWork(requests=requests, redone=redone, owed=len(state.owed))
 
 
 def resumed_ledger(state: RunState, run_dir: str | Path, max_uses: int) -> Ledger:
@@ -458,9 +462,9 @@ def restore_gate(state: RunState, gate: AdmissionGate) -> None:
     gate.discarded = 0
 
 
-class ResumePoint(msgspec.Struct, frozen=True, kw_only=True):
+class PortableResume(msgspec.Struct, frozen=True, kw_only=True):
     """The consumer's view of a resume: its checkpoint folder, version, and the trained groups it may
-    still reuse (the parts of `Resumed` a consumer in another process needs)."""
+    still reuse (the parts of `Resume` a consumer in another process needs)."""
 
     checkpoint: str
     version: int
@@ -477,7 +481,7 @@ class ResumePoint(msgspec.Struct, frozen=True, kw_only=True):
 
 
 @dataclass
-class Resumed:
+class Resume:
     """A run continuing from its latest checkpoint (see the module docstring for the rule)."""
 
     folder: RunFolder
@@ -493,7 +497,7 @@ class Resumed:
     log: Any = field(default=None, repr=False)
 
     @classmethod
-    def open(cls, run_dir: str | Path, run: str, steps: int) -> Resumed:
+    def open(cls, run_dir: str | Path, run: str, steps: int) -> Resume:
         """Load `run_dir`'s latest checkpoint, move the crashed attempt's outputs to `attempts/{n}/`
         and keep the metric records up to the checkpoint's version in `metrics.jsonl`."""
         run_dir = Path(run_dir)
@@ -567,7 +571,7 @@ class Resumed:
         self.count(reopened)
         return reopened.requests
 
-    def count(self, reopened: Reopened) -> None:
+    def count(self, reopened: OwedWork) -> None:
         self.redone, self.owed = reopened.redone, reopened.owed
 
     def feeder(self, ctx: Any, produced: Any, ledger: Ledger) -> ResumeFeeder:
@@ -576,9 +580,9 @@ class Resumed:
             ctx.feedback.send_nowait(request)
         return ResumeFeeder(self, ctx, produced)
 
-    def point(self) -> ResumePoint:
+    def portable(self) -> PortableResume:
         """What the consumer needs to continue (sent to its process on the Ray runtime)."""
-        return ResumePoint(
+        return PortableResume(
             checkpoint=str(self.checkpoint), version=self.version, reusable=self.reusable, rngs=self.state.rngs,
         )
 
@@ -600,7 +604,7 @@ class ResumeFeeder(BaseActor):
 
     name = "resume"
 
-    def __init__(self, resumed: Resumed, ctx: Any, produced: Any) -> None:
+    def __init__(self, resumed: Resume, ctx: Any, produced: Any) -> None:
         self.resumed, self.ctx, self.produced = resumed, ctx, produced
 
     async def run(self) -> None:
@@ -647,7 +651,7 @@ async def _payload_exists(store: Any, ref: Ref) -> bool:
 
 __all__ = [
     "CheckpointError", "Checkpointer", "CheckpointingConsumer", "CutFailed", "GateCounts", "HeldRef", "LocalCut",
-    "RefHolder", "Reopened", "ResumeFeeder", "ResumePoint", "Resumed", "RunCut", "RunState", "latest_checkpoint",
+    "RefHolder", "OwedWork", "ResumeFeeder", "PortableResume", "Resume", "RunCut", "RunState", "latest_checkpoint",
     "owed_sources", "python_random_state", "random_state", "read_state", "redo_requests", "reopen", "restore_gate",
     "resumed_ledger",
 ]

@@ -34,7 +34,7 @@ from typing import Any
 import anyio
 
 from pipeline.actor import Actor
-from pipeline.checkpoint import Resumed
+from pipeline.checkpoint import Resume
 from pipeline.context import RunContext
 from pipeline.contracts import Buffer, Consumer, Producer, VersionPolicy
 from pipeline.faults import FaultPlan, FaultSpec
@@ -87,7 +87,7 @@ class Pipeline:
 
     async def arun(self, resume_from: str | Path | None = None) -> dict[str, Any]:
         self._validate()
-        resume = Resumed.open(resume_from, self.name, self.steps) if resume_from is not None else None
+        resume = Resume.open(resume_from, self.name, self.steps) if resume_from is not None else None
         folder = resume.folder if resume is not None else self._new_folder()
         self.run_dir = folder.path
         runtime = self._runtime()
@@ -138,7 +138,7 @@ class Pipeline:
         return records
 
     def _summary(
-        self, folder: RunFolder, records: list[dict], report: RunReport, resume: Resumed | None
+        self, folder: RunFolder, records: list[dict], report: RunReport, resume: Resume | None
     ) -> dict[str, Any]:
         """The run's summary (also written to summary.json); closes the run folder."""
         wall = time.time() - report.started_at

@@ -24,7 +24,7 @@ from buffers.memory import MemoryStore
 from buffers.ref_buffer import RefBuffer
 from pipeline.actor import ActorFailed, BaseActor
 from pipeline.admission import AdmissionGate
-from pipeline.checkpoint import CheckpointError, Resumed, latest_checkpoint, read_state
+from pipeline.checkpoint import CheckpointError, Resume, latest_checkpoint, read_state
 from pipeline.dsl import Pipeline
 from pipeline.ledger import Ledger
 from policies import MaxStaleness
@@ -127,7 +127,7 @@ def test_a_resume_owes_the_prompts_being_generated_and_the_redos_in_progress(tmp
     clock.advance(1)
     anyio.run(ckpt.save, 1, FileConsumer(b"w"))
 
-    resumed = Resumed.open(tmp_path, "unit", steps=100)
+    resumed = Resume.open(tmp_path, "unit", steps=100)
     assert resumed.state.owed == [b"prompt-x"], "the redo of c is owed once, as a redo, not twice"
     import random
 
@@ -254,7 +254,7 @@ def test_each_checkpoint_records_the_stores_position_and_reads_back_the_whole_le
     ledger.store.commit()
     ledger.store.close()  # the crashed process is gone
 
-    resumed = Resumed.open(tmp_path, "unit", steps=100)
+    resumed = Resume.open(tmp_path, "unit", steps=100)
     assert resumed.summary()["rolled_back_trainings"] == 1
     again = resumed.ledger(max_uses=1)
     assert again.counts() == at_third
@@ -280,7 +280,7 @@ def test_a_resume_refuses_a_store_that_does_not_hold_its_checkpoints_rows(tmp_pa
     for suffix in ("", "-wal", "-shm"):
         (tmp_path / f"ledger.sqlite{suffix}").unlink(missing_ok=True)
     with pytest.raises(CheckpointError, match="holds 0 settled rows"):
-        Resumed.open(tmp_path, "unit", steps=100).ledger(max_uses=1)
+        Resume.open(tmp_path, "unit", steps=100).ledger(max_uses=1)
 
 
 def test_a_cut_that_fails_skips_its_checkpoint_and_the_next_one_holds_its_ledger_changes(tmp_path: Path) -> None:
@@ -367,7 +367,7 @@ def test_a_pointer_to_an_incomplete_checkpoint_falls_back_to_the_newest_complete
 
 def test_resume_without_a_checkpoint_names_the_key_to_set(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="checkpoint.every"):
-        Resumed.open(tmp_path, "unit", steps=10)
+        Resume.open(tmp_path, "unit", steps=10)
 
 
 # ------------------------------------------------------------------------------------------- runs

@@ -18,7 +18,7 @@ import anyio
 from pipeline.actor import Actor, ActorFailed
 from pipeline.admission import AdmissionGate
 from pipeline.channel import Channel
-from pipeline.checkpoint import Checkpointer, LocalCut, Resumed
+from pipeline.checkpoint import Checkpointer, LocalCut, Resume
 from pipeline.context import LocalClock, LocalGate, LocalLedger, RunContext
 from pipeline.contracts import RefHolder
 from pipeline.faults import as_plan
@@ -36,7 +36,7 @@ class LocalRun:
 
     report: RunReport | None = None
 
-    async def run(self, pipe: Any, folder: RunFolder, progress: Progress, resume: Resumed | None) -> None:
+    async def run(self, pipe: Any, folder: RunFolder, progress: Progress, resume: Resume | None) -> None:
         clock = resume.clock() if resume is not None else VersionClock()
         if resume is not None:
             ledger = resume.ledger(pipe.max_uses)
@@ -66,7 +66,7 @@ class LocalRun:
 
     def _context(
         self, pipe: Any, folder: RunFolder, clock: VersionClock, ledger: Ledger, gate: AdmissionGate,
-        resume: Resumed | None,
+        resume: Resume | None,
     ) -> RunContext:
         """The run's context with its channels, faults bound and checkpointer set."""
         ctx = RunContext(
@@ -91,7 +91,7 @@ class LocalRun:
 
     def _actors(
         self, pipe: Any, ctx: RunContext, clock: VersionClock, ledger: Ledger, gate: AdmissionGate,
-        resume: Resumed | None,
+        resume: Resume | None,
     ) -> tuple[list[Actor], list[str]]:
         """Every actor of the run, and the names of those whose return ends it (the consumer's)."""
         produced, ready = ctx.channels["produced"], ctx.channels["ready"]

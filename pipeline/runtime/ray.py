@@ -28,8 +28,10 @@ import os
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 import asyncio  # noqa: E402
+import functools  # noqa: E402
 import time  # noqa: E402
 from collections import Counter  # noqa: E402
+from collections.abc import Awaitable, Callable  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -66,7 +68,7 @@ class Conductor(LocalClock, LocalLedger):
     async def setup(self, resume: bytes | None = None, attempt: int = 0) -> bytes | None:
         """Build the clock, ledger and gate (anyio primitives need the actor's running event loop): new
         ones, or the checkpoint's (`resume`: its msgpack `RunState`), reopened as `pipeline.checkpoint`
-        states; then returns the msgpack `Reopened` (the redo requests the driver queues first)."""
+        states; then returns the msgpack `OwedWork` (the redo requests the driver queues first)."""
         from pipeline.checkpoint import RunState, reopen, restore_gate, resumed_ledger
         from pipeline.runtime.ray_cut import Freezer
 
@@ -250,7 +252,7 @@ class Wiring:
     faults: Any = None  # a pipeline.faults.FaultPlan, bound in each host (process-level faults kill the host)
     checkpoint_every: int = 0  # the consumer checkpoints every this many versions (pipeline.runtime.ray_cut)
     checkpoint_keep: int = 2
-    resume: Any = None  # a pipeline.checkpoint.ResumePoint: the consumer continues from that checkpoint
+    resume: Any = None  # a pipeline.checkpoint.PortableResume: the consumer continues from that checkpoint
 
     def context(self, worker: str) -> RunContext:
         """`worker`'s context in this process: the conductor's clock, gate and ledger, the channel actors."""
@@ -375,7 +377,7 @@ class RayRun:
     report: RunReport | None = None  # the conductor's final report, once the run ended (or failed)
 
     async def run(self, pipe: Any, folder: RunFolder, progress: Any, resume: Any = None) -> None:
-        """Run `pipe` in `folder`; `resume` (a `pipeline.checkpoint.Resumed`): continue from its checkpoint."""
+        """Run `pipe` in `folder`; `resume` (a `pipeline.checkpoint.Resume`): continue from its checkpoint."""
         started_ray = not ray.is_initialized()
         if started_ray:
             self._start_ray(hosts_needed=pipe.producer.workers + 2)
@@ -417,7 +419,7 @@ class RayRun:
 
     async def _shared_state(
         self, pipe: Any, folder: RunFolder, opener: StoreOpener, resume: Any
-    ) -> tuple[Wiring, ResumeFeeding | None]:
+    ) -> tuple[Wiring, Callable[[], Awaitable[None]] | None]:
         """The conductor (from the checkpoint when resuming), the channel actors and the wiring every host
         gets; a resumed run's owed work is queued before any producer runs."""
         self._conductor = Conductor.remote(
@@ -437,16 +439,16 @@ class RayRun:
             units_per_version=pipe.consumer.units_per_version, conductor=self._conductor, channels=self._channels,
             store=opener, started_at=time.time(), log_format=self.log_format, faults=as_plan(pipe.faults),
             checkpoint_every=pipe.checkpoint_every, checkpoint_keep=pipe.checkpoint_keep,
-            resume=resume.point() if resume is not None else None,
+            resume=resume.portable() if resume is not None else None,
         )
         if resume is None:
             return wiring, None
-        from pipeline.checkpoint import Reopened
+        from pipeline.checkpoint import OwedWork
 
-        reopened = msgspec.msgpack.decode(reopened, type=Reopened)
+        reopened = msgspec.msgpack.decode(reopened, type=OwedWork)
         resume.count(reopened)
         await self._channels["feedback"].send_many(reopened.requests)
-        return wiring, ResumeFeeding(resume, wiring)
+        return wiring, functools.partial(feed_resume, resume, wiring)
 
     async def _start_hosts(self, pipe: Any, folder: RunFolder, wiring: Wiring) -> dict[str, list[Any]]:
         """One host per actor, set up (the buffer first: it holds the store the others open as clients) and
@@ -506,7 +508,7 @@ class Supervision:
     wiring: Wiring
     peers: dict[str, list[Any]]
     progress: Any
-    feeder: ResumeFeeding | None
+    feeder: Callable[[], Awaitable[None]] | None  # a resumed run's feed_resume
     failure: list[BaseException] = field(default_factory=list)
 
     async def run(self) -> None:
@@ -518,7 +520,7 @@ class Supervision:
             tg.start_soon(self.watch, "consumer-0", True)
             tg.start_soon(self.show_progress)
             if self.feeder is not None:
-                tg.start_soon(self.guard, "resume", self.feeder.run)
+                tg.start_soon(self.guard, "resume", self.feeder)
             if self.run_.watchdog is not None and self.run_.watchdog.enabled:
                 tg.start_soon(self.watch_for_hangs)
             await self.done.wait()
@@ -605,24 +607,17 @@ async def _when_back(host: Any, peers: dict[str, list[Any]], timeout_s: float = 
             await host.setup.remote(peers)
 
 
-@dataclass
-class ResumeFeeding:
-    """A resumed run's `pipeline.checkpoint.ResumeFeeder`, in the driver: it re-sends the checkpoint's
+async def feed_resume(resume: Any, wiring: Wiring) -> None:
+    """A resumed run's `pipeline.checkpoint.ResumeFeeder`, run in the driver: it re-sends the checkpoint's
     refs whose payload the store still holds and regenerates the others, through the conductor."""
+    from pipeline.checkpoint import ResumeFeeder
 
-    resumed: Any
-    wiring: Wiring
-
-    async def run(self) -> None:
-        from pipeline.checkpoint import ResumeFeeder
-
-        w = self.wiring
-        ctx = w.context("resume")
-        ctx.services.store = w.store.open(holder=False, faults=None)
-        try:
-            await ResumeFeeder(self.resumed, ctx, w.channels["produced"]).run()
-        finally:
-            await ctx.services.store.close()
+    ctx = wiring.context("resume")
+    ctx.services.store = wiring.store.open(holder=False, faults=None)
+    try:
+        await ResumeFeeder(resume, ctx, wiring.channels["produced"]).run()
+    finally:
+        await ctx.services.store.close()
 
 
 _STATE_ENCODER = msgspec.msgpack.Encoder()
