@@ -137,7 +137,7 @@ def main() -> None:
                 f"learner.groups_per_step={a.groups}", f"rollout.group_size={a.group_size}",
                 f"engine.batch_groups={a.groups}", f"model.path='{ROOT / 'runs' / 'models' / 'tiny-qwen2'}'",
                 *a.overrides]
-        cmd = [sys.executable, "-m", "stages.cli", "run", a.config, *[x for s in sets for x in ("--set", s)]]
+        cmd = [sys.executable, "-m", "baton.cli", "run", a.config, *[x for s in sets for x in ("--set", s)]]
         summary, samples = run_sampled(cmd, Path(tmp))
         figures = figures_of(summary, samples, per_version)
     ratios = {

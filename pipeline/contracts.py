@@ -163,8 +163,8 @@ class Consumer(Stage, Protocol):
     units_per_version: int
     max_uses: int  # most times one item may be consumed (the ledger enforces it)
 
-    def summary(self, records: list[dict]) -> dict[str, Any]:
-        """Figures for the run summary, from the consumer's metric records."""
+    def summary(self, records: list[dict], run_dir: Path | None = None) -> dict[str, Any]:
+        """Figures for the run summary, from the consumer's metric records (and files in `run_dir`)."""
         ...
 
     def progress(self, last: dict | None) -> dict[str, Any]:

@@ -147,7 +147,7 @@ class Pipeline:
             "run_dir": str(folder.path),
             "steps": self.steps,
             "version": report.version,
-            **self.consumer.summary(records),
+            **self.consumer.summary(records, folder.path),
             "staleness_bound": self.staleness.bound,
             "samples": {
                 k: counts.get(k, 0)

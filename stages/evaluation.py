@@ -13,9 +13,11 @@ the tokens it generated (equal unless new weights landed mid-generation), and `e
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -73,3 +75,11 @@ class Evaluation:
             "eval/length_mean": round(float(np.mean([len(v) for v in versions])), 2) if n else 0.0,
             "eval/s": round(seconds, 3),
         }
+
+
+def read_evaluations(run_dir: str | Path | None) -> list[dict[str, Any]]:
+    """The run folder's evaluations, oldest first (empty when the run evaluated nothing)."""
+    path = Path(run_dir) / EVAL_FILE if run_dir is not None else None
+    if path is None or not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

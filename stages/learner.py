@@ -48,6 +48,7 @@ from policies.correction import Correction
 from policies.selection import Fifo, NoSignalError, ReplayWindow, Selection, Taken
 from policies.staleness import staleness
 from stages.bias import outcome_panels, run_outcomes, step_outcomes
+from stages.evaluation import read_evaluations
 from stages.learner_state import read_learner_state, write_learner_state
 from stages.losses import group_advantages
 from stages.model import load_model
@@ -112,17 +113,20 @@ class GRPOLearner:
         return [actor]
 
     # -- what the pipeline shows and returns -------------------------------------------------
-    def summary(self, records: list[dict]) -> dict[str, Any]:
+    def summary(self, records: list[dict], run_dir: Path | None = None) -> dict[str, Any]:
         """reward_start / reward_end: mean train reward of the first / last few steps (a quarter of
         the run, at most 5); max_staleness_trained: over every trained group; outcomes: response
-        length and reward of the samples trained vs dropped (stages.bias)."""
+        length and reward of the samples trained vs dropped (stages.bias); eval: the first and last
+        evaluation, each tagged with the weight version it measured, when the run evaluated."""
         window = max(1, min(5, len(records) // 4))
         mean = lambda rows: round(float(np.mean([r["reward"] for r in rows])), 4) if rows else None  # noqa: E731
+        evaluations = read_evaluations(run_dir)
         return {
             "reward_start": mean(records[:window]),
             "reward_end": mean(records[-window:]),
             "max_staleness_trained": max((r["staleness_max"] for r in records), default=None),
             "outcomes": run_outcomes(records),
+            **({"eval": {"first": evaluations[0], "last": evaluations[-1]}} if evaluations else {}),
         }
 
     def progress(self, last: dict | None) -> dict[str, Any]:
@@ -135,7 +139,9 @@ class GRPOLearner:
         version, eval metrics (`eval...` keys), the filtered fraction (when anything was filtered), trained
         vs dropped (when anything was dropped) and the timeline of the first minutes (stages.timeline)."""
         stale = Counter(s for r in records for s in r.get("staleness_hist", []))
-        evals = sorted({k for r in records for k in r if k.startswith("eval")})
+        evaluations = read_evaluations(run_dir)
+        evals = {key: ([e["version"] for e in evaluations], [e[key] for e in evaluations])
+                 for key in ("eval/reward_mean", "eval/pass_rate")}
         timeline = timeline_panel(run_dir, records)
         return [
             Panel("mean reward per step", "line", x="version", y=["reward"]),
@@ -144,7 +150,7 @@ class GRPOLearner:
             _throughput_panel(records),
             Panel("learner time per version (s)", "line", x="version",
                   y=["version_s", "step_s", "collect_s", "push_s"]),
-            *([Panel("eval", "line", x="version", y=evals)] if evals else []),
+            *([Panel("eval at the version measured", "line", series=evals)] if evaluations else []),
             *([Panel("groups without signal: filtered fraction", "line", x="version", y=["filtered_frac"])]
               if any(r.get("filtered_frac") for r in records) else []),
             *outcome_panels(records),

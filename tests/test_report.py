@@ -53,15 +53,13 @@ def test_panels_without_data_are_left_out_and_titles_are_returned(tmp_path: Path
     assert (tmp_path / "none.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_eval_metrics_get_a_panel_and_filtered_only_when_something_was(tmp_path: Path) -> None:
-    records = [{"version": v, "t": v, "reward": 0.5, "staleness_hist": [0], "filtered_frac": 0.0,
-                "eval/accuracy": 0.1 * v} for v in (1, 2, 3)]
+def test_filtered_gets_a_panel_only_when_something_was(tmp_path: Path) -> None:
+    records = [{"version": v, "t": v, "reward": 0.5, "staleness_hist": [0], "filtered_frac": 0.0} for v in (1, 2, 3)]
     titles = [p.title for p in GRPOLearner.report_panels(None, records)]  # type: ignore[arg-type]
-    assert "eval" in titles and not any("filtered" in t for t in titles)
+    assert not any("filtered" in t for t in titles) and not any(t.startswith("eval") for t in titles)
     records[1]["filtered_frac"] = 0.25
     panels = GRPOLearner.report_panels(None, records)  # type: ignore[arg-type]
     assert any("filtered" in p.title for p in panels)
-    assert next(p for p in panels if p.title == "eval").y == ["eval/accuracy"]
 
 
 def _run(tmp_path: Path, mode: str, admission: str | None = None) -> tuple[dict, list[str], list[Panel]]:
@@ -116,3 +114,23 @@ def test_report_of_an_async_run_with_drops(tmp_path: Path) -> None:
     assert any(set(p.counts) >= {"trained (n=128)"} and len(p.counts) > 1
                for p in panels if p.title.startswith("trained vs dropped"))
     assert drawn[-1].startswith("where the time goes")
+
+
+def test_evaluations_reach_the_summary_and_the_report_tagged_with_their_versions(tmp_path: Path) -> None:
+    evaluations = [
+        {"version": 0, "version_max": 0, "eval/n": 8, "eval/reward_mean": 0.1, "eval/pass_rate": 0.0},
+        {"version": 50, "version_max": 51, "eval/n": 8, "eval/reward_mean": 0.6, "eval/pass_rate": 0.5},
+    ]
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evaluations))
+    learner = GRPOLearner("unused-model-path")
+    records = [{"version": v, "reward": 0.5, "staleness_max": 1} for v in range(1, 5)]
+
+    summary = learner.summary(records, tmp_path)
+    assert summary["eval"]["first"]["version"] == 0 and summary["eval"]["last"]["version"] == 50
+    assert summary["eval"]["last"]["eval/pass_rate"] == 0.5
+    assert "eval" not in learner.summary(records, tmp_path / "elsewhere")
+
+    panel = next(p for p in learner.report_panels(records, tmp_path) if p.title.startswith("eval"))
+    assert panel.series["eval/pass_rate"] == ([0, 50], [0.0, 0.5])
+    drawn = render_report(tmp_path / "report.png", records, learner.report_panels(records, tmp_path), title="e")
+    assert any(title.startswith("eval") for title in drawn)
