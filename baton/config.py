@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import tomllib
 from collections.abc import Iterable, Mapping
@@ -19,6 +18,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pydantic
+
+from pipeline import plugins
 
 M = TypeVar("M", bound=pydantic.BaseModel)
 
@@ -107,20 +108,11 @@ def validate(model: type[M], data: Mapping[str, Any], source: str = "config") ->
 
 
 def resolve(target: str, aliases: Mapping[str, str] | None = None) -> Any:
-    """`"sglang"` (an alias) or `"pkg.mod:Name"` -> the object."""
-    path = (aliases or {}).get(target, target)
-    module_name, sep, attr = path.partition(":")
-    if not sep:
-        known = ", ".join(sorted(aliases or {}))
-        raise ConfigError(f"unknown kind {target!r}: use one of {known} or a 'package.module:Name' path")
+    """`"sglang"` (an alias) or `"pkg.mod:Name"` -> the object (`pipeline.plugins`), as a ConfigError."""
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"kind {target!r}: cannot import {module_name!r}: {exc}") from None
-    try:
-        return getattr(module, attr)
-    except AttributeError:
-        raise ConfigError(f"kind {target!r}: module {module_name!r} has no {attr!r}") from None
+        return plugins.resolve(target, aliases)
+    except plugins.PluginError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def to_toml(data: Mapping[str, Any]) -> str:

@@ -17,7 +17,6 @@ drops their group. A sync function runs in a worker thread; one that times out i
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import logging
 import math
@@ -28,6 +27,8 @@ from functools import partial
 from typing import Any
 
 import anyio
+
+from pipeline import plugins
 
 ON_ERROR = ("zero", "drop")
 KEYWORDS = ("prompt", "messages", "completion", "tokens", "answer", "metadata", "source")
@@ -59,16 +60,7 @@ class Scores:
 
 def resolve(target: str) -> Callable:
     """A built-in reward's name (`BUILT_IN`) or `"pkg.module:function"` -> the function."""
-    path = BUILT_IN.get(target, target)
-    module_name, sep, attr = path.partition(":")
-    if not sep:
-        raise ValueError(f"reward {target!r}: use one of {sorted(BUILT_IN)} or a 'package.module:function' path")
-    try:
-        return getattr(importlib.import_module(module_name), attr)
-    except ImportError as exc:
-        raise ValueError(f"reward {target!r}: cannot import {module_name!r}: {exc}") from None
-    except AttributeError:
-        raise ValueError(f"reward {target!r}: module {module_name!r} has no {attr!r}") from None
+    return plugins.resolve(target, BUILT_IN, what="reward")
 
 
 def batched(fn: Callable) -> Callable:

@@ -129,8 +129,8 @@ def test_sigkill_while_writing_leaves_a_consistent_store(tmp_path: Path) -> None
 
 
 def test_export_is_what_ledger_json_holds_on_the_same_run(tmp_path: Path) -> None:
-    from baton.config import load_toml, validate
     from baton.builder import build_pipeline
+    from baton.config import load_toml, validate
     from baton.schema import RunConfig
 
     overrides = [f"run_root='{tmp_path}'", f"model.path='{tmp_path / 'model'}'", "steps=4",

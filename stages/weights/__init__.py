@@ -7,8 +7,9 @@ answers every transport (`engine_mailboxes`), so the transport is the learner's 
 
 from __future__ import annotations
 
-from importlib import import_module
 from typing import TYPE_CHECKING, Any
+
+from pipeline.plugins import resolve
 
 if TYPE_CHECKING:
     from stages.weights.base import WeightTransport
@@ -26,8 +27,7 @@ def make_transport(kind: str, **options: Any) -> WeightTransport:
     """The transport named `kind`, made with `options` (its constructor's keyword arguments)."""
     if kind not in TRANSPORTS:
         raise ValueError(f"unknown weight transport {kind!r}; known: {', '.join(TRANSPORTS)}")
-    module, _, cls = TRANSPORTS[kind].partition(":")
-    return getattr(import_module(module), cls)(**options)
+    return resolve(TRANSPORTS[kind])(**options)
 
 
 def engine_mailboxes(engines: list[Any]) -> dict[str, Any]:
