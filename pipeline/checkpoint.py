@@ -94,6 +94,7 @@ from pipeline.actor import BaseActor
 from pipeline.admission import AdmissionGate
 from pipeline.context import redo
 from pipeline.contracts import CheckpointedProducer, CheckpointingConsumer, RefHolder
+from pipeline.events import report_event
 from pipeline.ledger import Ledger, LedgerState
 from pipeline.ledger_store import LedgerStore
 from pipeline.refs import HeldRef, Redo, Ref
@@ -284,7 +285,7 @@ class Checkpointer:
         try:
             run_state = await self.cut.capture(version, consumer)
         except CutFailed as failed:  # the previous checkpoint stays the latest
-            self.log.warning("checkpoint skipped", version=version, reason=str(failed))
+            report_event(self.root.parent, "checkpoint.skipped", run=self.run, version=version, reason=str(failed))
             return None
         name = f"v{version:08d}-{uuid.uuid4().hex[:8]}"
         state = _STATE_ENCODER.encode(run_state)

@@ -22,6 +22,7 @@ import anyio
 
 from pipeline.admission import AdmissionGate
 from pipeline.contracts import Clock, Gate, LedgerClient, Services, VersionPolicy
+from pipeline.events import report_event
 from pipeline.ledger import Ledger
 from pipeline.refs import Produced, Redo, Ref
 from pipeline.telemetry import RunFolder, get_logger
@@ -117,6 +118,11 @@ class RunContext:
     def log(self, name: str):
         return get_logger(name).bind(run=self.run)
 
+    def event(self, kind: str, count: int = 1, **fields: Any) -> None:
+        """Something went wrong and was handled: a warning now, a count in the metrics and summary
+        (`pipeline.events`)."""
+        report_event(self.folder, kind, count, run=self.run, **fields)
+
     async def poll_feedback(self) -> Redo | None:
         """The next Redo waiting in the feedback channel, or None (never waits)."""
         try:
@@ -130,6 +136,8 @@ async def redo(ctx: RunContext, ref: Ref, fate: str, reason: str, store: Any, fr
     """`ref`'s unit will not be consumed: record its items as `fate` ("lost" or "regenerated"),
     free its admission slot, ask the producer to make it again, and free its payload."""
     await ctx.ledger.finished(fate, ref.item_ids, reason)
+    if fate == "lost":
+        ctx.event("payload.lost", count=ref.rows, key=ref.key, reason=reason)
     await ctx.gate.discard(1)
     await ctx.feedback.send(Redo(ref.group, reason))
     await free(ctx, ref, store, frees)

@@ -37,6 +37,7 @@ from pipeline.actor import Actor
 from pipeline.checkpoint import Resume
 from pipeline.context import RunContext
 from pipeline.contracts import Buffer, Consumer, Producer, VersionPolicy
+from pipeline.events import EventCounts
 from pipeline.faults import FaultPlan, FaultSpec
 from pipeline.runtime import RunReport, Runtime
 from pipeline.sinks import metric_sinks
@@ -158,6 +159,7 @@ class Pipeline:
             "wall_s": round(wall, 2),
             "samples_per_s": round(counts["trained"] / wall, 1) if wall > 0 else 0.0,
             **report.extra,
+            **({"events": events} if (events := EventCounts(folder.path).update()) else {}),
             **({"resume": resume.summary()} if resume is not None else {}),
         }
         folder.write_json("summary.json", summary)

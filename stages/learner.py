@@ -41,6 +41,7 @@ from pipeline.actor import BaseActor
 from pipeline.channel import Channel, ChannelClosed
 from pipeline.checkpoint import CheckpointError
 from pipeline.context import RunContext, free, redo, refuse
+from pipeline.events import EventCounts
 from pipeline.faults import plan_of
 from pipeline.refs import HeldRef, Ref
 from pipeline.telemetry import Panel, sliding_rate
@@ -188,6 +189,7 @@ class LearnerActor(BaseActor):
         self._examined = self._filtered = 0  # groups judged by the signal filter during the current step
         self._version = 0  # the version this learner's weights are at (kept by _train)
         self._load_s, self._loads = 0.0, 0  # store gets since the last metrics record (time, count)
+        self._events = EventCounts(ctx.folder.path)  # run events (pipeline.events) so far, for the metrics
 
     @property
     def store(self) -> ObjectStore:
@@ -214,10 +216,20 @@ class LearnerActor(BaseActor):
             kept = await self._restore_reusable(resume.reusable, version)
             self.log.info("learner restored", version=version, checkpoint=str(resume.checkpoint), reusable_groups=kept)
         # every engine starts from exactly the learner's weights of the run's first version (0 or the checkpoint's)
-        await self.transport.publish(version, self.model.state_dict())
+        await self._publish(version)
         if resume is not None and self.snapshot_every:  # replaces a snapshot of a rolled-back version
             await save_snapshot(self.store, snapshot_key(self.ctx.run, self.ctx.folder.path.name), version,
                                 self.model.state_dict())
+
+    async def _publish(self, version: int) -> None:
+        """Publish `version` to every engine; refusals and unreachable engines the transport handled are
+        reported as run events (`weights.refused`, `weights.unreachable`)."""
+        stats = self.transport.stats
+        before = {key: stats.get(key, 0) for key in ("refused", "unreachable")}
+        await self.transport.publish(version, self.model.state_dict())
+        for key, seen in before.items():
+            if stats.get(key, 0) > seen:
+                self.ctx.event(f"weights.{key}", count=stats[key] - seen, version=version)
 
     async def _restore_reusable(self, held: list[HeldRef], version: int) -> int:
         """Put the checkpoint's trained groups with uses left back into the window: those the staleness policy
@@ -284,7 +296,7 @@ class LearnerActor(BaseActor):
                 tg.cancel_scope.cancel()  # a prefetch still waiting for groups must not hold up the version
             step_s = time.perf_counter() - t0
             t_push = time.perf_counter()
-            await self.transport.publish(version + 1, self.model.state_dict())
+            await self._publish(version + 1)
             push_s = time.perf_counter() - t_push
             if self.snapshot_every and (version + 1) % self.snapshot_every == 0:
                 key = snapshot_key(ctx.run, ctx.folder.path.name)
@@ -316,6 +328,7 @@ class LearnerActor(BaseActor):
                 "tokens": int(sum(b.tokens for b in batches)),  # prompt + response tokens trained on
                 "version_s": round(time.perf_counter() - last, 4),  # this version, end to end
                 **stats,
+                **{f"events/{kind}": n for kind, n in self._events.update().items()},  # pipeline.events
             })
             last = time.perf_counter()
             self._load_s, self._loads = 0.0, 0

@@ -248,7 +248,7 @@ class RolloutWorker(BaseActor):
         cause = type(error).__name__
         counts = self.spec.stats.setdefault("regenerated", {})
         counts[cause] = counts.get(cause, 0) + groups
-        self.log.warning("generating groups again", groups=groups, cause=cause, error=str(error))
+        self.ctx.event("groups.regenerated", count=groups, engine=self.engine.name, cause=cause, error=str(error))
         plan = plan_of(self.ctx)
         if plan is not None:  # the fault runner counts these (they never reached the ledger)
             plan.record("regenerated", cause, self.name, groups=groups)

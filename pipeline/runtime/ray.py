@@ -44,6 +44,7 @@ from pipeline.actor import ActorFailed  # noqa: E402
 from pipeline.admission import AdmissionGate  # noqa: E402
 from pipeline.context import LocalClock, LocalLedger, RunContext  # noqa: E402
 from pipeline.contracts import StoreOpener, VersionPolicy  # noqa: E402
+from pipeline.events import report_event  # noqa: E402
 from pipeline.faults import as_plan  # noqa: E402
 from pipeline.faults import install as install_faults  # noqa: E402
 from pipeline.ledger import Ledger  # noqa: E402
@@ -569,9 +570,8 @@ class Supervision:
         run = self.run_
         run.restarts[name] += 1
         freed = await self.wiring.conductor.worker_died.remote(name)
-        get_logger("ray-runtime").warning(
-            "producer died; restarting it", host=name, restart=run.restarts[name], freed_slots=freed, error=str(exc)
-        )
+        report_event(self.wiring.folder, "producer.restarted", host=name, restart=run.restarts[name],
+                     freed_slots=freed, error=str(exc))
         host = run._hosts[name]
         await _when_back(host, self.peers)  # Ray restarts the process; rebuild its actor
         await host.start.remote()

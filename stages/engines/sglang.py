@@ -40,6 +40,7 @@ import numpy as np
 import torch
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
+from pipeline.events import report_event
 from pipeline.net import free_port
 from stages.engines.base import Completion, EngineError, SamplingParams
 from stages.engines.sglang_server import ServerFailed, SGLangServer
@@ -423,6 +424,7 @@ class SGLangEngine:
             if self.stats["restarts"] >= self.max_restarts:
                 raise EngineError(f"engine {self.name}: server died again after {self.max_restarts} restarts")
             self.stats["restarts"] += 1
+            report_event(self.log_dir, "engine.restarted", engine=self.name, restart=self.stats["restarts"])
             self._group = None  # the old server's end of the group is gone
             t0 = time.perf_counter()
             try:
