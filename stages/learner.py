@@ -255,9 +255,10 @@ class LearnerActor(BaseActor):
                 stats = await anyio.to_thread.run_sync(self._step, batches)
                 tg.cancel_scope.cancel()  # a prefetch still waiting for groups must not hold up the version
             step_s = time.perf_counter() - t0
-            t_push = time.perf_counter()
+            t_push, pushed = time.perf_counter(), dict(self.transport.stats)
             await self.transport.publish(version + 1, self.model.state_dict())
             push_s = time.perf_counter() - t_push
+            pushed = {k: round(v - pushed.get(k, 0), 4) for k, v in self.transport.stats.items()}
             if self.snapshot_every and (version + 1) % self.snapshot_every == 0:
                 key = snapshot_key(ctx.run, ctx.folder.path.name)
                 await save_snapshot(self.store, key, version + 1, self.model.state_dict())
@@ -284,6 +285,7 @@ class LearnerActor(BaseActor):
                 "step_s": round(step_s, 4),  # compute (forward, backward, optimizer)
                 "collect_s": round(collect_s, 4),  # waiting for and loading accepted groups
                 "push_s": round(push_s, 4),  # publishing the new version's weights to the engines
+                "weights": pushed,  # the transport's counters (stages.weights.base.STATS) for this version
                 "load_s": round(self._load_s, 4), "loads": self._loads,  # store gets since the last record
                 "tokens": int(sum(b.tokens for b in batches)),  # prompt + response tokens trained on
                 "version_s": round(time.perf_counter() - last, 4),  # this version, end to end

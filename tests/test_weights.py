@@ -413,7 +413,8 @@ async def test_a_delta_that_rebuilds_the_wrong_state_is_refused(model, peers) ->
     def lying(*args):  # every bucket's checksum a lie
         layout = decode_layout(message(*args).layout)
         buckets = tuple(msgspec.structs.replace(b, checksum=12345) for b in layout.buckets)
-        return msgspec.structs.replace(message(*args), layout=encode_layout(msgspec.structs.replace(layout, buckets=buckets)))
+        lie = encode_layout(msgspec.structs.replace(layout, buckets=buckets))
+        return msgspec.structs.replace(message(*args), layout=lie)
 
     transport._message = lying
     with pytest.raises(WeightPushError, match="fail their checksum"):

@@ -90,7 +90,7 @@ STATS = {
     "buckets_index": "buckets sent as element indices and values",
     "buckets_bitmask": "buckets sent as a bitmask and values",
     "buckets_full": "buckets sent whole (denser than either form, or no base)",
-    "fallback_new": "full sends to a receiver that holds no version (new or restarted)",
+    "fallback_new": "full sends to a receiver that holds no version (new, restarted, its slots lost)",
     "fallback_lost": "full sends to a receiver whose versions the learner no longer keeps",
     "fallback_refused": "full sends after a refused attempt (a checksum mismatch, a lost base)",
 }

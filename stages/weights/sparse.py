@@ -4,7 +4,7 @@ receiving slot holds, bucket by bucket of a packed layout (`stages.weights.layou
 Learner side, `Versions` keeps the last few versions packed in the engine's dtype (the learner may
 train in fp32 while its engines serve bf16: `pack_into` converts while packing), so the base of
 any receiver slot that is at most two versions behind is at hand. `diff(layout, base, new)` picks
-per bucket the cheapest of three forms: `index` (uint32 element indices, then the new values),
+per bucket the cheapest of three forms: `index` (the changed elements' indices as byte gaps, then their new values),
 `bitmask` (one bit per element, then the new values) or `full` (the bucket's bytes); an element is
 one word of the bucket's narrowest dtype (a bf16 value in a bf16 bucket).
 
@@ -29,7 +29,7 @@ from stages.weights.layout import DTYPES, Bucket, Layout, LayoutError, bad_bucke
 
 INDEX, BITMASK, FULL = "index", "bitmask", "full"
 _WORDS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-KEEP = 3  # versions a learner keeps packed: the new one and the two its receivers' slots may hold
+KEEP = 3  # versions a learner keeps packed: the new one and the two a receiver's slots may hold
 FALLBACKS = ("fallback_new", "fallback_lost", "fallback_refused")
 
 
@@ -67,7 +67,7 @@ def engine_tensors(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None) 
     """Shapes and dtypes as the engine holds them (floating tensors in `dtype`), for `plan`: no copy."""
     if dtype is None:
         return tensors
-    return {n: torch.empty(0, dtype=dtype).expand(t.shape) if t.is_floating_point() else t for n, t in tensors.items()}
+    return {n: torch.empty((), dtype=dtype).expand(t.shape) if t.is_floating_point() else t for n, t in tensors.items()}
 
 
 def pack_into(buffer: np.ndarray, tensors: dict[str, torch.Tensor], layout: Layout) -> Layout:
@@ -106,18 +106,31 @@ class Versions:
         return self.packed.get(version)
 
 
+def _gaps(where: np.ndarray) -> tuple[np.ndarray, int]:
+    """Increasing element indices as byte gaps (the first from 0): a gap `d` is `d // 255` bytes of
+    255, then `d % 255`; decoded by a running sum, keeping the sums at bytes other than 255."""
+    gaps = np.diff(where, prepend=0)
+    skips = gaps // 255
+    return gaps, int(skips.sum())
+
+
 def _encode(base: np.ndarray, new: np.ndarray, word: Any) -> tuple[str, list[np.ndarray], int]:
     """The cheapest form of one bucket's change: (form, payload pieces, elements changed)."""
     b, n = base.view(word), new.view(word)
     mask = b != n
-    changed = int(np.count_nonzero(mask))
-    size = np.dtype(word).itemsize
-    costs = {INDEX: changed * (4 + size), BITMASK: -(-n.size // 8) + changed * size, FULL: new.nbytes}
+    where = np.flatnonzero(mask)
+    changed, size = where.size, np.dtype(word).itemsize
+    gaps, skips = _gaps(where)
+    costs = {INDEX: changed + skips + changed * size, BITMASK: -(-n.size // 8) + changed * size, FULL: new.nbytes}
     form = min(costs, key=costs.__getitem__)
     if form == FULL:
         return FULL, [new], changed
-    head = np.flatnonzero(mask).astype(np.uint32) if form == INDEX else np.packbits(mask)
-    return form, [head.view(np.uint8), n[mask].view(np.uint8)], changed
+    if form == INDEX:
+        head = np.full(changed + skips, 255, dtype=np.uint8)
+        head[np.cumsum(gaps // 255 + 1) - 1] = gaps % 255
+    else:
+        head = np.packbits(mask)
+    return form, [head, n[where].view(np.uint8)], changed
 
 
 def diff(
@@ -160,14 +173,15 @@ def _apply(span: np.ndarray, part: Part, payload: np.ndarray, word: Any) -> None
             raise LayoutError(f"a full bucket {part.bucket} of {part.nbytes} bytes for {span.nbytes}")
         span[:] = data
         return
-    head = part.changed * 4 if part.form == INDEX else -(-target.size // 8)
-    if part.form not in (INDEX, BITMASK) or head + part.changed * size != part.nbytes:
+    head = part.nbytes - part.changed * size if part.form == INDEX else -(-target.size // 8)
+    if part.form not in (INDEX, BITMASK) or head < 0 or head + part.changed * size != part.nbytes:
         raise LayoutError(f"bucket {part.bucket}: a {part.form!r} part of {part.nbytes} bytes")
     values = data[head:].view(word)
     if part.form == INDEX:
-        where = data[:head].view(np.uint32)
-        if part.changed and int(where.max()) >= target.size:
-            raise LayoutError(f"bucket {part.bucket}: an element index past its end")
+        gaps = data[:head]
+        where = np.cumsum(gaps, dtype=np.int64)[gaps != 255]
+        if where.size != part.changed or (part.changed and int(where[-1]) >= target.size):
+            raise LayoutError(f"bucket {part.bucket}: element indices that do not fit it")
     else:
         where = np.unpackbits(data[:head], count=target.size).view(bool)
         if int(np.count_nonzero(where)) != part.changed:
@@ -240,12 +254,14 @@ class Planner:
         return self.versions.add(version, tensors, layout)
 
     def patch(self, holds: tuple[int, ...], slot: int, refused: bool) -> tuple[Patch, list[np.ndarray]]:
-        """Against the version `slot` holds if kept, else the other slot's (copied over by the
-        receiver), else the whole state: after a refusal always the whole state."""
+        """Against the newest kept version either slot holds (the other slot's is copied over by the
+        receiver first: a local copy is cheaper than the second step's changes on the wire), else
+        the whole state; after a refusal always the whole state."""
         layout, new = self.versions.layout, self.versions.get(self.staged)
         assert layout is not None and new is not None
         sources = [] if refused else [s for s in (slot, 1 - slot) if 0 <= s < len(holds)]
-        base = next(((holds[s], s) for s in sources if self.versions.get(holds[s]) is not None), (-1, -1))
+        kept = [(holds[s], s) for s in sources if self.versions.get(holds[s]) is not None]
+        base = max(kept, key=lambda held: (held[0], held[1] == slot), default=(-1, -1))
         if base[0] == -1 and len(self.versions.packed) > 1:  # a delta was possible: a fallback
             self.stats["full_sends"] += 1
             lost = any(h >= 0 for h in holds)
