@@ -255,10 +255,7 @@ class LearnerActor(BaseActor):
                 stats = await anyio.to_thread.run_sync(self._step, batches)
                 tg.cancel_scope.cancel()  # a prefetch still waiting for groups must not hold up the version
             step_s = time.perf_counter() - t0
-            t_push, pushed = time.perf_counter(), dict(self.transport.stats)
-            await self.transport.publish(version + 1, self.model.state_dict())
-            push_s = time.perf_counter() - t_push
-            pushed = {k: round(v - pushed.get(k, 0), 4) for k, v in self.transport.stats.items()}
+            push_s, pushed = await self._publish(version + 1)
             if self.snapshot_every and (version + 1) % self.snapshot_every == 0:
                 key = snapshot_key(ctx.run, ctx.folder.path.name)
                 await save_snapshot(self.store, key, version + 1, self.model.state_dict())
@@ -298,6 +295,13 @@ class LearnerActor(BaseActor):
             if ctx.checkpoint is not None and ctx.checkpoint.due(version):
                 written = await ctx.checkpoint.save(version, self)
                 ctx.note(self.name, f"checkpoint of version {version} {'written' if written else 'skipped'}")
+
+    async def _publish(self, version: int) -> tuple[float, dict[str, float]]:
+        """Publish `version`'s weights: the seconds it took and the transport's counters for it."""
+        started, before = time.perf_counter(), dict(self.transport.stats)
+        await self.transport.publish(version, self.model.state_dict())
+        counted = {k: round(v - before.get(k, 0), 4) for k, v in self.transport.stats.items()}
+        return time.perf_counter() - started, counted
 
     async def _prefetch(self, version: int) -> None:
         """Receive and load up to one step of groups (whatever is there, waiting for the first).

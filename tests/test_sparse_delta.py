@@ -263,7 +263,8 @@ def test_a_patch_crosses_processes_as_msgpack() -> None:
 def test_the_quickstart_learns_with_sparse_deltas_as_with_full_pushes(tmp_path: Path) -> None:
     def run(transport: str) -> dict:
         out = tmp_path / transport
-        sets = [f"run_root='{out}'", f"model.path='{tmp_path / 'model'}'", "steps=60", f"weights.transport='{transport}'"]
+        sets = [f"run_root='{out}'", f"model.path='{tmp_path / 'model'}'", "steps=60"]
+        sets.append(f"weights.transport='{transport}'")
         proc = subprocess.run(
             [sys.executable, "-m", "baton.cli", "run", str(ROOT / "configs" / "quickstart-sync.toml"),
              *[x for s in sets for x in ("--set", s)]],
@@ -276,5 +277,6 @@ def test_the_quickstart_learns_with_sparse_deltas_as_with_full_pushes(tmp_path: 
     assert sparse["reward_end"] >= sparse["reward_start"] + 0.15, sparse
     assert sparse["reward_end"] == pytest.approx(full["reward_end"], abs=0.05), (full, sparse)
     metrics = [json.loads(line) for line in (Path(sparse["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
-    assert all(m["weights"]["bytes"] > 0 for m in metrics)
+    assert all(m["weights"]["versions"] == 1 and m["weights"]["full_bytes"] > 0 for m in metrics)
+    assert sum(m["weights"]["bytes"] for m in metrics) < sum(m["weights"]["full_bytes"] for m in metrics)
     assert sum(m["weights"]["changed"] for m in metrics) < sum(m["weights"]["elements"] for m in metrics)

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
 import msgspec
 import numpy as np
 import torch
@@ -62,7 +63,7 @@ class DeltaReceiver(EngineReceiver):
             if slot in (0, 1) and slot != self.slots.live and self.slots.slots[slot].nbytes < layout.total:
                 self.slots.slots[slot], self.slots.holds[slot] = np.zeros(layout.total, dtype=np.uint8), -1
             payload = np.frombuffer(message.blob, dtype=np.uint8)
-            buffer = self.slots.rebuild(slot, layout, message.patch, payload)
+            buffer = await anyio.to_thread.run_sync(self.slots.rebuild, slot, layout, message.patch, payload)
         except (LayoutError, msgspec.DecodeError, msgspec.ValidationError) as exc:
             return self.refuse(str(exc))
         reply = await self.apply(layout.version, views(buffer, layout))
@@ -95,13 +96,13 @@ class DeltaTransport(PushTransport):
         return DeltaReceiver(engines)
 
     async def stage(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
-        self.planner.stage(version, tensors, self.bucket_bytes)
+        await anyio.to_thread.run_sync(self.planner.stage, version, tensors, self.bucket_bytes)
         self.stats["copied"] += 1
 
     async def send(self, target: _DeltaTarget, attempt: int) -> tuple[bytes | None, int]:
         """A patch from what the target's free slot (or its other one) holds; after a refusal the whole state."""
         slot = 1 - target.live if target.live in (0, 1) else 0
-        patch, pieces = self.planner.patch(target.holds, slot, refused=attempt > 0)
+        patch, pieces = await anyio.to_thread.run_sync(self.planner.patch, target.holds, slot, attempt > 0)
         message = self._message(slot, patch, b"".join(p.tobytes() for p in pieces))
         answer = await target.asker.ask(DELTA, msgspec.msgpack.encode(message))
         if answer is not None:

@@ -15,6 +15,14 @@ buffer) to each receiver's free slot with
 push starves generation), and commits (retries, unreachable engines and catch-ups:
 `PushTransport`; a restarted engine says hello again).
 
+With `engine_dtype` (e.g. "bfloat16" for a fp32 learner) each version is first packed in that dtype
+and written from the packed copy. With `sparse=True` a version is sent as element-level deltas
+(`stages.weights.sparse`): the receiver also registers an inbox; the learner writes each delta's
+payload there and commits it with its `Patch`, and the receiver rebuilds the free slot in place
+(from the version it holds, or from a copy of the live slot), verifies every bucket and applies the
+version, all or nothing. Every commit reply says what each slot holds; a receiver holding no base
+the learner kept, or one that refused, gets the whole version written into its slot as before.
+
 The control messages (hello, commit and their replies) are msgpack structs, validated on arrival;
 weights never travel pickled. TransferEngine listens on all interfaces (Mooncake's choice);
 peers are addressed as `ip:rpc_port` (127.0.0.1, or `$BATON_HOST` on multi-node runs) with
@@ -259,7 +267,7 @@ class MooncakeP2PTransport(PushTransport):
             return None, 0
         slot, patch, nbytes = target.next_slot, None, layout.total
         if self.sparse and self._planner is not None:
-            patch, pieces = self._planner.patch(target.holds, slot, refused=attempt > 0)
+            patch, pieces = await anyio.to_thread.run_sync(self._planner.patch, target.holds, slot, attempt > 0)
         try:
             if patch is None or patch.base == -1:
                 patch = None  # the whole version, written straight into the slot

@@ -1,18 +1,22 @@
 """Element-level weight deltas: a version sent as the elements that changed since the version the
 receiving slot holds, bucket by bucket of a packed layout (`stages.weights.layout`).
 
-Learner side, `Versions` keeps the last few versions packed in the engine's dtype (the learner may
-train in fp32 while its engines serve bf16: `pack_into` converts while packing), so the base of
-any receiver slot that is at most two versions behind is at hand. `diff(layout, base, new)` picks
-per bucket the cheapest of three forms: `index` (the changed elements' indices as byte gaps, then their new values),
-`bitmask` (one bit per element, then the new values) or `full` (the bucket's bytes); an element is
-one word of the bucket's narrowest dtype (a bf16 value in a bf16 bucket).
+Learner side, `Versions` keeps the last `KEEP` versions packed in the engine's dtype (the learner
+may train in fp32 while its engines serve bf16: `pack_into` converts while packing), so whatever a
+receiver's two slots hold, if at most two versions old, is at hand as a base. `Planner.patch`
+diffs against the newest version either slot holds: the slot being rebuilt itself (two versions
+behind) or the live one, which the receiver copies over first (a local copy costs less than a
+second step's changes on the wire). `diff` picks per bucket the cheapest of three forms: `index`
+(the changed elements' positions as byte gaps, then their new values), `bitmask` (one bit per
+element, then the new values) or `full` (the bucket's bytes); an element is one word of the
+bucket's narrowest dtype (a bf16 value in a bf16 bucket).
 
 Receiver side, `Slots` holds two packed receive slots and the version each holds. `rebuild`
-applies a `Patch` to a slot only if the slot holds exactly the patch's base, then verifies every
-bucket's xxh3 checksum against the learner's; any failure marks the slot as holding nothing (its
-bytes are no longer a known version), so the learner's next send to it is the full state. Bases are
-therefore never assumed: every reply says what each slot holds (`SlotReply.holds`).
+applies a `Patch` only onto exactly its base, then verifies every bucket's xxh3 checksum against
+the learner's; any failure marks the slot as holding nothing (its bytes are no longer a known
+version). Bases are therefore never assumed: every reply says what each slot holds
+(`SlotReply.holds`), and the learner sends the whole state when no slot holds a version it kept,
+or after a refusal (counted in `full_sends` and one of the `fallback_*` stats).
 """
 
 from __future__ import annotations
@@ -30,7 +34,6 @@ from stages.weights.layout import DTYPES, Bucket, Layout, LayoutError, bad_bucke
 INDEX, BITMASK, FULL = "index", "bitmask", "full"
 _WORDS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 KEEP = 3  # versions a learner keeps packed: the new one and the two a receiver's slots may hold
-FALLBACKS = ("fallback_new", "fallback_lost", "fallback_refused")
 
 
 class Part(msgspec.Struct, frozen=True):
