@@ -277,6 +277,39 @@ def test_the_quickstart_learns_with_sparse_deltas_as_with_full_pushes(tmp_path: 
     assert sparse["reward_end"] >= sparse["reward_start"] + 0.15, sparse
     assert sparse["reward_end"] == pytest.approx(full["reward_end"], abs=0.05), (full, sparse)
     metrics = [json.loads(line) for line in (Path(sparse["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
-    assert all(m["weights"]["versions"] == 1 and m["weights"]["full_bytes"] > 0 for m in metrics)
-    assert sum(m["weights"]["bytes"] for m in metrics) < sum(m["weights"]["full_bytes"] for m in metrics)
-    assert sum(m["weights"]["changed"] for m in metrics) < sum(m["weights"]["elements"] for m in metrics)
+    for m in metrics:  # each version's counters (lr 3e-3 on fp32 engines: most elements move)
+        w = m["weights"]
+        assert w["versions"] == 1 and 0 <= w["bytes"] <= w["full_bytes"] > 0 and w["changed"] <= w["elements"]
+
+
+@pytest.mark.anyio
+async def test_a_torch_engine_runs_on_slots_rebuilt_from_sparse_deltas(tmp_path: Path) -> None:
+    """The engine's parameters are views over the slot each delta rebuilt, bit-exact with the learner's."""
+    from stages.engines.torch import TorchEngine
+    from stages.model import load_model, make_tiny_model
+    from stages.weights.mooncake_p2p import MooncakeP2PTransport
+
+    path = make_tiny_model(tmp_path / "tiny")
+    engine = TorchEngine(path, name="local")
+    await engine.start()
+    transport = MooncakeP2PTransport(sparse=True, bucket_bytes=64 << 10)
+    transport.subscribe(engine)
+    receiver = transport._targets[0].asker.receiver
+    learner = load_model(path)
+    try:
+        for version in (1, 2, 3, 4):
+            with torch.no_grad():
+                for i, p in enumerate(learner.parameters()):
+                    if i % 3 == version % 3:  # a third of the tensors move each version
+                        p.add_(torch.randn_like(p) * 1e-3)
+            state = learner.state_dict()
+            await transport.publish(version, state)
+            live = receiver.slots.slots[receiver.slots.live]
+            lo, hi = live.data_ptr(), live.data_ptr() + live.nbytes
+            assert all(lo <= p.data_ptr() < hi for p in engine._model.parameters())
+            got = engine._model.state_dict()
+            assert all(torch.equal(got[n], t) for n, t in state.items() if n in got)
+    finally:
+        await transport.close()
+    s = transport.stats
+    assert s["full_sends"] == 0 and s["bytes"] < s["full_bytes"] * 0.8 and receiver.rejected == 0
