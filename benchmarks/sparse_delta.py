@@ -9,9 +9,12 @@ engines' weights are hashed and must be bit-identical. Steps run at lr 1e-6, the
 
 Per step (stderr table, and `steps` in the JSON): the fraction of bf16 elements that changed since
 the previous version (`changed_frac`), bytes sent against a full push, the forms chosen, both
-publish times. Ratios (last stdout line, JSON): `sparse_bytes_vs_full` (goal <= 0.05 at lr 1e-6) and
-`sparse_push_vs_full` (publish seconds, goal <= 0.2), each for both learning rates. Both publishes
-include converting the fp32 weights to bf16 and checksumming them; everything runs on 127.0.0.1.
+publish times and how much of each was packing. Ratios (last stdout line, JSON):
+`sparse_bytes_vs_full` (goal <= 0.05 at lr 1e-6) and `sparse_push_vs_full` (publish seconds, goal
+<= 0.2), each also per learning rate. Both publishes include packing (converting the fp32 weights
+to bf16 and checksumming them); `after_packing@lr` compares the rest (sparse: the diff, the payload
+write, the engine's rebuild and verification; full: the whole write and the verification).
+Everything runs on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -139,6 +142,20 @@ def changed_frac(transport: MooncakeP2PTransport, version: int) -> float:
     return float(np.count_nonzero(new.view(np.uint16) != old.view(np.uint16)) / (new.nbytes // 2))
 
 
+def time_packing(transport: MooncakeP2PTransport) -> None:
+    """Record in `transport.pack_s` how long packing the last version took (converting to bf16 and
+    checksumming: the same work for both transports, before either sends a byte)."""
+    stage = transport._planner.stage
+
+    def timed(*args):
+        started = time.perf_counter()
+        packed = stage(*args)
+        transport.pack_s = time.perf_counter() - started
+        return packed
+
+    transport._planner.stage = timed
+
+
 async def publish(transport, version: int, state: dict) -> tuple[float, dict]:
     before = dict(transport.stats)
     t0 = time.perf_counter()
@@ -158,6 +175,7 @@ async def run(args) -> dict:
     }
     for kind, transport in transports.items():
         transport.subscribe(peer.asker(kind))
+        time_packing(transport)
     steps, version = [], 1
     try:
         for transport in transports.values():
@@ -180,6 +198,8 @@ async def run(args) -> dict:
                     "sparse_bytes": int(sparse["bytes"]), "full_bytes": int(full["bytes"]),
                     "forms": {f: int(sparse[f"buckets_{f}"]) for f in ("index", "bitmask", "full")},
                     "sparse_s": round(sparse_s, 4), "full_s": round(full_s, 4),
+                    "sparse_pack_s": round(transports["sparse"].pack_s, 4),
+                    "full_pack_s": round(transports["full"].pack_s, 4),
                     "identical": digests["sparse"] == digests["full"] and digests["sparse"][0] == version,
                 })
                 print(json.dumps(steps[-1]), file=sys.stderr, flush=True)
@@ -198,6 +218,8 @@ def summary(steps: list[dict], params: int, fallbacks: dict) -> dict:
         sent, full = sum(s["sparse_bytes"] for s in at), sum(s["full_bytes"] for s in at)
         ratios[f"sparse_bytes_vs_full@{lr:g}"] = round(sent / full, 4)
         ratios[f"sparse_push_vs_full@{lr:g}"] = round(sum(s["sparse_s"] for s in at) / sum(s["full_s"] for s in at), 4)
+        after = [(s["sparse_s"] - s["sparse_pack_s"], s["full_s"] - s["full_pack_s"]) for s in at]
+        ratios[f"after_packing@{lr:g}"] = round(sum(a for a, _ in after) / sum(b for _, b in after), 4)
         ratios[f"changed_frac@{lr:g}"] = round(float(np.mean([s["changed_frac"] for s in at])), 6)
     low = min(s["lr"] for s in steps)
     ratios["sparse_bytes_vs_full"] = ratios[f"sparse_bytes_vs_full@{low:g}"]
@@ -215,7 +237,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--steps", type=int, default=3, help="training steps per learning rate")
+    parser.add_argument("--steps", type=int, default=2, help="training steps per learning rate")
     parser.add_argument("--lrs", type=float, nargs="+", default=[1e-6, 1e-5])
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=64)
