@@ -44,7 +44,8 @@ from stages.weights.base import WeightTransport
 # the WeightsSpec keys each transport takes (as its constructor's keywords); one not named here is made
 # by the learner from its name alone, in the learner's process
 TRANSPORT_OPTIONS: dict[str, tuple[str, ...]] = {
-    "mooncake_p2p": ("protocol", "device", "bucket_bytes", "pace_bytes_per_s", "retries"),
+    "mooncake_p2p": ("protocol", "device", "bucket_bytes", "pace_bytes_per_s", "retries", "engine_dtype", "sparse"),
+    "delta": ("engine_dtype",),
     "disk": ("root", "retries"),
     "broadcast": ("retries",),
 }
@@ -121,9 +122,12 @@ def max_staleness(spec: schema.MaxStalenessSpec, cfg: RunConfig) -> MaxStaleness
 def weight_transport(spec: schema.WeightsSpec, cfg: RunConfig) -> WeightTransport | str:
     """The transport with its config keys, or its name when it takes none (the learner makes it then)."""
     values = {"protocol": spec.protocol, "device": spec.device, "bucket_bytes": int(spec.bucket_bytes),
-              "pace_bytes_per_s": float(spec.pace) if spec.pace else None, "retries": spec.retries, "root": spec.root}
+              "pace_bytes_per_s": float(spec.pace) if spec.pace else None, "retries": spec.retries, "root": spec.root,
+              "sparse": spec.sparse,
+              # the learner trains in float32; engines holding another dtype get (and are diffed in) theirs
+              "engine_dtype": cfg.model.dtype if cfg.model.dtype != "float32" else None}
     options = {key: values[key] for key in TRANSPORT_OPTIONS.get(spec.transport, ())}
-    if not options:
+    if all(value is None for value in options.values()):  # e.g. delta in the learner's dtype
         return spec.transport
     return make_transport(spec.transport, **options)
 

@@ -404,6 +404,8 @@ class WeightsSpec(Section):
     retries: int = Field(default_of(MooncakeP2PTransport, "retries"), ge=0, description="re-sends of a refused "
                          "version before the run fails (mooncake_p2p, disk, broadcast)")
     root: str | None = Field(None, description="disk: folder every engine can read (default: a temporary one)")
+    sparse: bool = Field(default_of(MooncakeP2PTransport, "sparse"), description="mooncake_p2p: send each version "
+                         "as element-level deltas against what the engine holds (transport = 'delta' always does)")
     snapshot_every: int = Field(
         default_of(GRPOLearner, "snapshot_every"), ge=0,
         description="keep every n-th version in the store for engines that (re)start; 0: never",

@@ -221,16 +221,6 @@ class LearnerActor(BaseActor):
             await save_snapshot(self.store, snapshot_key(self.ctx.run, self.ctx.folder.path.name), version,
                                 self.model.state_dict())
 
-    async def _publish(self, version: int) -> None:
-        """Publish `version` to every engine; refusals and unreachable engines the transport handled are
-        reported as run events (`weights.refused`, `weights.unreachable`)."""
-        stats = self.transport.stats
-        before = {key: stats.get(key, 0) for key in ("refused", "unreachable")}
-        await self.transport.publish(version, self.model.state_dict())
-        for key, seen in before.items():
-            if stats.get(key, 0) > seen:
-                self.ctx.event(f"weights.{key}", count=stats[key] - seen, version=version)
-
     async def _restore_reusable(self, held: list[HeldRef], version: int) -> int:
         """Put the checkpoint's trained groups with uses left back into the window: those the staleness policy
         still accepts at `version` and whose payload the store still holds (the others' payloads are freed;
@@ -295,9 +285,7 @@ class LearnerActor(BaseActor):
                 stats = await anyio.to_thread.run_sync(self._step, batches)
                 tg.cancel_scope.cancel()  # a prefetch still waiting for groups must not hold up the version
             step_s = time.perf_counter() - t0
-            t_push = time.perf_counter()
-            await self._publish(version + 1)
-            push_s = time.perf_counter() - t_push
+            push_s, pushed = await self._publish(version + 1)
             if self.snapshot_every and (version + 1) % self.snapshot_every == 0:
                 key = snapshot_key(ctx.run, ctx.folder.path.name)
                 await save_snapshot(self.store, key, version + 1, self.model.state_dict())
@@ -324,6 +312,7 @@ class LearnerActor(BaseActor):
                 "step_s": round(step_s, 4),  # compute (forward, backward, optimizer)
                 "collect_s": round(collect_s, 4),  # waiting for and loading accepted groups
                 "push_s": round(push_s, 4),  # publishing the new version's weights to the engines
+                "weights": pushed,  # the transport's counters (stages.weights.base.STATS) for this version
                 "load_s": round(self._load_s, 4), "loads": self._loads,  # store gets since the last record
                 "tokens": int(sum(b.tokens for b in batches)),  # prompt + response tokens trained on
                 "version_s": round(time.perf_counter() - last, 4),  # this version, end to end
@@ -337,6 +326,18 @@ class LearnerActor(BaseActor):
             if ctx.checkpoint is not None and ctx.checkpoint.due(version):
                 written = await ctx.checkpoint.save(version, self)
                 ctx.note(self.name, f"checkpoint of version {version} {'written' if written else 'skipped'}")
+
+    async def _publish(self, version: int) -> tuple[float, dict[str, float]]:
+        """Publish `version`'s weights: the seconds it took and the transport's counters for it. Refusals
+        and unreachable engines the transport handled are reported as run events (`weights.refused`,
+        `weights.unreachable`)."""
+        started, before = time.perf_counter(), dict(self.transport.stats)
+        await self.transport.publish(version, self.model.state_dict())
+        counted = {k: round(v - before.get(k, 0), 4) for k, v in self.transport.stats.items()}
+        for key in ("refused", "unreachable"):
+            if counted.get(key):
+                self.ctx.event(f"weights.{key}", count=int(counted[key]), version=version)
+        return time.perf_counter() - started, counted
 
     async def _prefetch(self, version: int) -> None:
         """Receive and load up to one step of groups (whatever is there, waiting for the first).

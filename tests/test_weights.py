@@ -201,11 +201,11 @@ async def test_the_engine_runs_on_the_slot_and_the_live_slot_is_never_written(mo
                 await transport.resend(transport._targets[0].asker)
             state = learner_version(model, seed=version)
             await transport.publish(version, state)
-            live = receiver._slots[receiver._live]
+            live = receiver.slots.slots[receiver.slots.live]
             lo, hi = live.data_ptr(), live.data_ptr() + live.nbytes
             assert all(lo <= p.data_ptr() < hi for p in engine._model.parameters())  # the slot is the weights
             assert digest(engine._model.state_dict()) == digest(state)
-            live_slots.append(receiver._live)
+            live_slots.append(receiver.slots.live)
     finally:
         await transport.close()
     assert live_slots == [0, 1, 0] and receiver.rejected == 0 and transport.stats["copied"] == 0
@@ -409,8 +409,15 @@ async def test_a_delta_that_rebuilds_the_wrong_state_is_refused(model, peers) ->
     state = learner_version(model, seed=1)
     await transport.publish(1, state)
     message = transport._message
-    transport._message = lambda *a: msgspec.structs.replace(message(*a), checksum=12345)  # a lying checksum
-    with pytest.raises(WeightPushError, match="does not match its checksum"):
+
+    def lying(*args):  # every bucket's checksum a lie
+        layout = decode_layout(message(*args).layout)
+        buckets = tuple(msgspec.structs.replace(b, checksum=12345) for b in layout.buckets)
+        lie = encode_layout(msgspec.structs.replace(layout, buckets=buckets))
+        return msgspec.structs.replace(message(*args), layout=lie)
+
+    transport._message = lying
+    with pytest.raises(WeightPushError, match="fail their checksum"):
         await transport.publish(2, learner_version(model, seed=2))
     version, rejected, got = await peers[0].state()
     assert (version, rejected) == (1, 1) and got == digest(state)

@@ -83,6 +83,16 @@ STATS = {
     "unreachable": "sends skipped because the receiver's process did not answer",
     "resent": "catch-ups `resend` delivered",
     "deferred": "catch-ups `resend` could not deliver (left to the next publish)",
+    # element-level deltas (`stages.weights.sparse`), summed over sends; zero for other transports
+    "elements": "engine-dtype elements of the versions sent",
+    "changed": "elements that differed from the receiving slot's base",
+    "full_bytes": "bytes whole versions would have been (to compare with `bytes`)",
+    "buckets_index": "buckets sent as element indices and values",
+    "buckets_bitmask": "buckets sent as a bitmask and values",
+    "buckets_full": "buckets sent whole (denser than either form, or no base)",
+    "fallback_new": "full sends to a receiver that holds no version (new, restarted, its slots lost)",
+    "fallback_lost": "full sends to a receiver whose versions the learner no longer keeps",
+    "fallback_refused": "full sends after a refused attempt (a checksum mismatch, a lost base)",
 }
 
 

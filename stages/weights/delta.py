@@ -1,16 +1,18 @@
-"""`delta`: send only the tensors that changed since the version the engine holds.
+"""`delta`: send only the elements that changed since the version the receiving slot holds.
 
-The learner keeps a copy of the version it last published. A new version goes out as a
-`DeltaHeader` (the base version it applies to, the new version, an xxh3 checksum of the whole
-resulting state) plus the changed tensors in one checksummed bucket layout (`stages.weights.layout`).
-The receiver (`DeltaReceiver`, engine side) keeps the full state of its version; it applies a delta
-only onto exactly its base, recomputes the checksum of the result, and hands the engines the whole
-new state only if it matches. Otherwise it refuses and says what it holds: the learner then sends
-the full state (a delta against nothing), which is how a new or restarted engine catches up.
+The learner keeps its last versions packed in the engine's dtype (`engine_dtype`: a fp32 learner
+with bf16 engines diffs bf16 values, most of which do not move in a step) and tracks, from every
+reply, which version each of the receiver's two slots holds. A version goes out as a `DeltaMessage`:
+the slot to rebuild, the version's checksummed bucket layout (`stages.weights.layout`) and a
+`stages.weights.sparse.Patch` (per bucket: element indices, a bitmask or the whole bucket, and the
+values) with its payload. The receiver (`DeltaReceiver`, engine side) rebuilds the slot in place
+from exactly the patch's base, verifies every bucket's checksum, and only then hands its engines
+the version (views over the slot; the other slot is the next one rebuilt). A patch it cannot apply
+is refused and the learner sends the whole state, as it does to a new or restarted receiver.
 
-What it buys depends on the training: with full-parameter AdamW every tensor moves every step and a
-delta is the whole model; with frozen parts (embeddings, LoRA bases, a frozen tower) only the
-trained tensors travel. `stats["bytes"]` against `stats["state_bytes"]` shows which case a run is in.
+What it buys depends on the training: at RL learning rates most bf16 values stay bit-identical
+from one step to the next; with frozen parts only the trained tensors travel at all.
+`stats["bytes"]` against `stats["full_bytes"]`, and `changed` against `elements`, show how much.
 """
 
 from __future__ import annotations
@@ -18,105 +20,97 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
 import msgspec
 import numpy as np
 import torch
-import xxhash
 
-from stages.weights.base import EngineReceiver, PushTransport, Target
-from stages.weights.layout import LayoutError
-from stages.weights.packed import pack, unpack
+from stages.weights.base import ApplyReply, EngineReceiver, PushTransport, Target
+from stages.weights.layout import LayoutError, decode_layout, encode_layout, views
+from stages.weights.sparse import Patch, Planner, SlotReply, Slots
 
 DELTA = "weights.delta"
 
 
 class DeltaMessage(msgspec.Struct, frozen=True):
-    base: int  # the version the delta applies to; -1: a full state
-    version: int
-    checksum: int  # xxh3 of every tensor of the resulting state, in sorted-name order
-    layout: bytes  # the changed tensors' Layout (msgpack)
-    blob: bytes  # their bytes
-
-
-def state_checksum(tensors: dict[str, torch.Tensor]) -> int:
-    h = xxhash.xxh3_64()
-    for name in sorted(tensors):
-        h.update(name.encode())
-        h.update(tensors[name].detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
-    return h.intdigest()
+    slot: int  # the receive slot to rebuild (never the one its engines run on)
+    layout: bytes  # the version's Layout (msgpack), with every bucket's checksum
+    patch: Patch
+    blob: bytes  # the patch's payload
 
 
 class DeltaReceiver(EngineReceiver):
-    """The engine side (mailbox `weights.delta`)."""
+    """The engine side (mailbox `weights.delta`): two receive slots, rebuilt in place."""
 
     def __init__(self, engines: list[Any]) -> None:
         super().__init__(engines)
-        self.state: dict[str, torch.Tensor] = {}
+        self.slots = Slots([np.zeros(0, dtype=np.uint8), np.zeros(0, dtype=np.uint8)])
 
     def handlers(self) -> dict[str, Any]:
         return {DELTA: self.delta}
 
     async def delta(self, header: bytes, _blob: Any = None) -> bytes:
+        """Every reply says which slot the engines run on and what each slot holds."""
+        return self.slots.reply(msgspec.msgpack.decode(await self._delta(header), type=ApplyReply))
+
+    async def _delta(self, header: bytes) -> bytes:
         try:
             message = msgspec.msgpack.decode(header, type=DeltaMessage)
-            if (held := self.holds(message.version)) is not None:
+            layout = decode_layout(message.layout)
+            if (held := self.holds(layout.version)) is not None:
                 return held
-            if message.base != -1 and message.base != self.version:
-                raise LayoutError(f"a delta against version {message.base}, but this engine holds {self.version}")
-            _, changed = unpack(message.layout, np.frombuffer(message.blob, dtype=np.uint8))
-            result = changed if message.base == -1 else {**self.state, **changed}
-            if state_checksum(result) != message.checksum:
-                raise LayoutError(f"version {message.version} rebuilt from the delta does not match its checksum")
+            slot = message.slot
+            if slot in (0, 1) and slot != self.slots.live and self.slots.slots[slot].nbytes < layout.total:
+                self.slots.slots[slot], self.slots.holds[slot] = np.zeros(layout.total, dtype=np.uint8), -1
+            payload = np.frombuffer(message.blob, dtype=np.uint8)
+            buffer = await anyio.to_thread.run_sync(self.slots.rebuild, slot, layout, message.patch, payload)
         except (LayoutError, msgspec.DecodeError, msgspec.ValidationError) as exc:
             return self.refuse(str(exc))
-        self.state = result
-        return await self.apply(message.version, result)
+        reply = await self.apply(layout.version, views(buffer, layout))
+        self.slots.applied(slot)
+        return reply
 
 
 @dataclass(eq=False)
 class _DeltaTarget(Target):
-    full: bool = False  # send the whole state first: a new process holds no base
+    holds: tuple[int, ...] = (-1, -1)  # the version each receive slot holds, as its last reply said
+    live: int = -1
 
     def forget(self) -> None:
-        self.full = True
+        self.holds, self.live = (-1, -1), -1  # a new process holds nothing: the whole state first
 
 
 @dataclass
 class DeltaTransport(PushTransport):
     retries: int = 1
+    engine_dtype: str | None = None  # e.g. "bfloat16": floating tensors are sent (and diffed) in it
+    bucket_bytes: int = 4 << 20
     name: str = "delta"
     target_type = _DeltaTarget
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self._state: dict[str, torch.Tensor] | None = None  # the staged version's: the next delta's base
-        self._delta: DeltaMessage | None = None
-        self._full: DeltaMessage | None = None  # made when a receiver first needs the whole state
+        self.planner = Planner(self.engine_dtype, self.stats)
 
     def engine_receiver(self, engines: list[Any]) -> DeltaReceiver:
         return DeltaReceiver(engines)
 
     async def stage(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
-        """The delta against the last staged version (a receiver that does not hold it refuses and
-        gets the whole state), which is the next delta's base even if not every receiver took it."""
-        current = {name: t.detach().cpu().clone() for name, t in tensors.items()}
-        base, prev = (-1, {}) if self._state is None else (self._staged, self._state)
-        changed = {n: t for n, t in current.items() if n not in prev or not torch.equal(t, prev[n])}
-        self._delta, self._full, self._state = self._message(base, version, current, changed), None, current
+        await anyio.to_thread.run_sync(self.planner.stage, version, tensors, self.bucket_bytes)
         self.stats["copied"] += 1
 
     async def send(self, target: _DeltaTarget, attempt: int) -> tuple[bytes | None, int]:
-        """The delta first; the whole state to a receiver that refused it or is new (`forget`)."""
-        message = self._delta
-        assert message is not None and self._state is not None
-        if (attempt > 0 or target.full) and message.base != -1:
-            if self._full is None:
-                self._full = self._message(-1, message.version, self._state, self._state)
-            message = self._full
-            self.stats["full_sends"] += 1
-        target.full = False
-        return await target.asker.ask(DELTA, msgspec.msgpack.encode(message)), len(message.blob)
+        """A patch from what the target's free slot (or its other one) holds; after a refusal the whole state."""
+        slot = 1 - target.live if target.live in (0, 1) else 0
+        patch, pieces = await anyio.to_thread.run_sync(self.planner.patch, target.holds, slot, attempt > 0)
+        message = self._message(slot, patch, b"".join(p.tobytes() for p in pieces))
+        answer = await target.asker.ask(DELTA, msgspec.msgpack.encode(message))
+        if answer is not None:
+            reply = msgspec.msgpack.decode(answer, type=SlotReply)
+            target.holds, target.live = reply.holds, reply.live
+        return answer, len(message.blob)
 
-    def _message(self, base: int, version: int, state: dict, changed: dict) -> DeltaMessage:
-        layout, blob = pack(version, changed, bucket_bytes=1 << 62)
-        return DeltaMessage(base, version, state_checksum(state), layout, blob.tobytes())
+    def _message(self, slot: int, patch: Patch, blob: bytes) -> DeltaMessage:
+        layout = self.planner.versions.layout
+        assert layout is not None
+        return DeltaMessage(slot, encode_layout(layout), patch, blob)

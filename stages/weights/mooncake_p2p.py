@@ -15,6 +15,14 @@ buffer) to each receiver's free slot with
 push starves generation), and commits (retries, unreachable engines and catch-ups:
 `PushTransport`; a restarted engine says hello again).
 
+With `engine_dtype` (e.g. "bfloat16" for a fp32 learner) each version is first packed in that dtype
+and written from the packed copy. With `sparse=True` a version is sent as element-level deltas
+(`stages.weights.sparse`): the receiver also registers an inbox; the learner writes each delta's
+payload there and commits it with its `Patch`, and the receiver rebuilds the free slot in place
+(from the version it holds, or from a copy of the live slot), verifies every bucket and applies the
+version, all or nothing. Every commit reply says what each slot holds; a receiver holding no base
+the learner kept, or one that refused, gets the whole version written into its slot as before.
+
 The control messages (hello, commit and their replies) are msgpack structs, validated on arrival;
 weights never travel pickled. TransferEngine listens on all interfaces (Mooncake's choice);
 peers are addressed as `ip:rpc_port` (127.0.0.1, or `$BATON_HOST` on multi-node runs) with
@@ -47,7 +55,6 @@ from stages.weights.base import (
 from stages.weights.layout import (
     Layout,
     LayoutError,
-    bad_buckets,
     decode_layout,
     encode_layout,
     fill,
@@ -55,6 +62,7 @@ from stages.weights.layout import (
     views,
     with_checksums,
 )
+from stages.weights.sparse import Patch, Planner, SlotReply, Slots
 
 HELLO, COMMIT = "weights.p2p.hello", "weights.p2p.commit"
 _CHECKSUMS = ThreadPoolExecutor(1, thread_name_prefix="baton-p2p-checksums")  # a version's, beside its first write
@@ -64,6 +72,7 @@ class Hello(msgspec.Struct, frozen=True):
     capacity: int
     protocol: str = "tcp"
     device: str = ""
+    inbox: bool = False  # sparse deltas: also register an inbox their payloads are written into
 
 
 class HelloReply(msgspec.Struct, frozen=True):
@@ -71,18 +80,19 @@ class HelloReply(msgspec.Struct, frozen=True):
     slots: tuple[int, ...]
     capacity: int
     live: int = -1  # the slot its engines run on (never written), -1: none
+    inbox: int = 0  # the inbox's address (0: none)
+    holds: tuple[int, ...] = ()  # the version each slot holds (-1: none)
 
 
 class Commit(msgspec.Struct, frozen=True):
     slot: int
     layout: bytes
+    patch: Patch | None = None  # None: the slot was written whole; else rebuild it from the inbox
 
 
-class CommitReply(ApplyReply, frozen=True):
-    """An `ApplyReply` that also says which slot the engines run on afterwards: whatever happened
-    (applied, already held, refused), the learner's next write goes to the other one."""
-
-    live: int = -1
+# every commit reply, whatever happened (applied, already held, refused), says which slot the
+# engines run on (the learner's next write goes to the other one) and what each slot holds
+CommitReply = SlotReply
 
 
 def _transfer_engine(protocol: str, device: str) -> Any:
@@ -119,8 +129,8 @@ class SlotReceiver(EngineReceiver):
     def __init__(self, engines: list[Any]) -> None:
         super().__init__(engines)
         self._te: Any = None
-        self._slots: list[torch.Tensor] = []
-        self._live = -1
+        self.slots = Slots([])
+        self._inbox: torch.Tensor | None = None
 
     def handlers(self) -> dict[str, Callable[[bytes, Any], Awaitable[bytes]]]:
         return {HELLO: self.hello, COMMIT: self.commit}
@@ -129,31 +139,42 @@ class SlotReceiver(EngineReceiver):
         hello = msgspec.msgpack.decode(header, type=Hello)
         if self._te is None:
             self._te = _transfer_engine(hello.protocol, hello.device)
-        if not self._slots or self._slots[0].nbytes < hello.capacity:
-            self._slots = await anyio.to_thread.run_sync(self._new_slots, hello.capacity)
-            self._live = -1  # engines keep their current weights alive (views hold the old slot)
+        slots = self.slots.slots
+        if not slots or slots[0].nbytes < hello.capacity:
+            # engines keep their current weights alive (views hold the old slot)
+            self.slots = Slots(await anyio.to_thread.run_sync(self._new_slots, hello.capacity))
+        if hello.inbox and (self._inbox is None or self._inbox.nbytes < hello.capacity):
+            self._inbox = (await anyio.to_thread.run_sync(self._register, [], 1, hello.capacity, False))[0]
         reply = HelloReply(
             f"{advertised_host()}:{self._te.get_rpc_port()}",
-            tuple(s.data_ptr() for s in self._slots),
-            self._slots[0].nbytes,
-            self._live,
+            tuple(s.data_ptr() for s in self.slots.slots),
+            self.slots.slots[0].nbytes,
+            self.slots.live,
+            self._inbox.data_ptr() if hello.inbox and self._inbox is not None else 0,
+            tuple(self.slots.holds),
         )
         return msgspec.msgpack.encode(reply)
 
     def _new_slots(self, capacity: int) -> list[torch.Tensor]:
-        for slot in self._slots:
-            self._te.unregister_memory(slot.data_ptr())
-        torch.multiprocessing.set_sharing_strategy("file_system")  # slots mappable by name, as SGLang needs
-        slots = [torch.zeros(capacity, dtype=torch.uint8).share_memory_() for _ in range(2)]
-        for slot in slots:
-            if self._te.register_memory(slot.data_ptr(), slot.nbytes) != 0:
-                raise WeightPushError(f"cannot register a {slot.nbytes}-byte receive slot with TransferEngine")
-        return slots
+        return self._register(self.slots.slots, 2, capacity, True)
+
+    def _register(self, old: list[torch.Tensor], n: int, capacity: int, shared: bool) -> list[torch.Tensor]:
+        """`n` new registered buffers in place of `old` (shared: mappable by name, as SGLang needs)."""
+        for buffer in old:
+            self._te.unregister_memory(buffer.data_ptr())
+        if shared:
+            torch.multiprocessing.set_sharing_strategy("file_system")
+        buffers = [torch.zeros(capacity, dtype=torch.uint8) for _ in range(n)]
+        for buffer in buffers:
+            if shared:
+                buffer.share_memory_()
+            if self._te.register_memory(buffer.data_ptr(), buffer.nbytes) != 0:
+                raise WeightPushError(f"cannot register a {buffer.nbytes}-byte receive buffer with TransferEngine")
+        return buffers
 
     async def commit(self, header: bytes, _blob: Any = None) -> bytes:
         """Every reply, whatever happened, says which slot the engines run on now."""
-        r = msgspec.msgpack.decode(await self._commit(header), type=ApplyReply)
-        return msgspec.msgpack.encode(CommitReply(r.ok, r.version, r.reason, self._live))
+        return self.slots.reply(msgspec.msgpack.decode(await self._commit(header), type=ApplyReply))
 
     async def _commit(self, header: bytes) -> bytes:
         try:
@@ -161,23 +182,21 @@ class SlotReceiver(EngineReceiver):
             layout = decode_layout(commit.layout)
             if (held := self.holds(layout.version)) is not None:  # a re-send of what it has
                 return held
-            if not 0 <= commit.slot < len(self._slots) or commit.slot == self._live:
-                raise LayoutError(f"slot {commit.slot} cannot take a version (live: {self._live})")
-            slot = self._slots[commit.slot]
-            bad = await anyio.to_thread.run_sync(bad_buckets, slot, layout)
-            if bad:
-                raise LayoutError(f"buckets {bad} of version {layout.version} fail their checksum")
+            if commit.patch is not None and self._inbox is None:
+                raise LayoutError("a delta, but this receiver has no inbox (say hello with inbox=True)")
+            inbox = self._inbox.numpy() if commit.patch is not None else None
+            slot = await anyio.to_thread.run_sync(self.slots.rebuild, commit.slot, layout, commit.patch, inbox)
         except (LayoutError, msgspec.DecodeError, msgspec.ValidationError) as exc:
             return self.refuse(str(exc))
         reply = await self.apply(layout.version, views(slot, layout))
-        self._live = commit.slot
+        self.slots.applied(commit.slot)
         return reply
 
     def close(self) -> None:
         if self._te is not None:
-            for slot in self._slots:
-                self._te.unregister_memory(slot.data_ptr())
-        self._slots, self._te = [], None
+            for buffer in [*self.slots.slots, *([self._inbox] if self._inbox is not None else [])]:
+                self._te.unregister_memory(buffer.data_ptr())
+        self.slots, self._inbox, self._te = Slots([]), None, None
 
 
 @dataclass(eq=False)
@@ -186,9 +205,11 @@ class _SlotTarget(Target):
     slots: tuple[int, ...] = ()
     capacity: int = 0
     next_slot: int = 0
+    inbox: int = 0
+    holds: tuple[int, ...] = ()  # the version each slot holds, as the receiver's last reply said
 
     def forget(self) -> None:
-        self.slots = ()  # whatever it holds now, the next send learns it from a hello
+        self.slots, self.holds = (), ()  # whatever it holds now, the next send learns it from a hello
 
 
 @dataclass
@@ -200,11 +221,16 @@ class MooncakeP2PTransport(PushTransport):
     bucket_bytes: int = 32 << 20
     pace_bytes_per_s: float | None = None
     retries: int = 2
+    engine_dtype: str | None = None  # e.g. "bfloat16": floating tensors are converted and sent in it
+    sparse: bool = False  # send each version as element-level deltas (`stages.weights.sparse`)
     name: str = "mooncake_p2p"
     target_type = _SlotTarget
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        # packed versions in the engine dtype (the deltas' bases), when converting or diffing
+        self._planner = Planner(self.engine_dtype, self.stats) if self.sparse or self.engine_dtype else None
+        self._payload: np.ndarray | None = None  # a delta's payload, registered, written to inboxes
         self._te: Any = None
         self._registered: dict[int, int] = {}  # address -> bytes registered with TransferEngine
         self._staging: np.ndarray | None = None
@@ -223,6 +249,9 @@ class MooncakeP2PTransport(PushTransport):
         """Written from `tensors` themselves when they are on CPU, without a packing copy: they must
         not change until `publish` returns (the learner's next optimizer step waits for it). A
         `resend` while the learner changes them sends torn bytes, which the receiver refuses."""
+        if self._planner is not None:
+            await anyio.to_thread.run_sync(self._stage_packed, version, tensors)
+            return
         layout = plan(version, tensors, self.bucket_bytes)
         packed = await anyio.to_thread.run_sync(self._prepare, tensors, layout)
         self._source, self._layout = tensors, packed or layout
@@ -233,22 +262,31 @@ class MooncakeP2PTransport(PushTransport):
         """Write the version into the receiver's free slot, then commit it."""
         layout = self._layout
         assert layout is not None
-        if (not target.slots or target.capacity < layout.total) and not await self._hello(target, layout):
+        fresh = not target.slots or target.capacity < layout.total or (self.sparse and not target.inbox)
+        if fresh and not await self._hello(target, layout):
             return None, 0
-        slot = target.next_slot
+        slot, patch, nbytes = target.next_slot, None, layout.total
+        if self.sparse and self._planner is not None:
+            patch, pieces = await anyio.to_thread.run_sync(self._planner.patch, target.holds, slot, attempt > 0)
         try:
-            await anyio.to_thread.run_sync(self._write, target, slot, layout, attempt)
+            if patch is None or patch.base == -1:
+                patch = None  # the whole version, written straight into the slot
+                await anyio.to_thread.run_sync(self._write, target, slot, layout, attempt)
+            else:
+                nbytes = await anyio.to_thread.run_sync(self._write_patch, target, layout, pieces, attempt)
         except WeightPushError as exc:
             if not await self._hello(target, layout):
                 return None, 0  # the write failed because its process is gone
             raise LinkBroken(str(exc)) from None
         if self._checksums is not None:
             self._layout, self._checksums = await anyio.to_thread.run_sync(self._checksums.result), None
-        answer = await target.asker.ask(COMMIT, msgspec.msgpack.encode(Commit(slot, encode_layout(self._layout))))
+        commit = Commit(slot, encode_layout(self._layout), patch)
+        answer = await target.asker.ask(COMMIT, msgspec.msgpack.encode(commit))
         if answer is not None:
-            live = msgspec.msgpack.decode(answer, type=CommitReply).live
-            target.next_slot = 1 - live if live in (0, 1) else slot  # never the live slot
-        return answer, layout.total
+            reply = msgspec.msgpack.decode(answer, type=CommitReply)
+            target.next_slot = 1 - reply.live if reply.live in (0, 1) else slot  # never the live slot
+            target.holds = reply.holds
+        return answer, nbytes
 
     async def close(self) -> None:
         for target in self._targets:
@@ -262,6 +300,44 @@ class MooncakeP2PTransport(PushTransport):
         await super().close()
 
     # -- internals -------------------------------------------------------------------------------
+    def _stage_packed(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Pack the version in the engine dtype (kept as a base of later deltas), written from there."""
+        assert self._planner is not None
+        if self._te is None:
+            self._te = _transfer_engine(self.protocol, self.device)
+        buffer = self._planner.stage(version, tensors, self.bucket_bytes)
+        self._layout = self._planner.versions.layout
+        assert self._layout is not None
+        self._keep_registered()
+        self._sources = [buffer.ctypes.data + e.offset for e in self._layout.tensors]
+        self.stats["copied"] += 1
+
+    def _keep_registered(self) -> None:
+        assert self._planner is not None
+        buffers = [*self._planner.versions.packed.values(), *([self._payload] if self._payload is not None else [])]
+        self._register({b.ctypes.data: b.nbytes for b in buffers})
+
+    def _write_patch(self, target: _SlotTarget, layout: Layout, pieces: list[np.ndarray], attempt: int) -> int:
+        """Write a delta's payload into the receiver's inbox (its commit rebuilds the slot); returns its bytes."""
+        total = sum(p.nbytes for p in pieces)
+        if self._payload is None or self._payload.nbytes < total:
+            self._payload = np.empty(max(total, 1), dtype=np.uint8)
+            self._keep_registered()
+        if total:
+            np.concatenate(pieces, out=self._payload[:total])
+            starts = range(0, total, self.bucket_bytes)
+            rc = self._te.batch_transfer_sync_write(
+                target.peer,
+                [self._payload.ctypes.data + s for s in starts],
+                [target.inbox + s for s in starts],
+                [min(self.bucket_bytes, total - s) for s in starts],
+            )
+            if rc != 0:
+                raise WeightPushError(f"TransferEngine write to {target.asker.name} ({target.peer}) returned {rc}")
+        if self.damage is not None and (hit := self.damage(layout, attempt)) is not None:
+            self._write_bytes(target, target.inbox + hit[0], hit[1])  # a delta: damage its payload
+        return total
+
     def _prepare(self, tensors: dict[str, torch.Tensor], layout: Layout) -> Layout | None:
         """Register the memory the version is written from. CPU tensors are written from where they
         are (returns None: checksums still to compute); anything else (CUDA, non-contiguous) is
@@ -296,11 +372,13 @@ class MooncakeP2PTransport(PushTransport):
 
     async def _hello(self, target: _SlotTarget, layout: Layout) -> bool:
         """Learn the receiver's slots (its process may be new); False when it does not answer."""
-        answer = await target.asker.ask(HELLO, msgspec.msgpack.encode(Hello(layout.total, self.protocol, self.device)))
+        ask = Hello(layout.total, self.protocol, self.device, self.sparse)
+        answer = await target.asker.ask(HELLO, msgspec.msgpack.encode(ask))
         if answer is None:
             return False
         hello = msgspec.msgpack.decode(answer, type=HelloReply)
         target.peer, target.slots, target.capacity = hello.peer, hello.slots, hello.capacity
+        target.inbox, target.holds = hello.inbox, hello.holds
         target.next_slot = 1 - hello.live if hello.live in (0, 1) else 0
         return True
 

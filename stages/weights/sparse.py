@@ -1,0 +1,277 @@
+"""Element-level weight deltas: a version sent as the elements that changed since the version the
+receiving slot holds, bucket by bucket of a packed layout (`stages.weights.layout`).
+
+Learner side, `Versions` keeps the last `KEEP` versions packed in the engine's dtype (the learner
+may train in fp32 while its engines serve bf16: `pack_into` converts while packing), so whatever a
+receiver's two slots hold, if at most two versions old, is at hand as a base. `Planner.patch`
+diffs against the newest version either slot holds: the slot being rebuilt itself (two versions
+behind) or the live one, which the receiver copies over first (a local copy costs less than a
+second step's changes on the wire). `diff` picks per bucket the cheapest of three forms: `index`
+(the changed elements' positions as byte gaps, then their new values), `bitmask` (one bit per
+element, then the new values) or `full` (the bucket's bytes); an element is one word of the
+bucket's narrowest dtype (a bf16 value in a bf16 bucket).
+
+Receiver side, `Slots` holds two packed receive slots and the version each holds. `rebuild`
+applies a `Patch` only onto exactly its base, then verifies every bucket's xxh3 checksum against
+the learner's; any failure marks the slot as holding nothing (its bytes are no longer a known
+version). Bases are therefore never assumed: every reply says what each slot holds
+(`SlotReply.holds`), and the learner sends the whole state when no slot holds a version it kept,
+or after a refusal (counted in `full_sends` and one of the `fallback_*` stats).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+
+from stages.weights.base import ApplyReply
+from stages.weights.layout import DTYPES, Bucket, Layout, LayoutError, bad_buckets, checksum, plan
+
+INDEX, BITMASK, FULL = "index", "bitmask", "full"
+_WORDS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+KEEP = 3  # versions a learner keeps packed: the new one and the two a receiver's slots may hold
+
+
+class Part(msgspec.Struct, frozen=True):
+    """How one bucket is rebuilt: its payload is `nbytes` at `offset` of the patch's payload."""
+
+    bucket: int
+    form: str
+    offset: int
+    nbytes: int
+    changed: int  # elements that differ from the base (all of them for a `full` part without a base)
+
+
+class Patch(msgspec.Struct, frozen=True):
+    base: int  # the version the rebuild starts from; -1: none, every part is `full`
+    source: int  # the slot holding `base`: the slot rebuilt, or the other one (copied over first)
+    parts: tuple[Part, ...]
+
+
+class SlotReply(ApplyReply, frozen=True):
+    """An `ApplyReply` that says which slot the engines run on and which version each slot holds."""
+
+    live: int = -1
+    holds: tuple[int, ...] = ()
+
+
+def word_of(layout: Layout, bucket: Bucket) -> Any:
+    """The numpy word of a bucket's elements: its narrowest dtype's size (every bucket spans a
+    multiple of 64 bytes, so any word size tiles it)."""
+    sizes = [DTYPES[e.dtype].itemsize for e in layout.tensors[bucket.first : bucket.first + bucket.count]]
+    return _WORDS[min(sizes)]
+
+
+def engine_tensors(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """Shapes and dtypes as the engine holds them (floating tensors in `dtype`), for `plan`: no copy."""
+    if dtype is None:
+        return tensors
+    return {n: torch.empty((), dtype=dtype).expand(t.shape) if t.is_floating_point() else t for n, t in tensors.items()}
+
+
+def pack_into(buffer: np.ndarray, tensors: dict[str, torch.Tensor], layout: Layout) -> Layout:
+    """Copy `tensors` into `buffer` as laid out, converting to each entry's dtype in the same pass
+    (alignment gaps zeroed); returns the layout with every bucket's checksum."""
+    flat = torch.from_numpy(buffer)
+    end = 0
+    for e in layout.tensors:
+        flat[end : e.offset] = 0
+        flat[e.offset : e.offset + e.nbytes].view(DTYPES[e.dtype]).view(e.shape).copy_(tensors[e.name].detach())
+        end = e.offset + e.nbytes
+    flat[end : layout.total] = 0
+    sums = tuple(msgspec.structs.replace(b, checksum=checksum(buffer, layout, b)) for b in layout.buckets)
+    return msgspec.structs.replace(layout, buckets=sums)
+
+
+@dataclass
+class Versions:
+    """The last `KEEP` versions, packed (uint8 buffers of one layout); buffers are reused."""
+
+    packed: dict[int, np.ndarray] = field(default_factory=dict)
+    layout: Layout | None = None
+
+    def add(self, version: int, tensors: dict[str, torch.Tensor], layout: Layout) -> np.ndarray:
+        if self.layout is not None and (self.layout.total, self.layout.tensors) != (layout.total, layout.tensors):
+            self.packed.clear()  # another shape of state: no old version is a base any more
+        spare = None
+        while len(self.packed) >= KEEP:
+            spare = self.packed.pop(min(self.packed))
+        buffer = spare if spare is not None else np.empty(layout.total, dtype=np.uint8)
+        self.layout = pack_into(buffer, tensors, layout)
+        self.packed[version] = buffer
+        return buffer
+
+    def get(self, version: int) -> np.ndarray | None:
+        return self.packed.get(version)
+
+
+def _gaps(where: np.ndarray) -> tuple[np.ndarray, int]:
+    """Increasing element indices as byte gaps (the first from 0): a gap `d` is `d // 255` bytes of
+    255, then `d % 255`; decoded by a running sum, keeping the sums at bytes other than 255."""
+    gaps = np.diff(where, prepend=0)
+    skips = gaps // 255
+    return gaps, int(skips.sum())
+
+
+def _encode(base: np.ndarray, new: np.ndarray, word: Any) -> tuple[str, list[np.ndarray], int]:
+    """The cheapest form of one bucket's change: (form, payload pieces, elements changed)."""
+    b, n = base.view(word), new.view(word)
+    mask = b != n
+    where = np.flatnonzero(mask)
+    changed, size = where.size, np.dtype(word).itemsize
+    gaps, skips = _gaps(where)
+    costs = {INDEX: changed + skips + changed * size, BITMASK: -(-n.size // 8) + changed * size, FULL: new.nbytes}
+    form = min(costs, key=costs.__getitem__)
+    if form == FULL:
+        return FULL, [new], changed
+    if form == INDEX:
+        head = np.full(changed + skips, 255, dtype=np.uint8)
+        head[np.cumsum(gaps // 255 + 1) - 1] = gaps % 255
+    else:
+        head = np.packbits(mask)
+    return form, [head, n[where].view(np.uint8)], changed
+
+
+def diff(
+    layout: Layout, new: np.ndarray, base: np.ndarray | None, base_version: int = -1, source: int = -1
+) -> tuple[Patch, list[np.ndarray]]:
+    """A patch from `base` (packed version `base_version`, held in slot `source`; None: no base,
+    every bucket full) to `new`, with its payload pieces in order (at the parts' `offset`s)."""
+    parts, pieces, offset = [], [], 0
+    for i, bucket in enumerate(layout.buckets):
+        span = slice(bucket.offset, bucket.offset + bucket.nbytes)
+        word = word_of(layout, bucket)
+        if base is None:
+            form, chunks, changed = FULL, [new[span]], bucket.nbytes // np.dtype(word).itemsize
+        else:
+            form, chunks, changed = _encode(base[span], new[span], word)
+        nbytes = sum(c.nbytes for c in chunks)
+        parts.append(Part(i, form, offset, nbytes, changed))
+        pieces += chunks
+        offset += nbytes
+    return Patch(base_version if base is not None else -1, source, tuple(parts)), pieces
+
+
+def count(stats: dict[str, float], layout: Layout, patch: Patch) -> None:
+    """Add one send's element counts and chosen forms to a transport's `stats`."""
+    stats["elements"] += sum(b.nbytes // np.dtype(word_of(layout, b)).itemsize for b in layout.buckets)
+    stats["changed"] += sum(p.changed for p in patch.parts)
+    stats["full_bytes"] += layout.total
+    for p in patch.parts:
+        stats[f"buckets_{p.form}"] += 1
+
+
+def _apply(span: np.ndarray, part: Part, payload: np.ndarray, word: Any) -> None:
+    data = payload[part.offset : part.offset + part.nbytes]
+    if data.nbytes != part.nbytes:
+        raise LayoutError(f"the payload of bucket {part.bucket} is cut short")
+    target = span.view(word)
+    size = np.dtype(word).itemsize
+    if part.form == FULL:
+        if part.nbytes != span.nbytes:
+            raise LayoutError(f"a full bucket {part.bucket} of {part.nbytes} bytes for {span.nbytes}")
+        span[:] = data
+        return
+    head = part.nbytes - part.changed * size if part.form == INDEX else -(-target.size // 8)
+    if part.form not in (INDEX, BITMASK) or head < 0 or head + part.changed * size != part.nbytes:
+        raise LayoutError(f"bucket {part.bucket}: a {part.form!r} part of {part.nbytes} bytes")
+    values = data[head:].view(word)
+    if part.form == INDEX:
+        gaps = data[:head]
+        where = np.cumsum(gaps, dtype=np.int64)[gaps != 255]
+        if where.size != part.changed or (part.changed and int(where[-1]) >= target.size):
+            raise LayoutError(f"bucket {part.bucket}: element indices that do not fit it")
+    else:
+        where = np.unpackbits(data[:head], count=target.size).view(bool)
+        if int(np.count_nonzero(where)) != part.changed:
+            raise LayoutError(f"bucket {part.bucket}: the bitmask does not mark {part.changed} elements")
+    target[where] = values
+
+
+class Slots:
+    """Two receive slots (uint8 numpy arrays or torch tensors, e.g. shared memory), the version each
+    holds (-1: none known) and the one the engines run on (`live`, never rebuilt)."""
+
+    def __init__(self, slots: list[Any]) -> None:
+        self.slots, self.holds, self.live = slots, [-1] * len(slots), -1
+
+    def reply(self, answer: ApplyReply) -> bytes:
+        return msgspec.msgpack.encode(SlotReply(answer.ok, answer.version, answer.reason, self.live, tuple(self.holds)))
+
+    def rebuild(self, slot: int, layout: Layout, patch: Patch | None, payload: np.ndarray | None) -> Any:
+        """Apply `patch` (None: the bytes were written whole) into `slot` and verify it; returns the
+        slot. Raises LayoutError, leaving the slot marked as holding nothing, when it does not check out."""
+        if not 0 <= slot < len(self.slots) or slot == self.live:
+            raise LayoutError(f"slot {slot} cannot take a version (live: {self.live})")
+        base, self.holds[slot] = self.holds[slot], -1  # from here on its bytes are not a known version
+        buffer = self.slots[slot]
+        if buffer.nbytes < layout.total:
+            raise LayoutError(f"slot of {buffer.nbytes} bytes for a layout of {layout.total}")
+        if patch is not None:
+            data = _numpy(buffer)
+            if patch.base != -1:
+                held = base if patch.source == slot else self._held(patch.source)
+                if patch.base != held:
+                    raise LayoutError(f"a delta against version {patch.base}, but slot {patch.source} holds {held}")
+                if patch.source != slot:  # start from the other slot's version (read only: it may be live)
+                    data[: layout.total] = _numpy(self.slots[patch.source])[: layout.total]
+            for part in patch.parts:
+                if not 0 <= part.bucket < len(layout.buckets) or (patch.base == -1 and part.form != FULL):
+                    raise LayoutError(f"bad part {part}")
+                b = layout.buckets[part.bucket]
+                _apply(data[b.offset : b.offset + b.nbytes], part, payload, word_of(layout, b))
+        if bad := bad_buckets(buffer, layout):
+            raise LayoutError(f"buckets {bad} of version {layout.version} fail their checksum")
+        self.holds[slot] = layout.version
+        return buffer
+
+    def applied(self, slot: int) -> None:
+        self.live = slot
+
+    def _held(self, slot: int) -> int:
+        return self.holds[slot] if 0 <= slot < len(self.slots) else -1
+
+
+def _numpy(buffer: Any) -> np.ndarray:
+    return buffer.numpy() if isinstance(buffer, torch.Tensor) else buffer
+
+
+class Planner:
+    """Learner side: the kept versions (`Versions`, in the engine's `dtype`) and, per send, the patch
+    from what the receiver's slots hold (`holds`, as its last reply said) to the staged version.
+    Counts into `stats` (the keys of `base.STATS`) what each send changed and why one went whole."""
+
+    def __init__(self, dtype: str | None, stats: dict[str, float]) -> None:
+        self.dtype = getattr(torch, dtype.removeprefix("torch.")) if dtype else None
+        self.versions, self.stats, self.staged = Versions(), stats, -1
+        self._patches: dict[tuple[int, int], tuple[Patch, list[np.ndarray]]] = {}
+
+    def stage(self, version: int, tensors: dict[str, torch.Tensor], bucket_bytes: int) -> np.ndarray:
+        """Pack `version` (converted to the engine dtype); returns its buffer (`versions.layout` is its layout)."""
+        layout = plan(version, engine_tensors(tensors, self.dtype), bucket_bytes)
+        self._patches, self.staged = {}, version
+        return self.versions.add(version, tensors, layout)
+
+    def patch(self, holds: tuple[int, ...], slot: int, refused: bool) -> tuple[Patch, list[np.ndarray]]:
+        """Against the newest kept version either slot holds (the other slot's is copied over by the
+        receiver first: a local copy is cheaper than the second step's changes on the wire), else
+        the whole state; after a refusal always the whole state."""
+        layout, new = self.versions.layout, self.versions.get(self.staged)
+        assert layout is not None and new is not None
+        sources = [] if refused else [s for s in (slot, 1 - slot) if 0 <= s < len(holds)]
+        kept = [(holds[s], s) for s in sources if self.versions.get(holds[s]) is not None]
+        base = max(kept, key=lambda held: (held[0], held[1] == slot), default=(-1, -1))
+        if base[0] == -1 and len(self.versions.packed) > 1:  # a delta was possible: a fallback
+            self.stats["full_sends"] += 1
+            lost = any(h >= 0 for h in holds)
+            self.stats["fallback_refused" if refused else "fallback_lost" if lost else "fallback_new"] += 1
+        if base not in self._patches:
+            found = self.versions.get(base[0]) if base[0] >= 0 else None
+            self._patches[base] = diff(layout, new, found, *base)
+        patch, pieces = self._patches[base]
+        count(self.stats, layout, patch)
+        return patch, pieces
