@@ -152,7 +152,7 @@ async def test_p2p_versions_reach_the_server_from_the_shared_memory_slot(engine,
             assert engine.version == version and (await model_info(engine))["weight_version"] == str(version)
             for c in await engine.generate([ids] * 2, SamplingParams(max_new_tokens=12)):
                 np.testing.assert_allclose(c.logprobs, learner_logprobs(model, ids, c.tokens), atol=1e-4)
-        slots = [(s.data_ptr(), s.data_ptr() + s.nbytes) for s in receiver._slots]
+        slots = [(s.data_ptr(), s.data_ptr() + s.nbytes) for s in receiver.slots.slots]
     finally:
         del engine.receive_weights
         await transport.close()
