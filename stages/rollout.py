@@ -349,6 +349,9 @@ class RolloutWorker(BaseActor):
         counts = self.spec.stats.setdefault(failures, {}) if any(scores.failures) else {}
         for reason in filter(None, scores.failures):
             counts[reason] = counts.get(reason, 0) + 1
+        if any(scores.failures):  # a warning now, counts in the metrics and the summary (pipeline.events)
+            failed = [f for f in scores.failures if f]
+            self.ctx.event(failures.replace("_", "."), count=len(failed), engine=self.engine.name, reason=failed[0])
         return scores
 
     def _dropped_group(self, prompt: Prompt, group: list[Completion], scores: Scores) -> Produced:

@@ -132,6 +132,10 @@ class Recorder:
 
     def __init__(self) -> None:
         self.produced, self.finished, self.sent, self.discarded = [], [], [], 0
+        self.events: list[tuple[str, int]] = []
+
+    def event(self, kind: str, count: int = 1, **fields) -> None:
+        self.events.append((kind, count))
 
     async def produced_(self, records) -> None:
         self.produced += records
@@ -149,7 +153,7 @@ class Recorder:
 def worker_for(rollout: Rollout, engine, store, recorder: Recorder, tmp_path: Path) -> RolloutWorker:
     ctx = SimpleNamespace(
         run="own", folder=SimpleNamespace(path=tmp_path), rng=lambda name: np.random.default_rng(0),
-        log=get_logger, services=Services(), resume=None, note=lambda *a: None,
+        log=get_logger, services=Services(), resume=None, note=lambda *a: None, event=recorder.event,
         ledger=SimpleNamespace(produced=recorder.produced_, finished=recorder.finished_),
         gate=SimpleNamespace(discard=recorder.discard),
     )

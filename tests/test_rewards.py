@@ -156,6 +156,7 @@ async def test_a_failing_reward_never_ends_the_rollout(tiny: Path, tmp_path: Pat
     await worker_for(rollout, engine, store, recorder, tmp_path)._produce([task.sample(Random(0)) for _ in range(6)])
     failed = rollout.stats["reward_failed"]["raised RuntimeError"]
     assert failed > 0
+    assert sum(n for kind, n in recorder.events if kind == "reward.failed") == failed, "each failure is a run event"
     assert len(recorder.produced) == 6, "every group is recorded in the ledger"
     if on_error == "zero":
         assert len(recorder.sent) == 6 and not recorder.finished
