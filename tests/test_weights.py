@@ -302,10 +302,11 @@ async def test_a_damaged_weights_file_is_refused_and_the_engine_keeps_its_versio
 
 
 @pytest.mark.anyio
-async def test_disk_skips_a_dead_engine(model, peers, tmp_path) -> None:
-    from stages.weights.disk import DiskTransport
+@pytest.mark.parametrize("kind", ["disk", "delta"])
+async def test_a_dead_engine_is_skipped_and_counted(model, peers, tmp_path, kind: str) -> None:
+    from stages.weights import make_transport
 
-    transport = DiskTransport(root=tmp_path / "weights")
+    transport = make_transport(kind, **({"root": tmp_path / "weights"} if kind == "disk" else {}))
     for peer in peers:
         transport.subscribe(peer)
     peers[0].stop()
@@ -359,21 +360,6 @@ async def test_delta_sends_only_what_changed_and_rebuilds_the_exact_state(model,
     for peer in peers:
         version, _, got = await peer.state()
         assert version == 3 and got == digest(frozen)
-
-
-@pytest.mark.anyio
-async def test_delta_skips_a_dead_engine_and_counts_it(model, peers) -> None:
-    from stages.weights.delta import DeltaTransport
-
-    transport = DeltaTransport()
-    for peer in peers:
-        transport.subscribe(peer)
-    peers[0].stop()
-    state = learner_version(model, seed=5)
-    await transport.publish(1, state)
-    assert transport.stats["unreachable"] == 1
-    version, _, got = await peers[1].state()
-    assert version == 1 and got == digest(state)
 
 
 @pytest.mark.anyio
