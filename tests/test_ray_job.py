@@ -59,8 +59,7 @@ def _api(dashboard: str, path: str, token: str | None) -> tuple[int, str]:
 
 
 def _start_head(tmp: Path, env: dict[str, str], dashboard_port: int) -> subprocess.Popen:
-    """`ray start --head` bound to 127.0.0.1, the README's command with ports of its own; returns once the
-    job API answers."""
+    """The README's `ray start --head` on 127.0.0.1, with ports of its own; returns once the job API answers."""
     log = (tmp / "head.log").open("w")
     head = subprocess.Popen(
         [shutil.which("ray") or "ray", "start", "--head", "--block", "--node-ip-address=127.0.0.1",
@@ -95,7 +94,9 @@ def test_ray_job_submit_runs_baton_on_a_head_started_by_hand() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="rj", dir="/tmp"))  # short: Ray's socket paths live under it
     token = secrets.token_hex(32)
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN_PATH")}
-    env.update(RAY_TMPDIR=str(tmp), RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
+    # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0: every Ray server of the head listens on 127.0.0.1 (without it Ray
+    # replaces --node-ip-address=127.0.0.1 with the machine's address and listens on all interfaces)
+    env.update(RAY_TMPDIR=str(tmp), RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
     dashboard = f"http://127.0.0.1:{_free_port()}"
     head = _start_head(tmp, env, int(dashboard.rsplit(":", 1)[1]))
     try:
