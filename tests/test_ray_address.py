@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -18,27 +16,11 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from pipeline.net import free_port  # noqa: E402
 from pipeline.runtime.ray import RayRun  # noqa: E402
+from tests.ray_head import stop_head  # noqa: E402
 
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _pids_under(tmp: Path) -> list[int]:
-    """Processes whose command line names `tmp` (the head's own processes)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and str(tmp).encode() in (entry / "cmdline").read_bytes():
-                pids.append(int(entry.name))
-        except OSError:
-            continue
-    return pids
 
 
 def _start_head(tmp: Path, port: int) -> subprocess.Popen:
@@ -58,16 +40,6 @@ def _start_head(tmp: Path, port: int) -> subprocess.Popen:
     return head
 
 
-def _stop_head(head: subprocess.Popen, tmp: Path) -> None:
-    head.send_signal(signal.SIGTERM)  # `ray start --block` stops the processes it started
-    head.wait(timeout=60)
-    deadline = time.monotonic() + 30
-    while _pids_under(tmp) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    for pid in _pids_under(tmp):  # whatever outlived it, by pid
-        os.kill(pid, signal.SIGKILL)
-
-
 def _cluster(address: str | None) -> tuple[str, float]:
     """(GCS address, CPUs) of the cluster RayRun's start joins; disconnects again."""
     RayRun(address=address)._start_ray(hosts_needed=3)
@@ -82,7 +54,7 @@ def test_local_runs_start_their_own_cluster_and_an_address_joins(monkeypatch: py
     tmp = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))  # short: Ray's socket paths live under it
     monkeypatch.setenv("RAY_TMPDIR", str(tmp))
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    port = _free_port()
+    port = free_port()
     head = _start_head(tmp, port)
     try:
         joined, head_cpus = _cluster(f"127.0.0.1:{port}")
@@ -90,7 +62,7 @@ def test_local_runs_start_their_own_cluster_and_an_address_joins(monkeypatch: py
         own, own_cpus = _cluster(None)  # a head runs, but no address is configured
         assert not own.endswith(f":{port}") and own_cpus >= 3
     finally:
-        _stop_head(head, tmp)
+        stop_head(head, tmp)
     assert (tmp / "ray" / "ray_current_cluster").exists()  # the dead head's address stays behind
     own, own_cpus = _cluster(None)  # before: tried to join the dead cluster and failed
     assert not own.endswith(f":{port}") and own_cpus >= 3

@@ -10,8 +10,6 @@ import json
 import os
 import secrets
 import shutil
-import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -21,30 +19,15 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.net import free_port
+from tests.ray_head import stop_head
+
 pytest.importorskip("ray")
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _pids_under(tmp: Path) -> list[int]:
-    """Processes whose command line names `tmp` (the head's own processes)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and str(tmp).encode() in (entry / "cmdline").read_bytes():
-                pids.append(int(entry.name))
-        except OSError:
-            continue
-    return pids
 
 
 def _api(dashboard: str, path: str, token: str | None) -> tuple[int, str]:
@@ -61,8 +44,8 @@ def _start_head(tmp: Path, env: dict[str, str], dashboard_port: int) -> subproce
     """The README's `ray start --head` on 127.0.0.1, with ports of its own (`--block`: its pid is the head's)."""
     return subprocess.Popen(
         [shutil.which("ray") or "ray", "start", "--head", "--block", "--node-ip-address=127.0.0.1",
-         f"--port={_free_port()}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
-         f"--ray-client-server-port={_free_port()}", f"--dashboard-agent-listen-port={_free_port()}",
+         f"--port={free_port()}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
+         f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
          "--num-cpus=4", "--disable-usage-stats"],
         stdout=(tmp / "head.log").open("w"), stderr=subprocess.STDOUT, env=env, cwd=tmp,
     )
@@ -82,16 +65,6 @@ def _wait_until_up(head: subprocess.Popen, tmp: Path, dashboard: str, token: str
         time.sleep(1)
 
 
-def _stop_head(head: subprocess.Popen, tmp: Path) -> None:
-    head.send_signal(signal.SIGTERM)  # `ray start --block` stops the processes it started
-    head.wait(timeout=60)
-    deadline = time.monotonic() + 30
-    while _pids_under(tmp) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    for pid in _pids_under(tmp):  # whatever outlived it, by pid
-        os.kill(pid, signal.SIGKILL)
-
-
 @pytest.mark.timeout(900)
 def test_ray_job_submit_runs_baton_on_a_head_started_by_hand() -> None:
     try:  # what Ray's dashboard imports beyond a minimal install; without it there is no job API
@@ -104,7 +77,7 @@ def test_ray_job_submit_runs_baton_on_a_head_started_by_hand() -> None:
     # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0: every Ray server of the head listens on 127.0.0.1 (without it Ray
     # replaces --node-ip-address=127.0.0.1 with the machine's address and listens on all interfaces)
     env.update(RAY_TMPDIR=str(tmp), RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
-    dashboard = f"http://127.0.0.1:{_free_port()}"
+    dashboard = f"http://127.0.0.1:{free_port()}"
     head = _start_head(tmp, env, int(dashboard.rsplit(":", 1)[1]))
     try:
         _wait_until_up(head, tmp, dashboard, token)
@@ -127,5 +100,5 @@ def test_ray_job_submit_runs_baton_on_a_head_started_by_hand() -> None:
         assert Path(summary["run_dir"]).parent == tmp / "runs"
         assert (Path(summary["run_dir"]) / "summary.json").exists()
     finally:
-        _stop_head(head, tmp)
+        stop_head(head, tmp)
     shutil.rmtree(tmp, ignore_errors=True)
