@@ -1,0 +1,1 @@
+"""Environments: what multi-turn episodes talk to (contract in `stages.environments.base`)."""
