@@ -5,8 +5,10 @@ first turn (the tiny model has no chat template: use `PlainRenderer`). After a w
 environment replies with one character per answer position, then `>`: the right digit where the
 attempt was wrong or missing, `right` (default "=") where it was right. With answer 4321, attempt
 4391 gets `==2=>`. A later turn can fix its mistakes by copying, position by position, its own last
-attempt or the feedback, which attention finds easy. Every character is in
-`stages.model.ALPHABET`.
+attempt or the feedback. That is easy for attention, unlike the first turn's reversal: with turns of
+`digits` tokens (cut by length, so each reply starts with the stop token), the digit the model writes
+next sits a fixed distance back in both, `digits` tokens in the feedback and `2 * digits + 1` in the
+last attempt, whatever its index. Every character is in `stages.model.ALPHABET`.
 
 The episode ends at a right attempt or after `max_turns` (default 3). Its reward is the last
 attempt's score (positional credit, in [0, 1]) times `turn_discount` per turn after the first, so

@@ -17,7 +17,8 @@ the two kinds of appended ids and reads the model's turns (`turn`):
 
 Both keep one invariant at a turn boundary: the history always holds a stop token after a model
 turn. The engine's stop token is part of the model's ids when the turn ended on it
-(`after_stop=True`); when the turn was cut by length the reply starts with the stop token.
+(`after_stop=True`, which `ended_on_stop(ids)` tells); otherwise (cut by length, or an engine that
+leaves the stop token out) the reply starts with the stop token.
 A turn's text is decoded without special tokens, and its tool calls parsed when tools are declared.
 """
 
@@ -47,6 +48,8 @@ class Renderer(Protocol):
 
     def turn(self, token_ids: Sequence[int], finish_reason: str, tools: Sequence[Tool] = ()) -> ModelTurn: ...
 
+    def ended_on_stop(self, token_ids: Sequence[int]) -> bool: ...
+
 
 class _Turns:
     """What both renderers share: the tokenizer, its stop ids and reading a model turn."""
@@ -65,6 +68,10 @@ class _Turns:
         content, calls, malformed = parse_tool_calls(text, tools)
         return ModelTurn(text=text, content=content, tool_calls=calls, malformed=malformed,
                          finish_reason=finish_reason)
+
+    def ended_on_stop(self, token_ids: Sequence[int]) -> bool:
+        """The model's turn ends with a stop token: the `after_stop` its reply is rendered with."""
+        return len(token_ids) > 0 and int(token_ids[-1]) in self.stop_ids
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
