@@ -4,6 +4,7 @@ character tokenizer (`PlainRenderer`)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from stages.environments.base import Tool, ToolCall
@@ -85,6 +86,8 @@ def test_tool_results_render_as_tool_responses_in_one_user_turn(chat, bpe):
 
 
 def test_a_turn_cut_by_length_gets_the_stop_token_first(chat, stops):
+    assert chat.ended_on_stop([5, stops[1]]) and chat.ended_on_stop(np.array([5, stops[0]]))
+    assert not chat.ended_on_stop([stops[0], 5]) and not chat.ended_on_stop([])
     reply = [{"role": "user", "content": "Go on."}]
     assert chat.reply_ids(reply, after_stop=False) == [stops[0], *chat.reply_ids(reply, after_stop=True)]
 

@@ -6,18 +6,19 @@ emitted it, then each environment reply tokenized alone (`reply_ids`), and so on
 the two kinds of appended ids and reads the model's turns (`turn`):
 
 - `ChatRenderer`: the tokenizer's chat template. A reply is found by a rule that needs no
-  per-template code: render a fixed conversation ending with an assistant message, and the same
-  plus the new messages with the generation prompt; the reply is the text after the end-of-turn
-  (stop) token that closes that assistant message. It is tokenized with add_special_tokens=False.
-  So the reply holds exactly the new messages' markup and the next generation prompt (nothing the
-  template puts before the conversation, such as a default system prompt).
+  per-template code: render a fixed user/assistant exchange followed by the new messages, with the
+  generation prompt; the reply is the text after the end-of-turn (stop) token that closes the
+  fixed assistant message, tokenized with add_special_tokens=False. So the reply holds exactly the
+  new messages' markup and the next generation prompt, nothing the template puts before the
+  conversation (such as a default system prompt).
 - `PlainRenderer`: a tokenizer without a chat template (the tiny digit model): message contents
   concatenated, the first prompt tokenized as `stages.model.prompt_token_ids` does (its BOS
   included), replies without special tokens.
 
 Both keep one invariant at a turn boundary: the history always holds a stop token after a model
 turn. The engine's stop token is part of the model's ids when the turn ended on it
-(`after_stop=True`); when the turn was cut by length the reply starts with the stop token.
+(`after_stop=True`, which `ended_on_stop(ids)` tells); otherwise (cut by length, or an engine that
+leaves the stop token out) the reply starts with the stop token.
 A turn's text is decoded without special tokens, and its tool calls parsed when tools are declared.
 """
 
@@ -47,6 +48,8 @@ class Renderer(Protocol):
 
     def turn(self, token_ids: Sequence[int], finish_reason: str, tools: Sequence[Tool] = ()) -> ModelTurn: ...
 
+    def ended_on_stop(self, token_ids: Sequence[int]) -> bool: ...
+
 
 class _Turns:
     """What both renderers share: the tokenizer, its stop ids and reading a model turn."""
@@ -65,6 +68,10 @@ class _Turns:
         content, calls, malformed = parse_tool_calls(text, tools)
         return ModelTurn(text=text, content=content, tool_calls=calls, malformed=malformed,
                          finish_reason=finish_reason)
+
+    def ended_on_stop(self, token_ids: Sequence[int]) -> bool:
+        """The model's turn ends with a stop token: the `after_stop` its reply is rendered with."""
+        return len(token_ids) > 0 and int(token_ids[-1]) in self.stop_ids
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -121,7 +128,7 @@ class ChatRenderer(_Turns):
         return ([] if after_stop else [stop]) + self._encode(reply)
 
     def _stop_texts(self) -> list[tuple[int, str]]:
-        return [(stop, self.tokenizer.convert_ids_to_tokens(stop)) for stop in self.stop_ids]
+        return [(stop, self.tokenizer.decode([stop])) for stop in self.stop_ids]
 
     def _render(self, messages: list[Message], tools: Sequence[Tool]) -> str:
         schemas = [t.schema() for t in tools] or None
