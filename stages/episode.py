@@ -19,6 +19,7 @@ What ends an episode, and how it is reported:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -39,7 +40,7 @@ class EpisodeLimits:
     model and environment); `step_timeout_s`: one environment call; `timeout_s`: the whole episode;
     `request_timeout_s`: one engine call (past it the engine counts as failed). None: no limit."""
 
-    max_turns: int = 1
+    max_turns: int = 8  # (an episode without an environment has one turn)
     max_tokens: int | None = None
     step_timeout_s: float | None = None
     timeout_s: float | None = None
@@ -97,12 +98,19 @@ def first_messages(sample: Prompt) -> list[Message]:
     return list(sample.messages) if sample.messages is not None else [{"role": "user", "content": sample.text}]
 
 
-async def run_episode(engine: Engine, sample: Prompt, setup: EpisodeSetup) -> Episode:
-    """Run one episode of `sample` on `engine` (see the module docstring for how it ends)."""
+def deadline(seconds: float | None):
+    """`anyio.fail_after(seconds)`, or nothing at all when there is no limit (it costs per episode)."""
+    return anyio.fail_after(seconds) if seconds is not None else contextlib.nullcontext()
+
+
+async def run_episode(engine: Engine, sample: Prompt, setup: EpisodeSetup,
+                      prompt_ids: list[int] | None = None) -> Episode:
+    """Run one episode of `sample` on `engine` (see the module docstring for how it ends). Without an
+    environment, `prompt_ids` may give the sample's rendered prompt (a group renders it once)."""
     env = setup.environment() if setup.environment is not None else None
     try:
-        with anyio.fail_after(setup.limits.timeout_s):
-            return await _turns(engine, sample, setup, env)
+        with deadline(setup.limits.timeout_s):
+            return await _turns(engine, sample, setup, env, prompt_ids)
     except TimeoutError:
         raise EpisodeFailed(f"episode timed out after {setup.limits.timeout_s} s") from None
     finally:
@@ -110,11 +118,14 @@ async def run_episode(engine: Engine, sample: Prompt, setup: EpisodeSetup) -> Ep
             await _close(env)
 
 
-async def _turns(engine: Engine, sample: Prompt, setup: EpisodeSetup, env: Environment | None) -> Episode:
+async def _turns(engine: Engine, sample: Prompt, setup: EpisodeSetup, env: Environment | None,
+                 prompt_ids: list[int] | None) -> Episode:
     limits = setup.limits
-    messages = await _env_call(env.start(sample), limits, "start") if env is not None else first_messages(sample)
     tools = tuple(env.tools) if env is not None else ()
-    episode = Episode(EpisodeTokens(setup.renderer.prompt_ids(messages, tools)), ended="single")
+    if env is not None or prompt_ids is None:
+        messages = await _env_call(env.start(sample), limits, "start") if env is not None else first_messages(sample)
+        prompt_ids = setup.renderer.prompt_ids(messages, tools)
+    episode = Episode(EpisodeTokens(prompt_ids), ended="single")
     for turn in range(1, limits.max_turns + 1):
         room = setup.sampling.max_new_tokens
         if limits.max_tokens is not None:
@@ -137,13 +148,28 @@ async def _turns(engine: Engine, sample: Prompt, setup: EpisodeSetup, env: Envir
             episode.ended = "done"
             return episode
         if step.messages and turn < limits.max_turns:
-            episode.tokens.add_env(setup.renderer.reply_ids(step.messages, after_stop=_ended_by_stop(completion)))
+            after_stop = setup.renderer.ended_on_stop(completion.tokens)
+            episode.tokens.add_env(setup.renderer.reply_ids(step.messages, after_stop=after_stop))
     episode.ended = "max_turns"
     return episode
 
 
-def _ended_by_stop(completion: Completion) -> bool:
-    return completion.finish_reason == "stop"
+async def run_single_turns(engine: Engine, prompt_ids: list[int], setup: EpisodeSetup, n: int) -> list[Episode]:
+    """`n` single-turn episodes of one prompt (a group without an environment) as one engine call: they
+    start together and the group waits for all of them anyway, so nothing waits that would not wait
+    otherwise, and the engine sees one call instead of `n` (per-episode overhead dominates short turns)."""
+    try:
+        with deadline(setup.limits.timeout_s):
+            completions = await _generate_many(engine, [prompt_ids] * n, setup.sampling,
+                                               setup.limits.request_timeout_s)
+    except TimeoutError:
+        raise EpisodeFailed(f"episode timed out after {setup.limits.timeout_s} s") from None
+    episodes = []
+    for completion in completions:
+        tokens = EpisodeTokens(prompt_ids)
+        tokens.add_model(completion)
+        episodes.append(Episode(tokens, turns=1, ended="single", last=completion))
+    return episodes
 
 
 def _check_fresh(engine: Engine, tokens: EpisodeTokens, policy: Any) -> None:
@@ -157,18 +183,23 @@ def _check_fresh(engine: Engine, tokens: EpisodeTokens, policy: Any) -> None:
 
 
 async def _generate(engine: Engine, ids: list[int], params: SamplingParams, timeout_s: float | None) -> Completion:
+    (completion,) = await _generate_many(engine, [ids], params, timeout_s)
+    return completion
+
+
+async def _generate_many(engine: Engine, prompts: list[list[int]], params: SamplingParams,
+                         timeout_s: float | None) -> list[Completion]:
     try:
-        with anyio.fail_after(timeout_s):
-            (completion,) = await engine.generate([ids], params)
+        with deadline(timeout_s):
+            return await engine.generate(prompts, params)
     except TimeoutError:
         raise EngineTimeout(f"engine {engine.name} did not answer within {timeout_s} s") from None
-    return completion
 
 
 async def _env_call(call: Any, limits: EpisodeLimits, what: str) -> Any:
     """Await an environment call under the step timeout; any failure becomes EpisodeFailed."""
     try:
-        with anyio.fail_after(limits.step_timeout_s):
+        with deadline(limits.step_timeout_s):
             return await call
     except TimeoutError:
         raise EpisodeFailed(f"environment {what} timed out after {limits.step_timeout_s} s") from None

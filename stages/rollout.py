@@ -43,7 +43,15 @@ from pipeline.refs import HeldRef, Produced, Ref, make_key
 from stages.engines.base import Completion, Engine, EngineError, SamplingParams
 from stages.engines.faulty import with_engine_faults
 from stages.environments.render import renderer_for
-from stages.episode import Episode, EpisodeFailed, EpisodeLimits, EpisodeSetup, run_episode
+from stages.episode import (
+    Episode,
+    EpisodeFailed,
+    EpisodeLimits,
+    EpisodeSetup,
+    first_messages,
+    run_episode,
+    run_single_turns,
+)
 from stages.evaluation import EVAL_FILE, Evaluation
 from stages.group_output import Finished, GroupOutbox, encode_group, version_span
 from stages.model import ModelFolderError, load_tokenizer, prompt_token_ids, stop_token_ids
@@ -194,8 +202,8 @@ class Room:
     def take(self, episodes: int) -> None:
         self.free -= episodes
 
-    def give_back(self) -> None:
-        self.free += 1
+    def give_back(self, episodes: int) -> None:
+        self.free += episodes
         self._changed.set()
 
 
@@ -325,31 +333,46 @@ class RolloutWorker(BaseActor):
             self.ctx.event("engine.behind", engine=self.engine.name, version=self.engine.version, admitted=version)
 
     async def _episodes(self, prompt: Prompt) -> list[Episode | EpisodeFailed]:
-        results: list[Episode | EpisodeFailed] = [EpisodeFailed("not run")] * self.spec.group_size
+        """The group's episodes: one coroutine each with an environment; without one, the group's single
+        turns go to the engine as one call (`stages.episode.run_single_turns`)."""
+        size = self.spec.group_size
+        if self.setup.environment is None:
+            ids = self.setup.renderer.prompt_ids(first_messages(prompt))
+            try:
+                return await self._attempts(lambda: run_single_turns(self.engine, ids, self.setup, size))
+            except EpisodeFailed as failed:
+                return [failed] * size
+            finally:
+                self.room.give_back(size)
+        results: list[Episode | EpisodeFailed] = [EpisodeFailed("not run")] * size
         async with anyio.create_task_group() as tg:
-            for i in range(self.spec.group_size):
+            for i in range(size):
                 tg.start_soon(self._episode, prompt, results, i)
         return results
 
     async def _episode(self, prompt: Prompt, results: list, i: int) -> None:
-        """Episode `i` of a group into `results[i]`: an Episode, or EpisodeFailed (its environment failed).
-        An engine failure or a stale restart runs it again from its sample, counted; past
-        `max_regenerations` attempts the error ends the run."""
+        """Episode `i` of a group into `results[i]`: an Episode, or EpisodeFailed (its environment failed)."""
         try:
-            for attempt in range(self.spec.max_regenerations + 1):
-                try:
-                    results[i] = await run_episode(self.engine, prompt, self.setup)
-                    return
-                except EpisodeFailed as exc:
-                    results[i] = exc
-                    self._count("episodes_failed", exc.reason)
-                    return
-                except EngineError as exc:
-                    if attempt == self.spec.max_regenerations:
-                        raise
-                    self._episode_restarted(exc)
+            results[i] = await self._attempts(lambda: run_episode(self.engine, prompt, self.setup))
+        except EpisodeFailed as exc:
+            results[i] = exc
         finally:
-            self.room.give_back()
+            self.room.give_back(1)
+
+    async def _attempts(self, run):
+        """`await run()`, started again from its sample after an engine failure or a stale restart
+        (counted); past `max_regenerations` attempts the error ends the run. EpisodeFailed is counted."""
+        for attempt in range(self.spec.max_regenerations + 1):
+            try:
+                return await run()
+            except EpisodeFailed as exc:
+                self._count("episodes_failed", exc.reason)
+                raise
+            except EngineError as exc:
+                if attempt == self.spec.max_regenerations:
+                    raise
+                self._episode_restarted(exc)
+        raise AssertionError("unreachable")
 
     def _episode_restarted(self, error: EngineError) -> None:
         cause = type(error).__name__
