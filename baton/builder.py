@@ -32,11 +32,11 @@ from policies.selection import Selection, make_selection
 from stages.datasets import DatasetTask
 from stages.engines.sglang import SGLangEngine
 from stages.engines.torch import TorchEngine
+from stages.episode import EpisodeLimits
 from stages.evaluation import Evaluation
 from stages.learner import GRPOLearner
 from stages.model import make_tiny_model
 from stages.rewards import RewardFunction, weighted_sum
-from stages.episode import EpisodeLimits
 from stages.rollout import Rollout
 from stages.tasks import Addition, ReverseDigits
 from stages.weights import TRANSPORTS, make_transport

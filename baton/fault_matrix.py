@@ -39,7 +39,7 @@ REWARD_MARGIN = 0.02  # last-quarter mean reward minus first-quarter mean, at le
 DEFAULT_SCHEDULES: dict[str, dict[str, Any]] = {
     "engine.crash": {"at": [3]},
     "engine.hang": {"at": [3], "delay_s": 3600.0},  # answered never: the request timeout must catch it
-    "store.put_fail": {"at": [5, 6, 7]},  # three in a row: the put retries give up, the group is regenerated
+    "store.put_fail": {"at": [5]},  # that put and its retries fail: the group is regenerated
     "store.get_fail": {"at": [5, 6, 7]},  # three in a row: the get retries give up, the group is lost and redone
     "store.corrupt": {"at": [5]},
     "store.master_restart": {"at": [20]},

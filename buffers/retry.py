@@ -19,7 +19,10 @@ def _transient(exc: BaseException) -> bool:
     return isinstance(exc, StoreError) and not isinstance(exc, KeyNotFound)
 
 
-async def with_retries(call: Callable[[], Awaitable[T]], attempts: int = 3, max_wait_s: float = 1.0) -> T:
+ATTEMPTS = 3  # tries of a store call before its typed error surfaces
+
+
+async def with_retries(call: Callable[[], Awaitable[T]], attempts: int = ATTEMPTS, max_wait_s: float = 1.0) -> T:
     return await _retrying(
         call, stop_after_attempt(attempts), backoff(0.05, max_wait_s), retry_if_exception(_transient)
     )

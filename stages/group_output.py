@@ -62,6 +62,7 @@ class Finished:
     lengths: list[int] = field(default_factory=list)  # model tokens per stored episode
     put_s: float = 0.0
     gen_s: float = 0.0  # from the group's start to stored
+    gate_s: float = 0.0  # its admission's wait at the gate
     admission: int = 0  # the producer's admission number of its prompt
 
 
@@ -71,9 +72,9 @@ class GroupOutbox:
     `recording()` and `sending()` say what is between the ledger and the channel at any instant (a
     checkpoint cut reads them); `report(batch)` is called after each batch for the generation log."""
 
-    def __init__(self, ledger, outbox, gate, on_recording: Callable[[list[Finished]], None],
+    def __init__(self, ctx, outbox, on_recording: Callable[[list[Finished]], None],
                  report: Callable[[list[Finished], float], None]) -> None:
-        self.ledger, self.outbox, self.gate = ledger, outbox, gate
+        self.ctx, self.outbox = ctx, outbox  # the run's ledger and gate, through its context
         self._on_recording, self._report = on_recording, report
         self._queue: list[Finished] = []
         self._ready = anyio.Event()
@@ -99,15 +100,15 @@ class GroupOutbox:
         records = [r for f in batch for r in f.records]
         self.recording = [(r.group, r.source) for r in records]
         self._on_recording(batch)  # no longer "generating": a checkpoint now owes them via `recording`
-        await self.ledger.produced(records)
+        await self.ctx.ledger.produced(records)
         refs = [f.ref for f in batch if f.ref is not None]
         self.recording, self.sending = [], refs
         dropped = [d for f in batch for d in f.dropped]
         for ids, reason in dropped:
-            await self.ledger.finished("dropped", ids, reason)
+            await self.ctx.ledger.finished("dropped", ids, reason)
         whole_groups = sum(1 for f in batch if f.ref is None)
         if whole_groups:
-            await self.gate.discard(whole_groups)
+            await self.ctx.gate.discard(whole_groups)
         await self.outbox.send_many(refs)
         self.sending = []
         self._report(batch, anyio.current_time() - t0)

@@ -224,7 +224,7 @@ class RolloutWorker(BaseActor):
         self.room = Room(spec.batch_groups * spec.group_size)
         self._generating: dict[int, Prompt] = {}  # admitted, not yet recorded as produced (by admission number)
         self._admitted = 0
-        self.groups = GroupOutbox(ctx.ledger, outbox, ctx.gate, self._recorded, self._log_generation)
+        self.groups = GroupOutbox(ctx, outbox, self._recorded, self._log_generation)
 
     async def start(self) -> None:
         resume = self.ctx.resume
@@ -275,10 +275,12 @@ class RolloutWorker(BaseActor):
                 self.ctx.note(self.name, "waiting for room for a group")
                 await self.room.wait_for(group_size)
                 self.ctx.note(self.name, "waiting at the admission gate")
+                t_gate = anyio.current_time()
                 n = await self.ctx.gate.acquire_many(self.room.free // group_size)
                 admitted_at = await self.ctx.clock.current()
+                gate_s = anyio.current_time() - t_gate
                 for prompt in await self._next_prompts(n):
-                    tg.start_soon(self._group, self._admit(prompt), prompt, admitted_at)
+                    tg.start_soon(self._group, self._admit(prompt), prompt, admitted_at, gate_s)
 
     async def produce(self, prompts: list[Prompt]) -> None:
         """Run the groups of `prompts` (admitted already) through to the ledger and downstream; returns
@@ -307,7 +309,7 @@ class RolloutWorker(BaseActor):
         for item in finished:
             self._generating.pop(item.admission, None)
 
-    async def _group(self, admission: int, prompt: Prompt, admitted_at: int) -> None:
+    async def _group(self, admission: int, prompt: Prompt, admitted_at: int, gate_s: float = 0.0) -> None:
         """Run one group to the outbox. Its engine first reaches the admitting version (so a group admitted
         at version v never carries tokens older than v); a group that cannot be stored is generated again,
         counted, up to `max_regenerations` times."""
@@ -322,7 +324,7 @@ class RolloutWorker(BaseActor):
                 if attempt == self.spec.max_regenerations:
                     raise
                 self._regenerating(1, exc)
-        finished.admission, finished.gen_s = admission, anyio.current_time() - t0
+        finished.admission, finished.gen_s, finished.gate_s = admission, anyio.current_time() - t0, gate_s
         self.groups.put(finished)
 
     async def _engine_at(self, version: int) -> None:
@@ -339,7 +341,7 @@ class RolloutWorker(BaseActor):
         if self.setup.environment is None:
             ids = self.setup.renderer.prompt_ids(first_messages(prompt))
             try:
-                return await self._attempts(lambda: run_single_turns(self.engine, ids, self.setup, size))
+                return await self._attempts(lambda: run_single_turns(self.engine, ids, self.setup, size), whole_group=True)
             except EpisodeFailed as failed:
                 return [failed] * size
             finally:
@@ -359,9 +361,10 @@ class RolloutWorker(BaseActor):
         finally:
             self.room.give_back(1)
 
-    async def _attempts(self, run):
+    async def _attempts(self, run, whole_group: bool = False):
         """`await run()`, started again from its sample after an engine failure or a stale restart
-        (counted); past `max_regenerations` attempts the error ends the run. EpisodeFailed is counted."""
+        (counted as a regenerated group, or a restarted episode); past `max_regenerations` attempts the
+        error ends the run. EpisodeFailed is counted."""
         for attempt in range(self.spec.max_regenerations + 1):
             try:
                 return await run()
@@ -371,13 +374,16 @@ class RolloutWorker(BaseActor):
             except EngineError as exc:
                 if attempt == self.spec.max_regenerations:
                     raise
-                self._episode_restarted(exc)
+                if whole_group:
+                    self._regenerating(1, exc)
+                else:
+                    self._episode_restarted(exc)
         raise AssertionError("unreachable")
 
     def _episode_restarted(self, error: EngineError) -> None:
         cause = type(error).__name__
         self._count("episodes_restarted", cause)
-        self.ctx.event("episode.restarted", engine=self.engine.name, cause=cause, error=str(error))
+        self.ctx.event("episodes.restarted", engine=self.engine.name, cause=cause, error=str(error))
         plan = plan_of(self.ctx)
         if plan is not None:  # the fault runner counts these (they never reached the ledger)
             plan.record("regenerated", cause, self.name, groups=1)
@@ -488,7 +494,8 @@ class RolloutWorker(BaseActor):
 
     def _log_generation(self, batch: list[Finished], record_s: float) -> None:
         """One line per recorded batch of groups in the run folder's generation.jsonl (`baton simulate
-        --calibrate` reads it): groups, the slowest group's seconds from start to stored, the seconds
+        --calibrate` reads it): groups, the longest wait at the gate of their admissions, the slowest
+        group's seconds from start to stored, the seconds
         to record and send them, response tokens and their lengths, bytes stored."""
         folder = getattr(self.ctx, "folder", None)
         if folder is None or not hasattr(folder, "append_record"):
@@ -496,7 +503,8 @@ class RolloutWorker(BaseActor):
         lengths = [n for f in batch for n in f.lengths]
         folder.append_record(GENERATION_FILE, {
             "engine": self.engine.name, "t": round(time.time() - self.ctx.started_at, 4), "groups": len(batch),
-            "group_size": self.spec.group_size, "gen_s": round(max(f.gen_s for f in batch), 5),
+            "group_size": self.spec.group_size, "gate_s": round(max(f.gate_s for f in batch), 5),
+            "gen_s": round(max(f.gen_s for f in batch), 5),
             "put_s": round(max(f.put_s for f in batch), 5), "send_s": round(record_s, 5),
             "tokens": int(sum(lengths)), "lengths": lengths,
             "nbytes": int(sum(f.ref.nbytes for f in batch if f.ref is not None)),

@@ -5,8 +5,9 @@
   lost. Where every actor has its own process (Ray) the producer process is SIGKILLed (the runtime
   restarts it and frees the slots of the groups it had in flight); in one process the call raises
   `EngineCrashed` and the rollout worker generates those groups again.
-* `engine.hang`: the call answers nothing for `delay_s` (an unresponsive server); the rollout
-  worker's `request_timeout_s` turns it into `EngineTimeout` and generates the groups again.
+* `engine.hang`: the engine answers no call (an unresponsive server) until a caller gives up on one
+  (the rollout's `request_timeout_s` turns it into `EngineTimeout` and runs those episodes again) or
+  `delay_s` passes; the calls it held then go on.
 
 The schedule counts `generate` calls per engine (scope = the engine's name). A crash is recorded as
 recovered at the engine's next call that answers; a hang at the first answer to a call made after
@@ -45,8 +46,21 @@ class FaultyEngine:
         self._crash = plan.schedule("engine.crash", engine.name)
         self._hang = plan.schedule("engine.hang", engine.name)
         self._hang_abandoned_at = 0.0
+        self._hung: anyio.Event | None = None  # set while the engine hangs
         self._kill_process = plan.isolated
         self.log = get_logger("faults").bind(boundary="engine", engine=engine.name)
+
+    async def _hang_up(self, hung: anyio.Event) -> None:
+        """Answer nothing until a caller gives up on a hung call (its request timeout) or `delay_s` passes;
+        the first caller to give up clears the hang for every call."""
+        try:
+            with anyio.move_on_after(self._hang.spec.delay_s):
+                await hung.wait()
+        except anyio.get_cancelled_exc_class():
+            if self._hung is hung:
+                self._hang_abandoned_at, self._hung = anyio.current_time(), None
+                hung.set()
+            raise
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
@@ -72,12 +86,9 @@ class FaultyEngine:
         started = anyio.current_time()
         if self._hang is not None and self._hang.hit():
             self.log.warning("injected fault: engine hangs", seconds=self._hang.spec.delay_s)
-            self._hang_abandoned_at = math.inf
-            try:
-                await anyio.sleep(self._hang.spec.delay_s)
-            except anyio.get_cancelled_exc_class():
-                self._hang_abandoned_at = anyio.current_time()  # its work is redone by calls after this
-                raise
+            self._hang_abandoned_at, self._hung = math.inf, anyio.Event()
+        if self._hung is not None:
+            await self._hang_up(self._hung)
         completions = await self.engine.generate(prompts, params)
         if self._crash is not None and self._crash.hit():
             if self._kill_process:

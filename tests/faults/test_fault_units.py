@@ -116,7 +116,11 @@ async def test_store_put_fail_is_a_typed_store_error_that_retries_get_past() -> 
         await store.put("k", b"x")
     assert isinstance(err.value, StoreError)
     store2 = FaultyStore(MemoryStore(), FaultPlan([FaultSpec("store.put_fail", at=(1,))]))
-    await with_retries(lambda: store2.put("k", b"x"))  # the retry is the 2nd occurrence: it goes through
+    with pytest.raises(InjectedStoreError):  # the fault holds for that key's retries: its group is redone
+        await with_retries(lambda: store2.put("k", b"x"))
+    await with_retries(lambda: store2.put("other", b"y"))  # other keys go through, retried or not
+    assert bytes(await store2.get("other")) == b"y"
+    await store2.put("k", b"x")  # once the retries gave up, the key is healthy again
     assert bytes(await store2.get("k")) == b"x"
     always = FaultyStore(MemoryStore(), FaultPlan([FaultSpec("store.get_fail", probability=1.0)]))
     await always.put("k", b"x")
