@@ -204,13 +204,12 @@ class TorchEngine:
                 request = self._queue.popleft()
                 if not request.call.dropped:
                     new.append(request)
-            if not new and not batch.rows:
+            self._running = len(batch.rows) + len(new)
+            if not self._running:
                 self._serving = False
-                self._running = 0
                 return False
         if new:
             batch.merge(new, *self._prefill([r.prompt for r in new]))
-        self._running = len(batch.rows)
         return True
 
     def _step(self, batch: Batch) -> None:
@@ -223,9 +222,11 @@ class TorchEngine:
         ):
             if request.append(token, lp, version):
                 finished.append(i)
-                request.call.complete(request)
+        done = [batch.rows[i] for i in finished]
         batch.drop(finished)
         self._running = len(batch.rows)
+        for request in done:
+            request.call.complete(request)
 
     def _forward(self, **inputs):
         """One forward pass under the weights lock; returns its output and the version it ran."""
