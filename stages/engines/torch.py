@@ -8,7 +8,9 @@ At most `max_running` requests decode at once; the rest wait in FIFO order. One 
 engine runs the batch while there is work and exits when idle. Each request has its own sampling
 params (temperature, top-p, stop tokens, max-tokens); every token carries its behaviour logprob (of
 the tempered distribution, before top-p truncation) and the weight version that computed its logits.
-A single call on an idle engine decodes exactly as a plain batched loop would (same seed, same tokens).
+A single call on an idle engine samples exactly the tokens a plain batched loop over its prompts
+would (same seed, same random draws: see `Sampling`); logprobs agree up to float rounding once some
+of its rows have left the batch.
 
 New weights are staged by `receive_weights` and swapped in between decode steps of the running
 batch, so a long generation spans versions honestly instead of blocking the push. Swapping means the

@@ -131,10 +131,12 @@ class Sampling:
         if any(r.params.top_p < 1.0 for r in rows):
             top_p = torch.tensor([[r.params.top_p] for r in rows], device=device)
         first_line: dict[Call, int] = {}
+        total = 0
         for r in rows:
-            first_line.setdefault(r.call, sum(len(c.requests) for c in first_line))
+            if r.call not in first_line:
+                first_line[r.call] = total
+                total += len(r.call.requests)
         lines = [first_line[r.call] + r.index for r in rows]
-        total = sum(len(c.requests) for c in first_line)
         noise_rows = None if lines == list(range(total)) else torch.tensor(lines, device=device)
         return cls(temperature, top_p, total, noise_rows)
 
