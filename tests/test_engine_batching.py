@@ -304,15 +304,18 @@ async def test_receive_weights_during_a_continuous_stream(model_a, model_b, monk
 # ---------------------------------------------------------------- leaving early
 
 
-async def test_a_cancelled_call_leaves_the_batch(model_a, monkeypatch) -> None:
-    engine = await started(model_a)
+async def test_cancelled_calls_leave_the_queue_at_once_and_the_batch_at_the_next_step(model_a, monkeypatch) -> None:
+    engine = await started(model_a, max_running=1)
     running = threading.Event()
-    on_step(engine, monkeypatch, {3: running.set})
+    on_step(engine, monkeypatch, {3: lambda: (running.set(), wait_for(lambda: engine.load == 2))})
     with anyio.CancelScope() as scope:
         async with anyio.create_task_group() as tg:
             tg.start_soon(engine.generate, [LONG], SamplingParams(max_new_tokens=10_000))
             await anyio.to_thread.run_sync(running.wait)
+            tg.start_soon(engine.generate, [SHORT], SamplingParams(max_new_tokens=3))  # queued behind it
+            await anyio.sleep(0.01)
             scope.cancel()
+    assert engine.load <= 1  # the queued request is gone; the running one goes at its next step boundary
     with anyio.fail_after(DEADLOCK_GUARD_S):
         while engine.load or engine._serving:
             await anyio.sleep(0.01)

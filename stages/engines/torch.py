@@ -146,7 +146,9 @@ class TorchEngine:
             try:
                 await call.finished.wait()
             except BaseException:
-                call.cancelled = True  # the decode thread drops its requests at the next step boundary
+                call.cancelled = True  # the decode thread drops its running requests at the next step boundary
+                with self._lock:
+                    self._queue = collections.deque(r for r in self._queue if r.call is not call)
                 raise
         if call.error is not None:
             raise call.error
