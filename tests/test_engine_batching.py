@@ -214,6 +214,41 @@ async def test_a_multi_prompt_call_returns_when_all_its_prompts_are_done(model_a
         assert torch.allclose(torch.from_numpy(c.logprobs), teacher_forced_logprobs(model, prompt, c.tokens), atol=1e-4)
 
 
+def plain_batched_loop(model, prompts: list[list[int]], params: SamplingParams, seed: int) -> list[list[int]]:
+    """The reference: one left-padded batch decoded to the end, every row sampled at every step by
+    torch.multinomial (finished rows too), rows cut at their first stop token."""
+    generator = torch.Generator().manual_seed(seed)
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    positions, cache, rows = (mask.cumsum(1) - 1).clamp(min=0), None, []
+    with torch.no_grad():
+        for _ in range(params.max_new_tokens):
+            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
+            probs = torch.softmax(out.logits[:, -1].float() / params.temperature, -1)
+            sorted_p, order = probs.sort(-1, descending=True)
+            kept = sorted_p * (sorted_p.cumsum(-1) - sorted_p < params.top_p)
+            probs = torch.zeros_like(probs).scatter(-1, order, kept)
+            ids = torch.multinomial(probs, 1, generator=generator)
+            rows.append(ids[:, 0].tolist())
+            cache, mask = out.cache, torch.cat([mask, torch.ones_like(ids)], 1)
+            positions = positions[:, -1:] + 1
+    tokens = [list(t) for t in zip(*rows, strict=True)]
+    return [next((t[: i + 1] for i, x in enumerate(t) if x in params.stop_token_ids), t) for t in tokens]
+
+
+async def test_a_lone_call_samples_what_a_plain_batched_loop_samples(model_a) -> None:
+    """Same seed, same tokens: rows that finish early leave the batch, yet the others draw the same
+    random numbers as in a batch that keeps sampling every row to the end."""
+    prompts = [SHORT, LONG, MEDIUM, [BOS, 9, 3, 7, 11, 16]]
+    params = SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.9, stop_token_ids=(5, 9, 17, 30))
+    engine = await started(model_a)
+    out = await engine.generate(prompts, params)
+    expected = plain_batched_loop(eval_model(model_a), prompts, params, seed=11)
+    assert [c.tokens.tolist() for c in out] == expected
+    assert len({len(t) for t in expected}) > 1  # rows did finish at different steps
+
+
 # ---------------------------------------------------------------- weights and restarts
 
 
