@@ -93,7 +93,8 @@ class TorchEngine:
         if self._model is None:
             model = await anyio.to_thread.run_sync(load_model, self.model_path, self.dtype)
             self._model = model.to(self.device).eval()
-            self._generator = torch.Generator(device=self.device).manual_seed(self.seed)
+            if self._generator is None:  # made on the device at the first start; a restart continues its draws
+                self._generator = torch.Generator(device=self.device).manual_seed(self.seed)
 
     async def stop(self) -> None:
         """Fail what is queued or decoding (EngineError: retry elsewhere) and release the model."""
