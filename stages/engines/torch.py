@@ -8,7 +8,9 @@ At most `max_running` requests decode at once; the rest wait in FIFO order. One 
 engine runs the batch while there is work and exits when idle. Each request has its own sampling
 params (temperature, top-p, stop tokens, max-tokens); every token carries its behaviour logprob (of
 the tempered distribution, before top-p truncation) and the weight version that computed its logits.
-A single call on an idle engine decodes exactly as a plain batched loop would (same seed, same tokens).
+A single call on an idle engine samples exactly the tokens a plain batched loop over its prompts
+would (same seed, same random draws: see `Sampling`); logprobs agree up to float rounding once some
+of its rows have left the batch.
 
 New weights are staged by `receive_weights` and swapped in between decode steps of the running
 batch, so a long generation spans versions honestly instead of blocking the push. Swapping means the
@@ -91,7 +93,8 @@ class TorchEngine:
         if self._model is None:
             model = await anyio.to_thread.run_sync(load_model, self.model_path, self.dtype)
             self._model = model.to(self.device).eval()
-            self._generator = torch.Generator(device=self.device).manual_seed(self.seed)
+            if self._generator is None:  # made on the device at the first start; a restart continues its draws
+                self._generator = torch.Generator(device=self.device).manual_seed(self.seed)
 
     async def stop(self) -> None:
         """Fail what is queued or decoding (EngineError: retry elsewhere) and release the model."""
@@ -144,7 +147,9 @@ class TorchEngine:
             try:
                 await call.finished.wait()
             except BaseException:
-                call.cancelled = True  # the decode thread drops its requests at the next step boundary
+                call.cancelled = True  # the decode thread drops its running requests at the next step boundary
+                with self._lock:
+                    self._queue = collections.deque(r for r in self._queue if r.call is not call)
                 raise
         if call.error is not None:
             raise call.error
@@ -204,13 +209,12 @@ class TorchEngine:
                 request = self._queue.popleft()
                 if not request.call.dropped:
                     new.append(request)
-            if not new and not batch.rows:
+            self._running = len(batch.rows) + len(new)
+            if not self._running:
                 self._serving = False
-                self._running = 0
                 return False
         if new:
             batch.merge(new, *self._prefill([r.prompt for r in new]))
-        self._running = len(batch.rows)
         return True
 
     def _step(self, batch: Batch) -> None:
@@ -223,9 +227,11 @@ class TorchEngine:
         ):
             if request.append(token, lp, version):
                 finished.append(i)
-                request.call.complete(request)
+        done = [batch.rows[i] for i in finished]
         batch.drop(finished)
         self._running = len(batch.rows)
+        for request in done:
+            request.call.complete(request)
 
     def _forward(self, **inputs):
         """One forward pass under the weights lock; returns its output and the version it ran."""

@@ -114,10 +114,10 @@ class Sampling:
     """Per-row sampling settings of the batch as column tensors ([rows, 1]); `top_p` is None when
     no row truncates.
 
-    Random draws are made per call: each step draws one block of noise per call with a row in the
-    batch, sized to all of the call's prompts (finished ones too), in the order the calls' rows
-    appear; `noise_rows` picks each row's line of it (None: every line, in order). So a lone call
-    consumes the generator exactly as a plain batched loop over its prompts does."""
+    Random draws are counted per call: each step draws `noise_lines` lines of noise, as many per
+    call with a row in the batch as the call has prompts (finished ones too), the calls in the order
+    their rows appear; `noise_rows` picks each row's line (None: every line, in order). So a lone
+    call consumes the generator exactly as a plain batched loop over its prompts does."""
 
     temperature: torch.Tensor
     top_p: torch.Tensor | None
@@ -131,10 +131,12 @@ class Sampling:
         if any(r.params.top_p < 1.0 for r in rows):
             top_p = torch.tensor([[r.params.top_p] for r in rows], device=device)
         first_line: dict[Call, int] = {}
+        total = 0
         for r in rows:
-            first_line.setdefault(r.call, sum(len(c.requests) for c in first_line))
+            if r.call not in first_line:
+                first_line[r.call] = total
+                total += len(r.call.requests)
         lines = [first_line[r.call] + r.index for r in rows]
-        total = sum(len(c.requests) for c in first_line)
         noise_rows = None if lines == list(range(total)) else torch.tensor(lines, device=device)
         return cls(temperature, top_p, total, noise_rows)
 
