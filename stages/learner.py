@@ -60,6 +60,20 @@ from stages.weights.faulty import with_weight_faults
 from stages.weights.snapshot import save_snapshot, snapshot_key
 
 
+def episode_metrics(batches) -> dict[str, float]:
+    """Multi-turn episodes' numbers over a step's batches: `turns_mean`, and per number an environment
+    reported (row fields `info/<name>`, NaN where an episode had none) its mean as `episode/<name>`."""
+    turns = [b.row_fields["turns"] for b in batches if "turns" in b.row_fields]
+    if not turns:
+        return {}
+    out = {"turns_mean": round(float(np.mean(np.concatenate(turns))), 4)}
+    for name in sorted({f for b in batches for f in b.row_fields if f.startswith("info/")}):
+        values = np.concatenate([b.row_fields[name] for b in batches if name in b.row_fields])
+        if np.isfinite(values).any():
+            out[f"episode/{name[len('info/'):]}"] = round(float(np.nanmean(values)), 4)
+    return out
+
+
 @dataclass
 class GRPOLearner:
     """The DSL/config object: `GRPOLearner(model_path, lr=3e-3, groups_per_step=16)`."""
@@ -317,6 +331,7 @@ class LearnerActor(BaseActor):
                 "tokens": int(sum(b.tokens for b in batches)),  # prompt + response tokens trained on
                 "version_s": round(time.perf_counter() - last, 4),  # this version, end to end
                 **stats,
+                **episode_metrics(batches),
                 **{f"events/{kind}": n for kind, n in self._events.update().items()},  # pipeline.events
             })
             last = time.perf_counter()

@@ -42,6 +42,7 @@ from pipeline.faults import FaultPlanError, plan_of
 from pipeline.refs import HeldRef, Produced, Ref, make_key
 from stages.engines.base import Completion, Engine, EngineError, SamplingParams
 from stages.engines.faulty import with_engine_faults
+from stages.environments import environment_class, make_environment
 from stages.environments.render import renderer_for
 from stages.episode import (
     Episode,
@@ -115,8 +116,6 @@ class Rollout:
         elif not isinstance(self.reward, RewardFunction):
             self.reward = RewardFunction(self.reward)
         if isinstance(self.environment, str):
-            from stages.environments import make_environment
-
             make_environment(self.environment, **self.environment_options)  # a bad name or option fails now
         if self.limits.request_timeout_s is None and self.request_timeout_s is not None:
             self.limits = replace(self.limits, request_timeout_s=self.request_timeout_s)
@@ -140,10 +139,8 @@ class Rollout:
         chat = isinstance(self.task, DataTask) and self.task.uses_chat
         renderer = renderer_for(self.tokenizer, chat, self.stop_token_ids)
         environment = self.environment
-        if isinstance(environment, str):
-            from stages.environments import make_environment
-
-            environment = functools.partial(make_environment, environment, **self.environment_options)
+        if isinstance(environment, str):  # checked whole in __post_init__; here only the class is resolved
+            environment = functools.partial(environment_class(environment), **self.environment_options)
         return EpisodeSetup(renderer, environment, self.sampling(), self.limits, policy)
 
     def actors(self, ctx: RunContext, inbox: Channel | None, outbox: Channel | None):
@@ -341,7 +338,8 @@ class RolloutWorker(BaseActor):
         if self.setup.environment is None:
             ids = self.setup.renderer.prompt_ids(first_messages(prompt))
             try:
-                return await self._attempts(lambda: run_single_turns(self.engine, ids, self.setup, size), whole_group=True)
+                single = functools.partial(run_single_turns, self.engine, ids, self.setup, size)
+                return await self._attempts(single, whole_group=True)
             except EpisodeFailed as failed:
                 return [failed] * size
             finally:

@@ -20,6 +20,9 @@ ENVIRONMENTS = {
 }
 
 
+_CHECKED: set[type] = set()
+
+
 def environment_class(kind: str) -> type:
     """The class `kind` names (PluginError, a ValueError, naming the fix when it names none)."""
     cls = plugins.resolve(kind, ENVIRONMENTS, what="environment")
@@ -36,9 +39,10 @@ def make_environment(kind: str, **options: Any) -> Environment:
         env = cls(**options)
     except TypeError as exc:
         raise ValueError(f"environment {kind!r}: {exc}") from None
-    if not isinstance(env, Environment):
+    if type(env) not in _CHECKED and not isinstance(env, Environment):
         raise ValueError(f"environment {kind!r} makes {type(env).__name__}, which lacks the Environment methods "
                          "(tools, async start(sample), step(turn), close())")
+    _CHECKED.add(type(env))  # a runtime Protocol check is slow; once per class is enough
     return env
 
 
