@@ -64,7 +64,7 @@ class ChatRequest(Sampling, kw_only=True):
 
 
 class CompletionRequest(Sampling, kw_only=True):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[str | int | list[int]]  # one text, texts, one list of ids, lists of ids
     logprobs: int | None = None
     echo: bool = False
 

@@ -142,15 +142,15 @@ class TurnServer:
         if request.echo:
             raise ApiError(400, "echo is not supported", "unsupported_value")
         stops = _stops(request.stop)
-        prompt = request.prompt
+        prompts = _prompts(request.prompt)
         if episode is None:
-            prompts = prompt if prompt and isinstance(prompt[0], (str, list)) else [prompt]
             params = self._params(request, self._max_tokens(request.max_tokens, None, 0))
             ids = [self._text_ids(p) for p in prompts]
             batches = await asyncio.gather(*(self._generate_n(p, params, request.n) for p in ids))
             return [self._choice(c, stops, None, len(p)) for p, batch in zip(ids, batches, strict=True) for c in batch]
-        if not isinstance(prompt, str) and prompt and not isinstance(prompt[0], int):
+        if len(prompts) != 1:
             raise ApiError(400, "inside an episode the prompt is one string or one list of token ids", "invalid_value")
+        prompt = prompts[0]
 
         def prompt_of(segment: Segment | None):
             transcript = segment.transcript if segment is not None else None
@@ -208,6 +208,16 @@ class TurnServer:
         finally:
             episode.busy -= 1
             episode.active_at = time.monotonic()
+
+
+def _prompts(prompt: str | list) -> list[str | list[int]]:
+    """A completion request's prompts: one text, texts, one list of ids or lists of ids (not mixed)."""
+    if isinstance(prompt, str) or all(isinstance(p, int) for p in prompt):
+        return [prompt]
+    if all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
+        return list(prompt)
+    raise ApiError(400, "prompt must be a string, a list of strings, a list of token ids or a list of such lists",
+                   "invalid_value")
 
 
 def _stops(stop: str | list[str] | None) -> list[str]:

@@ -1,0 +1,393 @@
+"""The OpenAI-compatible gateway with the real `openai` client, on loopback, in front of a real
+TorchEngine on the byte-level BPE chat model of tools/make_math_example.py (seeds fixed)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+from collections import Counter
+
+import aiohttp
+import numpy as np
+import openai
+import pytest
+from openai import AsyncOpenAI
+
+from stages.engines.base import Completion, SamplingParams
+from stages.engines.torch import TorchEngine
+from stages.environments.base import Tool, ToolCall
+from stages.environments.render import ChatRenderer
+from stages.environments.tool_calls import render_tool_calls
+from stages.gateway import EngineHost, Gateway, Limits
+from stages.model import load_tokenizer
+from stages.tasks import Prompt
+from tools.make_math_example import make_qwen_like_model
+
+pytestmark = pytest.mark.anyio
+KEY = "test-key"
+CALCULATOR = Tool("calculator", "evaluate an arithmetic expression",
+                  {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]})
+
+
+@pytest.fixture(scope="session")
+def model(tmp_path_factory):
+    return make_qwen_like_model(tmp_path_factory.mktemp("gateway-model"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model):
+    return load_tokenizer(model)
+
+
+class Questions:
+    """A chat task: `what is a + b?` as one user message."""
+
+    name, max_new_tokens = "questions", 8
+
+    def sample(self, rng: random.Random) -> Prompt:
+        a, b = rng.randrange(10), rng.randrange(10)
+        text = f"what is {a} + {b}?"
+        return Prompt(text=text, answer=str(a + b), messages=[{"role": "user", "content": text}])
+
+
+class Recording:
+    """An engine wrapper that keeps every completion the engine emitted."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.name, self.emitted = engine, engine.name, []
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    async def generate(self, prompts, params):
+        out = await self.engine.generate(prompts, params)
+        self.emitted += [(list(p), c) for p, c in zip(prompts, out, strict=True)]
+        return out
+
+
+class Forced(Recording):
+    """Emits the tokens of `texts` in turn (then the stop token) instead of sampling: a random model
+    never writes a tool call, and parsing and the round trip are what these tests check."""
+
+    def __init__(self, engine, tokenizer, texts: list[str]) -> None:
+        super().__init__(engine)
+        self.tokenizer, self.texts = tokenizer, list(texts)
+
+    async def generate(self, prompts, params: SamplingParams):
+        out = []
+        for prompt in prompts:
+            ids = self.tokenizer.encode(self.texts.pop(0), add_special_tokens=False) + [params.stop_token_ids[0]]
+            n = len(ids)
+            completion = Completion(np.array(ids, np.int32), np.full(n, -0.5, np.float32), np.zeros(n, np.int32), "stop")
+            self.emitted.append((list(prompt), completion))
+            out.append(completion)
+        return out
+
+
+@contextlib.asynccontextmanager
+async def serving(model, tokenizer, *, wrap=None, engines: int = 1, limits: Limits | None = None, **host_options):
+    started = [TorchEngine(model, name=f"torch-{i}", seed=i) for i in range(engines)]
+    for engine in started:
+        await engine.start()
+    used = [wrap(e) if wrap else e for e in started]
+    host = EngineHost(used, Questions(), **host_options)
+    gateway = Gateway(host, tokenizer, KEY, limits=limits)
+    await gateway.start()
+    try:
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {KEY}"}) as control:
+            yield gateway, host, control
+    finally:
+        while OPEN_CLIENTS:
+            await OPEN_CLIENTS.pop().close()
+        await gateway.stop()
+
+
+async def open_episode(gateway, control, wait: bool = True) -> dict:
+    async with control.post(f"{gateway.base_url}/episodes", params={"wait": str(wait).lower()}) as response:
+        assert response.status == 200, await response.text()
+        return await response.json()
+
+
+async def post(control, url: str, body: dict | None = None) -> tuple[int, dict]:
+    async with control.post(url, json=body or {}) as response:
+        return response.status, await response.json()
+
+
+OPEN_CLIENTS: list[AsyncOpenAI] = []
+
+
+def client(base_url: str, key: str = KEY) -> AsyncOpenAI:
+    """An openai client (no retries), closed when the `serving` block ends."""
+    OPEN_CLIENTS.append(AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0))
+    return OPEN_CLIENTS[-1]
+
+
+async def test_recorded_ids_are_the_engines_ids(model, tokenizer):
+    """Two turns (the second streamed) through the untouched engine: the episode's record is the
+    rendered prompt, the engine's ids, the new user message rendered alone, the engine's ids."""
+    async with serving(model, tokenizer, wrap=Recording) as (gateway, host, control):
+        opened = await open_episode(gateway, control)
+        agent = client(opened["base_url"])
+        messages = opened["sample"]["messages"]
+        first = await agent.chat.completions.create(model="baton", messages=messages, max_tokens=12, logprobs=True)
+        messages = [*messages, first.choices[0].message.model_dump(exclude_none=True),
+                    {"role": "user", "content": "are you sure?"}]
+        stream = await agent.chat.completions.create(model="baton", messages=messages, max_tokens=12, stream=True)
+        chunks = [chunk async for chunk in stream]
+        assert await post(control, f"{gateway.base_url}/episodes/{opened['id']}/reward", {"reward": 0.5}) == \
+            (200, {"id": opened["id"], "status": "rewarded"})
+
+    (engine,) = host.engines
+    (p1, c1), (p2, c2) = engine.emitted
+    renderer = ChatRenderer(tokenizer)
+    reply = renderer.reply_ids([{"role": "user", "content": "are you sure?"}], c1.finish_reason == "stop")
+    assert p1 == renderer.prompt_ids(opened["sample"]["messages"])
+    assert p2 == p1 + c1.tokens.tolist() + reply
+    finished = host.finished[opened["id"]]
+    assert finished.reward == 0.5 and finished.reason is None and len(finished.segments) == 1
+    row = finished.segments[0].row()
+    assert row["tokens"].tolist() == p2 + c2.tokens.tolist()
+    model_at = np.flatnonzero(row["loss_mask"])
+    assert row["tokens"][model_at].tolist() == c1.tokens.tolist() + c2.tokens.tolist()
+    assert np.array_equal(row["logprobs"][model_at], np.concatenate([c1.logprobs, c2.logprobs]))
+    assert [t.logprob for t in first.choices[0].logprobs.content] == pytest.approx(c1.logprobs.tolist())
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == tokenizer.decode(c2.tokens.tolist(), skip_special_tokens=True)
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    assert gateway.stats["segments"] == 0 and host.finish_calls == Counter({opened["id"]: 1})
+
+
+def calls_text(*calls: ToolCall) -> str:
+    return render_tool_calls(calls)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_tool_calls_round_trip(model, tokenizer, stream):
+    """A forced tool call comes back as OpenAI tool_calls; the agent's assistant message and tool
+    result extend the record (no new segment): the tool message is rendered alone and appended."""
+    texts = [calls_text(ToolCall("calculator", {"expression": "3 + 4"})), "The answer is 7."]
+    async with serving(model, tokenizer, wrap=lambda e: Forced(e, tokenizer, texts)) as (gateway, host, control):
+        opened = await open_episode(gateway, control)
+        agent = client(opened["base_url"])
+        messages = opened["sample"]["messages"]
+        tools = [CALCULATOR.schema()]
+        if stream:
+            chunks = [c async for c in await agent.chat.completions.create(
+                model="baton", messages=messages, tools=tools, stream=True)]
+            deltas = [c.choices[0].delta for c in chunks if c.choices]
+            (call,) = [tc for d in deltas for tc in d.tool_calls or ()]
+            finish = chunks[-1].choices[0].finish_reason
+            assistant = {"role": "assistant", "content": None, "tool_calls": [
+                {"id": call.id, "type": "function",
+                 "function": {"name": call.function.name, "arguments": call.function.arguments}}]}
+        else:
+            response = await agent.chat.completions.create(model="baton", messages=messages, tools=tools)
+            (call,) = response.choices[0].message.tool_calls
+            finish = response.choices[0].finish_reason
+            assert response.choices[0].message.content is None
+            assistant = response.choices[0].message.model_dump(exclude_none=True)
+        assert finish == "tool_calls"
+        assert call.function.name == "calculator" and json.loads(call.function.arguments) == {"expression": "3 + 4"}
+        result = {"role": "tool", "tool_call_id": call.id, "content": "7"}
+        second = await agent.chat.completions.create(model="baton", messages=[*messages, assistant, result],
+                                                     tools=tools)
+        assert second.choices[0].message.content == "The answer is 7." and second.choices[0].finish_reason == "stop"
+        assert (await post(control, f"{gateway.base_url}/episodes/{opened['id']}/reward", {"reward": 1.0}))[0] == 200
+
+    (engine,) = host.engines
+    (p1, c1), (p2, c2) = engine.emitted
+    renderer = ChatRenderer(tokenizer)
+    assert p1 == renderer.prompt_ids(messages, [CALCULATOR])
+    assert p2 == p1 + c1.tokens.tolist() + renderer.reply_ids([result], after_stop=True)
+    (segment,) = host.finished[opened["id"]].segments
+    assert segment.row()["tokens"].tolist() == p2 + c2.tokens.tolist()
+    assert gateway.stats["segments"] == 0
+
+
+async def test_edited_history_starts_a_counted_segment(model, tokenizer):
+    """An agent that edits a recorded assistant turn does not extend the record: the gateway renders
+    the whole given conversation into a new segment and counts it; both segments reach the host."""
+    async with serving(model, tokenizer, wrap=Recording) as (gateway, host, control):
+        opened = await open_episode(gateway, control)
+        agent = client(opened["base_url"])
+        messages = opened["sample"]["messages"]
+        first = await agent.chat.completions.create(model="baton", messages=messages, max_tokens=6)
+        edited = [*messages, {"role": "assistant", "content": first.choices[0].message.content + " (edited)"},
+                  {"role": "user", "content": "again"}]
+        await agent.chat.completions.create(model="baton", messages=edited, max_tokens=6)
+        extended = [*edited, (await agent.chat.completions.create(model="baton", messages=edited, max_tokens=6))
+                    .choices[0].message.model_dump(exclude_none=True)]
+        assert gateway.stats["segments"] == 2  # the edit, then resending `edited` (not an extension)
+        await agent.chat.completions.create(model="baton", messages=[*extended, {"role": "user", "content": "ok"}],
+                                            max_tokens=6)
+        assert gateway.stats["segments"] == 2
+        await post(control, f"{gateway.base_url}/episodes/{opened['id']}/reward", {"reward": 0.0})
+
+    (engine,) = host.engines
+    prompts = [p for p, _ in engine.emitted]
+    renderer = ChatRenderer(tokenizer)
+    assert prompts[1] == renderer.prompt_ids(edited) == prompts[2]
+    segments = host.finished[opened["id"]].segments
+    assert [s.turns for s in segments] == [1, 1, 2]
+    assert segments[1].ids() == prompts[1] + engine.emitted[1][1].tokens.tolist()
+
+
+async def test_errors_are_openai_shaped(model, tokenizer):
+    limits = Limits(max_body_bytes=4096, max_tokens=32)
+    async with serving(model, tokenizer, limits=limits) as (gateway, host, control):
+        messages = [{"role": "user", "content": "hi"}]
+        with pytest.raises(openai.AuthenticationError) as caught:
+            await client(gateway.base_url, "wrong").chat.completions.create(model="baton", messages=messages)
+        assert caught.value.status_code == 401 and caught.value.body["type"] == "authentication_error"
+        with pytest.raises(openai.NotFoundError) as caught:
+            await client(gateway.episode_url("nope")).chat.completions.create(model="baton", messages=messages)
+        assert "nope" in caught.value.body["message"]
+        agent = client(gateway.base_url)
+        with pytest.raises(openai.BadRequestError) as caught:
+            await agent.chat.completions.create(model="baton", messages=messages, max_tokens=33)
+        assert "max_tokens" in caught.value.body["message"]
+        with pytest.raises(openai.BadRequestError):
+            await agent.chat.completions.create(model="baton", messages=[{"content": "no role"}])
+        with pytest.raises(openai.BadRequestError):
+            await agent.chat.completions.create(model="baton", messages=messages, temperature=5)
+        with pytest.raises(openai.BadRequestError):
+            await agent.chat.completions.create(model="baton", messages=messages, extra_body={"n": "two"})
+        async with control.post(f"{gateway.base_url}/chat/completions", data=b"{not json") as response:
+            assert response.status == 400 and (await response.json())["error"]["type"] == "invalid_request_error"
+        big = {"model": "baton", "messages": [{"role": "user", "content": "x" * 5000}]}
+        async with control.post(f"{gateway.base_url}/chat/completions", json=big) as response:
+            assert response.status == 413 and "error" in await response.json()
+        async with control.post(f"{gateway.base_url}/nowhere") as response:
+            assert response.status == 404 and "Traceback" not in await response.text()
+        async with aiohttp.ClientSession() as anonymous, anonymous.post(f"{gateway.base_url}/episodes") as response:
+            assert response.status == 401
+        assert host.open_episodes == 0
+        assert (await post(control, f"{gateway.base_url}/episodes/nope/reward", {"reward": 1}))[0] == 404
+
+
+async def test_over_budget_is_429_with_retry_after_and_waits_otherwise(model, tokenizer):
+    async with serving(model, tokenizer, max_open=1, retry_after_s=2.0) as (gateway, host, control):
+        first = await open_episode(gateway, control)
+        async with control.post(f"{gateway.base_url}/episodes", params={"wait": "false"}) as response:
+            assert response.status == 429 and response.headers["Retry-After"] == "2"
+            assert (await response.json())["error"]["type"] == "rate_limit_error"
+        waiting = asyncio.ensure_future(open_episode(gateway, control, wait=True))
+        await asyncio.sleep(0.2)
+        assert not waiting.done()
+        assert await post(control, f"{gateway.base_url}/episodes/{first['id']}/close") == \
+            (200, {"id": first["id"], "status": "closed without reward"})
+        second = await asyncio.wait_for(waiting, 10)
+        assert second["id"] != first["id"]
+        status, body = await post(control, f"{gateway.base_url}/episodes/{first['id']}/reward", {"reward": 1.0})
+        assert status == 409 and "closed without reward" in body["error"]["message"]
+    assert host.finished[first["id"]].reason == "closed without reward"
+    assert host.finished[second["id"]].reason == "gateway stopped"
+
+
+async def test_reward_timeout_drops_the_episode(model, tokenizer):
+    limits = Limits(reward_timeout_s=0.3)
+    async with serving(model, tokenizer, limits=limits) as (gateway, host, control):
+        opened = await open_episode(gateway, control)
+        agent = client(opened["base_url"])
+        await agent.chat.completions.create(model="baton", messages=opened["sample"]["messages"], max_tokens=4)
+        for _ in range(100):
+            if opened["id"] in host.finished:
+                break
+            await asyncio.sleep(0.05)
+        finished = host.finished[opened["id"]]
+        assert finished.reason == "reward timeout" and finished.reward is None and len(finished.segments) == 1
+        assert gateway.stats["dropped: reward timeout"] == 1
+        with pytest.raises(openai.ConflictError):
+            await agent.chat.completions.create(model="baton", messages=opened["sample"]["messages"], max_tokens=4)
+    assert host.finish_calls[opened["id"]] == 1
+
+
+async def test_episode_token_limit_and_n(model, tokenizer):
+    async with serving(model, tokenizer, limits=Limits(max_episode_tokens=40)) as (gateway, host, control):
+        opened = await open_episode(gateway, control)
+        agent = client(opened["base_url"])
+        messages = opened["sample"]["messages"]
+        with pytest.raises(openai.BadRequestError):
+            await agent.chat.completions.create(model="baton", messages=messages, n=2)
+        first = await agent.chat.completions.create(model="baton", messages=messages, max_tokens=100 - 90)
+        assert first.usage.prompt_tokens + first.usage.completion_tokens <= 40
+        long = [*messages, first.choices[0].message.model_dump(exclude_none=True),
+                {"role": "user", "content": "tell me more " * 10}]
+        with pytest.raises(openai.BadRequestError) as caught:
+            await agent.chat.completions.create(model="baton", messages=long, max_tokens=5)
+        assert "token limit" in caught.value.body["message"]
+        several = await client(gateway.base_url).chat.completions.create(model="baton", messages=messages, n=3,
+                                                                        max_tokens=3)
+        assert [c.index for c in several.choices] == [0, 1, 2]
+
+
+async def test_completions_and_models(model, tokenizer):
+    async with serving(model, tokenizer, wrap=Recording) as (gateway, host, control):
+        outside = client(gateway.base_url)
+        assert [m.id for m in (await outside.models.list()).data] == ["baton"]
+        plain = await outside.completions.create(model="baton", prompt=["1 + 1 =", "2 + 2 ="], max_tokens=3,
+                                                 logprobs=0)
+        assert len(plain.choices) == 2 and len(plain.choices[0].logprobs.token_logprobs) <= 3
+        opened = await open_episode(gateway, control)
+        agent = client(opened["base_url"])
+        first = await agent.completions.create(model="baton", prompt="Q: 3 + 4 =", max_tokens=4)
+        prompt = "Q: 3 + 4 =" + first.choices[0].text + "\nQ: 1 + 1 ="
+        await agent.completions.create(model="baton", prompt=prompt, max_tokens=4)
+        await post(control, f"{gateway.base_url}/episodes/{opened['id']}/reward", {"reward": 1.0})
+    (engine,) = host.engines
+    (_, _), (_, _), (p1, c1), (p2, c2) = engine.emitted
+    assert p2 == p1 + c1.tokens.tolist() + tokenizer.encode("\nQ: 1 + 1 =", add_special_tokens=False)
+    (segment,) = host.finished[opened["id"]].segments
+    assert segment.ids() == p2 + c2.tokens.tolist() and gateway.stats["segments"] == 0
+
+
+async def test_stop_strings_cut_the_record_where_the_text_stops(model, tokenizer):
+    texts = ["seven. and more text", "ok"]
+    async with serving(model, tokenizer, wrap=lambda e: Forced(e, tokenizer, texts)) as (gateway, host, control):
+        opened = await open_episode(gateway, control)
+        agent = client(opened["base_url"])
+        messages = opened["sample"]["messages"]
+        first = await agent.chat.completions.create(model="baton", messages=messages, stop=[". "])
+        assert first.choices[0].message.content == "seven" and first.choices[0].finish_reason == "stop"
+        follow = [*messages, first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "?"}]
+        await agent.chat.completions.create(model="baton", messages=follow)
+        await post(control, f"{gateway.base_url}/episodes/{opened['id']}/reward", {"reward": 1.0})
+    (engine,) = host.engines
+    (p1, c1), (p2, _) = engine.emitted
+    emitted = c1.tokens.tolist()
+    k = next(k for k in range(1, len(emitted) + 1) if ". " in tokenizer.decode(emitted[:k]))
+    assert k < len(emitted) - 1  # the record ends inside the completion, not at its stop token
+    renderer = ChatRenderer(tokenizer)
+    assert p2 == p1 + emitted[:k] + renderer.reply_ids([{"role": "user", "content": "?"}], after_stop=False)
+
+
+async def test_64_concurrent_episodes_each_finished_once(model, tokenizer):
+    async def episode(gateway, control, i: int) -> str:
+        opened = await open_episode(gateway, control)
+        agent = client(opened["base_url"])
+        messages = opened["sample"]["messages"]
+        for turn in range(2):
+            response = await agent.chat.completions.create(model="baton", messages=messages, max_tokens=4,
+                                                           stream=turn == 1 and i % 2 == 1)
+            if turn == 0:
+                messages = [*messages, response.choices[0].message.model_dump(exclude_none=True),
+                            {"role": "user", "content": "next"}]
+            elif i % 2 == 1:
+                assert [c async for c in response][-1].choices[0].finish_reason in ("stop", "length")
+        await post(control, f"{gateway.base_url}/episodes/{opened['id']}/reward", {"reward": i / 64})
+        return opened["id"], opened["group"], opened["sample"]["prompt"]
+
+    async with serving(model, tokenizer, engines=2, group_size=4, max_open=64) as (gateway, host, control):
+        results = await asyncio.gather(*(episode(gateway, control, i) for i in range(64)))
+    ids = [r[0] for r in results]
+    assert len(set(ids)) == 64 and host.finish_calls == Counter({i: 1 for i in ids})
+    assert all(host.finished[i].reason is None and len(host.finished[i].segments) == 1 for i in ids)
+    assert all(host.finished[i].segments[0].turns == 2 for i in ids)
+    groups: dict[int, set[str]] = {}
+    for _, group, prompt in results:
+        groups.setdefault(group, set()).add(prompt)
+    assert len(groups) == 16 and all(len(prompts) == 1 for prompts in groups.values())
+    assert gateway.stats["segments"] == 0 and host.open_episodes == 0
