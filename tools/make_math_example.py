@@ -5,7 +5,8 @@ math word-problem dataset. Nothing is downloaded; the same seed gives the same f
 
 writes OUT_DIR/model (config.json, model.safetensors, generation_config.json and a byte-level BPE
 tokenizer trained here with `tokenizers`: no BOS, `<|im_start|>`/`<|im_end|>` ChatML chat template,
-`<|endoftext|>` pad, tied embeddings) and OUT_DIR/data/{train,eval}.jsonl (`question`, `answer`).
+`<|endoftext|>` pad, tied embeddings; the template shows `tools` and renders `tool` messages
+the way Qwen 2.5's does) and OUT_DIR/data/{train,eval}.jsonl (`question`, `answer`).
 The problems are one-step additions and subtractions in words with answers 0..`max_answer`, so a
 2-layer model trained from random init with a math-verify reward learns some of them on 2 CPU cores.
 """
@@ -18,8 +19,32 @@ import random
 from pathlib import Path
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# ChatML with tools the way Qwen 2.5 shows them (Hermes style): with `tools`, the system turn lists them
+# (after the conversation's own system message) with how to call them, the same text as
+# stages.environments.tool_calls.tools_prompt; an assistant's `tool_calls` follow its content as
+# <tool_call> blocks; consecutive `tool` messages share one user turn, each in <tool_response> tags.
+TOOLS_SYSTEM = (
+    "# Tools\n\nYou may call the tools below to help with the task. Their signatures, one JSON object per line, "
+    "are inside <tools></tools>:\n<tools>{% for t in tools %}{{ '\\n' }}{{ t | tojson }}{% endfor %}"
+    "{{ '\\n' }}</tools>\n\n"
+    "To call a tool, write a JSON object with its name and arguments inside tool-call tags:\n<tool_call>\n"
+    '{"name": <tool name>, "arguments": <arguments as a JSON object>}\n</tool_call>'
+)
 CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if tools %}<|im_start|>system\n{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n"
+    "{% endif %}" + TOOLS_SYSTEM + "<|im_end|>\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' and loop.first and tools %}"
+    "{% elif m['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\\n' }}<tool_response>\n{{ m['content'] }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% elif m['role'] == 'assistant' and m['tool_calls'] %}<|im_start|>assistant\n{{ m['content'] or '' }}"
+    "{% for c in m['tool_calls'] %}{% set f = c['function'] if c['function'] is defined else c %}"
+    "{% if m['content'] or not loop.first %}{{ '\\n' }}{% endif %}<tool_call>\n{\"name\": {{ f['name'] | tojson }}, "
+    "\"arguments\": {% if f['arguments'] is string %}{{ f['arguments'] }}{% else %}{{ f['arguments'] | tojson }}"
+    "{% endif %}}\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 NAMES = ["Ann", "Ben", "Cara", "Dan", "Eve", "Finn", "Gia", "Hugo", "Ivy", "Jon"]
