@@ -95,7 +95,7 @@ class TurnServer:
                 prompt_tokens: int) -> Choice:
         completion, text, cut = self._decode(completion, stops)
         stopped = cut or completion.finish_reason == "stop"
-        after_stop = stopped and not cut
+        after_stop = self.renderer.ended_on_stop(completion.tokens)
         reason = "stop" if stopped else "length"
         if tools is None:
             return Choice(completion, text, reason, after_stop, None, prompt_tokens)
