@@ -34,7 +34,6 @@ import time
 from pathlib import Path
 
 import aiohttp
-import httpx
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -95,7 +94,7 @@ async def direct_episode(host: TimedHost, renderer: ChatRenderer, args) -> None:
     await host.finish(opened.id, [tokens], 0.0, None)
 
 
-async def gateway_episode(base_url: str, key: str, http: aiohttp.ClientSession, client: httpx.AsyncClient,
+async def gateway_episode(base_url: str, key: str, http: aiohttp.ClientSession, client: DefaultAsyncHttpxClient,
                           args, seen_s: dict) -> None:
     """One episode as an outside agent runs it: open, `--turns` chat requests, post the reward."""
     async with http.post(f"{base_url}/episodes") as response:
@@ -115,11 +114,10 @@ async def agent_process(args) -> None:
     """An agent process: for each "go" line on stdin, run `--episodes` episodes `--concurrency` at a
     time against the gateway at `--agent-of`, then print the client-seen request times as JSON."""
     key = os.environ["BATON_GATEWAY_KEY"]
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=args.concurrency)
     headers = {"Authorization": f"Bearer {key}"}
     loop = asyncio.get_running_loop()
     async with aiohttp.ClientSession(headers=headers, connector=aiohttp.TCPConnector(limit=0)) as http, \
-            DefaultAsyncHttpxClient(limits=limits) as client:
+            DefaultAsyncHttpxClient() as client:
         print("ready", flush=True)
         while (await loop.run_in_executor(None, sys.stdin.readline)).strip() == "go":
             seen_s: dict[str, list[float]] = {}

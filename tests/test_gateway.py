@@ -391,3 +391,48 @@ async def test_64_concurrent_episodes_each_finished_once(model, tokenizer):
         groups.setdefault(group, set()).add(prompt)
     assert len(groups) == 16 and all(len(prompts) == 1 for prompts in groups.values())
     assert gateway.stats["segments"] == 0 and host.open_episodes == 0
+
+
+class CalculatorModel(Recording):
+    """Answers like a model that learned the calculator task: a call to the calculator for the
+    problem's sum first, then, once the prompt holds the tool's response, that response alone."""
+
+    def __init__(self, engine, tokenizer) -> None:
+        super().__init__(engine)
+        self.tokenizer = tokenizer
+
+    async def generate(self, prompts, params: SamplingParams):
+        out = []
+        for prompt in prompts:
+            text = self.tokenizer.decode(prompt)
+            if text.rstrip().endswith("assistant") and "<tool_response>" in text.rsplit("<|im_start|>user", 1)[-1]:
+                reply = text.rsplit("<tool_response>\n", 1)[1].split("\n</tool_response>")[0]
+            else:
+                a, b = text.rsplit("what is ", 1)[1].split("?")[0].split(" + ")
+                reply = calls_text(ToolCall("calculator", {"expression": f"{a} + {b}"}))
+            ids = self.tokenizer.encode(reply, add_special_tokens=False) + [params.stop_token_ids[0]]
+            n = len(ids)
+            completion = Completion(np.array(ids, np.int32), np.full(n, -1.0, np.float32), np.zeros(n, np.int32), "stop")
+            self.emitted.append((list(prompt), completion))
+            out.append(completion)
+        return out
+
+
+async def test_example_agent_solves_the_calculator_task_through_the_gateway(model, tokenizer):
+    """examples/openai_agent.py (openai only): called per episode, and standalone opening its own."""
+    from examples.openai_agent import agent, serve
+
+    wrap = lambda e: CalculatorModel(e, tokenizer)  # noqa: E731
+    async with serving(model, tokenizer, wrap=wrap, group_size=2) as (gateway, host, control):
+        opened = await open_episode(gateway, control)
+        assert await agent(opened["sample"], opened["base_url"], KEY) == 1.0
+        await post(control, f"{gateway.base_url}/episodes/{opened['id']}/close")
+        assert await serve(gateway.base_url, KEY, episodes=4, concurrency=2) == [1.0] * 4
+    assert host.finished[opened["id"]].reason == "closed without reward"
+    rewarded = [f for f in host.finished.values() if f.reason is None]
+    assert len(rewarded) == 4 and all(f.reward == 1.0 for f in rewarded)
+    for finished in rewarded:
+        (segment,) = finished.segments
+        assert segment.turns == 2
+        text = tokenizer.decode(segment.ids())
+        assert "<tool_call>" in text and "<tool_response>" in text and gateway.stats["segments"] == 0
