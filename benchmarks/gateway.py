@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import statistics
@@ -86,11 +87,11 @@ async def direct_episode(host: TimedHost, renderer: ChatRenderer, args) -> None:
     params = SamplingParams(args.max_tokens, 1.0, 1.0, renderer.stop_ids)
     tokens = EpisodeTokens(renderer.prompt_ids(opened.sample.messages))
     for turn in range(args.turns):
-        if turn:
-            tokens.add_env(renderer.reply_ids([FOLLOW_UP], renderer.ended_on_stop(completion.tokens)))
         completion = await host.generate(opened.id, tokens.ids(), params)
         tokens.add_model(completion)
         renderer.turn(completion.tokens, completion.finish_reason)
+        if turn + 1 < args.turns:
+            tokens.add_env(renderer.reply_ids([FOLLOW_UP], renderer.ended_on_stop(completion.tokens)))
     await host.finish(opened.id, [tokens], 0.0, None)
 
 
@@ -121,8 +122,8 @@ async def agent_process(args) -> None:
         print("ready", flush=True)
         while (await loop.run_in_executor(None, sys.stdin.readline)).strip() == "go":
             seen_s: dict[str, list[float]] = {}
-            await pool(lambda: gateway_episode(args.agent_of, key, http, client, args, seen_s), args.episodes,
-                       args.concurrency)
+            await pool(functools.partial(gateway_episode, args.agent_of, key, http, client, args, seen_s),
+                       args.episodes, args.concurrency)
             print(json.dumps(seen_s), flush=True)
 
 
@@ -157,10 +158,11 @@ async def start_agents(args, gateway: Gateway) -> list[asyncio.subprocess.Proces
     """`--agent-procs` agent processes, each running its share of the episodes, ready to go."""
     agents = []
     for i in range(args.agent_procs):
-        share = lambda total: total // args.agent_procs + (i < total % args.agent_procs)  # noqa: E731
+        episodes, concurrency = (total // args.agent_procs + (i < total % args.agent_procs)
+                                 for total in (args.episodes, args.concurrency))
         agents.append(await asyncio.create_subprocess_exec(
-            sys.executable, __file__, "--agent-of", gateway.base_url, "--episodes", str(share(args.episodes)),
-            "--concurrency", str(share(args.concurrency)), "--turns", str(args.turns),
+            sys.executable, __file__, "--agent-of", gateway.base_url, "--episodes", str(episodes),
+            "--concurrency", str(concurrency), "--turns", str(args.turns),
             "--max-tokens", str(args.max_tokens), env={**os.environ, "BATON_GATEWAY_KEY": KEY},
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE))
     for agent in agents:
@@ -216,7 +218,8 @@ def _latencies(name: str, total_s: dict[str, list[float]], generate_s: dict[str,
     """Median and p99 of (a request's time - its generate time) over every gateway request, in ms."""
     added = sorted(1e3 * (t - generate_s[episode][i]) for episode, times in total_s.items()
                    for i, t in enumerate(times))
-    return {f"{name}_median": statistics.median(added), f"{name}_p99": added[min(len(added) - 1, int(0.99 * len(added)))]}
+    p99 = added[min(len(added) - 1, int(0.99 * len(added)))]
+    return {f"{name}_median": statistics.median(added), f"{name}_p99": p99}
 
 
 def main(argv: list[str] | None = None) -> dict:

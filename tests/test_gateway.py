@@ -69,26 +69,37 @@ class Recording:
 
 
 class Forced(Recording):
-    """Emits the tokens of `texts` in turn (then the stop token) instead of sampling: a random model
+    """Emits the tokens of `reply(prompt text)` (then the stop token) instead of sampling: a random model
     never writes a tool call, and parsing and the round trip are what these tests check."""
 
-    def __init__(self, engine, tokenizer, texts: list[str]) -> None:
+    def __init__(self, engine, tokenizer, reply) -> None:
         super().__init__(engine)
-        self.tokenizer, self.texts = tokenizer, list(texts)
+        self.tokenizer, self.reply = tokenizer, reply
 
     async def generate(self, prompts, params: SamplingParams):
         out = []
         for prompt in prompts:
-            ids = self.tokenizer.encode(self.texts.pop(0), add_special_tokens=False) + [params.stop_token_ids[0]]
+            reply = self.reply(self.tokenizer.decode(prompt))
+            ids = self.tokenizer.encode(reply, add_special_tokens=False) + [params.stop_token_ids[0]]
             n = len(ids)
-            completion = Completion(np.array(ids, np.int32), np.full(n, -0.5, np.float32), np.zeros(n, np.int32), "stop")
-            self.emitted.append((list(prompt), completion))
-            out.append(completion)
+            out.append(Completion(np.array(ids, np.int32), np.full(n, -0.5, np.float32), np.zeros(n, np.int32), "stop"))
+            self.emitted.append((list(prompt), out[-1]))
         return out
 
 
+def replies(*texts: str):
+    """A forced engine's replies: `texts` in turn, whatever the prompt."""
+    left = list(texts)
+    return lambda _prompt: left.pop(0)
+
+
 @contextlib.asynccontextmanager
-async def serving(model, tokenizer, *, wrap=None, engines: int = 1, limits: Limits | None = None, **host_options):
+async def serving(model, tokenizer, *, wrap=None, forced=None, engines: int = 1, limits: Limits | None = None,
+                  **host_options):
+    """A gateway over an EngineHost over started engines (wrapped by `wrap`, or forced to answer
+    `forced(prompt text)`), with an authorized aiohttp session for episode control."""
+    if forced is not None:
+        wrap = lambda engine: Forced(engine, tokenizer, forced)  # noqa: E731
     started = [TorchEngine(model, name=f"torch-{i}", seed=i) for i in range(engines)]
     for engine in started:
         await engine.start()
@@ -169,7 +180,7 @@ async def test_tool_calls_round_trip(model, tokenizer, stream):
     """A forced tool call comes back as OpenAI tool_calls; the agent's assistant message and tool
     result extend the record (no new segment): the tool message is rendered alone and appended."""
     texts = [calls_text(ToolCall("calculator", {"expression": "3 + 4"})), "The answer is 7."]
-    async with serving(model, tokenizer, wrap=lambda e: Forced(e, tokenizer, texts)) as (gateway, host, control):
+    async with serving(model, tokenizer, forced=replies(*texts)) as (gateway, host, control):
         opened = await open_episode(gateway, control)
         agent = client(opened["base_url"])
         messages = opened["sample"]["messages"]
@@ -252,6 +263,8 @@ async def test_errors_are_openai_shaped(model, tokenizer):
         with pytest.raises(openai.BadRequestError):
             await agent.chat.completions.create(model="baton", messages=[{"content": "no role"}])
         with pytest.raises(openai.BadRequestError):
+            await agent.chat.completions.create(model="baton", messages=[{"role": "robot", "content": "x"}])
+        with pytest.raises(openai.BadRequestError):
             await agent.chat.completions.create(model="baton", messages=messages, temperature=5)
         with pytest.raises(openai.BadRequestError):
             await agent.chat.completions.create(model="baton", messages=messages, extra_body={"n": "two"})
@@ -305,6 +318,19 @@ async def test_reward_timeout_drops_the_episode(model, tokenizer):
     assert host.finish_calls[opened["id"]] == 1
 
 
+async def test_episode_time_limit_drops_the_episode(model, tokenizer):
+    async with serving(model, tokenizer, limits=Limits(max_episode_s=0.3)) as (gateway, host, control):
+        opened = await open_episode(gateway, control)
+        agent = client(opened["base_url"])
+        await agent.chat.completions.create(model="baton", messages=opened["sample"]["messages"], max_tokens=2)
+        await asyncio.sleep(0.4)
+        with pytest.raises(openai.ConflictError) as caught:
+            await agent.chat.completions.create(model="baton", messages=opened["sample"]["messages"], max_tokens=2)
+        assert "episode time limit" in caught.value.body["message"]
+    assert host.finished[opened["id"]].reason == "episode time limit" and host.finish_calls[opened["id"]] == 1
+    assert gateway.stats["dropped: episode time limit"] == 1
+
+
 async def test_episode_token_limit_and_n(model, tokenizer):
     async with serving(model, tokenizer, limits=Limits(max_episode_tokens=40)) as (gateway, host, control):
         opened = await open_episode(gateway, control)
@@ -346,7 +372,7 @@ async def test_completions_and_models(model, tokenizer):
 
 async def test_stop_strings_cut_the_record_where_the_text_stops(model, tokenizer):
     texts = ["seven. and more text", "ok"]
-    async with serving(model, tokenizer, wrap=lambda e: Forced(e, tokenizer, texts)) as (gateway, host, control):
+    async with serving(model, tokenizer, forced=replies(*texts)) as (gateway, host, control):
         opened = await open_episode(gateway, control)
         agent = client(opened["base_url"])
         messages = opened["sample"]["messages"]
@@ -393,37 +419,20 @@ async def test_64_concurrent_episodes_each_finished_once(model, tokenizer):
     assert gateway.stats["segments"] == 0 and host.open_episodes == 0
 
 
-class CalculatorModel(Recording):
-    """Answers like a model that learned the calculator task: a call to the calculator for the
-    problem's sum first, then, once the prompt holds the tool's response, that response alone."""
-
-    def __init__(self, engine, tokenizer) -> None:
-        super().__init__(engine)
-        self.tokenizer = tokenizer
-
-    async def generate(self, prompts, params: SamplingParams):
-        out = []
-        for prompt in prompts:
-            text = self.tokenizer.decode(prompt)
-            if text.rstrip().endswith("assistant") and "<tool_response>" in text.rsplit("<|im_start|>user", 1)[-1]:
-                reply = text.rsplit("<tool_response>\n", 1)[1].split("\n</tool_response>")[0]
-            else:
-                a, b = text.rsplit("what is ", 1)[1].split("?")[0].split(" + ")
-                reply = calls_text(ToolCall("calculator", {"expression": f"{a} + {b}"}))
-            ids = self.tokenizer.encode(reply, add_special_tokens=False) + [params.stop_token_ids[0]]
-            n = len(ids)
-            completion = Completion(np.array(ids, np.int32), np.full(n, -1.0, np.float32), np.zeros(n, np.int32), "stop")
-            self.emitted.append((list(prompt), completion))
-            out.append(completion)
-        return out
+def calculator_model(prompt: str) -> str:
+    """A model that learned the calculator task: a call to the calculator for the problem's sum first,
+    then, once the prompt ends with the tool's response, that response alone."""
+    if "<tool_response>" in prompt.rsplit("<|im_start|>user", 1)[-1]:
+        return prompt.rsplit("<tool_response>\n", 1)[1].split("\n</tool_response>")[0]
+    a, b = prompt.rsplit("what is ", 1)[1].split("?")[0].split(" + ")
+    return calls_text(ToolCall("calculator", {"expression": f"{a} + {b}"}))
 
 
 async def test_example_agent_solves_the_calculator_task_through_the_gateway(model, tokenizer):
     """examples/openai_agent.py (openai only): called per episode, and standalone opening its own."""
     from examples.openai_agent import agent, serve
 
-    wrap = lambda e: CalculatorModel(e, tokenizer)  # noqa: E731
-    async with serving(model, tokenizer, wrap=wrap, group_size=2) as (gateway, host, control):
+    async with serving(model, tokenizer, forced=calculator_model, group_size=2) as (gateway, host, control):
         opened = await open_episode(gateway, control)
         assert await agent(opened["sample"], opened["base_url"], KEY) == 1.0
         await post(control, f"{gateway.base_url}/episodes/{opened['id']}/close")

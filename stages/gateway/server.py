@@ -139,10 +139,11 @@ class Gateway:
         self.stats["requests"] += 1
         choices = await self.turns.chat(episode, body)
         prompt_tokens = _prompt_tokens(choices)
+        logprobs = bool(body.logprobs)
         if body.stream:
             usage = bool((body.stream_options or {}).get("include_usage"))
-            return await _stream(request, self.responses.chat_chunks(choices, prompt_tokens, bool(body.logprobs), usage))
-        return _json(self.responses.chat(choices, prompt_tokens, bool(body.logprobs)))
+            return await _stream(request, self.responses.chat_chunks(choices, prompt_tokens, logprobs, usage))
+        return _json(self.responses.chat(choices, prompt_tokens, logprobs))
 
     async def _complete(self, request: web.Request) -> web.StreamResponse:
         episode = self._episode(request)

@@ -42,8 +42,10 @@ def normalize(message: Message) -> Normalized:
 
 
 def as_dict(message: Message) -> dict[str, Any]:
-    """The message as the chat renderer takes it (`content` a string; tool-call arguments as objects)."""
-    out: dict[str, Any] = {"role": message.role, "content": _text(message.content)}
+    """The message as the chat renderer takes it (`content` a string; tool-call arguments as objects;
+    OpenAI's newer "developer" role as "system")."""
+    role = "system" if message.role == "developer" else message.role
+    out: dict[str, Any] = {"role": role, "content": _text(message.content)}
     if message.name:
         out["name"] = message.name
     if message.tool_call_id:

@@ -20,6 +20,8 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass
 
+from jinja2.exceptions import TemplateError
+
 from stages.engines.base import Completion, SamplingParams
 from stages.environments.base import Tool
 from stages.environments.tokens import EpisodeTokens
@@ -28,6 +30,8 @@ from stages.gateway.errors import ApiError
 from stages.gateway.schema import ChatRequest, CompletionRequest, FunctionCall, Message, Sampling, ToolCallIn
 from stages.gateway.transcript import ChatTranscript, TextTranscript, as_dict, tool_key
 from stages.model import prompt_token_ids, stop_token_ids
+
+ROLES = {"system", "developer", "user", "assistant", "tool"}  # "developer" is rendered as "system"
 
 
 @dataclass
@@ -105,19 +109,30 @@ class TurnServer:
         tool_calls = [ToolCallIn(FunctionCall(c.name, json.dumps(c.arguments)), id=f"call_{uuid.uuid4().hex[:24]}")
                       for c in calls]
         message = Message("assistant", content or (None if tool_calls else ""), tool_calls=tool_calls or None)
-        return Choice(completion, text, "tool_calls" if calls and stopped else reason, after_stop, message, prompt_tokens)
+        reason = "tool_calls" if calls and stopped else reason
+        return Choice(completion, text, reason, after_stop, message, prompt_tokens)
+
+    def _render(self, render, *args) -> list[int]:
+        """The renderer's ids; a conversation the chat template refuses is the client's error (400)."""
+        try:
+            return render(*args)
+        except (ValueError, TemplateError) as exc:
+            raise ApiError(400, f"the chat template cannot render these messages: {exc}", "invalid_value") from None
 
     async def chat(self, episode: Episode | None, request: ChatRequest) -> list[Choice]:
         if request.top_logprobs:
             raise ApiError(400, "top_logprobs > 0 is not supported: the engines report the sampled token's "
                                 "logprob only", "unsupported_value")
         stops = _stops(request.stop)
+        unknown = {m.role for m in request.messages} - ROLES
+        if unknown:
+            raise ApiError(400, f"unknown message role(s) {sorted(unknown)}; use {sorted(ROLES)}", "invalid_value")
         tools = tuple(Tool(t.function.name, t.function.description, t.function.parameters)
                       for t in request.tools or ())
         requested = request.max_completion_tokens or request.max_tokens
         messages = [as_dict(m) for m in request.messages]
         if episode is None:
-            prompt = self.renderer.prompt_ids(messages, tools)
+            prompt = self._render(self.renderer.prompt_ids, messages, tools)
             params = self._params(request, self._max_tokens(requested, None, 0))
             completions = await self._generate_n(prompt, params, request.n)
             return [self._choice(c, stops, tools, len(prompt)) for c in completions]
@@ -127,8 +142,8 @@ class TurnServer:
             transcript = segment.transcript if segment is not None else None
             added = transcript.added(request.messages, key) if isinstance(transcript, ChatTranscript) else None
             if added is None:
-                return None, self.renderer.prompt_ids(messages, tools)
-            return segment, self.renderer.reply_ids([as_dict(m) for m in added], segment.after_stop)
+                return None, self._render(self.renderer.prompt_ids, messages, tools)
+            return segment, self._render(self.renderer.reply_ids, [as_dict(m) for m in added], segment.after_stop)
 
         def record(choice: Choice) -> TextTranscript | ChatTranscript:
             transcript = ChatTranscript(key)
