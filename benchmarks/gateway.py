@@ -186,7 +186,7 @@ async def run(args, model: Path, rows: list[dict]) -> dict:
     for engine in engines:
         await engine.start()
     host = TimedHost(engines, MathQuestions(rows), group_size=4, max_open=args.concurrency, seed=args.seed)
-    gateway = TimedGateway(host, tokenizer, KEY, limits=Limits(max_tokens=args.max_tokens))
+    gateway = TimedGateway(host, KEY, limits=Limits(max_tokens=args.max_tokens), tokenizer=tokenizer)
     await gateway.start()
     agents = await start_agents(args, gateway)
     seconds = {"direct": 0.0, "gateway": 0.0}

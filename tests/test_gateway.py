@@ -20,7 +20,7 @@ from stages.engines.torch import TorchEngine
 from stages.environments.base import Tool, ToolCall
 from stages.environments.render import ChatRenderer
 from stages.environments.tool_calls import render_tool_calls
-from stages.gateway import EngineHost, Gateway, Limits
+from stages.gateway import EngineHost, Gateway, Limits, make_token_file
 from stages.model import load_tokenizer
 from stages.tasks import Prompt
 from tools.make_math_example import make_qwen_like_model
@@ -105,7 +105,7 @@ async def serving(model, tokenizer, *, wrap=None, forced=None, engines: int = 1,
         await engine.start()
     used = [wrap(e) if wrap else e for e in started]
     host = EngineHost(used, Questions(), **host_options)
-    gateway = Gateway(host, tokenizer, KEY, limits=limits)
+    gateway = Gateway(host, KEY, limits=limits, tokenizer=tokenizer)
     await gateway.start()
     try:
         async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {KEY}"}) as control:
@@ -445,3 +445,11 @@ async def test_example_agent_solves_the_calculator_task_through_the_gateway(mode
         assert segment.turns == 2
         text = tokenizer.decode(segment.ids())
         assert "<tool_call>" in text and "<tool_response>" in text and gateway.stats["segments"] == 0
+
+
+def test_token_file_is_owner_only(tmp_path):
+    path = tmp_path / "run" / "gateway.token"
+    token = make_token_file(path)
+    assert path.read_text().strip() == token and len(token) >= 32
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert make_token_file(path) != token

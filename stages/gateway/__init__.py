@@ -8,6 +8,6 @@ prompt, generation, record), `transcript` (does a request extend what was record
 
 from stages.gateway.episodes import Limits
 from stages.gateway.host import EngineHost, Host, OpenedEpisode, OverBudget
-from stages.gateway.server import Gateway
+from stages.gateway.server import Gateway, make_token_file
 
-__all__ = ["EngineHost", "Gateway", "Host", "Limits", "OpenedEpisode", "OverBudget"]
+__all__ = ["EngineHost", "Gateway", "Host", "Limits", "OpenedEpisode", "OverBudget", "make_token_file"]

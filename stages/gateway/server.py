@@ -18,7 +18,10 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import os
+import secrets
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -38,10 +41,12 @@ log = logging.getLogger(__name__)
 
 
 class Gateway:
-    """An OpenAI-compatible server over `host`; `start()` binds it, `base_url` is then known."""
+    """An OpenAI-compatible server over `host`; `start()` binds it (port 0: a free one), then
+    `base_url` and `episode_url(id)` are known. `tokenizer` is the engines' (a chat template is
+    required: the gateway renders conversations itself); `renderer` defaults to its ChatRenderer."""
 
-    def __init__(self, host: Host, tokenizer, token: str, port: int = 0, bind: str = "127.0.0.1",
-                 limits: Limits | None = None, model: str = "baton", renderer=None) -> None:
+    def __init__(self, host: Host, token: str, port: int = 0, bind: str = "127.0.0.1", limits: Limits | None = None,
+                 *, tokenizer, renderer=None, model: str = "baton") -> None:
         if not token:
             raise ValueError("the gateway needs a bearer token")
         self.host, self.token, self.port, self.bind = host, token, port, bind
@@ -56,11 +61,16 @@ class Gateway:
         self._watch: asyncio.Task | None = None
 
     @property
+    def _origin(self) -> str:
+        host = "127.0.0.1" if self.bind in ("0.0.0.0", "") else f"[{self.bind}]" if ":" in self.bind else self.bind
+        return f"http://{host}:{self.port}"
+
+    @property
     def base_url(self) -> str:
-        return f"http://{self.bind}:{self.port}/v1"
+        return f"{self._origin}/v1"
 
     def episode_url(self, episode_id: str) -> str:
-        return f"http://{self.bind}:{self.port}/episodes/{episode_id}/v1"
+        return f"{self._origin}/episodes/{episode_id}/v1"
 
     async def start(self) -> None:
         app = web.Application(middlewares=[self._errors, self._auth], client_max_size=self.limits.max_body_bytes)
@@ -179,6 +189,18 @@ class Gateway:
         elif episode_id not in self.book.ended:
             raise ApiError(404, f"no episode {episode_id!r}", "episode_not_found")
         return _json({"id": episode_id, "status": self.book.ended[episode_id]})
+
+
+def make_token_file(path: str | Path) -> str:
+    """A new random bearer token, written to `path` readable by its owner only (0600); returns it."""
+    token = secrets.token_urlsafe(32)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(token + "\n")
+    os.chmod(path, 0o600)  # an existing file keeps its mode through O_CREAT
+    return token
 
 
 def _prompt_tokens(choices: list[Choice]) -> int:

@@ -8,7 +8,11 @@ rendered (`prompt_ids`) into a new segment, counted in `stats["segments"]`. The 
 after the host answered, so a failed request leaves it as it was and the agent may resend.
 
 A stop string ends the completion at the first token whose text completes it: the record keeps the
-engine's tokens up to that one; the client gets the text before the stop string.
+engine's tokens up to that one; the client gets the text before the stop string. Tool calls are
+parsed from the text in the Hermes format (`stages.environments.tool_calls`); a turn with a call that
+does not parse (or names a tool the request did not declare) comes back as plain content, the
+model's whole text, with no `tool_calls`. `n > 1` is served outside episodes only (an episode is
+one conversation; a GRPO group is several episodes).
 """
 
 from __future__ import annotations
@@ -186,6 +190,8 @@ class TurnServer:
         ids = prompt_token_ids(self.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ApiError(400, "the prompt is empty", "invalid_value")
+        if not all(0 <= i < len(self.tokenizer) for i in ids):
+            raise ApiError(400, f"prompt token ids must be in 0..{len(self.tokenizer) - 1}", "invalid_value")
         return ids
 
     async def _generate_n(self, prompt: list[int], params: SamplingParams, n: int) -> list[Completion]:
