@@ -122,9 +122,10 @@ async def agent_process(args) -> None:
         print("ready", flush=True)
         while (await loop.run_in_executor(None, sys.stdin.readline)).strip() == "go":
             seen_s: dict[str, list[float]] = {}
+            cpu = time.process_time()
             await pool(functools.partial(gateway_episode, args.agent_of, key, http, client, args, seen_s),
                        args.episodes, args.concurrency)
-            print(json.dumps(seen_s), flush=True)
+            print(json.dumps({"seen_s": seen_s, "cpu_s": time.process_time() - cpu}), flush=True)
 
 
 async def pool(make_episode, episodes: int, concurrency: int) -> float:
@@ -170,13 +171,23 @@ async def start_agents(args, gateway: Gateway) -> list[asyncio.subprocess.Proces
     return agents
 
 
-async def run_agents(agents: list[asyncio.subprocess.Process], seen_s: dict) -> float:
+async def run_agents(agents: list[asyncio.subprocess.Process], seen_s: dict, cpu_s: dict) -> float:
+    """One round of the agents; the seconds it took (`seen_s`, `cpu_s["agents"]` get their reports)."""
     t0 = time.perf_counter()
     for agent in agents:
         agent.stdin.write(b"go\n")
     for agent in agents:
-        seen_s.update(json.loads(await agent.stdout.readline()))
+        report = json.loads(await agent.stdout.readline())
+        seen_s.update(report["seen_s"])
+        cpu_s["agents"] += report["cpu_s"]
     return time.perf_counter() - t0
+
+
+async def timed(path: str, seconds: dict, cpu_s: dict, work) -> None:
+    """Run `work`, adding its wall seconds and this process's CPU seconds (all threads) under `path`."""
+    cpu = time.process_time()
+    seconds[path] += await work
+    cpu_s[path] += time.process_time() - cpu
 
 
 async def run(args, model: Path, rows: list[dict]) -> dict:
@@ -190,13 +201,14 @@ async def run(args, model: Path, rows: list[dict]) -> dict:
     await gateway.start()
     agents = await start_agents(args, gateway)
     seconds = {"direct": 0.0, "gateway": 0.0}
+    cpu_s = {"direct": 0.0, "gateway": 0.0, "agents": 0.0}
     seen_s: dict[str, list[float]] = {}
     try:
         await pool(lambda: direct_episode(host, renderer, args), args.concurrency, args.concurrency)  # warm-up
         for _ in range(args.rounds):
-            seconds["direct"] += await pool(lambda: direct_episode(host, renderer, args), args.episodes,
-                                            args.concurrency)
-            seconds["gateway"] += await run_agents(agents, seen_s)
+            direct = pool(lambda: direct_episode(host, renderer, args), args.episodes, args.concurrency)
+            await timed("direct", seconds, cpu_s, direct)
+            await timed("gateway", seconds, cpu_s, run_agents(agents, seen_s, cpu_s))
     finally:
         for agent in agents:
             agent.stdin.close()
@@ -208,6 +220,9 @@ async def run(args, model: Path, rows: list[dict]) -> dict:
         "samples_per_s_direct": samples / seconds["direct"],
         "samples_per_s_gateway": samples / seconds["gateway"],
         "requests": sum(len(t) for t in seen_s.values()),
+        "run_cpu_ms_per_sample_direct": 1e3 * cpu_s["direct"] / samples,
+        "run_cpu_ms_per_sample_gateway": 1e3 * cpu_s["gateway"] / samples,
+        "agent_cpu_ms_per_sample": 1e3 * cpu_s["agents"] / samples,
         **_latencies("added_latency_ms", gateway.handled_s, host.generate_s),
         **_latencies("client_seen_added_ms", seen_s, host.generate_s),
         "gateway_segments": gateway.stats["segments"],
@@ -246,10 +261,13 @@ def main(argv: list[str] | None = None) -> dict:
         figures = asyncio.run(run(args, model, rows))
     figures.update(episodes=args.episodes * args.rounds, concurrency=args.concurrency, turns=args.turns,
                    max_tokens=args.max_tokens, engines=args.engines)
-    ratios = {"gateway_vs_direct": figures["samples_per_s_gateway"] / figures["samples_per_s_direct"]}
+    ratios = {"gateway_vs_direct": figures["samples_per_s_gateway"] / figures["samples_per_s_direct"],
+              "run_cpu_gateway_vs_direct": figures["run_cpu_ms_per_sample_gateway"]
+              / figures["run_cpu_ms_per_sample_direct"]}
     for name, value in figures.items():
         print(f"{name:>30}: {value:.3f}" if isinstance(value, float) else f"{name:>30}: {value}", file=sys.stderr)
-    print(f"{'ratios.gateway_vs_direct':>30}: {ratios['gateway_vs_direct']:.3f}", file=sys.stderr)
+    for name, value in ratios.items():
+        print(f"{'ratios.' + name:>30}: {value:.3f}", file=sys.stderr)
     outcome = {"figures": figures, "ratios": ratios}
     print(json.dumps(outcome))
     return outcome
