@@ -9,13 +9,16 @@ do the same token work through the same `EngineHost` over the same started Torch
   append the reply (`reply_ids`) to the episode's `EpisodeTokens`, finish through the host;
 - gateway: one `AsyncOpenAI` client per episode on its episode base URL: open over HTTP,
   `chat.completions.create` per turn with the whole conversation, post the reward.
-The agents run in `--agent-procs` processes of their own, as outside agents do, so the openai
-client's own CPU (request building, response parsing: ~15 ms per request here, ten times the
-gateway's) is not charged to the run's process. The two paths alternate (`--rounds` of direct then
-gateway) so drift in the machine's load hits both.
-Added latency (`added_latency_ms_*`): a chat request's time in the gateway's handler minus the host's
-`generate` time for it; `client_seen_added_ms_*`: the same from the agent's side (adds HTTP and the
-client's own work).
+The agents run in `--agent-procs` processes of their own, as outside agents do, and (`--pin`, the
+default) on CPUs of their own: the run's process gets the first half of the CPUs on both paths, the
+agents the other half. Outside agents run on their own machines; on a laptop they would otherwise
+take CPU from the engine, since the openai client's own work (building requests, parsing responses:
+~3 ms per request here) costs more than the gateway's (~0.7 ms). The CPU seconds of the run's
+process per sample on each path (`run_cpu_ms_per_sample_*`) and of the agents are reported too.
+The two paths alternate (`--rounds` of direct then gateway) so drift in the machine's load hits both.
+Added latency (`added_latency_ms_*`): a chat request's time in the gateway (from its body read to its
+response made) minus the host's `generate` time for it; `client_seen_added_ms_*`: the same from the
+agent's side (adds HTTP, both processes' scheduling and the client's own work).
 
 Prints a table to stderr and, as the last stdout line, one JSON object:
 {"figures": {...}, "ratios": {"gateway_vs_direct": samples/s through the gateway over direct}}.
@@ -115,6 +118,8 @@ async def agent_process(args) -> None:
     """An agent process: for each "go" line on stdin, run `--episodes` episodes `--concurrency` at a
     time against the gateway at `--agent-of`, then print the client-seen request times as JSON."""
     key = os.environ["BATON_GATEWAY_KEY"]
+    if os.environ.get("BATON_AGENT_CPUS"):
+        os.sched_setaffinity(0, {int(c) for c in os.environ["BATON_AGENT_CPUS"].split(",")})
     headers = {"Authorization": f"Bearer {key}"}
     loop = asyncio.get_running_loop()
     async with aiohttp.ClientSession(headers=headers, connector=aiohttp.TCPConnector(limit=0)) as http, \
@@ -142,16 +147,22 @@ async def pool(make_episode, episodes: int, concurrency: int) -> float:
 
 
 class TimedGateway(Gateway):
-    """A Gateway that keeps, per episode and in order, each chat request's time in its handler."""
+    """A Gateway that keeps, per episode and in order, each chat request's time in the gateway: from
+    its body read (the agent's sending is not the gateway's time) to its response made."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.handled_s: dict[str, list[float]] = {}
 
+    async def _body(self, request, kind):
+        body = await super()._body(request, kind)
+        request["read_at"] = time.perf_counter()
+        return body
+
     async def _chat(self, request):
-        t0 = time.perf_counter()
         response = await super()._chat(request)
-        self.handled_s.setdefault(request.match_info["episode"], []).append(time.perf_counter() - t0)
+        spent = time.perf_counter() - request["read_at"]
+        self.handled_s.setdefault(request.match_info["episode"], []).append(spent)
         return response
 
 
@@ -248,11 +259,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--agent-procs", type=int, default=2, help="processes the openai agents run in")
+    parser.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
+                        help="run's process on half the CPUs, agent processes on the other half")
     parser.add_argument("--agent-of", help=argparse.SUPPRESS)  # run as an agent process of this gateway
     args = parser.parse_args(argv)
     if args.agent_of:
         asyncio.run(agent_process(args))
         return {}
+    cpus = sorted(os.sched_getaffinity(0))
+    if args.pin and len(cpus) >= 2:  # the run's process on the first half of the CPUs, the agents on the rest
+        os.sched_setaffinity(0, cpus[: len(cpus) // 2])
+        os.environ["BATON_AGENT_CPUS"] = ",".join(map(str, cpus[len(cpus) // 2:]))
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         model = make_qwen_like_model(Path(tmp) / "model", seed=args.seed)
