@@ -282,7 +282,8 @@ async def test_errors_are_openai_shaped(model, tokenizer):
 
 
 async def test_over_budget_is_429_with_retry_after_and_waits_otherwise(model, tokenizer):
-    async with serving(model, tokenizer, max_open=1, retry_after_s=2.0) as (gateway, host, control):
+    limits = Limits(shutdown_s=0.5)
+    async with serving(model, tokenizer, max_open=1, retry_after_s=2.0, limits=limits) as (gateway, host, control):
         first = await open_episode(gateway, control)
         async with control.post(f"{gateway.base_url}/episodes", params={"wait": "false"}) as response:
             assert response.status == 429 and response.headers["Retry-After"] == "2"
@@ -296,8 +297,12 @@ async def test_over_budget_is_429_with_retry_after_and_waits_otherwise(model, to
         assert second["id"] != first["id"]
         status, body = await post(control, f"{gateway.base_url}/episodes/{first['id']}/reward", {"reward": 1.0})
         assert status == 409 and "closed without reward" in body["error"]["message"]
+        blocked = asyncio.ensure_future(open_episode(gateway, control, wait=True))  # still waiting at stop
+        await asyncio.sleep(0.2)
     assert host.finished[first["id"]].reason == "closed without reward"
     assert host.finished[second["id"]].reason == "gateway stopped"
+    with pytest.raises(aiohttp.ClientError):
+        await blocked
 
 
 async def test_reward_timeout_drops_the_episode(model, tokenizer):
@@ -453,3 +458,20 @@ def test_token_file_is_owner_only(tmp_path):
     assert path.read_text().strip() == token and len(token) >= 32
     assert path.stat().st_mode & 0o777 == 0o600
     assert make_token_file(path) != token
+
+
+async def test_stream_is_server_sent_events_ending_in_done(model, tokenizer):
+    async with serving(model, tokenizer) as (gateway, host, control):
+        body = {"model": "baton", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True,
+                "stream_options": {"include_usage": True}}
+        async with control.post(f"{gateway.base_url}/chat/completions", json=body) as response:
+            assert response.status == 200 and response.content_type == "text/event-stream"
+            events = (await response.text()).split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""]
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+    assert all(e.startswith("data: ") for e in events[:-2])
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[-2]["choices"][0]["finish_reason"] in ("stop", "length")
+    usage = chunks[-1]["usage"]
+    assert chunks[-1]["choices"] == [] and usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert 1 <= usage["completion_tokens"] <= 3

@@ -35,6 +35,7 @@ class Limits:
     max_episode_tokens: int = 16384  # all tokens of an episode's segments; generation stops there
     max_episode_s: float = 3600.0
     reward_timeout_s: float = 600.0  # counted from the episode's last request
+    shutdown_s: float = 5.0  # how long `Gateway.stop` lets requests in flight finish
 
 
 @dataclass
