@@ -15,7 +15,7 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
-from stages.engines.base import Completion, SamplingParams
+from stages.engines.base import Completion, EngineError, SamplingParams
 from stages.engines.torch import TorchEngine
 from stages.environments.base import Tool, ToolCall
 from stages.environments.render import ChatRenderer
@@ -475,3 +475,41 @@ async def test_stream_is_server_sent_events_ending_in_done(model, tokenizer):
     usage = chunks[-1]["usage"]
     assert chunks[-1]["choices"] == [] and usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
     assert 1 <= usage["completion_tokens"] <= 3
+
+
+class FailsOnce(Recording):
+    """The engine dies during its `fail_at`-th call (nothing it generated comes back), then serves again."""
+
+    def __init__(self, engine, fail_at: int) -> None:
+        super().__init__(engine)
+        self.calls, self.fail_at = 0, fail_at
+
+    async def generate(self, prompts, params):
+        self.calls += 1
+        out = await self.engine.generate(prompts, params)
+        if self.calls == self.fail_at:
+            raise EngineError("engine died mid-request")
+        self.emitted += [(list(p), c) for p, c in zip(prompts, out, strict=True)]
+        return out
+
+
+async def test_engine_failure_is_503_and_a_resent_request_is_recorded_once(model, tokenizer):
+    """The record changes only when the host answers: after a 503 the agent resends the same
+    conversation, and the episode holds each turn once (the lost one is not in the record)."""
+    async with serving(model, tokenizer, wrap=lambda e: FailsOnce(e, fail_at=2)) as (gateway, host, control):
+        opened = await open_episode(gateway, control)
+        agent = client(opened["base_url"])
+        first = await agent.chat.completions.create(model="baton", messages=opened["sample"]["messages"],
+                                                    max_tokens=5)
+        follow = [*opened["sample"]["messages"], first.choices[0].message.model_dump(exclude_none=True),
+                  {"role": "user", "content": "and then?"}]
+        with pytest.raises(openai.InternalServerError) as caught:
+            await agent.chat.completions.create(model="baton", messages=follow, max_tokens=5)
+        assert caught.value.status_code == 503 and "engine" in caught.value.body["message"]
+        await agent.chat.completions.create(model="baton", messages=follow, max_tokens=5)
+        await post(control, f"{gateway.base_url}/episodes/{opened['id']}/reward", {"reward": 1.0})
+    (engine,) = host.engines
+    (p1, c1), (p2, c2) = engine.emitted
+    (segment,) = host.finished[opened["id"]].segments
+    assert segment.turns == 2 and segment.ids() == p2 + c2.tokens.tolist()
+    assert p2[: len(p1) + len(c1.tokens)] == p1 + c1.tokens.tolist() and gateway.stats["segments"] == 0
