@@ -23,6 +23,7 @@ from stages.environments.tokens import EpisodeTokens
 from stages.gateway.errors import ApiError
 from stages.gateway.host import Host, OpenedEpisode, OverBudget
 from stages.gateway.transcript import ChatTranscript, TextTranscript
+from stages.tasks import Prompt
 
 
 @dataclass(frozen=True)
@@ -49,8 +50,11 @@ class Segment:
 
 @dataclass
 class Episode:
+    """An open episode: the host's id, sample and group, its segments (the last one is extended),
+    and the clock its limits are measured on (`time.monotonic`)."""
+
     id: str
-    sample: object
+    sample: Prompt
     group: int
     opened_at: float
     active_at: float
@@ -64,7 +68,7 @@ class Episode:
         return self.segments[-1] if self.segments else None
 
     def token_count(self) -> int:
-        return sum(len(s.tokens.ids()) for s in self.segments)
+        return sum(len(s.tokens) for s in self.segments)
 
 
 class EpisodeBook:

@@ -10,8 +10,11 @@ episode (trained, or counted as dropped with its reason). Invariants a host keep
 - `generate(episode_id, ...)` sends every request of one episode to the same engine (its prefix cache
   holds the conversation) and a new episode's first request to the least loaded one;
   `episode_id=None` is a request outside any episode (never recorded).
+  A failed generation raises `EngineError` (the client gets a 503; the episode's record is unchanged,
+  so the agent may resend).
 - The gateway calls `finish` exactly once per opened episode: with its reward (`reason=None`) or with
-  the reason it was dropped (`reward=None`).
+  the reason it was dropped (`reward=None`), and every segment of its token record (one, unless the
+  agent edited its history; each an `EpisodeTokens` whose `row()` is a codec row).
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class OpenedEpisode:
+    """A new episode: its id, the sample it starts from, and its GRPO group (episodes of one sample)."""
+
     id: str
     sample: Prompt
     group: int
@@ -57,6 +62,8 @@ class Host(Protocol):
 
 @dataclass
 class FinishedEpisode:
+    """What `EngineHost.finish` keeps of an episode."""
+
     id: str
     group: int
     segments: list[EpisodeTokens]
