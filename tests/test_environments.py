@@ -4,6 +4,7 @@ whole episodes driven through a renderer and the token record, as the rollout dr
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 from pipeline.plugins import PluginError
+from stages.datasets import DatasetTask
 from stages.environments import ENVIRONMENTS, Environment, environment_class, make_environment
 from stages.environments.base import ModelTurn, Step, Tool, ToolCall
 from stages.environments.calculator import CALCULATOR, SYSTEM_PROMPT, Calculator, evaluate, format_number
@@ -21,7 +23,7 @@ from stages.environments.tool_calls import render_turn
 from stages.environments.tool_env import ToolEnvironment, ToolError
 from stages.model import ALPHABET, load_tokenizer, make_tiny_model
 from stages.tasks import Prompt
-from tools.make_math_example import make_tokenizer
+from tools.make_math_example import make_math_data, make_tokenizer
 
 pytestmark = pytest.mark.anyio
 
@@ -287,3 +289,13 @@ def test_a_declared_tool_needs_its_method():
         Broken()
     with pytest.raises(ValueError, match="max_turns"):
         Lookup(max_turns=0)
+
+
+async def test_calculator_takes_the_math_examples_rows(tmp_path):
+    train, _ = make_math_data(tmp_path, train=20, eval=2)
+    task = DatasetTask(train, prompt_field="question", answer_field="answer", reward_function="math_verify")
+    sample = task.sample(random.Random(0))
+    env = Calculator(reward="math_verify")
+    messages = await env.start(sample)
+    assert [m["role"] for m in messages] == ["system", "user"] and messages[1]["content"] == sample.text
+    assert (await env.step(said(f"It is {sample.answer}."))).reward == 1.0

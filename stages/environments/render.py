@@ -6,11 +6,11 @@ emitted it, then each environment reply tokenized alone (`reply_ids`), and so on
 the two kinds of appended ids and reads the model's turns (`turn`):
 
 - `ChatRenderer`: the tokenizer's chat template. A reply is found by a rule that needs no
-  per-template code: render a fixed conversation ending with an assistant message, and the same
-  plus the new messages with the generation prompt; the reply is the text after the end-of-turn
-  (stop) token that closes that assistant message. It is tokenized with add_special_tokens=False.
-  So the reply holds exactly the new messages' markup and the next generation prompt (nothing the
-  template puts before the conversation, such as a default system prompt).
+  per-template code: render a fixed user/assistant exchange followed by the new messages, with the
+  generation prompt; the reply is the text after the end-of-turn (stop) token that closes the
+  fixed assistant message, tokenized with add_special_tokens=False. So the reply holds exactly the
+  new messages' markup and the next generation prompt, nothing the template puts before the
+  conversation (such as a default system prompt).
 - `PlainRenderer`: a tokenizer without a chat template (the tiny digit model): message contents
   concatenated, the first prompt tokenized as `stages.model.prompt_token_ids` does (its BOS
   included), replies without special tokens.
@@ -128,7 +128,7 @@ class ChatRenderer(_Turns):
         return ([] if after_stop else [stop]) + self._encode(reply)
 
     def _stop_texts(self) -> list[tuple[int, str]]:
-        return [(stop, self.tokenizer.convert_ids_to_tokens(stop)) for stop in self.stop_ids]
+        return [(stop, self.tokenizer.decode([stop])) for stop in self.stop_ids]
 
     def _render(self, messages: list[Message], tools: Sequence[Tool]) -> str:
         schemas = [t.schema() for t in tools] or None
