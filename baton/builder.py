@@ -36,6 +36,7 @@ from stages.evaluation import Evaluation
 from stages.learner import GRPOLearner
 from stages.model import make_tiny_model
 from stages.rewards import RewardFunction, weighted_sum
+from stages.episode import EpisodeLimits
 from stages.rollout import Rollout
 from stages.tasks import Addition, ReverseDigits
 from stages.weights import TRANSPORTS, make_transport
@@ -191,9 +192,12 @@ def make_rollout(cfg: RunConfig, model: Path) -> Rollout:
     task = make_part("task", cfg)
     engines = [make_part("engine", cfg, model=model, index=i) for i in range(getattr(cfg.engine, "count", 1))]
     sampling = {key: getattr(cfg.engine, key) for key in SAMPLING_KEYS if hasattr(cfg.engine, key)}
+    environment = cfg.environment
     return Rollout(task, engines, tokenizer=model, group_size=cfg.rollout.group_size,
                    request_timeout_s=cfg.rollout.request_timeout_s, reward=make_reward(cfg),
-                   evaluation=make_evaluation(cfg, task), **sampling)
+                   evaluation=make_evaluation(cfg, task), limits=EpisodeLimits(**cfg.episode.model_dump()),
+                   environment=environment.kind if environment else None,
+                   environment_options=environment.options() if environment else {}, **sampling)
 
 
 def make_buffer(cfg: RunConfig) -> RefBuffer:

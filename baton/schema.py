@@ -42,6 +42,8 @@ from policies.selection import Selection
 from policies.staleness import MaxStaleness
 from stages.datasets import DatasetTask
 from stages.engines.sglang import SGLangEngine
+from stages.environments import make_environment
+from stages.episode import EpisodeLimits
 from stages.evaluation import Evaluation
 from stages.learner import GRPOLearner
 from stages.model import DTYPES, check_model_folder, make_tiny_model
@@ -247,6 +249,38 @@ class RolloutSpec(Section):
         description="an engine call not answered within this is an error and its groups are generated "
         "again; unset: wait (required by the engine.hang fault)"
     )
+
+
+class EpisodeSpec(Section):
+    """Per-episode limits ([episode], stages.episode.EpisodeLimits); unset: no limit."""
+
+    max_turns: int = Field(default_of(EpisodeLimits, "max_turns"), ge=1, description="model turns per episode "
+                           "(an episode without an environment has one)")
+    max_tokens: int | None = Field(default_of(EpisodeLimits, "max_tokens"), ge=1, description="tokens per "
+                                   "episode: prompt, model turns and environment replies")
+    step_timeout_s: float | None = Field(default_of(EpisodeLimits, "step_timeout_s"), gt=0, description="one "
+                                         "environment call; past it the episode fails (counted)")
+    timeout_s: float | None = Field(default_of(EpisodeLimits, "timeout_s"), gt=0, description="the whole episode; "
+                                    "past it the episode fails (counted)")
+
+
+class EnvironmentSpec(BaseModel):
+    """[environment]: `kind` is a built-in environment's name or 'pkg.module:Class'; every other key is
+    passed to it (stages.environments). Unset: single-turn episodes scored by the reward function."""
+
+    model_config = ConfigDict(extra="allow")
+    kind: str = Field(description="a built-in environment (stages.environments.ENVIRONMENTS) or 'pkg.module:Class'")
+
+    def options(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+    @model_validator(mode="after")
+    def _makes_one(self) -> EnvironmentSpec:
+        try:
+            make_environment(self.kind, **self.options())
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"environment: {exc}") from None
+        return self
 
 
 class FaultConfig(Section):
@@ -522,6 +556,9 @@ class RunConfig(Section):
     eval: EvalSpec = EvalSpec()
     engine: kinds(TorchEngineSpec, SGLangEngineSpec) = TorchEngineSpec()  # type: ignore[valid-type]
     rollout: RolloutSpec = RolloutSpec()
+    environment: EnvironmentSpec | None = Field(None, description="[environment]: multi-turn episodes; unset: "
+                                                "single-turn")
+    episode: EpisodeSpec = EpisodeSpec()
     store: kinds(MemoryStoreSpec, MooncakeStoreSpec, RayStoreSpec) = MemoryStoreSpec()  # type: ignore[valid-type]
     buffer: BufferSpec = BufferSpec()
     learner: kinds(GRPOSpec) = GRPOSpec()  # type: ignore[valid-type]

@@ -280,6 +280,16 @@ class Channel(Generic[T]):
                 break
         return items
 
+    def receive_many_nowait(self, max_items: int) -> list[T]:
+        """Take up to `max_items` items that are there now (maybe none); never waits or raises."""
+        items: list[T] = []
+        while len(items) < max_items:
+            try:
+                items.append(self.receive_nowait())
+            except (anyio.WouldBlock, anyio.EndOfStream):
+                break
+        return items
+
     async def send_many(self, items: list[T]) -> None:
         """Send each item in order (waiting as `send` does)."""
         for item in items:

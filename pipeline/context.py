@@ -18,8 +18,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import anyio
-
 from pipeline.admission import AdmissionGate
 from pipeline.contracts import Clock, Gate, LedgerClient, Services, VersionPolicy
 from pipeline.events import report_event
@@ -125,11 +123,15 @@ class RunContext:
 
     async def poll_feedback(self) -> Redo | None:
         """The next Redo waiting in the feedback channel, or None (never waits)."""
-        try:
-            got = self.feedback.receive_nowait()
-            return await got if inspect.isawaitable(got) else got  # a Ray-hosted channel answers async
-        except (anyio.WouldBlock, anyio.EndOfStream):
-            return None
+        found = await self.poll_feedback_many(1)
+        return found[0] if found else None
+
+    async def poll_feedback_many(self, max_items: int) -> list[Redo]:
+        """Up to `max_items` Redos waiting in the feedback channel, in one call (never waits)."""
+        if max_items < 1:
+            return []
+        got = self.feedback.receive_many_nowait(max_items)
+        return await got if inspect.isawaitable(got) else got  # a Ray-hosted channel answers async
 
 
 async def redo(ctx: RunContext, ref: Ref, fate: str, reason: str, store: Any, frees: Any = None) -> None:

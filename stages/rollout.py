@@ -1,17 +1,26 @@
-"""Rollout: the producer stage. Prompts -> engine -> reward -> group -> encode -> store.put -> Ref.
+"""Rollout: the producer stage. Samples -> episodes (engine <-> environment) -> reward -> group -> store -> Ref.
 
-One worker actor per engine. Each worker, in a loop:
-1. waits at the admission gate for a group slot, then takes as many more as the gate allows
-   right now (up to `batch_groups`), so one engine call generates many groups;
-2. takes prompts of groups to redo from the feedback channel first (their payload was lost, or
-   the policy requeued them; the ledger kept each group's prompt for this), else new prompts;
-3. generates `group_size` completions per prompt, scores them, and writes each group as one
-   encoded batch under a versioned key; only then sends its Ref downstream.
-A group is recorded in the ledger as produced only once its payload is stored.
+One worker actor per engine (the Ray runtime gives each its own process). Each worker runs one
+coroutine per episode, with no batch barrier (DESIGN.md, "The unit of work: an episode"):
+1. while it has room for another group (`batch_groups` groups' worth of episodes in flight), it waits
+   at the admission gate and takes as many group slots as the gate allows right now and it has room for;
+2. takes the prompts of groups to redo from the feedback channel first (one poll for all of them:
+   their payload was lost, or the policy requeued them), else new samples from the task;
+3. starts each group: `group_size` episode coroutines from one sample (`stages.episode`), each on this
+   worker's engine, which batches whatever requests are pending (all turns of an episode go to the
+   engine that holds its prefix; an idle worker is the one that takes new groups, so new episodes go
+   to the least loaded engine). A finished episode frees its room at once;
+4. when a group's episodes are all over, scores it (single-turn: the reward function over the group;
+   multi-turn: the environment's rewards), encodes and stores it under a versioned key, and hands it
+   to the `GroupOutbox`, which records and sends the groups of the process in batches.
+A group is recorded in the ledger as produced only once its payload is stored. An episode whose engine
+fails, or whose tokens grew too old to continue, starts again from its sample (counted); one whose
+environment fails is recorded as dropped with its reason; the run goes on.
 """
 
 from __future__ import annotations
 
+import functools
 import random
 import time
 import uuid
@@ -21,10 +30,8 @@ from typing import Any
 
 import anyio
 import msgspec
-import numpy as np
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
-from buffers.codec import RolloutBatch, encode, peek
+from buffers.codec import encode, peek
 from buffers.retry import with_retries
 from buffers.store import ObjectStore, StoreError
 from pipeline.actor import BaseActor
@@ -34,8 +41,19 @@ from pipeline.context import RunContext
 from pipeline.faults import FaultPlanError, plan_of
 from pipeline.refs import HeldRef, Produced, Ref, make_key
 from stages.engines.base import Completion, Engine, EngineError, SamplingParams
-from stages.engines.faulty import EngineTimeout, with_engine_faults
+from stages.engines.faulty import with_engine_faults
+from stages.environments.render import renderer_for
+from stages.episode import (
+    Episode,
+    EpisodeFailed,
+    EpisodeLimits,
+    EpisodeSetup,
+    first_messages,
+    run_episode,
+    run_single_turns,
+)
 from stages.evaluation import EVAL_FILE, Evaluation
+from stages.group_output import Finished, GroupOutbox, encode_group, version_span
 from stages.model import ModelFolderError, load_tokenizer, prompt_token_ids, stop_token_ids
 from stages.rewards import RewardFunction, Sample, Scores, task_reward
 from stages.tasks import DataTask, Prompt, Task
@@ -48,24 +66,31 @@ class Rollout:
     """The DSL/config object: `Rollout(task, [TorchEngine(model)], tokenizer=model, group_size=8)`.
 
     `tokenizer` is a tokenizer object or the model folder to load it from; generation stops at its
-    EOS and at generation_config.json's `eos_token_id`s. `reward` scores completions: a
+    EOS and at generation_config.json's `eos_token_id`s. `reward` scores single-turn completions: a
     `stages.rewards.RewardFunction`, a callable or a "pkg.module:function" path; None: the task's
     `reward_function` if it has one, else its own `reward(prompt, completion)`. A sample whose reward
     fails is counted in `stats["reward_failed"]` by reason and gets what the reward's `on_error` says
-    (scored 0, or its group dropped). Payloads go to the store the run's buffer stage owns.
+    (scored 0, or its group dropped). `environment` makes episodes multi-turn: a name or
+    "pkg.module:Class" of `stages.environments` (with `environment_options`), or a callable that
+    returns a fresh `Environment`; its rewards replace the reward function. `limits` bound each
+    episode (turns, tokens, timeouts). Payloads go to the store the run's buffer stage owns.
     """
 
     task: Task
     engines: list[Engine]
     tokenizer: Any
     group_size: int = 8
-    batch_groups: int = 16
+    batch_groups: int = 16  # groups' worth of episodes in flight per engine
     temperature: float = 1.0
     top_p: float = 1.0
     request_timeout_s: float | None = None  # an engine call not answered by then is an EngineTimeout; None: wait
     max_regenerations: int = 5  # attempts at work that failed (engine call, put) before the run fails
     reward: Any = None
     evaluation: Evaluation | None = None  # generate an eval split every few versions (stages.evaluation)
+    environment: Any = None
+    environment_options: dict[str, Any] = field(default_factory=dict)
+    limits: EpisodeLimits = field(default_factory=EpisodeLimits)
+    engine_sync_s: float = 30.0  # at most this long a new group waits for its engine to reach the admitting version
     stats: dict = field(default_factory=lambda: {"groups": 0, "gen_s": 0.0, "tokens": 0, "regenerated": {}})
 
     def __post_init__(self) -> None:
@@ -89,6 +114,12 @@ class Rollout:
             self.reward = data.reward_function if data is not None else task_reward(self.task)
         elif not isinstance(self.reward, RewardFunction):
             self.reward = RewardFunction(self.reward)
+        if isinstance(self.environment, str):
+            from stages.environments import make_environment
+
+            make_environment(self.environment, **self.environment_options)  # a bad name or option fails now
+        if self.limits.request_timeout_s is None and self.request_timeout_s is not None:
+            self.limits = replace(self.limits, request_timeout_s=self.request_timeout_s)
 
     @property
     def workers(self) -> int:
@@ -103,6 +134,18 @@ class Rollout:
             stop_token_ids=self.stop_token_ids,
         )
 
+    def episode_setup(self, policy: Any) -> EpisodeSetup:
+        """How this rollout's episodes run: chat rendering for chat tasks (else plain text), one
+        environment per episode (None: single-turn), sampling and limits, the staleness policy."""
+        chat = isinstance(self.task, DataTask) and self.task.uses_chat
+        renderer = renderer_for(self.tokenizer, chat, self.stop_token_ids)
+        environment = self.environment
+        if isinstance(environment, str):
+            from stages.environments import make_environment
+
+            environment = functools.partial(make_environment, environment, **self.environment_options)
+        return EpisodeSetup(renderer, environment, self.sampling(), self.limits, policy)
+
     def actors(self, ctx: RunContext, inbox: Channel | None, outbox: Channel | None):
         assert outbox is not None
         ctx.services.weight_receivers.extend(self.engines)
@@ -114,7 +157,7 @@ class Rollout:
             if hasattr(engine, "log_dir"):  # server logs go to the run folder
                 engine.log_dir = ctx.folder.path
         plan = plan_of(ctx)
-        if plan is not None and plan.planned("engine.hang") and self.request_timeout_s is None:
+        if plan is not None and plan.planned("engine.hang") and self.limits.request_timeout_s is None:
             raise FaultPlanError("fault engine.hang needs rollout.request_timeout_s (e.g. 30) to turn a hang into "
                                  "an error; set it, or remove the fault")
         # engine faults wrap only what the worker calls; weight receivers keep the engine itself
@@ -129,12 +172,11 @@ class Rollout:
         return self.task.shard(worker, len(self.engines)) if isinstance(self.task, DataTask) else self.task
 
 
-GENERATION_FILE = "generation.jsonl"  # per engine call: what `baton simulate --calibrate` reads of generation
+GENERATION_FILE = "generation.jsonl"  # per finished group: what `baton simulate --calibrate` reads of generation
 
 
 class GroupsNotStored(StoreError):
-    """Some groups of an engine batch could not be stored (after the store's retries); the rollout
-    worker generates them again."""
+    """A group could not be stored (after the store's retries); the rollout worker generates it again."""
 
 
 _PROMPT = msgspec.json.Decoder(Prompt)
@@ -142,6 +184,27 @@ _ENCODE = msgspec.json.encode
 
 
 _MT_WORDS = len(random.Random().getstate()[1])  # a Mersenne Twister state's length
+
+
+class Room:
+    """Episodes a worker may have in flight: a new group starts only when `group_size` are free, and
+    each episode gives its place back the moment it ends."""
+
+    def __init__(self, episodes: int) -> None:
+        self.free = episodes
+        self._changed = anyio.Event()
+
+    async def wait_for(self, episodes: int) -> None:
+        while self.free < episodes:
+            await self._changed.wait()
+            self._changed = anyio.Event()
+
+    def take(self, episodes: int) -> None:
+        self.free -= episodes
+
+    def give_back(self, episodes: int) -> None:
+        self.free += episodes
+        self._changed.set()
 
 
 class RolloutWorker(BaseActor):
@@ -157,9 +220,11 @@ class RolloutWorker(BaseActor):
         self.incarnation = uuid.uuid4().hex[:8]
         self.rng = ctx.rng(self.name)
         self.log = ctx.log(self.name)
-        self._sending: list[Ref] = []  # recorded as produced, being sent downstream
-        self._generating: list[Prompt] = []  # admitted, not yet recorded as produced
-        self._recording: list[tuple[str, bytes]] = []  # (group, source) of the `produced` call under way
+        self.setup = spec.episode_setup(ctx.policy)
+        self.room = Room(spec.batch_groups * spec.group_size)
+        self._generating: dict[int, Prompt] = {}  # admitted, not yet recorded as produced (by admission number)
+        self._admitted = 0
+        self.groups = GroupOutbox(ctx.ledger, outbox, ctx.gate, self._recorded, self._log_generation)
 
     async def start(self) -> None:
         resume = self.ctx.resume
@@ -178,11 +243,11 @@ class RolloutWorker(BaseActor):
 
     def held_refs(self) -> list[HeldRef]:
         """Refs recorded as produced and not yet all sent on (a checkpoint re-uses them on resume)."""
-        return [HeldRef(ref=ref, holder=self.name) for ref in self._sending]
+        return [HeldRef(ref=ref, holder=self.name) for ref in self.groups.sending]
 
     def held_sources(self) -> list[bytes]:
         """The encoded prompts admitted and not yet recorded as produced (a resumed run produces them)."""
-        return [_ENCODE(p) for p in self._generating]
+        return [_ENCODE(p) for p in self._generating.values()]
 
     def rng_state(self) -> RandomState:
         """Where this worker's prompt stream stands (a checkpoint keeps it; a resume goes on from it):
@@ -199,50 +264,127 @@ class RolloutWorker(BaseActor):
     def recording(self) -> list[tuple[str, bytes]]:
         """(group, source) of the groups whose `produced` record is on its way to the ledger: a checkpoint
         owes them unless its ledger has them already (only a ledger in another process can be mid-call)."""
-        return list(self._recording)
+        return list(self.groups.recording)
 
     async def run(self) -> None:
-        while True:
-            await self._evaluate_if_due()
-            self.ctx.note(self.name, "waiting at the admission gate")
-            t_gate = anyio.current_time()
-            n = await self.ctx.gate.acquire_many(self.spec.batch_groups)
-            t_prompts = anyio.current_time()
-            prompts = self._generating = []  # filled as chosen: a checkpoint meanwhile owes what was chosen
-            for _ in range(n):
-                prompts.append(await self._next_prompt())
-            self._call_timing = {"gate_s": t_prompts - t_gate, "prompts_s": anyio.current_time() - t_prompts}
-            self.ctx.note(
-                self.name, f"generating {n} groups ({n * self.spec.group_size} requests) on engine "
-                f"{self.engine.name} at version {self.engine.version}",
-            )
-            await self._produce(prompts)
+        group_size = self.spec.group_size
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self.groups.run)
+            while True:
+                await self._evaluate_if_due()
+                self.ctx.note(self.name, "waiting for room for a group")
+                await self.room.wait_for(group_size)
+                self.ctx.note(self.name, "waiting at the admission gate")
+                n = await self.ctx.gate.acquire_many(self.room.free // group_size)
+                admitted_at = await self.ctx.clock.current()
+                for prompt in await self._next_prompts(n):
+                    tg.start_soon(self._group, self._admit(prompt), prompt, admitted_at)
 
-    async def _next_prompt(self) -> Prompt:
-        redo = await self.ctx.poll_feedback()
-        if redo is None:
-            return self.task.sample(self.rng)
-        self.spec.stats["redone"] = self.spec.stats.get("redone", 0) + 1
-        return _PROMPT.decode(await self.ctx.ledger.take_source(redo.group))
+    async def produce(self, prompts: list[Prompt]) -> None:
+        """Run the groups of `prompts` (admitted already) through to the ledger and downstream; returns
+        once all are sent. (`run` does this continuously; tests and tools call it directly.)"""
+        async with anyio.create_task_group() as tg:
+            for prompt in prompts:
+                tg.start_soon(self._group, self._admit(prompt), prompt, self.engine.version)
+        await self.groups.flush()
 
-    async def _produce(self, prompts: list[Prompt]) -> None:
-        """Generate, store, record and send the groups of `prompts`. Work that fails on the way is
-        generated again and counted (`stats["regenerated"]`, by cause), never silently dropped: an engine
-        call that does not answer (`EngineError`: it crashed, or outlived `request_timeout_s`) redoes all
-        its groups; a group whose put still fails after the store retries redoes that group. Each group
-        keeps its admission slot meanwhile (it was never recorded as produced, so the ledger has nothing
-        to correct); after `max_regenerations` further attempts the error ends the run, naming it."""
-        pending = self._generating = list(prompts)  # shrinks as groups are recorded
-        async for attempt in AsyncRetrying(
-            stop=stop_after_attempt(self.spec.max_regenerations + 1),
-            wait=wait_exponential(multiplier=0.1, max=2.0),
-            retry=retry_if_exception_type((EngineError, StoreError)),
-            before_sleep=lambda state: self._regenerating(len(pending), state.outcome.exception()),
-            reraise=True,
-        ):
-            with attempt:
-                await self._produce_once(pending)
-        self._generating = []
+    def _admit(self, prompt: Prompt) -> int:
+        """Take room for the prompt's episodes and count it as generating; returns its admission number."""
+        self.room.take(self.spec.group_size)
+        self._admitted += 1
+        self._generating[self._admitted] = prompt
+        return self._admitted
+
+    async def _next_prompts(self, n: int) -> list[Prompt]:
+        """`n` prompts: groups to redo first (one feedback poll for all), then new samples."""
+        redos = await self.ctx.poll_feedback_many(n)
+        if redos:
+            self.spec.stats["redone"] = self.spec.stats.get("redone", 0) + len(redos)
+        prompts = [_PROMPT.decode(await self.ctx.ledger.take_source(r.group)) for r in redos]
+        return prompts + [self.task.sample(self.rng) for _ in range(n - len(redos))]
+
+    def _recorded(self, finished: list[Finished]) -> None:
+        for item in finished:
+            self._generating.pop(item.admission, None)
+
+    async def _group(self, admission: int, prompt: Prompt, admitted_at: int) -> None:
+        """Run one group to the outbox. Its engine first reaches the admitting version (so a group admitted
+        at version v never carries tokens older than v); a group that cannot be stored is generated again,
+        counted, up to `max_regenerations` times."""
+        await self._engine_at(admitted_at)
+        t0 = anyio.current_time()
+        for attempt in range(self.spec.max_regenerations + 1):
+            episodes = await self._episodes(prompt)
+            try:
+                finished = await self._finish_group(prompt, episodes)
+                break
+            except StoreError as exc:
+                if attempt == self.spec.max_regenerations:
+                    raise
+                self._regenerating(1, exc)
+        finished.admission, finished.gen_s = admission, anyio.current_time() - t0
+        self.groups.put(finished)
+
+    async def _engine_at(self, version: int) -> None:
+        deadline = anyio.current_time() + self.spec.engine_sync_s
+        while self.engine.version < version and anyio.current_time() < deadline:
+            await anyio.sleep(0.002)
+        if self.engine.version < version:
+            self.ctx.event("engine.behind", engine=self.engine.name, version=self.engine.version, admitted=version)
+
+    async def _episodes(self, prompt: Prompt) -> list[Episode | EpisodeFailed]:
+        """The group's episodes: one coroutine each with an environment; without one, the group's single
+        turns go to the engine as one call (`stages.episode.run_single_turns`)."""
+        size = self.spec.group_size
+        if self.setup.environment is None:
+            ids = self.setup.renderer.prompt_ids(first_messages(prompt))
+            try:
+                return await self._attempts(lambda: run_single_turns(self.engine, ids, self.setup, size))
+            except EpisodeFailed as failed:
+                return [failed] * size
+            finally:
+                self.room.give_back(size)
+        results: list[Episode | EpisodeFailed] = [EpisodeFailed("not run")] * size
+        async with anyio.create_task_group() as tg:
+            for i in range(size):
+                tg.start_soon(self._episode, prompt, results, i)
+        return results
+
+    async def _episode(self, prompt: Prompt, results: list, i: int) -> None:
+        """Episode `i` of a group into `results[i]`: an Episode, or EpisodeFailed (its environment failed)."""
+        try:
+            results[i] = await self._attempts(lambda: run_episode(self.engine, prompt, self.setup))
+        except EpisodeFailed as exc:
+            results[i] = exc
+        finally:
+            self.room.give_back(1)
+
+    async def _attempts(self, run):
+        """`await run()`, started again from its sample after an engine failure or a stale restart
+        (counted); past `max_regenerations` attempts the error ends the run. EpisodeFailed is counted."""
+        for attempt in range(self.spec.max_regenerations + 1):
+            try:
+                return await run()
+            except EpisodeFailed as exc:
+                self._count("episodes_failed", exc.reason)
+                raise
+            except EngineError as exc:
+                if attempt == self.spec.max_regenerations:
+                    raise
+                self._episode_restarted(exc)
+        raise AssertionError("unreachable")
+
+    def _episode_restarted(self, error: EngineError) -> None:
+        cause = type(error).__name__
+        self._count("episodes_restarted", cause)
+        self.ctx.event("episode.restarted", engine=self.engine.name, cause=cause, error=str(error))
+        plan = plan_of(self.ctx)
+        if plan is not None:  # the fault runner counts these (they never reached the ledger)
+            plan.record("regenerated", cause, self.name, groups=1)
+
+    def _count(self, stat: str, key: str) -> None:
+        counts = self.spec.stats.setdefault(stat, {})
+        counts[key] = counts.get(key, 0) + 1
 
     def _regenerating(self, groups: int, error: BaseException | None) -> None:
         cause = type(error).__name__
@@ -253,57 +395,41 @@ class RolloutWorker(BaseActor):
         if plan is not None:  # the fault runner counts these (they never reached the ledger)
             plan.record("regenerated", cause, self.name, groups=groups)
 
-    async def _produce_once(self, pending: list[Prompt]) -> None:
-        """One attempt at `pending`: what gets stored (or dropped for a failed reward) is recorded, sent
-        and removed from `pending`; raises when anything is left (EngineError: nothing came back;
-        GroupsNotStored: some puts failed)."""
-        spec, tok = self.spec, self.spec.tokenizer
-        prompt_ids = [prompt_token_ids(tok, p.text, p.messages) for p in pending]
-        t0 = anyio.current_time()
-        try:
-            with anyio.fail_after(spec.request_timeout_s):  # None: no limit
-                completions = await self.engine.generate(
-                    [ids for ids in prompt_ids for _ in range(spec.group_size)], spec.sampling()
-                )
-        except TimeoutError:
-            raise EngineTimeout(
-                f"engine {self.engine.name} did not answer {len(pending)} groups within "
-                f"rollout.request_timeout_s = {spec.request_timeout_s} s"
-            ) from None
-        gen_s = anyio.current_time() - t0
-        spec.stats["gen_s"] += gen_s
+    async def _finish_group(self, prompt: Prompt, results: list[Episode | EpisodeFailed]) -> Finished:
+        """Score and store a group whose episodes are over. Failed episodes (environment) are recorded as
+        dropped with their reason; the rest are stored as one group. A group with nothing left to train
+        (every episode failed, or a failed reward with on_error = "drop") is recorded and dropped whole."""
+        episodes = [r for r in results if isinstance(r, Episode)]
+        failed = [r for r in results if isinstance(r, EpisodeFailed)]
+        group_id, source = self._new_group_id(), _ENCODE(prompt)
+        span = version_span(episodes, self.engine.version)
+        self.spec.stats["tokens"] += sum(e.tokens.model_tokens for e in episodes)
+        if self.setup.environment is None and episodes:
+            scores = await self._score(prompt, [e.last for e in episodes if e.last is not None])
+            if self.spec.reward.on_error == "drop" and any(scores.failures):
+                reason = next(f for f in scores.failures if f)
+                self.log.warning("reward failed; group dropped", group=group_id, reason=reason)
+                return self._dropped(group_id, span, source, len(results), "reward failed",
+                                     {"reward_failed": [float(f is not None) for f in scores.failures]})
+        else:
+            scores = Scores([e.reward for e in episodes], [None] * len(episodes))
+        if not episodes:
+            return self._dropped(group_id, span, source, len(results), f"episode failed: {failed[0].reason}")
         t_put = anyio.current_time()
-        refs, records, dropped, unstored, failure = [], [], [], [], None
-        for g, prompt in enumerate(pending):
-            group = completions[g * spec.group_size : (g + 1) * spec.group_size]
-            scores = await self._score(prompt, group)
-            if spec.reward.on_error == "drop" and any(scores.failures):
-                records.append(self._dropped_group(prompt, group, scores))
-                dropped.append(records[-1])
-                continue
-            try:
-                ref, values = await self._store_group(prompt, prompt_ids[g], group, scores)
-            except StoreError as exc:  # retried already (with_retries): this group is generated again
-                unstored.append(prompt)
-                failure = exc
-                continue
-            refs.append(ref)
-            records.append(Produced(ref.item_ids, ref.group, (ref.version, ref.version_max), _ENCODE(prompt), values))
-        put_s = anyio.current_time() - t_put
-        if not records:
-            raise GroupsNotStored(f"no group of this batch could be stored: {failure}") from failure
-        # one ledger call and one channel call per engine batch: each may cross a process boundary
-        self._recording = [(r.group, r.source) for r in records]
-        pending[:] = unstored
-        await self.ctx.ledger.produced(records)
-        self._recording, self._sending = [], refs
-        await self._drop(dropped)
-        self.ctx.note(self.name, f"sending {len(refs)} refs downstream")
-        await self.outbox.send_many(refs)
-        self._log_generation(len(refs), gen_s, put_s, anyio.current_time() - t_put - put_s, completions, refs)
-        self._sending = []
-        if unstored:
-            raise GroupsNotStored(f"{len(unstored)} groups could not be stored: {failure}") from failure
+        ref, values = await self._store_group(group_id, prompt, episodes, scores, span)
+        finished = Finished([Produced(ref.item_ids, group_id, span, source, values)], ref, source=source,
+                            lengths=[e.tokens.model_tokens for e in episodes], put_s=anyio.current_time() - t_put)
+        if failed:
+            ids = [f"{group_id}/failed-{i}" for i in range(len(failed))]
+            finished.records.append(Produced(ids, f"{group_id}.failed", span, source, {}))
+            finished.dropped.append((ids, f"episode failed: {failed[0].reason}"))
+        return finished
+
+    def _dropped(self, group_id: str, span: tuple[int, int], source: bytes, n: int, reason: str,
+                 values: dict | None = None) -> Finished:
+        """A whole group recorded and dropped with `reason` (nothing stored; its slot is freed)."""
+        ids = [f"{group_id}/{i}" for i in range(n)]
+        return Finished([Produced(ids, group_id, span, source, values or {})], None, [(ids, reason)], source)
 
     async def _evaluate_if_due(self) -> None:
         """Generate and score the eval prompts once the engine reaches the next due version
@@ -354,96 +480,47 @@ class RolloutWorker(BaseActor):
             self.ctx.event(failures.replace("_", "."), count=len(failed), engine=self.engine.name, reason=failed[0])
         return scores
 
-    def _dropped_group(self, prompt: Prompt, group: list[Completion], scores: Scores) -> Produced:
-        """The ledger record of a group dropped because its reward failed (nothing is stored)."""
-        group_id = self._new_group_id()
-        lo, hi = self._version_span(group)
-        ids = [f"{group_id}/{i}" for i in range(len(group))]
-        reason = next(f for f in scores.failures if f)
-        self.log.warning("reward failed; group dropped", group=group_id, reason=reason)
-        return Produced(ids, group_id, (lo, hi), _ENCODE(prompt), {"reward_failed": [float(f is not None) for f in
-                                                                                  scores.failures]})
-
-    async def _drop(self, dropped: list[Produced]) -> None:
-        """Settle groups dropped for a failed reward: their ledger fate (with the reason) and slots."""
-        for record in dropped:
-            await self.ctx.ledger.finished("dropped", record.ids, "reward failed")
-        if dropped:
-            await self.ctx.gate.discard(len(dropped))
-
     def _new_group_id(self) -> str:
         # unique across workers, processes and restarts: engine name, this incarnation, a counter
         group_id = f"{self.engine.name}.{self.incarnation}.{self.groups_made:08d}"
         self.groups_made += 1
         return group_id
 
-    def _version_span(self, group: list[Completion]) -> tuple[int, int]:
-        """(oldest, newest) weight version of the group's tokens (the engine's version if it has none)."""
-        if not any(len(c.tokens) for c in group):
-            return self.engine.version, self.engine.version
-        versions = np.concatenate([c.versions for c in group])
-        return int(versions.min()), int(versions.max())
-
-    def _log_generation(self, groups: int, gen_s: float, put_s: float, send_s: float, completions: list[Completion],
-                        refs: list[Ref]) -> None:
-        """One line per engine call in the run folder's generation.jsonl (`baton simulate --calibrate` reads
-        it): seconds waiting at the gate, taking prompts, generating, storing, recording and sending; groups,
-        response tokens and their lengths, bytes stored."""
+    def _log_generation(self, batch: list[Finished], record_s: float) -> None:
+        """One line per recorded batch of groups in the run folder's generation.jsonl (`baton simulate
+        --calibrate` reads it): groups, the slowest group's seconds from start to stored, the seconds
+        to record and send them, response tokens and their lengths, bytes stored."""
         folder = getattr(self.ctx, "folder", None)
         if folder is None or not hasattr(folder, "append_record"):
             return
-        timing = {k: round(v, 5) for k, v in getattr(self, "_call_timing", {}).items()}
+        lengths = [n for f in batch for n in f.lengths]
         folder.append_record(GENERATION_FILE, {
-            "engine": self.engine.name, "t": round(time.time() - self.ctx.started_at, 4), "groups": groups,
-            "group_size": self.spec.group_size, **timing, "gen_s": round(gen_s, 5), "put_s": round(put_s, 5),
-            "send_s": round(send_s, 5),
-            "tokens": int(sum(len(c.tokens) for c in completions)),
-            "lengths": [len(c.tokens) for c in completions],
-            "nbytes": int(sum(r.nbytes for r in refs)),
+            "engine": self.engine.name, "t": round(time.time() - self.ctx.started_at, 4), "groups": len(batch),
+            "group_size": self.spec.group_size, "gen_s": round(max(f.gen_s for f in batch), 5),
+            "put_s": round(max(f.put_s for f in batch), 5), "send_s": round(record_s, 5),
+            "tokens": int(sum(lengths)), "lengths": lengths,
+            "nbytes": int(sum(f.ref.nbytes for f in batch if f.ref is not None)),
         })
 
-    async def _store_group(
-        self, prompt: Prompt, prompt_ids: list[int], group: list[Completion], scores: Scores
-    ) -> tuple[Ref, dict[str, list[float]]]:
+    async def _store_group(self, group_id: str, prompt: Prompt, episodes: list[Episode], scores: Scores,
+                           span: tuple[int, int]) -> tuple[Ref, dict[str, list[float]]]:
         """Encode and store one scored group; returns its Ref (not yet recorded or sent) and, per sample,
-        the values the ledger keeps for bias accounting: `reward`, `length` (response tokens) and, when a
+        the values the ledger keeps for bias accounting: `reward`, `length` (model tokens) and, when a
         reward failed (scored 0), `reward_failed` (1 for those samples)."""
-        spec, ctx = self.spec, self.ctx
-        rewards = np.array(scores.rewards, dtype=np.float32)
-        plen = len(prompt_ids)
-        rows = []
-        for c in group:
-            n = len(c.tokens)
-            rows.append(
-                {
-                    "tokens": np.concatenate([np.asarray(prompt_ids, dtype=np.int32), c.tokens]),
-                    "logprobs": np.concatenate([np.zeros(plen, np.float32), c.logprobs]),
-                    "loss_mask": np.concatenate([np.zeros(plen, np.uint8), np.ones(n, np.uint8)]),
-                    "token_versions": np.concatenate([np.full(plen, -1, np.int32), c.versions]),
-                }
-            )
-        lo, hi = self._version_span(group)
-        group_id = self._new_group_id()
-        spec.stats["groups"] += 1
-        spec.stats["tokens"] += sum(len(c.tokens) for c in group)
-        batch = RolloutBatch.from_rows(
-            rows,
-            row_fields={
-                "rewards": rewards,
-                "prompt_lens": np.full(len(group), plen, np.int32),
-                "versions": np.array([[lo, hi]] * len(group), dtype=np.int32),
-            },
-            meta={"run": ctx.run, "group": group_id, "prompt": prompt.text, "answer": prompt.answer},
-        )
+        ctx = self.ctx
+        lo, hi = span
+        batch = encode_group(episodes, scores.rewards, span,
+                             {"run": ctx.run, "group": group_id, "prompt": prompt.text, "answer": prompt.answer})
         payload = encode(batch, pool=getattr(self.store, "pool", None))  # straight into the store's memory
-        key = make_key(ctx.run, lo, group_id, f"0-{len(group) - 1}")
+        key = make_key(ctx.run, lo, group_id, f"0-{len(episodes) - 1}")
         await with_retries(lambda: self.store.put(key, payload))
-
+        self.spec.stats["groups"] += 1
         ref = Ref(
-            store=self.store.name, key=key, version=lo, version_max=hi, rows=len(group),
+            store=self.store.name, key=key, version=lo, version_max=hi, rows=len(episodes),
             nbytes=payload.nbytes, checksum=peek(payload).checksum, group=group_id,
         )
-        values = {"reward": rewards.tolist(), "length": [float(len(c.tokens)) for c in group]}
+        values = {"reward": [float(r) for r in scores.rewards],
+                  "length": [float(e.tokens.model_tokens) for e in episodes]}
         if any(scores.failures):
             values["reward_failed"] = [float(f is not None) for f in scores.failures]
         return ref, values

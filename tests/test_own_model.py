@@ -153,7 +153,7 @@ class Recorder:
 def worker_for(rollout: Rollout, engine, store, recorder: Recorder, tmp_path: Path) -> RolloutWorker:
     ctx = SimpleNamespace(
         run="own", folder=SimpleNamespace(path=tmp_path), rng=lambda name: np.random.default_rng(0),
-        log=get_logger, services=Services(), resume=None, note=lambda *a: None, event=recorder.event,
+        log=get_logger, services=Services(), resume=None, policy=None, note=lambda *a: None, event=recorder.event,
         ledger=SimpleNamespace(produced=recorder.produced_, finished=recorder.finished_),
         gate=SimpleNamespace(discard=recorder.discard),
     )
@@ -180,7 +180,7 @@ async def test_chat_prompts_end_to_end_on_the_torch_engine(chat_model: Path, mat
     store, recorder = MemoryStore(), Recorder()
     worker = worker_for(rollout, engine, store, recorder, tmp_path)
     prompts = [task.sample(None), task.sample(None)]
-    await worker._produce(prompts)
+    await worker.produce(prompts)
     stopped = 0
     assert len(recorder.sent) == 2 and not recorder.finished
     for ref, prompt in zip(recorder.sent, prompts, strict=True):
@@ -208,7 +208,7 @@ async def test_builtin_task_prompts_keep_bos_on_the_tiny_model(tiny: Path, tmp_p
     await engine.start()
     rollout = Rollout(ReverseDigits(digits=2), [engine], tokenizer=tiny, group_size=2, batch_groups=1)
     store, recorder = MemoryStore(), Recorder()
-    await worker_for(rollout, engine, store, recorder, tmp_path)._produce([ReverseDigits(digits=2).sample(Random(0))])
+    await worker_for(rollout, engine, store, recorder, tmp_path).produce([ReverseDigits(digits=2).sample(Random(0))])
     row = decode(await store.get(recorder.sent[0].key)).row(0)
     tok = load_tokenizer(tiny)
     assert row["tokens"][0] == tok.bos_token_id and int(row["prompt_lens"]) == 4

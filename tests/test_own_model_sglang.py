@@ -43,7 +43,7 @@ async def test_chat_prompts_end_to_end_on_sglang(tmp_path) -> None:
         rollout = Rollout(task, [engine], tokenizer=model, group_size=4, batch_groups=2, reward="math_verify")
         store, recorder = MemoryStore(), Recorder()
         prompts = [task.sample(None), task.sample(None)]
-        await worker_for(rollout, engine, store, recorder, tmp_path)._produce(prompts)
+        await worker_for(rollout, engine, store, recorder, tmp_path).produce(prompts)
     finally:
         await engine.stop()
     tok = load_tokenizer(model)

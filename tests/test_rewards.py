@@ -153,7 +153,7 @@ async def test_a_failing_reward_never_ends_the_rollout(tiny: Path, tmp_path: Pat
     rollout = Rollout(task, [engine], tokenizer=tiny, group_size=4, batch_groups=4,
                       reward=RewardFunction(flaky, on_error=on_error))
     store, recorder = MemoryStore(), Recorder()
-    await worker_for(rollout, engine, store, recorder, tmp_path)._produce([task.sample(Random(0)) for _ in range(6)])
+    await worker_for(rollout, engine, store, recorder, tmp_path).produce([task.sample(Random(0)) for _ in range(6)])
     failed = rollout.stats["reward_failed"]["raised RuntimeError"]
     assert failed > 0
     assert sum(n for kind, n in recorder.events if kind == "reward.failed") == failed, "each failure is a run event"

@@ -484,6 +484,15 @@ class RayChannel(Generic[T]):
         reply = await self._call(self._receive_m, 0, False, receive_many=False)
         return self._decode_one(self._check(reply))
 
+    async def receive_many_nowait(self, max_items: int) -> list[T]:
+        """Take up to `max_items` items that are there now, in one round trip (maybe none; never raises
+        `WouldBlock` or `EndOfStream`)."""
+        try:
+            reply = self._check(await self._call(self._receive_m, max_items, False, receive_many=True))
+        except (anyio.WouldBlock, anyio.EndOfStream):
+            return []
+        return self._decode_many(reply)
+
     def close(self) -> None:
         """Refuse further sends (idempotent). Returns at once; the host applies it asynchronously."""
         self._closed = True

@@ -8,12 +8,14 @@
 * `engine.hang`: the call answers nothing for `delay_s` (an unresponsive server); the rollout
   worker's `request_timeout_s` turns it into `EngineTimeout` and generates the groups again.
 
-The schedule counts `generate` calls per engine (scope = the engine's name). A firing is recorded as
-recovered at the engine's next call that answers.
+The schedule counts `generate` calls per engine (scope = the engine's name). A crash is recorded as
+recovered at the engine's next call that answers; a hang at the first answer to a call made after
+the hung call was given up (other calls run on meanwhile: episodes have no batch barrier).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 from typing import Any
@@ -42,6 +44,7 @@ class FaultyEngine:
         self.engine = engine
         self._crash = plan.schedule("engine.crash", engine.name)
         self._hang = plan.schedule("engine.hang", engine.name)
+        self._hang_abandoned_at = 0.0
         self._kill_process = plan.isolated
         self.log = get_logger("faults").bind(boundary="engine", engine=engine.name)
 
@@ -66,9 +69,15 @@ class FaultyEngine:
         await self.engine.receive_weights(version, tensors)
 
     async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        started = anyio.current_time()
         if self._hang is not None and self._hang.hit():
             self.log.warning("injected fault: engine hangs", seconds=self._hang.spec.delay_s)
-            await anyio.sleep(self._hang.spec.delay_s)
+            self._hang_abandoned_at = math.inf
+            try:
+                await anyio.sleep(self._hang.spec.delay_s)
+            except anyio.get_cancelled_exc_class():
+                self._hang_abandoned_at = anyio.current_time()  # its work is redone by calls after this
+                raise
         completions = await self.engine.generate(prompts, params)
         if self._crash is not None and self._crash.hit():
             if self._kill_process:
@@ -76,9 +85,10 @@ class FaultyEngine:
                 os.kill(os.getpid(), signal.SIGKILL)
             raise EngineCrashed(f"injected fault engine.crash: engine {self.name} died during a call of "
                                 f"{len(prompts)} requests")
-        for schedule in (self._hang, self._crash):
-            if schedule is not None:
-                schedule.recovered(f"engine {self.name} answered")
+        if self._crash is not None:
+            self._crash.recovered(f"engine {self.name} answered")
+        if self._hang is not None and started >= self._hang_abandoned_at:
+            self._hang.recovered(f"engine {self.name} answered a call made after the hung one was given up")
         return completions
 
 

@@ -1,32 +1,41 @@
 """TorchEngine: an in-process HF causal LM as an inference engine (the laptop producer).
 
-Batched sampling with a KV cache, temperature and top-p, stop tokens and max-tokens; per-token
-behaviour logprobs (of the tempered distribution, before top-p truncation) and per-token
-weight versions. New weights are staged by `receive_weights` and swapped in between decode steps
-of a running batch, so a long generation spans versions honestly instead of blocking the push.
-Swapping means the parameters become the received tensors (zero-copy: views over a transport's
-receive slot stay the live weights until the next version); a tensor of another dtype or device
-is copied instead. `receive_weights` returns once the engine reads no earlier version's tensors:
-at once when it is idle or not started, else after the running batch's next decode step. That is
-the release a double-buffered transport waits for before it rewrites the other slot.
-When the run's staleness policy says a running batch must `restart` on the new version (its
-samples could no longer be trained, or would span too many versions), the batch is decoded again
-from its prompts on the new weights.
+Continuous batching: every prompt of every concurrent `generate` call is a request that joins one
+running batch at a decode-step boundary (the newcomers are prefilled together and their KV cache is
+merged into the batch's, left-padded to a common width with the attention mask and explicit
+positions) and leaves it the step it finishes; a call returns as soon as its own requests are done.
+At most `max_running` requests decode at once; the rest wait in FIFO order. One decode thread per
+engine runs the batch while there is work and exits when idle. Each request has its own sampling
+params (temperature, top-p, stop tokens, max-tokens); every token carries its behaviour logprob (of
+the tempered distribution, before top-p truncation) and the weight version that computed its logits.
+A single call on an idle engine decodes exactly as a plain batched loop would (same seed, same tokens).
+
+New weights are staged by `receive_weights` and swapped in between decode steps of the running
+batch, so a long generation spans versions honestly instead of blocking the push. Swapping means the
+parameters become the received tensors (zero-copy: views over a transport's receive slot stay the
+live weights until the next version); a tensor of another dtype or device is copied instead.
+`receive_weights` returns once the engine reads no earlier version's tensors: at once when it is
+idle or not started, else after the running batch's next decode step. That is the release a
+double-buffered transport waits for before it rewrites the other slot.
+When the run's staleness policy says a running request must `restart` on the staged version (its
+sample could no longer be trained, or would span too many versions), that request alone is decoded
+again from its prompt on the new weights (counted in `stats["interrupted"]`); the others continue.
 """
 
 from __future__ import annotations
 
+import collections
 import inspect
 import threading
 import time
 from pathlib import Path
 
 import anyio
-import numpy as np
 import torch
 from transformers import Qwen2ForCausalLM
 
-from stages.engines.base import Completion, SamplingParams
+from stages.engines.base import Completion, EngineError, SamplingParams
+from stages.engines.torch_batch import Batch, Call, Request, Sampling
 from stages.model import load_model
 
 # transformers 5.x renamed `past_key_values` to `cache` (the old name warns); accept both
@@ -38,17 +47,23 @@ def _cache_of(out):
 
 
 class TorchEngine:
-    def __init__(self, model_path: str | Path, name: str = "torch-0", seed: int = 0, dtype: str = "float32") -> None:
+    def __init__(self, model_path: str | Path, name: str = "torch-0", seed: int = 0, dtype: str = "float32",
+                 device: str = "cpu", max_running: int = 256) -> None:
+        if max_running < 1:
+            raise ValueError(f"max_running must be at least 1, got {max_running}")
         self.name = name
         self.model_path = Path(model_path)
-        self.seed, self.dtype = seed, dtype
+        self.seed, self.dtype, self.device, self.max_running = seed, dtype, device, max_running
         self._model: torch.nn.Module | None = None
         self._version = 0
         self._staged: tuple[int, dict[str, torch.Tensor]] | None = None
-        self._lock = threading.Lock()  # guards _staged and _active
-        self._active = 0  # generations running (in worker threads)
+        self._lock = threading.Lock()  # guards _staged, _queue, _serving and _stopping
+        self._queue: collections.deque[Request] = collections.deque()  # FIFO, beyond max_running
+        self._running = 0  # requests in the batch
+        self._serving = False  # a decode thread is running
+        self._stopping = False
         self._weights_lock = threading.Lock()  # a swap never happens inside a forward pass
-        self._generator = torch.Generator().manual_seed(seed)
+        self._generator: torch.Generator | None = None
         self.busy_s = 0.0
         self.policy = None  # the run's staleness policy (its `interrupt`); set by the rollout stage
         self.stats = {"interrupted": 0}
@@ -57,22 +72,35 @@ class TorchEngine:
     def version(self) -> int:
         return self._version
 
+    @property
+    def load(self) -> int:
+        """Requests queued or decoding (the rollout sends a new episode to the least loaded engine)."""
+        return len(self._queue) + self._running
+
     def __getstate__(self) -> dict:
-        """What another process needs to make this engine there: its path, name and seed."""
+        """What another process needs to make this engine there: its path, name, seed and settings."""
         if self._model is not None:
             raise RuntimeError(f"engine {self.name} is started; only an unstarted engine can move to another process")
-        return {"model_path": self.model_path, "name": self.name, "seed": self.seed, "dtype": self.dtype}
+        return {"model_path": self.model_path, "name": self.name, "seed": self.seed, "dtype": self.dtype,
+                "device": self.device, "max_running": self.max_running}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["model_path"], name=state["name"], seed=state["seed"], dtype=state["dtype"])
+        self.__init__(state.pop("model_path"), **state)
 
     async def start(self) -> None:
         if self._model is None:
-            self._model = await anyio.to_thread.run_sync(load_model, self.model_path, self.dtype)
-            self._model.eval()
+            model = await anyio.to_thread.run_sync(load_model, self.model_path, self.dtype)
+            self._model = model.to(self.device).eval()
+            self._generator = torch.Generator(device=self.device).manual_seed(self.seed)
 
     async def stop(self) -> None:
+        """Fail what is queued or decoding (EngineError: retry elsewhere) and release the model."""
+        with self._lock:
+            self._stopping = True
+        while self._serving:
+            await anyio.sleep(0.002)
         self._model = None
+        self._stopping = False
 
     async def receive_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         """Take a whole version (the engine may read `tensors` until a newer version replaces it);
@@ -81,7 +109,7 @@ class TorchEngine:
         while True:
             with self._lock:
                 settled = self._model is None or self._version >= version or self._staged is None
-                idle = self._active == 0
+                idle = not self._serving
             if settled:
                 return
             if idle:
@@ -107,114 +135,146 @@ class TorchEngine:
             self._version = version
 
     async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """Completions of `prompts` (in order), each decoded as a request of the running batch."""
         if self._model is None:
             raise RuntimeError(f"engine {self.name} is not started")
-        return await anyio.to_thread.run_sync(self._generate, prompts, params)
+        call = Call(prompts, params)
+        if call.requests:
+            self._submit(call.requests)
+            try:
+                await call.finished.wait()
+            except BaseException:
+                call.cancelled = True  # the decode thread drops its requests at the next step boundary
+                raise
+        if call.error is not None:
+            raise call.error
+        return call.results
 
-    @torch.no_grad()
-    def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        t0 = time.perf_counter()
+    def _submit(self, requests: list[Request]) -> None:
+        """Queue `requests`; start the decode thread when none runs."""
         with self._lock:
-            self._active += 1
+            self._queue.extend(requests)
+            if self._serving:
+                return
+            self._serving = True
+        threading.Thread(target=self._serve, name=f"{self.name}-decode", daemon=True).start()
+
+    def _serve(self) -> None:
+        """The decode thread: step the batch until nothing is running or queued, then exit. An error
+        fails every call with a request in the batch or the queue."""
+        t0 = time.perf_counter()
+        batch = Batch(self._model.device if self._model is not None else torch.device(self.device))
         try:
-            self._apply_staged()
-            return self._decode(prompts, params)
-        finally:
+            with torch.no_grad():
+                while self._boundary(batch):
+                    self._step(batch)
+        except BaseException as exc:  # noqa: BLE001 - handed to the callers, who raise it
             with self._lock:
-                self._active -= 1
+                queued, self._serving = list(self._queue), False
+                self._queue.clear()
+            for request in batch.rows + queued:
+                request.call.fail(exc)
+            self._running = 0
+        finally:
             self.busy_s += time.perf_counter() - t0
 
+    def _boundary(self, batch: Batch) -> bool:
+        """Between two decode steps: drop abandoned rows, restart the rows the policy says must
+        restart, apply a staged version, compute the running rows' next logits, admit queued requests.
+        False (and the thread's exit is recorded) when there is nothing left to decode."""
+        if self._stopping or self._model is None:
+            raise EngineError(f"engine {self.name} stopped")
+        batch.drop([i for i, r in enumerate(batch.rows) if r.call.dropped])
+        restart = self._rows_to_restart(batch)
+        if restart:
+            self.stats["interrupted"] += len(restart)
+            requests = [batch.rows[i] for i in restart]
+            batch.drop(restart)
+            for request in requests:
+                request.restart()
+            with self._lock:
+                self._queue.extendleft(reversed(requests))  # first in line, in order: they had a slot
+        self._apply_staged()
+        if batch.rows:
+            out, version = self._forward(**batch.decode_inputs(), use_cache=True, **{_CACHE_KWARG: batch.cache})
+            batch.advance(_cache_of(out), out.logits[:, -1], version)
+        with self._lock:
+            new = []
+            while self._queue and len(batch.rows) + len(new) < self.max_running:
+                request = self._queue.popleft()
+                if not request.call.dropped:
+                    new.append(request)
+            if not new and not batch.rows:
+                self._serving = False
+                self._running = 0
+                return False
+        if new:
+            batch.merge(new, *self._prefill([r.prompt for r in new]))
+        self._running = len(batch.rows)
+        return True
+
+    def _step(self, batch: Batch) -> None:
+        """Sample one token for every row; finished rows leave the batch and their calls hear of it."""
+        nxt, logp = self._sample(batch.logits, batch.sampling)
+        batch.last = nxt
+        finished = []
+        for i, (request, token, lp, version) in enumerate(
+            zip(batch.rows, nxt.tolist(), logp.tolist(), batch.versions, strict=True)
+        ):
+            if request.append(token, lp, version):
+                finished.append(i)
+                request.call.complete(request)
+        batch.drop(finished)
+        self._running = len(batch.rows)
+
     def _forward(self, **inputs):
+        """One forward pass under the weights lock; returns its output and the version it ran."""
         with self._weights_lock:
-            return self._model(**inputs)
-
-    def _decode(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        """Sample up to `max_new_tokens` for every prompt, applying staged versions between decode
-        steps; when the policy says the batch must `restart` on a staged version, decode it again
-        from the prompts on that version."""
-        n = len(prompts)
-        cache, logits, mask, next_pos = self._prefill(prompts)
-        tokens = torch.zeros((n, params.max_new_tokens), dtype=torch.long)
-        logps = torch.zeros((n, params.max_new_tokens))
-        versions = torch.zeros((n, params.max_new_tokens), dtype=torch.int32)
-        done = torch.zeros(n, dtype=torch.bool)
-        count = torch.zeros(n, dtype=torch.long)
-        stops = torch.tensor(params.stop_token_ids, dtype=torch.long) if params.stop_token_ids else None
-
-        oldest = logits_version = self._version
-        for step in range(params.max_new_tokens):
-            nxt, lp = self._sample(logits, params)
-            tokens[:, step], logps[:, step], versions[:, step] = nxt, lp, logits_version
-            count += (~done).long()
-            if stops is not None:
-                done |= torch.isin(nxt, stops)
-            if bool(done.all()) or step + 1 == params.max_new_tokens:
-                break
-            # a staged version lands between decode steps, never inside one; the next token's
-            # logits come from the new weights (over a KV cache the older weights wrote)
-            if self._must_restart(oldest):
-                self.stats["interrupted"] += n
-                self._apply_staged()
-                return self._decode(prompts, params)
-            self._apply_staged()
-            logits_version = self._version
-            mask = torch.cat([mask, torch.ones((n, 1), dtype=torch.long)], 1)
-            out = self._forward(
-                input_ids=nxt[:, None], attention_mask=mask, position_ids=next_pos[:, None],
-                use_cache=True, **{_CACHE_KWARG: cache},
-            )
-            cache, logits = _cache_of(out), out.logits[:, -1]
-            next_pos += 1
-        return _completions(tokens, logps, versions, count, stops)
+            return self._model(**inputs), self._version
 
     def _prefill(self, prompts: list[list[int]]):
         """One forward pass over the prompts, left-padded so every row's next token sits in the last
-        column: the KV cache, the next token's logits, the attention mask and each row's next position."""
+        column: the KV cache, the attention mask, each row's next position, the next token's logits
+        and the version that computed them."""
         model = self._model
         assert model is not None
-        lengths = torch.tensor([len(p) for p in prompts])
-        width = int(lengths.max())
+        device = model.device
+        width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), model.config.pad_token_id or 0, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
         for i, p in enumerate(prompts):
             ids[i, width - len(p) :] = torch.tensor(p)
             mask[i, width - len(p) :] = 1
+        ids, mask = ids.to(device), mask.to(device)
         positions = (mask.cumsum(1) - 1).clamp(min=0)
-        out = self._forward(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
-        return _cache_of(out), out.logits[:, -1], mask, lengths.clone()
+        out, version = self._forward(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                                     logits_to_keep=1)
+        next_pos = torch.tensor([len(p) for p in prompts], device=device)
+        return _cache_of(out), mask, next_pos, out.logits[:, -1], version
 
-    def _must_restart(self, oldest: int) -> bool:
+    def _rows_to_restart(self, batch: Batch) -> list[int]:
+        """The rows whose oldest token the policy will not carry over to the staged version."""
         with self._lock:
             staged = self._staged[0] if self._staged is not None else None
         if staged is None or staged <= self._version or self.policy is None:
-            return False
-        return self.policy.interrupt(oldest, staged) == "restart"
+            return []
+        return [i for i, r in enumerate(batch.rows) if self.policy.interrupt(r.versions[0], staged) == "restart"]
 
-    def _sample(self, logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
-        logp = torch.log_softmax(logits.float() / max(params.temperature, 1e-5), -1)
+    def _sample(self, logits: torch.Tensor, sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per row at its own temperature and top-p, and its logprob (tempered, before top-p)."""
+        logp = torch.log_softmax(logits.float() / sampling.temperature, -1)
         probs = logp.exp()
-        if params.top_p < 1.0:
+        if sampling.top_p is not None:
             sorted_p, order = probs.sort(-1, descending=True)
-            keep = sorted_p.cumsum(-1) - sorted_p < params.top_p
+            keep = (sorted_p.cumsum(-1) - sorted_p < sampling.top_p) | (sampling.top_p >= 1.0)
             probs = torch.zeros_like(probs).scatter(-1, order, sorted_p * keep)
-        nxt = torch.multinomial(probs, 1, generator=self._generator).squeeze(1)
+        # torch.multinomial's own method for one sample (argmax of p / Exp(1) noise), with the noise
+        # drawn per call (see `Sampling`)
+        noise = probs.new_empty((sampling.noise_lines, probs.shape[1])).exponential_(1, generator=self._generator)
+        if sampling.noise_rows is not None:
+            noise = noise[sampling.noise_rows]
+        nxt = (probs / noise).argmax(-1)
         return nxt, logp.gather(1, nxt[:, None]).squeeze(1)
-
-
-def _completions(tokens, logps, versions, count, stops) -> list[Completion]:
-    """Each row's first `count` sampled tokens; it finished by "stop" when its last one is a stop token."""
-    results = []
-    for i, k in enumerate(count.tolist()):
-        stopped = stops is not None and k > 0 and bool(torch.isin(tokens[i, k - 1], stops))
-        results.append(
-            Completion(
-                tokens=tokens[i, :k].numpy().astype(np.int32),
-                logprobs=logps[i, :k].numpy().astype(np.float32),
-                versions=versions[i, :k].numpy(),
-                finish_reason="stop" if stopped else "length",
-            )
-        )
-    return results
 
 
 def _adopt(model: torch.nn.Module, version: int, tensors: dict[str, torch.Tensor]) -> None:
