@@ -276,7 +276,8 @@ def main(argv: list[str] | None = None) -> dict:
         train, _ = make_math_data(Path(tmp) / "data", train=200, eval=10, seed=args.seed)
         rows = [json.loads(line) for line in train.read_text().splitlines()]
         figures = asyncio.run(run(args, model, rows))
-    figures.update(episodes=args.episodes * args.rounds, concurrency=args.concurrency, turns=args.turns,
+    figures.update(load_average_1m=os.getloadavg()[0], run_cpus=len(os.sched_getaffinity(0)),
+                   episodes=args.episodes * args.rounds, concurrency=args.concurrency, turns=args.turns,
                    max_tokens=args.max_tokens, engines=args.engines)
     ratios = {"gateway_vs_direct": figures["samples_per_s_gateway"] / figures["samples_per_s_direct"],
               "run_cpu_gateway_vs_direct": figures["run_cpu_ms_per_sample_gateway"]
