@@ -362,6 +362,11 @@ async def test_completions_and_models(model, tokenizer):
         plain = await outside.completions.create(model="baton", prompt=["1 + 1 =", "2 + 2 ="], max_tokens=3,
                                                  logprobs=0)
         assert len(plain.choices) == 2 and len(plain.choices[0].logprobs.token_logprobs) <= 3
+        streamed = [c async for c in await outside.completions.create(model="baton", prompt=[5, 6, 7], max_tokens=2,
+                                                                      n=2, stream=True)]
+        assert sorted(c.choices[0].index for c in streamed) == [0, 1]
+        with pytest.raises(openai.BadRequestError):
+            await outside.completions.create(model="baton", prompt=[10**6], max_tokens=2)
         opened = await open_episode(gateway, control)
         agent = client(opened["base_url"])
         first = await agent.completions.create(model="baton", prompt="Q: 3 + 4 =", max_tokens=4)
@@ -369,7 +374,7 @@ async def test_completions_and_models(model, tokenizer):
         await agent.completions.create(model="baton", prompt=prompt, max_tokens=4)
         await post(control, f"{gateway.base_url}/episodes/{opened['id']}/reward", {"reward": 1.0})
     (engine,) = host.engines
-    (_, _), (_, _), (p1, c1), (p2, c2) = engine.emitted
+    *_, (p1, c1), (p2, c2) = engine.emitted
     assert p2 == p1 + c1.tokens.tolist() + tokenizer.encode("\nQ: 1 + 1 =", add_special_tokens=False)
     (segment,) = host.finished[opened["id"]].segments
     assert segment.ids() == p2 + c2.tokens.tolist() and gateway.stats["segments"] == 0
