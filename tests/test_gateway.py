@@ -518,3 +518,28 @@ async def test_engine_failure_is_503_and_a_resent_request_is_recorded_once(model
     (segment,) = host.finished[opened["id"]].segments
     assert segment.turns == 2 and segment.ids() == p2 + c2.tokens.tolist()
     assert p2[: len(p1) + len(c1.tokens)] == p1 + c1.tokens.tolist() and gateway.stats["segments"] == 0
+
+
+async def test_engine_host_routes_sticky_per_episode_and_new_episodes_to_the_least_loaded():
+    class Counting:
+        def __init__(self, name: str) -> None:
+            self.name, self.version, self.load, self.prompts = name, 0, 0, []
+
+        async def generate(self, prompts, params):
+            self.prompts += prompts
+            return [Completion(np.array([1], np.int32), np.zeros(1, np.float32), np.zeros(1, np.int32))]
+
+    busy, idle = Counting("busy"), Counting("idle")
+    busy.load = 5  # requests of other callers
+    host = EngineHost([busy, idle], Questions(), group_size=2)
+    first, second = await host.open(wait=False), await host.open(wait=False)
+    assert first.group == second.group and first.sample == second.sample
+    params = SamplingParams(max_new_tokens=1)
+    for _ in range(2):
+        await host.generate(first.id, [1, 2], params)
+    assert len(idle.prompts) == 2 and not busy.prompts
+    idle.load = 9
+    await host.generate(first.id, [1, 2, 3], params)  # sticky: its conversation is in that engine's cache
+    third = await host.open(wait=False)
+    await host.generate(third.id, [4], params)
+    assert len(idle.prompts) == 3 and busy.prompts == [[4]] and third.group == first.group + 1

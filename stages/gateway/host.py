@@ -119,8 +119,11 @@ class EngineHost:
         return self._group
 
     def _least_loaded(self) -> int:
+        """The engine with the fewest requests (its own `load` where it reports one: it counts other
+        callers' too), then the fewest open episodes of this host."""
         episodes = Counter(self._engine_of.values())
-        return min(range(len(self.engines)), key=lambda i: (self._in_flight[i], episodes[i]))
+        load = [getattr(engine, "load", self._in_flight[i]) for i, engine in enumerate(self.engines)]
+        return min(range(len(self.engines)), key=lambda i: (load[i], episodes[i]))
 
     async def generate(self, episode_id: str | None, prompt_ids: list[int], params: SamplingParams) -> Completion:
         index = self._engine_of.get(episode_id, None) if episode_id is not None else None
