@@ -279,6 +279,13 @@ async def test_errors_are_openai_shaped(model, tokenizer):
             assert response.status == 401
         assert host.open_episodes == 0
         assert (await post(control, f"{gateway.base_url}/episodes/nope/reward", {"reward": 1}))[0] == 404
+        opened = await open_episode(gateway, control)
+        for bad in ({"reward": "high"}, {}, {"reward": float("inf")}):
+            async with control.post(f"{gateway.base_url}/episodes/{opened['id']}/reward", data=json.dumps(bad)) as r:
+                assert r.status == 400 and (await r.json())["error"]["type"] == "invalid_request_error"
+        assert await post(control, f"{gateway.base_url}/episodes/{opened['id']}/reward", {"reward": 1}) == \
+            (200, {"id": opened["id"], "status": "rewarded"})
+        assert host.finished[opened["id"]].segments == [] and host.finished[opened["id"]].reward == 1.0
 
 
 async def test_over_budget_is_429_with_retry_after_and_waits_otherwise(model, tokenizer):

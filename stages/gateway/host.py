@@ -14,7 +14,8 @@ episode (trained, or counted as dropped with its reason). Invariants a host keep
   so the agent may resend).
 - The gateway calls `finish` exactly once per opened episode: with its reward (`reason=None`) or with
   the reason it was dropped (`reward=None`), and every segment of its token record (one, unless the
-  agent edited its history; each an `EpisodeTokens` whose `row()` is a codec row).
+  agent edited its history; none when it made no request; each an `EpisodeTokens` whose `row()` is a
+  codec row).
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import math
 import os
 import secrets
 from collections import Counter
@@ -179,6 +180,8 @@ class Gateway:
     async def _reward(self, request: web.Request) -> web.Response:
         episode = self.book.get(request.match_info["episode"])
         body = await self._body(request, RewardBody)
+        if not math.isfinite(body.reward):
+            raise ApiError(400, f"reward must be a finite number, got {body.reward}", "invalid_value")
         if not await self.book.finish(episode, body.reward, None):
             raise ApiError(409, f"episode {episode.id} has ended ({episode.ended})", "episode_ended")
         return _json({"id": episode.id, "status": "rewarded"})
