@@ -10,6 +10,10 @@ Every request needs `Authorization: Bearer <token>` (401). Errors are OpenAI-sha
 400 malformed body or a bound exceeded, 404 unknown episode or route, 409 ended episode, 413 body
 over `limits.max_body_bytes`, 429 over budget with `Retry-After`, 503 the engines failed, 500 for
 anything unexpected (logged here, never sent). The server binds 127.0.0.1 unless told otherwise.
+
+Streaming (`"stream": true`) answers server-sent events in OpenAI's chunk format ending with
+`data: [DONE]`; the engines answer whole completions, so the content comes in one chunk after the
+role chunk (tool calls in the next, then the finish reason, then usage when asked).
 """
 
 from __future__ import annotations
