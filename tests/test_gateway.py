@@ -454,9 +454,17 @@ async def test_example_agent_solves_the_calculator_task_through_the_gateway(mode
         assert await agent(opened["sample"], opened["base_url"], KEY) == 1.0
         await post(control, f"{gateway.base_url}/episodes/{opened['id']}/close")
         assert await serve(gateway.base_url, KEY, episodes=4, concurrency=2) == [1.0] * 4
+        called = await gateway.run_agent(agent)
+
+        async def broken(sample, base_url, api_key):
+            raise RuntimeError("no luck")
+
+        failed = await gateway.run_agent(broken)
     assert host.finished[opened["id"]].reason == "closed without reward"
+    assert host.finished[failed].reason == "agent failed: RuntimeError: no luck"
+    assert host.finished[called].reward == 1.0
     rewarded = [f for f in host.finished.values() if f.reason is None]
-    assert len(rewarded) == 4 and all(f.reward == 1.0 for f in rewarded)
+    assert len(rewarded) == 5 and all(f.reward == 1.0 for f in rewarded)
     for finished in rewarded:
         (segment,) = finished.segments
         assert segment.turns == 2

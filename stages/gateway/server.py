@@ -6,6 +6,9 @@
     GET  /v1/models, POST /v1/chat/completions, POST /v1/completions     outside any episode
     the same under /episodes/{id}/v1/...      every request belongs to episode {id}
 
+An agent that is a function rather than a process runs one episode per `Gateway.run_agent(agent)`
+call: opened like `POST /v1/episodes`, finished with the reward the function returns.
+
 Every request needs `Authorization: Bearer <token>` (401). Errors are OpenAI-shaped (`errors.py`):
 400 malformed body or a bound exceeded, 404 unknown episode or route, 409 ended episode, 413 body
 over `limits.max_body_bytes`, 429 over budget with `Retry-After`, 503 the engines failed, 500 for
@@ -26,6 +29,7 @@ import math
 import os
 import secrets
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -171,15 +175,30 @@ class Gateway:
             return await _stream(request, self.responses.completion_chunks(choices, prompt_tokens, body.logprobs))
         return _json(self.responses.completion(choices, prompt_tokens, body.logprobs))
 
+    async def run_agent(self, agent: Callable[[dict, str, str], Awaitable[float | None]], wait: bool = True) -> str:
+        """One episode run by an agent function `agent(sample, base_url, api_key)` (the sample as
+        `POST /v1/episodes` gives it, the episode's base URL, the token); returns the episode's id.
+        Its returned reward finishes the episode; when it returns None it must have posted the reward
+        itself (else the episode is dropped: "agent gave no reward"); when it raises, the episode is
+        dropped with the error as its reason. Raises `ApiError` (429) when `wait` is False and the
+        host is over budget."""
+        episode = await self.book.start(wait)
+        try:
+            reward = await agent(_sample(episode), self.episode_url(episode.id), self.token)
+        except Exception as exc:  # the agent's failure is the episode's, never the run's
+            await self.book.finish(episode, None, f"agent failed: {type(exc).__name__}: {exc}"[:300])
+            return episode.id
+        if reward is not None:
+            await self.book.finish(episode, float(reward), None)
+        elif episode.ended is None:
+            await self.book.finish(episode, None, "agent gave no reward")
+        return episode.id
+
     async def _open(self, request: web.Request) -> web.Response:
         wait = request.query.get("wait", "true").lower() not in ("false", "0", "no")
         episode = await self.book.start(wait)
-        sample = episode.sample
-        return _json({
-            "id": episode.id, "base_url": self.episode_url(episode.id), "group": episode.group,
-            "sample": {"prompt": sample.text, "messages": sample.messages, "answer": sample.answer,
-                       "metadata": sample.metadata},
-        })
+        return _json({"id": episode.id, "base_url": self.episode_url(episode.id), "group": episode.group,
+                      "sample": _sample(episode)})
 
     async def _reward(self, request: web.Request) -> web.Response:
         episode = self.book.get(request.match_info["episode"])
@@ -209,6 +228,11 @@ def make_token_file(path: str | Path) -> str:
         out.write(token + "\n")
     os.chmod(path, 0o600)  # an existing file keeps its mode through O_CREAT
     return token
+
+
+def _sample(episode: Episode) -> dict[str, Any]:
+    sample = episode.sample
+    return {"prompt": sample.text, "messages": sample.messages, "answer": sample.answer, "metadata": sample.metadata}
 
 
 def _prompt_tokens(choices: list[Choice]) -> int:
