@@ -34,6 +34,7 @@ from stages.engines.sglang import SGLangEngine
 from stages.engines.torch import TorchEngine
 from stages.episode import EpisodeLimits
 from stages.evaluation import Evaluation
+from stages.gateway.run_host import GatewaySettings
 from stages.learner import GRPOLearner
 from stages.model import make_tiny_model
 from stages.rewards import RewardFunction, weighted_sum
@@ -197,7 +198,8 @@ def make_rollout(cfg: RunConfig, model: Path) -> Rollout:
                    request_timeout_s=cfg.rollout.request_timeout_s, reward=make_reward(cfg),
                    evaluation=make_evaluation(cfg, task), limits=EpisodeLimits(**cfg.episode.model_dump()),
                    environment=environment.kind if environment else None,
-                   environment_options=environment.options() if environment else {}, **sampling)
+                   environment_options=environment.options() if environment else {},
+                   gateway=GatewaySettings(**cfg.gateway.model_dump()) if cfg.gateway else None, **sampling)
 
 
 def make_buffer(cfg: RunConfig) -> RefBuffer:

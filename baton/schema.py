@@ -45,6 +45,7 @@ from stages.engines.sglang import SGLangEngine
 from stages.environments import make_environment
 from stages.episode import EpisodeLimits
 from stages.evaluation import Evaluation
+from stages.gateway.run_host import GatewaySettings, as_agent
 from stages.learner import GRPOLearner
 from stages.model import DTYPES, check_model_folder, make_tiny_model
 from stages.rewards import ON_ERROR, RewardFunction, resolve
@@ -280,6 +281,33 @@ class EnvironmentSpec(BaseModel):
             make_environment(self.kind, **self.options())
         except (ValueError, TypeError) as exc:
             raise ValueError(f"environment: {exc}") from None
+        return self
+
+
+class GatewaySpec(Section):
+    """[gateway] (stages.gateway.run_host.GatewaySettings): the OpenAI API in front of the run's engines;
+    episodes come from agents through it instead of the rollout's own loop."""
+
+    port: int = Field(default_of(GatewaySettings, "port"), ge=0, le=65535, description="0: a free port")
+    bind: str = Field(default_of(GatewaySettings, "bind"), description="the address to listen on; anything "
+                      "but 127.0.0.1 lets other machines in (they still need the run's token)")
+    agent: str | None = Field(None, description="'pkg.module:function' called per episode with (sample, "
+                              "base_url, api_key), returning its reward; unset: agents open episodes themselves")
+    agents: int | None = Field(None, ge=1, description="agent calls at once (default: engine.batch_groups * "
+                               "rollout.group_size)")
+    max_tokens: int = Field(default_of(GatewaySettings, "max_tokens"), ge=1, description="per request")
+    max_episode_tokens: int = Field(default_of(GatewaySettings, "max_episode_tokens"), ge=1)
+    max_episode_s: float = Field(default_of(GatewaySettings, "max_episode_s"), gt=0)
+    reward_timeout_s: float = Field(default_of(GatewaySettings, "reward_timeout_s"), gt=0, description="an "
+                                    "episode whose reward has not come this long after its last request is dropped")
+
+    @model_validator(mode="after")
+    def _agent_resolves(self) -> GatewaySpec:
+        if self.agent is not None:
+            try:
+                as_agent(self.agent)
+            except ValueError as exc:
+                raise ValueError(f"gateway.agent: {exc}") from None
         return self
 
 
@@ -559,6 +587,7 @@ class RunConfig(Section):
     environment: EnvironmentSpec | None = Field(None, description="[environment]: multi-turn episodes; unset: "
                                                 "single-turn")
     episode: EpisodeSpec = EpisodeSpec()
+    gateway: GatewaySpec | None = Field(None, description="[gateway]: train agents that speak the OpenAI API")
     store: kinds(MemoryStoreSpec, MooncakeStoreSpec, RayStoreSpec) = MemoryStoreSpec()  # type: ignore[valid-type]
     buffer: BufferSpec = BufferSpec()
     learner: kinds(GRPOSpec) = GRPOSpec()  # type: ignore[valid-type]
@@ -601,6 +630,19 @@ class RunConfig(Section):
                 f"model.path = {self.model.path!r} holds no model (no config.json) and model.create = false; "
                 "set model.create = true to make a tiny one there, or point model.path at an HF checkpoint"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _episodes_from_one_place(self) -> RunConfig:
+        """Episodes come from the rollout's environment or from the gateway's agents, not both."""
+        if self.gateway is None:
+            return self
+        if self.environment is not None:
+            raise ValueError("[gateway] and [environment] are both set: with a gateway the agents run the episodes; "
+                             "remove [environment] (an agent may call its own tools) or [gateway]")
+        if self.runtime == "ray":
+            raise ValueError("[gateway] runs with runtime = 'local' for now (one gateway in front of the run's "
+                             "engines); set runtime = 'local' or remove [gateway]")
         return self
 
     @model_validator(mode="after")

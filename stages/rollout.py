@@ -54,6 +54,9 @@ from stages.episode import (
     run_single_turns,
 )
 from stages.evaluation import EVAL_FILE, Evaluation
+from stages.gateway.episodes import Limits
+from stages.gateway.run_host import GatewaySettings, RolloutHost, as_agent
+from stages.gateway.server import Gateway, make_token_file
 from stages.group_output import Finished, GroupOutbox, encode_group, version_span
 from stages.model import ModelFolderError, load_tokenizer, prompt_token_ids, stop_token_ids
 from stages.rewards import RewardFunction, Sample, Scores, task_reward
@@ -91,6 +94,7 @@ class Rollout:
     environment: Any = None
     environment_options: dict[str, Any] = field(default_factory=dict)
     limits: EpisodeLimits = field(default_factory=EpisodeLimits)
+    gateway: GatewaySettings | None = None  # serve the OpenAI API; episodes come from its agents
     engine_sync_s: float = 30.0  # at most this long a new group waits for its engine to reach the admitting version
     stats: dict = field(default_factory=lambda: {"groups": 0, "gen_s": 0.0, "tokens": 0, "regenerated": {}})
 
@@ -158,10 +162,13 @@ class Rollout:
             raise FaultPlanError("fault engine.hang needs rollout.request_timeout_s (e.g. 30) to turn a hang into "
                                  "an error; set it, or remove the fault")
         # engine faults wrap only what the worker calls; weight receivers keep the engine itself
-        return [
+        workers = [
             RolloutWorker(self, with_engine_faults(engine, plan), store, ctx, outbox, task=self._task_of(i), index=i)
             for i, engine in enumerate(self.engines)
         ]
+        if self.gateway is not None:  # one gateway per process, in front of the process's engines
+            workers[0].gateway_host = RolloutHost(workers)
+        return workers
 
     def _task_of(self, worker: int) -> Task:
         """Worker `worker`'s task: its own shard of a dataset (workers may live in other processes),
@@ -222,6 +229,7 @@ class RolloutWorker(BaseActor):
         self._generating: dict[int, Prompt] = {}  # admitted, not yet recorded as produced (by admission number)
         self._admitted = 0
         self.groups = GroupOutbox(ctx, outbox, self._recorded, self._log_generation)
+        self.gateway_host: RolloutHost | None = None  # set on the process's first worker in gateway mode
 
     async def start(self) -> None:
         resume = self.ctx.resume
@@ -264,6 +272,9 @@ class RolloutWorker(BaseActor):
         return list(self.groups.recording)
 
     async def run(self) -> None:
+        if self.spec.gateway is not None:
+            await self._serve_gateway()
+            return
         group_size = self.spec.group_size
         async with anyio.create_task_group() as tg:
             tg.start_soon(self.groups.run)
@@ -279,6 +290,44 @@ class RolloutWorker(BaseActor):
                 for prompt in await self._next_prompts(n):
                     tg.start_soon(self._group, self._admit(prompt), prompt, admitted_at, gate_s)
 
+    async def _serve_gateway(self) -> None:
+        """Gateway mode: episodes come from outside (stages.gateway.run_host); the first worker of the
+        process serves the gateway and runs the configured agent functions, every worker stores,
+        records and sends the groups formed on its engine."""
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self.groups.run)
+            if self.gateway_host is None:
+                return
+            gateway = await self._start_gateway()
+            try:
+                settings = self.spec.gateway
+                if settings.agent is not None:
+                    agent = as_agent(settings.agent)
+                    for _ in range(settings.agents or self.spec.batch_groups * self.spec.group_size):
+                        tg.start_soon(self._run_agents, gateway, agent)
+                await anyio.sleep_forever()
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await gateway.stop()
+
+    async def _start_gateway(self) -> Gateway:
+        settings, folder = self.spec.gateway, self.ctx.folder.path
+        token_file = folder / f"gateway-{self.engine.name}.token"
+        limits = Limits(max_tokens=settings.max_tokens, max_episode_tokens=settings.max_episode_tokens,
+                        max_episode_s=settings.max_episode_s, reward_timeout_s=settings.reward_timeout_s)
+        gateway = Gateway(self.gateway_host, make_token_file(token_file), settings.port, settings.bind, limits,
+                          tokenizer=self.spec.tokenizer, renderer=renderer_for(self.spec.tokenizer, True),
+                          model=self.ctx.run)
+        await gateway.start()
+        (folder / f"gateway-{self.engine.name}.json").write_text(msgspec.json.encode(
+            {"base_url": gateway.base_url, "token_file": str(token_file)}).decode())
+        self.log.info("gateway serving", base_url=gateway.base_url, token_file=str(token_file))
+        return gateway
+
+    async def _run_agents(self, gateway: Gateway, agent) -> None:
+        while True:
+            await gateway.run_agent(agent)
+
     async def produce(self, prompts: list[Prompt]) -> None:
         """Run the groups of `prompts` (admitted already) through to the ledger and downstream; returns
         once all are sent. (`run` does this continuously; tests and tools call it directly.)"""
@@ -290,9 +339,25 @@ class RolloutWorker(BaseActor):
     def _admit(self, prompt: Prompt) -> int:
         """Take room for the prompt's episodes and count it as generating; returns its admission number."""
         self.room.take(self.spec.group_size)
+        return self._generating_admission(prompt)
+
+    def _generating_admission(self, prompt: Prompt) -> int:
+        """Count an admitted prompt as generating (a checkpoint owes it until it is recorded)."""
         self._admitted += 1
         self._generating[self._admitted] = prompt
         return self._admitted
+
+    async def finish_outside_group(self, admission: int, prompt: Prompt, results: list) -> None:
+        """Store, record and send a group whose episodes ran outside (the gateway's agents): rewards
+        are theirs. A group that cannot be stored cannot be generated again here: it is dropped."""
+        try:
+            finished = await self._finish_group(prompt, results, rewarded=True)
+        except StoreError as exc:
+            self._count("episodes_failed", "store failed")
+            finished = self._dropped(self._new_group_id(), (self.engine.version,) * 2, _ENCODE(prompt),
+                                     len(results), f"store failed: {exc}")
+        finished.admission = admission
+        self.groups.put(finished)
 
     async def _next_prompts(self, n: int) -> list[Prompt]:
         """`n` prompts: groups to redo first (one feedback poll for all), then new samples."""
@@ -399,7 +464,8 @@ class RolloutWorker(BaseActor):
         if plan is not None:  # the fault runner counts these (they never reached the ledger)
             plan.record("regenerated", cause, self.name, groups=groups)
 
-    async def _finish_group(self, prompt: Prompt, results: list[Episode | EpisodeFailed]) -> Finished:
+    async def _finish_group(self, prompt: Prompt, results: list[Episode | EpisodeFailed],
+                            rewarded: bool = False) -> Finished:
         """Score and store a group whose episodes are over. Failed episodes (environment) are recorded as
         dropped with their reason; the rest are stored as one group. A group with nothing left to train
         (every episode failed, or a failed reward with on_error = "drop") is recorded and dropped whole."""
@@ -408,7 +474,7 @@ class RolloutWorker(BaseActor):
         group_id, source = self._new_group_id(), _ENCODE(prompt)
         span = version_span(episodes, self.engine.version)
         self.spec.stats["tokens"] += sum(e.tokens.model_tokens for e in episodes)
-        if self.setup.environment is None and episodes:
+        if self.setup.environment is None and episodes and not rewarded:
             scores = await self._score(prompt, [e.last for e in episodes if e.last is not None])
             if self.spec.reward.on_error == "drop" and any(scores.failures):
                 reason = next(f for f in scores.failures if f)
