@@ -86,7 +86,8 @@ async def test_rows_are_the_engines_ids_then_the_environments_replies(tiny: Path
             assert model_spans and model_spans[0][0] == batch.row_fields["prompt_lens"][row]
             for n, (start, end) in enumerate(model_spans):
                 # token-in: the engine was asked exactly this prefix; token-out: the row holds its ids unchanged
-                same = [c for c in answered[tuple(ids[:start].tolist())] if c.tokens.tolist() == ids[start:end].tolist()]
+                turn = ids[start:end].tolist()
+                same = [c for c in answered[tuple(ids[:start].tolist())] if c.tokens.tolist() == turn]
                 assert same, "the row's model turn is not what the engine answered for its prefix"
                 completion = same[0]
                 assert np.array_equal(logprobs[start:end], completion.logprobs)
