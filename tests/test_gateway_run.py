@@ -1,0 +1,89 @@
+"""The gateway inside a run: `baton run` with `[gateway]` trains an agent written against the `openai`
+package (examples/openai_agent.py) on the real engine, with the run's gate, ledger and store."""
+
+from __future__ import annotations
+
+import json
+import stat
+from pathlib import Path
+from types import SimpleNamespace
+
+import anyio
+import pytest
+
+from stages.environments.tokens import EpisodeTokens
+from stages.episode import Episode, EpisodeFailed
+from stages.gateway.host import OverBudget
+from stages.gateway.run_host import RolloutHost
+from stages.rollout import Room
+from stages.tasks import Prompt
+from tests.ledger_checks import check_ledger
+from tests.test_e2e import baton_run
+from tools.make_math_example import make_math_data, make_qwen_like_model
+
+
+@pytest.mark.slow
+def test_an_openai_agent_trains_through_the_gateway(tmp_path: Path) -> None:
+    model = make_qwen_like_model(tmp_path / "math-model", hidden_size=32, layers=1)
+    train, _ = make_math_data(tmp_path / "data", train=32, eval=8)
+    s = baton_run(tmp_path, "agent-gateway.toml", "steps=3", f"model.path='{model}'", f"task.path='{train}'",
+                  "task.max_new_tokens=16", "gateway.agents=8")
+    run_dir = Path(s["run_dir"])
+    assert s["version"] == 3 and s["ledger_balanced"]
+    assert s["samples"]["trained"] == 3 * 4 * 4
+    served = json.loads((run_dir / "gateway-torch-0.json").read_text())
+    assert served["base_url"].startswith("http://127.0.0.1:")
+    token = Path(served["token_file"])
+    assert stat.S_IMODE(token.stat().st_mode) == 0o600 and len(token.read_text().strip()) >= 32
+    records = check_ledger(run_dir, bound=2)
+    assert sum(r["fate"] == "trained" for r in records) == s["samples"]["trained"]
+
+
+class Gate:
+    def __init__(self, slots: int) -> None:
+        self.slots = slots
+
+    async def acquire_many(self, max_units: int) -> int:
+        while not self.slots:
+            await anyio.sleep(3600)
+        self.slots -= 1
+        return 1
+
+
+class Worker:
+    """What RolloutHost uses of a rollout worker."""
+
+    def __init__(self, name: str, free: int, gate: Gate) -> None:
+        self.engine = SimpleNamespace(name=name)
+        self.spec = SimpleNamespace(group_size=2, stop_token_ids=(0,))
+        self.room, self.ctx = Room(free), SimpleNamespace(gate=gate)
+        self.admitted, self.groups = 0, []
+
+    async def _next_prompts(self, n: int):
+        return [Prompt(text=f"q{self.admitted}", answer="1")]
+
+    def _generating_admission(self, prompt) -> int:
+        self.admitted += 1
+        return self.admitted
+
+    async def finish_outside_group(self, admission, prompt, results) -> None:
+        self.groups.append((admission, prompt.text, results))
+
+
+@pytest.mark.anyio
+async def test_the_run_host_forms_groups_on_the_least_loaded_engine_and_refuses_over_budget() -> None:
+    gate = Gate(slots=2)
+    busy, idle = Worker("busy", 2, gate), Worker("idle", 8, gate)
+    host = RolloutHost([busy, idle])
+    first, second, third = await host.open(True), await host.open(True), await host.open(True)
+    assert first.group == second.group != third.group and first.sample == second.sample
+    assert first.id.startswith("idle.") and idle.room.free == 8 - 3, "new groups form on the engine with room"
+    await host.open(True)  # the fourth fills the second group; the gate has no third slot
+    with pytest.raises(OverBudget):
+        await host.open(False)
+    await host.finish(first.id, [EpisodeTokens([1, 2])], 1.0, None)
+    await host.finish(second.id, [], None, "reward timeout")
+    (admission, _, results), = idle.groups
+    assert admission == 1 and isinstance(results[0], Episode) and results[0].reward == 1.0
+    assert isinstance(results[1], EpisodeFailed) and results[1].reason == "reward timeout"
+    assert idle.room.free == 8 - 2, "finished episodes give their room back"
