@@ -6,7 +6,8 @@ at staleness k = 4 and k = 8 with the correction the README recommends for them 
 
 Each row is one run (`baton run`, its own process): task, seed, k, the time from process start to a
 trailing mean train reward (last `--window` versions) of `--target` (0.8) and the version it happened
-at, the final trailing reward, the lowest entropy before the target, and the run's wall time. A run
+at, the final trailing reward (and at versions 100, 200, 400, 800), the lowest entropy before the target,
+and the run's wall time. A run
 stops at the target plus `--after` versions (to show it holds), at `--steps`, or at `--budget-s`
 (then it counts as not reached). Versions are reported beside seconds: on a shared machine seconds
 depend on the load, versions do not. The math task trains configs/math.toml's dataset (make it first:
@@ -93,6 +94,8 @@ def _row(task: str, seed: int, k: int, records: list[dict], a: argparse.Namespac
         "seconds_to_target": round(startup + records[hit]["t"], 1) if hit is not None else None,
         "versions_to_target": records[hit]["version"] if hit is not None else None,
         "final_reward": round(_trailing(records, a.window)[-1], 4),
+        "reward_at": {v: round(_trailing(records, a.window)[v - 1], 4) for v in (100, 200, 400, 800)
+                      if len(records) >= v},  # trailing reward at these versions: comparable across loads
         "versions": records[-1]["version"],
         "min_entropy_before_target": round(min(r.get("entropy", 0.0) for r in before), 4),
         "mean_staleness": round(statistics.fmean(r["staleness_mean"] for r in records), 2),

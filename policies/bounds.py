@@ -11,18 +11,22 @@ derivation against exactly):
   the buffer's index (`max_refs`), the ready channel, and the learner's prefetch of the next step
   (`groups_per_step`). Together they hold at most `capacity` groups. Byte bounds can only hold fewer,
   so item counts give an upper bound.
-* The learner consumes `groups_per_step` groups per version (with reuse, as few as
-  `groups_per_step / max_reuse` of them fresh); producers refill whatever it frees at the version current
-  then. A group started when the pipeline is full therefore reaches the learner after at most
-  `queue_staleness = ceil(capacity * max_reuse / groups_per_step)` versions.
+* The learner consumes exactly `groups_per_step` new groups per version; producers refill whatever it
+  frees at the version current then. A group started when the pipeline is full therefore reaches the
+  learner after at most `queue_staleness = ceil(capacity / groups_per_step)` versions.
 * `admission = "pace"` caps live groups at `(v + k + 1) * groups_per_step` (policies.staleness), so
   arrival staleness is at most `min(k, queue_staleness)`; `"eager"` leaves only the queues, so it is
-  `queue_staleness`. The pace rule's argument counts each group consumed once: with `max_reuse > 1` a
-  replayed group takes a step's slot ahead of fresh groups admitted before it (the learner counts it as
-  a started unit, which slows producers but cannot reorder what is already queued), so then only the
-  queues bound arrival staleness, as with "eager" (a conservative bound; exact for `max_reuse = 1`).
-  Arrival staleness above k means the config relies on the accept check to throw
+  `queue_staleness`. Arrival staleness above k means the config relies on the accept check to throw
   generated work away, and dropping biases training (long rollouts are the ones that age): rejected.
+* Reuse (`max_reuse > 1`) changes neither: a step trains its `groups_per_step` new groups plus the
+  groups of the learner's replay window that were trained before and have uses left (stages.learner),
+  so a replay never takes a new group's place and every version still consumes `groups_per_step` new
+  groups. A reused group is already inside the window: its extra age is bounded by the window's accept
+  check (at most k, each use at a later version), not by the pipeline's depth again; when it ages past
+  k it has been trained already, so evicting it throws no generated work away. (Had a replay taken a
+  new group's slot instead, every group waiting in the queues would age by the replays ahead of it: the
+  old derivation multiplied the whole depth by `max_reuse`, and the simulator shows that even under
+  "pace" groups then arrive older than k.)
 * Engines finish in the order they started. A straggler (one engine far slower than the others) is
   not a property of the queues; the interrupt policy and the accept check bound it at run time.
 * `epochs` optimizer steps per version compound staleness: a sample s versions old is, in its last
@@ -83,13 +87,14 @@ class PipelineShape:
 
 def queue_staleness(shape: PipelineShape) -> int:
     """Versions a group can wait behind a full pipeline when only the queues limit producers."""
-    return -(-shape.capacity * shape.max_reuse // shape.groups_per_step)
+    return -(-shape.capacity // shape.groups_per_step)
 
 
 def arrival_staleness(shape: PipelineShape) -> int:
-    """Worst staleness of a group when the learner first sees it (before the accept check)."""
+    """Worst staleness of a group when the learner first sees it (before the accept check); the same
+    with and without reuse, since replays ride along with a step's new groups."""
     waited = queue_staleness(shape)
-    return min(shape.k, waited) if shape.admission == "pace" and shape.max_reuse == 1 else waited
+    return min(shape.k, waited) if shape.admission == "pace" else waited
 
 
 def trained_staleness(shape: PipelineShape) -> int:
@@ -134,20 +139,15 @@ def check(shape: PipelineShape) -> list[str]:
 
 
 def _queue_problem(shape: PipelineShape, waited: int) -> str:
-    k, b, m = shape.k, shape.groups_per_step, shape.max_reuse
+    k, b = shape.k, shape.groups_per_step
     fixed = shape.capacity - shape.queues  # engines' batches + the learner's prefetch
-    room = k * b // m - fixed  # groups the three queues may hold together for arrival staleness <= k
+    room = k * b - fixed  # groups the three queues may hold together for arrival staleness <= k
     terms = (
         f"engine.count x engine.batch_groups = {shape.engines * shape.batch_groups}, "
         f"buffer.produced_channel = {shape.produced_channel}, buffer.max_refs = {shape.buffer_refs}, "
         f"buffer.ready_channel = {shape.ready_channel}, learner.groups_per_step = {b}"
     )
-    reuse = f" x replay.max_reuse = {m}" if m > 1 else ""
-    fixes = (
-        ["set staleness.admission = 'pace' (producers wait instead of making work that ages past k)"]
-        if shape.admission == "eager"
-        else ["set replay.max_reuse = 1 (replays delay fresh groups the admission gate already let in)"]
-    )
+    fixes = ["set staleness.admission = 'pace' (producers wait instead of making work that ages past k)"]
     if room >= 3:
         ready = min(shape.ready_channel, max(1, room // 4))
         produced = min(shape.produced_channel, max(1, room // 4))
@@ -161,10 +161,9 @@ def _queue_problem(shape: PipelineShape, waited: int) -> str:
             "(lower engine.batch_groups)"
         )
     fixes.append(f"raise staleness.k to {waited}")
-    mode = f"staleness.admission = '{shape.admission}'" + (f" and replay.max_reuse = {m}" if m > 1 else "")
     return (
-        f"with {mode} the queues alone can break the bound: the pipeline holds "
-        f"up to {shape.capacity} groups ({terms}){reuse}, i.e. {waited} steps of {b} groups, so a group can "
+        f"with staleness.admission = '{shape.admission}' the queues alone can break the bound: the pipeline holds "
+        f"up to {shape.capacity} groups ({terms}), i.e. {waited} steps of {b} groups, so a group can "
         f"reach the learner {waited} versions old, more than staleness.k = {k}, and be thrown away; "
         + "; or ".join(fixes)
     )

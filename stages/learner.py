@@ -1,9 +1,13 @@
 """GRPOLearner: the consumer stage. Refs in -> accepted groups -> one optimizer step per version.
 
 Each step:
-1. receive and load refs into the replay window until it holds `groups_per_step` groups that may be
-   trained at the current version, then let the selection policy (`policies.selection`: fifo,
-   freshest, uniform) pick them. Groups whose rewards are all equal are filtered on the way in (with
+1. receive and load refs into the replay window until it holds `groups_per_step` new groups (never
+   trained) that may be trained at the current version, then let the selection policy
+   (`policies.selection`: fifo, freshest, uniform) order them; the step trains them and, with
+   `max_reuse` > 1, every group of the window trained before that still has uses left and is within
+   k. A replay rides along: it never takes a new group's place, so each version consumes exactly
+   `groups_per_step` new groups and the admission gate's pace argument (policies.bounds) holds with
+   reuse as without it. Groups whose rewards are all equal are filtered on the way in (with
    `drop_zero_signal`; they give GRPO no gradient, and a producer makes another in their place), groups
    the staleness policy refuses are dropped or requeued, and all of it is counted; the next step's
    groups are received and loaded while this step computes, and judged once their version is known;
@@ -15,7 +19,7 @@ Each step:
    weights (stages.losses); clip gradients, take an AdamW step at the scheduled learning rate;
 3. bump the version, publish the weights through the transport, advance the clock, and only
    then mark the groups trained (at the version they were trained at). A group with uses left
-   (`max_reuse`) goes back into the window, to be selected again while the staleness policy accepts
+   (`max_reuse`) goes back into the window, to be trained again while the staleness policy accepts
    it; a payload is freed only after its group's last use;
 4. every `checkpoint.every` versions, write a checkpoint (pipeline.checkpoint): the run's state plus
    this learner's model, optimizer and RNG states (stages.learner_state) and the refs of its window. A
@@ -403,7 +407,7 @@ class LearnerActor(BaseActor):
         They are judged by the policy only once the version they would be trained at is known.
         Cancelled while waiting, it takes nothing (channel receives are cancellation-safe); once it
         holds refs, it finishes loading them (shielded), so no received ref is ever dropped."""
-        refs = await self._receive(version + 1, self.spec.groups_per_step - len(self._fetched) - len(self._window))
+        refs = await self._receive(version + 1, self.spec.groups_per_step - len(self._fetched) - self._new_in_window())
         with anyio.CancelScope(shield=True):
             for ref in refs:
                 batch = await self._load(ref)
@@ -423,11 +427,16 @@ class LearnerActor(BaseActor):
                 raise ValueError(f"ref {ref.key} comes from store {ref.store!r}, not {self.store.name!r}")
         return refs
 
+    def _new_in_window(self) -> int:
+        """Groups in the window that were never trained."""
+        return sum(not entry.reused for entry in self._window.entries())
+
     async def _collect(self, version: int) -> list[Taken[tuple[Ref, RolloutBatch]]]:
-        """`groups_per_step` groups to train on at `version`, picked by the selection policy from the
-        replay window: loaded groups (prefetched ones first) that have signal, and groups trained
-        before with uses left. Before they cost a step, groups without signal are filtered, groups the
-        staleness policy refuses are dropped or requeued, and used-up or too old reused ones are freed."""
+        """The groups to train on at `version`, in the selection policy's order: `groups_per_step` new
+        loaded groups (prefetched ones first) that have signal, and every group trained before with uses
+        left (replays ride along; they do not count towards `groups_per_step`). Before they cost a step,
+        groups without signal are filtered, groups the staleness policy refuses are dropped or requeued,
+        and used-up or too old reused ones are freed."""
         wanted, ctx = self.spec.groups_per_step, self.ctx
         self._examined = self._filtered = 0
         while True:
@@ -438,17 +447,15 @@ class LearnerActor(BaseActor):
                     await free(ctx, ref, self.store, self._frees)
                 else:
                     await refuse(ctx, ref, version, self.store, self._frees)
-            if len(self._window) >= wanted:
+            new = self._new_in_window()
+            if new >= wanted:
                 break
-            for ref in await self._receive(version, wanted - len(self._window)):
+            for ref in await self._receive(version, wanted - new):
                 batch = await self._load(ref)
                 if batch is not None:
                     self._fetched.append((ref, batch))
-        taken = self._window.take(version, wanted)
-        replays = sum(t.reused for t in taken)
-        if replays:  # a replayed group fills the slot of a new one, so producers do not run ahead
-            await ctx.gate.replayed(replays)
-        return taken
+        # `wanted` new groups and every reusable one: a replay never takes a new group's place
+        return self._window.take(version, len(self._window) - max(0, self._new_in_window() - wanted))
 
     async def _admit_fetched(self, version: int) -> None:
         """Move loaded groups into the window; those the selection refuses (rewards all equal) are
@@ -469,7 +476,7 @@ class LearnerActor(BaseActor):
             if selection.gave_up(self._filtered, self.spec.groups_per_step):
                 raise NoSignalError(
                     f"the step for version {version + 1} filtered {self._filtered} groups whose rewards were all "
-                    f"equal and still lacks {self.spec.groups_per_step - len(self._window)} of "
+                    f"equal and still lacks {self.spec.groups_per_step - self._new_in_window()} of "
                     f"learner.groups_per_step = {self.spec.groups_per_step} groups with signal: the policy may have "
                     "collapsed (see the entropy metric) or the task is solved or hopeless for it; raise "
                     f"replay.max_filtered_batches (now {selection.max_filtered_batches}) to wait longer, or set "

@@ -8,7 +8,8 @@ Stages (as in the running pipeline, without payloads or time):
             capacity (they are FIFO stages in series);
   learner   a prefetch of up to `groups_per_step` loaded groups, and the `ReplayWindow` of
             policies.selection (admit / evict / select, and reuse), which it asks exactly as
-            stages/learner.py does; a replayed group counts as a started unit (`AdmissionGate.replayed`).
+            stages/learner.py does: a step takes `groups_per_step` new groups and every reusable one
+            (replays ride along, so they take no admission slot).
 
 Each action is one event; any sequence of them is a legal interleaving (an impossible action is a
 no-op). `worst_case` plays the interleaving the static bound is derived from: producers fill every
@@ -94,7 +95,7 @@ class Sim:
 
     # -- learner ------------------------------------------------------------------------------
     def fetch(self) -> bool:
-        room = self.shape.groups_per_step - len(self.fetched) - len(self.window)
+        room = self.shape.groups_per_step - len(self.fetched) - self._new_in_window()
         moved = False
         while room > 0 and self.queue:
             self.fetched.append(self.queue.popleft())
@@ -117,11 +118,14 @@ class Sim:
             if not entry.reused:
                 self.refused += 1
                 self.discarded += 1  # dropped or requeued: either frees its slot
-        if len(self.window) < self.shape.groups_per_step:
+        new = self._new_in_window()
+        if new < self.shape.groups_per_step:
             return False
-        self.training = self.window.take(self.version, self.shape.groups_per_step)
-        self.started += sum(t.reused for t in self.training)  # AdmissionGate.replayed
+        self.training = self.window.take(self.version, len(self.window) - (new - self.shape.groups_per_step))
         return True
+
+    def _new_in_window(self) -> int:
+        return sum(not entry.reused for entry in self.window.entries())
 
     def commit(self) -> bool:
         if self.training is None:

@@ -96,14 +96,14 @@ def test_static_validation_accepts_only_configs_whose_worst_case_holds_the_bound
     that reaches the learner within k, and no epoch trains more optimizer steps off the clip's reference
     than k (or than PPO's own epochs on on-policy data); and the derived arrival staleness bounds the
     worst case's. It is not exact: in some shapes with one-slot queues the derivation is above what the
-    worst case reaches (CONSERVATIVE), so the check refuses a few shapes that would hold."""
+    worst case reaches (CONSERVATIVE), so the check refuses a few shapes that would hold. Reuse does not
+    change the derived arrival staleness (policies.bounds), and the worst case agrees."""
     steps = shape.capacity * shape.max_reuse // shape.groups_per_step + 2 * shape.k + 6
     sim = simulate(shape, "fifo").worst_case(steps)
     held = max(sim.arrival) <= shape.k and max(sim.lags) <= max(shape.k, shape.epochs - 1)
     if check(shape) == []:
         assert held, (max(sim.arrival), max(sim.lags))
-    if shape.max_reuse == 1:
-        assert max(sim.arrival) <= arrival_staleness(shape)
+    assert max(sim.arrival) <= arrival_staleness(shape)  # with reuse too: replays ride along
 
 
 def test_the_derived_bound_is_reached_in_nearly_every_shape() -> None:
@@ -152,3 +152,29 @@ def test_reuse_reaches_max_reuse_when_the_bound_allows_it(shape, kind) -> None:
     assert max(uses) <= shape.max_reuse
     if kind == "fifo" and shape.max_reuse > 1:
         assert max(uses) >= 2, (uses, sim.version)
+
+
+QUICKSTART_SHAPE = dict(groups_per_step=16, engines=1, batch_groups=16, produced_channel=64, buffer_refs=256,
+                        ready_channel=16, admission="pace")
+
+
+def test_reuse_is_accepted_at_small_k_and_throws_nothing_away() -> None:
+    """The quickstart's queues with max_reuse = 2 at k = 2..4: accepted (the old derivation multiplied the
+    pipeline's depth by max_reuse and asked for k = 46), and in the simulated worst case nothing arrives
+    older than k, nothing is refused, and groups are trained twice, each use within k."""
+    for k in (2, 3, 4):
+        shape = PipelineShape(k=k, max_reuse=2, **QUICKSTART_SHAPE)
+        assert check(shape) == [], check(shape)
+        assert arrival_staleness(shape) == arrival_staleness(PipelineShape(k=k, **QUICKSTART_SHAPE)) == k
+        sim = simulate(shape, "fifo").worst_case(4 * k + 10)
+        assert max(sim.arrival) <= k and sim.refused == 0
+        assert max(sim.trained) <= k and Counter(sim.uses.values())[2] > 0
+        # each version consumed exactly groups_per_step new groups, and the replays came on top
+        assert len(sim.uses) == 16 * sim.version and sum(sim.uses.values()) > len(sim.uses)
+
+
+def test_eager_admission_with_reuse_is_bounded_by_the_queues_alone() -> None:
+    """`eager` leaves only the queues: the same derivation with or without reuse, and it names the fix."""
+    shape = PipelineShape(k=4, max_reuse=2, **{**QUICKSTART_SHAPE, "admission": "eager"})
+    assert arrival_staleness(shape) == 23  # ceil(368 / 16), not 46
+    assert any("raise staleness.k to 23" in p for p in check(shape))
