@@ -357,12 +357,10 @@ class LearnerActor(BaseActor):
                 await free(ctx, ref, self.store, self._frees)
             trained_samples += sum(r.rows for r in refs)
             stale = [staleness(version, r.version) for r in refs]
-            step_rewards = [b.row_fields["rewards"].mean() for b in batches]
             elapsed = time.perf_counter() - t_start
             ctx.folder.log_metrics({
                 "version": version + 1,
                 "t": round(time.time() - ctx.started_at, 3),
-                "reward": round(float(np.mean(step_rewards)), 4),
                 "staleness_mean": round(float(np.mean(stale)), 3),
                 "staleness_max": int(max(stale)),
                 "staleness_hist": stale,
@@ -381,7 +379,7 @@ class LearnerActor(BaseActor):
                 **stats,
                 **{f"events/{kind}": n for kind, n in self._events.update().items()},  # pipeline.events
             })
-            self._watch_collapse(version + 1, float(np.mean(step_rewards)), stats["entropy"])
+            self._watch_collapse(version + 1, stats["reward"], stats["entropy"])
             last = time.perf_counter()
             self._load_s, self._loads = 0.0, 0
             version = self._version = version + 1
@@ -531,6 +529,7 @@ class LearnerActor(BaseActor):
             opt.step()
         self.scheduler.step()
         info["entropy"] = float((entropy.detach() * m).sum() / m.sum().clamp(min=1))
+        info["reward"] = round(float(np.mean([b.row_fields["rewards"].mean() for b in batches])), 4)  # per group
         info["zero_var_frac"] = round(zero_variance_fraction(rewards, group_index), 4)
         info["lr"] = lr
         return {"loss": round(loss.item(), 5), "grad_norm": round(float(grad_norm), 4), **info}

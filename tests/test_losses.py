@@ -146,3 +146,33 @@ def test_learner_keys_reach_the_learner(tmp_path) -> None:
     assert {key: getattr(made, key) for key in learner} == learner
     with pytest.raises(Exception, match="loss_agg_mode"):
         validate(RunConfig, {"learner": {"loss_agg_mode": "sum"}})
+
+
+def test_a_run_warns_once_when_entropy_collapses_while_reward_is_low(tmp_path) -> None:
+    """The learner's metrics carry the collapse diagnostics, and `learner.entropy_collapse` is reported once
+    (a floor above any entropy makes it fire at the first version; a reward threshold of 0 never does)."""
+    import json
+    from pathlib import Path
+
+    from baton.builder import build_pipeline
+
+    def run(name: str, reward_below: float) -> Path:
+        cfg = validate(RunConfig, {
+            "name": name, "steps": 4, "run_root": str(tmp_path / "runs"), "model": {"path": str(tmp_path / "m")},
+            "telemetry": {"progress": False, "log_level": "error"}, "checkpoint": {"every": 0},
+            "engine": {"kind": "torch", "batch_groups": 4}, "learner": {
+                "lr": 3e-3, "groups_per_step": 4, "warn_entropy_below": 100.0, "warn_reward_below": reward_below,
+                "clip_eps_high": 0.28, "entropy_coef": 0.01, "kl_coef": 0.1, "lr_warmup_steps": 2}})
+        return Path(build_pipeline(cfg).run()["run_dir"])
+
+    warned = run("warned", 2.0)
+    metrics = [json.loads(line) for line in (warned / "metrics.jsonl").read_text().splitlines()]
+    for key in ("entropy", "zero_var_frac", "clip_frac_low", "clip_frac_high", "lr", "kl_ref"):
+        assert all(key in m for m in metrics), key
+    assert [m["lr"] for m in metrics[:3]] == pytest.approx([1e-3, 2e-3, 3e-3])  # warmup over 2 versions
+    events = [json.loads(line) for line in (warned / "events.jsonl").read_text().splitlines()]
+    assert [e["version"] for e in events if e["kind"] == "learner.entropy_collapse"] == [1]
+    assert metrics[-1]["events/learner.entropy_collapse"] == 1
+    quiet = run("quiet", 0.0)
+    quiet_events = quiet / "events.jsonl"
+    assert not quiet_events.exists() or "learner.entropy_collapse" not in quiet_events.read_text()
