@@ -405,6 +405,11 @@ class ReplaySpec(Section):
         default_of(GRPOLearner, "selection").kind,
         description="fifo: in arrival order; freshest: newest version first; uniform: at random (seeded)"
     )
+    ride_along: bool = Field(
+        default_of(GRPOLearner, "replays_ride_along"),
+        description="with max_reuse > 1: a step trains groups_per_step new groups plus its replays (true), or "
+        "replays take new groups' places (false); true keeps the staleness check's bound as without reuse"
+    )
     drop_zero_signal: bool = Field(
         default_of(Selection, "drop_zero_signal"),
         description="filter groups whose rewards are all equal before they cost a step (DAPO dynamic sampling)"
@@ -646,6 +651,7 @@ class RunConfig(Section):
             batch_groups=getattr(self.engine, "batch_groups", 1), produced_channel=self.buffer.produced_channel,
             buffer_refs=self.buffer.max_refs, ready_channel=self.buffer.ready_channel,
             admission=self.staleness.admission, max_reuse=self.replay.max_reuse, epochs=self.learner.epochs,
+            replays_ride_along=self.replay.ride_along,
             corrected=self.correction.kind != "none",
         ))
         if problems:

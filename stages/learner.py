@@ -1,13 +1,13 @@
 """GRPOLearner: the consumer stage. Refs in -> accepted groups -> one optimizer step per version.
 
 Each step:
-1. receive and load refs into the replay window until it holds `groups_per_step` new groups (never
-   trained) that may be trained at the current version, then let the selection policy
-   (`policies.selection`: fifo, freshest, uniform) order them; the step trains them and, with
-   `max_reuse` > 1, every group of the window trained before that still has uses left and is within
-   k. A replay rides along: it never takes a new group's place, so each version consumes exactly
-   `groups_per_step` new groups and the admission gate's pace argument (policies.bounds) holds with
-   reuse as without it. Groups whose rewards are all equal are filtered on the way in (with
+1. receive and load refs into the replay window until it holds `groups_per_step` groups that may be
+   trained at the current version, then let the selection policy (`policies.selection`: fifo,
+   freshest, uniform) pick them. With `max_reuse` > 1 the window also holds groups trained before with
+   uses left: by default a replay takes a new group's place (and counts as a started unit at the
+   admission gate); with `replays_ride_along` the step trains `groups_per_step` new groups plus every
+   such replay, so each version consumes exactly `groups_per_step` new groups and the admission gate's
+   pace argument (policies.bounds) holds with reuse as without it. Groups whose rewards are all equal are filtered on the way in (with
    `drop_zero_signal`; they give GRPO no gradient, and a producer makes another in their place), groups
    the staleness policy refuses are dropped or requeued, and all of it is counted; the next step's
    groups are received and loaded while this step computes, and judged once their version is known;
@@ -96,6 +96,7 @@ class GRPOLearner:
     warn_entropy_below: float = 0.05  # a learner.entropy_collapse event when entropy falls below this ...
     warn_reward_below: float = 0.5  # ... while the trailing mean reward is below this
     warn_window: int = 20  # versions in the trailing reward
+    replays_ride_along: bool = False  # reuse: replays train on top of groups_per_step new groups, not in their place
     max_grad_norm: float = 1.0
     weight_decay: float = 0.0
     epochs: int = 1  # optimizer passes over each step's batch (PPO epochs)
@@ -405,7 +406,7 @@ class LearnerActor(BaseActor):
         They are judged by the policy only once the version they would be trained at is known.
         Cancelled while waiting, it takes nothing (channel receives are cancellation-safe); once it
         holds refs, it finishes loading them (shielded), so no received ref is ever dropped."""
-        refs = await self._receive(version + 1, self.spec.groups_per_step - len(self._fetched) - self._new_in_window())
+        refs = await self._receive(version + 1, self.spec.groups_per_step - len(self._fetched) - self._counted())
         with anyio.CancelScope(shield=True):
             for ref in refs:
                 batch = await self._load(ref)
@@ -425,14 +426,18 @@ class LearnerActor(BaseActor):
                 raise ValueError(f"ref {ref.key} comes from store {ref.store!r}, not {self.store.name!r}")
         return refs
 
-    def _new_in_window(self) -> int:
-        """Groups in the window that were never trained."""
+    def _counted(self) -> int:
+        """Groups in the window that count towards `groups_per_step`: all, or with replays riding along, the
+        ones never trained."""
+        if not self.spec.replays_ride_along:
+            return len(self._window)
         return sum(not entry.reused for entry in self._window.entries())
 
     async def _collect(self, version: int) -> list[Taken[tuple[Ref, RolloutBatch]]]:
-        """The groups to train on at `version`, in the selection policy's order: `groups_per_step` new
-        loaded groups (prefetched ones first) that have signal, and every group trained before with uses
-        left (replays ride along; they do not count towards `groups_per_step`). Before they cost a step,
+        """The groups to train on at `version`, picked by the selection policy from the replay window:
+        `groups_per_step` of the loaded groups (prefetched ones first) that have signal and the groups
+        trained before with uses left; with `replays_ride_along`, `groups_per_step` new ones plus every
+        reusable one. Before they cost a step,
         groups without signal are filtered, groups the staleness policy refuses are dropped or requeued,
         and used-up or too old reused ones are freed."""
         wanted, ctx = self.spec.groups_per_step, self.ctx
@@ -445,15 +450,18 @@ class LearnerActor(BaseActor):
                     await free(ctx, ref, self.store, self._frees)
                 else:
                     await refuse(ctx, ref, version, self.store, self._frees)
-            new = self._new_in_window()
-            if new >= wanted:
+            counted = self._counted()
+            if counted >= wanted:
                 break
-            for ref in await self._receive(version, wanted - new):
+            for ref in await self._receive(version, wanted - counted):
                 batch = await self._load(ref)
                 if batch is not None:
                     self._fetched.append((ref, batch))
-        # `wanted` new groups and every reusable one: a replay never takes a new group's place
-        return self._window.take(version, len(self._window) - max(0, self._new_in_window() - wanted))
+        taken = self._window.take(version, wanted + len(self._window) - counted)  # + replays riding along
+        replays = sum(t.reused for t in taken)
+        if replays and not self.spec.replays_ride_along:  # it fills a new group's slot: producers must not run ahead
+            await ctx.gate.replayed(replays)
+        return taken
 
     async def _admit_fetched(self, version: int) -> None:
         """Move loaded groups into the window; those the selection refuses (rewards all equal) are
@@ -474,7 +482,7 @@ class LearnerActor(BaseActor):
             if selection.gave_up(self._filtered, self.spec.groups_per_step):
                 raise NoSignalError(
                     f"the step for version {version + 1} filtered {self._filtered} groups whose rewards were all "
-                    f"equal and still lacks {self.spec.groups_per_step - self._new_in_window()} of "
+                    f"equal and still lacks {self.spec.groups_per_step - self._counted()} of "
                     f"learner.groups_per_step = {self.spec.groups_per_step} groups with signal: the policy may have "
                     "collapsed (see the entropy metric) or the task is solved or hopeless for it; raise "
                     f"replay.max_filtered_batches (now {selection.max_filtered_batches}) to wait longer, or set "
