@@ -84,11 +84,11 @@ class GRPOLearner:
     lr: float = 3e-3
     groups_per_step: int = 16
     clip_eps: float = 0.2  # PPO clip, low side (and the high side unless clip_eps_high is set)
-    clip_eps_high: float | None = None  # PPO clip, high side (DAPO clip-higher, e.g. 0.28); None: clip_eps
+    clip_eps_high: float | None = 0.28  # PPO clip, high side (DAPO's clip-higher); None: clip_eps
     loss_agg_mode: LossAggregation = "token-mean"  # stages.losses.aggregate
     loss_max_tokens: int | None = None  # seq-mean-token-sum-norm's constant divisor; None: the batch's width
-    norm_adv_by_std: bool = True  # False: Dr. GRPO advantages (r - group mean, no std scaling)
-    entropy_coef: float = 0.0  # entropy bonus: loss -= coef x aggregated entropy
+    norm_adv_by_std: bool = False  # False: Dr. GRPO advantages (r - group mean, no std scaling)
+    entropy_coef: float = 0.01  # entropy bonus: loss -= coef x aggregated entropy
     kl_coef: float = 0.0  # k3 KL penalty to the initial weights (kept in memory only when > 0)
     lr_warmup_steps: int = 0  # linear warmup over this many versions
     lr_decay: LrDecay = "constant"  # after warmup: constant, linear or cosine to min_lr_ratio x lr at the last step
