@@ -36,7 +36,7 @@ TASKS = {  # name -> (config, overrides)
     "reverse2": ("configs/quickstart.toml", ["task.digits=2"]),
     "reverse3": ("configs/quickstart.toml", ["task.digits=3"]),
     "reverse4": ("configs/quickstart.toml", ["task.digits=4"]),
-    "addition": ("configs/quickstart.toml", ["task.kind='addition'"]),
+    "addition": ("configs/quickstart.toml", ['task={kind="addition"}']),
     "math": ("configs/math.toml", ["eval.every=0"]),
 }
 
