@@ -193,7 +193,9 @@ class Correction:
                 f"correction {self.kind!r} needs the proximal logprobs (the learner's, at the step's start)"
             )
         if self.kind == "tis":
-            return tis(logprobs, behaviour_logprobs, proximal_logprobs, advantages, mask, clip_eps, self.tis_cap, **clip)
+            return tis(
+                logprobs, behaviour_logprobs, proximal_logprobs, advantages, mask, clip_eps, self.tis_cap, **clip
+            )
         return decoupled(
             logprobs, behaviour_logprobs, proximal_logprobs, advantages, mask, clip_eps, self.decoupled_cap, **clip
         )

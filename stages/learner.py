@@ -7,8 +7,9 @@ Each step:
    uses left: by default a replay takes a new group's place (and counts as a started unit at the
    admission gate); with `replays_ride_along` the step trains `groups_per_step` new groups plus every
    such replay, so each version consumes exactly `groups_per_step` new groups and the admission gate's
-   pace argument (policies.bounds) holds with reuse as without it. Groups whose rewards are all equal are filtered on the way in (with
-   `drop_zero_signal`; they give GRPO no gradient, and a producer makes another in their place), groups
+   pace argument (policies.bounds) holds with reuse as without it. Groups whose rewards are all equal
+   are filtered on the way in (with `drop_zero_signal`; they give GRPO no gradient, and a producer
+   makes another in their place), groups
    the staleness policy refuses are dropped or requeued, and all of it is counted; the next step's
    groups are received and loaded while this step computes, and judged once their version is known;
 2. get + decode their payloads (checksum verified), compute group-normalised advantages and the
@@ -65,8 +66,16 @@ from stages.bias import outcome_panels, run_outcomes, step_outcomes
 from stages.evaluation import read_evaluations
 from stages.learner_state import read_learner_state, write_learner_state
 from stages.losses import (
-    AGGREGATIONS, LR_DECAYS, LossAggregation, LrDecay, aggregate, group_advantages, kl_k3, lr_scheduler,
-    token_entropy, zero_variance_fraction,
+    AGGREGATIONS,
+    LR_DECAYS,
+    LossAggregation,
+    LrDecay,
+    aggregate,
+    group_advantages,
+    kl_k3,
+    lr_scheduler,
+    token_entropy,
+    zero_variance_fraction,
 )
 from stages.model import load_model
 from stages.timeline import timeline_panel
@@ -115,7 +124,9 @@ class GRPOLearner:
         if self.epochs < 1:
             raise ValueError(f"learner.epochs must be >= 1, got {self.epochs}")
         if self.loss_agg_mode not in AGGREGATIONS:
-            raise ValueError(f"learner.loss_agg_mode must be one of {', '.join(AGGREGATIONS)}, got {self.loss_agg_mode!r}")
+            raise ValueError(
+                f"learner.loss_agg_mode must be one of {', '.join(AGGREGATIONS)}, got {self.loss_agg_mode!r}"
+            )
         if self.lr_decay not in LR_DECAYS:
             raise ValueError(f"learner.lr_decay must be one of {', '.join(LR_DECAYS)}, got {self.lr_decay!r}")
         if self.clip_eps_high is not None and self.clip_eps_high <= 0:

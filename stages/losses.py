@@ -113,8 +113,10 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, decay: LrDecay = "
     return min_ratio + (1.0 - min_ratio) * shape
 
 
-def lr_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int,
-                 decay: LrDecay = "constant", min_ratio: float = 0.0, start: int = 0) -> torch.optim.lr_scheduler.LambdaLR:
+def lr_scheduler(
+    optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int, decay: LrDecay = "constant",
+    min_ratio: float = 0.0, start: int = 0,
+) -> torch.optim.lr_scheduler.LambdaLR:
     """A LambdaLR over `lr_factor`, its first step being optimizer step `start` (a resumed run's version):
     the rate is a function of the step alone, so a resumed run needs no scheduler state."""
     return torch.optim.lr_scheduler.LambdaLR(

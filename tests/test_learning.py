@@ -80,8 +80,11 @@ def test_corrected_loss_beats_uncorrected_on_stale_data(tmp_path: Path) -> None:
 
 
 NO_COLLAPSE_SEEDS = (0, 1, 2)
-STEPS_REVERSE3 = 1000  # measured: the trailing reward reaches 0.73-0.78 by version 400-500 (benchmarks/learning.py)
-ENTROPY_FLOOR = 0.05  # the learner's default warn_entropy_below
+STEPS_REVERSE3 = 700  # measured: the trailing reward reaches 0.73-0.83 by version 400-500 (benchmarks/learning.py)
+# A collapsed policy's entropy: the old defaults fell to 0.003 on reverse-4 (926 versions) and stalled; runs
+# with the current defaults that learn stay at 0.02-0.09 before the target (the entropy is averaged over a
+# few answer tokens, most of them already certain), so the floor sits below those and above a collapse.
+ENTROPY_FLOOR = 0.01
 TARGET, WINDOW = 0.8, 20  # trailing mean train reward over WINDOW versions, as benchmarks/learning.py
 
 
@@ -100,11 +103,12 @@ def _quickstart_run(tmp_path: Path, seed: int, steps: int, **task) -> list[dict]
 
 
 @pytest.mark.long
+@pytest.mark.timeout(900)  # up to 700 versions on a shared 2-core machine
 @pytest.mark.parametrize("seed", NO_COLLAPSE_SEEDS)
 def test_reverse3_learns_without_collapse(tmp_path: Path, seed: int) -> None:
     """With the quickstart's defaults, reverse-3 reaches a trailing reward of 0.8 and, until it does, the
-    policy's entropy never falls below the floor at which the learner warns of a collapse (a collapsed
-    policy samples the same answer eight times a group, so its groups stop carrying signal)."""
+    policy's entropy never falls below the collapse floor (a collapsed policy samples the same answer eight
+    times a group, so its groups stop carrying signal and the reward stalls)."""
     records = _quickstart_run(tmp_path, seed, steps=STEPS_REVERSE3, digits=3)
     rewards = [r["reward"] for r in records]
     trailing = [statistics.fmean(rewards[max(0, i + 1 - WINDOW): i + 1]) for i in range(len(rewards))]
