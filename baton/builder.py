@@ -109,11 +109,11 @@ def ray_store(spec: schema.RayStoreSpec, cfg: RunConfig) -> RayStoreOpener:
 
 def grpo_learner(spec: Any, cfg: RunConfig, *, model: Path) -> GRPOLearner:
     return GRPOLearner(
-        model, lr=spec.lr, groups_per_step=spec.groups_per_step, clip_eps=spec.clip_eps,
-        max_grad_norm=spec.max_grad_norm, weight_decay=spec.weight_decay, epochs=spec.epochs,
+        model, **spec.model_dump(exclude={"kind"}),  # every other key of [learner] is a GRPOLearner field
         temperature=getattr(cfg.engine, "temperature", default_of(GRPOLearner, "temperature")),
-        weights=make_part("weights", cfg), device=spec.device, snapshot_every=cfg.weights.snapshot_every,
+        weights=make_part("weights", cfg), snapshot_every=cfg.weights.snapshot_every,
         correction=make_correction(cfg), selection=make_selection_policy(cfg),
+        replays_ride_along=cfg.replay.ride_along,
     )
 
 

@@ -47,6 +47,7 @@ from stages.episode import EpisodeLimits
 from stages.evaluation import Evaluation
 from stages.gateway.run_host import GatewaySettings, as_agent
 from stages.learner import GRPOLearner
+from stages.losses import AGGREGATIONS, LR_DECAYS
 from stages.model import DTYPES, check_model_folder, make_tiny_model
 from stages.rewards import ON_ERROR, RewardFunction, resolve
 from stages.rollout import Rollout
@@ -382,7 +383,32 @@ class GRPOSpec(Section):
     kind: Literal["grpo"] = "grpo"
     lr: float = Field(default_of(GRPOLearner, "lr"), gt=0)
     groups_per_step: int = Field(default_of(GRPOLearner, "groups_per_step"), ge=1)
-    clip_eps: float = Field(default_of(GRPOLearner, "clip_eps"), gt=0)
+    clip_eps: float = Field(default_of(GRPOLearner, "clip_eps"), gt=0, description="PPO clip: ratio >= 1 - clip_eps "
+                            "(and <= 1 + clip_eps unless clip_eps_high is set)")
+    clip_eps_high: float | None = Field(default_of(GRPOLearner, "clip_eps_high"), gt=0, description="PPO clip, high "
+                                        "side: ratio <= 1 + clip_eps_high (DAPO clip-higher); unset: clip_eps")
+    loss_agg_mode: Literal[AGGREGATIONS] = Field(  # type: ignore[valid-type]
+        default_of(GRPOLearner, "loss_agg_mode"), description="token-mean (DAPO), seq-mean-token-mean (GRPO) or "
+        "seq-mean-token-sum-norm (Dr. GRPO: token sums / loss_max_tokens)")
+    loss_max_tokens: int | None = Field(default_of(GRPOLearner, "loss_max_tokens"), ge=1, description="Dr. GRPO's "
+                                        "constant divisor; unset: the batch's padded width")
+    norm_adv_by_std: bool = Field(default_of(GRPOLearner, "norm_adv_by_std"), description="false: advantages are "
+                                  "r - group mean, not divided by the group's std (Dr. GRPO)")
+    entropy_coef: float = Field(default_of(GRPOLearner, "entropy_coef"), ge=0, description="entropy bonus")
+    kl_coef: float = Field(default_of(GRPOLearner, "kl_coef"), ge=0, description="k3 KL penalty to the initial "
+                           "weights (0: off, and no reference model is kept)")
+    lr_warmup_steps: int = Field(default_of(GRPOLearner, "lr_warmup_steps"), ge=0, description="versions of linear "
+                                 "warmup")
+    lr_decay: Literal[LR_DECAYS] = Field(default_of(GRPOLearner, "lr_decay"),  # type: ignore[valid-type]
+                                         description="after warmup: constant, or linear / cosine decay to "
+                                         "min_lr_ratio x lr at the last version")
+    min_lr_ratio: float = Field(default_of(GRPOLearner, "min_lr_ratio"), ge=0, le=1)
+    warn_entropy_below: float = Field(default_of(GRPOLearner, "warn_entropy_below"), ge=0, description="a "
+                                      "learner.entropy_collapse event when the entropy falls below this ...")
+    warn_reward_below: float = Field(default_of(GRPOLearner, "warn_reward_below"), description="... while the "
+                                     "trailing mean reward is below this")
+    warn_window: int = Field(default_of(GRPOLearner, "warn_window"), ge=1, description="versions in that trailing "
+                             "mean")
     max_grad_norm: float = Field(default_of(GRPOLearner, "max_grad_norm"), gt=0)
     weight_decay: float = Field(default_of(GRPOLearner, "weight_decay"), ge=0)
     epochs: int = Field(default_of(GRPOLearner, "epochs"), ge=1, description="optimizer passes over each step's "
@@ -440,6 +466,11 @@ class ReplaySpec(Section):
     selection: Literal["fifo", "freshest", "uniform"] = Field(
         default_of(GRPOLearner, "selection").kind,
         description="fifo: in arrival order; freshest: newest version first; uniform: at random (seeded)"
+    )
+    ride_along: bool = Field(
+        default_of(GRPOLearner, "replays_ride_along"),
+        description="with max_reuse > 1: a step trains groups_per_step new groups plus its replays (true), or "
+        "replays take new groups' places (false); true keeps the staleness check's bound as without reuse"
     )
     drop_zero_signal: bool = Field(
         default_of(Selection, "drop_zero_signal"),
@@ -699,6 +730,7 @@ class RunConfig(Section):
             batch_groups=getattr(self.engine, "batch_groups", 1), produced_channel=self.buffer.produced_channel,
             buffer_refs=self.buffer.max_refs, ready_channel=self.buffer.ready_channel,
             admission=self.staleness.admission, max_reuse=self.replay.max_reuse, epochs=self.learner.epochs,
+            replays_ride_along=self.replay.ride_along,
             corrected=self.correction.kind != "none",
         ))
         if problems:

@@ -11,16 +11,25 @@ derivation against exactly):
   the buffer's index (`max_refs`), the ready channel, and the learner's prefetch of the next step
   (`groups_per_step`). Together they hold at most `capacity` groups. Byte bounds can only hold fewer,
   so item counts give an upper bound.
-* The learner consumes `groups_per_step` groups per version (with reuse, as few as
-  `groups_per_step / max_reuse` of them fresh); producers refill whatever it frees at the version current
-  then. A group started when the pipeline is full therefore reaches the learner after at most
-  `queue_staleness = ceil(capacity * max_reuse / groups_per_step)` versions.
+* The learner consumes `groups_per_step` groups per version; producers refill whatever it frees at the
+  version current then. Reuse (`max_reuse > 1`) comes in two forms (stages.learner):
+  - replays *ride along* (`replay.ride_along = true`): a step trains `groups_per_step` new groups plus
+    the groups of its replay window that were trained before and have uses left. Every version still
+    consumes exactly `groups_per_step` new groups, so reuse changes nothing below. A reused group is
+    already inside the window: its extra age is bounded by the window's accept check (at most k, each
+    use at a later version), not by the pipeline's depth again, and when it ages past k it has been
+    trained already, so evicting it throws no generated work away;
+  - replays *take a new group's place* (the default): as few as `groups_per_step / max_reuse` of a
+    step's groups are new, and every group waiting in the queues ages by the replays ahead of it.
+  A group started when the pipeline is full therefore reaches the learner after at most
+  `queue_staleness = ceil(capacity * m / groups_per_step)` versions, with m = 1 when replays ride
+  along and m = `max_reuse` when they take places.
 * `admission = "pace"` caps live groups at `(v + k + 1) * groups_per_step` (policies.staleness), so
   arrival staleness is at most `min(k, queue_staleness)`; `"eager"` leaves only the queues, so it is
-  `queue_staleness`. The pace rule's argument counts each group consumed once: with `max_reuse > 1` a
-  replayed group takes a step's slot ahead of fresh groups admitted before it (the learner counts it as
-  a started unit, which slows producers but cannot reorder what is already queued), so then only the
-  queues bound arrival staleness, as with "eager" (a conservative bound; exact for `max_reuse = 1`).
+  `queue_staleness`. The pace rule's argument counts each version consuming `groups_per_step` new
+  groups: when replays take places (the learner counts each as a started unit, which slows producers
+  but cannot reorder what is already queued), only the queues bound arrival staleness, as with "eager"
+  (conservative; the simulator shows groups then arriving older than k even under "pace").
   Arrival staleness above k means the config relies on the accept check to throw
   generated work away, and dropping biases training (long rollouts are the ones that age): rejected.
 * Engines finish in the order they started. A straggler (one engine far slower than the others) is
@@ -57,6 +66,7 @@ class PipelineShape:
     ready_channel: int = 1  # [buffer.ready_channel]
     admission: Admission = "pace"  # [staleness.admission]
     max_reuse: int = 1  # [replay.max_reuse]
+    replays_ride_along: bool = False  # [replay.ride_along]
     epochs: int = 1  # [learner.epochs]
     corrected: bool = False  # [correction.kind] != "none"
 
@@ -81,15 +91,20 @@ class PipelineShape:
         return self.engines * self.batch_groups + self.queues + self.groups_per_step
 
 
+def _displacing_reuse(shape: PipelineShape) -> int:
+    """How many of a step's slots one new group may take: its uses when replays take places, else 1."""
+    return 1 if shape.replays_ride_along else shape.max_reuse
+
+
 def queue_staleness(shape: PipelineShape) -> int:
     """Versions a group can wait behind a full pipeline when only the queues limit producers."""
-    return -(-shape.capacity * shape.max_reuse // shape.groups_per_step)
+    return -(-shape.capacity * _displacing_reuse(shape) // shape.groups_per_step)
 
 
 def arrival_staleness(shape: PipelineShape) -> int:
     """Worst staleness of a group when the learner first sees it (before the accept check)."""
     waited = queue_staleness(shape)
-    return min(shape.k, waited) if shape.admission == "pace" and shape.max_reuse == 1 else waited
+    return min(shape.k, waited) if shape.admission == "pace" and _displacing_reuse(shape) == 1 else waited
 
 
 def trained_staleness(shape: PipelineShape) -> int:
@@ -134,7 +149,7 @@ def check(shape: PipelineShape) -> list[str]:
 
 
 def _queue_problem(shape: PipelineShape, waited: int) -> str:
-    k, b, m = shape.k, shape.groups_per_step, shape.max_reuse
+    k, b, m = shape.k, shape.groups_per_step, _displacing_reuse(shape)
     fixed = shape.capacity - shape.queues  # engines' batches + the learner's prefetch
     room = k * b // m - fixed  # groups the three queues may hold together for arrival staleness <= k
     terms = (
@@ -146,7 +161,8 @@ def _queue_problem(shape: PipelineShape, waited: int) -> str:
     fixes = (
         ["set staleness.admission = 'pace' (producers wait instead of making work that ages past k)"]
         if shape.admission == "eager"
-        else ["set replay.max_reuse = 1 (replays delay fresh groups the admission gate already let in)"]
+        else ["set replay.ride_along = true (replays train on top of a step's new groups, not in their place) "
+              "or replay.max_reuse = 1"]
     )
     if room >= 3:
         ready = min(shape.ready_channel, max(1, room // 4))

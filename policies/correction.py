@@ -8,8 +8,10 @@ Three token probabilities meet in the loss of one learner step:
 * `logprobs`   pi_theta: the policy being trained (carries the gradient).
 
 Each correction is a pure function of torch tensors ([rows, T] logprobs, per-row advantages that
-broadcast, a 0/1 mask) returning `(loss, stats)`: the loss is a token mean over the mask, and the
-stats are floats for the metrics. No I/O, no state.
+broadcast, a 0/1 mask) returning `(loss, stats)`: the loss is `reduce(per-token loss, mask)`, a token
+mean over the mask unless the learner passes another aggregation (stages.losses.aggregate), and the
+stats are floats for the metrics. No I/O, no state. The clip range is [1 - clip_eps, 1 + clip_high]
+(`clip_high` unset: symmetric; above clip_eps: DAPO's clip-higher).
 
 * `none`: plain PPO-clip with the ratio pi_theta / pi_behav (the clip's trust region is centred on
   the behaviour policy, however stale). It equals `stages.losses.ppo_clip_loss` exactly.
@@ -24,7 +26,8 @@ stats are floats for the metrics. No I/O, no state.
 Promises, for every correction:
 * the importance weight never carries a gradient: only `logprobs` does, and a masked token gets none;
 * on-policy data (behaviour == proximal == logprobs) gives every correction the same loss, -mean(A);
-* stats: `clip_frac` (tokens outside the clip range of their reference), `approx_kl` (mean of
+* stats: `clip_frac` (tokens outside the clip range of their reference; `clip_frac_low` below it,
+  `clip_frac_high` above it), `approx_kl` (mean of
   reference - logprobs), `is_weight_mean` / `is_weight_max` (pi_prox / pi_behav over the mask, before
   any cap; reported for `none` too when `proximal` is given, as a diagnostic), `is_capped_frac`
   (tokens whose weight the cap truncated or left out; 0 for `none`).
@@ -32,6 +35,7 @@ Promises, for every correction:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -41,6 +45,7 @@ CorrectionKind = Literal["none", "tis", "decoupled"]
 KINDS: tuple[str, ...] = get_args(CorrectionKind)
 
 Stats = dict[str, float]
+Reduce = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (per-token values, mask) -> scalar
 
 
 def _token_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -48,13 +53,15 @@ def _token_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def clipped_surrogate(
-    logprobs: torch.Tensor, reference: torch.Tensor, advantages: torch.Tensor, clip_eps: float
+    logprobs: torch.Tensor, reference: torch.Tensor, advantages: torch.Tensor, clip_eps: float,
+    clip_high: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token PPO-clip loss -min(r A, clip(r, 1 - eps, 1 + eps) A) with r = exp(logprobs - reference),
-    and the ratio r. The gradient flows through `logprobs` only where the clip is not binding."""
+    """Per-token PPO-clip loss -min(r A, clip(r, 1 - clip_eps, 1 + clip_high) A) with r = exp(logprobs -
+    reference), and the ratio r (`clip_high` unset: clip_eps). The gradient flows through `logprobs` only
+    where the clip is not binding."""
     ratio = (logprobs - reference).exp()
     unclipped = ratio * advantages
-    clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages
+    clipped = ratio.clamp(1 - clip_eps, 1 + (clip_eps if clip_high is None else clip_high)) * advantages
     return -torch.minimum(unclipped, clipped), ratio
 
 
@@ -64,11 +71,14 @@ def importance_weights(proximal: torch.Tensor, behaviour: torch.Tensor) -> torch
 
 
 def _surrogate_stats(
-    logprobs: torch.Tensor, reference: torch.Tensor, ratio: torch.Tensor, mask: torch.Tensor, clip_eps: float
+    logprobs: torch.Tensor, reference: torch.Tensor, ratio: torch.Tensor, mask: torch.Tensor, clip_eps: float,
+    clip_high: float | None = None,
 ) -> Stats:
     with torch.no_grad():
+        low = float(_token_mean((ratio < 1 - clip_eps).float(), mask))
+        high = float(_token_mean((ratio > 1 + (clip_eps if clip_high is None else clip_high)).float(), mask))
         return {
-            "clip_frac": float(_token_mean(((ratio - 1).abs() > clip_eps).float(), mask)),
+            "clip_frac": low + high, "clip_frac_low": low, "clip_frac_high": high,
             "approx_kl": float(_token_mean(reference - logprobs, mask)),
         }
 
@@ -90,11 +100,13 @@ def none(
     mask: torch.Tensor,
     clip_eps: float = 0.2,
     proximal_logprobs: torch.Tensor | None = None,
+    clip_high: float | None = None,
+    reduce: Reduce = _token_mean,
 ) -> tuple[torch.Tensor, Stats]:
     """PPO-clip against the behaviour policy; `proximal_logprobs`, if given, only feeds the weight stats."""
-    per_token, ratio = clipped_surrogate(logprobs, behaviour_logprobs, advantages, clip_eps)
-    loss = _token_mean(per_token, mask)
-    stats = _surrogate_stats(logprobs, behaviour_logprobs, ratio, mask, clip_eps)
+    per_token, ratio = clipped_surrogate(logprobs, behaviour_logprobs, advantages, clip_eps, clip_high)
+    loss = reduce(per_token, mask)
+    stats = _surrogate_stats(logprobs, behaviour_logprobs, ratio, mask, clip_eps, clip_high)
     if proximal_logprobs is not None:
         weights = importance_weights(proximal_logprobs, behaviour_logprobs)
         stats |= _weight_stats(weights, torch.zeros_like(mask, dtype=torch.bool), mask)
@@ -104,35 +116,37 @@ def none(
 def tis(
     logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, proximal_logprobs: torch.Tensor,
     advantages: torch.Tensor, mask: torch.Tensor, clip_eps: float = 0.2, cap: float = 2.0,
+    clip_high: float | None = None, reduce: Reduce = _token_mean,
 ) -> tuple[torch.Tensor, Stats]:
     """PPO-clip against the proximal policy, each token weighted by min(pi_prox / pi_behav, cap)."""
     per_token, weights, stats = _against_proximal(
-        logprobs, behaviour_logprobs, proximal_logprobs, advantages, mask, clip_eps
+        logprobs, behaviour_logprobs, proximal_logprobs, advantages, mask, clip_eps, clip_high
     )
-    loss = _token_mean(per_token * weights.clamp(max=cap), mask)
+    loss = reduce(per_token * weights.clamp(max=cap), mask)
     return loss, stats | _weight_stats(weights, weights > cap, mask)
 
 
 def decoupled(
     logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, proximal_logprobs: torch.Tensor,
     advantages: torch.Tensor, mask: torch.Tensor, clip_eps: float = 0.2, cap: float | None = None,
+    clip_high: float | None = None, reduce: Reduce = _token_mean,
 ) -> tuple[torch.Tensor, Stats]:
     """PPO-clip against the proximal policy, each token weighted by pi_prox / pi_behav; with `cap`,
     tokens whose weight exceeds it get weight 0 (they stay in the denominator)."""
     per_token, weights, stats = _against_proximal(
-        logprobs, behaviour_logprobs, proximal_logprobs, advantages, mask, clip_eps
+        logprobs, behaviour_logprobs, proximal_logprobs, advantages, mask, clip_eps, clip_high
     )
     capped = weights > cap if cap is not None else torch.zeros_like(weights, dtype=torch.bool)
-    loss = _token_mean(per_token * torch.where(capped, torch.zeros_like(weights), weights), mask)
+    loss = reduce(per_token * torch.where(capped, torch.zeros_like(weights), weights), mask)
     return loss, stats | _weight_stats(weights, capped, mask)
 
 
-def _against_proximal(logprobs, behaviour_logprobs, proximal_logprobs, advantages, mask, clip_eps):
+def _against_proximal(logprobs, behaviour_logprobs, proximal_logprobs, advantages, mask, clip_eps, clip_high):
     """What tis and decoupled share: the per-token PPO-clip loss against the proximal policy (no
     gradient through it), the weights pi_prox / pi_behav, and the surrogate's stats."""
     proximal = proximal_logprobs.detach()
-    per_token, ratio = clipped_surrogate(logprobs, proximal, advantages, clip_eps)
-    stats = _surrogate_stats(logprobs, proximal, ratio, mask, clip_eps)
+    per_token, ratio = clipped_surrogate(logprobs, proximal, advantages, clip_eps, clip_high)
+    stats = _surrogate_stats(logprobs, proximal, ratio, mask, clip_eps, clip_high)
     return per_token, importance_weights(proximal, behaviour_logprobs), stats
 
 
@@ -167,15 +181,21 @@ class Correction:
         advantages: torch.Tensor,
         mask: torch.Tensor,
         clip_eps: float = 0.2,
+        clip_high: float | None = None,
+        reduce: Reduce = _token_mean,
     ) -> tuple[torch.Tensor, Stats]:
+        """The loss of this correction, clip range [1 - clip_eps, 1 + clip_high], aggregated by `reduce`."""
+        clip = {"clip_high": clip_high, "reduce": reduce}
         if self.kind == "none":
-            return none(logprobs, behaviour_logprobs, advantages, mask, clip_eps, proximal_logprobs)
+            return none(logprobs, behaviour_logprobs, advantages, mask, clip_eps, proximal_logprobs, **clip)
         if proximal_logprobs is None:
             raise ValueError(
                 f"correction {self.kind!r} needs the proximal logprobs (the learner's, at the step's start)"
             )
         if self.kind == "tis":
-            return tis(logprobs, behaviour_logprobs, proximal_logprobs, advantages, mask, clip_eps, self.tis_cap)
+            return tis(
+                logprobs, behaviour_logprobs, proximal_logprobs, advantages, mask, clip_eps, self.tis_cap, **clip
+            )
         return decoupled(
-            logprobs, behaviour_logprobs, proximal_logprobs, advantages, mask, clip_eps, self.decoupled_cap
+            logprobs, behaviour_logprobs, proximal_logprobs, advantages, mask, clip_eps, self.decoupled_cap, **clip
         )

@@ -3,30 +3,44 @@
 Each step:
 1. receive and load refs into the replay window until it holds `groups_per_step` groups that may be
    trained at the current version, then let the selection policy (`policies.selection`: fifo,
-   freshest, uniform) pick them. Groups whose rewards are all equal are filtered on the way in (with
-   `drop_zero_signal`; they give GRPO no gradient, and a producer makes another in their place), groups
+   freshest, uniform) pick them. With `max_reuse` > 1 the window also holds groups trained before with
+   uses left: by default a replay takes a new group's place (and counts as a started unit at the
+   admission gate); with `replays_ride_along` the step trains `groups_per_step` new groups plus every
+   such replay, so each version consumes exactly `groups_per_step` new groups and the admission gate's
+   pace argument (policies.bounds) holds with reuse as without it. Groups whose rewards are all equal
+   are filtered on the way in (with `drop_zero_signal`; they give GRPO no gradient, and a producer
+   makes another in their place), groups
    the staleness policy refuses are dropped or requeued, and all of it is counted; the next step's
    groups are received and loaded while this step computes, and judged once their version is known;
 2. get + decode their payloads (checksum verified), compute group-normalised advantages and the
    PPO-clip loss with the configured off-policy correction (`policies.correction`: none clips
    against each token's behaviour logprob; tis and decoupled clip against the learner's own logprobs
-   at the step's start and weight tokens by pi_prox / pi_behav), clip gradients, take an AdamW step;
+   at the step's start and weight tokens by pi_prox / pi_behav), aggregated over the loss mask as
+   `loss_agg_mode` says, minus `entropy_coef` x entropy, plus `kl_coef` x the k3 KL to the initial
+   weights (stages.losses); clip gradients, take an AdamW step at the scheduled learning rate;
 3. bump the version, publish the weights through the transport, advance the clock, and only
    then mark the groups trained (at the version they were trained at). A group with uses left
-   (`max_reuse`) goes back into the window, to be selected again while the staleness policy accepts
+   (`max_reuse`) goes back into the window, to be trained again while the staleness policy accepts
    it; a payload is freed only after its group's last use;
 4. every `checkpoint.every` versions, write a checkpoint (pipeline.checkpoint): the run's state plus
    this learner's model, optimizer and RNG states (stages.learner_state) and the refs of its window. A
    resumed learner starts from those, publishes the checkpoint's weights to the engines before any
    generation, and takes back the reusable groups of its window whose payloads still exist.
 Compute runs in a worker thread so the engine can decode at the same time.
+
+Each metrics record carries what shows a collapse early: `entropy` (mask-averaged, of the step's last
+forward), `zero_var_frac` (groups whose rewards are all equal), `clip_frac_low` / `clip_frac_high`
+(tokens whose ratio lies below / above the clip range) and `lr`. When the entropy falls below
+`warn_entropy_below` while the trailing mean reward (last `warn_window` versions) is still below
+`warn_reward_below`, the run reports a `learner.entropy_collapse` event (once per run).
 """
 
 from __future__ import annotations
 
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +65,18 @@ from policies.staleness import staleness
 from stages.bias import outcome_panels, run_outcomes, step_outcomes
 from stages.evaluation import read_evaluations
 from stages.learner_state import read_learner_state, write_learner_state
-from stages.losses import group_advantages
+from stages.losses import (
+    AGGREGATIONS,
+    LR_DECAYS,
+    LossAggregation,
+    LrDecay,
+    aggregate,
+    group_advantages,
+    kl_k3,
+    lr_scheduler,
+    token_entropy,
+    zero_variance_fraction,
+)
 from stages.model import load_model
 from stages.timeline import timeline_panel
 from stages.weights import make_transport
@@ -81,7 +106,20 @@ class GRPOLearner:
     model_path: str | Path
     lr: float = 3e-3
     groups_per_step: int = 16
-    clip_eps: float = 0.2
+    clip_eps: float = 0.2  # PPO clip, low side (and the high side unless clip_eps_high is set)
+    clip_eps_high: float | None = 0.28  # PPO clip, high side (DAPO's clip-higher); None: clip_eps
+    loss_agg_mode: LossAggregation = "token-mean"  # stages.losses.aggregate
+    loss_max_tokens: int | None = None  # seq-mean-token-sum-norm's constant divisor; None: the batch's width
+    norm_adv_by_std: bool = False  # False: Dr. GRPO advantages (r - group mean, no std scaling)
+    entropy_coef: float = 0.01  # entropy bonus: loss -= coef x aggregated entropy
+    kl_coef: float = 0.0  # k3 KL penalty to the initial weights (kept in memory only when > 0)
+    lr_warmup_steps: int = 0  # linear warmup over this many versions
+    lr_decay: LrDecay = "constant"  # after warmup: constant, linear or cosine to min_lr_ratio x lr at the last step
+    min_lr_ratio: float = 0.0
+    warn_entropy_below: float = 0.05  # a learner.entropy_collapse event when entropy falls below this ...
+    warn_reward_below: float = 0.5  # ... while the trailing mean reward is below this
+    warn_window: int = 20  # versions in the trailing reward
+    replays_ride_along: bool = False  # reuse: replays train on top of groups_per_step new groups, not in their place
     max_grad_norm: float = 1.0
     weight_decay: float = 0.0
     epochs: int = 1  # optimizer passes over each step's batch (PPO epochs)
@@ -99,6 +137,14 @@ class GRPOLearner:
             raise ValueError(f"learner.groups_per_step must be >= 1, got {self.groups_per_step}")
         if self.epochs < 1:
             raise ValueError(f"learner.epochs must be >= 1, got {self.epochs}")
+        if self.loss_agg_mode not in AGGREGATIONS:
+            raise ValueError(
+                f"learner.loss_agg_mode must be one of {', '.join(AGGREGATIONS)}, got {self.loss_agg_mode!r}"
+            )
+        if self.lr_decay not in LR_DECAYS:
+            raise ValueError(f"learner.lr_decay must be one of {', '.join(LR_DECAYS)}, got {self.lr_decay!r}")
+        if self.clip_eps_high is not None and self.clip_eps_high <= 0:
+            raise ValueError(f"learner.clip_eps_high must be > 0, got {self.clip_eps_high}")
 
     @property
     def units_per_version(self) -> int:
@@ -195,7 +241,11 @@ class LearnerActor(BaseActor):
         self.snapshot_every = snapshot_every
         self.log = ctx.log("learner")
         self.model: torch.nn.Module | None = None
+        self.reference: torch.nn.Module | None = None  # the initial weights, for the KL penalty (kl_coef > 0)
         self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+        self._rewards: deque[float] = deque(maxlen=spec.warn_window)  # trailing step rewards
+        self._warned = False  # the entropy-collapse event is reported once per run
         self._frees: anyio.abc.TaskGroup | None = None
         self._fetched: list[tuple[Ref, RolloutBatch]] = []  # received and loaded, not yet judged
         # groups this learner may train on: admitted (with signal), within the bound, uses left
@@ -229,11 +279,34 @@ class LearnerActor(BaseActor):
                                       f"run state of version {resume.version}")
             kept = await self._restore_reusable(resume.reusable, version)
             self.log.info("learner restored", version=version, checkpoint=str(resume.checkpoint), reusable_groups=kept)
+        self._schedule(version)
+        if self.spec.kl_coef > 0:  # the model folder holds the initial weights, also on resume
+            self.reference = (await anyio.to_thread.run_sync(load_model, self.spec.model_path)).to(self.device)
+            self.reference.requires_grad_(False)
         # every engine starts from exactly the learner's weights of the run's first version (0 or the checkpoint's)
         await self._publish(version)
         if resume is not None and self.snapshot_every:  # replaces a snapshot of a rolled-back version
             await save_snapshot(self.store, snapshot_key(self.ctx.run, self.ctx.folder.path.name), version,
                                 self.model.state_dict())
+
+    def _schedule(self, version: int) -> None:
+        """The learning-rate schedule, at `version` (0, or a checkpoint's): a function of the version alone."""
+        spec = self.spec
+        for group in self.optimizer.param_groups:
+            group["initial_lr"] = spec.lr
+        self.scheduler = lr_scheduler(self.optimizer, spec.lr_warmup_steps, self.ctx.steps, spec.lr_decay,
+                                      spec.min_lr_ratio, start=version)
+
+    def _watch_collapse(self, version: int, reward: float, entropy: float) -> None:
+        """Report `learner.entropy_collapse` (once) when entropy is below its floor while the trailing
+        reward is still low: the policy stopped exploring before it learned the task."""
+        spec = self.spec
+        self._rewards.append(reward)
+        trailing = float(np.mean(self._rewards))
+        if not self._warned and entropy < spec.warn_entropy_below and trailing < spec.warn_reward_below:
+            self._warned = True
+            self.ctx.event("learner.entropy_collapse", version=version, entropy=round(entropy, 4),
+                           trailing_reward=round(trailing, 4))
 
     async def _restore_reusable(self, held: list[HeldRef], version: int) -> int:
         """Put the checkpoint's trained groups with uses left back into the window: those the staleness policy
@@ -314,7 +387,6 @@ class LearnerActor(BaseActor):
             ctx.folder.log_metrics({
                 "version": version + 1,
                 "t": round(time.time() - ctx.started_at, 3),
-                "reward": round(float(np.mean([b.row_fields["rewards"].mean() for b in batches])), 4),
                 "staleness_mean": round(float(np.mean(stale)), 3),
                 "staleness_max": int(max(stale)),
                 "staleness_hist": stale,
@@ -334,6 +406,7 @@ class LearnerActor(BaseActor):
                 **episode_metrics(batches),
                 **{f"events/{kind}": n for kind, n in self._events.update().items()},  # pipeline.events
             })
+            self._watch_collapse(version + 1, stats["reward"], stats["entropy"])
             last = time.perf_counter()
             self._load_s, self._loads = 0.0, 0
             version = self._version = version + 1
@@ -359,7 +432,7 @@ class LearnerActor(BaseActor):
         They are judged by the policy only once the version they would be trained at is known.
         Cancelled while waiting, it takes nothing (channel receives are cancellation-safe); once it
         holds refs, it finishes loading them (shielded), so no received ref is ever dropped."""
-        refs = await self._receive(version + 1, self.spec.groups_per_step - len(self._fetched) - len(self._window))
+        refs = await self._receive(version + 1, self.spec.groups_per_step - len(self._fetched) - self._counted())
         with anyio.CancelScope(shield=True):
             for ref in refs:
                 batch = await self._load(ref)
@@ -379,11 +452,20 @@ class LearnerActor(BaseActor):
                 raise ValueError(f"ref {ref.key} comes from store {ref.store!r}, not {self.store.name!r}")
         return refs
 
+    def _counted(self) -> int:
+        """Groups in the window that count towards `groups_per_step`: all, or with replays riding along, the
+        ones never trained."""
+        if not self.spec.replays_ride_along:
+            return len(self._window)
+        return sum(not entry.reused for entry in self._window.entries())
+
     async def _collect(self, version: int) -> list[Taken[tuple[Ref, RolloutBatch]]]:
-        """`groups_per_step` groups to train on at `version`, picked by the selection policy from the
-        replay window: loaded groups (prefetched ones first) that have signal, and groups trained
-        before with uses left. Before they cost a step, groups without signal are filtered, groups the
-        staleness policy refuses are dropped or requeued, and used-up or too old reused ones are freed."""
+        """The groups to train on at `version`, picked by the selection policy from the replay window:
+        `groups_per_step` of the loaded groups (prefetched ones first) that have signal and the groups
+        trained before with uses left; with `replays_ride_along`, `groups_per_step` new ones plus every
+        reusable one. Before they cost a step,
+        groups without signal are filtered, groups the staleness policy refuses are dropped or requeued,
+        and used-up or too old reused ones are freed."""
         wanted, ctx = self.spec.groups_per_step, self.ctx
         self._examined = self._filtered = 0
         while True:
@@ -394,15 +476,16 @@ class LearnerActor(BaseActor):
                     await free(ctx, ref, self.store, self._frees)
                 else:
                     await refuse(ctx, ref, version, self.store, self._frees)
-            if len(self._window) >= wanted:
+            counted = self._counted()
+            if counted >= wanted:
                 break
-            for ref in await self._receive(version, wanted - len(self._window)):
+            for ref in await self._receive(version, wanted - counted):
                 batch = await self._load(ref)
                 if batch is not None:
                     self._fetched.append((ref, batch))
-        taken = self._window.take(version, wanted)
+        taken = self._window.take(version, wanted + len(self._window) - counted)  # + replays riding along
         replays = sum(t.reused for t in taken)
-        if replays:  # a replayed group fills the slot of a new one, so producers do not run ahead
+        if replays and not self.spec.replays_ride_along:  # it fills a new group's slot: producers must not run ahead
             await ctx.gate.replayed(replays)
         return taken
 
@@ -425,7 +508,7 @@ class LearnerActor(BaseActor):
             if selection.gave_up(self._filtered, self.spec.groups_per_step):
                 raise NoSignalError(
                     f"the step for version {version + 1} filtered {self._filtered} groups whose rewards were all "
-                    f"equal and still lacks {self.spec.groups_per_step - len(self._window)} of "
+                    f"equal and still lacks {self.spec.groups_per_step - self._counted()} of "
                     f"learner.groups_per_step = {self.spec.groups_per_step} groups with signal: the policy may have "
                     "collapsed (see the entropy metric) or the task is solved or hopeless for it; raise "
                     f"replay.max_filtered_batches (now {selection.max_filtered_batches}) to wait longer, or set "
@@ -448,44 +531,69 @@ class LearnerActor(BaseActor):
             return None
 
     def _step(self, batches: list[RolloutBatch]) -> dict[str, float]:
+        """One version's optimizer step(s) on `batches`; the loss and the diagnostics for the metrics."""
         model, opt, spec = self.model, self.optimizer, self.spec
         assert model is not None and opt is not None
-        width = max(int(np.diff(b.offsets).max()) for b in batches)
-        n = sum(b.rows for b in batches)
-        ids = torch.zeros((n, width), dtype=torch.long)
-        old = torch.zeros((n, width))
-        mask = torch.zeros((n, width))
-        attn = torch.zeros((n, width), dtype=torch.long)
-        rewards = torch.zeros(n)
-        group_index = torch.zeros(n, dtype=torch.long)
-        i = 0
-        for g, b in enumerate(batches):
-            for j in range(b.rows):
-                row = b.row(j)
-                k = len(row["tokens"])
-                ids[i, :k] = torch.from_numpy(row["tokens"].astype(np.int64))
-                old[i, :k] = torch.from_numpy(row["logprobs"].copy())
-                mask[i, :k] = torch.from_numpy(row["loss_mask"].astype(np.float32))
-                attn[i, :k] = 1
-                rewards[i] = float(b.row_fields["rewards"][j])
-                group_index[i] = g
-                i += 1
+        ids, old, mask, attn, rewards, group_index = _batch_tensors(batches)
         ids, old, mask, attn = (t.to(self.device) for t in (ids, old, mask, attn))
-        adv = group_advantages(rewards, group_index)[:, None].to(self.device)
+        adv = group_advantages(rewards, group_index, scale_by_std=spec.norm_adv_by_std)[:, None].to(self.device)
+        reduce = partial(aggregate, mode=spec.loss_agg_mode, max_tokens=spec.loss_max_tokens)
+        m = mask[:, 1:]
+        reference = self._reference_logprobs(ids, attn) if self.reference is not None else None
         proximal: torch.Tensor | None = None
+        lr = opt.param_groups[0]["lr"]
         for epoch in range(spec.epochs):  # PPO epochs: later passes see ratios move away from 1, and clip
             logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float() / spec.temperature
             logp_all = torch.log_softmax(logits, -1)
             logp = logp_all.gather(2, ids[:, 1:, None]).squeeze(-1)
             if epoch == 0:  # the proximal policy: the weights at the step's start, before any update of them;
                 proximal = logp.detach()  # epoch 0's forward runs on exactly those, so it costs no extra forward
-            loss, info = spec.correction.loss(logp, old[:, 1:], proximal, adv, mask[:, 1:], spec.clip_eps)
+            loss, info = spec.correction.loss(logp, old[:, 1:], proximal, adv, m, spec.clip_eps,
+                                              spec.clip_eps_high, reduce)
+            entropy = token_entropy(logp_all) if spec.entropy_coef > 0 else token_entropy(logp_all.detach())
+            if spec.entropy_coef > 0:
+                loss = loss - spec.entropy_coef * reduce(entropy, m)
+            if reference is not None:
+                kl = reduce(kl_k3(logp, reference), m)
+                loss = loss + spec.kl_coef * kl
+                info["kl_ref"] = float(kl)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), spec.max_grad_norm)
             opt.step()
-        with torch.no_grad():
-            m = mask[:, 1:]
-            entropy = -(logp_all.exp() * logp_all).sum(-1)
-            info["entropy"] = float((entropy * m).sum() / m.sum().clamp(min=1))
+        self.scheduler.step()
+        info["entropy"] = float((entropy.detach() * m).sum() / m.sum().clamp(min=1))
+        info["reward"] = round(float(np.mean([b.row_fields["rewards"].mean() for b in batches])), 4)  # per group
+        info["zero_var_frac"] = round(zero_variance_fraction(rewards, group_index), 4)
+        info["lr"] = lr
         return {"loss": round(loss.item(), 5), "grad_norm": round(float(grad_norm), 4), **info}
+
+    def _reference_logprobs(self, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Each token's logprob under the initial weights (the KL penalty's reference), without gradient."""
+        with torch.no_grad():
+            logits = self.reference(input_ids=ids, attention_mask=attn).logits[:, :-1].float() / self.spec.temperature
+            return torch.log_softmax(logits, -1).gather(2, ids[:, 1:, None]).squeeze(-1)
+
+
+def _batch_tensors(batches: list[RolloutBatch]) -> tuple[torch.Tensor, ...]:
+    """The step's rows, padded to the longest: token ids, behaviour logprobs, loss mask, attention mask
+    ([rows, T] each), and per row its reward and the index of its group ([rows] each)."""
+    width = max(int(np.diff(b.offsets).max()) for b in batches)
+    n = sum(b.rows for b in batches)
+    ids = torch.zeros((n, width), dtype=torch.long)
+    old, mask = torch.zeros((n, width)), torch.zeros((n, width))
+    attn = torch.zeros((n, width), dtype=torch.long)
+    rewards, group_index = torch.zeros(n), torch.zeros(n, dtype=torch.long)
+    i = 0
+    for g, b in enumerate(batches):
+        for j in range(b.rows):
+            row = b.row(j)
+            k = len(row["tokens"])
+            ids[i, :k] = torch.from_numpy(row["tokens"].astype(np.int64))
+            old[i, :k] = torch.from_numpy(row["logprobs"].copy())
+            mask[i, :k] = torch.from_numpy(row["loss_mask"].astype(np.float32))
+            attn[i, :k] = 1
+            rewards[i] = float(b.row_fields["rewards"][j])
+            group_index[i] = g
+            i += 1
+    return ids, old, mask, attn, rewards, group_index

@@ -1,18 +1,72 @@
-"""GRPO pieces: group-normalised advantages and the PPO-clip surrogate on behaviour logprobs."""
+"""GRPO pieces, each a pure function of tensors: advantages, the PPO-clip surrogate on behaviour logprobs,
+loss aggregation, the entropy and KL terms, diagnostics, and the learning-rate schedule.
+
+All per-token tensors are [rows, T] with a 0/1 `mask` marking the trained (model) tokens; a multi-turn
+row has several masked spans, and every function here only ever reads tokens through the mask.
+
+Loss aggregation (`aggregate`, verl's `loss_agg_mode`):
+* `token-mean` (DAPO): sum over all masked tokens of the batch / their count: every token weighs the
+  same, so a long response is not down-weighted;
+* `seq-mean-token-mean` (the original GRPO): each row's token mean, then the mean over rows that have
+  any masked token;
+* `seq-mean-token-sum-norm` (Dr. GRPO): each row's token sum divided by one constant `max_tokens`
+  (the same for every row, so no length normalisation), then the mean over rows.
+"""
 
 from __future__ import annotations
 
+import math
+from typing import Literal, get_args
+
 import torch
 
+from policies import correction
 
-def group_advantages(rewards: torch.Tensor, group_index: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
-    """(r - mean of its group) / (std of its group + eps), per row. A group of equal rewards gives 0."""
+LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+AGGREGATIONS: tuple[str, ...] = get_args(LossAggregation)
+LrDecay = Literal["constant", "linear", "cosine"]
+LR_DECAYS: tuple[str, ...] = get_args(LrDecay)
+
+
+def group_advantages(
+    rewards: torch.Tensor, group_index: torch.Tensor, eps: float = 1e-4, scale_by_std: bool = True
+) -> torch.Tensor:
+    """(r - mean of its group) / (std of its group + eps), per row; without `scale_by_std` (Dr. GRPO)
+    just r - mean of its group. A group of equal rewards gives 0 either way."""
     groups = int(group_index.max()) + 1
     count = torch.zeros(groups, dtype=rewards.dtype).index_add_(0, group_index, torch.ones_like(rewards))
     mean = torch.zeros(groups, dtype=rewards.dtype).index_add_(0, group_index, rewards) / count
     centred = rewards - mean[group_index]
+    if not scale_by_std:
+        return centred
     var = torch.zeros(groups, dtype=rewards.dtype).index_add_(0, group_index, centred**2) / (count - 1).clamp(min=1)
     return centred / (var.sqrt()[group_index] + eps)
+
+
+def zero_variance_fraction(rewards: torch.Tensor, group_index: torch.Tensor) -> float:
+    """Fraction of groups whose rewards are all equal, to 1e-6 (they give GRPO no gradient)."""
+    spread = group_advantages(rewards, group_index, scale_by_std=False).abs()
+    groups = int(group_index.max()) + 1
+    per_group = torch.zeros(groups, dtype=rewards.dtype).index_add_(0, group_index, spread)
+    return float((per_group < 1e-6).float().mean())  # float sums of equal rewards may not cancel exactly
+
+
+def aggregate(
+    per_token: torch.Tensor, mask: torch.Tensor, mode: LossAggregation = "token-mean", max_tokens: int | None = None
+) -> torch.Tensor:
+    """One scalar from a per-token loss, by `mode` (see the module docstring). `max_tokens` is Dr. GRPO's
+    constant divisor; unset, it is the batch's width T."""
+    masked = per_token * mask
+    if mode == "token-mean":
+        return masked.sum() / mask.sum().clamp(min=1)
+    rows = (mask.sum(-1) > 0).float()
+    if mode == "seq-mean-token-mean":
+        per_row = masked.sum(-1) / mask.sum(-1).clamp(min=1)
+    elif mode == "seq-mean-token-sum-norm":
+        per_row = masked.sum(-1) / float(max_tokens or per_token.shape[-1])
+    else:
+        raise ValueError(f"loss aggregation must be one of {', '.join(AGGREGATIONS)}, got {mode!r}")
+    return (per_row * rows).sum() / rows.sum().clamp(min=1)
 
 
 def ppo_clip_loss(
@@ -21,15 +75,50 @@ def ppo_clip_loss(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     clip_eps: float = 0.2,
+    clip_high: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Token-mean PPO-clip surrogate. All tensors [rows, T]; `advantages` broadcast per row."""
-    ratio = (logprobs - behaviour_logprobs).exp()
-    unclipped = ratio * advantages
-    clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages
-    per_token = -torch.minimum(unclipped, clipped)
-    tokens = mask.sum().clamp(min=1)
-    loss = (per_token * mask).sum() / tokens
-    with torch.no_grad():
-        clip_frac = (((ratio - 1).abs() > clip_eps).float() * mask).sum() / tokens
-        approx_kl = ((behaviour_logprobs - logprobs) * mask).sum() / tokens
-    return loss, {"clip_frac": float(clip_frac), "approx_kl": float(approx_kl)}
+    """Token-mean PPO-clip surrogate against the behaviour policy (the `none` correction), clip range
+    [1 - clip_eps, 1 + clip_high]. All tensors [rows, T]; `advantages` broadcast per row."""
+    return correction.none(logprobs, behaviour_logprobs, advantages, mask, clip_eps, clip_high=clip_high)
+
+
+def token_entropy(logp_all: torch.Tensor) -> torch.Tensor:
+    """Entropy of each position's next-token distribution, from log-probabilities [rows, T, vocab]."""
+    return -(logp_all.exp() * logp_all).sum(-1)
+
+
+def kl_k3(logprobs: torch.Tensor, reference_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(pi || pi_ref) on tokens sampled from pi (Schulman's; verl's
+    `low_var_kl`): exp(ref - logp) - (ref - logp) - 1, which is >= 0 and 0 exactly where they agree."""
+    delta = reference_logprobs - logprobs
+    return delta.exp() - delta - 1
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int, decay: LrDecay = "constant",
+              min_ratio: float = 0.0) -> float:
+    """Multiplier of the base learning rate at optimizer step `step`: linear warmup from 1/(warmup+1)
+    to 1 over `warmup_steps`, then constant, or a linear or cosine decay to `min_ratio` at `total_steps`."""
+    if step < warmup_steps:
+        return (step + 1) / (warmup_steps + 1)
+    if decay == "constant":
+        return 1.0
+    span = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / span)
+    if decay == "linear":
+        shape = 1.0 - progress
+    elif decay == "cosine":
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    else:
+        raise ValueError(f"lr decay must be one of {', '.join(LR_DECAYS)}, got {decay!r}")
+    return min_ratio + (1.0 - min_ratio) * shape
+
+
+def lr_scheduler(
+    optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int, decay: LrDecay = "constant",
+    min_ratio: float = 0.0, start: int = 0,
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """A LambdaLR over `lr_factor`, its first step being optimizer step `start` (a resumed run's version):
+    the rate is a function of the step alone, so a resumed run needs no scheduler state."""
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(start + step, warmup_steps, total_steps, decay, min_ratio)
+    )

@@ -8,7 +8,9 @@ Stages (as in the running pipeline, without payloads or time):
             capacity (they are FIFO stages in series);
   learner   a prefetch of up to `groups_per_step` loaded groups, and the `ReplayWindow` of
             policies.selection (admit / evict / select, and reuse), which it asks exactly as
-            stages/learner.py does; a replayed group counts as a started unit (`AdmissionGate.replayed`).
+            stages/learner.py does; a replayed group takes a new one's place and counts as a started unit
+            (`AdmissionGate.replayed`), or, with `replays_ride_along`, trains on top of `groups_per_step`
+            new groups and takes no admission slot.
 
 Each action is one event; any sequence of them is a legal interleaving (an impossible action is a
 no-op). `worst_case` plays the interleaving the static bound is derived from: producers fill every
@@ -94,7 +96,7 @@ class Sim:
 
     # -- learner ------------------------------------------------------------------------------
     def fetch(self) -> bool:
-        room = self.shape.groups_per_step - len(self.fetched) - len(self.window)
+        room = self.shape.groups_per_step - len(self.fetched) - self._counted()
         moved = False
         while room > 0 and self.queue:
             self.fetched.append(self.queue.popleft())
@@ -117,11 +119,19 @@ class Sim:
             if not entry.reused:
                 self.refused += 1
                 self.discarded += 1  # dropped or requeued: either frees its slot
-        if len(self.window) < self.shape.groups_per_step:
+        counted, wanted = self._counted(), self.shape.groups_per_step
+        if counted < wanted:
             return False
-        self.training = self.window.take(self.version, self.shape.groups_per_step)
-        self.started += sum(t.reused for t in self.training)  # AdmissionGate.replayed
+        self.training = self.window.take(self.version, wanted + len(self.window) - counted)
+        if not self.shape.replays_ride_along:
+            self.started += sum(t.reused for t in self.training)  # AdmissionGate.replayed
         return True
+
+    def _counted(self) -> int:
+        """Groups in the window that count towards groups_per_step (as LearnerActor._counted)."""
+        if not self.shape.replays_ride_along:
+            return len(self.window)
+        return sum(not entry.reused for entry in self.window.entries())
 
     def commit(self) -> bool:
         if self.training is None:

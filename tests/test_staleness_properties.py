@@ -30,6 +30,7 @@ def shapes(draw, max_reuse: bool = True, epochs: bool = False) -> PipelineShape:
         ready_channel=draw(st.integers(1, 4)),
         admission=draw(st.sampled_from(["pace", "eager"])),
         max_reuse=draw(st.integers(1, k + 1)) if max_reuse else 1,
+        replays_ride_along=draw(st.booleans()),
         epochs=draw(st.integers(1, 3)) if epochs else 1,
         corrected=draw(st.booleans()) if epochs else False,
     )
@@ -96,13 +97,14 @@ def test_static_validation_accepts_only_configs_whose_worst_case_holds_the_bound
     that reaches the learner within k, and no epoch trains more optimizer steps off the clip's reference
     than k (or than PPO's own epochs on on-policy data); and the derived arrival staleness bounds the
     worst case's. It is not exact: in some shapes with one-slot queues the derivation is above what the
-    worst case reaches (CONSERVATIVE), so the check refuses a few shapes that would hold."""
+    worst case reaches (CONSERVATIVE), so the check refuses a few shapes that would hold. Replays that
+    ride along do not change the derived arrival staleness (policies.bounds), and the worst case agrees."""
     steps = shape.capacity * shape.max_reuse // shape.groups_per_step + 2 * shape.k + 6
     sim = simulate(shape, "fifo").worst_case(steps)
     held = max(sim.arrival) <= shape.k and max(sim.lags) <= max(shape.k, shape.epochs - 1)
     if check(shape) == []:
         assert held, (max(sim.arrival), max(sim.lags))
-    if shape.max_reuse == 1:
+    if shape.max_reuse == 1 or shape.replays_ride_along:  # replays in new groups' places: bounded, not exact
         assert max(sim.arrival) <= arrival_staleness(shape)
 
 
@@ -152,3 +154,38 @@ def test_reuse_reaches_max_reuse_when_the_bound_allows_it(shape, kind) -> None:
     assert max(uses) <= shape.max_reuse
     if kind == "fifo" and shape.max_reuse > 1:
         assert max(uses) >= 2, (uses, sim.version)
+
+
+QUICKSTART_SHAPE = dict(groups_per_step=16, engines=1, batch_groups=16, produced_channel=64, buffer_refs=256,
+                        ready_channel=16, admission="pace")
+
+
+def test_replays_riding_along_are_accepted_at_small_k_and_throw_nothing_away() -> None:
+    """The quickstart's queues with max_reuse = 2 at k = 2..4 and replays riding along: accepted (with
+    replays in new groups' places the derivation multiplies the pipeline's depth by max_reuse and asks for
+    k = 46), and in the simulated worst case nothing arrives older than k, nothing is refused, and groups
+    are trained twice, each use within k."""
+    for k in (2, 3, 4):
+        assert arrival_staleness(PipelineShape(k=k, max_reuse=2, **QUICKSTART_SHAPE)) == 46
+        shape = PipelineShape(k=k, max_reuse=2, replays_ride_along=True, **QUICKSTART_SHAPE)
+        assert check(shape) == [], check(shape)
+        assert arrival_staleness(shape) == arrival_staleness(PipelineShape(k=k, **QUICKSTART_SHAPE)) == k
+        sim = simulate(shape, "fifo").worst_case(4 * k + 10)
+        assert max(sim.arrival) <= k and sim.refused == 0
+        assert max(sim.trained) <= k and Counter(sim.uses.values())[2] > 0
+        # each version consumed exactly groups_per_step new groups, and the replays came on top
+        assert len(sim.uses) == 16 * sim.version and sum(sim.uses.values()) > len(sim.uses)
+
+
+def test_eager_admission_with_replays_riding_along_is_bounded_by_the_queues_alone() -> None:
+    """`eager` leaves only the queues: the same derivation as without reuse, and it names the fix."""
+    shape = PipelineShape(k=4, max_reuse=2, replays_ride_along=True, **{**QUICKSTART_SHAPE, "admission": "eager"})
+    assert arrival_staleness(shape) == 23  # ceil(368 / 16), not 46
+    assert any("raise staleness.k to 23" in p for p in check(shape))
+
+
+def test_replays_in_new_groups_places_are_refused_with_the_fix_named() -> None:
+    """The default reuse (a replay takes a new group's slot) keeps the conservative derivation, and the
+    refusal names `replay.ride_along`."""
+    problems = check(PipelineShape(k=4, max_reuse=2, **QUICKSTART_SHAPE))
+    assert len(problems) == 1 and "46 versions old" in problems[0] and "replay.ride_along = true" in problems[0]

@@ -1,0 +1,149 @@
+"""Learning that holds up: the quickstart's settings with only the task changed, over seeds, and the same
+at staleness k = 4 and k = 8 with the correction the README recommends for them (`decoupled`).
+
+    python benchmarks/learning.py [--tasks reverse2,reverse3,reverse4,addition,math] [--seeds 0,1,2]
+                                  [--ks 2,4,8] [--budget-s 120] [--steps 1500] [--set key=value ...]
+
+Each row is one run (`baton run`, its own process): task, seed, k, the time from process start to a
+trailing mean train reward (last `--window` versions) of `--target` (0.8) and the version it happened
+at, the final trailing reward (and at versions 100, 200, 400, 800), the lowest entropy before the target,
+and the run's wall time. A run
+stops at the target plus `--after` versions (to show it holds), at `--steps`, or at `--budget-s`
+(then it counts as not reached). Versions are reported beside seconds: on a shared machine seconds
+depend on the load, versions do not. The math task trains configs/math.toml's dataset (make it first:
+`python tools/make_math_example.py runs/math-example`) with the quickstart's learner and staleness
+settings, and its threshold is the same trailing train reward (its reward is 0.8 x math_verify + 0.2 x
+format, so 0.8 needs nearly every answer right).
+
+Last stdout line: one JSON object with "rows" (one per task, seed and k), "figures" (reached / runs and
+the median seconds and versions to the target per k) and "ratios": reached_fraction (goal 1.0) and,
+against the k = 2 rows measured in the same invocation, the median time to target at k = 4 and 8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TASKS = {  # name -> (config, overrides)
+    "reverse2": ("configs/quickstart.toml", ["task.digits=2"]),
+    "reverse3": ("configs/quickstart.toml", ["task.digits=3"]),
+    "reverse4": ("configs/quickstart.toml", ["task.digits=4"]),
+    "addition": ("configs/quickstart.toml", ['task={kind="addition"}']),
+    "math": ("configs/math.toml", ["eval.every=0"]),
+}
+
+
+def run_once(task: str, seed: int, k: int, a: argparse.Namespace, root: Path) -> dict:
+    config, task_sets = TASKS[task]
+    sets = [*task_sets, f"seed={seed}", f"steps={a.steps}", f"staleness.k={k}", f"run_root='{root}'",
+            f"name='{task}-s{seed}-k{k}'", "telemetry.progress=false", "telemetry.log_level='warning'",
+            "checkpoint.every=0", *([] if k <= 2 else [f"correction.kind='{a.correction}'"]), *a.overrides]
+    cmd = [sys.executable, "-m", "baton.cli", "run", config, *[x for s in sets for x in ("--set", s)]]
+    started = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = None
+    while proc.poll() is None:  # stop the run once it has shown `after` versions past the target
+        time.sleep(1.0)
+        metrics = metrics or next(iter(sorted(root.glob(f"{task}-s{seed}-k{k}-*/metrics.jsonl"))), None)
+        elapsed = time.perf_counter() - started
+        if elapsed > a.budget_s or (metrics and _reached(_records(metrics), a, a.after) is not None):
+            proc.terminate()
+            proc.wait(timeout=60)
+    wall = time.perf_counter() - started
+    out, err = proc.communicate()
+    metrics = metrics or next(iter(sorted(root.glob(f"{task}-s{seed}-k{k}-*/metrics.jsonl"))), None)
+    records = _records(metrics) if metrics else []
+    if not records:
+        return {"task": task, "seed": seed, "k": k, "error": (err or out)[-500:]}
+    return _row(task, seed, k, records, a, wall)
+
+
+def _records(path: Path) -> list[dict]:
+    lines = path.read_text().splitlines()
+    return [json.loads(line) for line in lines if line.endswith("}")]
+
+
+def _trailing(records: list[dict], window: int) -> list[float]:
+    rewards = [r["reward"] for r in records]
+    return [statistics.fmean(rewards[max(0, i + 1 - window): i + 1]) for i in range(len(rewards))]
+
+
+def _reached(records: list[dict], a: argparse.Namespace, after: int = 0) -> int | None:
+    """Index of the first record whose trailing reward is >= target (with `after` more recorded), or None."""
+    for i, value in enumerate(_trailing(records, a.window)):
+        if i + 1 >= a.window and value >= a.target:
+            return i if len(records) > i + after else None
+    return None
+
+
+def _row(task: str, seed: int, k: int, records: list[dict], a: argparse.Namespace, wall: float) -> dict:
+    hit = _reached(records, a)
+    before = records[: hit + 1] if hit is not None else records
+    startup = max(0.0, wall - records[-1]["t"])  # imports, model load: process start to the run's clock
+    return {
+        "task": task, "seed": seed, "k": k,
+        "reached": hit is not None,
+        "seconds_to_target": round(startup + records[hit]["t"], 1) if hit is not None else None,
+        "versions_to_target": records[hit]["version"] if hit is not None else None,
+        "final_reward": round(_trailing(records, a.window)[-1], 4),
+        "reward_at": {v: round(_trailing(records, a.window)[v - 1], 4) for v in (100, 200, 400, 800)
+                      if len(records) >= v},  # trailing reward at these versions: comparable across loads
+        "versions": records[-1]["version"],
+        "min_entropy_before_target": round(min(r.get("entropy", 0.0) for r in before), 4),
+        "mean_staleness": round(statistics.fmean(r["staleness_mean"] for r in records), 2),
+        "wall_s": round(wall, 1),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tasks", default=",".join(TASKS))
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--ks", default="2,4,8", help="staleness bounds; above 2 the run uses --correction")
+    p.add_argument("--correction", default="decoupled")
+    p.add_argument("--steps", type=int, default=1500, help="most versions per run")
+    p.add_argument("--budget-s", type=float, default=180.0, help="most seconds per run")
+    p.add_argument("--target", type=float, default=0.8)
+    p.add_argument("--window", type=int, default=20, help="versions in the trailing mean reward")
+    p.add_argument("--after", type=int, default=40, help="versions a run goes on past the target")
+    p.add_argument("--set", dest="overrides", action="append", default=[], help="config override for every run")
+    a = p.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for k in (int(x) for x in a.ks.split(",")):
+            for task in a.tasks.split(","):
+                for seed in (int(x) for x in a.seeds.split(",")):
+                    rows.append(run_once(task, seed, k, a, Path(tmp)))
+                    print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    print(json.dumps({"benchmark": "learning", "overrides": a.overrides, **summarise(rows)}))
+
+
+def summarise(rows: list[dict]) -> dict:
+    """Per k: runs that reached the target and the medians over them; ratios against k = 2's medians."""
+    figures: dict[str, dict] = {}
+    for k in sorted({r["k"] for r in rows}):
+        mine = [r for r in rows if r["k"] == k]
+        hit = [r for r in mine if r.get("reached")]
+        figures[f"k{k}"] = {
+            "reached": f"{len(hit)}/{len(mine)}",
+            "median_seconds_to_target": statistics.median(r["seconds_to_target"] for r in hit) if hit else None,
+            "median_versions_to_target": statistics.median(r["versions_to_target"] for r in hit) if hit else None,
+        }
+    ratios = {"reached_fraction": round(sum(bool(r.get("reached")) for r in rows) / max(1, len(rows)), 3)}
+    reference = figures.get("k2", {}).get("median_seconds_to_target")
+    for name, f in figures.items():
+        if name != "k2" and reference and f["median_seconds_to_target"]:
+            ratios[f"{name}_time_vs_k2"] = round(f["median_seconds_to_target"] / reference, 3)
+    return {"rows": rows, "figures": figures, "ratios": ratios}
+
+
+if __name__ == "__main__":
+    main()
