@@ -403,7 +403,6 @@ class LearnerActor(BaseActor):
                 "tokens": int(sum(b.tokens for b in batches)),  # prompt + response tokens trained on
                 "version_s": round(time.perf_counter() - last, 4),  # this version, end to end
                 **stats,
-                **episode_metrics(batches),
                 **{f"events/{kind}": n for kind, n in self._events.update().items()},  # pipeline.events
             })
             self._watch_collapse(version + 1, stats["reward"], stats["entropy"])
@@ -566,7 +565,8 @@ class LearnerActor(BaseActor):
         info["reward"] = round(float(np.mean([b.row_fields["rewards"].mean() for b in batches])), 4)  # per group
         info["zero_var_frac"] = round(zero_variance_fraction(rewards, group_index), 4)
         info["lr"] = lr
-        return {"loss": round(loss.item(), 5), "grad_norm": round(float(grad_norm), 4), **info}
+        return {"loss": round(loss.item(), 5), "grad_norm": round(float(grad_norm), 4), **info,
+                **episode_metrics(batches)}
 
     def _reference_logprobs(self, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Each token's logprob under the initial weights (the KL penalty's reference), without gradient."""
