@@ -23,11 +23,13 @@ from tools.make_math_example import make_math_data, make_qwen_like_model
 
 
 @pytest.mark.slow
-def test_an_openai_agent_trains_through_the_gateway(tmp_path: Path) -> None:
+@pytest.mark.parametrize("crash", [False, pytest.param(True, marks=pytest.mark.long)], ids=["clean", "engine-crash"])
+def test_an_openai_agent_trains_through_the_gateway(tmp_path: Path, crash: bool) -> None:
     model = make_qwen_like_model(tmp_path / "math-model", hidden_size=32, layers=1)
     train, _ = make_math_data(tmp_path / "data", train=32, eval=8)
+    faults = ["faults=[{kind='engine.crash', at=[4, 9]}]"] if crash else []
     s = baton_run(tmp_path, "agent-gateway.toml", "steps=3", f"model.path='{model}'", f"task.path='{train}'",
-                  "task.max_new_tokens=16", "gateway.agents=8")
+                  "task.max_new_tokens=16", "gateway.agents=8", *faults)
     run_dir = Path(s["run_dir"])
     assert s["version"] == 3 and s["ledger_balanced"]
     assert s["samples"]["trained"] == 3 * 4 * 4
@@ -35,8 +37,10 @@ def test_an_openai_agent_trains_through_the_gateway(tmp_path: Path) -> None:
     assert served["base_url"].startswith("http://127.0.0.1:")
     token = Path(served["token_file"])
     assert stat.S_IMODE(token.stat().st_mode) == 0o600 and len(token.read_text().strip()) >= 32
-    records = check_ledger(run_dir, bound=2)
+    records = check_ledger(run_dir, bound=2)  # nothing trained twice, nothing lost uncounted
     assert sum(r["fate"] == "trained" for r in records) == s["samples"]["trained"]
+    if crash:  # the agents heard 503 and resent (the openai client retries); each failure is a run event
+        assert s["events"]["gateway.engine_failed"] == 2
 
 
 class Gate:

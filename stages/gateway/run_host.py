@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from pipeline import plugins
-from stages.engines.base import Completion, SamplingParams
+from stages.engines.base import Completion, EngineError, SamplingParams
 from stages.episode import Episode, EpisodeFailed
 from stages.gateway.host import OpenedEpisode, OverBudget
 from stages.tasks import Prompt
@@ -84,7 +84,11 @@ class RolloutHost:
         group = self._episodes.get(episode_id) if episode_id is not None else None
         worker = group.worker if group is not None else max(self.workers, key=lambda w: w.room.free)
         stops = tuple(dict.fromkeys((*params.stop_token_ids, *worker.spec.stop_token_ids)))
-        (completion,) = await worker.engine.generate([prompt_ids], replace(params, stop_token_ids=stops))
+        try:
+            (completion,) = await worker.engine.generate([prompt_ids], replace(params, stop_token_ids=stops))
+        except EngineError as exc:  # the agent hears 503 and may resend; the episode's record is unchanged
+            worker.ctx.event("gateway.engine_failed", engine=worker.engine.name, error=str(exc))
+            raise
         return completion
 
     async def finish(self, episode_id: str, segments: list[EpisodeTokens], reward: float | None,
