@@ -1,0 +1,124 @@
+"""Where does memory go when Mooncake Store serves a long run? A put/get/remove loop against a real
+`mooncake_master`, with no pipeline around it, sampling the RSS of the master and of this (client)
+process as it goes.
+
+    python tools/mooncake_memory_probe.py [--objects 100000] [--bytes 3000] [--segment-mib 1024]
+        [--holder-process] [--remove key|regex] [--fresh-keys|--same-keys]
+
+Each round puts `--batch` objects of `--bytes` under versioned keys (like the pipeline's
+`run/v{n}/{group}/{sample}`), reads them back, and removes them (one `remove` per key, or one
+`remove_by_regex` per version). With `--holder-process` the segment is mounted by a child process
+(`buffers.mooncake_holder`) and this process is a pure client, so the three RSS figures separate
+master, client and segment holder. Prints one JSON line: RSS MB of each role at 10 % and at the end,
+and growth per 100k objects; `segment_rss_mb` is the resident part of the mounted segment's mapping
+(read from /proc/PID/smaps), which shows how much of the growth is the segment's pages being touched
+for the first time rather than a leak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from buffers.mooncake import MooncakeSettings, MooncakeStore  # noqa: E402
+from buffers.mooncake_master import MooncakeMaster  # noqa: E402
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def rss_mb(pid: int) -> float:
+    return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * PAGE / 1e6
+
+
+def largest_mapping_rss_mb(pid: int, min_bytes: int) -> float:
+    """Resident MB of the mappings of at least `min_bytes` (the mounted segment is one of them)."""
+    total, size = 0, 0
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        if "-" in line.split(" ", 1)[0] and ":" not in line.split(" ", 1)[0]:
+            lo, hi = (int(x, 16) for x in line.split(" ", 1)[0].split("-"))
+            size = hi - lo
+        elif line.startswith("Rss:") and size >= min_bytes:
+            total += int(line.split()[1]) * 1024
+    return total / 1e6
+
+
+async def loop(store: MooncakeStore, a: argparse.Namespace, sample) -> None:
+    payload = os.urandom(a.bytes)
+    rounds = a.objects // a.batch
+    for n in range(rounds):
+        version = n if a.fresh_keys else 0
+        keys = [f"probe/v{version:08d}/g{i // 8}/s{i % 8}" for i in range(a.batch)]
+        for key in keys:
+            await store.put(key, payload)
+        for key in keys:
+            got = await store.get(key, len(payload))
+            assert bytes(got) == payload
+            del got
+        if a.remove == "key":
+            for key in keys:
+                await store.remove(key)
+        else:
+            await store.remove_matching(f"probe/v{version:08d}/")
+        sample(n + 1, rounds)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--objects", type=int, default=100_000)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--bytes", type=int, default=3000)
+    p.add_argument("--segment-mib", type=int, default=1024)
+    p.add_argument("--remove", choices=("key", "regex"), default="key")
+    p.add_argument("--same-keys", dest="fresh_keys", action="store_false", help="reuse one version's keys")
+    p.add_argument("--holder-process", action="store_true", help="mount the segment in a child process")
+    a = p.parse_args()
+    segment = a.segment_mib << 20
+    with MooncakeMaster() as master:
+        holder = None
+        if a.holder_process:
+            holder = subprocess.Popen(
+                [sys.executable, "-m", "buffers.mooncake_holder", master.address, str(segment)],
+                cwd=ROOT, stdout=subprocess.PIPE, text=True,
+            )
+            assert holder.stdout.readline().strip() == "ready"
+        store = MooncakeStore(MooncakeSettings(master_server_address=master.address,
+                                               global_segment_size=0 if holder else segment))
+        segment_pid = holder.pid if holder else os.getpid()
+        marks: dict[str, dict[str, float]] = {}
+
+        def sample(n: int, rounds: int) -> None:
+            if n == max(rounds // 10, 1) or n == rounds:
+                marks["start" if "start" not in marks else "end"] = {
+                    "mooncake_master": rss_mb(master.pid), "client": rss_mb(os.getpid()),
+                    **({"holder": rss_mb(holder.pid)} if holder else {}),
+                    "segment_rss_mb": largest_mapping_rss_mb(segment_pid, segment // 2),
+                    "objects": n * a.batch,
+                }
+
+        try:
+            asyncio.run(loop(store, a, sample))
+        finally:
+            asyncio.run(store.close())
+            if holder:
+                holder.terminate()
+                holder.wait()
+    start, end = marks["start"], marks["end"]
+    per = 1e5 / (end["objects"] - start["objects"])
+    print(json.dumps({
+        "args": vars(a),
+        "start_mb": {k: round(v, 1) for k, v in start.items()},
+        "end_mb": {k: round(v, 1) for k, v in end.items()},
+        "mb_per_100k_objects": {k: round((end[k] - start[k]) * per, 2) for k in start if k != "objects"},
+    }))
+
+
+if __name__ == "__main__":
+    main()
