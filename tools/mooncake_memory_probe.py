@@ -3,16 +3,16 @@
 process as it goes.
 
     python tools/mooncake_memory_probe.py [--objects 100000] [--bytes 3000] [--segment-mib 1024]
-        [--holder-process] [--remove key|regex] [--fresh-keys|--same-keys]
+        [--holder-process] [--remove key|regex] [--same-keys] [--lease-ms 1]
 
 Each round puts `--batch` objects of `--bytes` under versioned keys (like the pipeline's
 `run/v{n}/{group}/{sample}`), reads them back, and removes them (one `remove` per key, or one
 `remove_by_regex` per version). With `--holder-process` the segment is mounted by a child process
 (`buffers.mooncake_holder`) and this process is a pure client, so the three RSS figures separate
-master, client and segment holder. Prints one JSON line: RSS MB of each role at 10 % and at the end,
-and growth per 100k objects; `segment_rss_mb` is the resident part of the mounted segment's mapping
-(read from /proc/PID/smaps), which shows how much of the growth is the segment's pages being touched
-for the first time rather than a leak.
+master, client and segment holder. Prints one JSON line: RSS MB of each role at 10 %, 55 % and the
+end, and its growth per 100k objects from 10 % and over the second half; `segment_rss_mb` is the
+resident part of the mounted segment's mapping (read from /proc/PID/smaps), which shows how much of
+the growth is the segment's pages being touched for the first time rather than a leak.
 """
 
 from __future__ import annotations
@@ -79,9 +79,10 @@ def main() -> None:
     p.add_argument("--remove", choices=("key", "regex"), default="key")
     p.add_argument("--same-keys", dest="fresh_keys", action="store_false", help="reuse one version's keys")
     p.add_argument("--holder-process", action="store_true", help="mount the segment in a child process")
+    p.add_argument("--lease-ms", type=int, default=1, help="the master's lease after a get (the pipeline's: 500)")
     a = p.parse_args()
     segment = a.segment_mib << 20
-    with MooncakeMaster() as master:
+    with MooncakeMaster(lease_ttl_ms=a.lease_ms) as master:
         holder = None
         if a.holder_process:
             holder = subprocess.Popen(
@@ -95,8 +96,9 @@ def main() -> None:
         marks: dict[str, dict[str, float]] = {}
 
         def sample(n: int, rounds: int) -> None:
-            if n == max(rounds // 10, 1) or n == rounds:
-                marks["start" if "start" not in marks else "end"] = {
+            mark = {max(rounds // 10, 1): "start", max(rounds * 55 // 100, 2): "mid", rounds: "end"}.get(n)
+            if mark:
+                marks[mark] = {
                     "mooncake_master": rss_mb(master.pid), "client": rss_mb(os.getpid()),
                     **({"holder": rss_mb(holder.pid)} if holder else {}),
                     "segment_rss_mb": largest_mapping_rss_mb(segment_pid, segment // 2),
@@ -110,13 +112,14 @@ def main() -> None:
             if holder:
                 holder.terminate()
                 holder.wait()
-    start, end = marks["start"], marks["end"]
-    per = 1e5 / (end["objects"] - start["objects"])
+    def rate(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+        return {k: round((b[k] - a[k]) * 1e5 / (b["objects"] - a["objects"]), 2) for k in a if k != "objects"}
+
     print(json.dumps({
         "args": vars(a),
-        "start_mb": {k: round(v, 1) for k, v in start.items()},
-        "end_mb": {k: round(v, 1) for k, v in end.items()},
-        "mb_per_100k_objects": {k: round((end[k] - start[k]) * per, 2) for k in start if k != "objects"},
+        **{f"{name}_mb": {k: round(v, 1) for k, v in marks[name].items()} for name in ("start", "mid", "end")},
+        "mb_per_100k_objects": rate(marks["start"], marks["end"]),
+        "mb_per_100k_objects_second_half": rate(marks["mid"], marks["end"]),
     }))
 
 
