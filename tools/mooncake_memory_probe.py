@@ -25,6 +25,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -70,6 +72,57 @@ async def loop(store: MooncakeStore, a: argparse.Namespace, sample) -> None:
         sample(n + 1, rounds)
 
 
+def transfer_receiver(nbytes: int) -> None:
+    """The child of `--writes`: a TransferEngine with `nbytes` registered; prints "port address"
+    and stays until its stdin closes."""
+    from stages.weights.mooncake_p2p import _transfer_engine
+
+    te = _transfer_engine("tcp", "")
+    slot = np.zeros(nbytes, dtype=np.uint8)
+    assert te.register_memory(slot.ctypes.data, nbytes) == 0
+    print(te.get_rpc_port(), slot.ctypes.data, flush=True)
+    sys.stdin.read()
+
+
+def transfer_loop(a: argparse.Namespace) -> None:
+    """`--writes N`: N weight-push-shaped writes (`--bytes` in two buckets, as `mooncake_p2p` does
+    for the tiny model) from this process's TransferEngine into a child's registered slot."""
+    from stages.weights.mooncake_p2p import _transfer_engine
+
+    child = subprocess.Popen([sys.executable, __file__, "--receiver", str(a.bytes)], cwd=ROOT,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    port, slot = (int(x) for x in child.stdout.readline().split())
+    te = _transfer_engine("tcp", "")
+    source = np.ones(a.bytes, dtype=np.uint8)
+    assert te.register_memory(source.ctypes.data, a.bytes) == 0
+    half = a.bytes // 2
+    marks = {}
+    for n in range(1, a.writes + 1):
+        rc = te.batch_transfer_sync_write(f"127.0.0.1:{port}", [source.ctypes.data, source.ctypes.data + half],
+                                          [slot, slot + half], [half, a.bytes - half])
+        assert rc == 0, rc
+        mark = {max(a.writes // 10, 1): "start", max(a.writes * 55 // 100, 2): "mid", a.writes: "end"}.get(n)
+        if mark:
+            marks[mark] = {"writer": rss_mb(os.getpid()), "receiver": rss_mb(child.pid), "objects": n}
+    child.stdin.close()
+    child.wait()
+    report(a, marks)
+
+
+def report(a: argparse.Namespace, marks: dict[str, dict[str, float]]) -> None:
+    """One JSON line: each role's RSS at 10 %, 55 % and the end, and its growth per 100k operations."""
+
+    def rate(x: dict[str, float], y: dict[str, float]) -> dict[str, float]:
+        return {k: round((y[k] - x[k]) * 1e5 / (y["objects"] - x["objects"]), 2) for k in x if k != "objects"}
+
+    print(json.dumps({
+        "args": vars(a),
+        **{f"{name}_mb": {k: round(v, 1) for k, v in marks[name].items()} for name in ("start", "mid", "end")},
+        "mb_per_100k_objects": rate(marks["start"], marks["end"]),
+        "mb_per_100k_objects_second_half": rate(marks["mid"], marks["end"]),
+    }))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--objects", type=int, default=100_000)
@@ -80,7 +133,13 @@ def main() -> None:
     p.add_argument("--same-keys", dest="fresh_keys", action="store_false", help="reuse one version's keys")
     p.add_argument("--holder-process", action="store_true", help="mount the segment in a child process")
     p.add_argument("--lease-ms", type=int, default=1, help="the master's lease after a get (the pipeline's: 500)")
+    p.add_argument("--writes", type=int, default=0, help="probe TransferEngine instead: this many 2-bucket writes")
+    p.add_argument("--receiver", type=int, default=0, help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.receiver:
+        return transfer_receiver(a.receiver)
+    if a.writes:
+        return transfer_loop(a)
     segment = a.segment_mib << 20
     with MooncakeMaster(lease_ttl_ms=a.lease_ms) as master:
         holder = None
@@ -112,15 +171,7 @@ def main() -> None:
             if holder:
                 holder.terminate()
                 holder.wait()
-    def rate(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
-        return {k: round((b[k] - a[k]) * 1e5 / (b["objects"] - a["objects"]), 2) for k in a if k != "objects"}
-
-    print(json.dumps({
-        "args": vars(a),
-        **{f"{name}_mb": {k: round(v, 1) for k, v in marks[name].items()} for name in ("start", "mid", "end")},
-        "mb_per_100k_objects": rate(marks["start"], marks["end"]),
-        "mb_per_100k_objects_second_half": rate(marks["mid"], marks["end"]),
-    }))
+    report(a, marks)
 
 
 if __name__ == "__main__":
