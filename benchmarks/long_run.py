@@ -10,7 +10,12 @@ Prints, then as the last stdout line one JSON object with "figures" and "ratios"
 * late_vs_early_version_s: median version wall time (metrics' `version_s`) over the last 10 % of
   versions / over versions 50-150 (goal <= 1.1);
 * rss_growth_mb_per_100k_samples: RSS growth between version 150 and the end, per 100k samples
-  trained (goal <= 10);
+  trained (goal <= 10), and rss_growth_mb_per_100k_second_half: the same over the second half of
+  that span only. The allocators (glibc arenas, Mooncake's and Ray's clients) take a few thousand
+  versions to reach their working set, so in a short run the first figure is mostly that warm-up and
+  the second is the slope a week-long run keeps. `figures.rss_by_role` splits both by process role
+  (the run's main process, mooncake_master, gcs_server, raylet, each Ray worker by actor and pid, ...);
+  `--rss-trace FILE` writes every per-second sample;
 * checkpoint seconds, first vs last, and the medians of the first and last ten (`checkpoints.jsonl`);
 * the ledger: rows in its store, records ledger.json held (none beyond 1M samples).
 """
@@ -30,9 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGE = 4096
 
 
-def rss_mb(root_pid: int) -> float:
-    """RSS of `root_pid`'s process tree in MB (on Ray, the local cluster the run starts is in it: gcs, raylet,
-    every `ray::` worker)."""
+def process_tree(root_pid: int) -> set[int]:
+    """`root_pid` and its descendants (on Ray with a local cluster: gcs, raylet, every `ray::` worker)."""
     parents: dict[int, int] = {}
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit():
@@ -45,13 +49,43 @@ def rss_mb(root_pid: int) -> float:
         more = {pid for pid, parent in parents.items() if parent in tree} - tree
         tree |= more
         grew = bool(more)
-    total = 0
-    for pid in tree:
+    return tree
+
+
+def role_of(pid: int, root_pid: int) -> str:
+    """What a process is, from its command line: "main" (the run's process), "mooncake_master",
+    "gcs_server", "raylet", a Ray worker by its actor and pid ("ray::StageHost@1234": its title names
+    the running method too, which changes), a Python helper by its script, else its program's name."""
+    if pid == root_pid:
+        return "main"
+    try:
+        argv = [a.decode(errors="replace") for a in (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0")]
+    except OSError:
+        return "gone"
+    if argv[0].startswith("ray::"):
+        return f"{argv[0].split()[0].split('.')[0]}@{pid}"
+    for name in ("mooncake_master", "gcs_server", "raylet", "mooncake_holder"):
+        if any(name in arg for arg in argv[:3]):
+            return name
+    program = Path(argv[0].split()[0]).name if argv[0] else "?"
+    if program.startswith("python") and len(argv) > 1:
+        script = next((a for a in argv[1:] if a.endswith(".py") or a.startswith("ray.") or "." in a), argv[1])
+        return f"python {Path(script).name}"
+    return program
+
+
+def rss_by_role(root_pid: int) -> dict[str, float]:
+    """RSS in MB of `root_pid`'s process tree, summed per role (`role_of`); processes of one role
+    (e.g. two engine workers) are added up."""
+    roles: dict[str, float] = {}
+    for pid in process_tree(root_pid):
         try:
-            total += int((Path("/proc") / str(pid) / "statm").read_text().split()[1]) * PAGE
+            rss = int((Path("/proc") / str(pid) / "statm").read_text().split()[1]) * PAGE / 1e6
         except (OSError, ValueError, IndexError):
             continue
-    return total / 1e6
+        role = role_of(pid, root_pid)
+        roles[role] = roles.get(role, 0.0) + rss
+    return roles
 
 
 def latest_version(metrics: Path) -> int:
@@ -71,14 +105,19 @@ def latest_version(metrics: Path) -> int:
     return 0
 
 
-def run_sampled(cmd: list[str], root: Path) -> tuple[dict, list[tuple[float, int, float]]]:
-    """Run `cmd`, sampling (seconds, version, RSS MB) every second; returns its summary and the samples."""
+Sample = tuple[float, int, float, dict[str, float]]  # seconds, version, RSS MB of the tree, RSS MB per role
+
+
+def run_sampled(cmd: list[str], root: Path) -> tuple[dict, list[Sample]]:
+    """Run `cmd`, sampling (seconds, version, RSS MB, RSS MB per role) every second; returns its
+    summary and the samples."""
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     samples, t0 = [], time.monotonic()
     while proc.poll() is None:
         metrics = next(root.glob("*/metrics.jsonl"), None)
         version = latest_version(metrics) if metrics else 0
-        samples.append((time.monotonic() - t0, version, rss_mb(proc.pid)))
+        roles = rss_by_role(proc.pid)
+        samples.append((time.monotonic() - t0, version, sum(roles.values()), roles))
         time.sleep(1.0)
     out = proc.stdout.read()
     if proc.returncode != 0:
@@ -86,7 +125,37 @@ def run_sampled(cmd: list[str], root: Path) -> tuple[dict, list[tuple[float, int
     return json.loads(out.strip().splitlines()[-1]), samples
 
 
-def figures_of(summary: dict, samples: list[tuple[float, int, float]], per_version: int) -> dict:
+def write_trace(path: Path, samples: list[Sample]) -> None:
+    with open(path, "w") as f:
+        for t, version, mb, roles in samples:
+            per_role = {role: round(x, 1) for role, x in roles.items()}
+            f.write(json.dumps({"s": round(t, 1), "version": version, "mb": round(mb, 1), "roles": per_role}) + "\n")
+
+
+def growth_per_100k(a: Sample, b: Sample, per_version: int, role: str | None = None) -> float | None:
+    """RSS growth from sample `a` to `b` (of `role`, or of the whole tree) per 100k samples trained."""
+    grown = (b[1] - a[1]) * per_version
+    mb = (b[3].get(role, 0.0) - a[3].get(role, 0.0)) if role else b[2] - a[2]
+    return round(mb / grown * 1e5, 2) if grown > 0 else None
+
+
+def growth_by_role(start: Sample, mid: Sample, end: Sample, per_version: int) -> dict[str, dict]:
+    """Per role: RSS MB at `start`, `mid` and `end`, its growth per 100k samples trained from start to
+    end and over the second half (mid to end: past the allocators' warm-up, the rate a long run keeps)."""
+    roles = sorted(set(start[3]) | set(end[3]), key=lambda r: -(end[3].get(r, 0.0) - start[3].get(r, 0.0)))
+    return {
+        role: {
+            "mb_start": round(start[3].get(role, 0.0), 1),
+            "mb_mid": round(mid[3].get(role, 0.0), 1),
+            "mb_end": round(end[3].get(role, 0.0), 1),
+            "mb_per_100k_samples": growth_per_100k(start, end, per_version, role),
+            "mb_per_100k_second_half": growth_per_100k(mid, end, per_version, role),
+        }
+        for role in roles
+    }
+
+
+def figures_of(summary: dict, samples: list[Sample], per_version: int) -> dict:
     run_dir = Path(summary["run_dir"])
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     version_s = [r["version_s"] for r in records]
@@ -95,6 +164,7 @@ def figures_of(summary: dict, samples: list[tuple[float, int, float]], per_versi
     start = next((s for s in samples if s[1] >= 150), samples[0])
     training = [s for s in samples if s[1] < len(records)] or samples
     end = training[-1]  # the last sample while it trained (not the report rendered at its end)
+    mid = next(s for s in training if s[1] >= (start[1] + end[1]) // 2)
     grown = (end[1] - start[1]) * per_version
     checkpoints = [json.loads(x) for x in (run_dir / "checkpoints.jsonl").read_text().splitlines()]
     import sqlite3
@@ -108,7 +178,10 @@ def figures_of(summary: dict, samples: list[tuple[float, int, float]], per_versi
         "rss_mb_start": round(start[2], 1), "rss_mb_end": round(end[2], 1),
         "rss_mb_max": round(max(s[2] for s in samples), 1),
         "samples_between_rss": grown,
-        "rss_growth_mb_per_100k_samples": round((end[2] - start[2]) / grown * 1e5, 2) if grown else None,
+        "rss_growth_mb_per_100k_samples": growth_per_100k(start, end, per_version),
+        "rss_mb_mid": round(mid[2], 1),
+        "rss_growth_mb_per_100k_second_half": growth_per_100k(mid, end, per_version),
+        "rss_by_role": growth_by_role(start, mid, end, per_version),
         "checkpoint_s_first": checkpoints[0]["seconds"] if checkpoints else None,
         "checkpoint_s_last": checkpoints[-1]["seconds"] if checkpoints else None,
         # medians of the first and last ten: one checkpoint's seconds are noisy (the consumer's fsyncs)
@@ -129,6 +202,7 @@ def main() -> None:
     p.add_argument("--groups", type=int, default=4, help="learner.groups_per_step")
     p.add_argument("--group-size", type=int, default=2, help="rollout.group_size")
     p.add_argument("--set", dest="overrides", action="append", default=[])
+    p.add_argument("--rss-trace", help="also write every RSS sample here (JSON lines: seconds, version, MB per role)")
     a = p.parse_args()
     per_version = a.groups * a.group_size
     steps = -(-a.samples // per_version)
@@ -139,10 +213,13 @@ def main() -> None:
                 *a.overrides]
         cmd = [sys.executable, "-m", "baton.cli", "run", a.config, *[x for s in sets for x in ("--set", s)]]
         summary, samples = run_sampled(cmd, Path(tmp))
+        if a.rss_trace:
+            write_trace(Path(a.rss_trace), samples)
         figures = figures_of(summary, samples, per_version)
     ratios = {
         "late_vs_early_version_s": round(figures["version_s_late"] / figures["version_s_early"], 3),
         "rss_growth_mb_per_100k_samples": figures["rss_growth_mb_per_100k_samples"],
+        "rss_growth_mb_per_100k_second_half": figures["rss_growth_mb_per_100k_second_half"],
         "checkpoint_s_last10_vs_first10": round(figures["checkpoint_s_last10"] / figures["checkpoint_s_first10"], 3)
         if figures["checkpoint_s_first10"] else None,
     }
