@@ -224,12 +224,18 @@ class RolloutWorker(BaseActor):
         self.incarnation = uuid.uuid4().hex[:8]
         self.rng = ctx.rng(self.name)
         self.log = ctx.log(self.name)
-        self.setup = spec.episode_setup(ctx.policy)
-        self.room = Room(spec.batch_groups * spec.group_size)
         self._generating: dict[int, Prompt] = {}  # admitted, not yet recorded as produced (by admission number)
         self._admitted = 0
         self.groups = GroupOutbox(ctx, outbox, self._recorded, self._log_generation)
         self.gateway_host: RolloutHost | None = None  # set on the process's first worker in gateway mode
+
+    @functools.cached_property
+    def setup(self) -> EpisodeSetup:
+        return self.spec.episode_setup(self.ctx.policy)
+
+    @functools.cached_property
+    def room(self) -> Room:
+        return Room(self.spec.batch_groups * self.spec.group_size)
 
     async def start(self) -> None:
         resume = self.ctx.resume
