@@ -42,6 +42,7 @@ from benchmarks.async_vs_sync import steady_state  # noqa: E402
 
 BASE_CONFIG = ROOT / "configs" / "agent-feedback.toml"
 ENVIRONMENT = "benchmarks._long_tail_env:LongTailFeedback"
+MODEL = "runs/models/tiny-qwen2"  # agent-feedback.toml's, made there when missing
 GROUPS_PER_STEP = 16  # agent-feedback.toml's learner.groups_per_step
 
 
@@ -50,7 +51,7 @@ def overrides(args: argparse.Namespace, mode: str, root: Path) -> list[str]:
     but for `mode` and `staleness.k`."""
     k = 0 if mode == "sync" else args.k
     return [
-        f"steps={args.steps}", f"seed={args.seed}", f"run_root='{root}'", f"model.path='{ROOT / 'runs/models/tiny-qwen2'}'",
+        f"steps={args.steps}", f"seed={args.seed}", f"run_root='{root}'", f"model.path='{ROOT / MODEL}'",
         "telemetry.progress=false", "telemetry.log_level='warning'", f"mode='{mode}'", f"staleness.k={k}",
         f"environment.kind='{ENVIRONMENT}'", f"environment.seed={args.seed}", "environment.max_turns=16",
         "episode.max_turns=16", "episode.step_timeout_s=10", "episode.timeout_s=600",
@@ -113,12 +114,14 @@ def main() -> None:
     p.add_argument("--k", type=int, default=2, help="the async run's staleness bound (sync is k = 0)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-groups", type=int, default=0, help="engine.batch_groups (default (k + 1) * 16)")
+    p.add_argument("--run-root", default=None, help="keep the run folders here (default: a temporary folder)")
     p.add_argument("--sglang", action="store_true", help="also the SGLang prefix-cache hit fraction (slow)")
     p.add_argument("--set", dest="overrides", action="append", default=[], help="more config overrides")
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        sync = run_mode(a, "sync", Path(tmp))
-        asyn = run_mode(a, "async", Path(tmp))
+        root = Path(a.run_root or tmp)
+        sync = run_mode(a, "sync", root)
+        asyn = run_mode(a, "async", root)
     result = {
         "benchmark": "long_tail", "steps": a.steps, "warmup_versions": a.warmup, "k": a.k, "seed": a.seed,
         "figures": {"async": asyn}, "reference": {"sync": sync},
