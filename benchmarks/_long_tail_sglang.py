@@ -64,7 +64,11 @@ async def _episodes(routing: str, engines: list[SGLangEngine], setup: EpisodeSet
 
 
 async def _measure(seed: int, groups: int, group_size: int) -> dict:
-    folder = Path(tempfile.mkdtemp(prefix="long-tail-sglang-"))
+    with tempfile.TemporaryDirectory(prefix="long-tail-sglang-") as tmp:
+        return await _measure_in(Path(tmp), seed, groups, group_size)
+
+
+async def _measure_in(folder: Path, seed: int, groups: int, group_size: int) -> dict:
     model = make_tiny_model(folder / "tiny")
     tokenizer = load_tokenizer(model)
     stops = stop_token_ids(tokenizer)
@@ -77,10 +81,10 @@ async def _measure(seed: int, groups: int, group_size: int) -> dict:
     figures = {}
     for routing in ("sticky", "round_robin"):
         engines = [CountingEngine(model, name=f"sglang-{routing}-{i}", log_dir=folder) for i in range(2)]
-        async with anyio.create_task_group() as tg:  # fresh servers: nothing cached from the other routing
-            for engine in engines:
-                tg.start_soon(engine.start)
         try:
+            async with anyio.create_task_group() as tg:  # fresh servers: nothing cached from the other routing
+                for engine in engines:
+                    tg.start_soon(engine.start)
             await _episodes(routing, engines, setup, samples, group_size)
         finally:
             for engine in engines:
