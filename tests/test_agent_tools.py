@@ -160,7 +160,6 @@ async def test_tool_episodes_on_the_torch_engine(example: Path, tmp_path: Path) 
 @pytest.mark.anyio
 @pytest.mark.sglang
 @pytest.mark.slow
-@pytest.mark.long
 async def test_tool_episodes_on_sglang(example: Path, tmp_path: Path) -> None:
     from stages.engines.sglang import SGLangEngine
     from stages.engines.sglang_server import SGLangUnavailable, sglang_python
