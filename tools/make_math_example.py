@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import re
 import time
@@ -270,8 +269,6 @@ def _train(model, data: list[tuple[list[int], list[int]]], shared: int, steps: i
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        if os.environ.get("BATON_WARMUP_DEBUG") and step % 25 == 0:
-            print(step, float(loss))
     model.eval()
 
 
