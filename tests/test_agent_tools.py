@@ -96,10 +96,11 @@ async def run_tool_groups(engine, model: Path, train: Path, tmp_path: Path, grou
     for ref, prompt in zip(recorder.sent, prompts, strict=True):
         batch = decode(await store.get(ref.key))
         first = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": prompt.text}]
+        prompt_ids = renderer.prompt_ids(first, [CALCULATOR])  # the calculator's system prompt, the tool shown
         for i in range(batch.rows):
             row = batch.row(i)
-            assert int(row["prompt_lens"]) == len(renderer.prompt_ids(first, [CALCULATOR]))
-            turns = await check_row(row, renderer.prompt_ids(first, [CALCULATOR]), renderer, recording.calls, used)
+            assert int(row["prompt_lens"]) == len(prompt_ids)
+            turns = await check_row(row, prompt_ids, renderer, recording.calls, used)
             assert int(row["turns"]) == len(turns)
             counts["episodes"] += 1
             counts["turns"] += len(turns)
