@@ -200,7 +200,7 @@ def _tool_call(call: dict):
     return ToolCall(call["name"], call["arguments"])
 
 
-def tool_warmup(folder: str | Path, steps: int = 120, *, batch: int = 4, lr: float = 5e-3, seed: int = 0) -> float:
+def tool_warmup(folder: str | Path, steps: int = 150, *, batch: int = 4, lr: float = 1e-2, seed: int = 0) -> float:
     """Fine-tune the model in `folder` in place on calculator transcripts (`tool_transcript`) for
     `steps` steps of `batch` transcripts, loss on the assistant's tokens only; returns the seconds taken.
 
