@@ -22,6 +22,7 @@ import argparse
 import json
 import random
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -261,7 +262,7 @@ def _train(model, data: list[tuple[list[int], list[int]]], shared: int, steps: i
             ids[i, : len(tail)] = tail
             labels[i, : len(tail) - 1] = torch.where(torch.tensor(mask[shared + 1 :]) == 1, tail[1:], -100)
         with torch.no_grad():
-            cache = model(prefix, use_cache=True).past_key_values
+            cache = model(prefix, use_cache=True).cache
         cache.batch_repeat_interleave(batch)
         logits = model(ids, cache=cache).logits
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
@@ -296,4 +297,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the warmup uses the repo's `stages`
     main()
