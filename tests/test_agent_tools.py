@@ -93,9 +93,10 @@ async def run_tool_groups(engine, model: Path, train: Path, tmp_path: Path, grou
     renderer = ChatRenderer(load_tokenizer(model))
     counts = {"episodes": 0, "turns": 0, "valid_calls": 0, "first_turn_valid_calls": 0, "two_turns_after_a_call": 0}
     used: set[int] = set()
-    for ref, prompt in zip(recorder.sent, prompts, strict=True):
-        batch = decode(await store.get(ref.key))
-        first = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": prompt.text}]
+    batches = [decode(await store.get(ref.key)) for ref in recorder.sent]  # in the order groups finished
+    assert sorted(b.meta["prompt"] for b in batches) == sorted(p.text for p in prompts)
+    for batch in batches:
+        first = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": batch.meta["prompt"]}]
         prompt_ids = renderer.prompt_ids(first, [CALCULATOR])  # the calculator's system prompt, the tool shown
         for i in range(batch.rows):
             row = batch.row(i)
