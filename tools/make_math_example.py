@@ -1,7 +1,7 @@
 """Build the math example: a small random-init model shaped like a Qwen2 chat checkpoint, and a small
 math word-problem dataset. Nothing is downloaded; the same seed gives the same files.
 
-    python tools/make_math_example.py OUT_DIR [--seed 0]
+    python tools/make_math_example.py OUT_DIR [--seed 0] [--tool-warmup STEPS]
 
 writes OUT_DIR/model (config.json, model.safetensors, generation_config.json and a byte-level BPE
 tokenizer trained here with `tokenizers`: no BOS, `<|im_start|>`/`<|im_end|>` ChatML chat template,
@@ -9,6 +9,11 @@ tokenizer trained here with `tokenizers`: no BOS, `<|im_start|>`/`<|im_end|>` Ch
 the way Qwen 2.5's does) and OUT_DIR/data/{train,eval}.jsonl (`question`, `answer`).
 The problems are one-step additions and subtractions in words with answers 0..`max_answer`, so a
 2-layer model trained from random init with a math-verify reward learns some of them on 2 CPU cores.
+
+`--tool-warmup STEPS` (`tool_warmup`) then fine-tunes the model briefly on calculator transcripts
+(question -> `<tool_call>` -> tool result -> answer, rendered by its chat template with the calculator
+tool shown), so that its sampled turns are mostly well-formed tool calls (configs/agent-tools.toml).
+A random-init model never writes one, and a tool run would never see a tool result.
 """
 
 from __future__ import annotations
@@ -16,6 +21,9 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
+import sys
+import time
 from pathlib import Path
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -150,10 +158,129 @@ def make_qwen_like_model(folder: str | Path, *, vocab_size: int = 1024, hidden_s
     return folder
 
 
-def make_math_example(out: str | Path, seed: int = 0) -> tuple[Path, Path]:
-    """OUT/model and OUT/data/{train,eval}.jsonl; returns (model folder, data folder)."""
+WARMUP_POSITIONS = 2048  # a tool prompt alone is ~660 tokens of this tokenizer; an episode grows per turn
+
+
+def tool_transcript(row: dict[str, str]) -> list[dict]:
+    """A calculator conversation for one problem of `word_problem`: the calculator's system prompt, the
+    question, a call to add or subtract the problem's two numbers, its result, the answer."""
+    from stages.environments.calculator import SYSTEM_PROMPT
+
+    a, b = re.findall(r"\d+", row["question"])
+    expression = f"{a} + {b}" if int(a) + int(b) == int(row["answer"]) else f"{a} - {b}"
+    call = {"name": "calculator", "arguments": {"expression": expression}}
+    return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": row["question"]},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "name": "calculator", "content": row["answer"]},
+            {"role": "assistant", "content": row["answer"]}]
+
+
+def transcript_ids(renderer, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """(ids, loss mask) of a transcript built the way a tool episode's record is (prompt, then each
+    assistant turn and its stop token, then each reply rendered alone): 1 on the assistant's ids."""
+    from stages.environments.calculator import CALCULATOR
+    from stages.environments.tool_calls import render_turn
+
+    ids = renderer.prompt_ids(messages[:2], [CALCULATOR])
+    mask = [0] * len(ids)
+    for message in messages[2:]:
+        if message["role"] == "assistant":
+            calls = [_tool_call(c) for c in message.get("tool_calls") or []]
+            text = render_turn(message["content"], calls)
+            turn = renderer.tokenizer.encode(text, add_special_tokens=False) + [renderer.stop_ids[0]]
+        else:
+            turn = renderer.reply_ids([message], after_stop=True)
+        ids += turn
+        mask += [int(message["role"] == "assistant")] * len(turn)
+    return ids, mask
+
+
+def _tool_call(call: dict):
+    from stages.environments.base import ToolCall
+
+    return ToolCall(call["name"], call["arguments"])
+
+
+def tool_warmup(folder: str | Path, steps: int = 150, *, batch: int = 4, lr: float = 1e-2, seed: int = 0) -> float:
+    """Fine-tune the model in `folder` in place on calculator transcripts (`tool_transcript`) for
+    `steps` steps of `batch` transcripts, loss on the assistant's tokens only; returns the seconds taken.
+
+    Every transcript starts with the same system prompt (the tools), so each step encodes it once,
+    without gradient, and trains the rest of each transcript on that cache. One torch thread; the
+    model's positions grow to `WARMUP_POSITIONS` (RoPE: no weights change) to hold whole episodes."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2ForCausalLM
+
+    from stages.environments.render import ChatRenderer
+
+    started = time.perf_counter()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        model = Qwen2ForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        renderer = ChatRenderer(tokenizer)
+        rng = random.Random(seed)
+        data = [transcript_ids(renderer, tool_transcript(word_problem(rng, 9))) for _ in range(256)]
+        shared = _common_prefix([ids for ids, _ in data])
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            _train(model, data, shared, steps, batch, lr, rng)
+        model.config.max_position_embeddings = max(model.config.max_position_embeddings, WARMUP_POSITIONS)
+        model.save_pretrained(folder)
+    finally:
+        torch.set_num_threads(threads)
+    return time.perf_counter() - started
+
+
+def _common_prefix(sequences: list[list[int]]) -> int:
+    """How many leading ids all `sequences` share, less one (the tails then start with an id to predict from)."""
+    first, n = sequences[0], 0
+    while n < min(map(len, sequences)) and all(s[n] == first[n] for s in sequences):
+        n += 1
+    return n - 1
+
+
+def _train(model, data: list[tuple[list[int], list[int]]], shared: int, steps: int, batch: int, lr: float,
+           rng: random.Random) -> None:
+    """AdamW steps on right-padded transcript tails after the shared prefix's no-grad KV cache."""
+    import torch
+
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    prefix = torch.tensor([data[0][0][:shared]])
+    pad = model.config.pad_token_id
+    for step in range(steps):
+        for group in optimizer.param_groups:  # a short ramp up, then linear decay to 0 (sharp at the end)
+            group["lr"] = lr * min((step + 1) / 10, 1 - step / steps)
+        rows = rng.sample(data, batch)
+        width = max(len(ids) for ids, _ in rows) - shared
+        ids = torch.full((batch, width), pad)
+        labels = torch.full((batch, width), -100)
+        for i, (row_ids, mask) in enumerate(rows):
+            tail = torch.tensor(row_ids[shared:])
+            ids[i, : len(tail)] = tail
+            labels[i, : len(tail) - 1] = torch.where(torch.tensor(mask[shared + 1 :]) == 1, tail[1:], -100)
+        with torch.no_grad():
+            cache = model(prefix, use_cache=True).cache
+        cache.batch_repeat_interleave(batch)
+        logits = model(ids, cache=cache).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+    model.eval()
+
+
+def make_math_example(out: str | Path, seed: int = 0, tool_warmup_steps: int = 0) -> tuple[Path, Path]:
+    """OUT/model and OUT/data/{train,eval}.jsonl; returns (model folder, data folder). With
+    `tool_warmup_steps`, the model is then warm-started on calculator transcripts (`tool_warmup`)."""
     out = Path(out)
     model = make_qwen_like_model(out / "model", seed=seed)
+    if tool_warmup_steps:
+        seconds = tool_warmup(model, tool_warmup_steps, seed=seed)
+        print(f"tool warmup: {tool_warmup_steps} steps in {seconds:.1f} s")
     make_math_data(out / "data", seed=seed)
     return model, out / "data"
 
@@ -162,10 +289,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", help="folder to write model/ and data/ into")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tool-warmup", type=int, default=0, metavar="STEPS",
+                        help="fine-tune on calculator tool-call transcripts for STEPS steps (0: none)")
     args = parser.parse_args(argv)
-    model, data = make_math_example(args.out, args.seed)
+    model, data = make_math_example(args.out, args.seed, args.tool_warmup)
     print(f"model: {model}\ndata:  {data}/train.jsonl, {data}/eval.jsonl")
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the warmup uses the repo's `stages`
     main()
