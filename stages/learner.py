@@ -9,11 +9,12 @@ Each step:
    such replay, so each version consumes exactly `groups_per_step` new groups and the admission gate's
    pace argument (policies.bounds) holds with reuse as without it. Groups whose rewards are all equal
    are filtered on the way in (with `drop_zero_signal`; they give GRPO no gradient, and a producer
-   makes another in their place), groups
-   the staleness policy refuses are dropped or requeued, and all of it is counted; the next step's
-   groups are received and loaded while this step computes, and judged once their version is known;
-2. get + decode their payloads (checksum verified), compute group-normalised advantages and the
-   PPO-clip loss with the configured off-policy correction (`policies.correction`: none clips
+   makes another in their place), groups the staleness policy refuses are dropped or requeued, and
+   all of it is counted; the next step's groups are received and loaded while this step computes,
+   and judged once their version is known;
+2. get + decode their payloads (checksum verified), compute group-centred advantages (divided by the
+   group's std with `norm_adv_by_std`) and the PPO-clip loss with the configured off-policy
+   correction (`policies.correction`: none clips
    against each token's behaviour logprob; tis and decoupled clip against the learner's own logprobs
    at the step's start and weight tokens by pi_prox / pi_behav), aggregated over the loss mask as
    `loss_agg_mode` says, minus `entropy_coef` x entropy, plus `kl_coef` x the k3 KL to the initial
@@ -462,9 +463,8 @@ class LearnerActor(BaseActor):
         """The groups to train on at `version`, picked by the selection policy from the replay window:
         `groups_per_step` of the loaded groups (prefetched ones first) that have signal and the groups
         trained before with uses left; with `replays_ride_along`, `groups_per_step` new ones plus every
-        reusable one. Before they cost a step,
-        groups without signal are filtered, groups the staleness policy refuses are dropped or requeued,
-        and used-up or too old reused ones are freed."""
+        reusable one. Before they cost a step, groups without signal are filtered, groups the staleness
+        policy refuses are dropped or requeued, and used-up or too old reused ones are freed."""
         wanted, ctx = self.spec.groups_per_step, self.ctx
         self._examined = self._filtered = 0
         while True:
