@@ -33,11 +33,12 @@ class CountingEngine(SGLangEngine):
     prompt_tokens = 0
     cached_tokens = 0
 
-    def _completion(self, item: dict, submitted: int, params: SamplingParams):
-        meta = item["meta_info"]
-        self.prompt_tokens += int(meta.get("prompt_tokens", 0))
-        self.cached_tokens += int(meta.get("cached_tokens", 0))
-        return super()._completion(item, submitted, params)
+    async def generate(self, prompts, params: SamplingParams):
+        completions = await super().generate(prompts, params)
+        for completion in completions:  # SGLangEngine reports what the server's prefix cache served
+            self.prompt_tokens += completion.meta.get("prompt_tokens", 0)
+            self.cached_tokens += completion.meta.get("cached_tokens", 0)
+        return completions
 
 
 class RoundRobin:

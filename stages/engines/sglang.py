@@ -238,7 +238,9 @@ class SGLangEngine:
         for span in meta.get("weight_versions") or whole:
             versions[span["start"] : span["end"]] = self._parse_version(span["version"], submitted)
         stopped = finish == "stop" and len(tokens) > 0 and int(tokens[-1]) in params.stop_token_ids
-        return Completion(tokens, logprobs, versions, "stop" if stopped else "length", {"rid": meta.get("id")})
+        served = {"rid": meta.get("id"), "prompt_tokens": int(meta.get("prompt_tokens") or 0),
+                  "cached_tokens": int(meta.get("cached_tokens") or 0)}  # the server's prefix cache served these
+        return Completion(tokens, logprobs, versions, "stop" if stopped else "length", served)
 
     def _parse_version(self, tag: Any, submitted: int) -> int:
         """Our tags are str(version); the server's initial "default" is the weights it loaded."""
