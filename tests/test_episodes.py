@@ -192,3 +192,27 @@ def test_the_feedback_environment_learns_and_later_turns_fix_mistakes(tmp_path: 
     assert mean(late, "reward") >= mean(early, "reward") + 0.2, (mean(early, "reward"), mean(late, "reward"))
     assert mean(late, "episode/turn_score/2") > mean(late, "episode/turn_score/1") + 0.1
     check_ledger(Path(s["run_dir"]), bound=2)
+
+
+class Slow(DigitFeedback):
+    """Each step takes 0.3 s: two of them outlive an episode limit of 0.5 s."""
+
+    async def step(self, turn: ModelTurn) -> Step:
+        await anyio.sleep(0.3)
+        return Step([{"role": "user", "content": "0>"}], reward=0.0, done=False)
+
+
+@pytest.mark.anyio
+async def test_an_episode_past_its_time_limit_fails_counted(tiny: Path, tmp_path: Path) -> None:
+    engine = TorchEngine(tiny, seed=5)
+    await engine.start()
+    task = ReverseDigits(digits=2)
+    rollout = Rollout(task, [engine], tokenizer=tiny, group_size=2, environment=Slow,
+                      limits=EpisodeLimits(max_turns=5, timeout_s=0.5))
+    store, recorder = MemoryStore(), Recorder()
+    await worker_for(rollout, engine, store, recorder, tmp_path).produce([task.sample(Random(0))])
+    assert rollout.stats["episodes_failed"] == {"episode timed out after 0.5 s": 2}
+    (dropped,) = recorder.finished
+    assert dropped[0] == "dropped" and dropped[2] == "episode failed: episode timed out after 0.5 s"
+    assert not recorder.sent and recorder.discarded == 1, "a group with nothing left frees its slot"
+    await engine.stop()

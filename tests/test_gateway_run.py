@@ -29,10 +29,10 @@ def test_an_openai_agent_trains_through_the_gateway(tmp_path: Path, crash: bool)
     train, _ = make_math_data(tmp_path / "data", train=32, eval=8)
     faults = ["faults=[{kind='engine.crash', at=[4, 9]}]"] if crash else []
     s = baton_run(tmp_path, "agent-gateway.toml", "steps=3", f"model.path='{model}'", f"task.path='{train}'",
-                  "task.max_new_tokens=16", "gateway.agents=8", *faults)
+                  "task.max_new_tokens=16", "gateway.agents=64", "learner.groups_per_step=8", *faults)
     run_dir = Path(s["run_dir"])
     assert s["version"] == 3 and s["ledger_balanced"]
-    assert s["samples"]["trained"] == 3 * 4 * 4
+    assert s["samples"]["trained"] == 3 * 8 * 4  # 64 agents at once; the gate admits 24 groups of 4
     served = json.loads((run_dir / "gateway-torch-0.json").read_text())
     assert served["base_url"].startswith("http://127.0.0.1:")
     token = Path(served["token_file"])
