@@ -49,6 +49,7 @@ from stages.episode import (
     EpisodeFailed,
     EpisodeLimits,
     EpisodeSetup,
+    EpisodeStale,
     first_messages,
     run_episode,
     run_single_turns,
@@ -416,10 +417,28 @@ class RolloutWorker(BaseActor):
             finally:
                 self.room.give_back(size)
         results: list[Episode | EpisodeFailed] = [EpisodeFailed("not run")] * size
-        async with anyio.create_task_group() as tg:
-            for i in range(size):
-                tg.start_soon(self._episode, prompt, results, i)
+        rerun = list(range(size))
+        for attempt in range(self.spec.max_regenerations + 1):
+            async with anyio.create_task_group() as tg:
+                for i in rerun:
+                    tg.start_soon(self._episode, prompt, results, i)
+            if attempt == self.spec.max_regenerations or not (rerun := self._aged(results)):
+                break
+            self.room.take(len(rerun))  # the group's own episodes: they run before any new group
         return results
+
+    def _aged(self, results: list[Episode | EpisodeFailed]) -> list[int]:
+        """The ended episodes the staleness policy would refuse to train already at the engine's version (a
+        straggler of their group kept them waiting): each starts again from its sample (counted), so under
+        pace admission the group is not generated only to be dropped as stale."""
+        policy, version = self.setup.policy, self.engine.version
+        aged = []
+        for i, result in enumerate(results):
+            span = result.tokens.version_span() if isinstance(result, Episode) else None
+            if policy is not None and span is not None and policy.accept(version, span[0]) != "train":
+                self._episode_restarted(EpisodeStale(f"episode from version {span[0]} ended too old for {version}"))
+                aged.append(i)
+        return aged
 
     async def _episode(self, prompt: Prompt, results: list, i: int) -> None:
         """Episode `i` of a group into `results[i]`: an Episode, or EpisodeFailed (its environment failed)."""
