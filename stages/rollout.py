@@ -287,8 +287,7 @@ class RolloutWorker(BaseActor):
             tg.start_soon(self.groups.run)
             while True:
                 await self._evaluate_if_due()
-                self.ctx.note(self.name, "waiting for room for a group")
-                await self.room.wait_for(group_size)
+                await self.room.wait_for(group_size)  # meanwhile the last note says what is generating
                 self.ctx.note(self.name, "waiting at the admission gate")
                 t_gate = anyio.current_time()
                 n = await self.ctx.gate.acquire_many(self.room.free // group_size)
@@ -296,6 +295,8 @@ class RolloutWorker(BaseActor):
                 gate_s = anyio.current_time() - t_gate
                 for prompt in await self._next_prompts(n):
                     tg.start_soon(self._group, self._admit(prompt), prompt, admitted_at, gate_s)
+                self.ctx.note(self.name, f"generating {n} groups ({n * group_size} episodes) on engine "
+                              f"{self.engine.name} at version {self.engine.version}")
 
     async def _serve_gateway(self) -> None:
         """Gateway mode: episodes come from outside (stages.gateway.run_host); the first worker of the

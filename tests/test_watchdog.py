@@ -81,7 +81,7 @@ def test_a_wedged_engine_is_reported_then_fails_the_run_with_pipeline_hung(model
     }
     actors = {a.name: a for a in report.actors}
     rollout = actors["rollout:wedged-0"]
-    assert rollout.last_event == "generating 4 groups (16 requests) on engine wedged-0 at version 0", rollout
+    assert rollout.last_event == "generating 4 groups (16 episodes) on engine wedged-0 at version 0", rollout
     assert rollout.last_event_age_s >= 1.0
     assert any(any("HangingEngine.generate('wedged-0')" in f for f in chain) for chain in rollout.awaiting), rollout
     learner = actors["learner"]

@@ -40,6 +40,8 @@ from stages.engines.base import Completion, EngineError, SamplingParams
 from stages.engines.torch_batch import Batch, Call, Request, Sampling
 from stages.model import load_model
 
+CALL_SEED_STRIDE = 1_000_003  # call n's stream is seeded with seed + n * stride (call 0: the engine's seed)
+
 # transformers 5.x renamed `past_key_values` to `cache` (the old name warns); accept both
 _CACHE_KWARG = "cache" if "cache" in inspect.signature(Qwen2ForCausalLM.forward).parameters else "past_key_values"
 
@@ -65,7 +67,7 @@ class TorchEngine:
         self._serving = False  # a decode thread is running
         self._stopping = False
         self._weights_lock = threading.Lock()  # a swap never happens inside a forward pass
-        self._generator: torch.Generator | None = None
+        self._calls = 0  # generate calls so far: call n samples from its own stream, seeded from (seed, n)
         self.busy_s = 0.0
         self.policy = None  # the run's staleness policy (its `interrupt`); set by the rollout stage
         self.stats = {"interrupted": 0}
@@ -93,8 +95,6 @@ class TorchEngine:
         if self._model is None:
             model = await anyio.to_thread.run_sync(load_model, self.model_path, self.dtype)
             self._model = model.to(self.device).eval()
-            if self._generator is None:  # made on the device at the first start; a restart continues its draws
-                self._generator = torch.Generator(device=self.device).manual_seed(self.seed)
 
     async def stop(self) -> None:
         """Fail what is queued or decoding (EngineError: retry elsewhere) and release the model."""
@@ -142,6 +142,8 @@ class TorchEngine:
         if self._model is None:
             raise RuntimeError(f"engine {self.name} is not started")
         call = Call(prompts, params)
+        call.generator = torch.Generator(device=self.device).manual_seed(self.seed + self._calls * CALL_SEED_STRIDE)
+        self._calls += 1  # in call order on the event loop: the same calls get the same streams in every run
         if call.requests:
             self._submit(call.requests)
             try:
@@ -276,7 +278,7 @@ class TorchEngine:
             probs = torch.zeros_like(probs).scatter(-1, order, sorted_p * keep)
         # torch.multinomial's own method for one sample (argmax of p / Exp(1) noise), with the noise
         # drawn per call (see `Sampling`)
-        noise = probs.new_empty((sampling.noise_lines, probs.shape[1])).exponential_(1, generator=self._generator)
+        noise = sampling.noise(probs)
         if sampling.noise_rows is not None:
             noise = noise[sampling.noise_rows]
         nxt = (probs / noise).argmax(-1)

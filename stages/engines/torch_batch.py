@@ -71,6 +71,7 @@ class Call:
         self.results: list[Completion | None] = [None] * len(prompts)
         self.error: BaseException | None = None
         self.cancelled = False
+        self.generator: torch.Generator | None = None  # its random stream, set by the engine at submission
         self.finished = anyio.Event()
         if params.max_new_tokens <= 0:  # nothing to sample: every request is done already
             self.results = [r.completion() for r in self.requests]
@@ -123,6 +124,7 @@ class Sampling:
     top_p: torch.Tensor | None
     noise_lines: int
     noise_rows: torch.Tensor | None
+    calls: tuple[Call, ...] = ()  # the calls with a row in the batch, in the order their noise is drawn
 
     @classmethod
     def of(cls, rows: list[Request], device: torch.device) -> Sampling:
@@ -138,7 +140,14 @@ class Sampling:
                 total += len(r.call.requests)
         lines = [first_line[r.call] + r.index for r in rows]
         noise_rows = None if lines == list(range(total)) else torch.tensor(lines, device=device)
-        return cls(temperature, top_p, total, noise_rows)
+        return cls(temperature, top_p, total, noise_rows, tuple(first_line))
+
+    def noise(self, like: torch.Tensor) -> torch.Tensor:
+        """This step's Exp(1) noise, [noise_lines, vocab]: each call's lines from its own generator, so
+        what a request samples depends on its call and the weights, never on which other calls share
+        the batch or when they joined (a sync run is reproducible whatever the timing)."""
+        return torch.cat([like.new_empty((len(c.requests), like.shape[1])).exponential_(1, generator=c.generator)
+                          for c in self.calls])
 
 
 class Batch:
