@@ -62,6 +62,7 @@ class Finished:
     lengths: list[int] = field(default_factory=list)  # model tokens per stored episode
     put_s: float = 0.0
     gen_s: float = 0.0  # from the group's start to stored
+    started: float = 0.0  # when the group started (anyio time)
     gate_s: float = 0.0  # its admission's wait at the gate
     admission: int = 0  # the producer's admission number of its prompt
 
@@ -70,14 +71,16 @@ class GroupOutbox:
     """Records and sends finished groups in batches (one ledger call and one channel send per batch).
 
     `recording()` and `sending()` say what is between the ledger and the channel at any instant (a
-    checkpoint cut reads them); `report(batch)` is called after each batch for the generation log."""
+    checkpoint cut reads them); `report(batch, engine_s, record_s)` is called after each batch for the
+    generation log."""
 
     def __init__(self, ctx, outbox, on_recording: Callable[[list[Finished]], None],
-                 report: Callable[[list[Finished], float], None]) -> None:
+                 report: Callable[[list[Finished], float, float], None]) -> None:
         self.ctx, self.outbox = ctx, outbox  # the run's ledger and gate, through its context
         self._on_recording, self._report = on_recording, report
         self._queue: list[Finished] = []
         self._ready = anyio.Event()
+        self._last_ready = 0.0  # when the previous batch was ready (anyio time)
         self.recording: list[tuple[str, bytes]] = []
         self.sending: list[Ref] = []
 
@@ -111,4 +114,8 @@ class GroupOutbox:
             await self.ctx.gate.discard(whole_groups)
         await self.outbox.send_many(refs)
         self.sending = []
-        self._report(batch, anyio.current_time() - t0)
+        # the engine's share of the wall time: since the previous batch was ready, or since the earliest of
+        # these groups started when the engine was idle in between (`baton simulate --calibrate` reads it)
+        engine_s = t0 - max(self._last_ready, min(f.started for f in batch))
+        self._last_ready = t0
+        self._report(batch, engine_s, anyio.current_time() - t0)

@@ -394,7 +394,8 @@ class RolloutWorker(BaseActor):
                 if attempt == self.spec.max_regenerations:
                     raise
                 self._regenerating(1, exc)
-        finished.admission, finished.gen_s, finished.gate_s = admission, anyio.current_time() - t0, gate_s
+        finished.admission, finished.gate_s, finished.started = admission, gate_s, t0
+        finished.gen_s = anyio.current_time() - t0
         self.groups.put(finished)
 
     async def _engine_at(self, version: int) -> None:
@@ -582,11 +583,12 @@ class RolloutWorker(BaseActor):
         self.groups_made += 1
         return group_id
 
-    def _log_generation(self, batch: list[Finished], record_s: float) -> None:
+    def _log_generation(self, batch: list[Finished], engine_s: float, record_s: float) -> None:
         """One line per recorded batch of groups in the run folder's generation.jsonl (`baton simulate
-        --calibrate` reads it): groups, the longest wait at the gate of their admissions, the slowest
-        group's seconds from start to stored, the seconds
-        to record and send them, response tokens and their lengths, bytes stored."""
+        --calibrate` reads it as an engine call): groups, the longest wait at the gate of their
+        admissions, the engine's wall time for them (`gen_s`: since the previous batch was ready, or since
+        the earliest of them started if the engine was idle meanwhile), the slowest put, the seconds to
+        record and send them, response tokens and their lengths, bytes stored."""
         folder = getattr(self.ctx, "folder", None)
         if folder is None or not hasattr(folder, "append_record"):
             return
@@ -594,9 +596,8 @@ class RolloutWorker(BaseActor):
         folder.append_record(GENERATION_FILE, {
             "engine": self.engine.name, "t": round(time.time() - self.ctx.started_at, 4), "groups": len(batch),
             "group_size": self.spec.group_size, "gate_s": round(max(f.gate_s for f in batch), 5),
-            "gen_s": round(max(f.gen_s for f in batch), 5),
-            "put_s": round(max(f.put_s for f in batch), 5), "send_s": round(record_s, 5),
-            "tokens": int(sum(lengths)), "lengths": lengths,
+            "gen_s": round(engine_s, 5), "put_s": round(max(f.put_s for f in batch), 5),
+            "send_s": round(record_s, 5), "tokens": int(sum(lengths)), "lengths": lengths,
             "nbytes": int(sum(f.ref.nbytes for f in batch if f.ref is not None)),
         })
 
