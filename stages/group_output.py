@@ -23,7 +23,8 @@ from buffers.codec import RolloutBatch
 from pipeline.refs import Produced, Ref
 from stages.episode import Episode
 
-INFO_PREFIX = "info/"  # row fields holding an environment's per-episode numbers (NaN where absent)
+INFO_PREFIX = "info/"
+LINGER_S = 0.005  # how long a finished group waits for others before its batch is recorded and sent  # row fields holding an environment's per-episode numbers (NaN where absent)
 
 
 def version_span(episodes: list[Episode], fallback: int) -> tuple[int, int]:
@@ -91,6 +92,7 @@ class GroupOutbox:
     async def run(self) -> None:
         while True:
             await self._ready.wait()
+            await anyio.sleep(LINGER_S)  # groups that finish together (one engine step) go in one batch
             self._ready = anyio.Event()
             await self.flush()
 
