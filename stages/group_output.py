@@ -23,8 +23,8 @@ from buffers.codec import RolloutBatch
 from pipeline.refs import Produced, Ref
 from stages.episode import Episode
 
-INFO_PREFIX = "info/"
-LINGER_S = 0.005  # how long a finished group waits for others before its batch is recorded and sent  # row fields holding an environment's per-episode numbers (NaN where absent)
+INFO_PREFIX = "info/"  # row fields holding an environment's per-episode numbers (NaN where absent)
+LINGER_S = 0.005  # how long a finished group waits for others before its batch is recorded and sent
 
 
 def version_span(episodes: list[Episode], fallback: int) -> tuple[int, int]:
