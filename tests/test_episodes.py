@@ -185,7 +185,7 @@ def test_multi_turn_staleness_holds_across_turns(tmp_path: Path) -> None:
 
 @pytest.mark.long
 def test_the_feedback_environment_learns_and_later_turns_fix_mistakes(tmp_path: Path) -> None:
-    s = baton_run(tmp_path, "agent-feedback.toml", "steps=160")
+    s = baton_run(tmp_path, "agent-feedback.toml", "steps=240")  # async runs vary: 0.22-0.59 at 160
     metrics = [json.loads(line) for line in (Path(s["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     early, late = metrics[:20], metrics[-20:]
     mean = lambda rs, key: float(np.mean([r[key] for r in rs if key in r]))  # noqa: E731
