@@ -272,13 +272,8 @@ class Channel(Generic[T]):
         """Wait for one item, then take whatever else is there now, up to `max_items` in all."""
         if max_items < 1:
             raise ValueError(f"max_items must be >= 1, got {max_items}")
-        items = [await self.receive()]
-        while len(items) < max_items:
-            try:
-                items.append(self.receive_nowait())
-            except (anyio.WouldBlock, anyio.EndOfStream):
-                break
-        return items
+        first = await self.receive()
+        return [first, *self.receive_many_nowait(max_items - 1)]
 
     def receive_many_nowait(self, max_items: int) -> list[T]:
         """Take up to `max_items` items that are there now (maybe none); never waits or raises."""

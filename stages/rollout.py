@@ -393,7 +393,7 @@ class RolloutWorker(BaseActor):
             except StoreError as exc:
                 if attempt == self.spec.max_regenerations:
                     raise
-                self._regenerating(1, exc)
+                self._redone("regenerated", "groups.regenerated", exc)
         finished.admission, finished.gate_s, finished.started = admission, gate_s, t0
         finished.gen_s = anyio.current_time() - t0
         self.groups.put(finished)
@@ -438,7 +438,8 @@ class RolloutWorker(BaseActor):
         for i, result in enumerate(results):
             span = result.tokens.version_span() if isinstance(result, Episode) else None
             if policy is not None and span is not None and policy.accept(version, span[0]) != "train":
-                self._episode_restarted(EpisodeStale(f"episode from version {span[0]} ended too old for {version}"))
+                stale = EpisodeStale(f"episode from version {span[0]} ended too old for {version}")
+                self._redone("episodes_restarted", "episodes.restarted", stale)
                 aged.append(i)
         return aged
 
@@ -465,15 +466,17 @@ class RolloutWorker(BaseActor):
                 if attempt == self.spec.max_regenerations:
                     raise
                 if whole_group:
-                    self._regenerating(1, exc)
+                    self._redone("regenerated", "groups.regenerated", exc)
                 else:
-                    self._episode_restarted(exc)
+                    self._redone("episodes_restarted", "episodes.restarted", exc)
         raise AssertionError("unreachable")
 
-    def _episode_restarted(self, error: EngineError) -> None:
+    def _redone(self, stat: str, event: str, error: BaseException) -> None:
+        """Count work generated again after `error`: a whole group (stat "regenerated", event
+        groups.regenerated) or one episode (stat "episodes_restarted", event episodes.restarted)."""
         cause = type(error).__name__
-        self._count("episodes_restarted", cause)
-        self.ctx.event("episodes.restarted", engine=self.engine.name, cause=cause, error=str(error))
+        self._count(stat, cause)
+        self.ctx.event(event, engine=self.engine.name, cause=cause, error=str(error))
         plan = plan_of(self.ctx)
         if plan is not None:  # the fault runner counts these (they never reached the ledger)
             plan.record("regenerated", cause, self.name, groups=1)
@@ -481,15 +484,6 @@ class RolloutWorker(BaseActor):
     def _count(self, stat: str, key: str) -> None:
         counts = self.spec.stats.setdefault(stat, {})
         counts[key] = counts.get(key, 0) + 1
-
-    def _regenerating(self, groups: int, error: BaseException | None) -> None:
-        cause = type(error).__name__
-        counts = self.spec.stats.setdefault("regenerated", {})
-        counts[cause] = counts.get(cause, 0) + groups
-        self.ctx.event("groups.regenerated", count=groups, engine=self.engine.name, cause=cause, error=str(error))
-        plan = plan_of(self.ctx)
-        if plan is not None:  # the fault runner counts these (they never reached the ledger)
-            plan.record("regenerated", cause, self.name, groups=groups)
 
     async def _finish_group(self, prompt: Prompt, results: list[Episode | EpisodeFailed],
                             rewarded: bool = False) -> Finished:
