@@ -86,9 +86,10 @@ def _name(fn: Callable) -> str:
     return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
 
 
-async def call(fn: Callable, keywords: dict[str, Any]) -> Any:
-    """Call `fn` with the keywords it declares: awaited if async, else in a worker thread."""
-    picked = accepted_keywords(fn)(keywords)
+async def call(fn: Callable, keywords: dict[str, Any], pick: Callable | None = None) -> Any:
+    """Call `fn` with the keywords it declares (`pick`: `accepted_keywords(fn)`, if the caller keeps it):
+    awaited if async, else in a worker thread."""
+    picked = (pick or accepted_keywords(fn))(keywords)
     if inspect.iscoroutinefunction(fn):
         return await fn(**picked)
     result = await anyio.to_thread.run_sync(partial(fn, **picked), abandon_on_cancel=True)
@@ -115,12 +116,12 @@ class RewardFunction:
             raise ValueError(f"reward.timeout_s must be > 0 (or unset), got {self.timeout_s}")
         if self.batched is None:
             self.batched = bool(getattr(self.fn, "batched", False))
-        accepted_keywords(self.fn)  # a function asking for an unknown keyword fails here, not mid-run
+        self._pick = accepted_keywords(self.fn)  # a function asking for an unknown keyword fails here, not mid-run
 
     async def score(self, samples: Sequence[Sample]) -> Scores:
         """Score one group (never raises; see the module docstring)."""
         if self.batched:
-            keywords = {k: [s.keywords()[k] for s in samples] for k in KEYWORDS}
+            keywords = {k: [getattr(s, k) for s in samples] for k in KEYWORDS}
             value, failure = await self._guarded(keywords, len(samples))
             values = value if failure is None else [0.0] * len(samples)
             return Scores(list(values), [failure] * len(samples))
@@ -137,8 +138,11 @@ class RewardFunction:
     async def _guarded(self, keywords: dict[str, Any], count: int | None) -> tuple[Any, str | None]:
         """(value, None), or (0.0, reason) when the call raised, timed out or returned no number."""
         try:
-            with anyio.fail_after(self.timeout_s):
-                value = await call(self.fn, keywords)
+            if self.timeout_s is None:  # no cancel scope: it costs more than a quick reward
+                value = await call(self.fn, keywords, self._pick)
+            else:
+                with anyio.fail_after(self.timeout_s):
+                    value = await call(self.fn, keywords, self._pick)
         except TimeoutError:
             return 0.0, "timeout"
         except Exception as exc:  # noqa: BLE001 - a user's reward must not end the run
@@ -155,14 +159,14 @@ class RewardFunction:
 
 
 def task_reward(task: Any) -> RewardFunction:
-    """A built-in task's own `reward(prompt, completion)` as a RewardFunction: called in the event loop
-    (it is quick and ours), no timeout."""
+    """A built-in task's own `reward(prompt, completion)` as a RewardFunction: one call per group, in the
+    event loop (it is quick and ours), no timeout."""
 
-    async def reward(source: Any, completion: str) -> float:
-        return task.reward(source, completion)
+    async def reward(source: list[Any], completion: list[str]) -> list[float]:
+        return [task.reward(s, c) for s, c in zip(source, completion, strict=True)]
 
     reward.__qualname__ = f"{type(task).__name__}.reward"
-    return RewardFunction(reward, timeout_s=None)
+    return RewardFunction(reward, timeout_s=None, batched=True)
 
 
 # -- built-in rewards ---------------------------------------------------------------------------------

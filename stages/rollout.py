@@ -59,6 +59,7 @@ from stages.gateway.episodes import Limits
 from stages.gateway.run_host import GatewaySettings, RolloutHost, as_agent
 from stages.gateway.server import Gateway, make_token_file
 from stages.group_output import Finished, GroupOutbox, encode_group, version_span
+from stages.model import decode_many
 from stages.model import ModelFolderError, load_tokenizer, prompt_token_ids, stop_token_ids
 from stages.rewards import RewardFunction, Sample, Scores, task_reward
 from stages.tasks import DataTask, Prompt, Task
@@ -556,12 +557,11 @@ class RolloutWorker(BaseActor):
 
     async def _score(self, prompt: Prompt, group: list[Completion], failures: str = "reward_failed") -> Scores:
         """The group's rewards (never raises); failed samples are counted in `stats[failures]` by reason."""
-        tok = self.spec.tokenizer
+        tokens = [c.tokens.tolist() for c in group]
         scores = await self.spec.reward.score([
-            Sample(prompt=prompt.text, completion=tok.decode(c.tokens, skip_special_tokens=True),
-                   tokens=c.tokens.tolist(), answer=prompt.answer, metadata=prompt.metadata or {},
-                   messages=prompt.messages, source=prompt)
-            for c in group
+            Sample(prompt=prompt.text, completion=text, tokens=ids, answer=prompt.answer,
+                   metadata=prompt.metadata or {}, messages=prompt.messages, source=prompt)
+            for text, ids in zip(decode_many(self.spec.tokenizer, tokens), tokens, strict=True)
         ])
         counts = self.spec.stats.setdefault(failures, {}) if any(scores.failures) else {}
         for reason in filter(None, scores.failures):
@@ -593,6 +593,7 @@ class RolloutWorker(BaseActor):
             "gen_s": round(engine_s, 5), "put_s": round(max(f.put_s for f in batch), 5),
             "send_s": round(record_s, 5), "tokens": int(sum(lengths)), "lengths": lengths,
             "nbytes": int(sum(f.ref.nbytes for f in batch if f.ref is not None)),
+            **{f"engine/{k}": v for k, v in getattr(self.engine, "stats", {}).items()},  # the engine's own counts
         })
 
     async def _store_group(self, group_id: str, prompt: Prompt, episodes: list[Episode], scores: Scores,

@@ -81,7 +81,15 @@ async def test_a_wrong_then_right_episode_is_discounted_and_scores_each_turn():
                          info={"turn_score/1": 0.5})
     last = await env.step(said("21"))
     assert last.done and last.messages == [] and last.reward == pytest.approx(0.8)
-    assert last.info == {"turn_score/2": 1.0, "score": 1.0, "turns": 2.0}
+    assert last.info == {"turn_score/2": 1.0, "turn_gain/2": 0.5, "score": 1.0, "turns": 2.0}
+
+
+async def test_show_answer_feedback_gives_the_whole_answer():
+    env = DigitFeedback(show="answer")
+    await env.start(Prompt(text="123>", answer="321"))
+    assert (await env.step(said("391"))).messages == [{"role": "user", "content": "321>"}]
+    with pytest.raises(ValueError, match="show"):
+        DigitFeedback(show="hints")
 
 
 async def test_right_at_once_pays_most_and_max_turns_ends_the_episode():

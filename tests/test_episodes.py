@@ -190,6 +190,9 @@ def test_the_feedback_environment_learns_and_later_turns_fix_mistakes(tmp_path: 
     early, late = metrics[:20], metrics[-20:]
     mean = lambda rs, key: float(np.mean([r[key] for r in rs if key in r]))  # noqa: E731
     assert mean(late, "reward") >= mean(early, "reward") + 0.2, (mean(early, "reward"), mean(late, "reward"))
+    # turn 2 is played only after a wrong turn 1, so its mean score is over harder samples than turn 1's;
+    # what a later turn fixed is measured within each episode: its score minus the turn before's
+    assert mean(late, "episode/turn_gain/2") > 0.3, mean(late, "episode/turn_gain/2")
     assert mean(late, "episode/turn_score/2") > mean(late, "episode/turn_score/1") + 0.1
     check_ledger(Path(s["run_dir"]), bound=2)
 

@@ -163,3 +163,16 @@ def test_renderer_for_picks_by_whether_prompts_are_chat(bpe, tiny):
     assert isinstance(renderer_for(bpe, chat=True), ChatRenderer)
     assert isinstance(renderer_for(tiny, chat=False), PlainRenderer)
     assert isinstance(renderer_for(tiny, chat=False), Renderer)
+
+
+def test_decode_many_equals_the_tokenizers_own_decode(bpe, tmp_path) -> None:
+    """The fast path (one Rust call) gives exactly what `tokenizer.decode` gives, special tokens skipped
+    or kept, on the byte-level BPE chat tokenizer and the tiny char-level one."""
+    from stages.model import decode_many
+
+    make_tiny_model(tmp_path / "tiny")
+    for tok in (bpe, load_tokenizer(tmp_path / "tiny")):
+        rng = np.random.default_rng(0)
+        seqs = [rng.integers(0, len(tok), size=n).tolist() for n in (0, 1, 7, 40)]
+        for skip in (True, False):
+            assert decode_many(tok, seqs, skip) == [tok.decode(s, skip_special_tokens=skip) for s in seqs]

@@ -70,7 +70,7 @@ class TorchEngine:
         self._calls = 0  # generate calls so far: call n samples from its own stream, seeded from (seed, n)
         self.busy_s = 0.0
         self.policy = None  # the run's staleness policy (its `interrupt`); set by the rollout stage
-        self.stats = {"interrupted": 0}
+        self.stats = {"interrupted": 0, "prefills": 0, "decode_steps": 0}  # forward passes of each kind
 
     @property
     def version(self) -> int:
@@ -145,7 +145,11 @@ class TorchEngine:
         call.generator = torch.Generator(device=self.device).manual_seed(self.seed + self._calls * CALL_SEED_STRIDE)
         self._calls += 1  # in call order on the event loop: the same calls get the same streams in every run
         if call.requests:
-            self._submit(call.requests)
+            if self._submit(call.requests):
+                try:  # calls made in this event-loop tick (a batch of groups admitted together) join this one's
+                    await anyio.lowlevel.checkpoint()  # first prefill: one forward pass instead of one each
+                finally:
+                    threading.Thread(target=self._serve, name=f"{self.name}-decode", daemon=True).start()
             try:
                 await call.finished.wait()
             except BaseException:
@@ -157,14 +161,14 @@ class TorchEngine:
             raise call.error
         return call.results
 
-    def _submit(self, requests: list[Request]) -> None:
-        """Queue `requests`; start the decode thread when none runs."""
+    def _submit(self, requests: list[Request]) -> bool:
+        """Queue `requests`; True when no decode thread serves them yet (the caller starts one)."""
         with self._lock:
             self._queue.extend(requests)
             if self._serving:
-                return
+                return False
             self._serving = True
-        threading.Thread(target=self._serve, name=f"{self.name}-decode", daemon=True).start()
+            return True
 
     def _serve(self) -> None:
         """The decode thread: step the batch until nothing is running or queued, then exit. An error
@@ -203,6 +207,7 @@ class TorchEngine:
                 self._queue.extendleft(reversed(requests))  # first in line, in order: they had a slot
         self._apply_staged()
         if batch.rows:
+            self.stats["decode_steps"] += 1
             out, version = self._forward(**batch.decode_inputs(), use_cache=True, **{_CACHE_KWARG: batch.cache})
             batch.advance(_cache_of(out), out.logits[:, -1], version)
         with self._lock:
@@ -216,6 +221,7 @@ class TorchEngine:
                 self._serving = False
                 return False
         if new:
+            self.stats["prefills"] += 1
             batch.merge(new, *self._prefill([r.prompt for r in new]))
         return True
 

@@ -29,7 +29,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from stages.environments.base import Message, ModelTurn, Tool
 from stages.environments.tool_calls import parse_tool_calls, tools_prompt
-from stages.model import stop_token_ids
+from stages.model import decode_many, stop_token_ids
 
 _MARK = "baton-renderer-probe"  # content of the fixed conversation's messages; never in real replies
 _BASE = [{"role": "user", "content": _MARK}, {"role": "assistant", "content": _MARK}]
@@ -62,7 +62,7 @@ class _Turns:
 
     def turn(self, token_ids: Sequence[int], finish_reason: str, tools: Sequence[Tool] = ()) -> ModelTurn:
         """The model's tokens decoded (special tokens skipped); tool calls parsed when `tools` are declared."""
-        text = self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+        (text,) = decode_many(self.tokenizer, [list(token_ids)])
         if not tools:
             return ModelTurn(text=text, content=text, finish_reason=finish_reason)
         content, calls, malformed = parse_tool_calls(text, tools)
