@@ -5,8 +5,21 @@ written all the same)."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+GIL_SWITCH_S = 0.0005  # Python's default is 0.005
+
+
+def share_the_gil() -> None:
+    """Hand the GIL between threads every 0.5 ms instead of every 5 ms, in a process whose event loop
+    shares it with compute threads (an engine's decode thread, the learner's step): each store call or
+    actor message the loop makes waits, when its C call returns, for the busy thread to let go of the
+    GIL. Measured next to a thread running Python: small Mooncake gets 168/s at 5 ms, 1,224/s at
+    0.5 ms (0.16 ms each alone); the busy thread's own rate did not drop."""
+    sys.setswitchinterval(GIL_SWITCH_S)
+
 
 
 @dataclass
@@ -27,4 +40,4 @@ class Runtime(Protocol):
     async def run(self, pipeline: Any, folder: Any, progress: Any, resume: Any) -> None: ...
 
 
-__all__ = ["RunReport", "Runtime"]
+__all__ = ["GIL_SWITCH_S", "RunReport", "Runtime", "share_the_gil"]

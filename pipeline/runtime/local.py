@@ -24,7 +24,7 @@ from pipeline.contracts import RefHolder
 from pipeline.faults import as_plan
 from pipeline.faults import install as install_faults
 from pipeline.ledger import Ledger
-from pipeline.runtime import RunReport
+from pipeline.runtime import RunReport, share_the_gil
 from pipeline.telemetry import Progress, RunFolder
 from pipeline.versions import VersionClock
 from pipeline.watchdog import PipelineHung, Watchdog
@@ -37,6 +37,7 @@ class LocalRun:
     report: RunReport | None = None
 
     async def run(self, pipe: Any, folder: RunFolder, progress: Progress, resume: Resume | None) -> None:
+        share_the_gil()
         clock = resume.clock() if resume is not None else VersionClock()
         if resume is not None:
             ledger = resume.ledger(pipe.max_uses)

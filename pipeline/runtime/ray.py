@@ -49,7 +49,7 @@ from pipeline.faults import as_plan  # noqa: E402
 from pipeline.faults import install as install_faults  # noqa: E402
 from pipeline.ledger import Ledger  # noqa: E402
 from pipeline.refs import Produced, Redo  # noqa: E402
-from pipeline.runtime import RunReport  # noqa: E402
+from pipeline.runtime import RunReport, share_the_gil  # noqa: E402
 from pipeline.runtime.ray_channel import RayChannel  # noqa: E402
 from pipeline.telemetry import RunFolder, configure_logging, get_logger  # noqa: E402
 from pipeline.versions import VersionClock  # noqa: E402
@@ -275,6 +275,7 @@ class StageHost:
         import torch
 
         torch.set_num_threads(1)
+        share_the_gil()
         configure_logging(wiring.log_format)
         self.stage, self.role, self.index, self.wiring = stage, role, index, wiring
         self.name = f"{role}-{index}"
