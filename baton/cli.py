@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 
 from baton import ledger_command, watch_command
@@ -73,7 +74,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def run_mooncake_master(port: int | None, lease_ttl_ms: int) -> int:
-    import signal
     import threading
 
     from buffers.mooncake_master import MooncakeMaster, MooncakeUnavailable
@@ -156,10 +156,11 @@ def run_or_check(args: argparse.Namespace) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from baton.builder import build_pipeline
     from pipeline.actor import ActorFailed
-    from pipeline.checkpoint import CheckpointError, latest_checkpoint, read_state
+    from pipeline.checkpoint import CheckpointError
     from pipeline.telemetry import configure_logging, report_failure
 
     configure_logging(cfg.telemetry.log_format, cfg.telemetry.log_level)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a kill stops what the run started, as Ctrl-C does
     try:
         pipeline = build_pipeline(cfg)
     except (ConfigError, FileNotFoundError, ValueError) as exc:
@@ -172,13 +173,34 @@ def run_or_check(args: argparse.Namespace) -> int:
         return 2
     except ActorFailed as exc:  # the cause and its fix in a few lines; the traceback in the run folder
         print(report_failure(exc, pipeline.run_dir), file=sys.stderr)
-        checkpoint = latest_checkpoint(pipeline.run_dir) if pipeline.run_dir is not None else None
-        if checkpoint is not None:
-            print(f"baton: {pipeline.run_dir} holds a checkpoint of version {read_state(checkpoint).version}; "
-                  f"continue the run with: baton run --resume {pipeline.run_dir}", file=sys.stderr)
+        _resume_hint(pipeline.run_dir)
         return 1
+    except BaseException as exc:
+        if not _interrupted(exc):
+            raise
+        print(f"baton: interrupted; the processes the run started are stopped (run folder {pipeline.run_dir})",
+              file=sys.stderr)
+        _resume_hint(pipeline.run_dir)
+        return 130
     print(json.dumps(summary), flush=True)
     return 0
+
+
+def _resume_hint(run_dir) -> None:
+    """Say how to continue a run that stopped early, when its folder holds a checkpoint."""
+    from pipeline.checkpoint import latest_checkpoint, read_state
+
+    checkpoint = latest_checkpoint(run_dir) if run_dir is not None else None
+    if checkpoint is not None:
+        print(f"baton: {run_dir} holds a checkpoint of version {read_state(checkpoint).version}; "
+              f"continue the run with: baton run --resume {run_dir}", file=sys.stderr)
+
+
+def _interrupted(exc: BaseException) -> bool:
+    """A KeyboardInterrupt (Ctrl-C, or SIGTERM in `baton run`), bare or in task groups' exception groups."""
+    if isinstance(exc, KeyboardInterrupt):
+        return True
+    return isinstance(exc, BaseExceptionGroup) and all(_interrupted(e) for e in exc.exceptions)
 
 
 if __name__ == "__main__":

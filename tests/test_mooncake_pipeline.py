@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import anyio
@@ -50,6 +51,36 @@ def test_quickstart_on_mooncake_stops_its_master(tmp_path: Path) -> None:
     assert summary["ledger_balanced"]
     assert summary["max_staleness_trained"] <= 2
     assert not masters_running() - before, "the auto-started master was stopped at exit"
+
+
+def test_a_killed_run_stops_the_master_it_started(tmp_path: Path) -> None:
+    """SIGTERM (a scheduler's kill) unwinds `baton run` like Ctrl-C: exit 130, and the mooncake_master
+    it started is gone, not left behind."""
+    before = masters_running()
+    sets = [f"run_root='{tmp_path}'", f"model.path='{tmp_path / 'model'}'", "steps=100000"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "baton.cli", "run", str(ROOT / "configs" / "quickstart-mooncake.toml"),
+         *[x for s in sets for x in ("--set", s)]],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+    )
+    try:
+        for _ in range(1200):  # until the run trains (its master is up by then)
+            if any(tmp_path.glob("*/metrics.jsonl")) or proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        started = masters_running() - before
+        assert proc.poll() is None and len(started) == 1, proc.stderr.read()[-3000:] if proc.poll() else started
+        proc.terminate()
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err[-3000:]
+    assert "interrupted" in err
+    for _ in range(50):
+        if not started & masters_running():
+            break
+        time.sleep(0.1)
+    assert not started & masters_running(), "the run's master outlived it"
 
 
 class RestartMasterAt(BaseActor):
