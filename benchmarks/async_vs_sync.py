@@ -70,7 +70,8 @@ def main() -> None:
                                 a.warmup)
             pairs.append((sync, asyn))
     print(
-        f"{'pair':5} {'mode':6} {'samples/s':>10} {'learner busy':>13} {'step ms':>8} {'version ms':>11} {'staleness':>10}",
+        f"{'pair':5} {'mode':6} {'samples/s':>10} {'learner busy':>13} {'step ms':>8} {'version ms':>11} "
+        f"{'staleness':>10}",
         file=sys.stderr,
     )
     for i, pair in enumerate(pairs):

@@ -59,8 +59,7 @@ from stages.gateway.episodes import Limits
 from stages.gateway.run_host import GatewaySettings, RolloutHost, as_agent
 from stages.gateway.server import Gateway, make_token_file
 from stages.group_output import Finished, GroupOutbox, encode_group, version_span
-from stages.model import decode_many
-from stages.model import ModelFolderError, load_tokenizer, prompt_token_ids, stop_token_ids
+from stages.model import ModelFolderError, decode_many, load_tokenizer, prompt_token_ids, stop_token_ids
 from stages.rewards import RewardFunction, Sample, Scores, task_reward
 from stages.tasks import DataTask, Prompt, Task
 from stages.weights import engine_mailboxes

@@ -37,7 +37,8 @@ class DigitFeedback:
 
     tools: tuple[Tool, ...] = ()
 
-    def __init__(self, max_turns: int = 3, turn_discount: float = 0.8, right: str = "=", show: str = "mistakes") -> None:
+    def __init__(self, max_turns: int = 3, turn_discount: float = 0.8, right: str = "=",
+                 show: str = "mistakes") -> None:
         if max_turns < 1:
             raise ValueError(f"environment max_turns must be >= 1, got {max_turns}")
         if not 0.0 < turn_discount <= 1.0:
@@ -69,7 +70,10 @@ class DigitFeedback:
         if score == 1.0 or self.turns >= self.max_turns:
             info.update(score=score, turns=float(self.turns))
             return Step(reward=score * self.turn_discount ** (self.turns - 1), done=True, info=info)
-        return Step(messages=[{"role": "user", "content": feedback(self.answer, turn.text if self.show == "mistakes" else "", self.right)}], info=info)
+        return Step(messages=[{"role": "user", "content": self._feedback(turn.text)}], info=info)
+
+    def _feedback(self, attempt: str) -> str:
+        return feedback(self.answer, attempt if self.show == "mistakes" else "", self.right)
 
     async def close(self) -> None:
         return None
