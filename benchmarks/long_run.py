@@ -205,8 +205,8 @@ def memory_report(prefix: str, top: int = 5) -> dict[str, dict]:
     since the warm-up and its `top` grown allocation sites."""
     hosts = {}
     for path in sorted(Path(prefix).parent.glob(Path(prefix).name + ".*.jsonl")):
-        records = [json.loads(x) for x in path.read_text().splitlines()]
-        if records:
+        records = [r for r in map(json.loads, path.read_text().splitlines()) if "host" in r]
+        if records:  # (not another file under that prefix, e.g. an --rss-trace)
             last = records[-1]
             hosts[last["host"]] = {"records": len(records), "seconds": round(last["t"] - records[0]["t"], 1),
                                    "since_warmup_mb": last["since_warmup_mb"], "grown": last["grown"][:top]}

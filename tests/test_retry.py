@@ -49,3 +49,21 @@ async def test_one_attempt_means_no_retry() -> None:
     with pytest.raises(StoreError):
         await with_retries(call, attempts=1)
     assert call.calls == 1
+
+
+async def test_failed_tries_leave_no_garbage_for_the_cyclic_collector() -> None:
+    """A retried call's failures are freed by reference counting: the retry state that a loop built on
+    tenacity kept in cycles with each exception was RSS creep on a long run's hot path."""
+    import gc
+
+    from buffers.retry import retry_while
+
+    gc.collect()
+    gc.disable()
+    try:
+        flaky = Flaky(20)
+        assert await retry_while(flaky, (StoreError,), first_wait_s=0.0001, max_wait_s=0.0001, within_s=10) == "ok"
+        assert flaky.calls == 21
+        assert gc.collect() == 0
+    finally:
+        gc.enable()
