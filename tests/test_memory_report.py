@@ -7,7 +7,7 @@ import json
 import tracemalloc
 from pathlib import Path
 
-from pipeline.runtime.memory import ENV, MemoryReport, MemorySettings, trim_heap_every, watch_memory
+from pipeline.runtime.memory import ENV, MemoryReport, MemorySettings, watch_memory
 
 
 def test_off_without_the_variable_and_for_hosts_not_named(tmp_path: Path) -> None:
@@ -62,31 +62,3 @@ def test_the_thread_writes_after_its_warm_up(tmp_path: Path) -> None:
     assert not tracemalloc.is_tracing()  # frames = 0: native counters only
     assert "in_use" in json.loads(lines[-1])["heap_mb"]
 
-
-def test_the_heap_trim_calls_malloc_trim_periodically_until_closed() -> None:
-    import threading
-
-    called = threading.Event()
-    calls: list[int] = []
-
-    def fake_trim(pad: int) -> int:
-        calls.append(pad)
-        if len(calls) >= 3:
-            called.set()
-        return 1
-
-    assert trim_heap_every(0, fake_trim) is None  # 0: off
-    trim = trim_heap_every(0.01, fake_trim)
-    assert trim is not None
-    assert called.wait(timeout=10)
-    trim.close()
-    trim._thread.join(timeout=5)
-    assert not trim._thread.is_alive()
-    assert calls[:3] == [0, 0, 0] and trim.trims == len(calls)
-
-
-def test_the_real_malloc_trim_runs() -> None:
-    trim = trim_heap_every(3600)  # glibc's malloc_trim, found through ctypes
-    assert trim is not None
-    assert trim.trim(0) in (0, 1)
-    trim.close()

@@ -28,7 +28,6 @@ import os
 import threading
 import time
 import tracemalloc
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -186,45 +185,4 @@ class MemoryReport:
         ]
 
 
-def _libc_malloc_trim() -> Callable[[int], int] | None:
-    try:
-        trim = ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return None
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return trim
-
-
-class HeapTrim:
-    """A daemon thread that calls glibc's `malloc_trim(0)` every `every_s` seconds: the free pages inside
-    the process's heaps (every arena's, not only the top of the main one) go back to the OS. Memory a
-    many-threaded process frees in the middle of an arena stays resident otherwise; a trim walks the
-    free lists (milliseconds for a heap of a few hundred MB), so it runs rarely. `trims` counts them."""
-
-    def __init__(self, every_s: float, trim: Callable[[int], int]) -> None:
-        self.every_s, self.trim, self.trims = every_s, trim, 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="heap-trim", daemon=True)
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.every_s):
-            self.trim(0)
-            self.trims += 1
-
-    def start(self) -> HeapTrim:
-        self._thread.start()
-        return self
-
-    def close(self) -> None:
-        self._stop.set()
-
-
-def trim_heap_every(every_s: float, trim: Callable[[int], int] | None = None) -> HeapTrim | None:
-    """A started `HeapTrim` (libc's `malloc_trim` unless `trim` is given); None for `every_s` <= 0 or off glibc."""
-    trim = trim or _libc_malloc_trim()
-    if every_s <= 0 or trim is None:
-        return None
-    return HeapTrim(every_s, trim).start()
-
-
-__all__ = ["HeapTrim", "MemoryReport", "MemorySettings", "heap_mb", "smaps_mb", "trim_heap_every", "watch_memory"]
+__all__ = ["MemoryReport", "MemorySettings", "heap_mb", "smaps_mb", "watch_memory"]

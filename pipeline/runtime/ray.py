@@ -50,7 +50,7 @@ from pipeline.faults import install as install_faults  # noqa: E402
 from pipeline.ledger import Ledger  # noqa: E402
 from pipeline.refs import Produced, Redo  # noqa: E402
 from pipeline.runtime import RunReport  # noqa: E402
-from pipeline.runtime.memory import MemorySettings, trim_heap_every, watch_memory  # noqa: E402
+from pipeline.runtime.memory import MemorySettings, watch_memory  # noqa: E402
 from pipeline.runtime.ray_channel import RayChannel  # noqa: E402
 from pipeline.telemetry import RunFolder, configure_logging, get_logger  # noqa: E402
 from pipeline.versions import VersionClock  # noqa: E402
@@ -283,7 +283,6 @@ class StageHost:
         self.ctx: RunContext | None = None
         self._run_task: asyncio.Task | None = None
         self._memory = watch_memory(self.name)  # opt-in (BATON_TRACEMALLOC): None, and nothing runs, without it
-        self._trim = trim_heap_every(float(os.environ.get("BATON_MALLOC_TRIM_S", 0)))
 
     def pid(self) -> int:
         return os.getpid()
@@ -331,9 +330,8 @@ class StageHost:
     async def stop(self) -> None:
         if self._run_task is not None and not self._run_task.done():
             self._run_task.cancel()
-        for watcher in (self._memory, self._trim):
-            if watcher is not None:
-                watcher.close()
+        if self._memory is not None:
+            self._memory.close()
         await self.actor.stop()
 
     async def deliver(self, box: str, header: bytes, blob: Any) -> bool:
@@ -421,7 +419,6 @@ class RayRun:
                 # (measured, 40k samples: the learner's process +54 MB per 100k over the second half, +39 with 2)
                 runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
                                           "MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX", "2"),
-                                          "BATON_MALLOC_TRIM_S": os.environ.get("BATON_MALLOC_TRIM_S", "0"),
                                           **_memory_report_env()}},
                 # Ray's GCS keeps an event record of every actor call for its state API, which baton never
                 # reads; a run makes millions of calls, so a cluster of its own records none (measured:
