@@ -18,12 +18,18 @@ Prints, then as the last stdout line one JSON object with "figures" and "ratios"
   `--rss-trace FILE` writes every per-second sample;
 * checkpoint seconds, first vs last, and the medians of the first and last ten (`checkpoints.jsonl`);
 * the ledger: rows in its store, records ledger.json held (none beyond 1M samples).
+
+`--trace-memory PREFIX` sets `BATON_TRACEMALLOC=PREFIX` for the run (`pipeline.runtime.memory`: on Ray the
+learner's host, or the hosts `BATON_TRACEMALLOC_HOSTS` names, write PREFIX.<host>.jsonl after a warm-up)
+and adds "memory_report": per host, its last record's growth since the warm-up (RSS, anonymous memory,
+glibc heap in use and free, Python's traced allocations) and the allocation sites that grew most.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -108,10 +114,10 @@ def latest_version(metrics: Path) -> int:
 Sample = tuple[float, int, float, dict[str, float]]  # seconds, version, RSS MB of the tree, RSS MB per role
 
 
-def run_sampled(cmd: list[str], root: Path) -> tuple[dict, list[Sample]]:
-    """Run `cmd`, sampling (seconds, version, RSS MB, RSS MB per role) every second; returns its
+def run_sampled(cmd: list[str], root: Path, env: dict[str, str] | None = None) -> tuple[dict, list[Sample]]:
+    """Run `cmd` (in `env`), sampling (seconds, version, RSS MB, RSS MB per role) every second; returns its
     summary and the samples."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     samples, t0 = [], time.monotonic()
     while proc.poll() is None:
         metrics = next(root.glob("*/metrics.jsonl"), None)
@@ -194,6 +200,19 @@ def figures_of(summary: dict, samples: list[Sample], per_version: int) -> dict:
     }
 
 
+def memory_report(prefix: str, top: int = 5) -> dict[str, dict]:
+    """Per host that wrote `prefix.<host>.jsonl`: its records' count and span, the last one's growth
+    since the warm-up and its `top` grown allocation sites."""
+    hosts = {}
+    for path in sorted(Path(prefix).parent.glob(Path(prefix).name + ".*.jsonl")):
+        records = [r for r in map(json.loads, path.read_text().splitlines()) if "host" in r]
+        if records:  # (not another file under that prefix, e.g. an --rss-trace)
+            last = records[-1]
+            hosts[last["host"]] = {"records": len(records), "seconds": round(last["t"] - records[0]["t"], 1),
+                                   "since_warmup_mb": last["since_warmup_mb"], "grown": last["grown"][:top]}
+    return hosts
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default=str(ROOT / "configs" / "quickstart.toml"))
@@ -203,6 +222,7 @@ def main() -> None:
     p.add_argument("--group-size", type=int, default=2, help="rollout.group_size")
     p.add_argument("--set", dest="overrides", action="append", default=[])
     p.add_argument("--rss-trace", help="also write every RSS sample here (JSON lines: seconds, version, MB per role)")
+    p.add_argument("--trace-memory", metavar="PREFIX", help="BATON_TRACEMALLOC=PREFIX: hosts' memory reports")
     a = p.parse_args()
     per_version = a.groups * a.group_size
     steps = -(-a.samples // per_version)
@@ -212,7 +232,8 @@ def main() -> None:
                 f"engine.batch_groups={a.groups}", f"model.path='{ROOT / 'runs' / 'models' / 'tiny-qwen2'}'",
                 *a.overrides]
         cmd = [sys.executable, "-m", "baton.cli", "run", a.config, *[x for s in sets for x in ("--set", s)]]
-        summary, samples = run_sampled(cmd, Path(tmp))
+        env = {**os.environ, "BATON_TRACEMALLOC": str(Path(a.trace_memory).resolve())} if a.trace_memory else None
+        summary, samples = run_sampled(cmd, Path(tmp), env)
         if a.rss_trace:
             write_trace(Path(a.rss_trace), samples)
         figures = figures_of(summary, samples, per_version)
@@ -229,6 +250,8 @@ def main() -> None:
           f"(x{ratios['late_vs_early_version_s']}); RSS {figures['rss_mb_start']} -> {figures['rss_mb_end']} MB "
           f"({ratios['rss_growth_mb_per_100k_samples']} MB per 100k samples); checkpoint "
           f"{figures['checkpoint_s_first']} s first, {figures['checkpoint_s_last']} s last")
+    if a.trace_memory:
+        figures["memory_report"] = memory_report(str(Path(a.trace_memory).resolve()))
     print(json.dumps({"runtime": a.runtime, "figures": figures, "ratios": ratios}))
 
 

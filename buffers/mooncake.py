@@ -24,6 +24,7 @@ import dataclasses
 import os
 import re
 import struct
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -113,6 +114,7 @@ class MooncakeSettings:
     replicas: int = 1
     failover_s: float = 15.0  # with replicas > 1: how long a get retries a dead holder (> master client_ttl)
     full_wait_s: float = 60.0  # how long a put waits for space in a full store before raising
+    read_lease_s: float = 0.5  # the master's read lease (default_kv_lease_ttl; ours: 500 ms), see `remove`
 
     def resolved(self) -> MooncakeSettings:
         return MooncakeSettings(
@@ -159,6 +161,7 @@ class MooncakeStore:
         self._config.with_hard_pin = True
         self._registered: dict[int, int] = {}  # address -> bytes of each registered pool buffer
         self.pool = BufferPool(pool_idle_bytes, min_nbytes=0, on_new=self._register, on_drop=self._unregister)
+        self._read_at: dict[str, float] = {}  # key -> when this client last read it (for `remove`)
         self._closed = False
         self.master: MooncakeMaster | None = None  # set by open("auto"): stopped by close()
 
@@ -201,7 +204,15 @@ class MooncakeStore:
         retry_on: tuple[type[MooncakeError], ...] = (MooncakeLeaseExpired,)
         if self.settings.replicas > 1:
             retry_on = (MooncakeLeaseExpired, MooncakeTransferFailed)
-        return await retry_while(get, retry_on, first_wait_s=0.1, max_wait_s=1.0, within_s=self.settings.failover_s)
+        value = await retry_while(get, retry_on, first_wait_s=0.1, max_wait_s=1.0, within_s=self.settings.failover_s)
+        self._note_read(key)
+        return value
+
+    def _note_read(self, key: str) -> None:
+        now = time.monotonic()
+        if len(self._read_at) >= 4096:  # keys read and never removed here: forget those past their lease
+            self._read_at = {k: t for k, t in self._read_at.items() if now - t < self.settings.read_lease_s}
+        self._read_at[key] = now
 
     async def _call(self, fn, *args, nbytes: int):
         """Small transfers run inline (about a millisecond; a thread hop would double it); large
@@ -212,6 +223,13 @@ class MooncakeStore:
         return await anyio.to_thread.run_sync(fn, *args)
 
     async def remove(self, key: str) -> int:
+        """Remove `key` (and its parts). The master refuses to remove a key read less than its read lease
+        ago: a key this client read is removed once that lease is over (the learner frees what it read
+        a step ago: a refused try, then retries, for nearly every payload otherwise); another client's
+        lease is waited out by retrying."""
+        read_at = self._read_at.pop(key, None)
+        if read_at is not None:
+            await anyio.sleep(max(0.0, read_at + self.settings.read_lease_s - time.monotonic()))
         remove = partial(anyio.to_thread.run_sync, self._remove, key)
         return await retry_while(remove, (MooncakeLeased,), first_wait_s=0.05, max_wait_s=0.5, within_s=30)
 

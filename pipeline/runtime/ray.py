@@ -50,6 +50,7 @@ from pipeline.faults import install as install_faults  # noqa: E402
 from pipeline.ledger import Ledger  # noqa: E402
 from pipeline.refs import Produced, Redo  # noqa: E402
 from pipeline.runtime import RunReport, share_the_gil  # noqa: E402
+from pipeline.runtime.memory import MemorySettings, watch_memory  # noqa: E402
 from pipeline.runtime.ray_channel import RayChannel  # noqa: E402
 from pipeline.telemetry import RunFolder, configure_logging, get_logger  # noqa: E402
 from pipeline.versions import VersionClock  # noqa: E402
@@ -282,6 +283,7 @@ class StageHost:
         self.actor: Any = None
         self.ctx: RunContext | None = None
         self._run_task: asyncio.Task | None = None
+        self._memory = watch_memory(self.name)  # opt-in (BATON_TRACEMALLOC): None, and nothing runs, without it
 
     def pid(self) -> int:
         return os.getpid()
@@ -329,6 +331,8 @@ class StageHost:
     async def stop(self) -> None:
         if self._run_task is not None and not self._run_task.done():
             self._run_task.cancel()
+        if self._memory is not None:
+            self._memory.close()
         await self.actor.stop()
 
     async def deliver(self, box: str, header: bytes, blob: Any) -> bool:
@@ -415,7 +419,8 @@ class RayRun:
                 # MALLOC_ARENA_MAX: glibc's arena per thread lets a host's heap creep up long after warm-up
                 # (measured, 40k samples: the learner's process +54 MB per 100k over the second half, +39 with 2)
                 runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-                                          "MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX", "2")}},
+                                          "MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX", "2"),
+                                          **_memory_report_env()}},
                 # Ray's GCS keeps an event record of every actor call for its state API, which baton never
                 # reads; a run makes millions of calls, so a cluster of its own records none (measured:
                 # +150 MB of GCS per 50k calls by default, +24 MB capped at 10k tasks, +1 MB off)
@@ -626,6 +631,12 @@ async def feed_resume(resume: Any, wiring: Wiring) -> None:
         await ResumeFeeder(resume, ctx, wiring.channels["produced"]).run()
     finally:
         await ctx.services.store.close()
+
+
+def _memory_report_env() -> dict[str, str]:
+    """The driver's `BATON_TRACEMALLOC*` settings (`pipeline.runtime.memory`), for every worker; {} when off."""
+    settings = MemorySettings.from_env()
+    return settings.env() if settings is not None else {}
 
 
 _STATE_ENCODER = msgspec.msgpack.Encoder()
