@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import anyio
@@ -169,12 +170,10 @@ async def test_full_store_refuses_instead_of_evicting() -> None:
             await store.close()
 
 
-async def test_leased_object_is_removed_after_the_lease(holder) -> None:
-    await holder.put("ls/v00000000/g/0", b"leased")
-    await holder.get("ls/v00000000/g/0")  # takes a 500 ms read lease
-    assert holder._client.remove("ls/v00000000/g/0") == -706
+def record_removes(store: MooncakeStore) -> list[str]:
+    """What each of `store`'s remove tries met: "leased" or "removed N"."""
     attempts: list[str] = []
-    remove_once = holder._remove
+    remove_once = store._remove
 
     def recorded(key: str) -> int:
         try:
@@ -185,12 +184,35 @@ async def test_leased_object_is_removed_after_the_lease(holder) -> None:
         attempts.append(f"removed {removed}")
         return removed
 
-    holder._remove = recorded
+    store._remove = recorded
+    return attempts
+
+
+async def test_leased_object_is_removed_after_the_lease(holder) -> None:
+    """A lease taken by another reader (here the raw client, past the store's bookkeeping) is retried
+    until it ends."""
+    await holder.put("ls/v00000000/g/0", b"leased")
+    holder._client.get("ls/v00000000/g/0")  # takes a 500 ms read lease
+    assert holder._client.remove("ls/v00000000/g/0") == -706
+    attempts = record_removes(holder)
     assert await holder.remove("ls/v00000000/g/0") == 1  # retried with tenacity until the lease ends
     assert attempts[0] == "leased" and attempts[-1] == "removed 1"
     assert set(attempts[:-1]) == {"leased"}, "every retry before the last met the lease"
     with pytest.raises(KeyNotFound):
         await holder.get("ls/v00000000/g/0")
+
+
+async def test_a_key_this_store_read_is_removed_once_its_lease_is_over(holder) -> None:
+    """The store's own read: its remove waits out the lease and then succeeds at the first try."""
+    await holder.put("own/v00000000/g/0", b"mine")
+    await holder.get("own/v00000000/g/0")
+    attempts = record_removes(holder)
+    t0 = time.monotonic()
+    assert await holder.remove("own/v00000000/g/0") == 1
+    assert attempts == ["removed 1"], "no refused try"
+    assert time.monotonic() - t0 >= holder.settings.read_lease_s - 0.05
+    with pytest.raises(KeyNotFound):
+        await holder.get("own/v00000000/g/0")
 
 
 async def test_holder_death_is_a_transfer_failure(mooncake_master) -> None:
