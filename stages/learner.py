@@ -428,17 +428,18 @@ class LearnerActor(BaseActor):
         return time.perf_counter() - started, counted
 
     async def _prefetch(self, version: int) -> None:
-        """Receive and load groups until there is one step of them, while the step before computes.
-        They are judged by the policy only once the version they would be trained at is known.
+        """Receive and load up to one step of groups (whatever is there, waiting for the first). One
+        receive only: the groups being trained come back into the window after the step, and a prefetch
+        that filled a whole step ahead of them would let them age out unused (max_reuse). They are
+        judged by the policy only once the version they would be trained at is known.
         Cancelled while waiting, it takes nothing (channel receives are cancellation-safe); once it
         holds refs, it finishes loading them (shielded), so no received ref is ever dropped."""
-        while (wanted := self.spec.groups_per_step - len(self._fetched) - self._counted()) > 0:
-            refs = await self._receive(version + 1, wanted)
-            with anyio.CancelScope(shield=True):
-                for ref in refs:
-                    batch = await self._load(ref)
-                    if batch is not None:
-                        self._fetched.append((ref, batch))
+        refs = await self._receive(version + 1, self.spec.groups_per_step - len(self._fetched) - self._counted())
+        with anyio.CancelScope(shield=True):
+            for ref in refs:
+                batch = await self._load(ref)
+                if batch is not None:
+                    self._fetched.append((ref, batch))
 
     async def _receive(self, version: int, wanted: int) -> list[Ref]:
         try:  # as many as are there, up to `wanted`: one round trip

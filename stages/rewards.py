@@ -69,24 +69,34 @@ def batched(fn: Callable) -> Callable:
     return fn
 
 
-def accepted_keywords(fn: Callable) -> Callable[[dict[str, Any]], dict[str, Any]]:
+@dataclass(frozen=True)
+class KeywordPicker:
+    """The keywords a reward function declares, picked from all of them (picklable: a RewardFunction
+    travels to other processes with its task)."""
+
+    names: tuple[str, ...] | None  # None: all (the function takes **kwargs)
+
+    def __call__(self, keywords: dict[str, Any]) -> dict[str, Any]:
+        return keywords if self.names is None else {n: keywords[n] for n in self.names}
+
+
+def accepted_keywords(fn: Callable) -> KeywordPicker:
     """Which of the keywords `fn` declares (all of them when it takes **kwargs)."""
     params = inspect.signature(fn).parameters
     if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return lambda kw: kw
+        return KeywordPicker(None)
     unknown = [n for n, p in params.items() if n not in KEYWORDS and p.default is p.empty
                and p.kind not in (p.VAR_POSITIONAL,)]
     if unknown:
         raise ValueError(f"reward function {_name(fn)} asks for {unknown}; it may take only {list(KEYWORDS)}")
-    names = [n for n in params if n in KEYWORDS]
-    return lambda kw: {n: kw[n] for n in names}
+    return KeywordPicker(tuple(n for n in params if n in KEYWORDS))
 
 
 def _name(fn: Callable) -> str:
     return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
 
 
-async def call(fn: Callable, keywords: dict[str, Any], pick: Callable | None = None) -> Any:
+async def call(fn: Callable, keywords: dict[str, Any], pick: KeywordPicker | None = None) -> Any:
     """Call `fn` with the keywords it declares (`pick`: `accepted_keywords(fn)`, if the caller keeps it):
     awaited if async, else in a worker thread."""
     picked = (pick or accepted_keywords(fn))(keywords)

@@ -65,6 +65,7 @@ def _wait_until_up(head: subprocess.Popen, tmp: Path, dashboard: str, token: str
         time.sleep(1)
 
 
+@pytest.mark.long  # ~40 s: the default suite stays under 15 minutes on 2 cores
 @pytest.mark.timeout(900)
 def test_ray_job_submit_runs_baton_on_a_head_started_by_hand() -> None:
     try:  # what Ray's dashboard imports beyond a minimal install; without it there is no job API
