@@ -62,7 +62,6 @@ class Finished:
     source: bytes = b""
     lengths: list[int] = field(default_factory=list)  # model tokens per stored episode
     put_s: float = 0.0
-    gen_s: float = 0.0  # from the group's start to stored
     started: float = 0.0  # when the group started (anyio time)
     gate_s: float = 0.0  # its admission's wait at the gate
     admission: int = 0  # the producer's admission number of its prompt

@@ -395,7 +395,6 @@ class RolloutWorker(BaseActor):
                     raise
                 self._redone("regenerated", "groups.regenerated", exc)
         finished.admission, finished.gate_s, finished.started = admission, gate_s, t0
-        finished.gen_s = anyio.current_time() - t0
         self.groups.put(finished)
 
     async def _engine_at(self, version: int) -> None:

@@ -293,9 +293,9 @@ ACCURACY_STEPS = 36  # 9 warm-up versions (a quarter), 27 in steady state: about
 
 
 @pytest.mark.long
-@pytest.mark.xfail(reason="the simulator still models one engine call per batch of groups; since episodes run as "
-                   "concurrent coroutines its async prediction is off (555 vs 1310 samples/s measured): open",
-                   strict=False)
+@pytest.mark.xfail(reason="the simulator models one engine call per batch of groups; episodes run as concurrent "
+                   "coroutines (the engine merges the calls of one event-loop tick), and the prediction is within "
+                   "20 % in some runs only (2026-12-01: passed once, failed once): open", strict=False)
 def test_simulated_ray_runs_match_their_measurements_within_20_percent(tmp_path) -> None:
     errors = {}
     for mode, k in (("sync", 0), ("async", 1)):

@@ -21,7 +21,6 @@ def share_the_gil() -> None:
     sys.setswitchinterval(GIL_SWITCH_S)
 
 
-
 @dataclass
 class RunReport:
     """What a runtime hands back: the clock, the ledger's counts and records, and runtime extras."""
