@@ -1,9 +1,13 @@
 """Samples/s of one multi-turn chat workload driven through the gateway by real `openai` clients and
 driven directly through the host's `generate`, in one run, and the gateway's added latency per request.
 
-The workload: `--concurrency` (64) episodes at a time, `--episodes` in all per path; each episode is a
-tool-less chat of `--turns` model turns (`--max-tokens` each, temperature 1) on the byte-level BPE chat
-model of tools/make_math_example.py, the user asking a fixed follow-up after each answer. Both paths
+The workload: `--concurrency` (64) episodes at a time, `--episodes` in all per path; each episode is
+the tool task's chat (`configs/agent-tools.toml`, `examples/openai_agent.py`): the calculator's system
+prompt and tool schema (`--tools`, the default; ~660 prompt tokens) and a word problem, then `--turns`
+model turns (`--max-tokens` each, 64 like the example agent; temperature 1) on the byte-level BPE chat
+model of tools/make_math_example.py, the user asking a fixed follow-up after each answer (a random-init
+model makes no valid tool call to run). `--no-tools --max-tokens 16` is the stress shape: short prompts
+and turns, where the per-request costs outside the engine weigh most. Both paths
 do the same token work through the same `EngineHost` over the same started TorchEngine(s):
 - direct: open through the host, render the prompt (`ChatRenderer.prompt_ids`), `host.generate`,
   append the reply (`reply_ids`) to the episode's `EpisodeTokens`, finish through the host;
@@ -35,6 +39,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import aiohttp
@@ -45,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from openai import AsyncOpenAI, DefaultAsyncHttpxClient  # noqa: E402
 
 from stages.engines.torch import TorchEngine  # noqa: E402
+from stages.environments.calculator import CALCULATOR, SYSTEM_PROMPT  # noqa: E402
 from stages.environments.render import ChatRenderer  # noqa: E402
 from stages.environments.tokens import EpisodeTokens  # noqa: E402
 from stages.gateway import EngineHost, Gateway, Limits  # noqa: E402
@@ -61,12 +67,13 @@ class MathQuestions:
 
     name, max_new_tokens = "math-questions", 16
 
-    def __init__(self, rows: list[dict]) -> None:
-        self.rows = rows
+    def __init__(self, rows: list[dict], tools: bool) -> None:
+        self.rows, self.system = rows, [{"role": "system", "content": SYSTEM_PROMPT}] if tools else []
 
     def sample(self, rng) -> Prompt:
         row = rng.choice(self.rows)
-        return Prompt(row["question"], row["answer"], messages=[{"role": "user", "content": row["question"]}])
+        return Prompt(row["question"], row["answer"],
+                      messages=[*self.system, {"role": "user", "content": row["question"]}])
 
 
 class TimedHost(EngineHost):
@@ -88,11 +95,12 @@ async def direct_episode(host: TimedHost, renderer: ChatRenderer, args) -> None:
 
     opened = await host.open(wait=True)
     params = SamplingParams(args.max_tokens, 1.0, 1.0, renderer.stop_ids)
-    tokens = EpisodeTokens(renderer.prompt_ids(opened.sample.messages))
+    tools = (CALCULATOR,) if args.tools else ()
+    tokens = EpisodeTokens(renderer.prompt_ids(opened.sample.messages, tools))
     for turn in range(args.turns):
         completion = await host.generate(opened.id, tokens.ids(), params)
         tokens.add_model(completion)
-        renderer.turn(completion.tokens, completion.finish_reason)
+        renderer.turn(completion.tokens, completion.finish_reason, tools)
         if turn + 1 < args.turns:
             tokens.add_env(renderer.reply_ids([FOLLOW_UP], renderer.ended_on_stop(completion.tokens)))
     await host.finish(opened.id, [tokens], 0.0, None)
@@ -105,9 +113,11 @@ async def gateway_episode(base_url: str, key: str, http: aiohttp.ClientSession, 
         opened = await response.json()
     agent = AsyncOpenAI(base_url=opened["base_url"], api_key=key, max_retries=0, http_client=client)
     messages = list(opened["sample"]["messages"])
+    tools = {"tools": [CALCULATOR.schema()]} if args.tools else {}
     for _ in range(args.turns):
         t0 = time.perf_counter()
-        reply = await agent.chat.completions.create(model="baton", messages=messages, max_tokens=args.max_tokens)
+        reply = await agent.chat.completions.create(model="baton", messages=messages, max_tokens=args.max_tokens,
+                                                    **tools)
         seen_s.setdefault(opened["id"], []).append(time.perf_counter() - t0)
         messages += [reply.choices[0].message.model_dump(exclude_none=True), FOLLOW_UP]
     async with http.post(f"{base_url}/episodes/{opened['id']}/reward", json={"reward": 0.0}) as response:
@@ -175,7 +185,8 @@ async def start_agents(args, gateway: Gateway) -> list[asyncio.subprocess.Proces
         agents.append(await asyncio.create_subprocess_exec(
             sys.executable, __file__, "--agent-of", gateway.base_url, "--episodes", str(episodes),
             "--concurrency", str(concurrency), "--turns", str(args.turns),
-            "--max-tokens", str(args.max_tokens), env={**os.environ, "BATON_GATEWAY_KEY": KEY},
+            "--max-tokens", str(args.max_tokens), "--tools" if args.tools else "--no-tools",
+            env={**os.environ, "BATON_GATEWAY_KEY": KEY},
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE))
     for agent in agents:
         assert (await agent.stdout.readline()).strip() == b"ready"
@@ -194,11 +205,16 @@ async def run_agents(agents: list[asyncio.subprocess.Process], seen_s: dict, cpu
     return time.perf_counter() - t0
 
 
-async def timed(path: str, seconds: dict, cpu_s: dict, work) -> None:
-    """Run `work`, adding its wall seconds and this process's CPU seconds (all threads) under `path`."""
+async def timed(path: str, seconds: dict, cpu_s: dict, work, engines: list, passes: dict) -> None:
+    """Run `work`, adding its wall seconds, this process's CPU seconds (all threads) and the engines'
+    forward passes of each kind under `path`."""
     cpu = time.process_time()
+    before = [dict(engine.stats) for engine in engines]
     seconds[path] += await work
     cpu_s[path] += time.process_time() - cpu
+    for engine, counts in zip(engines, before, strict=True):
+        for kind in ("prefills", "decode_steps"):
+            passes[f"{kind}_{path}"] += engine.stats[kind] - counts[kind]
 
 
 async def run(args, model: Path, rows: list[dict]) -> dict:
@@ -207,19 +223,20 @@ async def run(args, model: Path, rows: list[dict]) -> dict:
     engines = [TorchEngine(model, name=f"torch-{i}", seed=i) for i in range(args.engines)]
     for engine in engines:
         await engine.start()
-    host = TimedHost(engines, MathQuestions(rows), group_size=4, max_open=args.concurrency, seed=args.seed)
+    host = TimedHost(engines, MathQuestions(rows, args.tools), group_size=4, max_open=args.concurrency, seed=args.seed)
     gateway = TimedGateway(host, KEY, limits=Limits(max_tokens=args.max_tokens), tokenizer=tokenizer)
     await gateway.start()
     agents = await start_agents(args, gateway)
     seconds = {"direct": 0.0, "gateway": 0.0}
     cpu_s = {"direct": 0.0, "gateway": 0.0, "agents": 0.0}
     seen_s: dict[str, list[float]] = {}
+    passes: Counter[str] = Counter()
     try:
         await pool(lambda: direct_episode(host, renderer, args), args.concurrency, args.concurrency)  # warm-up
         for _ in range(args.rounds):
             direct = pool(lambda: direct_episode(host, renderer, args), args.episodes, args.concurrency)
-            await timed("direct", seconds, cpu_s, direct)
-            await timed("gateway", seconds, cpu_s, run_agents(agents, seen_s, cpu_s))
+            await timed("direct", seconds, cpu_s, direct, engines, passes)
+            await timed("gateway", seconds, cpu_s, run_agents(agents, seen_s, cpu_s), engines, passes)
     finally:
         for agent in agents:
             agent.stdin.close()
@@ -237,6 +254,7 @@ async def run(args, model: Path, rows: list[dict]) -> dict:
         **_latencies("added_latency_ms", gateway.handled_s, host.generate_s),
         **_latencies("client_seen_added_ms", seen_s, host.generate_s),
         "gateway_segments": gateway.stats["segments"],
+        **{f"engine_{kind}_per_sample": count / samples for kind, count in sorted(passes.items())},
     }
 
 
@@ -253,7 +271,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--episodes", type=int, default=128, help="episodes per path per round")
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--turns", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--tools", action=argparse.BooleanOptionalAction, default=True,
+                        help="the calculator's system prompt and tool schema in every request (the tool task)")
     parser.add_argument("--engines", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
@@ -278,7 +298,7 @@ def main(argv: list[str] | None = None) -> dict:
         figures = asyncio.run(run(args, model, rows))
     figures.update(load_average_1m=os.getloadavg()[0], run_cpus=len(os.sched_getaffinity(0)),
                    episodes=args.episodes * args.rounds, concurrency=args.concurrency, turns=args.turns,
-                   max_tokens=args.max_tokens, engines=args.engines)
+                   max_tokens=args.max_tokens, tools=args.tools, engines=args.engines)
     ratios = {"gateway_vs_direct": figures["samples_per_s_gateway"] / figures["samples_per_s_direct"],
               "run_cpu_gateway_vs_direct": figures["run_cpu_ms_per_sample_gateway"]
               / figures["run_cpu_ms_per_sample_direct"]}

@@ -95,14 +95,16 @@ def replies(*texts: str):
 
 @contextlib.asynccontextmanager
 async def serving(model, tokenizer, *, wrap=None, forced=None, engines: int = 1, limits: Limits | None = None,
-                  **host_options):
-    """A gateway over an EngineHost over started engines (wrapped by `wrap`, or forced to answer
-    `forced(prompt text)`), with an authorized aiohttp session for episode control."""
+                  started: list | None = None, **host_options):
+    """A gateway over an EngineHost over started engines (`engines` TorchEngines, or the `started`
+    ones the caller stops), each wrapped by `wrap` or forced to answer `forced(prompt text)`, with an
+    authorized aiohttp session for episode control."""
     if forced is not None:
         wrap = lambda engine: Forced(engine, tokenizer, forced)  # noqa: E731
-    started = [TorchEngine(model, name=f"torch-{i}", seed=i) for i in range(engines)]
-    for engine in started:
-        await engine.start()
+    if started is None:
+        started = [TorchEngine(model, name=f"torch-{i}", seed=i) for i in range(engines)]
+        for engine in started:
+            await engine.start()
     used = [wrap(e) if wrap else e for e in started]
     host = EngineHost(used, Questions(), **host_options)
     gateway = Gateway(host, KEY, limits=limits, tokenizer=tokenizer)
@@ -139,7 +141,30 @@ def client(base_url: str, key: str = KEY) -> AsyncOpenAI:
 async def test_recorded_ids_are_the_engines_ids(model, tokenizer):
     """Two turns (the second streamed) through the untouched engine: the episode's record is the
     rendered prompt, the engine's ids, the new user message rendered alone, the engine's ids."""
-    async with serving(model, tokenizer, wrap=Recording) as (gateway, host, control):
+    await two_recorded_turns(model, tokenizer)
+
+
+@pytest.mark.sglang
+@pytest.mark.long
+async def test_recorded_ids_are_the_engines_ids_on_a_real_sglang_server(model, tokenizer, tmp_path):
+    """The same two turns with a real SGLang server (CPU) behind the gateway."""
+    from stages.engines.sglang import SGLangEngine
+    from stages.engines.sglang_server import SGLangUnavailable, sglang_python
+
+    try:
+        sglang_python()
+    except SGLangUnavailable as exc:
+        pytest.skip(str(exc))
+    engine = SGLangEngine(model, name="sglang-gateway", log_dir=tmp_path)
+    await engine.start()
+    try:
+        await two_recorded_turns(model, tokenizer, started=[engine])
+    finally:
+        await engine.stop()
+
+
+async def two_recorded_turns(model, tokenizer, **serving_options) -> None:
+    async with serving(model, tokenizer, wrap=Recording, **serving_options) as (gateway, host, control):
         opened = await open_episode(gateway, control)
         agent = client(opened["base_url"])
         messages = opened["sample"]["messages"]

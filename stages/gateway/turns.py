@@ -134,9 +134,8 @@ class TurnServer:
         tools = tuple(Tool(t.function.name, t.function.description, t.function.parameters)
                       for t in request.tools or ())
         requested = request.max_completion_tokens or request.max_tokens
-        messages = [as_dict(m) for m in request.messages]
         if episode is None:
-            prompt = self._render(self.renderer.prompt_ids, messages, tools)
+            prompt = self._render(self.renderer.prompt_ids, [as_dict(m) for m in request.messages], tools)
             params = self._params(request, self._max_tokens(requested, None, 0))
             completions = await self._generate_n(prompt, params, request.n)
             return [self._choice(c, stops, tools, len(prompt)) for c in completions]
@@ -146,7 +145,7 @@ class TurnServer:
             transcript = segment.transcript if segment is not None else None
             added = transcript.added(request.messages, key) if isinstance(transcript, ChatTranscript) else None
             if added is None:
-                return None, self._render(self.renderer.prompt_ids, messages, tools)
+                return None, self._render(self.renderer.prompt_ids, [as_dict(m) for m in request.messages], tools)
             return segment, self._render(self.renderer.reply_ids, [as_dict(m) for m in added], segment.after_stop)
 
         def record(choice: Choice) -> TextTranscript | ChatTranscript:
