@@ -60,9 +60,9 @@ def positional_credit(answer: str, completion: str) -> float:
 class ReverseDigits:
     """`1234>` -> `4321`; reward = fraction of positions right.
 
-    Measured here: a 2-layer Qwen2 learns 2 digits from random init in ~70 GRPO steps; at 3+
-    digits it plateaus near 0.6 within a few hundred steps, because with rotary positions the
-    decoder must infer its own output index before it can find the digit to copy.
+    Measured here: a 2-layer Qwen2 learns 2 digits from random init in ~70 GRPO steps; at 3-4 digits
+    RL stalls near 0.7-0.77 with one middle answer position locked onto a wrong rule (the same model
+    fits them supervised in 50-200 steps; `tools/answer_positions.py`, README "Findings").
     """
 
     digits: int = 2
