@@ -1,0 +1,213 @@
+"""The device check (`tools/gpu-check.sh` runs it when a session is lent a GPU): baton's own engine,
+learner step and sparse weight deltas on a random-init model of real size, on CUDA in bf16.
+
+    python tools/gpu_check.py [--shape qwen2-0.5b|tiny] [--device cuda|cpu] [--out DIR]
+
+- engine: `TorchEngine(dtype="bfloat16")` generates `--batch` prompts x `--new-tokens` tokens
+  (tokens/s, second call; the first warms up) and takes a whole new version (`receive_weights`, s);
+- learner: `LearnerActor._step`, the real GRPO step, fp32 master weights under bf16 autocast, on
+  `--batch` rows of prompt + completion (s per step, peak GPU memory);
+- sparse deltas: the learner-side `Planner` packs each version in bf16 and diffs it against the one
+  before, the receiver-side `Slots` rebuilds it and verifies every bucket's checksum (changed
+  fraction, patch bytes / full bytes, diff and rebuild seconds) at lr 1e-6 and 1e-5;
+- mooncake_p2p from CUDA memory: when `mooncake` imports there (it is not installed on the device
+  image; carry its CUDA wheel), registers the learner's CUDA weights with a TransferEngine.
+Prints one JSON object as its last line (and writes it to `--out`/gpu-check.json). `--shape tiny
+--device cpu` is the CPU run of the same code that CI's machine can do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from buffers.codec import RolloutBatch  # noqa: E402
+from stages.engines.base import SamplingParams  # noqa: E402
+from stages.engines.torch import TorchEngine  # noqa: E402
+from stages.learner import GRPOLearner, LearnerActor  # noqa: E402
+from stages.model import make_tiny_model  # noqa: E402
+from stages.weights.sparse import Planner, Slots  # noqa: E402
+
+SHAPES = {  # Qwen2-0.5B's config (random weights), and a tiny one for the CPU run
+    "qwen2-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                       num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768),
+    "tiny": dict(vocab_size=1024, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512),
+}
+
+
+def make_model(folder: Path, shape: str) -> Path:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    make_tiny_model(folder)  # a tokenizer (the checks use token ids only); its config and weights are replaced
+    config = Qwen2Config(**SHAPES[shape], tie_word_embeddings=True)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
+    return folder
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+async def check_engine(folder: Path, device: str, batch: int, new_tokens: int, vocab: int) -> dict:
+    engine = TorchEngine(folder, device=device, dtype="bfloat16", seed=0)
+    await engine.start()
+    try:
+        rng = np.random.default_rng(0)
+        prompts = [rng.integers(10, vocab, size=128).tolist() for _ in range(batch)]
+        params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0)
+        await engine.generate(prompts[:4], SamplingParams(max_new_tokens=8, temperature=1.0))
+        t0 = time.perf_counter()
+        out = await engine.generate(prompts, params)
+        seconds = time.perf_counter() - t0
+        tokens = sum(len(c.tokens) for c in out)
+        state = load_file(folder / "model.safetensors", device=device)
+        t0 = time.perf_counter()
+        await engine.receive_weights(1, state)
+        sync(device)
+        return {"tokens": tokens, "tokens_per_s": round(tokens / seconds, 1), "generate_s": round(seconds, 3),
+                "receive_weights_s": round(time.perf_counter() - t0, 4), "version": engine.version}
+    finally:
+        await engine.stop()
+
+
+def fake_batches(groups: int, group_size: int, prompt: int, completion: int, vocab: int) -> list[RolloutBatch]:
+    """`groups` batches of `group_size` rows: random prompt and completion ids, behaviour logprobs
+    near a uniform policy's, a loss mask over the completion, rewards that differ within a group."""
+    rng = np.random.default_rng(1)
+    batches = []
+    for _ in range(groups):
+        rows = [{"tokens": rng.integers(10, vocab, size=prompt + completion).astype(np.int32),
+                 "logprobs": np.r_[np.zeros(prompt), np.full(completion, -np.log(vocab))].astype(np.float32),
+                 "loss_mask": np.r_[np.zeros(prompt), np.ones(completion)].astype(np.uint8),
+                 "token_versions": np.r_[np.full(prompt, -1), np.zeros(completion)].astype(np.int32)}
+                for _ in range(group_size)]
+        fields = {"rewards": rng.random(group_size).astype(np.float32),
+                  "prompt_lens": np.full(group_size, prompt, np.int32),
+                  "versions": np.zeros((group_size, 2), np.int32), "turns": np.ones(group_size, np.int32)}
+        batches.append(RolloutBatch.from_rows(rows, row_fields=fields, meta={}))
+    return batches
+
+
+def learner_on(folder: Path, device: str, lr: float) -> LearnerActor:
+    """A LearnerActor with its model and optimizer set up as `start()` does, without a run around it."""
+    from transformers import AutoModelForCausalLM
+
+    actor = LearnerActor.__new__(LearnerActor)
+    actor.spec = GRPOLearner(model_path=folder, lr=lr, device=device)
+    actor.device = torch.device(device)
+    actor.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device)
+    actor.optimizer = torch.optim.AdamW(actor.model.parameters(), lr=lr)
+    actor.scheduler = torch.optim.lr_scheduler.LambdaLR(actor.optimizer, lambda _: 1.0)
+    actor.reference = None
+    return actor
+
+
+def check_learner_and_deltas(folder: Path, device: str, batch: int, vocab: int, steps: int) -> dict:
+    """Learner steps at lr 1e-6 then 1e-5; after each, the version packed in bf16 and sent as a delta
+    into the receive slot that is not live, as `mooncake_p2p` with `sparse = true` does."""
+    from stages.weights.base import new_stats
+
+    batches = fake_batches(max(batch // 8, 1), 8, prompt=128, completion=128, vocab=vocab)
+    actor, planner = learner_on(folder, device, lr=1e-6), Planner("bfloat16", stats=new_stats())
+    t0 = time.perf_counter()
+    first = planner.stage(0, actor.model.state_dict(), 32 << 20)
+    learner = {"params": sum(p.numel() for p in actor.model.parameters()), "rows_per_step": batch,
+               "tokens_per_row": 256, "pack_s": round(time.perf_counter() - t0, 4), "step_s": []}
+    slots = Slots([np.empty(first.nbytes, np.uint8) for _ in range(2)])
+    slots.slots[0][:] = first
+    slots.rebuild(0, planner.versions.layout, None, None)
+    slots.applied(0)
+    sparse, version = {}, 0
+    for lr in (1e-6, 1e-5):
+        for group in actor.optimizer.param_groups:
+            group["lr"] = lr
+        sparse[f"lr={lr:g}"] = []
+        for _ in range(steps):
+            if device.startswith("cuda"):
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            with torch.autocast(device_type=actor.device.type, dtype=torch.bfloat16):
+                info = actor._step(batches)
+            sync(device)
+            learner["step_s"].append(round(time.perf_counter() - t0, 4))
+            version += 1
+            sparse[f"lr={lr:g}"].append({"loss": info["loss"], **send(planner, actor, version, slots)})
+    if device.startswith("cuda"):
+        learner["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    return {"learner": learner, "sparse": sparse}
+
+
+def send(planner: Planner, actor: LearnerActor, version: int, slots: Slots) -> dict:
+    """Stage `version`, diff it against the newest version a slot holds, rebuild it (verified) in the
+    slot that is not live, then make that one live."""
+    target = 1 - slots.live
+    t0 = time.perf_counter()
+    planner.stage(version, actor.model.state_dict(), 32 << 20)
+    patch, pieces = planner.patch(tuple(slots.holds), target, refused=False)
+    payload = np.concatenate(pieces)
+    diff_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    slots.rebuild(target, planner.versions.layout, patch, payload)
+    slots.applied(target)
+    total = planner.versions.layout.total
+    return {"base": patch.base, "changed_frac": round(sum(p.changed for p in patch.parts) / (total // 2), 5),
+            "bytes_vs_full": round(payload.nbytes / total, 4), "diff_s": round(diff_s, 4),
+            "rebuild_s": round(time.perf_counter() - t0, 4)}
+
+
+def check_mooncake_cuda(device: str) -> dict:
+    try:
+        from mooncake.engine import TransferEngine
+    except ImportError as exc:
+        return {"skipped": f"mooncake is not installed here ({exc})"}
+    if not device.startswith("cuda"):
+        return {"skipped": "not on CUDA"}
+    engine = TransferEngine()
+    if engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
+        return {"failed": "TransferEngine.initialize"}
+    tensor = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    code = engine.register_memory(tensor.data_ptr(), tensor.numel())
+    return {"register_cuda_256mib": "ok" if code == 0 else f"error {code}"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2-0.5b")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=3, help="learner steps per learning rate")
+    parser.add_argument("--out", type=Path)
+    a = parser.parse_args()
+    torch.set_num_threads(1 if a.device == "cpu" else 8)
+    result = {"shape": a.shape, "device": a.device, "torch": torch.__version__,
+              "gpu": torch.cuda.get_device_name() if a.device.startswith("cuda") else None}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = make_model(Path(tmp) / "model", a.shape)
+        vocab = SHAPES[a.shape]["vocab_size"]
+        result["engine"] = asyncio.run(check_engine(folder, a.device, a.batch, a.new_tokens, vocab))
+        result.update(check_learner_and_deltas(folder, a.device, a.batch, vocab, a.steps))
+    result["mooncake_cuda"] = check_mooncake_cuda(a.device)
+    line = json.dumps(result)
+    if a.out:
+        a.out.mkdir(parents=True, exist_ok=True)
+        (a.out / "gpu-check.json").write_text(line + "\n")
+    print(line)
+
+
+if __name__ == "__main__":
+    main()
