@@ -36,7 +36,8 @@ from buffers.codec import RolloutBatch  # noqa: E402
 from stages.engines.base import SamplingParams  # noqa: E402
 from stages.engines.torch import TorchEngine  # noqa: E402
 from stages.learner import GRPOLearner, LearnerActor  # noqa: E402
-from stages.model import make_tiny_model  # noqa: E402
+from stages.model import load_model, make_tiny_model  # noqa: E402
+from stages.weights.base import new_stats  # noqa: E402
 from stages.weights.sparse import Planner, Slots  # noqa: E402
 
 SHAPES = {  # Qwen2-0.5B's config (random weights), and a tiny one for the CPU run
@@ -104,12 +105,10 @@ def fake_batches(groups: int, group_size: int, prompt: int, completion: int, voc
 
 def learner_on(folder: Path, device: str, lr: float) -> LearnerActor:
     """A LearnerActor with its model and optimizer set up as `start()` does, without a run around it."""
-    from transformers import AutoModelForCausalLM
-
     actor = LearnerActor.__new__(LearnerActor)
     actor.spec = GRPOLearner(model_path=folder, lr=lr, device=device)
     actor.device = torch.device(device)
-    actor.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device)
+    actor.model = load_model(folder).to(device)  # fp32, train mode: the learner's own loader
     actor.optimizer = torch.optim.AdamW(actor.model.parameters(), lr=lr)
     actor.scheduler = torch.optim.lr_scheduler.LambdaLR(actor.optimizer, lambda _: 1.0)
     actor.reference = None
@@ -119,8 +118,6 @@ def learner_on(folder: Path, device: str, lr: float) -> LearnerActor:
 def check_learner_and_deltas(folder: Path, device: str, batch: int, vocab: int, steps: int) -> dict:
     """Learner steps at lr 1e-6 then 1e-5; after each, the version packed in bf16 and sent as a delta
     into the receive slot that is not live, as `mooncake_p2p` with `sparse = true` does."""
-    from stages.weights.base import new_stats
-
     batches = fake_batches(max(batch // 8, 1), 8, prompt=128, completion=128, vocab=vocab)
     actor, planner = learner_on(folder, device, lr=1e-6), Planner("bfloat16", stats=new_stats())
     t0 = time.perf_counter()
