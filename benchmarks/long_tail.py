@@ -61,8 +61,8 @@ def overrides(args: argparse.Namespace, mode: str, root: Path) -> list[str]:
     return [
         f"steps={args.steps}", f"seed={args.seed}", f"run_root='{root}'", f"model.path='{ROOT / MODEL}'",
         "telemetry.progress=false", "telemetry.log_level='warning'", f"mode='{mode}'", f"staleness.k={k}",
-        f"environment.kind='{ENVIRONMENT}'", f"environment.seed={args.seed}", "environment.max_turns=16",
-        "episode.max_turns=16", "episode.step_timeout_s=10", "episode.timeout_s=600",
+        "task.digits=2", f"environment.kind='{ENVIRONMENT}'", f"environment.seed={args.seed}",
+        "environment.max_turns=16", "episode.max_turns=16", "episode.step_timeout_s=10", "episode.timeout_s=600",
         f"engine.batch_groups={args.batch_groups or (args.k + 1) * GROUPS_PER_STEP}",
         f"learner.groups_per_step={GROUPS_PER_STEP}", *args.overrides,
     ]

