@@ -47,7 +47,7 @@ from stages.episode import EpisodeLimits
 from stages.evaluation import Evaluation
 from stages.gateway.run_host import GatewaySettings, as_agent
 from stages.learner import GRPOLearner
-from stages.losses import AGGREGATIONS, LR_DECAYS
+from stages.losses import AGGREGATIONS, ENTROPY_SCOPES, LR_DECAYS
 from stages.model import DTYPES, check_model_folder, make_tiny_model
 from stages.rewards import ON_ERROR, RewardFunction, resolve
 from stages.rollout import Rollout
@@ -395,6 +395,9 @@ class GRPOSpec(Section):
     norm_adv_by_std: bool = Field(default_of(GRPOLearner, "norm_adv_by_std"), description="false: advantages are "
                                   "r - group mean, not divided by the group's std (Dr. GRPO)")
     entropy_coef: float = Field(default_of(GRPOLearner, "entropy_coef"), ge=0, description="entropy bonus")
+    entropy_scope: Literal[ENTROPY_SCOPES] = Field(  # type: ignore[valid-type]
+        default_of(GRPOLearner, "entropy_scope"), description='"all" rows, or "zero-variance": only the rows of '
+        "groups whose rewards are all equal (no signal)")
     kl_coef: float = Field(default_of(GRPOLearner, "kl_coef"), ge=0, description="k3 KL penalty to the initial "
                            "weights (0: off, and no reference model is kept)")
     lr_warmup_steps: int = Field(default_of(GRPOLearner, "lr_warmup_steps"), ge=0, description="versions of linear "

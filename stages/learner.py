@@ -17,7 +17,8 @@ Each step:
    correction (`policies.correction`: none clips
    against each token's behaviour logprob; tis and decoupled clip against the learner's own logprobs
    at the step's start and weight tokens by pi_prox / pi_behav), aggregated over the loss mask as
-   `loss_agg_mode` says, minus `entropy_coef` x entropy, plus `kl_coef` x the k3 KL to the initial
+   `loss_agg_mode` says, minus `entropy_coef` x entropy (of every row, or with `entropy_scope =
+   "zero-variance"` only of the rows of groups without signal), plus `kl_coef` x the k3 KL to the initial
    weights (stages.losses); clip gradients, take an AdamW step at the scheduled learning rate;
 3. bump the version, publish the weights through the transport, advance the clock, and only
    then mark the groups trained (at the version they were trained at). A group with uses left
@@ -68,10 +69,13 @@ from stages.evaluation import read_evaluations
 from stages.learner_state import read_learner_state, write_learner_state
 from stages.losses import (
     AGGREGATIONS,
+    ENTROPY_SCOPES,
     LR_DECAYS,
+    EntropyScope,
     LossAggregation,
     LrDecay,
     aggregate,
+    entropy_bonus_rows,
     group_advantages,
     kl_k3,
     lr_scheduler,
@@ -113,6 +117,7 @@ class GRPOLearner:
     loss_max_tokens: int | None = None  # seq-mean-token-sum-norm's constant divisor; None: the batch's width
     norm_adv_by_std: bool = False  # False: Dr. GRPO advantages (r - group mean, no std scaling)
     entropy_coef: float = 0.01  # entropy bonus: loss -= coef x aggregated entropy
+    entropy_scope: EntropyScope = "all"  # "zero-variance": the bonus counts only rows of groups without signal
     kl_coef: float = 0.0  # k3 KL penalty to the initial weights (kept in memory only when > 0)
     lr_warmup_steps: int = 0  # linear warmup over this many versions
     lr_decay: LrDecay = "constant"  # after warmup: constant, linear or cosine to min_lr_ratio x lr at the last step
@@ -144,6 +149,9 @@ class GRPOLearner:
             )
         if self.lr_decay not in LR_DECAYS:
             raise ValueError(f"learner.lr_decay must be one of {', '.join(LR_DECAYS)}, got {self.lr_decay!r}")
+        if self.entropy_scope not in ENTROPY_SCOPES:
+            raise ValueError(f"learner.entropy_scope must be one of {', '.join(ENTROPY_SCOPES)}, "
+                             f"got {self.entropy_scope!r}")
         if self.clip_eps_high is not None and self.clip_eps_high <= 0:
             raise ValueError(f"learner.clip_eps_high must be > 0, got {self.clip_eps_high}")
 
@@ -541,6 +549,7 @@ class LearnerActor(BaseActor):
         reduce = partial(aggregate, mode=spec.loss_agg_mode, max_tokens=spec.loss_max_tokens)
         m = mask[:, 1:]
         reference = self._reference_logprobs(ids, attn) if self.reference is not None else None
+        bonus_rows = entropy_bonus_rows(rewards, group_index, spec.entropy_scope)[:, None].to(self.device)
         proximal: torch.Tensor | None = None
         lr = opt.param_groups[0]["lr"]
         for epoch in range(spec.epochs):  # PPO epochs: later passes see ratios move away from 1, and clip
@@ -553,7 +562,7 @@ class LearnerActor(BaseActor):
                                               spec.clip_eps_high, reduce)
             entropy = token_entropy(logp_all) if spec.entropy_coef > 0 else token_entropy(logp_all.detach())
             if spec.entropy_coef > 0:
-                loss = loss - spec.entropy_coef * reduce(entropy, m)
+                loss = loss - spec.entropy_coef * reduce(entropy * bonus_rows, m)
             if reference is not None:
                 kl = reduce(kl_k3(logp, reference), m)
                 loss = loss + spec.kl_coef * kl

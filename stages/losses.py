@@ -26,6 +26,8 @@ LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-s
 AGGREGATIONS: tuple[str, ...] = get_args(LossAggregation)
 LrDecay = Literal["constant", "linear", "cosine"]
 LR_DECAYS: tuple[str, ...] = get_args(LrDecay)
+EntropyScope = Literal["all", "zero-variance"]
+ENTROPY_SCOPES: tuple[str, ...] = get_args(EntropyScope)
 
 
 def group_advantages(
@@ -43,12 +45,29 @@ def group_advantages(
     return centred / (var.sqrt()[group_index] + eps)
 
 
-def zero_variance_fraction(rewards: torch.Tensor, group_index: torch.Tensor) -> float:
-    """Fraction of groups whose rewards are all equal, to 1e-6 (they give GRPO no gradient)."""
+def zero_variance_groups(rewards: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
+    """Per group, whether its rewards are all equal, to 1e-6 (such a group gives GRPO no gradient)."""
     spread = group_advantages(rewards, group_index, scale_by_std=False).abs()
     groups = int(group_index.max()) + 1
     per_group = torch.zeros(groups, dtype=rewards.dtype).index_add_(0, group_index, spread)
-    return float((per_group < 1e-6).float().mean())  # float sums of equal rewards may not cancel exactly
+    return per_group < 1e-6  # float sums of equal rewards may not cancel exactly
+
+
+def zero_variance_fraction(rewards: torch.Tensor, group_index: torch.Tensor) -> float:
+    """Fraction of groups whose rewards are all equal (`zero_variance_groups`)."""
+    return float(zero_variance_groups(rewards, group_index).float().mean())
+
+
+def entropy_bonus_rows(rewards: torch.Tensor, group_index: torch.Tensor, scope: EntropyScope = "all") -> torch.Tensor:
+    """Per row, 1.0 where the entropy bonus counts, else 0.0. `all`: every row. `zero-variance`: only the
+    rows of groups whose rewards are all equal: a group without signal is where the policy has stopped
+    exploring (or never found a reward), and there the bonus is the only gradient. Groups with signal
+    are left to the policy gradient, so a position already learned is not pushed away from its answer."""
+    if scope == "all":
+        return torch.ones_like(rewards)
+    if scope == "zero-variance":
+        return zero_variance_groups(rewards, group_index)[group_index].to(rewards.dtype)
+    raise ValueError(f"entropy scope must be one of {', '.join(ENTROPY_SCOPES)}, got {scope!r}")
 
 
 def aggregate(

@@ -13,6 +13,7 @@ from baton.schema import RunConfig
 from policies.correction import Correction
 from stages.losses import (
     aggregate,
+    entropy_bonus_rows,
     group_advantages,
     kl_k3,
     lr_factor,
@@ -102,6 +103,18 @@ def test_zero_variance_fraction_counts_groups_of_equal_rewards() -> None:
     assert zero_variance_fraction(rewards, torch.tensor([0, 0, 1, 1, 2, 2])) == pytest.approx(2 / 3)
 
 
+def test_the_entropy_bonus_counts_all_rows_or_only_groups_without_signal() -> None:
+    rewards, groups = torch.tensor([1.0, 0.0, 0.5, 0.5, 0.0, 0.0]), torch.tensor([0, 0, 1, 1, 2, 2])
+    assert entropy_bonus_rows(rewards, groups).tolist() == [1.0] * 6
+    assert entropy_bonus_rows(rewards, groups, "zero-variance").tolist() == [0.0, 0.0, 1.0, 1.0, 1.0, 1.0]
+    # the learner's term: rows of the signal group weigh nothing, every token still counts in the divisor
+    entropy, mask = torch.tensor([[2.0], [4.0], [1.0], [1.0], [3.0], [3.0]]), torch.ones(6, 1)
+    rows = entropy_bonus_rows(rewards, groups, "zero-variance")[:, None]
+    assert float(aggregate(entropy * rows, mask)) == pytest.approx((1 + 1 + 3 + 3) / 6)
+    with pytest.raises(ValueError, match="entropy scope"):
+        entropy_bonus_rows(rewards, groups, "some")  # type: ignore[arg-type]
+
+
 def test_entropy_of_uniform_and_certain_distributions() -> None:
     logp = torch.tensor([[[0.25] * 4, [1.0, 1e-30, 1e-30, 1e-30]]]).log()
     assert token_entropy(logp)[0].tolist() == pytest.approx([math.log(4), 0.0], abs=1e-6)
@@ -139,7 +152,8 @@ def test_lr_scheduler_steps_the_optimizer_and_resumes_from_a_version() -> None:
 
 def test_learner_keys_reach_the_learner(tmp_path) -> None:
     learner = {"clip_eps_high": 0.28, "loss_agg_mode": "seq-mean-token-sum-norm", "loss_max_tokens": 8,
-               "norm_adv_by_std": False, "entropy_coef": 0.01, "kl_coef": 0.05, "lr_warmup_steps": 10,
+               "norm_adv_by_std": False, "entropy_coef": 0.01, "entropy_scope": "zero-variance", "kl_coef": 0.05,
+               "lr_warmup_steps": 10,
                "lr_decay": "cosine", "min_lr_ratio": 0.1, "warn_entropy_below": 0.2}
     cfg = validate(RunConfig, {"model": {"path": str(tmp_path / "m")}, "learner": learner})
     made = grpo_learner(cfg.learner, cfg, model=tmp_path / "m")
