@@ -62,7 +62,8 @@ def entropy_bonus_rows(rewards: torch.Tensor, group_index: torch.Tensor, scope: 
     """Per row, 1.0 where the entropy bonus counts, else 0.0. `all`: every row. `zero-variance`: only the
     rows of groups whose rewards are all equal: a group without signal is where the policy has stopped
     exploring (or never found a reward), and there the bonus is the only gradient. Groups with signal
-    are left to the policy gradient, so a position already learned is not pushed away from its answer."""
+    are left to the policy gradient. Within a group without signal the bonus raises every token's
+    entropy, and a learned position that strays gives its group signal again, which pulls it back."""
     if scope == "all":
         return torch.ones_like(rewards)
     if scope == "zero-variance":
