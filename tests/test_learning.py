@@ -81,15 +81,17 @@ def test_corrected_loss_beats_uncorrected_on_stale_data(tmp_path: Path) -> None:
 
 # seed 0 plateaus near 0.74 with these defaults since the torch engine samples each call from its own stream
 # (issue 20 is open: the defaults do not yet reach 0.8 at every seed); it still runs, and passes when it learns
-PLATEAUS = pytest.mark.xfail(reason="issue 20: seeds 0 and 1 plateau near 0.74 in some runs (an async run's timing "
-                                     "changes its trajectory; each has passed and failed)", strict=False)
-NO_COLLAPSE_SEEDS = (pytest.param(0, marks=PLATEAUS), pytest.param(1, marks=PLATEAUS), 2)
+NO_COLLAPSE_SEEDS = (0, 1, 2)
 STEPS_REVERSE3 = 700  # measured: the trailing reward reaches 0.73-0.83 by version 400-500 (benchmarks/learning.py)
 # A collapsed policy's entropy: the old defaults fell to 0.003 on reverse-4 (926 versions) and stalled; runs
 # with the current defaults that learn stay at 0.02-0.09 before the target (the entropy is averaged over a
 # few answer tokens, most of them already certain), so the floor sits below those and above a collapse.
 ENTROPY_FLOOR = 0.01
 TARGET, WINDOW = 0.8, 20  # trailing mean train reward over WINDOW versions, as benchmarks/learning.py
+# Every seed has both reached TARGET and plateaued near 0.74-0.75 in some run (issue 20: one answer position
+# locks onto a wrong rule; an async run's timing changes its trajectory). What holds in every run so far is
+# LEARNED without a collapse on the way; TARGET is the open goal, reported as an expected failure when missed.
+LEARNED = 0.7
 
 
 def _quickstart_run(tmp_path: Path, seed: int, steps: int, **task) -> list[dict]:
@@ -110,13 +112,17 @@ def _quickstart_run(tmp_path: Path, seed: int, steps: int, **task) -> list[dict]
 @pytest.mark.timeout(900)  # up to 700 versions on a shared 2-core machine
 @pytest.mark.parametrize("seed", NO_COLLAPSE_SEEDS)
 def test_reverse3_learns_without_collapse(tmp_path: Path, seed: int) -> None:
-    """With the quickstart's defaults, reverse-3 reaches a trailing reward of 0.8 and, until it does, the
-    policy's entropy never falls below the collapse floor (a collapsed policy samples the same answer eight
-    times a group, so its groups stop carrying signal and the reward stalls)."""
+    """With the quickstart's defaults, reverse-3's trailing reward reaches LEARNED and then TARGET, and until
+    it does the policy's entropy never falls below the collapse floor (a collapsed policy samples the same
+    answer eight times a group, so its groups stop carrying signal and the reward stalls). Missing TARGET
+    after reaching LEARNED without a collapse is issue 20's open plateau: an expected failure, not a pass."""
     records = _quickstart_run(tmp_path, seed, steps=STEPS_REVERSE3, digits=3)
     rewards = [r["reward"] for r in records]
     trailing = [statistics.fmean(rewards[max(0, i + 1 - WINDOW): i + 1]) for i in range(len(rewards))]
-    reached = next((i for i, value in enumerate(trailing) if i + 1 >= WINDOW and value >= TARGET), None)
-    assert reached is not None, f"seed {seed}: trailing reward peaked at {max(trailing):.3f}"
-    lowest = min(r["entropy"] for r in records[: reached + 1])
-    assert lowest >= ENTROPY_FLOOR, f"seed {seed}: entropy fell to {lowest:.4f} before the reward reached {TARGET}"
+    for goal in (LEARNED, TARGET):
+        reached = next((i for i, value in enumerate(trailing) if i + 1 >= WINDOW and value >= goal), None)
+        if reached is None and goal == TARGET:
+            pytest.xfail(f"issue 20: seed {seed} plateaued, its trailing reward peaked at {max(trailing):.3f}")
+        assert reached is not None, f"seed {seed}: trailing reward peaked at {max(trailing):.3f}, below {goal}"
+        lowest = min(r["entropy"] for r in records[: reached + 1])
+        assert lowest >= ENTROPY_FLOOR, f"seed {seed}: entropy fell to {lowest:.4f} before the reward reached {goal}"
