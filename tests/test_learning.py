@@ -79,8 +79,6 @@ def test_corrected_loss_beats_uncorrected_on_stale_data(tmp_path: Path) -> None:
     assert statistics.mean(gains) > 0, (gains, report)
 
 
-# seed 0 plateaus near 0.74 with these defaults since the torch engine samples each call from its own stream
-# (issue 20 is open: the defaults do not yet reach 0.8 at every seed); it still runs, and passes when it learns
 NO_COLLAPSE_SEEDS = (0, 1, 2)
 STEPS_REVERSE3 = 700  # measured: the trailing reward reaches 0.73-0.83 by version 400-500 (benchmarks/learning.py)
 # A collapsed policy's entropy: the old defaults fell to 0.003 on reverse-4 (926 versions) and stalled; runs

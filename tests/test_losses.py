@@ -153,8 +153,7 @@ def test_lr_scheduler_steps_the_optimizer_and_resumes_from_a_version() -> None:
 def test_learner_keys_reach_the_learner(tmp_path) -> None:
     learner = {"clip_eps_high": 0.28, "loss_agg_mode": "seq-mean-token-sum-norm", "loss_max_tokens": 8,
                "norm_adv_by_std": False, "entropy_coef": 0.01, "entropy_scope": "zero-variance", "kl_coef": 0.05,
-               "lr_warmup_steps": 10,
-               "lr_decay": "cosine", "min_lr_ratio": 0.1, "warn_entropy_below": 0.2}
+               "lr_warmup_steps": 10, "lr_decay": "cosine", "min_lr_ratio": 0.1, "warn_entropy_below": 0.2}
     cfg = validate(RunConfig, {"model": {"path": str(tmp_path / "m")}, "learner": learner})
     made = grpo_learner(cfg.learner, cfg, model=tmp_path / "m")
     assert {key: getattr(made, key) for key in learner} == learner
