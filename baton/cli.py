@@ -160,7 +160,7 @@ def run_or_check(args: argparse.Namespace) -> int:
     from pipeline.telemetry import configure_logging, report_failure
 
     configure_logging(cfg.telemetry.log_format, cfg.telemetry.log_level)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a kill stops what the run started, as Ctrl-C does
+    signal.signal(signal.SIGTERM, _sigterm_as_ctrl_c)  # a kill stops what the run started, as Ctrl-C does
     try:
         pipeline = build_pipeline(cfg)
     except (ConfigError, FileNotFoundError, ValueError) as exc:
@@ -194,6 +194,17 @@ def _resume_hint(run_dir) -> None:
     if checkpoint is not None:
         print(f"baton: {run_dir} holds a checkpoint of version {read_state(checkpoint).version}; "
               f"continue the run with: baton run --resume {run_dir}", file=sys.stderr)
+
+
+def _sigterm_as_ctrl_c(signum: int, frame) -> None:
+    """SIGTERM takes Ctrl-C's path: the current SIGINT handler. While the run's event loop is up that is
+    asyncio's runner, which cancels the run's main task so every stage unwinds and stops what it started.
+    A KeyboardInterrupt raised from here instead lands wherever the main thread is, and where that is a
+    weakref callback Python prints it and drops it: the run would go on."""
+    handler = signal.getsignal(signal.SIGINT)
+    if not callable(handler):
+        raise KeyboardInterrupt
+    handler(signal.SIGINT, frame)
 
 
 def _interrupted(exc: BaseException) -> bool:

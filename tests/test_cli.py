@@ -1,15 +1,20 @@
-"""The CLI's config errors: each names the key, the value and the fix, and nothing starts."""
+"""The CLI: config errors each name the key, the value and the fix, and nothing starts; a kill reaches a
+run as Ctrl-C does."""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import anyio
 import pytest
 
 from baton.builder import make_part
-from baton.cli import main
+from baton.cli import _sigterm_as_ctrl_c, main
 from baton.config import ConfigError, apply_override, load_toml, resolve, validate
 from baton.schema import RunConfig
 
@@ -145,3 +150,26 @@ def test_console_script_reports_config_errors() -> None:
     assert proc.returncode == 2
     assert "learner.lr = 0" in proc.stderr
     assert proc.stdout == ""
+
+
+def test_sigterm_reaches_a_running_loop_as_cancellation_like_ctrl_c() -> None:
+    """`baton run`'s SIGTERM handler cancels the run's main task (asyncio's Ctrl-C path), so the run sees
+    CancelledError where it awaits, and `anyio.run` then raises KeyboardInterrupt; a KeyboardInterrupt
+    raised at whatever line the signal lands on could land in a weakref callback, which drops it."""
+    seen: list[type[BaseException]] = []
+
+    async def run() -> None:
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            await anyio.sleep(30)
+        except BaseException as exc:
+            seen.append(type(exc))
+            raise
+
+    previous = signal.signal(signal.SIGTERM, _sigterm_as_ctrl_c)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            anyio.run(run)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert seen == [asyncio.CancelledError]

@@ -53,13 +53,19 @@ def test_quickstart_on_mooncake_stops_its_master(tmp_path: Path) -> None:
     assert not masters_running() - before, "the auto-started master was stopped at exit"
 
 
-def test_a_killed_run_stops_the_master_it_started(tmp_path: Path) -> None:
+@pytest.mark.parametrize("config", [
+    "quickstart-mooncake.toml",
+    # Ray's init installs its own SIGTERM handlers (one aborts the driver, leaving the master behind)
+    pytest.param("ray-mooncake.toml", marks=pytest.mark.long),
+])
+def test_a_killed_run_stops_the_master_it_started(tmp_path: Path, config: str) -> None:
     """SIGTERM (a scheduler's kill) unwinds `baton run` like Ctrl-C: exit 130, and the mooncake_master
-    it started is gone, not left behind."""
+    it started is gone, not left behind. It is delivered as Ctrl-C is (a cancelled run), never as an
+    exception raised at a random point: one raised inside a weakref callback is dropped and the run went on."""
     before = masters_running()
     sets = [f"run_root='{tmp_path}'", f"model.path='{tmp_path / 'model'}'", "steps=100000"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "baton.cli", "run", str(ROOT / "configs" / "quickstart-mooncake.toml"),
+        [sys.executable, "-m", "baton.cli", "run", str(ROOT / "configs" / config),
          *[x for s in sets for x in ("--set", s)]],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
     )

@@ -28,10 +28,13 @@ import os
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 import asyncio  # noqa: E402
+import contextlib  # noqa: E402
 import functools  # noqa: E402
+import signal  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
 from collections import Counter  # noqa: E402
-from collections.abc import Awaitable, Callable  # noqa: E402
+from collections.abc import Awaitable, Callable, Iterator  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -409,6 +412,10 @@ class RayRun:
     def _start_ray(self, hosts_needed: int) -> None:
         """Without an address, a new local cluster of this run's own ("local": never one that `ray start`
         left behind, live or dead); with one, that cluster, or an error naming ray.address."""
+        with _keeping_the_sigterm_handler():
+            self._init_ray(hosts_needed)
+
+    def _init_ray(self, hosts_needed: int) -> None:
         local = self.address is None
         try:
             ray.init(
@@ -631,6 +638,21 @@ async def feed_resume(resume: Any, wiring: Wiring) -> None:
         await ResumeFeeder(resume, ctx, wiring.channels["produced"]).run()
     finally:
         await ctx.services.store.close()
+
+
+@contextlib.contextmanager
+def _keeping_the_sigterm_handler() -> Iterator[None]:
+    """`ray.init` replaces the process's SIGTERM handler (with `sys.exit`, and then its core worker's crash
+    handler, which aborts the process); the caller's is put back, so a kill unwinds the run the caller's
+    way and stops what the run started. Only the main thread can install handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, handler if handler is not None else signal.SIG_DFL)
 
 
 def _memory_report_env() -> dict[str, str]:
