@@ -406,6 +406,11 @@ class GRPOSpec(Section):
                                          description="after warmup: constant, or linear / cosine decay to "
                                          "min_lr_ratio x lr at the last version")
     min_lr_ratio: float = Field(default_of(GRPOLearner, "min_lr_ratio"), ge=0, le=1)
+    lr_tuned_staleness: float = Field(default_of(GRPOLearner, "lr_tuned_staleness"), ge=0, description="the "
+                                      "staleness lr was chosen at: a staler step trains at lr x ((this + 1) / (its "
+                                      "mean staleness + 1)) ** lr_staleness_power")
+    lr_staleness_power: float = Field(default_of(GRPOLearner, "lr_staleness_power"), ge=0, description="0: the "
+                                      "same lr at every staleness")
     warn_entropy_below: float = Field(default_of(GRPOLearner, "warn_entropy_below"), ge=0, description="a "
                                       "learner.entropy_collapse event when the entropy falls below this ...")
     warn_reward_below: float = Field(default_of(GRPOLearner, "warn_reward_below"), description="... while the "

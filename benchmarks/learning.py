@@ -48,22 +48,38 @@ def run_once(task: str, seed: int, k: int, a: argparse.Namespace, root: Path) ->
             "checkpoint.every=0", *([] if k <= 2 else [f"correction.kind='{a.correction}'"]), *a.overrides]
     cmd = [sys.executable, "-m", "baton.cli", "run", config, *[x for s in sets for x in ("--set", s)]]
     started = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics = None
+    log = root / f"{task}-s{seed}-k{k}.log"  # a file, not a pipe: a pipe nobody reads until the end can fill
+    with log.open("w") as sink:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, text=True)
+        wall, killed = _watch(proc, task, seed, k, a, root, started)
+    metrics = next(iter(sorted(root.glob(f"{task}-s{seed}-k{k}-*/metrics.jsonl"))), None)
+    records = _records(metrics) if metrics else []
+    if not records:
+        return {"task": task, "seed": seed, "k": k, "error": log.read_text()[-500:]}
+    row = _row(task, seed, k, records, a, wall)
+    if killed:  # it ignored SIGTERM for a minute: a bug of its own, worth seeing in the table
+        row["killed_after_sigterm"] = True
+    return row
+
+
+def _watch(proc: subprocess.Popen, task: str, seed: int, k: int, a: argparse.Namespace, root: Path,
+           started: float) -> tuple[float, bool]:
+    """Wait for the run, stopping it once it has shown `after` versions past the target or used its
+    budget; its wall seconds, and whether it had to be killed."""
+    metrics, killed = None, False
     while proc.poll() is None:  # stop the run once it has shown `after` versions past the target
         time.sleep(1.0)
         metrics = metrics or next(iter(sorted(root.glob(f"{task}-s{seed}-k{k}-*/metrics.jsonl"))), None)
         elapsed = time.perf_counter() - started
         if elapsed > a.budget_s or (metrics and _reached(_records(metrics), a, a.after) is not None):
             proc.terminate()
-            proc.wait(timeout=60)
-    wall = time.perf_counter() - started
-    out, err = proc.communicate()
-    metrics = metrics or next(iter(sorted(root.glob(f"{task}-s{seed}-k{k}-*/metrics.jsonl"))), None)
-    records = _records(metrics) if metrics else []
-    if not records:
-        return {"task": task, "seed": seed, "k": k, "error": (err or out)[-500:]}
-    return _row(task, seed, k, records, a, wall)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:  # a run that does not stop is this row's error, not the matrix's end
+                proc.kill()
+                proc.wait()
+                killed = True
+    return time.perf_counter() - started, killed
 
 
 def _records(path: Path) -> list[dict]:

@@ -79,6 +79,7 @@ from stages.losses import (
     group_advantages,
     kl_k3,
     lr_scheduler,
+    staleness_lr_factor,
     token_entropy,
     zero_variance_fraction,
 )
@@ -122,6 +123,9 @@ class GRPOLearner:
     lr_warmup_steps: int = 0  # linear warmup over this many versions
     lr_decay: LrDecay = "constant"  # after warmup: constant, linear or cosine to min_lr_ratio x lr at the last step
     min_lr_ratio: float = 0.0
+    # the staleness lr was chosen at: a staler step's lr x ((this + 1) / (staleness + 1)) ** lr_staleness_power
+    lr_tuned_staleness: float = 2.0
+    lr_staleness_power: float = 2.0  # 0: the same lr at every staleness
     warn_entropy_below: float = 0.05  # a learner.entropy_collapse event when entropy falls below this ...
     warn_reward_below: float = 0.5  # ... while the trailing mean reward is below this
     warn_window: int = 20  # versions in the trailing reward
@@ -152,6 +156,10 @@ class GRPOLearner:
         if self.entropy_scope not in ENTROPY_SCOPES:
             raise ValueError(f"learner.entropy_scope must be one of {', '.join(ENTROPY_SCOPES)}, "
                              f"got {self.entropy_scope!r}")
+        if self.lr_tuned_staleness < 0:
+            raise ValueError(f"learner.lr_tuned_staleness must be >= 0, got {self.lr_tuned_staleness}")
+        if self.lr_staleness_power < 0:
+            raise ValueError(f"learner.lr_staleness_power must be >= 0, got {self.lr_staleness_power}")
         if self.clip_eps_high is not None and self.clip_eps_high <= 0:
             raise ValueError(f"learner.clip_eps_high must be > 0, got {self.clip_eps_high}")
 
@@ -378,7 +386,8 @@ class LearnerActor(BaseActor):
             async with anyio.create_task_group() as tg:
                 if version + 1 < ctx.steps:  # fetch the next step's groups while this one computes
                     tg.start_soon(self._prefetch, version)
-                stats = await anyio.to_thread.run_sync(self._step, batches)
+                stale = [staleness(version, r.version) for r in refs]
+                stats = await anyio.to_thread.run_sync(self._step, batches, float(np.mean(stale)))
                 tg.cancel_scope.cancel()  # a prefetch still waiting for groups must not hold up the version
             step_s = time.perf_counter() - t0
             push_s, pushed = await self._publish(version + 1)
@@ -391,7 +400,6 @@ class LearnerActor(BaseActor):
             for ref, _ in self._window.returned(taken, version):  # their last use is over
                 await free(ctx, ref, self.store, self._frees)
             trained_samples += sum(r.rows for r in refs)
-            stale = [staleness(version, r.version) for r in refs]
             elapsed = time.perf_counter() - t_start
             ctx.folder.log_metrics({
                 "version": version + 1,
@@ -539,8 +547,9 @@ class LearnerActor(BaseActor):
             await redo(self.ctx, ref, "lost", reason, self.store, self._frees)
             return None
 
-    def _step(self, batches: list[RolloutBatch]) -> dict[str, float]:
-        """One version's optimizer step(s) on `batches`; the loss and the diagnostics for the metrics."""
+    def _step(self, batches: list[RolloutBatch], mean_staleness: float = 0.0) -> dict[str, float]:
+        """One version's optimizer step(s) on `batches`, at the scheduled lr scaled for the batch's mean
+        staleness (`staleness_lr_factor`); the loss and the diagnostics for the metrics."""
         model, opt, spec = self.model, self.optimizer, self.spec
         assert model is not None and opt is not None
         ids, old, mask, attn, rewards, group_index = _batch_tensors(batches)
@@ -551,6 +560,9 @@ class LearnerActor(BaseActor):
         reference = self._reference_logprobs(ids, attn) if self.reference is not None else None
         bonus_rows = entropy_bonus_rows(rewards, group_index, spec.entropy_scope)[:, None].to(self.device)
         proximal: torch.Tensor | None = None
+        lr_scale = staleness_lr_factor(mean_staleness, spec.lr_tuned_staleness, spec.lr_staleness_power)
+        for group in opt.param_groups:  # the scheduler sets each step's lr afresh, so this lasts one step
+            group["lr"] *= lr_scale
         lr = opt.param_groups[0]["lr"]
         for epoch in range(spec.epochs):  # PPO epochs: later passes see ratios move away from 1, and clip
             logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float() / spec.temperature
@@ -566,7 +578,7 @@ class LearnerActor(BaseActor):
             if reference is not None:
                 kl = reduce(kl_k3(logp, reference), m)
                 loss = loss + spec.kl_coef * kl
-                info["kl_ref"] = float(kl)
+                info["kl_ref"] = float(kl.detach())
             opt.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), spec.max_grad_norm)
@@ -576,6 +588,7 @@ class LearnerActor(BaseActor):
         info["reward"] = round(float(np.mean([b.row_fields["rewards"].mean() for b in batches])), 4)  # per group
         info["zero_var_frac"] = round(zero_variance_fraction(rewards, group_index), 4)
         info["lr"] = lr
+        info["lr_staleness_factor"] = round(lr_scale, 4)
         return {"loss": round(loss.item(), 5), "grad_norm": round(float(grad_norm), 4), **info,
                 **episode_metrics(batches)}
 

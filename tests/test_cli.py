@@ -173,3 +173,40 @@ def test_sigterm_reaches_a_running_loop_as_cancellation_like_ctrl_c() -> None:
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert seen == [asyncio.CancelledError]
+
+
+STUBBORN_RUN = """
+import os, signal, anyio
+import baton.cli as cli
+cli.SIGTERM_GRACE_S = 0.5
+signal.signal(signal.SIGTERM, cli._on_sigterm)
+
+async def stubborn():  # swallows every cancellation: an orderly stop that never ends
+    while True:
+        try:
+            with anyio.CancelScope(shield=True):
+                await anyio.sleep(3600)
+        except BaseException:
+            pass
+
+async def main():
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(stubborn)
+        await anyio.sleep(0.1)
+        os.kill(os.getpid(), signal.SIGTERM)
+        await anyio.sleep(3600)
+
+try:
+    anyio.run(main)
+except KeyboardInterrupt:
+    raise SystemExit(130)
+"""
+
+
+def test_a_kill_ends_a_run_whose_orderly_stop_hangs() -> None:
+    """Past the grace after SIGTERM, `baton run` interrupts itself again (Ctrl-C twice), every 5 s, until
+    the run is gone; a stop that swallows every cancellation still ends."""
+    proc = subprocess.run([sys.executable, "-c", STUBBORN_RUN], capture_output=True, text=True, timeout=60,
+                          cwd=ROOT)
+    assert proc.returncode == 130, proc.stderr[-2000:]
+    assert "interrupting again" in proc.stderr

@@ -19,6 +19,7 @@ from stages.losses import (
     lr_factor,
     lr_scheduler,
     ppo_clip_loss,
+    staleness_lr_factor,
     token_entropy,
     zero_variance_fraction,
 )
@@ -136,6 +137,16 @@ def test_lr_warmup_then_decay() -> None:
     assert lr_factor(20, 0, 14, "linear") == pytest.approx(0.0)  # past the last step it stays at the floor
 
 
+def test_staler_steps_take_smaller_steps() -> None:
+    assert staleness_lr_factor(2, tuned_at=2) == 1.0
+    assert staleness_lr_factor(0.5, tuned_at=2) == 1.0  # fresher than tuned: never above the lr
+    assert staleness_lr_factor(4, tuned_at=2) == pytest.approx((3 / 5) ** 2)
+    assert staleness_lr_factor(8, tuned_at=2, power=1) == pytest.approx(1 / 3)
+    assert staleness_lr_factor(8, tuned_at=2, power=0) == 1.0
+    with pytest.raises(ValueError, match="staleness"):
+        staleness_lr_factor(-1, tuned_at=2)
+
+
 def test_lr_scheduler_steps_the_optimizer_and_resumes_from_a_version() -> None:
     opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
     sched = lr_scheduler(opt, warmup_steps=2, total_steps=6, decay="linear")
@@ -153,7 +164,8 @@ def test_lr_scheduler_steps_the_optimizer_and_resumes_from_a_version() -> None:
 def test_learner_keys_reach_the_learner(tmp_path) -> None:
     learner = {"clip_eps_high": 0.28, "loss_agg_mode": "seq-mean-token-sum-norm", "loss_max_tokens": 8,
                "norm_adv_by_std": False, "entropy_coef": 0.01, "entropy_scope": "zero-variance", "kl_coef": 0.05,
-               "lr_warmup_steps": 10, "lr_decay": "cosine", "min_lr_ratio": 0.1, "warn_entropy_below": 0.2}
+               "lr_warmup_steps": 10, "lr_decay": "cosine", "min_lr_ratio": 0.1, "warn_entropy_below": 0.2,
+               "lr_tuned_staleness": 1.0, "lr_staleness_power": 1.5}
     cfg = validate(RunConfig, {"model": {"path": str(tmp_path / "m")}, "learner": learner})
     made = grpo_learner(cfg.learner, cfg, model=tmp_path / "m")
     assert {key: getattr(made, key) for key in learner} == learner
@@ -189,3 +201,31 @@ def test_a_run_warns_once_when_entropy_collapses_while_reward_is_low(tmp_path) -
     quiet = run("quiet", 0.0)
     quiet_events = quiet / "events.jsonl"
     assert not quiet_events.exists() or "learner.entropy_collapse" not in quiet_events.read_text()
+
+
+def test_a_stale_step_trains_at_the_scaled_lr(tmp_path) -> None:
+    """At k = 4 the engine runs ahead of the learner, so steps train on groups 3-4 versions old: each
+    record's `lr` is the configured lr times `staleness_lr_factor` of that step's mean staleness; with
+    power 0 it is the configured lr throughout."""
+    import json
+    from pathlib import Path
+
+    from baton.builder import build_pipeline
+
+    def run(name: str, power: float) -> list[dict]:
+        cfg = validate(RunConfig, {
+            "name": name, "steps": 10, "run_root": str(tmp_path / "runs"), "model": {"path": str(tmp_path / "m")},
+            "telemetry": {"progress": False, "log_level": "error"}, "checkpoint": {"every": 0},
+            "staleness": {"k": 4}, "correction": {"kind": "decoupled"},
+            "engine": {"kind": "torch", "batch_groups": 4}, "learner": {
+                "lr": 3e-3, "groups_per_step": 4, "lr_tuned_staleness": 2.0, "lr_staleness_power": power}})
+        run_dir = Path(build_pipeline(cfg).run()["run_dir"])
+        return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+    scaled = run("scaled", 2.0)
+    assert max(m["staleness_mean"] for m in scaled) > 2, "the test needs steps staler than the tuned staleness"
+    for m in scaled:
+        factor = staleness_lr_factor(m["staleness_mean"], 2.0, 2.0)
+        assert m["lr"] == pytest.approx(3e-3 * factor) and m["lr_staleness_factor"] == pytest.approx(factor, abs=1e-4)
+    assert min(m["lr"] for m in scaled) < 3e-3
+    assert {m["lr"] for m in run("unscaled", 0.0)} == {3e-3}
