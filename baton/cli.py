@@ -197,6 +197,7 @@ def _resume_hint(run_dir) -> None:
 
 
 SIGTERM_GRACE_S = 30.0  # a scheduler's usual grace before SIGKILL; a clean stop takes 2-8 s here
+_escalation: threading.Thread | None = None  # started by the first SIGTERM
 
 
 def _on_sigterm(signum: int, frame) -> None:
@@ -208,9 +209,6 @@ def _on_sigterm(signum: int, frame) -> None:
         _escalation = threading.Thread(target=_interrupt_again, name="sigterm-escalation", daemon=True)
         _escalation.start()
     _sigterm_as_ctrl_c(signum, frame)
-
-
-_escalation: threading.Thread | None = None
 
 
 def _interrupt_again() -> None:
