@@ -197,13 +197,14 @@ def _resume_hint(run_dir) -> None:
 
 
 SIGTERM_GRACE_S = 30.0  # a scheduler's usual grace before SIGKILL; a clean stop takes 2-8 s here
+SIGTERM_REPEAT_S = 5.0  # then Ctrl-C again this often until the process is gone
 _escalation: threading.Thread | None = None  # started by the first SIGTERM
 
 
 def _on_sigterm(signum: int, frame) -> None:
-    """`baton run`'s SIGTERM handler: Ctrl-C's path now, and Ctrl-C again every 5 s from `SIGTERM_GRACE_S`
-    on, should the orderly stop itself hang (seen once in a loaded benchmark: the interrupt's task
-    cancellation never finished), so a kill always ends the run."""
+    """`baton run`'s SIGTERM handler: Ctrl-C's path now, and Ctrl-C again every `SIGTERM_REPEAT_S` from
+    `SIGTERM_GRACE_S` on, should the orderly stop itself hang (seen once in a loaded benchmark: the
+    interrupt's task cancellation never finished), so a kill always ends the run."""
     global _escalation
     if _escalation is None:
         _escalation = threading.Thread(target=_interrupt_again, name="sigterm-escalation", daemon=True)
@@ -214,9 +215,9 @@ def _on_sigterm(signum: int, frame) -> None:
 def _interrupt_again() -> None:
     time.sleep(SIGTERM_GRACE_S)
     while True:
-        print(f"baton: still stopping {SIGTERM_GRACE_S:g} s after SIGTERM; interrupting again", file=sys.stderr)
+        print("baton: the run is still stopping after SIGTERM; interrupting again", file=sys.stderr)
         os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(5.0)
+        time.sleep(SIGTERM_REPEAT_S)
 
 
 def _sigterm_as_ctrl_c(signum: int, frame) -> None:

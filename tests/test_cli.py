@@ -178,7 +178,7 @@ def test_sigterm_reaches_a_running_loop_as_cancellation_like_ctrl_c() -> None:
 STUBBORN_RUN = """
 import os, signal, anyio
 import baton.cli as cli
-cli.SIGTERM_GRACE_S = 0.5
+cli.SIGTERM_GRACE_S = cli.SIGTERM_REPEAT_S = 0.5
 signal.signal(signal.SIGTERM, cli._on_sigterm)
 
 async def stubborn():  # swallows every cancellation: an orderly stop that never ends
@@ -204,7 +204,7 @@ except KeyboardInterrupt:
 
 
 def test_a_kill_ends_a_run_whose_orderly_stop_hangs() -> None:
-    """Past the grace after SIGTERM, `baton run` interrupts itself again (Ctrl-C twice), every 5 s, until
+    """Past the grace after SIGTERM, `baton run` interrupts itself again (Ctrl-C twice), and again, until
     the run is gone; a stop that swallows every cancellation still ends."""
     proc = subprocess.run([sys.executable, "-c", STUBBORN_RUN], capture_output=True, text=True, timeout=60,
                           cwd=ROOT)
