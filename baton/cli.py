@@ -196,7 +196,7 @@ def _resume_hint(run_dir) -> None:
               f"continue the run with: baton run --resume {run_dir}", file=sys.stderr)
 
 
-SIGTERM_GRACE_S = 30.0  # a scheduler's usual grace before SIGKILL; a clean stop takes 2-8 s here
+SIGTERM_GRACE_S = 30.0  # a scheduler's usual grace before SIGKILL; a clean stop takes 2-9 s here
 SIGTERM_REPEAT_S = 5.0  # then Ctrl-C again this often until the process is gone
 _escalation: threading.Thread | None = None  # started by the first SIGTERM
 

@@ -50,9 +50,9 @@ def run_once(task: str, seed: int, k: int, a: argparse.Namespace, root: Path) ->
     started = time.perf_counter()
     log = root / f"{task}-s{seed}-k{k}.log"  # a file, not a pipe: a pipe nobody reads until the end can fill
     with log.open("w") as sink:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT)
         wall, killed = _watch(proc, task, seed, k, a, root, started)
-    metrics = next(iter(sorted(root.glob(f"{task}-s{seed}-k{k}-*/metrics.jsonl"))), None)
+    metrics = _metrics_file(root, task, seed, k)
     records = _records(metrics) if metrics else []
     if not records:
         return {"task": task, "seed": seed, "k": k, "error": log.read_text()[-500:]}
@@ -69,7 +69,7 @@ def _watch(proc: subprocess.Popen, task: str, seed: int, k: int, a: argparse.Nam
     metrics, killed = None, False
     while proc.poll() is None:  # stop the run once it has shown `after` versions past the target
         time.sleep(1.0)
-        metrics = metrics or next(iter(sorted(root.glob(f"{task}-s{seed}-k{k}-*/metrics.jsonl"))), None)
+        metrics = metrics or _metrics_file(root, task, seed, k)
         elapsed = time.perf_counter() - started
         if elapsed > a.budget_s or (metrics and _reached(_records(metrics), a, a.after) is not None):
             proc.terminate()
@@ -80,6 +80,11 @@ def _watch(proc: subprocess.Popen, task: str, seed: int, k: int, a: argparse.Nam
                 proc.wait()
                 killed = True
     return time.perf_counter() - started, killed
+
+
+def _metrics_file(root: Path, task: str, seed: int, k: int) -> Path | None:
+    """The run's metrics.jsonl once its folder exists (the folder name ends in a timestamp)."""
+    return next(iter(sorted(root.glob(f"{task}-s{seed}-k{k}-*/metrics.jsonl"))), None)
 
 
 def _records(path: Path) -> list[dict]:
