@@ -107,10 +107,10 @@ def episode_metrics(batches) -> dict[str, float]:
 
 @dataclass
 class GRPOLearner:
-    """The DSL/config object: `GRPOLearner(model_path, lr=3e-3, groups_per_step=16)`."""
+    """The DSL/config object: `GRPOLearner(model_path, lr=1.5e-3, groups_per_step=16)`."""
 
     model_path: str | Path
-    lr: float = 3e-3
+    lr: float = 1.5e-3
     groups_per_step: int = 16
     clip_eps: float = 0.2  # PPO clip, low side (and the high side unless clip_eps_high is set)
     clip_eps_high: float | None = 0.28  # PPO clip, high side (DAPO's clip-higher); None: clip_eps

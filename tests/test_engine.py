@@ -296,7 +296,7 @@ def test_make_tiny_model_reuse_and_mismatch(model_a) -> None:
     assert make_tiny_model(model_a) == model_a
     assert sorted(model_a.iterdir()) == files
     assert all(f.stat().st_mtime_ns == 1_000_000_000 for f in files), "reused: no file written again"
-    with pytest.raises(ModelFolderError, match="overwrite"):
+    with pytest.raises(ModelFolderError, match=r"delete the folder .* \(\[model\] hidden_size = 64\)"):
         make_tiny_model(model_a, hidden_size=32)
     with pytest.raises(ModelFolderError):
         make_tiny_model(model_a, seed=5)

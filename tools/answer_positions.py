@@ -2,7 +2,7 @@
 could fit the task at all when told the answers.
 
     python tools/answer_positions.py probe RUN_DIR [--samples 512]
-    python tools/answer_positions.py fit --digits 4 [--steps 300]
+    python tools/answer_positions.py fit --digits 4 [--steps 300] [--lr 1.5e-3] [--heads 8 --kv-heads 4]
 
 `probe` loads RUN_DIR's latest checkpoint into its model and answers fresh reverse-digits or addition
 prompts (the run's `[task]`) greedily: per answer position, the accuracy and the policy's entropy
@@ -87,9 +87,12 @@ def copied(tokenizer, prompts, out: torch.Tensor, right: torch.Tensor, position:
     return ", ".join(f"{where} x{count}" for where, count in sources.most_common(3)) or "-"
 
 
-def fit(digits: int, steps: int, lr: float) -> None:
+def fit(digits: int, steps: int, lr: float, heads: int, kv_heads: int) -> None:
     torch.manual_seed(0)
-    folder = make_tiny_model(Path("runs/models/tiny-qwen2"))
+    defaults = make_tiny_model.__kwdefaults__
+    default_shape = (heads, kv_heads) == (defaults["heads"], defaults["kv_heads"])
+    shape = "tiny-qwen2" if default_shape else f"tiny-h{heads}kv{kv_heads}"
+    folder = make_tiny_model(Path("runs/models") / shape, heads=heads, kv_heads=kv_heads)
     tokenizer, model, task = load_tokenizer(folder), load_model(folder), ReverseDigits(digits)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     for step in range(1, steps + 1):
@@ -113,13 +116,15 @@ def main() -> None:
     f = commands.add_parser("fit", help="supervised fit of the tiny model to reverse-digits")
     f.add_argument("--digits", type=int, default=4)
     f.add_argument("--steps", type=int, default=300)
-    f.add_argument("--lr", type=float, default=3e-3, help="the quickstart learner's")
+    f.add_argument("--lr", type=float, default=1.5e-3, help="the quickstart learner's")
+    f.add_argument("--heads", type=int, default=make_tiny_model.__kwdefaults__["heads"])
+    f.add_argument("--kv-heads", type=int, default=make_tiny_model.__kwdefaults__["kv_heads"])
     a = parser.parse_args()
     torch.set_num_threads(1)
     if a.command == "probe":
         probe(a.run_dir, a.samples)
     else:
-        fit(a.digits, a.steps, a.lr)
+        fit(a.digits, a.steps, a.lr, a.heads, a.kv_heads)
 
 
 if __name__ == "__main__":
