@@ -82,7 +82,7 @@ def test_corrected_loss_beats_uncorrected_on_stale_data(tmp_path: Path) -> None:
 
 NO_COLLAPSE_SEEDS = (0, 1, 2)
 STEPS_REVERSE3 = 900  # measured (2026-12-02): the trailing reward reaches 0.8 at versions 214-691 over two runs a seed
-# A collapsed policy's entropy: the old defaults fell to 0.003 on reverse-4 (926 versions) and stalled, the old
+# A collapsed policy's entropy: the old defaults fell to 0.003 on reverse-4 (926 versions) and stalled, today's
 # model at lr 3e-3 to 0.006 on reverse-3 (7 of 8 groups without signal); runs with the current defaults stay at
 # 0.02-0.6 before the target (the entropy is averaged over a few answer tokens, most of them already certain), so
 # the floor sits below those and above a collapse.
