@@ -89,10 +89,8 @@ def copied(tokenizer, prompts, out: torch.Tensor, right: torch.Tensor, position:
 
 def fit(digits: int, steps: int, lr: float, heads: int, kv_heads: int) -> None:
     torch.manual_seed(0)
-    defaults = make_tiny_model.__kwdefaults__
-    default_shape = (heads, kv_heads) == (defaults["heads"], defaults["kv_heads"])
-    shape = "tiny-qwen2" if default_shape else f"tiny-h{heads}kv{kv_heads}"
-    folder = make_tiny_model(Path("runs/models") / shape, heads=heads, kv_heads=kv_heads)
+    # one folder per shape: make_tiny_model's init is seeded, so the default shape's weights equal the quickstart's
+    folder = make_tiny_model(Path("runs/models") / f"tiny-h{heads}kv{kv_heads}", heads=heads, kv_heads=kv_heads)
     tokenizer, model, task = load_tokenizer(folder), load_model(folder), ReverseDigits(digits)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     for step in range(1, steps + 1):
