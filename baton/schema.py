@@ -39,7 +39,7 @@ from pipeline.faults import FAULT_KINDS, FaultSpec
 from pipeline.watchdog import WatchdogSettings
 from policies.correction import Correction
 from policies.selection import Selection
-from policies.staleness import MaxStaleness
+from policies.staleness import MaxStaleness, reuse_lead
 from stages.datasets import DatasetTask
 from stages.engines.sglang import SGLangEngine
 from stages.environments import make_environment
@@ -438,6 +438,11 @@ class MaxStalenessSpec(Section):
         description='"pace": producers wait rather than start work that would be too stale to train; '
         '"eager": they start work as fast as the channels take it, and what turns too stale is refused',
     )
+    lead: int | None = Field(
+        default_of(MaxStaleness, "lead"), ge=0,
+        description="with admission = 'pace': most versions producers run ahead of the learner (0..k); "
+        "unset: k, or k - (replay.max_reuse - 1) with replays, so a group arrives with room to be trained again",
+    )
 
 
 class CorrectionSpec(Section):
@@ -652,6 +657,7 @@ class RunConfig(Section):
                 )
             if self.staleness.k is None:
                 self.staleness.k = 0 if self.mode == "sync" else default_of(MaxStaleness, "k")
+            self._set_lead(self.staleness)
         if isinstance(self.store, MooncakeStoreSpec):
             self._check_mooncake_capacity(self.store)
         if self.weights.transport == "broadcast" and self.runtime == "local":
@@ -739,11 +745,24 @@ class RunConfig(Section):
             buffer_refs=self.buffer.max_refs, ready_channel=self.buffer.ready_channel,
             admission=self.staleness.admission, max_reuse=self.replay.max_reuse, epochs=self.learner.epochs,
             replays_ride_along=self.replay.ride_along,
-            corrected=self.correction.kind != "none",
+            corrected=self.correction.kind != "none", lead=self.staleness.lead,
         ))
         if problems:
             raise ValueError("the staleness bound does not hold: " + " | ".join(problems))
         return self
+
+    def _set_lead(self, staleness: MaxStalenessSpec) -> None:
+        """Check staleness.lead against k, or derive it from replay.max_reuse when unset: groups that
+        arrive k versions old could never be trained again, so reuse would silently never happen."""
+        k = staleness.k
+        assert k is not None
+        if staleness.lead is not None and staleness.lead > k:
+            raise ValueError(
+                f"staleness.lead = {staleness.lead} is more than staleness.k = {k}: producers may run at most k "
+                f"versions ahead; set staleness.lead to at most {k}, or remove it"
+            )
+        if staleness.lead is None and self.replay.max_reuse > 1:
+            staleness.lead = reuse_lead(k, self.replay.max_reuse)
 
     def _check_mooncake_capacity(self, store: MooncakeStoreSpec) -> None:
         """Miles's rule, per node: the segment must hold every byte the pipeline lets be in flight,

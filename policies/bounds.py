@@ -24,13 +24,13 @@ derivation against exactly):
   A group started when the pipeline is full therefore reaches the learner after at most
   `queue_staleness = ceil(capacity * m / groups_per_step)` versions, with m = 1 when replays ride
   along and m = `max_reuse` when they take places.
-* `admission = "pace"` caps live groups at `(v + k + 1) * groups_per_step` (policies.staleness), so
-  arrival staleness is at most `min(k, queue_staleness)`; `"eager"` leaves only the queues, so it is
-  `queue_staleness`. The pace rule's argument counts each version consuming `groups_per_step` new
-  groups: when replays take places (the learner counts each as a started unit, which slows producers
-  but cannot reorder what is already queued), only the queues bound arrival staleness, as with "eager"
-  (conservative; the simulator shows groups then arriving older than k even under "pace").
-  Arrival staleness above k means the config relies on the accept check to throw
+* `admission = "pace"` caps live groups at `(v + lead + 1) * groups_per_step` (policies.staleness;
+  `lead` = k unless set lower), so arrival staleness is at most `min(lead, queue_staleness)`; `"eager"`
+  leaves only the queues, so it is `queue_staleness`. The pace rule's argument counts each version
+  consuming `groups_per_step` new groups: when replays take places (the learner counts each as a started
+  unit, which slows producers but cannot reorder what is already queued), only the queues bound arrival
+  staleness, as with "eager" (conservative; the simulator shows groups then arriving older than k even
+  under "pace"). Arrival staleness above k means the config relies on the accept check to throw
   generated work away, and dropping biases training (long rollouts are the ones that age): rejected.
 * Engines finish in the order they started. A straggler (one engine far slower than the others) is
   not a property of the queues; the interrupt policy and the accept check bound it at run time.
@@ -69,6 +69,7 @@ class PipelineShape:
     replays_ride_along: bool = False  # [replay.ride_along]
     epochs: int = 1  # [learner.epochs]
     corrected: bool = False  # [correction.kind] != "none"
+    lead: int | None = None  # [staleness.lead]; None: k
 
     def __post_init__(self) -> None:
         for name in ("groups_per_step", "engines", "batch_groups", "produced_channel", "buffer_refs",
@@ -79,6 +80,8 @@ class PipelineShape:
             raise ValueError(f"k must be >= 0, got {self.k}")
         if self.admission not in ("pace", "eager"):
             raise ValueError(f"admission must be 'pace' or 'eager', got {self.admission!r}")
+        if self.lead is not None and not 0 <= self.lead <= self.k:
+            raise ValueError(f"lead must be in 0..k = {self.k}, got {self.lead}")
 
     @property
     def queues(self) -> int:
@@ -104,7 +107,8 @@ def queue_staleness(shape: PipelineShape) -> int:
 def arrival_staleness(shape: PipelineShape) -> int:
     """Worst staleness of a group when the learner first sees it (before the accept check)."""
     waited = queue_staleness(shape)
-    return min(shape.k, waited) if shape.admission == "pace" and _displacing_reuse(shape) == 1 else waited
+    lead = shape.k if shape.lead is None else shape.lead
+    return min(lead, waited) if shape.admission == "pace" and _displacing_reuse(shape) == 1 else waited
 
 
 def trained_staleness(shape: PipelineShape) -> int:

@@ -8,9 +8,12 @@ step and bound k:
   spends queued in channels or in the buffer counts too.
 * **Admit** (producer side), per `admission`:
   - `pace` (default, AReaL's rule): a producer may start another group only while
-    `started - discarded < (v + k + 1) * B`. Groups that were dropped or requeued free their slot.
-    With FIFO consumption and one producer this alone keeps every trained group within k, so
-    producers wait instead of making work that would be dropped ("pace, don't discard").
+    `started - discarded < (v + lead + 1) * B`, `lead` = k unless set lower. Groups that were dropped
+    or requeued free their slot. With FIFO consumption and one producer this alone keeps every group
+    within `lead` versions when it reaches the learner, so producers wait instead of making work that
+    would be dropped ("pace, don't discard"). A `lead` below k leaves each group k - lead versions in
+    which it may be trained again (replay): producers that outpace the learner otherwise deliver every
+    group exactly k old, and nothing is ever reused.
   - `eager` (Miles's and verl's behaviour): a producer starts work whenever the bounded channels
     take it; staleness is enforced only by the accept check, so work that aged past k while queued
     is generated, then dropped or requeued (and counted, with its lengths and rewards, as such).
@@ -55,6 +58,7 @@ class MaxStaleness:
     on_stale: OnStale = "drop"
     max_span: int | None = None  # most weight versions one sample's tokens may come from; None: no limit
     admission: Admission = "pace"  # pace: producers wait for a slot; eager: only channel backpressure limits them
+    lead: int | None = None  # pace: most versions producers start work ahead of the learner; None: k
 
     def __post_init__(self) -> None:
         if self.k < 0:
@@ -65,6 +69,8 @@ class MaxStaleness:
             raise ValueError(f"staleness.on_stale must be 'drop' or 'requeue', got {self.on_stale!r}")
         if self.admission not in ("pace", "eager"):
             raise ValueError(f"staleness.admission must be 'pace' or 'eager', got {self.admission!r}")
+        if self.lead is not None and not 0 <= self.lead <= self.k:
+            raise ValueError(f"staleness.lead must be in 0..staleness.k = {self.k} (or unset: k), got {self.lead}")
 
     @property
     def bound(self) -> int:
@@ -72,7 +78,12 @@ class MaxStaleness:
 
     def admission_limit(self, version: int, groups_per_step: int) -> int:
         """How many live (started, not discarded) groups may exist at learner version `version`."""
-        return (version + self.k + 1) * groups_per_step
+        return (version + self.ahead + 1) * groups_per_step
+
+    @property
+    def ahead(self) -> int:
+        """Versions producers may run ahead of the learner under `pace`: `lead`, or k when unset."""
+        return self.k if self.lead is None else self.lead
 
     def admit(self, version: int, started: int, discarded: int, groups_per_step: int) -> bool:
         """May a producer start one more group now? (`eager`: always; backpressure is the channels' job.)"""
@@ -90,7 +101,6 @@ class MaxStaleness:
             return "train"
         return self.on_stale
 
-
     def interrupt(self, oldest_version: int, new_version: int) -> Interrupt:
         """What an engine does with an in-flight request when `new_version` arrives."""
         if staleness(new_version, oldest_version) > self.k:
@@ -103,3 +113,9 @@ class MaxStaleness:
 def sync() -> MaxStaleness:
     """On-policy: k = 0 through the same code path."""
     return MaxStaleness(k=0)
+
+
+def reuse_lead(k: int, max_reuse: int) -> int:
+    """The lead that leaves a group room for all its uses within k: it arrives at most k - (max_reuse - 1)
+    versions old, so its last use is at most k old (never below 0: max_reuse > k + 1 is refused anyway)."""
+    return max(0, k - (max_reuse - 1))

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies.staleness import MaxStaleness, staleness, sync
+from policies.staleness import MaxStaleness, reuse_lead, staleness, sync
 
 ks = st.integers(min_value=0, max_value=6)
 versions = st.integers(min_value=0, max_value=1000)
@@ -85,6 +85,21 @@ def test_admit_limit_is_exact(k: int, v: int, b: int, discarded: int) -> None:
     assert policy.admit(v, discarded + limit - 1, discarded, b)
     assert not policy.admit(v, discarded + limit, discarded, b)
     assert not policy.admit(v, discarded + limit + 7, discarded, b)
+
+
+@given(k=ks, v=versions, b=groups, data=st.data())
+def test_a_lead_lowers_the_admission_limit_and_never_exceeds_k(k: int, v: int, b: int, data) -> None:
+    lead = data.draw(st.integers(0, k))
+    policy = MaxStaleness(k=k, lead=lead)
+    assert policy.ahead == lead and policy.admission_limit(v, b) == (v + lead + 1) * b
+    assert MaxStaleness(k=k).ahead == k
+    with pytest.raises(ValueError, match="staleness.lead must be in 0..staleness.k"):
+        MaxStaleness(k=k, lead=k + 1)
+
+
+def test_reuse_lead_leaves_room_for_every_use() -> None:
+    assert [reuse_lead(4, r) for r in (1, 2, 3, 5)] == [4, 3, 2, 0]
+    assert reuse_lead(0, 1) == 0 and reuse_lead(1, 3) == 0  # never below 0 (max_reuse > k + 1 is refused)
 
 
 @given(k=ks, v=versions, b=groups, n=st.integers(1, 50))

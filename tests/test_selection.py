@@ -155,5 +155,19 @@ def test_replay_keys_validate_and_reach_the_learner(tmp_path) -> None:
     selection = pipe.consumer.selection
     assert isinstance(selection, Uniform) and selection.max_reuse == 2 and selection.drop_zero_signal
     assert pipe.max_uses == 2  # the ledger allows the reuse
+    assert pipe.staleness.lead == 3  # derived from max_reuse: a group arrives with room for its second use
+
+
+def test_staleness_lead_is_derived_from_reuse_and_checked_against_k() -> None:
+    data = load_toml(ROOT / "configs" / "quickstart.toml")
+    assert validate(RunConfig, data).staleness.lead is None  # no reuse: producers may run k ahead
+    for k, reuse, lead in ((2, 2, 1), (4, 2, 3), (4, 3, 2), (2, 3, 0)):
+        cfg = validate(RunConfig, {**data, "staleness": {"k": k}, "replay": {"max_reuse": reuse, "ride_along": True}})
+        assert cfg.staleness.lead == lead
+    replay = {"max_reuse": 2, "ride_along": True}
+    kept = validate(RunConfig, {**data, "staleness": {"k": 4, "lead": 4}, "replay": replay})
+    assert kept.staleness.lead == 4  # set by the user: kept (reuse then happens only in the warm-up)
+    with pytest.raises(ConfigError, match=r"staleness.lead = 3 is more than staleness.k = 2.*at most 2"):
+        validate(RunConfig, {**data, "staleness": {"lead": 3}})
     with pytest.raises(ConfigError, match="replay.selection"):
         validate(RunConfig, {"replay": {"selection": "lifo"}})

@@ -12,7 +12,7 @@ from staleness_sim import ACTIONS, Sim
 
 from policies.bounds import PipelineShape, arrival_staleness, check
 from policies.selection import make_selection
-from policies.staleness import MaxStaleness
+from policies.staleness import MaxStaleness, reuse_lead
 
 FAST = settings(max_examples=60, deadline=None)
 
@@ -33,12 +33,13 @@ def shapes(draw, max_reuse: bool = True, epochs: bool = False) -> PipelineShape:
         replays_ride_along=draw(st.booleans()),
         epochs=draw(st.integers(1, 3)) if epochs else 1,
         corrected=draw(st.booleans()) if epochs else False,
+        lead=draw(st.one_of(st.none(), st.integers(0, k))),
     )
 
 
 def simulate(shape: PipelineShape, kind: str, on_stale: str = "drop", signal: list[bool] | None = None,
              in_order: bool = True, seed: int = 0) -> Sim:
-    staleness = MaxStaleness(k=shape.k, on_stale=on_stale, admission=shape.admission)
+    staleness = MaxStaleness(k=shape.k, on_stale=on_stale, admission=shape.admission, lead=shape.lead)
     selection = make_selection(kind, max_reuse=shape.max_reuse, drop_zero_signal=True, seed=seed)
     sim = Sim(shape, staleness, selection, in_order=in_order)
     sim.signal = iter(signal or ())
@@ -175,6 +176,23 @@ def test_replays_riding_along_are_accepted_at_small_k_and_throw_nothing_away() -
         assert max(sim.trained) <= k and Counter(sim.uses.values())[2] > 0
         # each version consumed exactly groups_per_step new groups, and the replays came on top
         assert len(sim.uses) == 16 * sim.version and sum(sim.uses.values()) > len(sim.uses)
+
+
+def test_a_lead_below_k_lets_every_group_be_trained_max_reuse_times() -> None:
+    """Producers that outpace the learner deliver each group exactly `lead` versions old. With lead = k
+    (unset) a group then arrives k old and can never be trained again: past the warm-up nothing is reused.
+    The lead config derives for max_reuse = 2 (k - 1) leaves that room: every group is trained twice,
+    each use within k, nothing refused, and the derived arrival staleness is the lead."""
+    for k in (2, 3, 4):
+        full_lead = simulate(PipelineShape(k=k, max_reuse=2, replays_ride_along=True, **QUICKSTART_SHAPE), "fifo")
+        full_lead.worst_case(4 * k + 10)
+        shape = PipelineShape(k=k, max_reuse=2, replays_ride_along=True, lead=reuse_lead(k, 2), **QUICKSTART_SHAPE)
+        assert check(shape) == [] and arrival_staleness(shape) == k - 1
+        sim = simulate(shape, "fifo").worst_case(4 * k + 10)
+        uses, warm_up_reuse = Counter(sim.uses.values()), Counter(full_lead.uses.values())
+        assert uses[1] == 16, uses  # only the last version's new groups, which no later step saw
+        assert warm_up_reuse[2] <= 16 * k < warm_up_reuse[1], warm_up_reuse
+        assert max(sim.arrival) == k - 1 and max(sim.trained) == k and sim.refused == 0
 
 
 def test_eager_admission_with_replays_riding_along_is_bounded_by_the_queues_alone() -> None:

@@ -1,6 +1,8 @@
 """Reuse in a real run at small k (the quickstart's own queues): `max_reuse = 2` at k = 4 passes `baton check`
 with replays riding along, and the run's ledger shows the bound held: every use within k, no group used more
-than twice, nothing dropped, and every version trained `groups_per_step` new groups plus its replays."""
+than twice, nothing dropped, and every version trained `groups_per_step` new groups plus its replays. And reuse
+happens all run long, not only in the warm-up: the derived `staleness.lead` (k - 1) keeps the engine, which
+outpaces the learner here, from delivering groups k old, which could never be trained again."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ def test_reuse_at_k4_holds_the_bound_in_a_real_run(tmp_path: Path) -> None:
         f"staleness.k={K}", "replay.max_reuse=2", f"steps={STEPS}", f"run_root='{tmp_path}'",
         f"model.path='{tmp_path / 'model'}'", "telemetry.progress=false", "telemetry.log_level='warning'",
     ])
-    assert cfg.replay.ride_along  # the quickstart's setting
+    assert cfg.replay.ride_along and cfg.staleness.lead == K - 1  # the quickstart's setting; derived from reuse
     summary = build_pipeline(cfg).run()
     run_dir = Path(summary["run_dir"])
     assert summary["version"] == STEPS and summary["ledger_balanced"]
@@ -37,3 +39,6 @@ def test_reuse_at_k4_holds_the_bound_in_a_real_run(tmp_path: Path) -> None:
     assert all(first_use[v] == GROUPS * group_size for v in range(STEPS)), first_use  # new groups per version
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert sum(m["groups_reused"] for m in metrics) * group_size == summary["samples"]["reused"]
+    assert all(m["groups_reused"] == GROUPS for m in metrics[1:]), [m["groups_reused"] for m in metrics]
+    twice = Counter(len(r["trained_at"]) for r in records if r["trained_at"] and r["trained_at"][0] < STEPS - 1)
+    assert set(twice) == {2}, twice  # every sample but the last version's new ones was trained twice
