@@ -125,7 +125,7 @@ def _reached(records: list[dict], a: argparse.Namespace, after: int = 0) -> int 
 def _row(task: str, seed: int, k: int, metrics: Path, a: argparse.Namespace, wall: float) -> dict:
     records = _records(metrics)
     point = _target_point(task, metrics, a)
-    before = [r for r in records if point is None or r["version"] <= point["version"]]
+    before = [r for r in records if point is None or r["version"] <= point["version"]] or records[:1]
     startup = max(0.0, wall - records[-1]["t"])  # imports, model load: process start to the run's clock
     trailing = _trailing(records, a.window)
     row = {
