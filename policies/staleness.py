@@ -52,7 +52,9 @@ def staleness(learner_version: int, oldest_version: int) -> int:
 
 @dataclass(frozen=True)
 class MaxStaleness:
-    """No item older than `k` versions is ever trained on."""
+    """No item older than `k` versions is ever trained on. With replays (a selection whose max_reuse is
+    r > 1), pass `lead=reuse_lead(k, r)`, as the config does for you: a group then arrives with room for its
+    later uses."""
 
     k: int = 2
     on_stale: OnStale = "drop"
