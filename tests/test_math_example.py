@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +44,31 @@ def test_math_example_reward_rises(tmp_path: Path) -> None:
     assert summary["reward_end"] > summary["reward_start"] + 0.2, summary
     assert summary["ledger_balanced"]
     assert not pipe.producer.stats.get("reward_failed")
+
+
+@pytest.mark.long  # ~20 s
+def test_answer_warmup_makes_a_model_that_reads_the_question(tmp_path: Path) -> None:
+    """`--answer-warmup 400`: greedy answers on the eval split (never trained on) are right far more often
+    than answering the commonest answer everywhere, which is where RL from random init settles."""
+    from transformers import AutoTokenizer, Qwen2ForCausalLM
+
+    from stages.environments.render import ChatRenderer
+
+    model_dir, data = make_math_example(tmp_path / "example", answer_warmup_steps=400)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model, renderer = Qwen2ForCausalLM.from_pretrained(model_dir), ChatRenderer(tokenizer)
+    rows = [json.loads(line) for line in (data / "eval.jsonl").read_text().splitlines()]
+    answers = []
+    for row in rows:
+        ids = torch.tensor([renderer.prompt_ids([{"role": "system", "content": "Answer with a number."},
+                                                 {"role": "user", "content": row["question"]}])])
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        answers.append(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip())
+    accuracy = sum(a == r["answer"] for a, r in zip(answers, rows, strict=True)) / len(rows)
+    commonest = max(Counter(r["answer"] for r in rows).values()) / len(rows)
+    assert commonest < 0.2 and accuracy > 0.4, (accuracy, Counter(answers))  # measured 0.595, 9 distinct answers
+    assert len(set(answers)) >= 5
 
 
 SAMPLED: list[str] = []
