@@ -48,13 +48,13 @@ def test_math_example_reward_rises(tmp_path: Path) -> None:
 
 @pytest.mark.long  # ~20 s
 def test_answer_warmup_makes_a_model_that_reads_the_question(tmp_path: Path) -> None:
-    """`--answer-warmup 400`: greedy answers on the eval split (never trained on) are right far more often
+    """`--answer-warmup 300`: greedy answers on the eval split (never trained on) are right far more often
     than answering the commonest answer everywhere, which is where RL from random init settles."""
     from transformers import AutoTokenizer, Qwen2ForCausalLM
 
     from stages.environments.render import ChatRenderer
 
-    model_dir, data = make_math_example(tmp_path / "example", answer_warmup_steps=400)
+    model_dir, data = make_math_example(tmp_path / "example", answer_warmup_steps=300)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model, renderer = Qwen2ForCausalLM.from_pretrained(model_dir), ChatRenderer(tokenizer)
     rows = [json.loads(line) for line in (data / "eval.jsonl").read_text().splitlines()]
@@ -67,7 +67,7 @@ def test_answer_warmup_makes_a_model_that_reads_the_question(tmp_path: Path) -> 
         answers.append(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip())
     accuracy = sum(a == r["answer"] for a, r in zip(answers, rows, strict=True)) / len(rows)
     commonest = max(Counter(r["answer"] for r in rows).values()) / len(rows)
-    assert commonest < 0.2 and accuracy > 0.4, (accuracy, Counter(answers))  # measured 0.595, 9 distinct answers
+    assert commonest < 0.2 and accuracy > 0.4, (accuracy, Counter(answers))  # measured 0.58
     assert len(set(answers)) >= 5
 
 

@@ -13,7 +13,8 @@ The problems are one-step additions and subtractions in words with answers 0..`m
 `--answer-warmup STEPS` (`answer_warmup`) fine-tunes the model on direct answers to fresh problems (none of
 them an eval question), the shape of a real checkpoint: one that already reads the question and answers
 some of it right. A random-init model under RL learns only the commonest answer ("0", 18 % of the eval
-split) and stays there (README "Learning defaults"); 400 steps of 16 here give it about 60 % instead.
+split) and stays there (README "Learning defaults"); 300 steps of 16 here give it 58 % instead (800 steps:
+every eval answer right, so supervised, this model learns the task from ~13k examples).
 
 `--tool-warmup STEPS` (`tool_warmup`) then fine-tunes the model briefly on calculator transcripts
 (question -> `<tool_call>` -> tool result -> answer, rendered by its chat template with the calculator
@@ -239,8 +240,8 @@ def tool_warmup(folder: str | Path, steps: int = 150, *, batch: int = 4, lr: flo
     return time.perf_counter() - started
 
 
-def answer_warmup(folder: str | Path, steps: int = 400, *, eval_path: str | Path | None = None, batch: int = 16,
-                  lr: float = 3e-3, seed: int = 7) -> float:
+def answer_warmup(folder: str | Path, steps: int = 300, *, eval_path: str | Path | None = None, batch: int = 16,
+                  lr: float = 1e-3, seed: int = 7) -> float:
     """Fine-tune the model in `folder` in place on 1,024 fresh problems answered directly (system prompt
     "Answer with a number.", the math config's), loss on the answer and its stop token; questions that
     appear in `eval_path` are left out. Returns the seconds taken."""
@@ -345,7 +346,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tool-warmup", type=int, default=0, metavar="STEPS",
                         help="fine-tune on calculator tool-call transcripts for STEPS steps (0: none)")
     parser.add_argument("--answer-warmup", type=int, default=0, metavar="STEPS",
-                        help="fine-tune on direct answers to fresh problems, STEPS steps of 16 (0: none; 400: ~60 %%)")
+                        help="fine-tune on direct answers to fresh problems, STEPS steps of 16 (0: none; 300: ~58 %%)")
     args = parser.parse_args(argv)
     model, data = make_math_example(args.out, args.seed, args.tool_warmup, args.answer_warmup)
     print(f"model: {model}\ndata:  {data}/train.jsonl, {data}/eval.jsonl")
