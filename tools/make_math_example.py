@@ -215,29 +215,11 @@ def tool_warmup(folder: str | Path, steps: int = 150, *, batch: int = 4, lr: flo
     Every transcript starts with the same system prompt (the tools), so each step encodes it once,
     without gradient, and trains the rest of each transcript on that cache. One torch thread; the
     model's positions grow to `WARMUP_POSITIONS` (RoPE: no weights change) to hold whole episodes."""
-    import torch
-    from transformers import AutoTokenizer, Qwen2ForCausalLM
 
-    from stages.environments.render import ChatRenderer
+    def transcripts(renderer, rng: random.Random) -> list[tuple[list[int], list[int]]]:
+        return [transcript_ids(renderer, tool_transcript(word_problem(rng, 9))) for _ in range(256)]
 
-    started = time.perf_counter()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-        model = Qwen2ForCausalLM.from_pretrained(folder, dtype=torch.float32)
-        renderer = ChatRenderer(tokenizer)
-        rng = random.Random(seed)
-        data = [transcript_ids(renderer, tool_transcript(word_problem(rng, 9))) for _ in range(256)]
-        shared = _common_prefix([ids for ids, _ in data])
-        with torch.random.fork_rng():
-            torch.manual_seed(seed)
-            _train(model, data, shared, steps, batch, lr, rng)
-        model.config.max_position_embeddings = max(model.config.max_position_embeddings, WARMUP_POSITIONS)
-        model.save_pretrained(folder)
-    finally:
-        torch.set_num_threads(threads)
-    return time.perf_counter() - started
+    return _fine_tune(folder, transcripts, steps, batch, lr, seed, positions=WARMUP_POSITIONS)
 
 
 def answer_warmup(folder: str | Path, steps: int = 300, *, eval_path: str | Path | None = None, batch: int = 16,
@@ -245,6 +227,24 @@ def answer_warmup(folder: str | Path, steps: int = 300, *, eval_path: str | Path
     """Fine-tune the model in `folder` in place on 1,024 fresh problems answered directly (system prompt
     "Answer with a number.", the math config's), loss on the answer and its stop token; questions that
     appear in `eval_path` are left out. Returns the seconds taken."""
+    lines = Path(eval_path).read_text().splitlines() if eval_path else []
+    held_out = {json.loads(line)["question"] for line in lines}
+
+    def answers(renderer, rng: random.Random) -> list[tuple[list[int], list[int]]]:
+        data = []
+        while len(data) < 1024:
+            row = word_problem(rng, 9)
+            if row["question"] not in held_out:
+                data.append(_answer_ids(renderer, row))
+        return data
+
+    return _fine_tune(folder, answers, steps, batch, lr, seed)
+
+
+def _fine_tune(folder: str | Path, make_data, steps: int, batch: int, lr: float, seed: int,
+               positions: int | None = None) -> float:
+    """Load the model in `folder`, train it on `make_data(renderer, rng)` (`_train`, one torch thread,
+    seeded), grow its positions to at least `positions`, save it in place; returns the seconds taken."""
     import torch
     from transformers import AutoTokenizer, Qwen2ForCausalLM
 
@@ -256,18 +256,13 @@ def answer_warmup(folder: str | Path, steps: int = 300, *, eval_path: str | Path
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
         model = Qwen2ForCausalLM.from_pretrained(folder, dtype=torch.float32)
-        renderer = ChatRenderer(tokenizer)
-        lines = Path(eval_path).read_text().splitlines() if eval_path else []
-        held_out = {json.loads(line)["question"] for line in lines}
         rng = random.Random(seed)
-        data = []
-        while len(data) < 1024:
-            row = word_problem(rng, 9)
-            if row["question"] not in held_out:
-                data.append(_answer_ids(renderer, row))
+        data = make_data(ChatRenderer(tokenizer), rng)
         with torch.random.fork_rng():
             torch.manual_seed(seed)
             _train(model, data, _common_prefix([ids for ids, _ in data]), steps, batch, lr, rng)
+        if positions:
+            model.config.max_position_embeddings = max(model.config.max_position_embeddings, positions)
         model.save_pretrained(folder)
     finally:
         torch.set_num_threads(threads)
