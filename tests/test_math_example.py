@@ -27,7 +27,7 @@ from stages.model import make_tiny_model
 from stages.rollout import Rollout
 from stages.tasks import Prompt
 from tests.test_checkpoint import CrashAt
-from tools.make_math_example import make_math_example
+from tools.make_math_example import answer_prompt_ids, make_math_example
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.slow
@@ -60,8 +60,7 @@ def test_answer_warmup_makes_a_model_that_reads_the_question(tmp_path: Path) -> 
     rows = [json.loads(line) for line in (data / "eval.jsonl").read_text().splitlines()]
     answers = []
     for row in rows:
-        ids = torch.tensor([renderer.prompt_ids([{"role": "system", "content": "Answer with a number."},
-                                                 {"role": "user", "content": row["question"]}])])
+        ids = torch.tensor([answer_prompt_ids(renderer, row["question"])])
         with torch.no_grad():
             out = model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=tokenizer.pad_token_id)
         answers.append(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip())

@@ -269,10 +269,15 @@ def _fine_tune(folder: str | Path, make_data, steps: int, batch: int, lr: float,
     return time.perf_counter() - started
 
 
+def answer_prompt_ids(renderer, question: str) -> list[int]:
+    """The math config's prompt for `question`: its system prompt and the question, chat-templated."""
+    return renderer.prompt_ids([{"role": "system", "content": ANSWER_SYSTEM_PROMPT},
+                                {"role": "user", "content": question}])
+
+
 def _answer_ids(renderer, row: dict[str, str]) -> tuple[list[int], list[int]]:
     """(ids, loss mask) of the math config's prompt for `row`, then its answer and the stop token."""
-    prompt = renderer.prompt_ids([{"role": "system", "content": ANSWER_SYSTEM_PROMPT},
-                                  {"role": "user", "content": row["question"]}])
+    prompt = answer_prompt_ids(renderer, row["question"])
     answer = renderer.tokenizer.encode(row["answer"], add_special_tokens=False) + [renderer.stop_ids[0]]
     return prompt + answer, [0] * len(prompt) + [1] * len(answer)
 
