@@ -6,8 +6,9 @@ could fit the task at all when told the answers.
 
 `probe` loads RUN_DIR's latest checkpoint into its model and answers fresh reverse-digits or addition
 prompts (the run's `[task]`) greedily: per answer position, the accuracy and the policy's entropy
-there, and for reverse-digits which prompt digit its wrong answers copy. A plateau below 1.0 with one
-position near chance and a low entropy there is a position the policy locked onto a wrong rule.
+there, its commonest answers beside the commonest right ones, and for reverse-digits which prompt digit
+its wrong answers copy. A plateau below 1.0 with one position near chance and a low entropy there is a
+position the policy locked onto a wrong rule; one answer given to most prompts is a bias, not a rule.
 `fit` trains the same tiny model from the same random init with cross-entropy on the right answers
 (what GRPO's reward only hints at): if it reaches 1.0, the architecture is not what limits RL.
 """
@@ -72,9 +73,17 @@ def probe(run_dir: Path, samples: int) -> None:
     for position, entropy in enumerate(entropies):
         right = out[:, position] == answers[:, position]
         line = f"  position {position}: accuracy {right.float().mean():.3f}  entropy {entropy:.3f}"
+        line += f"  answers given {commonest(tokenizer, out[:, position])} (due {commonest(tokenizer, answers[:, position])})"
         if isinstance(task, ReverseDigits):
             line += "  wrong answers copy prompt digit " + copied(tokenizer, prompts, out, right, position)
         print(line)
+
+
+def commonest(tokenizer, tokens: torch.Tensor, top: int = 3) -> str:
+    """The `top` commonest tokens among `tokens` with their share: a policy that gives one answer to every
+    prompt at a position has learnt a bias there (the commonest answer, or a neighbour position's), not a rule."""
+    counts = Counter(tokens.tolist())
+    return ", ".join(f"{tokenizer.decode([t])!r} {n / len(tokens):.0%}" for t, n in counts.most_common(top))
 
 
 def copied(tokenizer, prompts, out: torch.Tensor, right: torch.Tensor, position: int) -> str:
