@@ -36,7 +36,7 @@ def math_pipeline(example: str | Path, steps: int = 60, run_root: str | Path = "
         reward_function=RewardFunction(weighted_sum(("math_verify", 0.8), ("format_number", 0.2)), timeout_s=5),
         eval_path=example / "data" / "eval.jsonl",
     )
-    settings = {"group_size": 8, "batch_groups": 8, "groups_per_step": 8, "lr": 1.5e-3} | overrides
+    settings = {"group_size": 8, "batch_groups": 8, "groups_per_step": 8, "lr": 4e-4} | overrides
     return Pipeline(
         name="math",
         producer=Rollout(task, [TorchEngine(model)], tokenizer=model, group_size=settings["group_size"],

@@ -39,8 +39,8 @@ def test_math_example_reward_rises(tmp_path: Path) -> None:
     pipe = math_pipeline(tmp_path / "example", steps=200, run_root=tmp_path / "runs")
     pipe.progress = False
     summary = pipe.run()
-    # measured: 0.003 -> 0.38 over 300 steps: the format reward (0.2) and then answering the eval split's most
-    # common answer ("0", 18% of it); the arithmetic itself is not learned in this many steps
+    # measured: 0.003 -> 0.38 over 300 steps at lr 1.5e-3, 0.30 by v200 at 4e-4: the format reward (0.2) and then
+    # answering the eval split's most common answer ("0", 18% of it); the arithmetic is not learned in this many steps
     assert summary["reward_end"] > summary["reward_start"] + 0.2, summary
     assert summary["ledger_balanced"]
     assert not pipe.producer.stats.get("reward_failed")

@@ -24,7 +24,7 @@ def test_readme_commands_are_what_ci_runs() -> None:
 def test_readme_python_quickstart_runs(tmp_path: Path, monkeypatch) -> None:
     code = re.search(r"```python\n(.*?)```", README, re.S).group(1)
     assert len(code.strip().splitlines()) <= 25, "the quickstart must stay on one screen"
-    short = code.replace("steps=240", "steps=3, progress=False")
+    short = code.replace("steps=500", "steps=3, progress=False")
     assert short != code
     script = tmp_path / "quickstart.py"
     script.write_text(short)

@@ -73,7 +73,8 @@ def probe(run_dir: Path, samples: int) -> None:
     for position, entropy in enumerate(entropies):
         right = out[:, position] == answers[:, position]
         line = f"  position {position}: accuracy {right.float().mean():.3f}  entropy {entropy:.3f}"
-        line += f"  answers given {commonest(tokenizer, out[:, position])} (due {commonest(tokenizer, answers[:, position])})"
+        given, due = commonest(tokenizer, out[:, position]), commonest(tokenizer, answers[:, position])
+        line += f"  answers given {given} (due {due})"
         if isinstance(task, ReverseDigits):
             line += "  wrong answers copy prompt digit " + copied(tokenizer, prompts, out, right, position)
         print(line)
