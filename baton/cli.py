@@ -160,7 +160,7 @@ def run_or_check(args: argparse.Namespace) -> int:
     from pipeline.telemetry import configure_logging, report_failure
 
     configure_logging(cfg.telemetry.log_format, cfg.telemetry.log_level)
-    signal.signal(signal.SIGTERM, _on_sigterm)  # a kill stops what the run started, as Ctrl-C does
+    stop_on_sigterm()
     try:
         pipeline = build_pipeline(cfg)
     except (ConfigError, FileNotFoundError, ValueError) as exc:
@@ -199,6 +199,16 @@ def _resume_hint(run_dir) -> None:
 SIGTERM_GRACE_S = 30.0  # a scheduler's usual grace before SIGKILL; a clean stop takes 2-9 s here
 SIGTERM_REPEAT_S = 5.0  # then Ctrl-C again this often until the process is gone
 _escalation: threading.Thread | None = None  # started by the first SIGTERM
+
+
+def stop_on_sigterm() -> None:
+    """`baton run`: a kill stops what the run started, as Ctrl-C does. SIGTERM takes Ctrl-C's path, so a
+    process started with SIGINT ignored (a background job of a non-interactive shell, where the first
+    kill then raised KeyboardInterrupt wherever it landed and the escalation's Ctrl-C went nowhere) gets
+    Python's Ctrl-C handler back first; such a run now also stops on Ctrl-C at its terminal."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _on_sigterm)
 
 
 def _on_sigterm(signum: int, frame) -> None:

@@ -7,10 +7,10 @@ at staleness k = 4 and k = 8 with the correction the README recommends for them 
 Each row is one run (`baton run`, its own process): task, seed, k, the time from process start to a
 trailing mean train reward (last `--window` versions) of `--target` (0.8) and the version it happened
 at, the final trailing reward (and at versions 100, 200, 400, 800), the lowest entropy before the target,
-and the run's wall time. A run
-stops at the target plus `--after` versions (to show it holds), at `--steps`, or at `--budget-s` (then
-it counts as not reached; addition gets at least 4,000 versions and 420 s, `TASK_LIMITS`). Versions are reported beside seconds: on a shared machine seconds
-depend on the load, versions do not. The math task trains configs/math.toml's dataset (make it first:
+and the run's wall time. A run stops at the target plus `--after` versions (to show it holds), at
+`--steps`, or at `--budget-s` (then it counts as not reached; addition gets at least 4,000 versions and
+420 s, `TASK_LIMITS`). Versions are reported beside seconds: on a shared machine seconds depend on the
+load, versions do not. The math task trains configs/math.toml's dataset (make it first:
 `python tools/make_math_example.py runs/math-example`) with the quickstart's learner and staleness
 settings; its threshold is the accuracy of greedy answers on the held-out eval split (200 problems,
 evaluated every 50 versions): `--eval-target` (0.8) of them right by math-verify. Its row also carries

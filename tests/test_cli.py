@@ -166,12 +166,15 @@ def test_sigterm_reaches_a_running_loop_as_cancellation_like_ctrl_c() -> None:
             seen.append(type(exc))
             raise
 
-    previous = signal.signal(signal.SIGTERM, _sigterm_as_ctrl_c)
+    previous = signal.getsignal(signal.SIGINT), signal.signal(signal.SIGTERM, _sigterm_as_ctrl_c)
+    if previous[0] == signal.SIG_IGN:  # as `stop_on_sigterm` does (see the test below)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with pytest.raises(KeyboardInterrupt):
             anyio.run(run)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous[0])
+        signal.signal(signal.SIGTERM, previous[1])
     assert seen == [asyncio.CancelledError]
 
 
@@ -179,7 +182,7 @@ STUBBORN_RUN = """
 import os, signal, anyio
 import baton.cli as cli
 cli.SIGTERM_GRACE_S = cli.SIGTERM_REPEAT_S = 0.5
-signal.signal(signal.SIGTERM, cli._on_sigterm)
+cli.stop_on_sigterm()
 
 async def stubborn():  # swallows every cancellation: an orderly stop that never ends
     while True:
@@ -203,10 +206,13 @@ except KeyboardInterrupt:
 """
 
 
-def test_a_kill_ends_a_run_whose_orderly_stop_hangs() -> None:
+@pytest.mark.parametrize("sigint_ignored", [False, True], ids=["foreground", "background-job"])
+def test_a_kill_ends_a_run_whose_orderly_stop_hangs(sigint_ignored: bool) -> None:
     """Past the grace after SIGTERM, `baton run` interrupts itself again (Ctrl-C twice), and again, until
-    the run is gone; a stop that swallows every cancellation still ends."""
+    the run is gone; a stop that swallows every cancellation still ends. Also when the run was started with
+    SIGINT ignored, as a non-interactive shell starts a background job (`baton run ... &` in a script)."""
+    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None
     proc = subprocess.run([sys.executable, "-c", STUBBORN_RUN], capture_output=True, text=True, timeout=60,
-                          cwd=ROOT)
+                          cwd=ROOT, preexec_fn=ignore)
     assert proc.returncode == 130, proc.stderr[-2000:]
     assert "interrupting again" in proc.stderr
