@@ -124,7 +124,7 @@ def main() -> None:
     f = commands.add_parser("fit", help="supervised fit of the tiny model to reverse-digits")
     f.add_argument("--digits", type=int, default=4)
     f.add_argument("--steps", type=int, default=300)
-    f.add_argument("--lr", type=float, default=1.5e-3, help="the quickstart learner's")
+    f.add_argument("--lr", type=float, default=1.5e-3, help="the supervised step size")
     f.add_argument("--heads", type=int, default=make_tiny_model.__kwdefaults__["heads"])
     f.add_argument("--kv-heads", type=int, default=make_tiny_model.__kwdefaults__["kv_heads"])
     a = parser.parse_args()
