@@ -206,9 +206,14 @@ def stop_on_sigterm() -> None:
     process started with SIGINT ignored (a background job of a non-interactive shell, where the first
     kill then raised KeyboardInterrupt wherever it landed and the escalation's Ctrl-C went nowhere) gets
     Python's Ctrl-C handler back first; such a run now also stops on Ctrl-C at its terminal."""
+    _take_ctrl_c_back()
+    signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _take_ctrl_c_back() -> None:
+    """Python's Ctrl-C handler where SIGINT was ignored at start (SIGTERM takes Ctrl-C's path)."""
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, _on_sigterm)
 
 
 def _on_sigterm(signum: int, frame) -> None:

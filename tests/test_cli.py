@@ -14,7 +14,7 @@ import anyio
 import pytest
 
 from baton.builder import make_part
-from baton.cli import _sigterm_as_ctrl_c, main
+from baton.cli import _sigterm_as_ctrl_c, _take_ctrl_c_back, main
 from baton.config import ConfigError, apply_override, load_toml, resolve, validate
 from baton.schema import RunConfig
 
@@ -167,8 +167,7 @@ def test_sigterm_reaches_a_running_loop_as_cancellation_like_ctrl_c() -> None:
             raise
 
     previous = signal.getsignal(signal.SIGINT), signal.signal(signal.SIGTERM, _sigterm_as_ctrl_c)
-    if previous[0] == signal.SIG_IGN:  # as `stop_on_sigterm` does (see the test below)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    _take_ctrl_c_back()  # `stop_on_sigterm`'s first step, without its escalation thread
     try:
         with pytest.raises(KeyboardInterrupt):
             anyio.run(run)
