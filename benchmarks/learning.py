@@ -1,7 +1,7 @@
 """Learning that holds up: the quickstart's settings with only the task changed, over seeds, and the same
 at staleness k = 4 and k = 8 with the correction the README recommends for them (`decoupled`).
 
-    python benchmarks/learning.py [--tasks reverse2,reverse3,reverse4,addition,math,math-warm] [--seeds 0,1,2]
+    python benchmarks/learning.py [--tasks reverse2,reverse3,reverse4,addition,math,math-scratch] [--seeds 0,1,2]
                                   [--ks 2,4,8] [--budget-s 120] [--steps 1500] [--set key=value ...]
 
 Each row is one run (`baton run`, its own process): task, seed, k, the time from process start to a
@@ -10,10 +10,13 @@ at, the final trailing reward (and at versions 100, 200, 400, 800), the lowest e
 and the run's wall time. A run stops at the target plus `--after` versions (to show it holds), at
 `--steps`, or at `--budget-s` (then it counts as not reached; addition gets at least 4,000 versions and
 420 s, `TASK_LIMITS`). Versions are reported beside seconds: on a shared machine seconds depend on the
-load, versions do not. The math task trains configs/math.toml's dataset (make it first:
-`python tools/make_math_example.py runs/math-example`) with the quickstart's learner and staleness
-settings; its threshold is the accuracy of greedy answers on the held-out eval split (200 problems,
-evaluated every 50 versions): `--eval-target` (0.8) of them right by math-verify. Its row also carries
+load, versions do not. The math task trains configs/math.toml's dataset with the quickstart's learner and
+staleness settings, from a model that already reads the question (`make_math_example.py --answer-warmup 300`:
+58 % greedy eval accuracy, no eval question trained on; built in `runs/math-warm` on first use, ~30 s, not
+counted), which is what a user's checkpoint is; `math-scratch` (not in the default matrix) trains the same
+from random init, which learns the commonest answer and nothing else (README "Learning defaults"). Their
+threshold is the accuracy of greedy answers on the held-out eval split (200 problems, evaluated every 50
+versions): `--eval-target` (0.8) of them right by math-verify. Their rows also carry
 the eval accuracy at each evaluation and the trailing train reward.
 
 Last stdout line: one JSON object with "rows" (one per task, seed and k), "figures" (reached / runs and
@@ -33,23 +36,33 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-EVAL_TASKS = {"math", "math-warm"}  # judged by held-out accuracy (eval.jsonl), not by the trailing train reward
+EVAL_TASKS = {"math", "math-scratch"}  # judged by held-out accuracy (eval.jsonl), not by the trailing train reward
 TASKS = {  # name -> (config, overrides)
     "reverse2": ("configs/quickstart.toml", ["task.digits=2"]),
     "reverse3": ("configs/quickstart.toml", ["task.digits=3"]),
     "reverse4": ("configs/quickstart.toml", ["task.digits=4"]),
     "addition": ("configs/quickstart.toml", ['task={kind="addition"}']),
-    "math": ("configs/math.toml", ["eval.every=50"]),
-    # not in the default matrix: the math dataset from a model that already answers 58 % (make it first:
-    # `python tools/make_math_example.py runs/math-warm --answer-warmup 300`), at the smaller lr a trained
-    # checkpoint needs (README "Learning defaults": the lr before 4e-4, 1.5e-3, undoes the warm start), warmed up
-    # over 50 versions (without: a dip at v50 and 2 of 3 seeds at the target)
-    "math-warm": ("configs/math.toml", ["eval.every=50", "model.path='runs/math-warm/model'", "learner.lr=3e-4",
-                                        "learner.lr_warmup_steps=50"]),
+    "math": ("configs/math.toml", ["eval.every=50", "model.path='runs/math-warm/model'",  # the same data as
+                                   "task.path='runs/math-warm/data/train.jsonl'",      # runs/math-example's
+                                   "task.eval_path='runs/math-warm/data/eval.jsonl'"]),
+    "math-scratch": ("configs/math.toml", ["eval.every=50"]),
+}
+# the model and data a task needs, and the command that makes them when they are missing
+PREREQUISITES = {
+    "math": ("runs/math-warm/data", ["tools/make_math_example.py", "runs/math-warm", "--answer-warmup", "300"]),
+    "math-scratch": ("runs/math-example/data", ["tools/make_math_example.py", "runs/math-example"]),
 }
 DEFAULT_TASKS = "reverse2,reverse3,reverse4,addition,math"
 # a task that needs more than --steps / --budget-s gets at least this (addition reaches the target at v1,536-3,244)
-TASK_LIMITS = {"addition": (4000, 420.0)}  # name -> (versions, seconds)
+TASK_LIMITS = {"addition": (4000, 420.0), "math": (2000, 720.0)}  # name -> (versions, seconds)
+
+
+def prepare(tasks: list[str]) -> None:
+    """Make every missing model and dataset the tasks train on, before any run's clock starts."""
+    for task in tasks:
+        path, command = PREREQUISITES.get(task, (None, None))
+        if command and not (ROOT / path).exists():
+            subprocess.run([sys.executable, *command], cwd=ROOT, check=True, stdout=sys.stderr)
 
 
 def limits(task: str, a: argparse.Namespace) -> tuple[int, float]:
@@ -177,6 +190,7 @@ def main() -> None:
     p.add_argument("--after", type=int, default=40, help="versions a run goes on past the target")
     p.add_argument("--set", dest="overrides", action="append", default=[], help="config override for every run")
     a = p.parse_args()
+    prepare(a.tasks.split(","))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for k in (int(x) for x in a.ks.split(",")):
