@@ -4,20 +4,20 @@ at staleness k = 4 and k = 8 with the correction the README recommends for them 
     python benchmarks/learning.py [--tasks reverse2,reverse3,reverse4,addition,math,math-scratch] [--seeds 0,1,2]
                                   [--ks 2,4,8] [--budget-s 120] [--steps 1500] [--set key=value ...]
 
-Each row is one run (`baton run`, its own process): task, seed, k, the time from process start to a
-trailing mean train reward (last `--window` versions) of `--target` (0.8) and the version it happened
-at, the final trailing reward (and at versions 100, 200, 400, 800), the lowest entropy before the target,
-and the run's wall time. A run stops at the target plus `--after` versions (to show it holds), at
-`--steps`, or at `--budget-s` (then it counts as not reached; addition gets at least 4,000 versions and
-420 s, `TASK_LIMITS`). Versions are reported beside seconds: on a shared machine seconds depend on the
-load, versions do not. The math task trains configs/math.toml's dataset with the quickstart's learner and
-staleness settings, from a model that already reads the question (`make_math_example.py --answer-warmup 300`:
-58 % greedy eval accuracy, no eval question trained on; built in `runs/math-warm` on first use, ~30 s, not
+Each row is one run (`baton run`, its own process): task, seed, k, the time from process start to a trailing
+mean train reward (last `--window` versions) of `--target` (0.8) and the version it happened at, the final
+trailing reward (and at versions 100, 200, 400, 800), the lowest entropy before the target, and the run's wall
+time. A run stops at the target plus `--after` versions (to show it holds), at `--steps`, or at `--budget-s`
+(then it counts as not reached; addition gets at least 4,000 versions and 420 s, the math task 2,000 and 720
+s: `TASK_LIMITS`). Versions are reported beside seconds: on a shared machine seconds depend on the load,
+versions do not. The math task trains configs/math.toml's dataset with the quickstart's learner and staleness
+settings, from a model that already reads the question (`make_math_example.py --answer-warmup 300`: 58 %
+greedy eval accuracy, no eval question trained on; built in `runs/math-warm` on first use, ~30 s, not
 counted), which is what a user's checkpoint is; `math-scratch` (not in the default matrix) trains the same
 from random init, which learns the commonest answer and nothing else (README "Learning defaults"). Their
 threshold is the accuracy of greedy answers on the held-out eval split (200 problems, evaluated every 50
-versions): `--eval-target` (0.8) of them right by math-verify. Their rows also carry
-the eval accuracy at each evaluation and the trailing train reward.
+versions): `--eval-target` (0.8) of them right by math-verify. Their rows also carry the eval accuracy at each
+evaluation and the trailing train reward.
 
 Last stdout line: one JSON object with "rows" (one per task, seed and k), "figures" (reached / runs and
 the median seconds and versions to the target per k) and "ratios": reached_fraction (goal 1.0) and,
