@@ -36,21 +36,22 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+WARM_MATH = "runs/math-warm"  # the math example warmed on direct answers (58 %)
 EVAL_TASKS = {"math", "math-scratch"}  # judged by held-out accuracy (eval.jsonl), not by the trailing train reward
 TASKS = {  # name -> (config, overrides)
     "reverse2": ("configs/quickstart.toml", ["task.digits=2"]),
     "reverse3": ("configs/quickstart.toml", ["task.digits=3"]),
     "reverse4": ("configs/quickstart.toml", ["task.digits=4"]),
     "addition": ("configs/quickstart.toml", ['task={kind="addition"}']),
-    "math": ("configs/math.toml", ["eval.every=50", "model.path='runs/math-warm/model'",  # the same data as
-                                   "task.path='runs/math-warm/data/train.jsonl'",      # runs/math-example's
-                                   "task.eval_path='runs/math-warm/data/eval.jsonl'"]),
+    "math": ("configs/math.toml", ["eval.every=50", f"model.path='{WARM_MATH}/model'",
+                                   f"task.path='{WARM_MATH}/data/train.jsonl'",  # runs/math-example's data
+                                   f"task.eval_path='{WARM_MATH}/data/eval.jsonl'"]),
     "math-scratch": ("configs/math.toml", ["eval.every=50"]),
 }
-# the model and data a task needs, and the command that makes them when they are missing
+# the folder a task trains from, and the command that makes it when it is missing
 PREREQUISITES = {
-    "math": ("runs/math-warm/data", ["tools/make_math_example.py", "runs/math-warm", "--answer-warmup", "300"]),
-    "math-scratch": ("runs/math-example/data", ["tools/make_math_example.py", "runs/math-example"]),
+    "math": (WARM_MATH, ["tools/make_math_example.py", WARM_MATH, "--answer-warmup", "300"]),
+    "math-scratch": ("runs/math-example", ["tools/make_math_example.py", "runs/math-example"]),
 }
 DEFAULT_TASKS = "reverse2,reverse3,reverse4,addition,math"
 # a task that needs more than --steps / --budget-s gets at least this (addition reaches the target at v1,536-3,244)
@@ -61,7 +62,7 @@ def prepare(tasks: list[str]) -> None:
     """Make every missing model and dataset the tasks train on, before any run's clock starts."""
     for task in tasks:
         path, command = PREREQUISITES.get(task, (None, None))
-        if command and not (ROOT / path).exists():
+        if command and not (ROOT / path / "data").exists():
             subprocess.run([sys.executable, *command], cwd=ROOT, check=True, stdout=sys.stderr)
 
 
