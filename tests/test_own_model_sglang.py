@@ -7,14 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from buffers.codec import decode
 from buffers.memory import MemoryStore
 from stages.datasets import DatasetTask
 from stages.engines.sglang import SGLangEngine
 from stages.engines.sglang_server import SGLangUnavailable, sglang_python
 from stages.model import load_tokenizer
 from stages.rollout import Rollout
-from tests.test_own_model import Recorder, worker_for
+from tests.test_own_model import Recorder, batches_with_their_prompts, worker_for
 from tools.make_math_example import make_math_data, make_qwen_like_model
 
 try:
@@ -49,10 +48,7 @@ async def test_chat_prompts_end_to_end_on_sglang(tmp_path) -> None:
     tok = load_tokenizer(model)
     stops = set(rollout.stop_token_ids)
     assert len(recorder.sent) == 2
-    for ref, prompt in zip(recorder.sent, prompts, strict=True):
-        batch = decode(await store.get(ref.key))
-        expected = ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n" + prompt.text
-                    + "<|im_end|>\n<|im_start|>assistant\n")
+    for expected, batch in await batches_with_their_prompts(store, recorder.sent, tok, prompts):
         for i in range(batch.rows):
             row = batch.row(i)
             plen, tokens = int(row["prompt_lens"]), row["tokens"].tolist()
