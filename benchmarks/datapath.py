@@ -246,6 +246,18 @@ def chunked(key: str, base: int, size: int, chunk: int) -> tuple[list[str], list
     return keys, [base + i * chunk for i in range(parts)], [min(chunk, size - i * chunk) for i in range(parts)]
 
 
+def record_round(times: dict[str, list[float]], raw_times: dict[str, list[float]], phases: tuple[float, ...],
+                 put: float, get: float) -> None:
+    """One measured round: the raw put and get, and the store path's phases with their sums."""
+    raw_times["put"].append(put)
+    raw_times["get"].append(get)
+    raw_times["total"].append(put + get)
+    for phase, seconds in zip(PHASES, phases, strict=True):
+        times[phase].append(seconds)
+    times["store"].append(phases[1] + phases[2])
+    times["total"].append(sum(phases))
+
+
 async def measure_mooncake(store, size_mib: int, batch: RolloutBatch, repeats: int, reaper: Reaper):
     client, config, chunk = store._client, store._config, store.settings.chunk_bytes
     started = time.perf_counter()
@@ -298,15 +310,8 @@ async def measure_mooncake(store, size_mib: int, batch: RolloutBatch, repeats: i
         if i == 0:
             assert np.array_equal(src, dst), "raw batch_get_into returned other bytes"
         reaper.reap()
-        if i < WARMUP:
-            continue
-        raw_times["put"].append(put)
-        raw_times["get"].append(get)
-        raw_times["total"].append(put + get)
-        for phase, seconds in zip(PHASES, phases, strict=True):
-            times[phase].append(seconds)
-        times["store"].append(phases[1] + phases[2])
-        times["total"].append(sum(phases))
+        if i >= WARMUP:
+            record_round(times, raw_times, phases, put, get)
     reaper.reap(wait=True)
     figures = summarize(times, nbytes, rows=batch.rows, encode_cold_s=cold)
     return figures, summarize(raw_times, nbytes)
