@@ -161,6 +161,7 @@ def worker_for(rollout: Rollout, engine, store, recorder: Recorder, tmp_path: Pa
 
 
 def chatml_prompt(text: str) -> str:
+    """The prompt both chat tests expect: system "Be brief.", the question as the user's turn, then the assistant's."""
     return f"<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
 
 
