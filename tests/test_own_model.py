@@ -64,8 +64,7 @@ def test_chat_model_tokenizer_has_no_bos_and_stops_at_every_eos(chat_model: Path
     assert None not in ids and tok.decode(ids) == "Ann has 3 pens."
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 and 3?"}]
     chat = prompt_token_ids(tok, messages=messages)
-    assert tok.decode(chat) == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n2 and 3?<|im_end|>\n"
-                                "<|im_start|>assistant\n")
+    assert tok.decode(chat) == chatml_prompt("2 and 3?")
     check_model_folder(chat_model, needs_chat_template=True)
 
 
