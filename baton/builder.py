@@ -29,17 +29,17 @@ from pipeline.watchdog import WatchdogSettings
 from policies import MaxStaleness
 from policies.correction import Correction
 from policies.selection import Selection, make_selection
-from stages.datasets import DatasetTask
+from stages.data.datasets import DatasetTask
+from stages.data.model import make_tiny_model
+from stages.data.rewards import RewardFunction, weighted_sum
+from stages.data.tasks import Addition, ReverseDigits
 from stages.engines.sglang import SGLangEngine
 from stages.engines.torch import TorchEngine
-from stages.episode import EpisodeLimits
-from stages.evaluation import Evaluation
-from stages.gateway.run_host import GatewaySettings
 from stages.learner import GRPOLearner
-from stages.model import make_tiny_model
-from stages.rewards import RewardFunction, weighted_sum
 from stages.rollout import Rollout
-from stages.tasks import Addition, ReverseDigits
+from stages.rollout.episode import EpisodeLimits
+from stages.rollout.evaluation import Evaluation
+from stages.rollout.gateway_worker import GatewaySettings
 from stages.weights import TRANSPORTS, make_transport
 from stages.weights.base import WeightTransport
 

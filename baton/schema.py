@@ -40,18 +40,18 @@ from pipeline.watchdog import WatchdogSettings
 from policies.correction import Correction
 from policies.selection import Selection
 from policies.staleness import MaxStaleness, reuse_lead
-from stages.datasets import DatasetTask
+from stages.data.datasets import DatasetTask
+from stages.data.model import DTYPES, check_model_folder, make_tiny_model
+from stages.data.rewards import ON_ERROR, RewardFunction, resolve
+from stages.data.tasks import ReverseDigits
 from stages.engines.sglang import SGLangEngine
 from stages.environments import make_environment
-from stages.episode import EpisodeLimits
-from stages.evaluation import Evaluation
-from stages.gateway.run_host import GatewaySettings, as_agent
 from stages.learner import GRPOLearner
-from stages.losses import AGGREGATIONS, ENTROPY_SCOPES, LR_DECAYS
-from stages.model import DTYPES, check_model_folder, make_tiny_model
-from stages.rewards import ON_ERROR, RewardFunction, resolve
+from stages.learner.losses import AGGREGATIONS, ENTROPY_SCOPES, LR_DECAYS
 from stages.rollout import Rollout
-from stages.tasks import ReverseDigits
+from stages.rollout.episode import EpisodeLimits
+from stages.rollout.evaluation import Evaluation
+from stages.rollout.gateway_worker import GatewaySettings, as_agent
 from stages.weights import TRANSPORTS
 from stages.weights.mooncake_p2p import MooncakeP2PTransport
 
@@ -112,7 +112,7 @@ class AdditionSpec(Section):
 
 
 class DatasetTaskSpec(Section):
-    """Prompts from a local JSONL/JSON/Parquet/CSV file or a `save_to_disk` folder (stages.datasets)."""
+    """Prompts from a local JSONL/JSON/Parquet/CSV file or a `save_to_disk` folder (stages.data.datasets)."""
 
     kind: Literal["dataset"] = "dataset"
     path: str = Field(description="the train split: a file or a save_to_disk folder")
@@ -169,7 +169,7 @@ class RewardSpec(Section):
 
 
 class EvalSpec(Section):
-    """Evaluation during training ([eval], stages.evaluation): off unless `every` is set."""
+    """Evaluation during training ([eval], stages.rollout.evaluation): off unless `every` is set."""
 
     every: int = Field(0, ge=0, description="generate the eval split every this many versions; 0: never")
     samples: int = Field(default_of(Evaluation, "samples"), ge=1, description="completions per eval prompt")
@@ -254,7 +254,7 @@ class RolloutSpec(Section):
 
 
 class EpisodeSpec(Section):
-    """Per-episode limits ([episode], stages.episode.EpisodeLimits); unset: no limit."""
+    """Per-episode limits ([episode], stages.rollout.episode.EpisodeLimits); unset: no limit."""
 
     max_turns: int = Field(default_of(EpisodeLimits, "max_turns"), ge=1, description="model turns per episode "
                            "(an episode without an environment has one)")
@@ -286,7 +286,7 @@ class EnvironmentSpec(BaseModel):
 
 
 class GatewaySpec(Section):
-    """[gateway] (stages.gateway.run_host.GatewaySettings): the OpenAI API in front of the run's engines;
+    """[gateway] (stages.rollout.gateway_worker.GatewaySettings): the OpenAI API in front of the run's engines;
     episodes come from agents through it instead of the rollout's own loop."""
 
     port: int = Field(default_of(GatewaySettings, "port"), ge=0, le=65535, description="0: a free port")

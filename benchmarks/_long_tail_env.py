@@ -23,9 +23,9 @@ import random
 
 import anyio
 
+from stages.data.tasks import Prompt
 from stages.environments.base import Message, ModelTurn, Step, Tool
 from stages.environments.feedback import DigitFeedback
-from stages.tasks import Prompt
 
 
 def pareto_turns(rng: random.Random, low: int, high: int, alpha: float) -> int:

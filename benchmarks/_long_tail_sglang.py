@@ -18,13 +18,13 @@ from pathlib import Path
 import anyio
 
 from benchmarks._long_tail_env import LongTailFeedback
+from stages.data.model import load_tokenizer, make_tiny_model, stop_token_ids
+from stages.data.tasks import ReverseDigits
 from stages.engines.base import SamplingParams
 from stages.engines.sglang import SGLangEngine
 from stages.engines.sglang_server import SGLangUnavailable, sglang_python
 from stages.environments.render import renderer_for
-from stages.episode import EpisodeLimits, EpisodeSetup, run_episode
-from stages.model import load_tokenizer, make_tiny_model, stop_token_ids
-from stages.tasks import ReverseDigits
+from stages.rollout.episode import EpisodeLimits, EpisodeSetup, run_episode
 
 
 class CountingEngine(SGLangEngine):

@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
-from tests.p2p_peer import read_frame, write_frame  # noqa: E402
+from tests.helpers.p2p_peer import read_frame, write_frame  # noqa: E402
 
 
 class StepEngine:

@@ -26,9 +26,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from stages.data.model import make_tiny_model  # noqa: E402
 from stages.engines.base import SamplingParams  # noqa: E402
 from stages.engines.torch import TorchEngine  # noqa: E402
-from stages.model import make_tiny_model  # noqa: E402
 
 
 async def batched(engine: TorchEngine, prompts: list[list[int]], params: list[SamplingParams]) -> int:

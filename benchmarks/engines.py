@@ -31,10 +31,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from stages.data.model import load_model, make_tiny_model  # noqa: E402
 from stages.engines.base import SamplingParams  # noqa: E402
 from stages.engines.sglang import UPDATE_PATHS, SGLangEngine  # noqa: E402
 from stages.engines.torch import TorchEngine  # noqa: E402
-from stages.model import load_model, make_tiny_model  # noqa: E402
 
 
 async def tokens_per_s(engine, prompts: list[list[int]], params: SamplingParams, repeats: int) -> float:

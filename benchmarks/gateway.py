@@ -49,13 +49,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from openai import AsyncOpenAI, DefaultAsyncHttpxClient  # noqa: E402
 
+from stages.data.model import load_tokenizer  # noqa: E402
+from stages.data.tasks import Prompt  # noqa: E402
 from stages.engines.torch import TorchEngine  # noqa: E402
 from stages.environments.calculator import CALCULATOR, SYSTEM_PROMPT  # noqa: E402
 from stages.environments.render import ChatRenderer  # noqa: E402
 from stages.environments.tokens import EpisodeTokens  # noqa: E402
 from stages.gateway import EngineHost, Gateway, Limits  # noqa: E402
-from stages.model import load_tokenizer  # noqa: E402
-from stages.tasks import Prompt  # noqa: E402
 from tools.make_math_example import make_math_data, make_qwen_like_model  # noqa: E402
 
 FOLLOW_UP = {"role": "user", "content": "Check that again and give the number."}

@@ -1,6 +1,6 @@
 """Simulated steps per second of `baton simulate` on the quickstart config (4 groups a step).
 
-The suite asserts that the simulator's work grows linearly with the steps (tests/test_simulate.py);
+The suite asserts that the simulator's work grows linearly with the steps (tests/baton/test_simulate.py);
 this measures what that work costs here: 10,000 steps took about 1 s on an idle core of this machine.
 
 Prints, as the last stdout line, one JSON object: {steps: {"wall_s", "steps_per_s", "events"}}.

@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from stages.weights.mooncake_p2p import MooncakeP2PTransport, SlotReceiver  # noqa: E402
-from tests.p2p_peer import read_frame, write_frame  # noqa: E402
+from tests.helpers.p2p_peer import read_frame, write_frame  # noqa: E402
 
 KINDS = ("sparse", "full")
 

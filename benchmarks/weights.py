@@ -42,7 +42,7 @@ from stages.weights.disk import DiskTransport  # noqa: E402
 from stages.weights.groups import pair_group  # noqa: E402
 from stages.weights.layout import fill, plan  # noqa: E402
 from stages.weights.mooncake_p2p import HELLO, Hello, HelloReply, MooncakeP2PTransport, _transfer_engine  # noqa: E402
-from tests.p2p_peer import read_frame, write_frame  # noqa: E402
+from tests.helpers.p2p_peer import read_frame, write_frame  # noqa: E402
 
 TENSOR_MIB = 16
 

@@ -134,7 +134,7 @@ class FaultyStore:
     every other attribute (`pool`, `master`, ...) is the wrapped store's."""
 
     def __init__(self, inner: Any, plan: FaultPlan) -> None:
-        self.inner, self.name = inner, inner.name
+        self.inner, self.name, self.pool = inner, inner.name, inner.pool
         self._put_fail = plan.schedule("store.put_fail")
         self._failing_puts: dict[str, int] = {}  # key -> puts of it that still fail
         self._get_fail = plan.schedule("store.get_fail")

@@ -32,6 +32,7 @@ class MemoryStore:
         if capacity_bytes is not None and capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0 or None, got {capacity_bytes}")
         self.name = name
+        self.pool = None  # payloads are encoded into the codec's own pool
         self.capacity_bytes = capacity_bytes
         self._values: dict[str, memoryview] = {}
         self._nbytes = 0

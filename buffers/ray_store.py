@@ -217,6 +217,7 @@ class RayStore:
         if not ray.is_initialized():
             raise StoreError(f"RayStore {name!r} needs a connected Ray: call ray.init() first")
         self.name = name
+        self.pool = None  # payloads are encoded into the codec's own pool
         self.namespace = namespace
         self.capacity_bytes = capacity_bytes
         self.owner = owner

@@ -11,13 +11,18 @@ methods in its own module. The contract every implementation keeps:
 * `remove` and `remove_matching` return how many keys they removed; removing a missing key is
   not an error (it returns 0), so eviction is idempotent.
 * A store's `name` is carried in every Ref it produced; a consumer refuses refs of another store.
+* `pool` is where a producer encodes payloads for this store (memory the store can send from without
+  a copy, e.g. Mooncake's registered buffers), or None: the codec's own pool.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from typing_extensions import Buffer
+
+if TYPE_CHECKING:
+    from buffers.pool import BufferPool
 
 
 class StoreError(RuntimeError):
@@ -38,6 +43,7 @@ class StoreFull(StoreError):
 @runtime_checkable
 class ObjectStore(Protocol):
     name: str
+    pool: BufferPool | None
 
     async def put(self, key: str, data: Buffer) -> None: ...
 

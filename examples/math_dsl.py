@@ -17,8 +17,8 @@ from buffers import MemoryStore, RefBuffer
 from pipeline import Pipeline
 from policies import MaxStaleness
 from stages import DatasetTask, GRPOLearner, RewardFunction, Rollout, TorchEngine
-from stages.evaluation import Evaluation
-from stages.rewards import weighted_sum
+from stages.data.rewards import weighted_sum
+from stages.rollout.evaluation import Evaluation
 
 
 def math_pipeline(example: str | Path, steps: int = 60, run_root: str | Path = "runs", eval_every: int = 50,

@@ -9,12 +9,12 @@ Three token probabilities meet in the loss of one learner step:
 
 Each correction is a pure function of torch tensors ([rows, T] logprobs, per-row advantages that
 broadcast, a 0/1 mask) returning `(loss, stats)`: the loss is `reduce(per-token loss, mask)`, a token
-mean over the mask unless the learner passes another aggregation (stages.losses.aggregate), and the
+mean over the mask unless the learner passes another aggregation (stages.learner.losses.aggregate), and the
 stats are floats for the metrics. No I/O, no state. The clip range is [1 - clip_eps, 1 + clip_high]
 (`clip_high` unset: symmetric; above clip_eps: DAPO's clip-higher).
 
 * `none`: plain PPO-clip with the ratio pi_theta / pi_behav (the clip's trust region is centred on
-  the behaviour policy, however stale). It equals `stages.losses.ppo_clip_loss` exactly.
+  the behaviour policy, however stale). It equals `stages.learner.losses.ppo_clip_loss` exactly.
 * `tis` (truncated importance sampling, as slime's `--use-tis` and verl's rollout IS): PPO-clip with
   the ratio pi_theta / pi_prox, each token's loss multiplied by the weight min(pi_prox / pi_behav, cap).
   Truncation bounds the variance a very stale token can add; it keeps every token.

@@ -28,8 +28,8 @@ from safetensors.torch import load_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.checkpoint import latest_checkpoint  # noqa: E402
-from stages.model import load_model, load_tokenizer, make_tiny_model, prompt_token_ids  # noqa: E402
-from stages.tasks import Addition, ReverseDigits  # noqa: E402
+from stages.data.model import load_model, load_tokenizer, make_tiny_model, prompt_token_ids  # noqa: E402
+from stages.data.tasks import Addition, ReverseDigits  # noqa: E402
 
 
 def task_of(config: dict):

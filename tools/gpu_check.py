@@ -5,7 +5,7 @@ learner step and sparse weight deltas on a random-init model of real size, on CU
 
 - engine: `TorchEngine(dtype="bfloat16")` generates `--batch` prompts x `--new-tokens` tokens
   (tokens/s, second call; the first warms up) and takes a whole new version (`receive_weights`, s);
-- learner: `LearnerActor._step`, the real GRPO step, fp32 master weights under bf16 autocast, on
+- learner: `PolicyTrainer.step`, the real GRPO step, fp32 master weights under bf16 autocast, on
   `--batch` rows of prompt + completion (s per step, peak GPU memory);
 - sparse deltas: the learner-side `Planner` packs each version in bf16 and diffs it against the one
   before, the receiver-side `Slots` rebuilds it and verifies every bucket's checksum (changed
@@ -33,10 +33,11 @@ from safetensors.torch import load_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from buffers.codec import RolloutBatch  # noqa: E402
+from stages.data.model import make_tiny_model  # noqa: E402
 from stages.engines.base import SamplingParams  # noqa: E402
 from stages.engines.torch import TorchEngine  # noqa: E402
-from stages.learner import GRPOLearner, LearnerActor  # noqa: E402
-from stages.model import load_model, make_tiny_model  # noqa: E402
+from stages.learner import GRPOLearner  # noqa: E402
+from stages.learner.step import PolicyTrainer  # noqa: E402
 from stages.weights.base import new_stats  # noqa: E402
 from stages.weights.sparse import Planner, Slots  # noqa: E402
 
@@ -103,16 +104,11 @@ def fake_batches(groups: int, group_size: int, prompt: int, completion: int, voc
     return batches
 
 
-def learner_on(folder: Path, device: str, lr: float) -> LearnerActor:
-    """A LearnerActor with its model and optimizer set up as `start()` does, without a run around it."""
-    actor = LearnerActor.__new__(LearnerActor)
-    actor.spec = GRPOLearner(model_path=folder, lr=lr, device=device)
-    actor.device = torch.device(device)
-    actor.model = load_model(folder).to(device)  # fp32, train mode: the learner's own loader
-    actor.optimizer = torch.optim.AdamW(actor.model.parameters(), lr=lr)
-    actor.scheduler = torch.optim.lr_scheduler.LambdaLR(actor.optimizer, lambda _: 1.0)
-    actor.reference = None
-    return actor
+def learner_on(folder: Path, device: str, lr: float) -> PolicyTrainer:
+    """The learner's trainer as its actor makes it (fp32 weights, the learner's own loader), constant lr."""
+    trainer = PolicyTrainer(GRPOLearner(model_path=folder, lr=lr, device=device), steps=1 << 30)
+    trainer.schedule(0)
+    return trainer
 
 
 def check_learner_and_deltas(folder: Path, device: str, batch: int, vocab: int, steps: int) -> dict:
@@ -138,7 +134,7 @@ def check_learner_and_deltas(folder: Path, device: str, batch: int, vocab: int, 
                 torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
             with torch.autocast(device_type=actor.device.type, dtype=torch.bfloat16):
-                info = actor._step(batches)
+                info = actor.step(batches)
             sync(device)
             learner["step_s"].append(round(time.perf_counter() - t0, 4))
             version += 1
@@ -148,7 +144,7 @@ def check_learner_and_deltas(folder: Path, device: str, batch: int, vocab: int, 
     return {"learner": learner, "sparse": sparse}
 
 
-def send(planner: Planner, actor: LearnerActor, version: int, slots: Slots) -> dict:
+def send(planner: Planner, actor: PolicyTrainer, version: int, slots: Slots) -> dict:
     """Stage `version`, diff it against the newest version a slot holds, rebuild it (verified) in the
     slot that is not live, then make that one live."""
     target = 1 - slots.live

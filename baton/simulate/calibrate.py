@@ -12,12 +12,7 @@ from baton.config import ConfigError
 from baton.schema import default_of
 from baton.simulate.costs import RAY_HOP_S, MeasuredCosts
 from stages.learner import GRPOLearner
-
-
-def _read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+from stages.runfiles import read_generation, read_jsonl
 
 
 def steady_window(records: list[dict], warmup: int) -> tuple[list[dict], dict | None]:
@@ -66,11 +61,11 @@ def calibrate(run_dir: str | Path, warmup: int = 10, learners: int = 1) -> Calib
 
     Store gets: the learner's `load_s` / `loads` when recorded, else assumed equal to a put per group."""
     run = Path(run_dir)
-    records = _read_jsonl(run / "metrics.jsonl")
+    records = read_jsonl(run / "metrics.jsonl")
     if len(records) < 4:
         raise ConfigError(f"--calibrate {run}: needs a run folder with metrics.jsonl of at least 4 versions "
                           f"(found {len(records)}); run `baton run CONFIG` first")
-    calls = _read_jsonl(run / "generation.jsonl")
+    calls = read_generation(run)
     if not calls:
         raise ConfigError(f"--calibrate {run}: no generation.jsonl (engine-call timings): it is written by runs "
                           "of this version of baton; run the config again")

@@ -4,14 +4,21 @@ An engine turns token prompts into completions and reports, for every generated 
 behaviour logprob and the weight version that produced it. It receives new weights through a
 weight transport (`receive_weights`) and promises to apply a version whole or not at all, only
 between decode steps: a completion's tokens each carry the version that really produced them.
+
+Lifecycle: the rollout stage hands each engine the run's part in it (`attach(EngineRun)`) before
+`start`; `stop` fails whatever is still in flight with `EngineError`. A new engine kind passes
+`tests/contracts/engine_contract.py` by adding itself to that module's list.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import numpy as np
+
+from pipeline.contracts import VersionPolicy
 
 
 @dataclass(frozen=True)
@@ -35,12 +42,30 @@ class EngineError(RuntimeError):
     """The engine failed to generate; the request may be retried elsewhere."""
 
 
+@dataclass(frozen=True)
+class EngineRun:
+    """What a run hands each of its engines (`Engine.attach`) before starting it."""
+
+    policy: VersionPolicy | None = None  # asked what a request in flight does when new weights arrive
+    log_dir: Path | None = None  # where the engine writes logs of its own (a server's output)
+
+
 @runtime_checkable
 class Engine(Protocol):
     name: str
+    stats: dict[str, float]  # the engine's own counters (each generation record carries them)
 
     @property
-    def version(self) -> int: ...
+    def version(self) -> int:
+        """The weight version the engine generates with now."""
+        ...
+
+    @property
+    def load(self) -> int:
+        """Requests queued or generating (new episodes go to the least loaded engine)."""
+        ...
+
+    def attach(self, run: EngineRun) -> None: ...
 
     async def start(self) -> None: ...
 

@@ -19,13 +19,12 @@ from __future__ import annotations
 import math
 import os
 import signal
-from typing import Any
 
 import anyio
 
 from pipeline.faults import FaultPlan, InjectedFault
 from pipeline.telemetry import get_logger
-from stages.engines.base import Completion, EngineError, SamplingParams
+from stages.engines.base import Completion, Engine, EngineError, EngineRun, SamplingParams
 
 
 class EngineCrashed(EngineError, InjectedFault):
@@ -39,9 +38,9 @@ class EngineTimeout(EngineError):
 
 
 class FaultyEngine:
-    """`engine` with the plan's engine faults in `generate`; everything else is the engine's."""
+    """`engine` with the plan's engine faults in `generate`; every other member of `Engine` is the engine's."""
 
-    def __init__(self, engine: Any, plan: FaultPlan) -> None:
+    def __init__(self, engine: Engine, plan: FaultPlan) -> None:
         self.engine = engine
         self._crash = plan.schedule("engine.crash", engine.name)
         self._hang = plan.schedule("engine.hang", engine.name)
@@ -62,16 +61,24 @@ class FaultyEngine:
                 hung.set()
             raise
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.engine, name)
-
     @property
     def name(self) -> str:
         return self.engine.name
 
     @property
+    def stats(self) -> dict[str, float]:
+        return self.engine.stats
+
+    @property
     def version(self) -> int:
         return self.engine.version
+
+    @property
+    def load(self) -> int:
+        return self.engine.load
+
+    def attach(self, run: EngineRun) -> None:
+        self.engine.attach(run)
 
     async def start(self) -> None:
         await self.engine.start()
@@ -103,7 +110,7 @@ class FaultyEngine:
         return completions
 
 
-def with_engine_faults(engine: Any, plan: FaultPlan | None) -> Any:
+def with_engine_faults(engine: Engine, plan: FaultPlan | None) -> Engine:
     """`engine` wrapped in a FaultyEngine when `plan` has an engine fault, else `engine` itself."""
     if plan is None or not plan.planned("engine."):
         return engine

@@ -22,11 +22,8 @@ a running one by `url`; it speaks HTTP only and never imports sglang.
 
 from __future__ import annotations
 
-import base64
-import io
 import itertools
 import os
-import shutil
 import tempfile
 import time
 import uuid
@@ -41,12 +38,10 @@ import torch
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from pipeline.events import report_event
-from pipeline.net import free_port
-from stages.engines.base import Completion, EngineError, SamplingParams
+from stages.engines.base import Completion, EngineError, EngineRun, SamplingParams
 from stages.engines.sglang_server import ServerFailed, SGLangServer
-from stages.weights.groups import pair_group
+from stages.engines.sglang_update import UPDATE_PATHS, ServerUpdate
 
-UPDATE_PATHS = ("tensor", "distributed", "disk")
 MAX_ROUNDS = 8  # generate() gives up on requests aborted (or lost to a dead server) this many times in a row
 PAUSE_MODES = ("in_place", "retract")
 
@@ -74,8 +69,8 @@ class SGLangEngine:
     pause_mode: str = "in_place"
     max_restarts: int = 3
     request_timeout_s: float = 600.0
-    log_dir: str | Path | None = None
-    policy: Any = None  # the run's staleness policy (its `interrupt`); set by the rollout stage
+    log_dir: str | Path | None = None  # the server's log and engine events go here (`attach`: the run folder)
+    policy: Any = None  # the run's staleness policy (its `interrupt`), from `attach`
     stats: dict = field(default_factory=lambda: {"restarts": 0, "regenerated": 0, "interrupted": 0, "updates": 0})
 
     def __post_init__(self) -> None:
@@ -91,8 +86,7 @@ class SGLangEngine:
         self._inflight: dict[str, int] = {}  # rid -> oldest version it may have tokens from
         self._update_lock: anyio.Lock | None = None
         self._restart_lock: anyio.Lock | None = None
-        self._group: Any = None  # torch process group for update = "distributed"
-        self._weights_dir: Path | None = None
+        self._updater = ServerUpdate(self.name, Path(self.model_path), self._call)
         self._expected: dict[str, tuple[int, ...]] | None = None
         self._rids = itertools.count()
         self._last_abort = ""
@@ -101,6 +95,17 @@ class SGLangEngine:
     @property
     def version(self) -> int:
         return self._version
+
+    @property
+    def load(self) -> int:
+        """Requests this engine has in flight on its server."""
+        return len(self._inflight)
+
+    def attach(self, run: EngineRun) -> None:
+        """The run's staleness policy answers for requests in flight; the server logs to the run folder."""
+        self.policy = run.policy
+        if run.log_dir is not None:
+            self.log_dir = run.log_dir
 
     @property
     def base_url(self) -> str | None:
@@ -151,17 +156,13 @@ class SGLangEngine:
             raise
 
     async def stop(self) -> None:
-        if self._group is not None:
-            await self._destroy_group()
+        await self._updater.close(server_up=self._http is not None)
         if self._http is not None:
             await self._http.close()
             self._http = None
         if self._server is not None:
             await anyio.to_thread.run_sync(self._server.stop)
             self._server = None
-        if self._weights_dir is not None:
-            shutil.rmtree(self._weights_dir, ignore_errors=True)
-            self._weights_dir = None
 
     # -- generation ----------------------------------------------------------------------------
     async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
@@ -302,86 +303,11 @@ class SGLangEngine:
             await self._call("POST", "/continue_generation", {})
 
     async def _update(self, version: int, tensors: dict[str, torch.Tensor], flush_cache: bool = True) -> None:
-        tag = str(version)
-        await self._call("POST", "/begin_weight_update", {})
-        try:
-            if self.update == "tensor":
-                await self._call("POST", "/update_weights_from_tensor", {
-                    "serialized_named_tensors": [_serialize_shared(tensors)],
-                    "flush_cache": False, "weight_version": tag,
-                })
-            elif self.update == "distributed":
-                await self._update_distributed(tensors, tag)
-            else:
-                path = await anyio.to_thread.run_sync(self._write_version, version, tensors)
-                await self._call("POST", "/update_weights_from_disk", {
-                    "model_path": str(path), "flush_cache": False, "weight_version": tag,
-                })
-        finally:
-            await self._call("POST", "/end_weight_update", {})
+        await self._updater.apply(version, tensors, self.update)
         self._version = version
         self.stats["updates"] += 1
         if flush_cache:  # KV computed by older weights must not serve new requests' prefixes
             await self._call("POST", "/flush_cache", {}, check=False)
-
-    async def _update_distributed(self, tensors: dict[str, torch.Tensor], tag: str) -> None:
-        if self._group is None:
-            await self._init_group("nccl" if next(iter(tensors.values())).is_cuda else "gloo")
-        names = list(tensors)
-        body = {
-            "names": names, "dtypes": [str(tensors[n].dtype).removeprefix("torch.") for n in names],
-            "shapes": [list(tensors[n].shape) for n in names], "group_name": self._group_name,
-            "flush_cache": False, "weight_version": tag,
-        }
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(self._call, "POST", "/update_weights_from_distributed", body)
-            group = self._group
-
-            def broadcast() -> None:
-                for n in names:
-                    torch.distributed.broadcast(tensors[n].contiguous(), src=0, group=group)
-
-            await anyio.to_thread.run_sync(broadcast)
-
-    async def _init_group(self, backend: str) -> None:
-        port = free_port()
-        self._group_name = f"baton-{self.name}-{uuid.uuid4().hex[:6]}"
-        body = {
-            "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
-            "group_name": self._group_name, "backend": backend,
-        }
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(self._call, "POST", "/init_weights_update_group", body)
-            self._group = await anyio.to_thread.run_sync(pair_group, port, self._group_name, 0, backend)
-
-    async def _destroy_group(self) -> None:
-        group, self._group = self._group, None
-        if self._http is not None:
-            await self._call("POST", "/destroy_weights_update_group", {"group_name": self._group_name}, check=False)
-        try:
-            torch.distributed.destroy_process_group(group)
-        except Exception:  # noqa: BLE001 - the server side may already be gone
-            pass
-
-    def _write_version(self, version: int, tensors: dict[str, torch.Tensor]) -> Path:
-        """safetensors of `version` in a fresh folder (the previous one is removed once replaced)."""
-        from safetensors.torch import save_file
-
-        if self._weights_dir is None:
-            self._weights_dir = Path(tempfile.mkdtemp(prefix=f"baton-{self.name}-weights-"))
-        folder = self._weights_dir / f"v{version:08d}"
-        folder.mkdir(parents=True, exist_ok=True)
-        shutil.copy(Path(self.model_path) / "config.json", folder / "config.json")
-        unique, seen = {}, set()
-        for n, t in tensors.items():  # tied weights (lm_head = embed_tokens) are stored once
-            if t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
-                unique[n] = t.detach().cpu().contiguous()
-        save_file(unique, folder / "model.safetensors")
-        for old in self._weights_dir.iterdir():
-            if old != folder and old.name < folder.name:
-                shutil.rmtree(old, ignore_errors=True)
-        return folder
 
     # -- HTTP and recovery ---------------------------------------------------------------------
     async def _call(self, method: str, path: str, body: dict | None = None, check: bool = True) -> Any:
@@ -427,7 +353,7 @@ class SGLangEngine:
                 raise EngineError(f"engine {self.name}: server died again after {self.max_restarts} restarts")
             self.stats["restarts"] += 1
             report_event(self.log_dir, "engine.restarted", engine=self.name, restart=self.stats["restarts"])
-            self._group = None  # the old server's end of the group is gone
+            self._updater.server_restarted()
             t0 = time.perf_counter()
             try:
                 await self._server.start()
@@ -450,19 +376,3 @@ def _checkpoint_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
     if not shapes:
         raise EngineError(f"no *.safetensors weights in {folder}")
     return shapes
-
-
-def _serialize_shared(tensors: dict[str, torch.Tensor]) -> str:
-    """SGLang's `update_weights_from_tensor` payload: the named tensors as shared-memory handles.
-
-    This is SGLang's own same-host protocol (a ForkingPickler of shared-memory handles, base64),
-    used only towards a server on this machine; the bytes are handles, not the weights. On CPU the
-    `file_system` sharing strategy is required (the default kills SGLang's scheduler).
-    """
-    from multiprocessing.reduction import ForkingPickler
-
-    torch.multiprocessing.set_sharing_strategy("file_system")
-    named = [(name, t.detach().contiguous()) for name, t in tensors.items()]
-    buffer = io.BytesIO()
-    ForkingPickler(buffer).dump(named)
-    return base64.b64encode(buffer.getvalue()).decode()

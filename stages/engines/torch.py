@@ -36,9 +36,9 @@ import anyio
 import torch
 from transformers import Qwen2ForCausalLM
 
-from stages.engines.base import Completion, EngineError, SamplingParams
+from stages.data.model import load_model
+from stages.engines.base import Completion, EngineError, EngineRun, SamplingParams
 from stages.engines.torch_batch import Batch, Call, Request, Sampling
-from stages.model import load_model
 
 CALL_SEED_STRIDE = 1_000_003  # call n's stream is seeded with seed + n * stride (call 0: the engine's seed)
 
@@ -69,7 +69,7 @@ class TorchEngine:
         self._weights_lock = threading.Lock()  # a swap never happens inside a forward pass
         self._calls = 0  # generate calls so far: call n samples from its own stream, seeded from (seed, n)
         self.busy_s = 0.0
-        self.policy = None  # the run's staleness policy (its `interrupt`); set by the rollout stage
+        self.policy = None  # the run's staleness policy (its `interrupt`), from `attach`
         self.stats = {"interrupted": 0, "prefills": 0, "decode_steps": 0}  # forward passes of each kind
 
     @property
@@ -80,6 +80,10 @@ class TorchEngine:
     def load(self) -> int:
         """Requests queued or decoding (the rollout sends a new episode to the least loaded engine)."""
         return len(self._queue) + self._running
+
+    def attach(self, run: EngineRun) -> None:
+        """The run's staleness policy decides which running requests restart on new weights."""
+        self.policy = run.policy
 
     def __getstate__(self) -> dict:
         """What another process needs to make this engine there: its path, name, seed and settings."""

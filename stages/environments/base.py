@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from stages.tasks import Prompt
+from stages.data.tasks import Prompt
 
 Message = dict[str, Any]  # an OpenAI/chat-template message: {"role": ..., "content": ..., ...}
 

@@ -5,7 +5,7 @@ the math example's data (tools/make_math_example.py). The model may call
 `calculator(expression)` any number of times; each result comes back as a `tool` message (a bad
 expression or a malformed call as "error: ..."). The episode ends when the model answers without a
 tool call, scored by `reward` (a built-in reward's name or "pkg.module:function", as in
-`stages.rewards`; default math_verify) on the answer's text without markup, or after `max_turns`.
+`stages.data.rewards`; default math_verify) on the answer's text without markup, or after `max_turns`.
 
 The expression is evaluated from its syntax tree, never with eval: integers, + - * /, unary signs and
 parentheses only, exact (fractions), every intermediate value at most `MAX_MAGNITUDE` in size.
@@ -17,10 +17,10 @@ import ast
 import operator
 from fractions import Fraction
 
+from stages.data.rewards import RewardFunction, Sample
+from stages.data.tasks import Prompt
 from stages.environments.base import Message, ModelTurn, Step, Tool
 from stages.environments.tool_env import ToolEnvironment, ToolError
-from stages.rewards import RewardFunction, Sample
-from stages.tasks import Prompt
 
 MAX_EXPRESSION = 200  # characters
 MAX_MAGNITUDE = 10**15  # largest |numerator| and denominator of any value along the way

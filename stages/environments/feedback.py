@@ -1,6 +1,6 @@
 """`DigitFeedback`: the digit-reversal task with feedback after each attempt, for the tiny demo model.
 
-The sample is a `stages.tasks.ReverseDigits` prompt (`"1234>"`, answer `"4321"`); its plain text is the
+The sample is a `stages.data.tasks.ReverseDigits` prompt (`"1234>"`, answer `"4321"`); its plain text is the
 first turn (the tiny model has no chat template: use `PlainRenderer`). After a wrong attempt the
 environment replies with one character per answer position, then `>`: the right digit where the
 attempt was wrong or missing, `right` (default "=") where it was right. With answer 4321, attempt
@@ -8,7 +8,7 @@ attempt was wrong or missing, `right` (default "=") where it was right. With ans
 attempt or the feedback. That is easy for attention, unlike the first turn's reversal: with turns of
 `digits` tokens (cut by length, so each reply starts with the stop token), the digit the model writes
 next sits a fixed distance back in both, `digits` tokens in the feedback and `2 * digits + 1` in the
-last attempt, whatever its index. Every character is in `stages.model.ALPHABET`.
+last attempt, whatever its index. Every character is in `stages.data.model.ALPHABET`.
 
 With `show="answer"` the reply is the whole answer instead (`4321>`): a later turn copies it.
 
@@ -21,8 +21,8 @@ the same episode (how much a later turn fixed), and at the end "score" and "turn
 
 from __future__ import annotations
 
+from stages.data.tasks import Prompt, positional_credit
 from stages.environments.base import Message, ModelTurn, Step, Tool
-from stages.tasks import Prompt, positional_credit
 
 
 def feedback(answer: str, attempt: str, right: str = "=") -> str:

@@ -12,7 +12,7 @@ the two kinds of appended ids and reads the model's turns (`turn`):
   new messages' markup and the next generation prompt, nothing the template puts before the
   conversation (such as a default system prompt).
 - `PlainRenderer`: a tokenizer without a chat template (the tiny digit model): message contents
-  concatenated, the first prompt tokenized as `stages.model.prompt_token_ids` does (its BOS
+  concatenated, the first prompt tokenized as `stages.data.model.prompt_token_ids` does (its BOS
   included), replies without special tokens.
 
 Both keep one invariant at a turn boundary: the history always holds a stop token after a model
@@ -27,9 +27,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from stages.data.model import decode_many, stop_token_ids
 from stages.environments.base import Message, ModelTurn, Tool
 from stages.environments.tool_calls import parse_tool_calls, tools_prompt
-from stages.model import decode_many, stop_token_ids
 
 _MARK = "baton-renderer-probe"  # content of the fixed conversation's messages; never in real replies
 _BASE = [{"role": "user", "content": _MARK}, {"role": "assistant", "content": _MARK}]

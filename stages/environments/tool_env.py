@@ -18,8 +18,8 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+from stages.data.tasks import Prompt
 from stages.environments.base import Message, ModelTurn, Step, Tool, ToolCall
-from stages.tasks import Prompt
 
 
 class ToolError(Exception):

@@ -19,11 +19,11 @@ import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
+from stages.data.tasks import Prompt
 from stages.environments.tokens import EpisodeTokens
 from stages.gateway.errors import ApiError
 from stages.gateway.host import Host, OpenedEpisode, OverBudget
 from stages.gateway.transcript import ChatTranscript, TextTranscript
-from stages.tasks import Prompt
 
 
 @dataclass(frozen=True)

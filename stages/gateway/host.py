@@ -27,8 +27,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from stages.data.tasks import Prompt
 from stages.engines.base import Completion, Engine, SamplingParams
-from stages.tasks import Prompt
 
 if TYPE_CHECKING:
     from stages.environments.tokens import EpisodeTokens
@@ -92,7 +92,6 @@ class EngineHost:
         self._groups = itertools.count()
         self._engine_of: dict[str, int] = {}
         self._group_of: dict[str, int] = {}
-        self._in_flight = [0] * len(engines)
         self._slot_freed = asyncio.Condition()
         self.finished: dict[str, FinishedEpisode] = {}
         self.finish_calls: Counter[str] = Counter()
@@ -120,21 +119,16 @@ class EngineHost:
         return self._group
 
     def _least_loaded(self) -> int:
-        """The engine with the fewest requests (its own `load` where it reports one: it counts other
-        callers' too), then the fewest open episodes of this host."""
+        """The engine with the fewest requests (its own `load`: it counts other callers' too), then the
+        fewest open episodes of this host."""
         episodes = Counter(self._engine_of.values())
-        load = [getattr(engine, "load", self._in_flight[i]) for i, engine in enumerate(self.engines)]
-        return min(range(len(self.engines)), key=lambda i: (load[i], episodes[i]))
+        return min(range(len(self.engines)), key=lambda i: (self.engines[i].load, episodes[i]))
 
     async def generate(self, episode_id: str | None, prompt_ids: list[int], params: SamplingParams) -> Completion:
         index = self._engine_of.get(episode_id, None) if episode_id is not None else None
         if index is None:
             index = self._least_loaded()
-        self._in_flight[index] += 1
-        try:
-            (completion,) = await self.engines[index].generate([list(prompt_ids)], params)
-        finally:
-            self._in_flight[index] -= 1
+        (completion,) = await self.engines[index].generate([list(prompt_ids)], params)
         return completion
 
     async def finish(self, episode_id: str, segments: list[EpisodeTokens], reward: float | None,

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from jinja2.exceptions import TemplateError
 
+from stages.data.model import prompt_token_ids, stop_token_ids
 from stages.engines.base import Completion, SamplingParams
 from stages.environments.base import Tool
 from stages.environments.tokens import EpisodeTokens
@@ -33,7 +34,6 @@ from stages.gateway.episodes import Episode, EpisodeBook, Limits, Segment
 from stages.gateway.errors import ApiError
 from stages.gateway.schema import ChatRequest, CompletionRequest, FunctionCall, Message, Sampling, ToolCallIn
 from stages.gateway.transcript import ChatTranscript, TextTranscript, as_dict, tool_key
-from stages.model import prompt_token_ids, stop_token_ids
 
 ROLES = {"system", "developer", "user", "assistant", "tool"}  # "developer" is rendered as "system"
 

@@ -30,7 +30,7 @@ PROCESS_LEVEL = ("engine.crash", "store.holder_crash", "store.master_restart", "
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory) -> str:
-    from stages.model import make_tiny_model
+    from stages.data.model import make_tiny_model
 
     return str(make_tiny_model(tmp_path_factory.mktemp("model") / "tiny"))
 

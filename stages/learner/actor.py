@@ -1,0 +1,197 @@
+"""`LearnerActor`: the consumer's loop. Refs in -> accepted groups -> one optimizer step per version.
+
+Each version:
+1. the collector (`BatchCollector`) takes the groups to train on from its replay window; the next
+   version's groups are received and loaded while this one computes, and judged once their version
+   is known;
+2. the trainer (`PolicyTrainer`) takes the step in a worker thread, so the engines decode meanwhile;
+3. the actor bumps the version, publishes the weights through the transport, advances the clock, and
+   only then marks the groups trained (at the version they were trained at). A group with uses left
+   (`max_reuse`) goes back into the window; a payload is freed only after its group's last use;
+4. every `checkpoint.every` versions, a checkpoint (pipeline.checkpoint): the run's state plus this
+   learner's model, optimizer and RNG states (stages.learner.state) and the refs it holds. A resumed
+   learner starts from those, publishes the checkpoint's weights to the engines before any
+   generation, and takes back the reusable groups of its window whose payloads still exist.
+
+Each metrics record carries what shows a collapse early: `entropy` (mask-averaged, of the step's last
+forward), `zero_var_frac` (groups whose rewards are all equal), `clip_frac_low` / `clip_frac_high`
+(tokens whose ratio lies below / above the clip range) and `lr`. When the entropy falls below
+`warn_entropy_below` while the trailing mean reward (last `warn_window` versions) is still below
+`warn_reward_below`, the run reports a `learner.entropy_collapse` event (once per run).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+
+from pipeline.actor import BaseActor
+from pipeline.channel import Channel
+from pipeline.checkpoint import CheckpointError
+from pipeline.context import RunContext
+from pipeline.events import EventCounts
+from pipeline.refs import HeldRef
+from policies.staleness import staleness
+from stages.learner.bias import step_outcomes
+from stages.learner.collector import BatchCollector
+from stages.learner.step import PolicyTrainer
+from stages.weights.base import WeightTransport
+from stages.weights.snapshot import save_snapshot, snapshot_key
+
+
+class LearnerActor(BaseActor):
+    name = "learner"
+
+    def __init__(
+        self, spec: Any, ctx: RunContext, inbox: Channel, transport: WeightTransport, snapshot_every: int = 0
+    ) -> None:
+        self.spec, self.ctx, self.transport = spec, ctx, transport
+        self.snapshot_every = snapshot_every
+        self.log = ctx.log("learner")
+        self.collector = BatchCollector(spec, ctx, inbox, self.name)
+        self.trainer: PolicyTrainer | None = None  # made in `start` (loading the model takes a while)
+        self._rewards: deque[float] = deque(maxlen=spec.warn_window)  # trailing step rewards
+        self._warned = False  # the entropy-collapse event is reported once per run
+        self._version = 0  # the version this learner's weights are at (kept by _train)
+        self._events = EventCounts(ctx.folder.path)  # run events (pipeline.events) so far, for the metrics
+
+    @property
+    def store(self) -> Any:
+        return self.ctx.services.store
+
+    async def start(self) -> None:
+        self.trainer = trainer = await anyio.to_thread.run_sync(PolicyTrainer, self.spec, self.ctx.steps)
+        version, resume = 0, self.ctx.resume
+        if resume is not None:
+            version = await anyio.to_thread.run_sync(trainer.read_state, resume.consumer_dir)
+            if version != resume.version:
+                raise CheckpointError(f"checkpoint {resume.checkpoint}: learner state of version {version}, "
+                                      f"run state of version {resume.version}")
+            kept = await self.collector.restore(resume.reusable, version)
+            self.log.info("learner restored", version=version, checkpoint=str(resume.checkpoint), reusable_groups=kept)
+        trainer.schedule(version)
+        # every engine starts from exactly the learner's weights of the run's first version (0 or the checkpoint's)
+        await self._publish(version)
+        if resume is not None and self.snapshot_every:  # replaces a snapshot of a rolled-back version
+            await save_snapshot(self.store, snapshot_key(self.ctx.run, self.ctx.folder.path.name), version,
+                                trainer.weights())
+
+    def held_refs(self) -> list[HeldRef]:
+        """The refs this learner holds between steps (what a checkpoint records of it)."""
+        return self.collector.held_refs()
+
+    def write_state(self, folder: Path) -> None:
+        """The learner's part of a checkpoint (stages.learner.state); called between steps, in a worker thread."""
+        assert self.trainer is not None
+        self.trainer.write_state(folder, self._version)
+
+    def status(self) -> str:
+        """A line for hang reports: what the learner holds and waits for."""
+        return (
+            f"learner: version {self._version}, window {len(self.collector.window)}/{self.spec.groups_per_step} "
+            f"groups, {len(self.collector.fetched)} loaded and not yet judged"
+        )
+
+    async def stop(self) -> None:
+        await self.transport.close()
+
+    async def run(self) -> None:
+        async with anyio.create_task_group() as frees:
+            self.collector.frees = frees
+            await self._train()
+        self.collector.frees = None
+
+    async def _train(self) -> None:
+        ctx, collector = self.ctx, self.collector
+        t_start, trained_samples = time.perf_counter(), 0
+        version = self._version = await ctx.clock.current()  # the learner is the clock's only writer
+        last = time.perf_counter()
+        while version < ctx.steps:
+            ctx.note(self.name, f"collecting {self.spec.groups_per_step} groups for version {version + 1}")
+            taken = await collector.collect(version)
+            ctx.note(self.name, f"training version {version + 1} on {len(taken)} groups")
+            refs, batches = [t.item[0] for t in taken], [t.item[1] for t in taken]
+            t0 = time.perf_counter()
+            stale = [staleness(version, r.version) for r in refs]
+            async with anyio.create_task_group() as tg:
+                if version + 1 < ctx.steps:  # fetch the next step's groups while this one computes
+                    tg.start_soon(collector.prefetch, version)
+                stats = await anyio.to_thread.run_sync(self.trainer.step, batches, float(np.mean(stale)))
+                tg.cancel_scope.cancel()  # a prefetch still waiting for groups must not hold up the version
+            step_s = time.perf_counter() - t0
+            push_s, pushed = await self._publish(version + 1)
+            await self._advance(version + 1, refs)
+            settled = await ctx.ledger.take_settled()  # trained now, and dropped since the last step
+            await collector.release(taken, version)
+            trained_samples += sum(r.rows for r in refs)
+            load_s, loads = collector.take_load_counts()
+            ctx.folder.log_metrics({
+                "version": version + 1,
+                "t": round(time.time() - ctx.started_at, 3),
+                "staleness_mean": round(float(np.mean(stale)), 3),
+                "staleness_max": int(max(stale)),
+                "staleness_hist": stale,
+                "outcomes": step_outcomes(settled),
+                "groups_reused": sum(t.reused for t in taken),  # trained before, trained again now
+                "groups_filtered": collector.filtered,  # refused for equal rewards while collecting this step
+                "filtered_frac": round(collector.filtered / collector.examined, 4) if collector.examined else 0.0,
+                "samples_per_s": round(trained_samples / (time.perf_counter() - t_start), 1),
+                "step_s": round(step_s, 4),  # compute (forward, backward, optimizer)
+                "collect_s": round(t0 - last, 4),  # waiting for and loading accepted groups
+                "push_s": round(push_s, 4),  # publishing the new version's weights to the engines
+                "weights": pushed,  # the transport's counters (stages.weights.base.STATS) for this version
+                "load_s": round(load_s, 4), "loads": loads,  # store gets since the last record
+                "tokens": int(sum(b.tokens for b in batches)),  # prompt + response tokens trained on
+                "version_s": round(time.perf_counter() - last, 4),  # this version, end to end
+                **stats,
+                **{f"events/{kind}": n for kind, n in self._events.update().items()},  # pipeline.events
+            })
+            self._watch_collapse(version + 1, stats["reward"], stats["entropy"])
+            last, version = time.perf_counter(), version + 1
+            await self._checkpoint_if_due(version)
+
+    async def _advance(self, version: int, refs: list) -> None:
+        """The new version is published: snapshot it when due, advance the run's clock, and only then mark
+        the groups trained (at the version they were trained at, `version - 1`)."""
+        ctx = self.ctx
+        if self.snapshot_every and version % self.snapshot_every == 0:
+            key = snapshot_key(ctx.run, ctx.folder.path.name)
+            await save_snapshot(self.store, key, version, self.trainer.weights())
+        await ctx.clock.advance_to(version)
+        await ctx.ledger.trained([i for ref in refs for i in ref.item_ids], at_version=version - 1)
+        self._version = version
+
+    async def _checkpoint_if_due(self, version: int) -> None:
+        ctx = self.ctx
+        ctx.note(self.name, f"trained version {version}")
+        if ctx.checkpoint is not None and ctx.checkpoint.due(version):
+            written = await ctx.checkpoint.save(version, self)
+            ctx.note(self.name, f"checkpoint of version {version} {'written' if written else 'skipped'}")
+
+    async def _publish(self, version: int) -> tuple[float, dict[str, float]]:
+        """Publish `version`'s weights: the seconds it took and the transport's counters for it. Refusals
+        and unreachable engines the transport handled are reported as run events (`weights.refused`,
+        `weights.unreachable`)."""
+        started, before = time.perf_counter(), dict(self.transport.stats)
+        await self.transport.publish(version, self.trainer.weights())
+        counted = {k: round(v - before.get(k, 0), 4) for k, v in self.transport.stats.items()}
+        for key in ("refused", "unreachable"):
+            if counted.get(key):
+                self.ctx.event(f"weights.{key}", count=int(counted[key]), version=version)
+        return time.perf_counter() - started, counted
+
+    def _watch_collapse(self, version: int, reward: float, entropy: float) -> None:
+        """Report `learner.entropy_collapse` (once) when entropy is below its floor while the trailing
+        reward is still low: the policy stopped exploring before it learned the task."""
+        spec = self.spec
+        self._rewards.append(reward)
+        trailing = float(np.mean(self._rewards))
+        if not self._warned and entropy < spec.warn_entropy_below and trailing < spec.warn_reward_below:
+            self._warned = True
+            self.ctx.event("learner.entropy_collapse", version=version, entropy=round(entropy, 4),
+                           trailing_reward=round(trailing, 4))

@@ -1,0 +1,133 @@
+"""`GRPOLearner`: the consumer stage as the DSL and the config build it. It makes one actor, the learner.
+
+The actor (`stages.learner.actor.LearnerActor`) collects each version's groups (collector.py), trains
+on them (step.py: `PolicyTrainer`), publishes the new weights through the transport and checkpoints;
+what the run shows of it comes from report.py. Nothing here imports `stages.rollout`: the two halves
+meet only through refs, the ledger and the run folder (`stages.runfiles`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline.channel import Channel
+from pipeline.context import RunContext
+from pipeline.faults import plan_of
+from pipeline.telemetry import Panel
+from policies.correction import Correction
+from policies.selection import Fifo, Selection
+from stages.learner import report
+from stages.learner.actor import LearnerActor
+from stages.learner.losses import (
+    AGGREGATIONS,
+    ENTROPY_SCOPES,
+    LR_DECAYS,
+    EntropyScope,
+    LossAggregation,
+    LrDecay,
+)
+from stages.weights import make_transport
+from stages.weights.base import WeightTransport
+from stages.weights.faulty import with_weight_faults
+
+
+@dataclass
+class GRPOLearner:
+    """The DSL/config object: `GRPOLearner(model_path, lr=4e-4, groups_per_step=16)`. The defaults are the
+    learning defaults measured in docs/results.md, "Learning defaults" (every built-in task at every seed
+    tried)."""
+
+    model_path: str | Path
+    lr: float = 4e-4  # 1.5e-3 learns reverse-digits sooner but locks addition (docs/results.md)
+    groups_per_step: int = 16  # groups trained per version (one optimizer step)
+    clip_eps: float = 0.2  # PPO clip, low side (and the high side unless clip_eps_high is set)
+    clip_eps_high: float | None = 0.28  # PPO clip, high side (DAPO's clip-higher); None: clip_eps
+    loss_agg_mode: LossAggregation = "token-mean"  # stages.losses.aggregate
+    loss_max_tokens: int | None = None  # seq-mean-token-sum-norm's constant divisor; None: the batch's width
+    norm_adv_by_std: bool = False  # False: Dr. GRPO advantages (r - group mean, no std scaling)
+    entropy_coef: float = 0.01  # entropy bonus: loss -= coef x aggregated entropy
+    entropy_scope: EntropyScope = "all"  # "zero-variance": the bonus counts only rows of groups without signal
+    kl_coef: float = 0.0  # k3 KL penalty to the initial weights (kept in memory only when > 0)
+    lr_warmup_steps: int = 0  # linear warmup over this many versions
+    lr_decay: LrDecay = "constant"  # after warmup: constant, linear or cosine to min_lr_ratio x lr at the last step
+    min_lr_ratio: float = 0.0
+    # the staleness lr was chosen at: a staler step's lr x ((this + 1) / (staleness + 1)) ** lr_staleness_power
+    lr_tuned_staleness: float = 5.0  # with lr 4e-4: a staleness-8 step takes 0.44 x lr (README "Learning defaults")
+    lr_staleness_power: float = 2.0  # 0: the same lr at every staleness
+    warn_entropy_below: float = 0.05  # a learner.entropy_collapse event when entropy falls below this ...
+    warn_reward_below: float = 0.5  # ... while the trailing mean reward is below this
+    warn_window: int = 20  # versions in the trailing reward
+    replays_ride_along: bool = False  # reuse: replays train on top of groups_per_step new groups, not in their place
+    max_grad_norm: float = 1.0
+    weight_decay: float = 0.0
+    epochs: int = 1  # optimizer passes over each step's batch (PPO epochs)
+    temperature: float = 1.0
+    weights: str | WeightTransport = "inproc"
+    snapshot_every: int = 1  # keep every n-th version in the store for engine processes that (re)start; 0: never
+    device: str = "auto"  # "auto": cuda when a GPU is visible, else cpu
+    correction: Correction = Correction()  # off-policy correction of the loss (policies.correction)
+    selection: Selection = Fifo()  # which groups a step trains on, reuse, zero-signal filter (policies.selection)
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"learner.lr must be > 0, got {self.lr}")
+        if self.groups_per_step < 1:
+            raise ValueError(f"learner.groups_per_step must be >= 1, got {self.groups_per_step}")
+        if self.epochs < 1:
+            raise ValueError(f"learner.epochs must be >= 1, got {self.epochs}")
+        if self.loss_agg_mode not in AGGREGATIONS:
+            raise ValueError(
+                f"learner.loss_agg_mode must be one of {', '.join(AGGREGATIONS)}, got {self.loss_agg_mode!r}"
+            )
+        if self.lr_decay not in LR_DECAYS:
+            raise ValueError(f"learner.lr_decay must be one of {', '.join(LR_DECAYS)}, got {self.lr_decay!r}")
+        if self.entropy_scope not in ENTROPY_SCOPES:
+            raise ValueError(f"learner.entropy_scope must be one of {', '.join(ENTROPY_SCOPES)}, "
+                             f"got {self.entropy_scope!r}")
+        if self.lr_tuned_staleness < 0:
+            raise ValueError(f"learner.lr_tuned_staleness must be >= 0, got {self.lr_tuned_staleness}")
+        if self.lr_staleness_power < 0:
+            raise ValueError(f"learner.lr_staleness_power must be >= 0, got {self.lr_staleness_power}")
+        if self.clip_eps_high is not None and self.clip_eps_high <= 0:
+            raise ValueError(f"learner.clip_eps_high must be > 0, got {self.clip_eps_high}")
+
+    @property
+    def units_per_version(self) -> int:
+        return self.groups_per_step
+
+    @property
+    def max_uses(self) -> int:
+        """Most times one sample is trained on (the run's ledger enforces it)."""
+        return self.selection.max_reuse
+
+    def actors(self, ctx: RunContext, inbox: Channel | None, outbox: Channel | None) -> list[LearnerActor]:
+        """The learner actor, subscribed to every engine: those of this process, and those of the producer
+        processes (Ray runtime) through their mailboxes."""
+        assert inbox is not None
+        transport = make_transport(self.weights) if isinstance(self.weights, str) else self.weights
+        transport = with_weight_faults(transport, plan_of(ctx))  # itself unless weights.push_fail is planned
+        for receiver in ctx.services.weight_receivers:  # engines in this process
+            transport.subscribe(receiver)
+        peers = ctx.services.producers
+        remote = [transport.remote_receiver(peer, f"producer-{i}") for i, peer in enumerate(peers)]
+        for receiver in remote:  # engines in other processes (Ray runtime)
+            transport.subscribe(receiver)
+        # a restarted producer process catches up from the latest version at once
+        ctx.services.on_producer_restart = lambda index: remote[index].resend()
+        # snapshots serve engine processes that (re)start; engines in this process never need one
+        snapshot_every = self.snapshot_every if remote else 0
+        actor = LearnerActor(self, ctx, inbox, transport, snapshot_every)
+        ctx.add_status(actor.status)
+        return [actor]
+
+    # -- what the pipeline shows and returns (stages.learner.report) ---------------------------------
+    def summary(self, records: list[dict], run_dir: Path | None = None) -> dict[str, Any]:
+        return report.summary(records, run_dir)
+
+    def progress(self, last: dict | None) -> dict[str, Any]:
+        return report.progress(last)
+
+    def report_panels(self, records: list[dict], run_dir: Path | None = None) -> list[Panel]:
+        return report.report_panels(records, run_dir)

@@ -1,0 +1,137 @@
+"""`Rollout`: the producer stage as the DSL and the config build it. It makes one worker per engine.
+
+A worker (`stages.rollout.worker.RolloutWorker`) generates episodes on its engine from the task's
+samples; in gateway mode (`gateway` set) each is a `stages.rollout.gateway_worker.GatewayWorker`,
+whose episodes come from agents outside, through the OpenAI API. Either way a group becomes a payload
+in the run's store and a Ref sent downstream (docs/architecture.md, "One sample, from prompt to trained").
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from pipeline.channel import Channel
+from pipeline.context import RunContext
+from pipeline.faults import FaultPlanError, plan_of
+from stages.data.model import ModelFolderError, load_tokenizer, stop_token_ids
+from stages.data.rewards import RewardFunction, task_reward
+from stages.data.tasks import DataTask, Task
+from stages.engines.base import Engine, EngineRun, SamplingParams
+from stages.engines.faulty import with_engine_faults
+from stages.environments import environment_class, make_environment
+from stages.environments.render import renderer_for
+from stages.rollout.episode import EpisodeLimits, EpisodeSetup
+from stages.rollout.evaluation import Evaluation
+from stages.rollout.gateway_worker import GatewaySettings, GatewayWorker, RolloutHost
+from stages.rollout.worker import RolloutWorker
+from stages.weights import engine_mailboxes
+
+
+@dataclass
+class Rollout:
+    """The DSL/config object: `Rollout(task, [TorchEngine(model)], tokenizer=model, group_size=8)`.
+
+    `tokenizer` is a tokenizer object or the model folder to load it from; generation stops at its
+    EOS and at generation_config.json's `eos_token_id`s. `reward` scores single-turn completions: a
+    `stages.data.rewards.RewardFunction`, a callable or a "pkg.module:function" path; None: the task's
+    `reward_function` if it has one, else its own `reward(prompt, completion)`. A sample whose reward
+    fails is counted in `stats["reward_failed"]` by reason and gets what the reward's `on_error` says
+    (scored 0, or its group dropped). `environment` makes episodes multi-turn: a name or
+    "pkg.module:Class" of `stages.environments` (with `environment_options`), or a callable that
+    returns a fresh `Environment`; its rewards replace the reward function. `limits` bound each
+    episode (turns, tokens, timeouts). Payloads go to the store the run's buffer stage owns.
+    """
+
+    task: Task
+    engines: list[Engine]
+    tokenizer: Any
+    group_size: int = 8  # episodes per sample: a GRPO group, scored against its own mean
+    batch_groups: int = 16  # groups' worth of episodes in flight per engine
+    temperature: float = 1.0
+    top_p: float = 1.0
+    request_timeout_s: float | None = None  # an engine call not answered by then is an EngineTimeout; None: wait
+    max_regenerations: int = 5  # attempts at work that failed (engine call, put) before the run fails
+    reward: Any = None
+    evaluation: Evaluation | None = None  # generate an eval split every few versions (stages.rollout.evaluation)
+    environment: Any = None
+    environment_options: dict[str, Any] = field(default_factory=dict)
+    limits: EpisodeLimits = field(default_factory=EpisodeLimits)
+    gateway: GatewaySettings | None = None  # serve the OpenAI API; episodes come from its agents
+    engine_sync_s: float = 30.0  # at most this long a new group waits for its engine to reach the admitting version
+    stats: dict = field(default_factory=lambda: {"groups": 0, "gen_s": 0.0, "tokens": 0, "regenerated": {}})
+
+    def __post_init__(self) -> None:
+        if self.group_size < 2:
+            raise ValueError(f"rollout.group_size must be >= 2 (GRPO needs a group), got {self.group_size}")
+        if self.batch_groups < 1:
+            raise ValueError(f"rollout.batch_groups must be >= 1, got {self.batch_groups}")
+        if not self.engines:
+            raise ValueError("rollout needs at least one engine")
+        if self.request_timeout_s is not None and self.request_timeout_s <= 0:
+            raise ValueError(f"rollout.request_timeout_s must be > 0 (or unset), got {self.request_timeout_s}")
+        if isinstance(self.tokenizer, str | Path):
+            self.tokenizer = load_tokenizer(self.tokenizer)
+        data = self.task if isinstance(self.task, DataTask) else None
+        if data is not None and data.uses_chat and not self.tokenizer.chat_template:
+            raise ModelFolderError(f"task {self.task.name!r} gives chat prompts, and the tokenizer of "
+                                   f"{self.tokenizer.name_or_path!r} has no chat template; use a chat checkpoint "
+                                   "or plain prompts (task.chat = false)")
+        self.stop_token_ids = stop_token_ids(self.tokenizer)
+        if self.reward is None:
+            self.reward = data.reward_function if data is not None else task_reward(self.task)
+        elif not isinstance(self.reward, RewardFunction):
+            self.reward = RewardFunction(self.reward)
+        if isinstance(self.environment, str):
+            make_environment(self.environment, **self.environment_options)  # a bad name or option fails now
+        if self.limits.request_timeout_s is None and self.request_timeout_s is not None:
+            self.limits = replace(self.limits, request_timeout_s=self.request_timeout_s)
+
+    @property
+    def workers(self) -> int:
+        """One rollout worker per engine, in engine order (the Ray runtime gives each its own process)."""
+        return len(self.engines)
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(
+            max_new_tokens=self.task.max_new_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            stop_token_ids=self.stop_token_ids,
+        )
+
+    def episode_setup(self, policy: Any) -> EpisodeSetup:
+        """How this rollout's episodes run: chat rendering for chat tasks (else plain text), one
+        environment per episode (None: single-turn), sampling and limits, the staleness policy."""
+        chat = isinstance(self.task, DataTask) and self.task.uses_chat
+        renderer = renderer_for(self.tokenizer, chat, self.stop_token_ids)
+        environment = self.environment
+        if isinstance(environment, str):  # checked whole in __post_init__; here only the class is resolved
+            environment = functools.partial(environment_class(environment), **self.environment_options)
+        return EpisodeSetup(renderer, environment, self.sampling(), self.limits, policy)
+
+    def actors(self, ctx: RunContext, inbox: Channel | None, outbox: Channel | None) -> list[RolloutWorker]:
+        """One worker per engine of this process; in gateway mode the first hosts the process's gateway."""
+        assert outbox is not None
+        ctx.services.weight_receivers.extend(self.engines)
+        ctx.services.mailboxes.update(engine_mailboxes(self.engines))  # weights from other processes
+        for engine in self.engines:
+            engine.attach(EngineRun(policy=ctx.policy, log_dir=ctx.folder.path))
+        plan = plan_of(ctx)
+        if plan is not None and plan.planned("engine.hang") and self.limits.request_timeout_s is None:
+            raise FaultPlanError("fault engine.hang needs rollout.request_timeout_s (e.g. 30) to turn a hang into "
+                                 "an error; set it, or remove the fault")
+        kind = RolloutWorker if self.gateway is None else GatewayWorker
+        # engine faults wrap only what the worker calls; weight receivers keep the engine itself
+        workers = [kind(self, with_engine_faults(engine, plan), ctx.services.store, ctx, outbox,
+                        task=self._task_of(i), index=i) for i, engine in enumerate(self.engines)]
+        if self.gateway is not None:
+            workers[0].host = RolloutHost(workers)
+        return workers
+
+    def _task_of(self, worker: int) -> Task:
+        """Worker `worker`'s task: its own shard of a dataset (workers may live in other processes),
+        else the task itself."""
+        return self.task.shard(worker, len(self.engines)) if isinstance(self.task, DataTask) else self.task

@@ -1,0 +1,276 @@
+"""The rollout workers: one actor per engine (the Ray runtime gives each its own process).
+
+`ProducerWorker` is what every worker of the producer stage is to the run: it starts and stops its
+engine, catches up from the learner's weight snapshot, and tells a checkpoint what it holds. Where
+its groups come from is its subclass's loop: `RolloutWorker` (here) generates them from the task;
+`stages.rollout.gateway_worker.GatewayWorker` forms them from agents outside.
+
+`RolloutWorker.run` runs one coroutine per episode, with no batch barrier (docs/architecture.md,
+"The unit of work: an episode"):
+1. while it has room for another group (`batch_groups` groups' worth of episodes in flight), it waits
+   at the admission gate and takes as many group slots as the gate allows right now and it has room for;
+2. takes the prompts of groups to redo first, else new samples from the task (`PromptStream`);
+3. starts each group: `group_size` episode coroutines from one sample (`stages.rollout.episode`) on this
+   worker's engine, which batches whatever requests are pending. A finished episode frees its room at once;
+4. when a group's episodes are all over, `GroupMaker` scores and stores it, and the `GroupOutbox`
+   records and sends the groups of the process in batches.
+A group is recorded in the ledger as produced only once its payload is stored. An episode whose engine
+fails, or whose tokens grew too old to continue, starts again from its sample (counted); one whose
+environment fails is recorded as dropped with its reason; the run goes on.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from buffers.store import ObjectStore, StoreError
+from pipeline.actor import BaseActor
+from pipeline.channel import Channel
+from pipeline.checkpoint import RandomState
+from pipeline.context import RunContext
+from pipeline.faults import plan_of
+from pipeline.refs import HeldRef
+from stages.data.tasks import Prompt, Task
+from stages.engines.base import Engine, EngineError
+from stages.rollout.episode import (
+    Episode,
+    EpisodeFailed,
+    EpisodeSetup,
+    EpisodeStale,
+    first_messages,
+    run_episode,
+    run_single_turns,
+)
+from stages.rollout.evaluation import Evaluator
+from stages.rollout.groups import GroupMaker, count
+from stages.rollout.outbox import GroupOutbox
+from stages.rollout.prompts import PromptStream
+from stages.weights.snapshot import load_snapshot, snapshot_key
+
+if TYPE_CHECKING:
+    from stages.rollout.stage import Rollout
+
+
+class GroupsNotStored(StoreError):
+    """A group could not be stored (after the store's retries); the rollout worker generates it again."""
+
+
+class Room:
+    """Episodes a worker may have in flight: a new group starts only when `group_size` are free, and
+    each episode gives its place back the moment it ends."""
+
+    def __init__(self, episodes: int) -> None:
+        self.free = episodes
+        self._changed = anyio.Event()
+
+    async def wait_for(self, episodes: int) -> None:
+        while self.free < episodes:
+            await self._changed.wait()
+            self._changed = anyio.Event()
+
+    def take(self, episodes: int) -> None:
+        self.free -= episodes
+
+    def give_back(self, episodes: int) -> None:
+        self.free += episodes
+        self._changed.set()
+
+
+class ProducerWorker(BaseActor):
+    """One engine's worker, as the run and its checkpoints see it (see the module docstring)."""
+
+    def __init__(self, spec: Rollout, engine: Engine, store: ObjectStore, ctx: RunContext, outbox: Channel,
+                 task: Task | None = None, index: int = 0) -> None:
+        self.spec, self.engine, self.store, self.ctx = spec, engine, store, ctx
+        self.task = task if task is not None else spec.task
+        self.index = index  # the first worker (index 0) runs the evaluations
+        self.name = f"rollout:{engine.name}"
+        self.rng = ctx.rng(self.name)
+        self.log = ctx.log(self.name)
+        self.prompts = PromptStream(self.task, ctx, self.rng, spec.stats)
+        self.maker = GroupMaker(spec, engine, store, ctx, environment=spec.environment is not None)
+        self.groups = GroupOutbox(ctx, outbox, self.prompts.recorded, engine, spec.group_size)
+        self.room = Room(spec.batch_groups * spec.group_size)
+
+    async def start(self) -> None:
+        resume = self.ctx.resume
+        if resume is not None and (state := resume.rng_state(self.name)) is not None:
+            self.prompts.restore(state)  # the prompt stream goes on from the checkpoint
+        await self.engine.start()
+        # an engine that starts late (or restarts) catches up from the learner's latest snapshot
+        snapshot = await load_snapshot(self.store, snapshot_key(self.ctx.run, self.ctx.folder.path.name))
+        # never newer than the clock: a snapshot a crashed attempt wrote after the checkpoint was rolled back
+        if snapshot is not None and self.engine.version < snapshot[0] <= await self.ctx.clock.current():
+            await self.engine.receive_weights(*snapshot)
+            self.log.info("weights from snapshot", version=snapshot[0])
+
+    async def stop(self) -> None:
+        await self.engine.stop()
+
+    def held_refs(self) -> list[HeldRef]:
+        """Refs recorded as produced and not yet all sent on (a checkpoint re-uses them on resume)."""
+        return [HeldRef(ref=ref, holder=self.name) for ref in self.groups.sending]
+
+    def held_sources(self) -> list[bytes]:
+        """The encoded prompts admitted and not yet recorded as produced (a resumed run produces them)."""
+        return self.prompts.held_sources()
+
+    def rng_state(self) -> RandomState:
+        """Where this worker's prompt stream stands (a checkpoint keeps it; a resume goes on from it)."""
+        return self.prompts.state()
+
+    def recording(self) -> list[tuple[str, bytes]]:
+        """(group, source) of the groups whose `produced` record is on its way to the ledger: a checkpoint
+        owes them unless its ledger has them already (only a ledger in another process can be mid-call)."""
+        return list(self.groups.recording)
+
+    def redone(self, stat: str, event: str, error: BaseException) -> None:
+        """Count work generated again after `error`: a whole group (stat "regenerated", event
+        groups.regenerated) or one episode (stat "episodes_restarted", event episodes.restarted)."""
+        cause = type(error).__name__
+        count(self.spec.stats, stat, cause)
+        self.ctx.event(event, engine=self.engine.name, cause=cause, error=str(error))
+        plan = plan_of(self.ctx)
+        if plan is not None:  # the fault runner counts these (they never reached the ledger)
+            plan.record("regenerated", cause, self.name, groups=1)
+
+
+class RolloutWorker(ProducerWorker):
+    """Generates groups from its task on its engine (see the module docstring)."""
+
+    @functools.cached_property
+    def setup(self) -> EpisodeSetup:
+        return self.spec.episode_setup(self.ctx.policy)
+
+    @functools.cached_property
+    def evaluator(self) -> Evaluator | None:
+        """The run's evaluations, on the first worker only."""
+        evaluation = self.spec.evaluation
+        if evaluation is None or self.index != 0:
+            return None
+        return Evaluator(evaluation, self.spec, self.engine, self.ctx, self.maker.score)
+
+    async def run(self) -> None:
+        group_size = self.spec.group_size
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self.groups.run)
+            while True:
+                if self.evaluator is not None:
+                    await self.evaluator.run_if_due()
+                await self.room.wait_for(group_size)  # meanwhile the last note says what is generating
+                self.ctx.note(self.name, "waiting at the admission gate")
+                t_gate = anyio.current_time()
+                n = await self.ctx.gate.acquire_many(self.room.free // group_size)
+                admitted_at = await self.ctx.clock.current()
+                gate_s = anyio.current_time() - t_gate
+                for prompt in await self.prompts.next(n):
+                    tg.start_soon(self._group, self._admit(prompt), prompt, admitted_at, gate_s)
+                self.ctx.note(self.name, f"generating {n} groups ({n * group_size} episodes) on engine "
+                              f"{self.engine.name} at version {self.engine.version}")
+
+    async def produce(self, prompts: list[Prompt]) -> None:
+        """Run the groups of `prompts` (admitted already) through to the ledger and downstream; returns
+        once all are sent. (`run` does this continuously; tests and tools call it directly.)"""
+        async with anyio.create_task_group() as tg:
+            for prompt in prompts:
+                tg.start_soon(self._group, self._admit(prompt), prompt, self.engine.version)
+        await self.groups.flush()
+
+    def _admit(self, prompt: Prompt) -> int:
+        """Take room for the prompt's episodes and count it as generating; returns its admission number."""
+        self.room.take(self.spec.group_size)
+        return self.prompts.admit(prompt)
+
+    async def _group(self, admission: int, prompt: Prompt, admitted_at: int, gate_s: float = 0.0) -> None:
+        """Run one group to the outbox. Its engine first reaches the admitting version (so a group admitted
+        at version v never carries tokens older than v); a group that cannot be stored is generated again,
+        counted, up to `max_regenerations` times."""
+        await self._engine_at(admitted_at)
+        t0 = anyio.current_time()
+        for attempt in range(self.spec.max_regenerations + 1):
+            episodes = await self._episodes(prompt)
+            try:
+                finished = await self.maker.finish(prompt, episodes)
+                break
+            except StoreError as exc:
+                if attempt == self.spec.max_regenerations:
+                    raise
+                self.redone("regenerated", "groups.regenerated", exc)
+        finished.admission, finished.gate_s, finished.started = admission, gate_s, t0
+        self.groups.put(finished)
+
+    async def _engine_at(self, version: int) -> None:
+        deadline = anyio.current_time() + self.spec.engine_sync_s
+        while self.engine.version < version and anyio.current_time() < deadline:
+            await anyio.sleep(0.002)
+        if self.engine.version < version:
+            self.ctx.event("engine.behind", engine=self.engine.name, version=self.engine.version, admitted=version)
+
+    async def _episodes(self, prompt: Prompt) -> list[Episode | EpisodeFailed]:
+        """The group's episodes: one coroutine each with an environment; without one, the group's single
+        turns go to the engine as one call (`stages.rollout.episode.run_single_turns`)."""
+        size = self.spec.group_size
+        if self.setup.environment is None:
+            ids = self.setup.renderer.prompt_ids(first_messages(prompt))
+            try:
+                single = functools.partial(run_single_turns, self.engine, ids, self.setup, size)
+                return await self._attempts(single, whole_group=True)
+            except EpisodeFailed as failed:
+                return [failed] * size
+            finally:
+                self.room.give_back(size)
+        results: list[Episode | EpisodeFailed] = [EpisodeFailed("not run")] * size
+        rerun = list(range(size))
+        for attempt in range(self.spec.max_regenerations + 1):
+            async with anyio.create_task_group() as tg:
+                for i in rerun:
+                    tg.start_soon(self._episode, prompt, results, i)
+            if attempt == self.spec.max_regenerations or not (rerun := self._aged(results)):
+                break
+            self.room.take(len(rerun))  # the group's own episodes: they run before any new group
+        return results
+
+    def _aged(self, results: list[Episode | EpisodeFailed]) -> list[int]:
+        """The ended episodes the staleness policy would refuse to train already at the engine's version (a
+        straggler of their group kept them waiting): each starts again from its sample (counted), so under
+        pace admission the group is not generated only to be dropped as stale."""
+        policy, version = self.setup.policy, self.engine.version
+        aged = []
+        for i, result in enumerate(results):
+            span = result.tokens.version_span() if isinstance(result, Episode) else None
+            if policy is not None and span is not None and policy.accept(version, span[0]) != "train":
+                stale = EpisodeStale(f"episode from version {span[0]} ended too old for {version}")
+                self.redone("episodes_restarted", "episodes.restarted", stale)
+                aged.append(i)
+        return aged
+
+    async def _episode(self, prompt: Prompt, results: list, i: int) -> None:
+        """Episode `i` of a group into `results[i]`: an Episode, or EpisodeFailed (its environment failed)."""
+        try:
+            results[i] = await self._attempts(lambda: run_episode(self.engine, prompt, self.setup))
+        except EpisodeFailed as exc:
+            results[i] = exc
+        finally:
+            self.room.give_back(1)
+
+    async def _attempts(self, run: Any, whole_group: bool = False) -> Any:
+        """`await run()`, started again from its sample after an engine failure or a stale restart
+        (counted as a regenerated group, or a restarted episode); past `max_regenerations` attempts the
+        error ends the run. EpisodeFailed is counted."""
+        for attempt in range(self.spec.max_regenerations + 1):
+            try:
+                return await run()
+            except EpisodeFailed as exc:
+                count(self.spec.stats, "episodes_failed", exc.reason)
+                raise
+            except EngineError as exc:
+                if attempt == self.spec.max_regenerations:
+                    raise
+                if whole_group:
+                    self.redone("regenerated", "groups.regenerated", exc)
+                else:
+                    self.redone("episodes_restarted", "episodes.restarted", exc)
+        raise AssertionError("unreachable")

@@ -1,0 +1,71 @@
+"""A local Ray run is always its own: without ray.address baton starts a new cluster even when a head
+started by hand is running, or was stopped and left its address behind; with ray.address it joins that
+cluster; one that cannot be reached fails naming ray.address. The head runs on this machine, in a temp
+dir of its own (RAY_TMPDIR, so no other Ray user on the machine sees it), and is stopped by its pid."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from pipeline.net import free_port  # noqa: E402
+from pipeline.runtime.ray import RayRun  # noqa: E402
+from tests.helpers.ray_head import stop_head  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+def _start_head(tmp: Path, port: int) -> subprocess.Popen:
+    """A head on this machine's own address (the one Ray resolves 127.0.0.1 to when joining)."""
+    env = {**os.environ, "RAY_TMPDIR": str(tmp), "RAY_AUTH_MODE": "disabled"}
+    log = (tmp / "head.log").open("w")
+    head = subprocess.Popen(
+        [shutil.which("ray") or "ray", "start", "--head", "--block", f"--port={port}", "--num-cpus=1",
+         f"--node-ip-address={ray.util.get_node_ip_address()}",
+         "--include-dashboard=false", "--disable-usage-stats"],
+        stdout=log, stderr=subprocess.STDOUT, env=env,
+    )
+    deadline = time.monotonic() + 180
+    while "Ray runtime started" not in (tmp / "head.log").read_text():
+        assert head.poll() is None and time.monotonic() < deadline, (tmp / "head.log").read_text()[-2000:]
+        time.sleep(0.5)
+    return head
+
+
+def _cluster(address: str | None) -> tuple[str, float]:
+    """(GCS address, CPUs) of the cluster RayRun's start joins; disconnects again."""
+    RayRun(address=address)._start_ray(hosts_needed=3)
+    try:
+        return ray.get_runtime_context().gcs_address, ray.cluster_resources()["CPU"]
+    finally:
+        ray.shutdown()
+
+
+@pytest.mark.timeout(600)
+def test_local_runs_start_their_own_cluster_and_an_address_joins(monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))  # short: Ray's socket paths live under it
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    port = free_port()
+    head = _start_head(tmp, port)
+    try:
+        joined, head_cpus = _cluster(f"127.0.0.1:{port}")
+        assert joined.endswith(f":{port}") and head_cpus == 1
+        own, own_cpus = _cluster(None)  # a head runs, but no address is configured
+        assert not own.endswith(f":{port}") and own_cpus >= 3
+    finally:
+        stop_head(head, tmp)
+    assert (tmp / "ray" / "ray_current_cluster").exists()  # the dead head's address stays behind
+    own, own_cpus = _cluster(None)  # before: tried to join the dead cluster and failed
+    assert not own.endswith(f":{port}") and own_cpus >= 3
+    with pytest.raises(ConnectionError, match=r"ray\.address = 'no-such-host': could not join"):
+        _cluster("no-such-host")
+    shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,94 @@
+"""The gateway inside a run: `baton run` with `[gateway]` trains an agent written against the `openai`
+package (examples/openai_agent.py) on the real engine, with the run's gate, ledger and store."""
+
+from __future__ import annotations
+
+import json
+import stat
+from pathlib import Path
+from types import SimpleNamespace
+
+import anyio
+import pytest
+
+from stages.data.tasks import Prompt
+from stages.environments.tokens import EpisodeTokens
+from stages.gateway.host import OverBudget
+from stages.rollout import Room
+from stages.rollout.episode import Episode, EpisodeFailed
+from stages.rollout.gateway_worker import RolloutHost
+from tests.helpers.ledger_checks import check_ledger
+from tests.helpers.runs import baton_run
+from tools.make_math_example import make_math_data, make_qwen_like_model
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("crash", [False, pytest.param(True, marks=pytest.mark.long)], ids=["clean", "engine-crash"])
+def test_an_openai_agent_trains_through_the_gateway(tmp_path: Path, crash: bool) -> None:
+    model = make_qwen_like_model(tmp_path / "math-model", hidden_size=32, layers=1)
+    train, _ = make_math_data(tmp_path / "data", train=32, eval=8)
+    faults = ["faults=[{kind='engine.crash', at=[4, 9]}]"] if crash else []
+    s = baton_run(tmp_path, "agent-gateway.toml", "steps=3", f"model.path='{model}'", f"task.path='{train}'",
+                  "task.max_new_tokens=16", "gateway.agents=64", "learner.groups_per_step=8", *faults)
+    run_dir = Path(s["run_dir"])
+    assert s["version"] == 3 and s["ledger_balanced"]
+    assert s["samples"]["trained"] == 3 * 8 * 4  # 64 agents at once; the gate admits 24 groups of 4
+    served = json.loads((run_dir / "gateway-torch-0.json").read_text())
+    assert served["base_url"].startswith("http://127.0.0.1:")
+    token = Path(served["token_file"])
+    assert stat.S_IMODE(token.stat().st_mode) == 0o600 and len(token.read_text().strip()) >= 32
+    records = check_ledger(run_dir, bound=2)  # nothing trained twice, nothing lost uncounted
+    assert sum(r["fate"] == "trained" for r in records) == s["samples"]["trained"]
+    if crash:  # the agents heard 503 and resent (the openai client retries); each failure is a run event
+        assert s["events"]["gateway.engine_failed"] == 2
+
+
+class Gate:
+    def __init__(self, slots: int) -> None:
+        self.slots = slots
+
+    async def acquire_many(self, max_units: int) -> int:
+        while not self.slots:
+            await anyio.sleep(3600)
+        self.slots -= 1
+        return 1
+
+
+class Worker:
+    """What RolloutHost uses of a rollout worker."""
+
+    def __init__(self, name: str, free: int, gate: Gate) -> None:
+        self.engine = SimpleNamespace(name=name)
+        self.spec = SimpleNamespace(group_size=2, stop_token_ids=(0,))
+        self.room, self.ctx = Room(free), SimpleNamespace(gate=gate)
+        self.admitted, self.groups = 0, []
+        self.prompts = SimpleNamespace(next=self._next_prompts, admit=self._admit)
+
+    async def _next_prompts(self, n: int):
+        return [Prompt(text=f"q{self.admitted}", answer="1")]
+
+    def _admit(self, prompt) -> int:
+        self.admitted += 1
+        return self.admitted
+
+    async def finish_outside_group(self, admission, prompt, results) -> None:
+        self.groups.append((admission, prompt.text, results))
+
+
+@pytest.mark.anyio
+async def test_the_run_host_forms_groups_on_the_least_loaded_engine_and_refuses_over_budget() -> None:
+    gate = Gate(slots=2)
+    busy, idle = Worker("busy", 2, gate), Worker("idle", 8, gate)
+    host = RolloutHost([busy, idle])
+    first, second, third = await host.open(True), await host.open(True), await host.open(True)
+    assert first.group == second.group != third.group and first.sample == second.sample
+    assert first.id.startswith("idle.") and idle.room.free == 8 - 3, "new groups form on the engine with room"
+    await host.open(True)  # the fourth fills the second group; the gate has no third slot
+    with pytest.raises(OverBudget):
+        await host.open(False)
+    await host.finish(first.id, [EpisodeTokens([1, 2])], 1.0, None)
+    await host.finish(second.id, [], None, "reward timeout")
+    (admission, _, results), = idle.groups
+    assert admission == 1 and isinstance(results[0], Episode) and results[0].reward == 1.0
+    assert isinstance(results[1], EpisodeFailed) and results[1].reason == "reward timeout"
+    assert idle.room.free == 8 - 2, "finished episodes give their room back"

@@ -1,0 +1,24 @@
+"""tools/gpu_check.py, the device check, on the CPU with the tiny shape: the same code a lent GPU runs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_device_check_runs_on_cpu_and_its_deltas_rebuild_each_version(tmp_path: Path) -> None:
+    cmd = [sys.executable, "tools/gpu_check.py", "--shape", "tiny", "--device", "cpu", "--batch", "8",
+           "--new-tokens", "8", "--steps", "2", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "gpu-check.json").read_text())
+    assert result["engine"]["tokens"] == 8 * 8 and result["engine"]["version"] == 1
+    assert len(result["learner"]["step_s"]) == 4
+    sends = result["sparse"]["lr=1e-06"] + result["sparse"]["lr=1e-05"]
+    assert [s["base"] for s in sends] == [0, 1, 2, 3]  # each version a delta on the one before, verified
+    assert all(0 < s["changed_frac"] < 1 and s["bytes_vs_full"] < 1 for s in sends)
+    assert "skipped" in result["mooncake_cuda"]  # no CUDA here (nor, maybe, mooncake)
