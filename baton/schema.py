@@ -423,6 +423,16 @@ class GRPOSpec(Section):
                         "batch (PPO epochs)")
     device: str = Field(default_of(GRPOLearner, "device"), pattern=r"^(auto|cpu|cuda(:\d+)?)$",
                         description='"auto": cuda when a GPU is visible')
+    world_size: int = Field(default_of(GRPOLearner, "world_size"), ge=1, description="learner ranks: processes, "
+                            "one device each (a GPU each on CUDA), the model sharded over them with FSDP2; 1: one "
+                            "process, the whole model")
+    micro_batch_tokens: int | None = Field(default_of(GRPOLearner, "micro_batch_tokens"), ge=1, description="padded "
+                                           "tokens per forward/backward pass: each rank's rows are cut into micro-"
+                                           "batches within it and their gradients accumulated; unset: one pass")
+    activation_checkpointing: bool = Field(default_of(GRPOLearner, "activation_checkpointing"), description="recompute "
+                                           "activations in backward: less memory, about a third more compute")
+    rank_timeout_s: float = Field(default_of(GRPOLearner, "rank_timeout_s"), gt=0, description="a collective of "
+                                  "the learner's ranks not answered in this long fails the run")
 
 
 class MaxStalenessSpec(Section):
@@ -674,6 +684,24 @@ class RunConfig(Section):
             raise ValueError(
                 f"model.path = {self.model.path!r} holds no model (no config.json) and model.create = false; "
                 "set model.create = true to make a tiny one there, or point model.path at an HF checkpoint"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _learner_ranks_fit(self) -> RunConfig:
+        """On the local runtime every learner rank is a process on this machine, each with its own device:
+        a GPU each on CUDA, a core each on CPU."""
+        if not isinstance(self.learner, GRPOSpec) or self.learner.world_size == 1 or self.runtime != "local":
+            return self
+        import torch
+
+        cuda = self.learner.device.startswith("cuda") or (self.learner.device == "auto" and torch.cuda.is_available())
+        have, what = (torch.cuda.device_count(), "GPUs") if cuda else (os.cpu_count() or 1, "CPU cores")
+        if self.learner.world_size > have:
+            raise ValueError(
+                f"learner.world_size = {self.learner.world_size}, but this machine has {have} {what} and every "
+                f"learner rank needs one of its own; set learner.world_size to at most {have}, or use runtime = "
+                "'ray' on a cluster that has them"
             )
         return self
 

@@ -39,6 +39,7 @@ from pipeline.refs import HeldRef
 from policies.staleness import staleness
 from stages.learner.bias import step_outcomes
 from stages.learner.collector import BatchCollector
+from stages.learner.ranks import RankedTrainer, RankGroup
 from stages.learner.step import PolicyTrainer
 from stages.weights.base import WeightTransport
 from stages.weights.snapshot import save_snapshot, snapshot_key
@@ -54,7 +55,9 @@ class LearnerActor(BaseActor):
         self.snapshot_every = snapshot_every
         self.log = ctx.log("learner")
         self.collector = BatchCollector(spec, ctx, inbox, self.name)
-        self.trainer: PolicyTrainer | None = None  # made in `start` (loading the model takes a while)
+        self.trainer: PolicyTrainer | RankedTrainer | None = None  # made in `start` (loading takes a while)
+        self.ranks: RankGroup | None = None  # the other ranks, when world_size > 1 (stages.learner.ranks)
+        self._published: dict | None = None  # the weights of the version published last (its snapshot's)
         self._rewards: deque[float] = deque(maxlen=spec.warn_window)  # trailing step rewards
         self._warned = False  # the entropy-collapse event is reported once per run
         self._version = 0  # the version this learner's weights are at (kept by _train)
@@ -65,28 +68,53 @@ class LearnerActor(BaseActor):
         return self.ctx.services.store
 
     async def start(self) -> None:
-        self.trainer = trainer = await anyio.to_thread.run_sync(PolicyTrainer, self.spec, self.ctx.steps)
+        self.trainer = trainer = await self._make_trainer()
         version, resume = 0, self.ctx.resume
         if resume is not None:
-            version = await anyio.to_thread.run_sync(trainer.read_state, resume.consumer_dir)
+            version = await self._call(trainer.read_state, resume.consumer_dir)
             if version != resume.version:
                 raise CheckpointError(f"checkpoint {resume.checkpoint}: learner state of version {version}, "
                                       f"run state of version {resume.version}")
             kept = await self.collector.restore(resume.reusable, version)
             self.log.info("learner restored", version=version, checkpoint=str(resume.checkpoint), reusable_groups=kept)
-        trainer.schedule(version)
+        await self._call(trainer.schedule, version)
         # every engine starts from exactly the learner's weights of the run's first version (0 or the checkpoint's)
         await self._publish(version)
         if resume is not None and self.snapshot_every:  # replaces a snapshot of a rolled-back version
             await save_snapshot(self.store, snapshot_key(self.ctx.run, self.ctx.folder.path.name), version,
-                                trainer.weights())
+                                self._published)
+
+    async def _make_trainer(self) -> PolicyTrainer | RankedTrainer:
+        """The trainer: this process alone, or rank 0 of `world_size` ranks (their processes started here)."""
+        spec, steps = self.spec, self.ctx.steps
+        if spec.world_size == 1:
+            return await anyio.to_thread.run_sync(PolicyTrainer, spec, steps)
+        self.ranks = RankGroup(spec, steps)
+        self.ranks.spawn()  # from the event loop's thread: the followers die with this process
+        self.log.info("learner ranks started", world_size=spec.world_size,
+                      pids=[p.pid for p in self.ranks.processes])
+        await self._call(self.ranks.join, spec.device, spec.rank_timeout_s)
+        trainer = await self._call(PolicyTrainer, spec, steps, spec.world_size)
+        return RankedTrainer(trainer, self.ranks)
+
+    async def _call(self, fn: Any, *args: Any) -> Any:
+        """`fn(*args)` in a worker thread. With several ranks it may block in a collective a dead rank never
+        joins: then the run's cancellation abandons the thread rather than wait for it."""
+        return await anyio.to_thread.run_sync(fn, *args, abandon_on_cancel=self.ranks is not None)
+
+    async def _watch_ranks(self) -> None:
+        """Fail the learner as soon as one of its other ranks has exited (`LearnerRankFailed`)."""
+        while self.ranks is not None:
+            self.ranks.check()
+            await anyio.sleep(0.25)
 
     def held_refs(self) -> list[HeldRef]:
         """The refs this learner holds between steps (what a checkpoint records of it)."""
         return self.collector.held_refs()
 
     def write_state(self, folder: Path) -> None:
-        """The learner's part of a checkpoint (stages.learner.state); called between steps, in a worker thread."""
+        """The learner's part of a checkpoint (stages.learner.state); called between steps, in a worker thread.
+        Every rank writes its own shards into `folder`."""
         assert self.trainer is not None
         self.trainer.write_state(folder, self._version)
 
@@ -99,12 +127,18 @@ class LearnerActor(BaseActor):
 
     async def stop(self) -> None:
         await self.transport.close()
+        if self.ranks is not None:
+            await anyio.to_thread.run_sync(self.ranks.close)
 
     async def run(self) -> None:
-        async with anyio.create_task_group() as frees:
-            self.collector.frees = frees
-            await self._train()
-        self.collector.frees = None
+        async with anyio.create_task_group() as watch:
+            if self.ranks is not None:
+                watch.start_soon(self._watch_ranks)
+            async with anyio.create_task_group() as frees:  # payloads freed in the background
+                self.collector.frees = frees
+                await self._train()
+            self.collector.frees = None
+            watch.cancel_scope.cancel()
 
     async def _train(self) -> None:
         ctx, collector = self.ctx, self.collector
@@ -121,7 +155,7 @@ class LearnerActor(BaseActor):
             async with anyio.create_task_group() as tg:
                 if version + 1 < ctx.steps:  # fetch the next step's groups while this one computes
                     tg.start_soon(collector.prefetch, version)
-                stats = await anyio.to_thread.run_sync(self.trainer.step, batches, float(np.mean(stale)))
+                stats = await self._call(self.trainer.train, batches, float(np.mean(stale)))
                 tg.cancel_scope.cancel()  # a prefetch still waiting for groups must not hold up the version
             step_s = time.perf_counter() - t0
             push_s, pushed = await self._publish(version + 1)
@@ -161,7 +195,7 @@ class LearnerActor(BaseActor):
         ctx = self.ctx
         if self.snapshot_every and version % self.snapshot_every == 0:
             key = snapshot_key(ctx.run, ctx.folder.path.name)
-            await save_snapshot(self.store, key, version, self.trainer.weights())
+            await save_snapshot(self.store, key, version, self._published)
         await ctx.clock.advance_to(version)
         await ctx.ledger.trained([i for ref in refs for i in ref.item_ids], at_version=version - 1)
         self._version = version
@@ -178,7 +212,8 @@ class LearnerActor(BaseActor):
         and unreachable engines the transport handled are reported as run events (`weights.refused`,
         `weights.unreachable`)."""
         started, before = time.perf_counter(), dict(self.transport.stats)
-        await self.transport.publish(version, self.trainer.weights())
+        self._published = await self._call(self.trainer.weights)
+        await self.transport.publish(version, self._published)
         counted = {k: round(v - before.get(k, 0), 4) for k, v in self.transport.stats.items()}
         for key in ("refused", "unreachable"):
             if counted.get(key):

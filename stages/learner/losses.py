@@ -72,13 +72,16 @@ def entropy_bonus_rows(rewards: torch.Tensor, group_index: torch.Tensor, scope: 
 
 
 def aggregate(
-    per_token: torch.Tensor, mask: torch.Tensor, mode: LossAggregation = "token-mean", max_tokens: int | None = None
+    per_token: torch.Tensor, mask: torch.Tensor, mode: LossAggregation = "token-mean", max_tokens: int | None = None,
+    denominator: float | None = None,
 ) -> torch.Tensor:
     """One scalar from a per-token loss, by `mode` (see the module docstring). `max_tokens` is Dr. GRPO's
-    constant divisor; unset, it is the batch's width T."""
+    constant divisor; unset, it is the batch's width T. `denominator` replaces the count the mean divides
+    by (masked tokens for token-mean, rows with a masked token otherwise): a micro-batch or a rank's part
+    of a step divides by the whole step's count, so the parts' losses sum to the step's."""
     masked = per_token * mask
     if mode == "token-mean":
-        return masked.sum() / mask.sum().clamp(min=1)
+        return masked.sum() / (mask.sum().clamp(min=1) if denominator is None else max(denominator, 1.0))
     rows = (mask.sum(-1) > 0).float()
     if mode == "seq-mean-token-mean":
         per_row = masked.sum(-1) / mask.sum(-1).clamp(min=1)
@@ -86,7 +89,7 @@ def aggregate(
         per_row = masked.sum(-1) / float(max_tokens or per_token.shape[-1])
     else:
         raise ValueError(f"loss aggregation must be one of {', '.join(AGGREGATIONS)}, got {mode!r}")
-    return (per_row * rows).sum() / rows.sum().clamp(min=1)
+    return (per_row * rows).sum() / (rows.sum().clamp(min=1) if denominator is None else max(denominator, 1.0))
 
 
 def ppo_clip_loss(

@@ -67,6 +67,10 @@ class GRPOLearner:
     weights: str | WeightTransport = "inproc"
     snapshot_every: int = 1  # keep every n-th version in the store for engine processes that (re)start; 0: never
     device: str = "auto"  # "auto": cuda when a GPU is visible, else cpu
+    world_size: int = 1  # learner ranks (processes, one device each), the model sharded over them with FSDP2
+    micro_batch_tokens: int | None = None  # padded tokens per forward/backward pass (gradient accumulation)
+    activation_checkpointing: bool = False  # recompute activations in backward: less memory, ~1/3 more compute
+    rank_timeout_s: float = 300.0  # a collective no rank answers for this long fails the run
     correction: Correction = Correction()  # off-policy correction of the loss (policies.correction)
     selection: Selection = Fifo()  # which groups a step trains on, reuse, zero-signal filter (policies.selection)
 
@@ -90,6 +94,10 @@ class GRPOLearner:
             raise ValueError(f"learner.lr_tuned_staleness must be >= 0, got {self.lr_tuned_staleness}")
         if self.lr_staleness_power < 0:
             raise ValueError(f"learner.lr_staleness_power must be >= 0, got {self.lr_staleness_power}")
+        if self.world_size < 1:
+            raise ValueError(f"learner.world_size must be >= 1, got {self.world_size}")
+        if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
+            raise ValueError(f"learner.micro_batch_tokens must be >= 1 (or unset), got {self.micro_batch_tokens}")
         if self.clip_eps_high is not None and self.clip_eps_high <= 0:
             raise ValueError(f"learner.clip_eps_high must be > 0, got {self.clip_eps_high}")
 

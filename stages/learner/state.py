@@ -1,12 +1,14 @@
 """The learner's part of a checkpoint (pipeline.checkpoint writes the run's part around it).
 
 Files, in the checkpoint's `consumer/` folder; none is read back with pickle:
-* `model.safetensors`: the model's state dict (tied tensors are written once per name);
-* `optimizer.pt`: the optimizer's state dict (`torch.save`; read with `torch.load(weights_only=True)`,
-  which only rebuilds tensors and plain containers);
+* `shards/`: the model's and the optimizer's state, written by every rank with
+  torch.distributed.checkpoint (DCP): each rank writes its own shards and rank 0 the metadata, keyed
+  by parameter name, so a checkpoint written at one world size loads at another (2 -> 1, 1 -> 2);
 * `rng.safetensors`: torch's CPU (and each CUDA device's) generator state;
 * `learner.json` (msgspec): the version, Python's and numpy's global RNG states and the selection
   policy's RNG state (None for policies without one).
+Checkpoints written before 0.2 hold `model.safetensors` and `optimizer.pt` instead of `shards/`;
+they still load, at any world size.
 
 Restoring sets all of them back, so a resumed learner continues with the checkpoint's weights, moments
 and random streams.
@@ -15,20 +17,30 @@ and random streams.
 from __future__ import annotations
 
 import random
+import warnings
 from pathlib import Path
 
 import msgspec
 import numpy as np
 import safetensors.torch
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from pipeline.checkpoint import RandomState, python_random_state, random_state
 from policies.selection import Selection
 
-MODEL_FILE = "model.safetensors"
-OPTIMIZER_FILE = "optimizer.pt"
+SHARDS_DIR = "shards"
 RNG_FILE = "rng.safetensors"
 STATE_FILE = "learner.json"
+LEGACY_MODEL_FILE, LEGACY_OPTIMIZER_FILE = "model.safetensors", "optimizer.pt"  # before 0.2
 
 
 class NumpyRNG(msgspec.Struct, frozen=True):
@@ -44,58 +56,95 @@ class LearnerState(msgspec.Struct, kw_only=True):
     python_rng: RandomState
     numpy_rng: NumpyRNG
     selection_rng: RandomState | None = None
+    world_size: int = 1  # the ranks that wrote `shards/` (any world size reads them)
 
 
 def write_learner_state(
-    folder: Path, version: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, selection: Selection
+    folder: Path, version: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, selection: Selection,
+    sharded: bool = False,
 ) -> None:
-    """Write the learner's state for `version` into `folder` (see the module docstring)."""
-    tensors = {name: t.detach().to("cpu").clone().contiguous() for name, t in model.state_dict().items()}
-    safetensors.torch.save_file(tensors, str(folder / MODEL_FILE), metadata={"version": str(version)})
-    torch.save(optimizer.state_dict(), folder / OPTIMIZER_FILE)
+    """Write the learner's state for `version` into `folder` (see the module docstring). A `sharded` model's
+    every rank calls it (DCP's save is a collective of the default group); rank 0 writes the rest."""
+    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    with warnings.catch_warnings():  # one process: DCP says it assumes so
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.save(state, checkpoint_id=folder / SHARDS_DIR, no_dist=not sharded)
+    if sharded and dist.get_rank() != 0:
+        return
     rng = {"torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
-        for i, state in enumerate(torch.cuda.get_rng_state_all()):
-            rng[f"torch_cuda_{i}"] = state
+        for i, cuda in enumerate(torch.cuda.get_rng_state_all()):
+            rng[f"torch_cuda_{i}"] = cuda
     safetensors.torch.save_file(rng, str(folder / RNG_FILE))
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     selection_rng = selection.rng_state()
-    state = LearnerState(
+    learner = LearnerState(
         version=version,
         python_rng=random_state(random.getstate()),
         numpy_rng=NumpyRNG(str(kind), [int(k) for k in keys], int(pos), int(has_gauss), float(cached)),
         selection_rng=random_state(selection_rng) if selection_rng is not None else None,
+        world_size=dist.get_world_size() if sharded else 1,
     )
-    (folder / STATE_FILE).write_bytes(msgspec.json.encode(state))
+    (folder / STATE_FILE).write_bytes(msgspec.json.encode(learner))
 
 
 def read_learner_state(
-    folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, selection: Selection
+    folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, selection: Selection,
+    sharded: bool = False,
 ) -> int:
-    """Load what `write_learner_state` wrote into `model`, `optimizer`, the RNGs and `selection`; returns
-    the checkpoint's version."""
-    state = msgspec.json.decode((folder / STATE_FILE).read_bytes(), type=LearnerState)
-    device = next(model.parameters()).device
-    weights = safetensors.torch.load_file(str(folder / MODEL_FILE), device=str(device))
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    if missing or unexpected:
+    """Load what `write_learner_state` wrote (at any world size), or a pre-0.2 checkpoint, into `model`,
+    `optimizer`, the RNGs and `selection`; returns the checkpoint's version. A `sharded` model's every
+    rank calls it."""
+    learner = msgspec.json.decode((folder / STATE_FILE).read_bytes(), type=LearnerState)
+    try:
+        if (folder / SHARDS_DIR).is_dir():
+            _load_shards(folder / SHARDS_DIR, model, optimizer, sharded)
+        else:
+            _load_legacy(folder, model, optimizer)
+    except (RuntimeError, KeyError, ValueError) as exc:
         raise ValueError(
-            f"checkpoint {folder} does not fit the model: missing {sorted(missing)[:5]}, unexpected "
-            f"{sorted(unexpected)[:5]}; resume with the model the run was started with (model.path)"
-        )
-    optimizer.load_state_dict(torch.load(folder / OPTIMIZER_FILE, weights_only=True, map_location=device))
+            f"checkpoint {folder} does not fit the model ({type(exc).__name__}: {str(exc)[:300]}); resume with "
+            "the model the run was started with (model.path)"
+        ) from None
     rng = safetensors.torch.load_file(str(folder / RNG_FILE))
     torch.set_rng_state(rng["torch_cpu"])
     if torch.cuda.is_available():
         cuda = [rng[k] for k in sorted(rng) if k.startswith("torch_cuda_")]
-        if cuda:
+        if len(cuda) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all(cuda)
-    random.setstate(python_random_state(state.python_rng))
-    n = state.numpy_rng
+    random.setstate(python_random_state(learner.python_rng))
+    n = learner.numpy_rng
     np.random.set_state((n.kind, np.asarray(n.keys, dtype=np.uint32), n.pos, n.has_gauss, n.cached_gaussian))
-    if state.selection_rng is not None:
-        selection.set_rng_state(python_random_state(state.selection_rng))
-    return state.version
+    if learner.selection_rng is not None:
+        selection.set_rng_state(python_random_state(learner.selection_rng))
+    return learner.version
+
+
+def _load_shards(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, sharded: bool) -> None:
+    """DCP shards of any world size into this rank's part of the model and optimizer."""
+    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    with warnings.catch_warnings():  # one process: DCP says it assumes so
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=path, no_dist=not sharded)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+
+def _load_legacy(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """A pre-0.2 checkpoint: the whole model in safetensors, the optimizer's state dict keyed by parameter
+    index; every rank reads both whole and keeps its shards."""
+    weights = safetensors.torch.load_file(str(folder / LEGACY_MODEL_FILE))
+    full = StateDictOptions(full_state_dict=True, strict=False)
+    missing, unexpected = set_model_state_dict(model, weights, options=full)
+    if missing or unexpected:
+        raise ValueError(f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+    by_index = torch.load(folder / LEGACY_OPTIMIZER_FILE, weights_only=True, map_location="cpu")
+    names = [name for name, _ in model.named_parameters()]
+    by_name = {
+        "state": {names[i]: value for i, value in by_index["state"].items()},
+        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in by_index["param_groups"]],
+    }
+    set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
 
 
 __all__ = ["LearnerState", "read_learner_state", "write_learner_state"]

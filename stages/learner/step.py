@@ -1,15 +1,21 @@
-"""`PolicyTrainer`: the model, its optimizer and one version's optimizer step(s).
+"""`PolicyTrainer`: the model, its optimizer and one version's optimizer step(s), on one learner rank.
 
 A step on a list of decoded groups (`RolloutBatch`es):
 1. pads their rows into [rows, T] tensors (token ids, behaviour logprobs, loss mask, attention mask)
    and computes group-centred advantages (divided by the group's std with `norm_adv_by_std`);
-2. per PPO epoch: forward, the configured off-policy objective (`policies.correction`) against the
-   behaviour logprobs and the proximal policy (the weights at the step's start: epoch 0's forward),
-   aggregated over the loss mask as `loss_agg_mode` says, minus `entropy_coef` x entropy (of every row,
-   or only of the rows of groups without signal), plus `kl_coef` x the k3 KL to the initial weights;
-   clip gradients, take an AdamW step at the scheduled learning rate scaled for the batch's mean
-   staleness (`staleness_lr_factor`), and step the scheduler once per version.
-It returns the loss and the diagnostics the metrics record carries. The step is pure compute: it runs
+2. per PPO epoch, per micro-batch (rows within `micro_batch_tokens` padded tokens): forward, the
+   configured off-policy objective (`policies.correction`) against the behaviour logprobs and the
+   proximal policy (the weights at the step's start: epoch 0's forward), aggregated over the loss
+   mask as `loss_agg_mode` says, minus `entropy_coef` x entropy, plus `kl_coef` x the k3 KL to the
+   initial weights; backward. Then clip gradients, take an AdamW step at the scheduled learning rate
+   scaled for the batch's mean staleness (`staleness_lr_factor`); the scheduler steps once a version.
+
+Invariant: a step on N ranks is the step on one rank. Each rank trains whole groups (its share, split
+by tokens: `stages.learner.ranks`), and every aggregation divides by the step's global count
+(`StepPlan`: trained tokens or rows over all ranks, the longest row), so the ranks' gradients sum to
+the one-rank gradient; FSDP2 averages them over ranks, so each rank's loss is scaled by the world size
+for backward. Every rank runs the same number of forward/backward passes (`StepPlan.micro_batches`; a
+rank with less data runs empty ones), as FSDP's collectives require. The step is pure compute: it runs
 in a worker thread while the actor's event loop keeps receiving the next groups.
 """
 
@@ -19,11 +25,12 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 
 from buffers.codec import RolloutBatch
-from stages.data.model import load_model
+from stages.learner import sharding
 from stages.learner.losses import (
     aggregate,
     entropy_bonus_rows,
@@ -35,6 +42,16 @@ from stages.learner.losses import (
     zero_variance_fraction,
 )
 from stages.learner.state import read_learner_state, write_learner_state
+
+
+class StepPlan(msgspec.Struct, frozen=True):
+    """What every rank of one step must agree on (rank 0 computes it from all the step's groups)."""
+
+    mean_staleness: float
+    tokens: float  # trained (masked) tokens over every rank's rows
+    rows: float  # rows with a trained token, over every rank
+    width: int  # loss positions of the longest row over every rank (its tokens minus one)
+    micro_batches: int = 1  # forward/backward passes each rank runs per epoch
 
 
 def episode_metrics(batches: list[RolloutBatch]) -> dict[str, float]:
@@ -49,6 +66,15 @@ def episode_metrics(batches: list[RolloutBatch]) -> dict[str, float]:
         if np.isfinite(values).any():
             out[f"episode/{name[len('info/'):]}"] = round(float(np.nanmean(values)), 4)
     return out
+
+
+def group_figures(batches: list[RolloutBatch]) -> dict[str, float]:
+    """What a step's metrics say of its groups: the mean reward per group, the fraction of groups whose
+    rewards are all equal, and the episodes' numbers (`episode_metrics`)."""
+    rewards = torch.from_numpy(np.concatenate([b.row_fields["rewards"] for b in batches]).astype(np.float32))
+    group_index = torch.from_numpy(np.repeat(np.arange(len(batches)), [b.rows for b in batches]))
+    return {"reward": round(float(np.mean([b.row_fields["rewards"].mean() for b in batches])), 4),
+            "zero_var_frac": round(zero_variance_fraction(rewards, group_index), 4), **episode_metrics(batches)}
 
 
 def batch_tensors(batches: list[RolloutBatch]) -> tuple[torch.Tensor, ...]:
@@ -75,25 +101,58 @@ def batch_tensors(batches: list[RolloutBatch]) -> tuple[torch.Tensor, ...]:
     return ids, old, mask, attn, rewards, group_index
 
 
-def pick_device(device: str) -> torch.device:
-    """"auto": cuda when a GPU is visible, else cpu."""
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(device)
+def row_lengths(batches: list[RolloutBatch]) -> list[int]:
+    """Every row's token count, in `batch_tensors` order."""
+    return [int(n) for b in batches for n in np.diff(b.offsets)]
+
+
+def micro_batches(lengths: list[int], max_tokens: int | None) -> list[list[int]]:
+    """Consecutive rows cut into micro-batches whose padded size (rows x longest row) stays within
+    `max_tokens`; a row longer than that is a micro-batch alone. None: one micro-batch of every row."""
+    if not lengths:
+        return []
+    if max_tokens is None:
+        return [list(range(len(lengths)))]
+    batches, current, longest = [], [], 0
+    for i, n in enumerate(lengths):
+        if current and max(longest, n) * (len(current) + 1) > max_tokens:
+            batches.append(current)
+            current, longest = [], 0
+        current.append(i)
+        longest = max(longest, n)
+    return [*batches, current]
+
+
+def trained_positions(batches: list[RolloutBatch]) -> list[int]:
+    """Per row, how many of its tokens the loss trains: masked tokens after the first (the loss reads
+    positions 1.. of each row)."""
+    return [int(b.token_fields["loss_mask"][lo + 1:hi].sum()) for b in batches
+            for lo, hi in zip(b.offsets[:-1], b.offsets[1:], strict=True)]
+
+
+def plan_step(shares: list[list[RolloutBatch]], mean_staleness: float, max_tokens: int | None) -> StepPlan:
+    """The plan of a step whose rank r trains the groups `shares[r]` (see the module docstring)."""
+    trained = [n for share in shares for n in trained_positions(share)]
+    lengths = [row_lengths(share) for share in shares]
+    width = max((n for per_rank in lengths for n in per_rank), default=2) - 1
+    passes = max((len(micro_batches(per_rank, max_tokens)) for per_rank in lengths), default=1)
+    return StepPlan(mean_staleness, float(sum(trained)), float(sum(n > 0 for n in trained)), max(width, 1),
+                    max(passes, 1))
 
 
 class PolicyTrainer:
-    """The policy being trained, its optimizer and lr schedule (see the module docstring). `spec` is the
-    learner's config (`stages.learner.GRPOLearner`)."""
+    """The policy being trained on this rank, its optimizer and lr schedule (see the module docstring).
+    `spec` is the learner's config (`stages.learner.GRPOLearner`); `world_size` > 1 shards the model
+    with FSDP2 over the process group this rank has joined."""
 
-    def __init__(self, spec: Any, steps: int) -> None:
-        self.spec, self.steps = spec, steps
-        self.device = pick_device(spec.device)
-        self.model = load_model(spec.model_path).to(self.device)
+    def __init__(self, spec: Any, steps: int, world_size: int = 1) -> None:
+        self.spec, self.steps, self.world_size = spec, steps, world_size
+        self.device = sharding.pick_device(spec.device, world_size)
+        self.model = sharding.load_policy(spec.model_path, self.device, world_size, spec.activation_checkpointing)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
         self.reference: torch.nn.Module | None = None  # the initial weights, for the KL penalty (kl_coef > 0)
         if spec.kl_coef > 0:  # the model folder holds the initial weights, also on resume
-            self.reference = load_model(spec.model_path).to(self.device).requires_grad_(False)
+            self.reference = sharding.load_policy(spec.model_path, self.device, world_size).requires_grad_(False)
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
 
     def schedule(self, version: int) -> None:
@@ -105,61 +164,133 @@ class PolicyTrainer:
                                       spec.min_lr_ratio, start=version)
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """The weights to publish: the full state dict."""
-        return self.model.state_dict()
+        """The weights to publish: the live state dict on one rank; on several, every parameter gathered
+        whole, one at a time, to rank 0's host memory (a collective: every rank calls it; the others get {})."""
+        if self.world_size == 1:
+            return self.model.state_dict()
+        return sharding.full_weights(self.model)
 
     def write_state(self, folder: Path, version: int) -> None:
-        write_learner_state(folder, version, self.model, self.optimizer, self.spec.selection)
+        """This rank's part of a checkpoint (a collective with several ranks)."""
+        write_learner_state(folder, version, self.model, self.optimizer, self.spec.selection, self.world_size > 1)
 
     def read_state(self, folder: Path) -> int:
-        """Load a checkpoint's learner state; returns its version."""
-        return read_learner_state(folder, self.model, self.optimizer, self.spec.selection)
+        """Load a checkpoint's learner state, written at any world size; returns its version."""
+        return read_learner_state(folder, self.model, self.optimizer, self.spec.selection, self.world_size > 1)
 
-    def step(self, batches: list[RolloutBatch], mean_staleness: float = 0.0) -> dict[str, float]:
-        """One version's optimizer step(s) on `batches`; the loss and the diagnostics for the metrics."""
-        model, opt, spec = self.model, self.optimizer, self.spec
-        ids, old, mask, attn, rewards, group_index = batch_tensors(batches)
-        ids, old, mask, attn = (t.to(self.device) for t in (ids, old, mask, attn))
-        adv = group_advantages(rewards, group_index, scale_by_std=spec.norm_adv_by_std)[:, None].to(self.device)
-        reduce = partial(aggregate, mode=spec.loss_agg_mode, max_tokens=spec.loss_max_tokens)
-        m = mask[:, 1:]
-        reference = self._reference_logprobs(ids, attn) if self.reference is not None else None
-        bonus_rows = entropy_bonus_rows(rewards, group_index, spec.entropy_scope)[:, None].to(self.device)
-        proximal: torch.Tensor | None = None
-        lr_scale = staleness_lr_factor(mean_staleness, spec.lr_tuned_staleness, spec.lr_staleness_power)
+    def train(self, batches: list[RolloutBatch], mean_staleness: float = 0.0) -> dict[str, float]:
+        """One version's step on all of `batches` (this rank is the whole learner)."""
+        return self.step(batches, plan_step([batches], mean_staleness, self.spec.micro_batch_tokens))
+
+    def step(self, batches: list[RolloutBatch], plan: StepPlan | None = None) -> dict[str, float]:
+        """One version's optimizer step(s) on this rank's `batches`; the loss and the diagnostics for the
+        metrics (over every rank's rows)."""
+        plan = plan if plan is not None else plan_step([batches], 0.0, self.spec.micro_batch_tokens)
+        spec, opt = self.spec, self.optimizer
+        lr_scale = staleness_lr_factor(plan.mean_staleness, spec.lr_tuned_staleness, spec.lr_staleness_power)
         for group in opt.param_groups:  # the scheduler sets each step's lr afresh, so this lasts one step
             group["lr"] *= lr_scale
         lr = opt.param_groups[0]["lr"]
-        for epoch in range(spec.epochs):  # PPO epochs: later passes see ratios move away from 1, and clip
-            logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float() / spec.temperature
-            logp_all = torch.log_softmax(logits, -1)
-            logp = logp_all.gather(2, ids[:, 1:, None]).squeeze(-1)
-            if epoch == 0:  # the proximal policy: the weights at the step's start, before any update of them;
-                proximal = logp.detach()  # epoch 0's forward runs on exactly those, so it costs no extra forward
-            loss, info = spec.correction.loss(logp, old[:, 1:], proximal, adv, m, spec.clip_eps,
-                                              spec.clip_eps_high, reduce)
-            entropy = token_entropy(logp_all) if spec.entropy_coef > 0 else token_entropy(logp_all.detach())
-            if spec.entropy_coef > 0:
-                loss = loss - spec.entropy_coef * reduce(entropy * bonus_rows, m)
-            if reference is not None:
-                kl = reduce(kl_k3(logp, reference), m)
-                loss = loss + spec.kl_coef * kl
-                info["kl_ref"] = float(kl.detach())
+        rows = _Rows.of(batches, spec, self.device)
+        chunks = _padded(micro_batches(rows.lengths, spec.micro_batch_tokens), plan.micro_batches)
+        proximal: list[torch.Tensor | None] = [None] * len(chunks)
+        for _ in range(spec.epochs):  # PPO epochs: later passes see ratios move away from 1, and clip
             opt.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), spec.max_grad_norm)
+            totals = _Totals()
+            for i, chunk in enumerate(chunks):
+                proximal[i] = self._micro_step(rows, chunk, plan, proximal[i], totals)
+            grad_norm = sharding.clip_grad_norm(self.model, spec.max_grad_norm)
             opt.step()
         self.scheduler.step()
-        info["entropy"] = float((entropy.detach() * m).sum() / m.sum().clamp(min=1))
-        info["reward"] = round(float(np.mean([b.row_fields["rewards"].mean() for b in batches])), 4)  # per group
-        info["zero_var_frac"] = round(zero_variance_fraction(rewards, group_index), 4)
-        info["lr"] = lr
-        info["lr_staleness_factor"] = round(lr_scale, 4)
-        return {"loss": round(loss.item(), 5), "grad_norm": round(float(grad_norm), 4), **info,
-                **episode_metrics(batches)}
+        info = totals.result(plan.tokens, self.world_size)
+        info["lr"], info["lr_staleness_factor"] = lr, round(lr_scale, 4)
+        info["grad_norm"] = round(grad_norm, 4)
+        return {**info, **(group_figures(batches) if batches else {})}
 
-    def _reference_logprobs(self, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """Each token's logprob under the initial weights (the KL penalty's reference), without gradient."""
-        with torch.no_grad():
-            logits = self.reference(input_ids=ids, attention_mask=attn).logits[:, :-1].float() / self.spec.temperature
-            return torch.log_softmax(logits, -1).gather(2, ids[:, 1:, None]).squeeze(-1)
+    def _micro_step(self, rows: _Rows, chunk: list[int], plan: StepPlan, proximal: torch.Tensor | None,
+                    totals: _Totals) -> torch.Tensor:
+        """Forward and backward of one micro-batch (an empty `chunk` runs a masked dummy row); returns the
+        proximal logprobs of its rows (epoch 0's forward)."""
+        spec = self.spec
+        ids, old, mask, attn, adv, bonus = rows.take(chunk, self.device)
+        reduce = partial(aggregate, mode=spec.loss_agg_mode, max_tokens=spec.loss_max_tokens or plan.width,
+                         denominator=plan.tokens if spec.loss_agg_mode == "token-mean" else plan.rows)
+        m = mask[:, 1:]
+        logits = self.model(input_ids=ids, attention_mask=attn).logits[:, :-1].float() / spec.temperature
+        logp_all = torch.log_softmax(logits, -1)
+        logp = logp_all.gather(2, ids[:, 1:, None]).squeeze(-1)
+        proximal = logp.detach() if proximal is None else proximal  # the weights at the step's start
+        entropy = token_entropy(logp_all if spec.entropy_coef > 0 else logp_all.detach())
+        loss, info = spec.correction.loss(logp, old[:, 1:], proximal, adv, m, spec.clip_eps, spec.clip_eps_high,
+                                          reduce)
+        if spec.entropy_coef > 0:
+            loss = loss - spec.entropy_coef * reduce(entropy * bonus, m)
+        if self.reference is not None:
+            with torch.no_grad():
+                ref_logits = self.reference(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+                reference = torch.log_softmax(ref_logits / spec.temperature, -1).gather(2, ids[:, 1:, None]).squeeze(-1)
+            per_token = kl_k3(logp, reference)
+            loss = loss + spec.kl_coef * reduce(per_token, m)
+            info["kl_ref"] = float((per_token.detach() * m).sum() / m.sum().clamp(min=1))
+        (loss * self.world_size).backward()  # FSDP2 averages the ranks' gradients; they must sum
+        info["entropy"] = float((entropy.detach() * m).sum() / m.sum().clamp(min=1))
+        totals.add(float(loss.detach()), info, float(m.sum()))
+        return proximal
+
+
+class _Rows:
+    """One rank's rows of a step as tensors, and the advantage and entropy-bonus weight of each row."""
+
+    def __init__(self, ids, old, mask, attn, rewards, group_index, adv, bonus) -> None:
+        self.ids, self.old, self.mask, self.attn = ids, old, mask, attn
+        self.rewards, self.group_index, self.adv, self.bonus = rewards, group_index, adv, bonus
+        self.lengths = [int(n) for n in attn.sum(-1)]
+
+    @classmethod
+    def of(cls, batches: list[RolloutBatch], spec: Any, device: torch.device) -> _Rows:
+        if not batches:  # a rank without groups this step: one masked dummy row keeps the collectives in step
+            z = torch.zeros((0, 2))
+            return cls(z.long(), z, z, z.long(), torch.zeros(0), torch.zeros(0, dtype=torch.long),
+                       torch.zeros(0, 1), torch.zeros(0, 1))
+        ids, old, mask, attn, rewards, group_index = batch_tensors(batches)
+        adv = group_advantages(rewards, group_index, scale_by_std=spec.norm_adv_by_std)[:, None]
+        bonus = entropy_bonus_rows(rewards, group_index, spec.entropy_scope)[:, None]
+        return cls(ids, old, mask, attn, rewards, group_index, adv, bonus)
+
+    def take(self, chunk: list[int], device: torch.device) -> tuple[torch.Tensor, ...]:
+        """The rows `chunk`, cut to their longest row, on `device` (empty: one masked dummy row)."""
+        if not chunk:
+            one = torch.zeros((1, 2))
+            return tuple(t.to(device) for t in (one.long(), one, one, one.long() + 1, one[:, :1], one[:, :1]))
+        index = torch.tensor(chunk)
+        width = max(self.lengths[i] for i in chunk)
+        cut = (t[index, :width] for t in (self.ids, self.old, self.mask, self.attn))
+        return tuple(t.to(device) for t in (*cut, self.adv[index], self.bonus[index]))
+
+
+def _padded(chunks: list[list[int]], passes: int) -> list[list[int]]:
+    """`chunks` followed by empty ones up to `passes` (at least one pass)."""
+    return chunks + [[] for _ in range(max(passes, 1) - len(chunks))]
+
+
+class _Totals:
+    """A step's loss (summed: each micro-batch's is already divided by the global count) and diagnostics
+    (weighted by trained tokens), over micro-batches and then over ranks."""
+
+    def __init__(self) -> None:
+        self.loss, self.tokens = 0.0, 0.0
+        self.weighted: dict[str, float] = {}
+
+    def add(self, loss: float, info: dict[str, float], tokens: float) -> None:
+        self.loss += loss
+        self.tokens += tokens
+        for key, value in info.items():
+            self.weighted[key] = self.weighted.get(key, 0.0) + float(value) * tokens
+
+    def result(self, global_tokens: float, world_size: int) -> dict[str, float]:
+        keys = sorted(self.weighted)
+        values = [self.loss, self.tokens, *(self.weighted[k] for k in keys)]
+        if world_size > 1:
+            values = sharding.sum_over_ranks(values)
+        loss, tokens, *weighted = values
+        return {"loss": round(loss, 5), **{k: v / max(tokens, 1.0) for k, v in zip(keys, weighted, strict=True)}}

@@ -1,0 +1,227 @@
+"""A learner of several ranks: rank 0 is the stage the run talks to, the others follow its step.
+
+`RankGroup.start` spawns `world_size - 1` follower processes on this host (each on its own device:
+a GPU each on CUDA) and joins them in one `torch.distributed` group (gloo on CPU, NCCL on CUDA, plus a
+gloo group for control messages). `RankedTrainer` is rank 0's trainer: the same methods as a
+`PolicyTrainer`, each first telling the followers what to do (a command) and then doing its own part
+of the collective. Followers run `follow` until told to stop.
+
+Protocol, all over the control group, no pickle: a command is an int64 tensor [op, version, n] then n
+bytes (a path, or msgpack); a step sends every rank its share of the groups as codec-encoded batches
+(`buffers.codec`) and the `StepPlan` every rank must agree on. A step's groups are split across ranks
+by tokens (`split_by_tokens`: whole groups, the most tokens first to the least loaded rank).
+
+Failure: a follower that exits is seen by `RankGroup.check` (the learner actor polls it) and ends
+the run at once with `LearnerRankFailed`, naming the rank and its exit code; a collective that a dead
+rank never joins fails after `timeout_s` at the latest. Followers die with rank 0 (`die_with_parent`).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import struct
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from buffers.codec import RolloutBatch, decode, encode
+from pipeline.lifetime import die_with_parent
+from pipeline.net import free_port
+from stages.learner.step import PolicyTrainer, StepPlan, group_figures, plan_step, row_lengths
+
+STEP, WEIGHTS, SAVE, LOAD, SCHEDULE, STOP = range(6)
+
+
+class LearnerRankFailed(RuntimeError):
+    """A rank of the learner died or left its group; the message names the rank and how."""
+
+
+def split_by_tokens(tokens: list[int], ranks: int) -> list[list[int]]:
+    """Whole groups (by index) per rank, balancing tokens: the largest group first, each to the rank with
+    the fewest tokens so far (ties: the lowest rank). Pure and deterministic."""
+    shares: list[list[int]] = [[] for _ in range(ranks)]
+    load = [0] * ranks
+    for i in sorted(range(len(tokens)), key=lambda i: (-tokens[i], i)):
+        rank = min(range(ranks), key=lambda r: (load[r], r))
+        shares[rank].append(i)
+        load[rank] += tokens[i]
+    return [sorted(share) for share in shares]
+
+
+def _pack(batches: list[RolloutBatch]) -> bytes:
+    """Codec-encoded batches, each prefixed with its length."""
+    parts = [bytes(encode(b)) for b in batches]
+    return b"".join(struct.pack("<Q", len(p)) + p for p in parts)
+
+
+def _unpack(blob: bytes) -> list[RolloutBatch]:
+    batches, at = [], 0
+    while at < len(blob):
+        (n,) = struct.unpack_from("<Q", blob, at)
+        batches.append(decode(memoryview(blob)[at + 8 : at + 8 + n]))
+        at += 8 + n
+    return batches
+
+
+@dataclass
+class Channel:
+    """Control messages from rank 0 to the followers, over the control group (no pickle)."""
+
+    group: Any = None  # the gloo group (None: the default group, itself gloo)
+
+    def command(self, op: int, version: int = 0, data: bytes = b"") -> None:
+        header = torch.tensor([op, version, len(data)], dtype=torch.int64)
+        dist.broadcast(header, src=0, group=self.group)
+        if data:
+            dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), src=0, group=self.group)
+
+    def receive_command(self) -> tuple[int, int, bytes]:
+        header = torch.zeros(3, dtype=torch.int64)
+        dist.broadcast(header, src=0, group=self.group)
+        op, version, n = (int(x) for x in header)
+        data = torch.zeros(n, dtype=torch.uint8)
+        if n:
+            dist.broadcast(data, src=0, group=self.group)
+        return op, version, data.numpy().tobytes()
+
+    def scatter(self, parts: list[bytes]) -> None:
+        """Rank 0 sends `parts[r]` to rank r (r >= 1)."""
+        sizes = torch.tensor([len(p) for p in parts], dtype=torch.int64)
+        dist.broadcast(sizes, src=0, group=self.group)
+        for rank, part in enumerate(parts[1:], start=1):
+            if part:
+                dist.send(torch.frombuffer(bytearray(part), dtype=torch.uint8), dst=rank, group=self.group)
+
+    def receive_part(self, rank: int, world_size: int) -> bytes:
+        sizes = torch.zeros(world_size, dtype=torch.int64)
+        dist.broadcast(sizes, src=0, group=self.group)
+        data = torch.zeros(int(sizes[rank]), dtype=torch.uint8)
+        if len(data):
+            dist.recv(data, src=0, group=self.group)
+        return data.numpy().tobytes()
+
+
+def join_group(rank: int, world_size: int, port: int, device: str, timeout_s: float) -> Channel:
+    """Join the learner's process group (rank 0 hosts the rendezvous on 127.0.0.1:port)."""
+    backend = "nccl" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s))
+    return Channel(dist.new_group(backend="gloo") if backend == "nccl" else None)
+
+
+def follow(rank: int, world_size: int, port: int, spec: Any, steps: int) -> None:
+    """A follower rank's process: join the group, make the trainer, then do what rank 0 says."""
+    die_with_parent()
+    torch.set_num_threads(1)
+    channel = join_group(rank, world_size, port, spec.device, spec.rank_timeout_s)
+    trainer = PolicyTrainer(spec, steps, world_size)
+    while True:
+        op, version, data = channel.receive_command()
+        if op == STEP:
+            blob = channel.receive_part(rank, world_size)
+            plan = msgspec.msgpack.decode(data, type=StepPlan)
+            trainer.step(_unpack(blob), plan)
+        elif op == WEIGHTS:
+            trainer.weights()
+        elif op == SAVE:
+            trainer.write_state(Path(data.decode()), version)
+        elif op == LOAD:
+            trainer.read_state(Path(data.decode()))
+        elif op == SCHEDULE:
+            trainer.schedule(version)
+        elif op == STOP:
+            break
+    dist.destroy_process_group()
+
+
+class RankGroup:
+    """Rank 0's handle on the follower processes (see the module docstring)."""
+
+    def __init__(self, spec: Any, steps: int) -> None:
+        self.world_size = spec.world_size
+        self.port = free_port()
+        context = multiprocessing.get_context("spawn")
+        follower_spec = replace(spec, weights="inproc")  # a follower publishes nothing itself
+        self.processes = [
+            context.Process(target=follow, args=(rank, self.world_size, self.port, follower_spec, steps),
+                            name=f"learner-rank-{rank}", daemon=True)
+            for rank in range(1, self.world_size)
+        ]
+        self.channel: Channel | None = None
+        self.stopping = False
+
+    def spawn(self) -> None:
+        """Start the followers (from the event loop's thread: they die with it, see pipeline.lifetime)."""
+        for process in self.processes:
+            process.start()
+
+    def join(self, device: str, timeout_s: float) -> None:
+        """Join the group as rank 0 (blocks until every follower joined)."""
+        self.channel = join_group(0, self.world_size, self.port, device, timeout_s)
+
+    def check(self) -> None:
+        """Raise `LearnerRankFailed` when a follower process has exited while the learner still runs."""
+        for rank, process in enumerate(self.processes, start=1):
+            if process.exitcode is not None and not self.stopping:
+                raise LearnerRankFailed(f"learner rank {rank} (pid {process.pid}) exited with code "
+                                        f"{process.exitcode}; the learner's other ranks cannot step without it")
+
+    def close(self) -> None:
+        """Tell the followers to stop, leave the group, and end any follower that does not exit."""
+        self.stopping = True
+        if self.channel is not None and all(p.exitcode is None for p in self.processes):
+            try:
+                self.channel.command(STOP)
+            except RuntimeError:  # a follower already gone: the kill below ends the others
+                pass
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        for process in self.processes:
+            process.join(timeout=10)
+            if process.exitcode is None:
+                process.kill()
+                process.join()
+
+
+class RankedTrainer:
+    """Rank 0's trainer over the group: every call tells the followers, then does rank 0's part."""
+
+    def __init__(self, trainer: PolicyTrainer, group: RankGroup) -> None:
+        self.trainer, self.group = trainer, group
+        self.spec, self.device, self.model = trainer.spec, trainer.device, trainer.model
+
+    @property
+    def channel(self) -> Channel:
+        assert self.group.channel is not None
+        return self.group.channel
+
+    def schedule(self, version: int) -> None:
+        self.channel.command(SCHEDULE, version)
+        self.trainer.schedule(version)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        self.channel.command(WEIGHTS)
+        return self.trainer.weights()
+
+    def write_state(self, folder: Path, version: int) -> None:
+        self.channel.command(SAVE, version, str(folder).encode())
+        self.trainer.write_state(folder, version)
+
+    def read_state(self, folder: Path) -> int:
+        self.channel.command(LOAD, 0, str(folder).encode())
+        return self.trainer.read_state(folder)
+
+    def train(self, batches: list[RolloutBatch], mean_staleness: float = 0.0) -> dict[str, float]:
+        """Split the step's groups over the ranks by tokens, send each follower its share, step rank 0's;
+        the metrics are over every rank's rows (reward and group figures over all `batches`)."""
+        tokens = [sum(row_lengths([b])) for b in batches]
+        shares = [[batches[i] for i in share] for share in split_by_tokens(tokens, self.group.world_size)]
+        plan = plan_step(shares, mean_staleness, self.spec.micro_batch_tokens)
+        self.channel.command(STEP, 0, msgspec.msgpack.encode(plan))
+        self.channel.scatter([b"", *(_pack(share) for share in shares[1:])])
+        return {**self.trainer.step(shares[0], plan), **group_figures(batches)}
