@@ -81,7 +81,9 @@ def sglang_engine(spec: schema.SGLangEngineSpec, cfg: RunConfig, *, model: Path,
         dtype=spec.dtype if "dtype" in spec.model_fields_set else cfg.model.dtype, device=spec.device,
         threads=spec.threads, max_total_tokens=spec.max_total_tokens,
         extra_args=tuple(spec.extra_args), update=spec.update, pause_mode=spec.pause_mode,
-        max_restarts=spec.max_restarts, gpu_id=spec.base_gpu_id + index if spec.device == "cuda" else None,
+        max_restarts=spec.max_restarts,
+        # locally every engine sees every GPU; on Ray each process sees the one Ray gave it
+        gpu_id=spec.base_gpu_id + index if spec.device == "cuda" and cfg.runtime == "local" else None,
     )
 
 
@@ -224,6 +226,7 @@ def build_pipeline(cfg: RunConfig) -> Pipeline:
         produced_channel=(cfg.buffer.produced_channel, int(cfg.buffer.produced_bytes)),
         ready_channel=(cfg.buffer.ready_channel, int(cfg.buffer.ready_bytes)),
         progress=cfg.telemetry.progress, sinks=cfg.telemetry.sinks, ray_address=cfg.ray.address,
+        ray_placement_timeout_s=cfg.ray.placement_timeout_s,
         checkpoint_every=cfg.checkpoint.every, checkpoint_keep=cfg.checkpoint.keep,
         watchdog=WatchdogSettings(**cfg.watchdog.model_dump()),
         faults=make_faults(cfg), config_text=cfg.resolved_toml(),

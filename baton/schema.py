@@ -563,6 +563,8 @@ class WatchdogSpec(Section):
 
 class RaySpec(Section):
     address: str | None = Field(None, description="attach to this Ray cluster; default: start one on 127.0.0.1")
+    placement_timeout_s: float = Field(120.0, gt=0, description="an actor (or a learner's other ranks) the cluster "
+                                       "has not placed by then fails the run, naming what it asked for")
 
 
 class TelemetrySpec(Section):

@@ -14,6 +14,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from pipeline.lifetime import die_with_parent
 from pipeline.net import free_port
 
 
@@ -98,7 +99,9 @@ class MooncakeMaster:
             *self.extra_flags,
         ]
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
-        self.process = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+        # ends with this process, also when it is SIGKILLed (pipeline.lifetime)
+        self.process = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+                                        preexec_fn=die_with_parent)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

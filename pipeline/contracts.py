@@ -9,8 +9,11 @@ What the run offers each stage, through its `RunContext` (`pipeline.context`):
   `Clock`, `Gate`, `LedgerClient`, the `VersionPolicy`, channels, and this process's `Services`.
 What a stage offers the run:
   `Stage` (every stage), `Producer` (how many workers, each its own process on Ray), `Buffer` (opens
-  the run's object store), `Consumer` (ends the run, summarises it), and, per actor, `RefHolder`,
-  `CheckpointedProducer`, `CheckpointingConsumer` for checkpoint cuts.
+  the run's object store), `Consumer` (ends the run, summarises it), `Placed` (what each of its
+  processes needs: CPUs, GPUs), and, per actor, `RefHolder`, `CheckpointedProducer`,
+  `CheckpointingConsumer` for checkpoint cuts.
+A stage may start helper processes of its own (a sharded learner's other ranks) through
+`Services.start_helpers`: the runtime places them (local: this host; Ray: a placement group).
 """
 
 from __future__ import annotations
@@ -95,6 +98,32 @@ class LedgerClient(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class Resources:
+    """What one process of a stage asks the runtime for (the Ray runtime places the process by it)."""
+
+    cpus: float = 1.0
+    gpus: float = 0.0
+
+
+class Helper(Protocol):
+    """A process a stage started through `Services.start_helpers`."""
+
+    name: str
+
+    def exitcode(self) -> int | None:
+        """None while it runs; else how it ended (negative: the signal that killed it)."""
+        ...
+
+    def stop(self, timeout_s: float) -> None:
+        """Wait up to `timeout_s` for it to end by itself, then kill it."""
+        ...
+
+
+HelperStarter = Callable[[str, Callable[..., None], Sequence[tuple], Resources], list[Helper]]
+"""`start(name, fn, args_per_helper, resources)`: one process per args tuple, each running `fn(*args)`
+and each given `resources`, started together (all placed, or an error naming what could not be)."""
+
 Mailbox = Callable[[bytes, Any], Awaitable[bytes | None]]
 """A message handler a stage registers in its process: `await handler(header, blob)` -> reply or None."""
 
@@ -119,6 +148,8 @@ class Services:
     mailboxes: dict[str, Mailbox] = field(default_factory=dict)  # handlers other processes reach by name
     status: list[Callable[[], str]] = field(default_factory=list)  # one-line states for hang reports
     on_producer_restart: Callable[[int], Awaitable[None]] | None = None  # a restarted producer process catches up
+    start_helpers: HelperStarter | None = None  # the runtime's way to start a stage's helper processes
+    address: str = "127.0.0.1"  # where helper processes reach this process (a rendezvous host)
 
 
 # -- what a stage offers the run ---------------------------------------------------------------------
@@ -175,6 +206,19 @@ class Consumer(Stage, Protocol):
 
 
 @runtime_checkable
+class Placed(Protocol):
+    """A stage whose processes need other resources than one CPU each (GPUs for engines or learner ranks)."""
+
+    def resources(self, index: int) -> Resources:
+        """What the process of its actor `index` needs."""
+        ...
+
+    def helpers(self) -> list[Resources]:
+        """What each helper process it will start (`Services.start_helpers`) needs; [] for none."""
+        ...
+
+
+@runtime_checkable
 class RefHolder(Protocol):
     """An actor that holds refs between channels (a buffer's index, a consumer's replay window)."""
 
@@ -210,6 +254,7 @@ class CheckpointingConsumer(RefHolder, Protocol):
 
 
 __all__ = [
-    "Buffer", "CheckpointedProducer", "CheckpointingConsumer", "Clock", "Consumer", "Gate", "LedgerClient", "Mailbox",
-    "Peer", "Producer", "RefHolder", "Services", "Stage", "StoreOpener", "VersionPolicy",
+    "Buffer", "CheckpointedProducer", "CheckpointingConsumer", "Clock", "Consumer", "Gate", "Helper", "HelperStarter",
+    "LedgerClient", "Mailbox", "Peer", "Placed", "Producer", "RefHolder", "Resources", "Services", "Stage",
+    "StoreOpener", "VersionPolicy",
 ]

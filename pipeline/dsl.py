@@ -64,6 +64,7 @@ class Pipeline:
     config_text: str | None = None  # the resolved config, written to the run folder
     max_uses: int = 1
     ray_address: str | None = None  # runtime="ray": attach to this cluster (default: start a local one)
+    ray_placement_timeout_s: float = 120.0  # runtime="ray": an actor the cluster cannot place by then fails the run
     hooks: list[Callable[[RunContext], Sequence[Actor] | None]] = field(default_factory=list)
     checkpoint_every: int = 0  # versions between checkpoints; 0: none
     checkpoint_keep: int = 2  # complete checkpoints kept in the run folder
@@ -124,7 +125,8 @@ class Pipeline:
         if self.runtime == "ray":
             from pipeline.runtime.ray import RayRun  # imports ray: only when asked for
 
-            return RayRun(address=self.ray_address, watchdog=self.watchdog)
+            return RayRun(address=self.ray_address, watchdog=self.watchdog,
+                          placement_timeout_s=self.ray_placement_timeout_s)
         from pipeline.runtime.local import LocalRun
 
         return LocalRun()

@@ -9,7 +9,8 @@ so that two actors can compute at once (torch releases the GIL in its kernels).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import multiprocessing
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,10 +21,11 @@ from pipeline.admission import AdmissionGate
 from pipeline.channel import Channel
 from pipeline.checkpoint import Checkpointer, LocalCut, Resume
 from pipeline.context import LocalClock, LocalGate, LocalLedger, RunContext
-from pipeline.contracts import RefHolder
+from pipeline.contracts import Helper, RefHolder, Resources
 from pipeline.faults import as_plan
 from pipeline.faults import install as install_faults
 from pipeline.ledger import Ledger
+from pipeline.lifetime import die_with_parent
 from pipeline.runtime import RunReport, share_the_gil
 from pipeline.telemetry import Progress, RunFolder
 from pipeline.versions import VersionClock
@@ -80,6 +82,7 @@ class LocalRun:
             produced=Channel("produced", max_items=items, max_bytes=nbytes),
             ready=Channel("ready", max_items=ready_items, max_bytes=ready_bytes), feedback=ctx.feedback,
         )
+        ctx.services.start_helpers = start_local_helpers
         install_faults(ctx, as_plan(pipe.faults))  # nothing at all when no fault is planned
         if pipe.checkpoint_every:
             cut = LocalCut(pipe.name, pipe.steps, clock, ledger, gate,
@@ -201,3 +204,42 @@ async def run_actors(actors: Sequence[Actor], until: Sequence[str]) -> None:
 
 
 __all__ = ["LocalRun", "run_actors"]
+
+
+class ProcessHelper:
+    """A stage's helper process on this host (`start_local_helpers`)."""
+
+    def __init__(self, name: str, process: multiprocessing.process.BaseProcess) -> None:
+        self.name, self.process = name, process
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    def exitcode(self) -> int | None:
+        return self.process.exitcode
+
+    def stop(self, timeout_s: float) -> None:
+        self.process.join(timeout=timeout_s)
+        if self.process.exitcode is None:
+            self.process.kill()
+            self.process.join()
+
+
+def start_local_helpers(name: str, fn: Callable[..., None], args: Sequence[tuple],
+                        resources: Resources) -> list[Helper]:
+    """One fresh interpreter per args tuple (spawn) on this host, each ending with this process (also when
+    it is SIGKILLed). Call it from a thread that lives as long as the run (pipeline.lifetime). Resources
+    are this host's: a process may use whatever the machine has."""
+    context = multiprocessing.get_context("spawn")
+    helpers = []
+    for i, arguments in enumerate(args):
+        process = context.Process(target=_helper_main, args=(fn, arguments), name=f"{name}-{i}", daemon=True)
+        process.start()
+        helpers.append(ProcessHelper(f"{name}-{i}", process))
+    return helpers
+
+
+def _helper_main(fn: Callable[..., None], args: tuple) -> None:
+    die_with_parent()
+    fn(*args)

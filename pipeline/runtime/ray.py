@@ -46,7 +46,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, w
 from pipeline.actor import ActorFailed  # noqa: E402
 from pipeline.admission import AdmissionGate  # noqa: E402
 from pipeline.context import LocalClock, LocalLedger, RunContext  # noqa: E402
-from pipeline.contracts import StoreOpener, VersionPolicy  # noqa: E402
+from pipeline.contracts import Placed, StoreOpener, VersionPolicy  # noqa: E402
 from pipeline.events import report_event  # noqa: E402
 from pipeline.faults import as_plan  # noqa: E402
 from pipeline.faults import install as install_faults  # noqa: E402
@@ -55,6 +55,14 @@ from pipeline.refs import Produced, Redo  # noqa: E402
 from pipeline.runtime import RunReport, share_the_gil  # noqa: E402
 from pipeline.runtime.memory import MemorySettings, watch_memory  # noqa: E402
 from pipeline.runtime.ray_channel import RayChannel  # noqa: E402
+from pipeline.runtime.ray_placement import (  # noqa: E402
+    PLACEMENT_TIMEOUT_S,
+    await_placed,
+    check_feasible,
+    host_options,
+    resources_of,
+    start_ray_helpers,
+)
 from pipeline.telemetry import RunFolder, configure_logging, get_logger  # noqa: E402
 from pipeline.versions import VersionClock  # noqa: E402
 
@@ -258,6 +266,7 @@ class Wiring:
     checkpoint_every: int = 0  # the consumer checkpoints every this many versions (pipeline.runtime.ray_cut)
     checkpoint_keep: int = 2
     resume: Any = None  # a pipeline.checkpoint.PortableResume: the consumer continues from that checkpoint
+    placement_timeout_s: float = PLACEMENT_TIMEOUT_S  # helper processes not placed by then fail the run
 
     def context(self, worker: str) -> RunContext:
         """`worker`'s context in this process: the conductor's clock, gate and ledger, the channel actors."""
@@ -298,6 +307,8 @@ class StageHost:
         plan = install_faults(ctx, w.faults, isolated=True)
         ctx.services.store = w.store.open(holder=self.role == "buffer", faults=plan)
         ctx.services.producers = [Peer(h) for h in peers.get("producer", [])]
+        ctx.services.start_helpers = functools.partial(start_ray_helpers, timeout_s=w.placement_timeout_s)
+        ctx.services.address = ray.util.get_node_ip_address()
         produced, ready = w.channels["produced"], w.channels["ready"]
         inbox, outbox = {
             "producer": (None, produced), "buffer": (produced, ready), "consumer": (ready, None)
@@ -381,6 +392,7 @@ class RayRun:
     address: str | None = None
     watchdog: Any = None  # a pipeline.watchdog.WatchdogSettings: hang diagnosis across the hosts; None: off
     max_restarts: int = 3
+    placement_timeout_s: float = PLACEMENT_TIMEOUT_S  # an actor not placed by then fails the run (ray_placement)
     log_format: str = "console"
     restarts: Counter[str] = field(default_factory=Counter)
     report: RunReport | None = None  # the conductor's final report, once the run ended (or failed)
@@ -389,7 +401,9 @@ class RayRun:
         """Run `pipe` in `folder`; `resume` (a `pipeline.checkpoint.Resume`): continue from its checkpoint."""
         started_ray = not ray.is_initialized()
         if started_ray:
-            self._start_ray(hosts_needed=pipe.producer.workers + 2)
+            stages = (pipe.producer, pipe.buffer, pipe.consumer)
+            helpers = sum(len(s.helpers()) for s in stages if isinstance(s, Placed))
+            self._start_ray(hosts_needed=pipe.producer.workers + 2 + helpers)
         log = get_logger("ray-runtime").bind(run=pipe.name)
         log.info("run starting on ray", folder=str(folder.path))
         started_at = time.time()
@@ -460,7 +474,7 @@ class RayRun:
             units_per_version=pipe.consumer.units_per_version, conductor=self._conductor, channels=self._channels,
             store=opener, started_at=time.time(), log_format=self.log_format, faults=as_plan(pipe.faults),
             checkpoint_every=pipe.checkpoint_every, checkpoint_keep=pipe.checkpoint_keep,
-            resume=resume.portable() if resume is not None else None,
+            resume=resume.portable() if resume is not None else None, placement_timeout_s=self.placement_timeout_s,
         )
         if resume is None:
             return wiring, None
@@ -475,17 +489,22 @@ class RayRun:
         """One host per actor, set up (the buffer first: it holds the store the others open as clients) and
         started (the consumer last: it publishes version 0 to every producer). Returns the peers."""
         tag = f"baton/{pipe.name}/{folder.path.name}"  # named, so operators (and tests) can find them
-        hosts = self._hosts
-        for i in range(pipe.producer.workers):
-            hosts[f"producer-{i}"] = StageHost.options(
-                name=f"{tag}/producer-{i}", max_restarts=self.max_restarts, max_task_retries=0
-            ).remote(pipe.producer, "producer", i, wiring)
-        hosts["buffer-0"] = StageHost.options(name=f"{tag}/buffer-0").remote(pipe.buffer, "buffer", 0, wiring)
-        hosts["consumer-0"] = StageHost.options(name=f"{tag}/consumer-0").remote(pipe.consumer, "consumer", 0, wiring)
+        hosts, needs = self._hosts, {}
+        roles = [("producer", pipe.producer, i) for i in range(pipe.producer.workers)]
+        roles += [("buffer", pipe.buffer, 0), ("consumer", pipe.consumer, 0)]
+        for role, stage, i in roles:
+            needs[f"{role}-{i}"] = resources_of(stage, i)
+        check_feasible(needs)
+        for role, stage, i in roles:
+            restarts = {"max_restarts": self.max_restarts, "max_task_retries": 0} if role == "producer" else {}
+            hosts[f"{role}-{i}"] = StageHost.options(
+                name=f"{tag}/{role}-{i}", **host_options(needs[f"{role}-{i}"]), **restarts
+            ).remote(stage, role, i, wiring)
         producers = [h for n, h in hosts.items() if n.startswith("producer")]
         peers = {"producer": producers, "buffer": [hosts["buffer-0"]]}
-        await hosts["buffer-0"].setup.remote(peers)
-        await asyncio.gather(*(h.setup.remote(peers) for n, h in hosts.items() if n != "buffer-0"))
+        await await_placed({"buffer-0": hosts["buffer-0"].setup.remote(peers)}, needs, self.placement_timeout_s)
+        others = {n: h.setup.remote(peers) for n, h in hosts.items() if n != "buffer-0"}
+        await await_placed(others, needs, self.placement_timeout_s)
         await asyncio.gather(*(h.start.remote() for h in producers))
         await hosts["buffer-0"].start.remote()
         await hosts["consumer-0"].start.remote()

@@ -51,6 +51,14 @@ class EngineRun:
 
 
 @runtime_checkable
+class NeedsGPUs(Protocol):
+    """An engine that generates on GPUs of its own host (the Ray runtime gives its process that many)."""
+
+    @property
+    def gpus(self) -> int: ...
+
+
+@runtime_checkable
 class Engine(Protocol):
     name: str
     stats: dict[str, float]  # the engine's own counters (each generation record carries them)

@@ -39,7 +39,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, w
 
 from pipeline.events import report_event
 from stages.engines.base import Completion, EngineError, EngineRun, SamplingParams
-from stages.engines.sglang_server import ServerFailed, SGLangServer
+from stages.engines.sglang_server import ServerFailed, SGLangServer, gpu_available
 from stages.engines.sglang_update import UPDATE_PATHS, ServerUpdate
 
 MAX_ROUNDS = 8  # generate() gives up on requests aborted (or lost to a dead server) this many times in a row
@@ -100,6 +100,12 @@ class SGLangEngine:
     def load(self) -> int:
         """Requests this engine has in flight on its server."""
         return len(self._inflight)
+
+    @property
+    def gpus(self) -> int:
+        """GPUs the server it launches uses (one; none on CPU, none for a server attached by url)."""
+        cpu = self.device == "cpu" or (self.device == "auto" and not gpu_available())
+        return 0 if cpu or self.url is not None else 1
 
     def attach(self, run: EngineRun) -> None:
         """The run's staleness policy answers for requests in flight; the server logs to the run folder."""

@@ -14,6 +14,7 @@ dies or never becomes healthy raises `ServerFailed` carrying the tail of its log
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import signal
@@ -25,6 +26,7 @@ from pathlib import Path
 
 import anyio
 
+from pipeline.lifetime import die_with_parent
 from pipeline.net import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -124,7 +126,8 @@ class SGLangServer:
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
                 self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=self.environment(), start_new_session=True, preexec_fn=_die_with_parent,
+                env=self.environment(), start_new_session=True,
+                preexec_fn=functools.partial(die_with_parent, signal.SIGTERM),  # SIGTERM: it stops its own children
             )
         await self._wait_healthy()
 
@@ -173,15 +176,6 @@ class SGLangServer:
             return ""
         text = self.log_path.read_text(errors="replace").splitlines()[-lines:]
         return f"; log {self.log_path}, last lines:\n" + "\n".join(text)
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGTERM when the launching thread's process dies, so a crashed
-    run never leaves a server behind (Linux; elsewhere stop() is the only way)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _end_group(leader: subprocess.Popen, pgid: int, sig: int, timeout_s: float) -> bool:

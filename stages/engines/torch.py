@@ -77,6 +77,11 @@ class TorchEngine:
         return self._version
 
     @property
+    def gpus(self) -> int:
+        """One when it generates on CUDA."""
+        return int(str(self.device).startswith("cuda"))
+
+    @property
     def load(self) -> int:
         """Requests queued or decoding (the rollout sends a new episode to the least loaded engine)."""
         return len(self._queue) + self._running

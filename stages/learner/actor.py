@@ -89,11 +89,11 @@ class LearnerActor(BaseActor):
         spec, steps = self.spec, self.ctx.steps
         if spec.world_size == 1:
             return await anyio.to_thread.run_sync(PolicyTrainer, spec, steps)
-        self.ranks = RankGroup(spec, steps)
-        self.ranks.spawn()  # from the event loop's thread: the followers die with this process
-        self.log.info("learner ranks started", world_size=spec.world_size,
-                      pids=[p.pid for p in self.ranks.processes])
-        await self._call(self.ranks.join, spec.device, spec.rank_timeout_s)
+        services = self.ctx.services
+        self.ranks = RankGroup(spec, steps, services.start_helpers, services.address)
+        self.ranks.spawn()  # from the event loop's thread: local followers die with this process
+        self.log.info("learner ranks started", world_size=spec.world_size, ranks=[h.name for h in self.ranks.helpers])
+        await self._call(self.ranks.join)
         trainer = await self._call(PolicyTrainer, spec, steps, spec.world_size)
         return RankedTrainer(trainer, self.ranks)
 

@@ -1,7 +1,8 @@
 """A learner of several ranks: rank 0 is the stage the run talks to, the others follow its step.
 
-`RankGroup.start` spawns `world_size - 1` follower processes on this host (each on its own device:
-a GPU each on CUDA) and joins them in one `torch.distributed` group (gloo on CPU, NCCL on CUDA, plus a
+`RankGroup.spawn` starts `world_size - 1` follower processes through the runtime (local: on this host,
+each on its own device; Ray: actors in a placement group, a GPU each on CUDA) and joins them in one
+`torch.distributed` group (gloo on CPU, NCCL on CUDA, plus a
 gloo group for control messages). `RankedTrainer` is rank 0's trainer: the same methods as a
 `PolicyTrainer`, each first telling the followers what to do (a command) and then doing its own part
 of the collective. Followers run `follow` until told to stop.
@@ -18,7 +19,6 @@ rank never joins fails after `timeout_s` at the latest. Followers die with rank 
 
 from __future__ import annotations
 
-import multiprocessing
 import struct
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -30,8 +30,9 @@ import torch
 import torch.distributed as dist
 
 from buffers.codec import RolloutBatch, decode, encode
-from pipeline.lifetime import die_with_parent
+from pipeline.contracts import Helper, HelperStarter, Resources
 from pipeline.net import free_port
+from pipeline.runtime.local import start_local_helpers
 from stages.learner.step import PolicyTrainer, StepPlan, group_figures, plan_step, row_lengths
 
 STEP, WEIGHTS, SAVE, LOAD, SCHEDULE, STOP = range(6)
@@ -106,19 +107,22 @@ class Channel:
         return data.numpy().tobytes()
 
 
-def join_group(rank: int, world_size: int, port: int, device: str, timeout_s: float) -> Channel:
-    """Join the learner's process group (rank 0 hosts the rendezvous on 127.0.0.1:port)."""
-    backend = "nccl" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+def uses_cuda(device: str) -> bool:
+    return device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+
+
+def join_group(rank: int, world_size: int, address: str, port: int, device: str, timeout_s: float) -> Channel:
+    """Join the learner's process group (rank 0 hosts the rendezvous on address:port)."""
+    backend = "nccl" if uses_cuda(device) else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
     return Channel(dist.new_group(backend="gloo") if backend == "nccl" else None)
 
 
-def follow(rank: int, world_size: int, port: int, spec: Any, steps: int) -> None:
+def follow(rank: int, world_size: int, address: str, port: int, spec: Any, steps: int) -> None:
     """A follower rank's process: join the group, make the trainer, then do what rank 0 says."""
-    die_with_parent()
     torch.set_num_threads(1)
-    channel = join_group(rank, world_size, port, spec.device, spec.rank_timeout_s)
+    channel = join_group(rank, world_size, address, port, spec.device, spec.rank_timeout_s)
     trainer = PolicyTrainer(spec, steps, world_size)
     while True:
         op, version, data = channel.receive_command()
@@ -140,52 +144,51 @@ def follow(rank: int, world_size: int, port: int, spec: Any, steps: int) -> None
 
 
 class RankGroup:
-    """Rank 0's handle on the follower processes (see the module docstring)."""
+    """Rank 0's handle on the follower processes (see the module docstring). `start_helpers` is the run's
+    (`Services.start_helpers`); `address` is where the followers reach this process."""
 
-    def __init__(self, spec: Any, steps: int) -> None:
-        self.world_size = spec.world_size
-        self.port = free_port()
-        context = multiprocessing.get_context("spawn")
-        follower_spec = replace(spec, weights="inproc")  # a follower publishes nothing itself
-        self.processes = [
-            context.Process(target=follow, args=(rank, self.world_size, self.port, follower_spec, steps),
-                            name=f"learner-rank-{rank}", daemon=True)
-            for rank in range(1, self.world_size)
-        ]
+    def __init__(self, spec: Any, steps: int, start_helpers: HelperStarter | None = None,
+                 address: str = "127.0.0.1") -> None:
+        self.spec, self.steps, self.world_size = spec, steps, spec.world_size
+        self.start_helpers = start_helpers or start_local_helpers
+        self.address, self.port = address, free_port()
+        self.helpers: list[Helper] = []
         self.channel: Channel | None = None
         self.stopping = False
 
     def spawn(self) -> None:
-        """Start the followers (from the event loop's thread: they die with it, see pipeline.lifetime)."""
-        for process in self.processes:
-            process.start()
+        """Start the followers (locally: from the event loop's thread, so they die with this process)."""
+        follower = replace(self.spec, weights="inproc")  # a follower publishes nothing itself
+        args = [(rank, self.world_size, self.address, self.port, follower, self.steps)
+                for rank in range(1, self.world_size)]
+        needs = Resources(cpus=1, gpus=1 if uses_cuda(self.spec.device) else 0)
+        self.helpers = self.start_helpers("learner-rank", follow, args, needs)
 
-    def join(self, device: str, timeout_s: float) -> None:
+    def join(self) -> None:
         """Join the group as rank 0 (blocks until every follower joined)."""
-        self.channel = join_group(0, self.world_size, self.port, device, timeout_s)
+        self.channel = join_group(0, self.world_size, self.address, self.port, self.spec.device,
+                                  self.spec.rank_timeout_s)
 
     def check(self) -> None:
-        """Raise `LearnerRankFailed` when a follower process has exited while the learner still runs."""
-        for rank, process in enumerate(self.processes, start=1):
-            if process.exitcode is not None and not self.stopping:
-                raise LearnerRankFailed(f"learner rank {rank} (pid {process.pid}) exited with code "
-                                        f"{process.exitcode}; the learner's other ranks cannot step without it")
+        """Raise `LearnerRankFailed` when a follower has exited while the learner still runs."""
+        for rank, helper in enumerate(self.helpers, start=1):
+            code = helper.exitcode()
+            if code is not None and not self.stopping:
+                raise LearnerRankFailed(f"learner rank {rank} ({helper.name}) exited with code {code}; the "
+                                        "learner's other ranks cannot step without it")
 
     def close(self) -> None:
         """Tell the followers to stop, leave the group, and end any follower that does not exit."""
         self.stopping = True
-        if self.channel is not None and all(p.exitcode is None for p in self.processes):
+        if self.channel is not None and all(h.exitcode() is None for h in self.helpers):
             try:
                 self.channel.command(STOP)
             except RuntimeError:  # a follower already gone: the kill below ends the others
                 pass
         if dist.is_initialized():
             dist.destroy_process_group()
-        for process in self.processes:
-            process.join(timeout=10)
-            if process.exitcode is None:
-                process.kill()
-                process.join()
+        for helper in self.helpers:
+            helper.stop(timeout_s=10)
 
 
 class RankedTrainer:

@@ -14,6 +14,7 @@ from typing import Any
 
 from pipeline.channel import Channel
 from pipeline.context import RunContext
+from pipeline.contracts import Resources
 from pipeline.faults import plan_of
 from pipeline.telemetry import Panel
 from policies.correction import Correction
@@ -28,6 +29,7 @@ from stages.learner.losses import (
     LossAggregation,
     LrDecay,
 )
+from stages.learner.ranks import uses_cuda
 from stages.weights import make_transport
 from stages.weights.base import WeightTransport
 from stages.weights.faulty import with_weight_faults
@@ -109,6 +111,14 @@ class GRPOLearner:
     def max_uses(self) -> int:
         """Most times one sample is trained on (the run's ledger enforces it)."""
         return self.selection.max_reuse
+
+    def resources(self, index: int) -> Resources:
+        """The learner's process (rank 0): one CPU, and one GPU when it trains on CUDA."""
+        return Resources(cpus=1, gpus=1 if uses_cuda(self.device) else 0)
+
+    def helpers(self) -> list[Resources]:
+        """Its other ranks (`world_size - 1`), each like rank 0."""
+        return [self.resources(0)] * (self.world_size - 1)
 
     def actors(self, ctx: RunContext, inbox: Channel | None, outbox: Channel | None) -> list[LearnerActor]:
         """The learner actor, subscribed to every engine: those of this process, and those of the producer

@@ -15,11 +15,12 @@ from typing import Any
 
 from pipeline.channel import Channel
 from pipeline.context import RunContext
+from pipeline.contracts import Resources
 from pipeline.faults import FaultPlanError, plan_of
 from stages.data.model import ModelFolderError, load_tokenizer, stop_token_ids
 from stages.data.rewards import RewardFunction, task_reward
 from stages.data.tasks import DataTask, Task
-from stages.engines.base import Engine, EngineRun, SamplingParams
+from stages.engines.base import Engine, EngineRun, NeedsGPUs, SamplingParams
 from stages.engines.faulty import with_engine_faults
 from stages.environments import environment_class, make_environment
 from stages.environments.render import renderer_for
@@ -93,6 +94,14 @@ class Rollout:
     def workers(self) -> int:
         """One rollout worker per engine, in engine order (the Ray runtime gives each its own process)."""
         return len(self.engines)
+
+    def resources(self, index: int) -> Resources:
+        """Worker `index`'s process: one CPU, and the GPUs its engine generates on."""
+        engine = self.engines[index]
+        return Resources(cpus=1, gpus=engine.gpus if isinstance(engine, NeedsGPUs) else 0)
+
+    def helpers(self) -> list[Resources]:
+        return []
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(

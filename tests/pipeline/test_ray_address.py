@@ -69,3 +69,41 @@ def test_local_runs_start_their_own_cluster_and_an_address_joins(monkeypatch: py
     with pytest.raises(ConnectionError, match=r"ray\.address = 'no-such-host': could not join"):
         _cluster("no-such-host")
     shutil.rmtree(tmp, ignore_errors=True)
+
+
+@ray.remote(num_cpus=1)
+class Holder:
+    def ready(self) -> bool:
+        return True
+
+
+@pytest.mark.timeout(600)
+def test_an_actor_the_cluster_cannot_place_fails_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a head of one CPU: an actor asking for a GPU fails before anything waits; one asking for a CPU
+    while another actor holds it fails after the bounded wait; both name the actor and what it asked for."""
+    import asyncio
+
+    from pipeline.contracts import Resources
+    from pipeline.runtime.ray_placement import ActorUnplaceable, await_placed, check_feasible
+
+    tmp = Path(tempfile.mkdtemp(prefix="rp", dir="/tmp"))
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    port = free_port()
+    head = _start_head(tmp, port)
+    try:
+        ray.init(address=f"127.0.0.1:{port}", include_dashboard=False)
+        with pytest.raises(ActorUnplaceable, match=r"actor consumer-0 asks for 1 CPU and 1 GPU and no node"):
+            check_feasible({"producer-0": Resources(), "consumer-0": Resources(gpus=1)})
+        first = Holder.remote()
+        assert ray.get(first.ready.remote())  # it holds the only CPU
+        second = Holder.remote()
+        needs = {"producer-0": Resources(), "producer-1": Resources()}
+        with pytest.raises(ActorUnplaceable, match=r"producer-1 not placed within 5 s \(asking for producer-1: "
+                           r"1 CPU\); the cluster has 1 CPU and 0 GPU"):
+            asyncio.run(await_placed({"producer-0": first.ready.remote(), "producer-1": second.ready.remote()},
+                                     needs, timeout_s=5))
+    finally:
+        ray.shutdown()
+        stop_head(head, tmp)
+    shutil.rmtree(tmp, ignore_errors=True)

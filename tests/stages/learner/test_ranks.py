@@ -61,7 +61,7 @@ def two_ranks(spec: GRPOLearner):
     ranked = replace(spec, world_size=2)
     group = RankGroup(ranked, steps=100)
     group.spawn()
-    group.join("cpu", 120.0)
+    group.join()
     trainer = RankedTrainer(PolicyTrainer(ranked, 100, world_size=2), group)
     trainer.schedule(0)
     yield trainer
@@ -146,10 +146,10 @@ def test_the_plan_counts_over_every_rank() -> None:
 
 def test_a_killed_rank_fails_the_learner(spec: GRPOLearner, two_ranks: RankedTrainer) -> None:
     """Last in this module: it ends the shared group's rank 1."""
-    follower = two_ranks.group.processes[0]
+    follower = two_ranks.group.helpers[0]
     os.kill(follower.pid, signal.SIGKILL)
     deadline = time.monotonic() + 10
-    while follower.exitcode is None and time.monotonic() < deadline:
+    while follower.exitcode() is None and time.monotonic() < deadline:
         time.sleep(0.05)
-    with pytest.raises(LearnerRankFailed, match=r"learner rank 1 \(pid \d+\) exited with code -9"):
+    with pytest.raises(LearnerRankFailed, match=r"learner rank 1 \(learner-rank-0\) exited with code -9"):
         two_ranks.group.check()
