@@ -61,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--calibrate", metavar="RUN_DIR", default=None,
                    help="use the costs measured in a real run's folder instead of the declared ones")
     s.add_argument("--engines", type=int, default=None, help="engines to simulate (default: engine.count)")
-    s.add_argument("--learners", type=int, default=None, help="data-parallel learner replicas (default 1)")
+    s.add_argument("--learners", type=int, default=None, help="learner ranks (default: learner.world_size)")
     s.add_argument("--steps", type=int, default=None, help="versions to simulate (default: simulate.steps or steps)")
     s.add_argument("--sweep", nargs="+", default=None, metavar="KEY=V1,V2",
                    help="simulate every combination, e.g. --sweep engines=1,2,4,8 k=0,1,2,4 (keys: engines, k, "

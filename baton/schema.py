@@ -584,14 +584,21 @@ class SimulateSpec(Section):
     drawn from a lognormal with the given mean and shape, capped at max_response_tokens):
     `engine_call_overhead_s + max(response tokens / decode_tokens_per_s, longest response /
     sequence_tokens_per_s)`: throughput-bound for big batches, bound by the longest sample otherwise.
-    Training: `step_overhead_s + tokens / (train_tokens_per_s * learners)` per step (prompt + response
-    tokens). Weights: `push_latency_s + weight_bytes * copies / push_bytes_per_s` (copies: the engine count
-    with `push_per_engine`, else 1). Store put/get per group:
+    Training on N learner ranks: `step_overhead_s + tokens / (train_tokens_per_s * N)` per step (prompt +
+    response tokens), plus, when N > 1, FSDP's traffic: each rank gathers the parameters it lacks twice
+    (forward, backward) and scatters the gradients once, `3 * weight_bytes * (N - 1) / N /
+    shard_bytes_per_s`. Weights: `push_latency_s + weight_bytes * copies / push_bytes_per_s` (copies: the
+    engine count with `push_per_engine`, else 1); from N ranks with `mooncake_p2p` every rank writes its
+    own 1/N at once (the time / N), with another transport rank 0 first gathers the other ranks' parts
+    (`+ weight_bytes * (N - 1) / N / shard_bytes_per_s`). Store put/get per group:
     `store_latency_s + bytes / store_bytes_per_s`.
     """
 
     engines: int | None = Field(None, ge=1, description="engines (producers); default: engine.count")
-    learners: int = Field(1, ge=1, description="data-parallel learner replicas (step time / learners)")
+    learners: int | None = Field(None, ge=1, description="learner ranks (FSDP: step time / learners, plus the "
+                                 "sharding traffic); default: learner.world_size")
+    shard_bytes_per_s: float = Field(100e9, gt=0, description="one learner rank's collective bandwidth (NVLink-class "
+                                     "by default): FSDP's gathers and scatters, and gathers before a push")
     steps: int | None = Field(None, ge=1, description="versions to simulate; default: steps")
     warmup: int = Field(10, ge=0, description="versions left out of the steady-state figures")
     seed: int = 0

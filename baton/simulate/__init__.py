@@ -28,8 +28,10 @@ The stage models follow stages/rollout.py, buffers/ref_buffer.py and stages/lear
 * **Learner**: collects `groups_per_step` groups into the replay window (loading each from the store:
   get time by bytes; refusing what the policy does not accept), trains for the step time while a
   prefetch receives and loads the next step's groups, pushes the weights (push time), advances the clock,
-  and pays its per-version bookkeeping (`learner_overhead_s`). `--learners M` divides the step time by M
-  (assumes data-parallel learners scale linearly; no extra all-reduce cost is modelled).
+  and pays its per-version bookkeeping (`learner_overhead_s`). On N ranks (`learner.world_size`, or
+  `--learners N`) the step's compute divides by N and FSDP's gathers and scatters are added; a push
+  from the shards (`mooncake_p2p`) takes 1/N of the time, another transport first gathers on rank 0
+  (formulas in baton.schema.SimulateSpec). Assumes compute scales linearly over the ranks.
 
 Figures (steady state: versions after `warmup`, the same window `benchmarks/async_vs_sync.py` uses):
 samples/s trained, learner busy fraction (step time / wall time), engine idle fraction (time not

@@ -57,6 +57,7 @@ class DeclaredCosts:
     group_size: int
     transport: str
     runtime: str
+    ranks: int = 1  # learner ranks (SimulateSpec.learners, else learner.world_size)
 
     def __post_init__(self) -> None:
         s = self.spec
@@ -82,12 +83,21 @@ class DeclaredCosts:
     def load_s(self, rng: random.Random, nbytes: int) -> float:
         return self.spec.store_latency_s + nbytes / self.spec.store_bytes_per_s
 
+    def _sharded_bytes(self) -> float:
+        """Bytes of the weights a rank gets from (or sends to) the other ranks, once."""
+        return int(self.spec.weight_bytes) * (self.ranks - 1) / self.ranks
+
     def step_s(self, rng: random.Random, tokens: int) -> float:
-        return self.spec.step_overhead_s + tokens / (self.spec.train_tokens_per_s * self.spec.learners)
+        s = self.spec
+        return s.step_overhead_s + tokens / (s.train_tokens_per_s * self.ranks) + \
+            3 * self._sharded_bytes() / s.shard_bytes_per_s
 
     def push_s(self, rng: random.Random, engines: int = 1) -> float:
-        copies = engines if self.spec.push_per_engine else 1
-        return self.spec.push_latency_s + int(self.spec.weight_bytes) * copies / self._push_bps
+        s = self.spec
+        sent = int(s.weight_bytes) * (engines if s.push_per_engine else 1) / self._push_bps
+        if self.transport == "mooncake_p2p":  # every rank writes its own part at once
+            return s.push_latency_s + sent / self.ranks
+        return s.push_latency_s + self._sharded_bytes() / s.shard_bytes_per_s + sent
 
     def learner_overhead_s(self, rng: random.Random) -> float:
         return self.spec.learner_overhead_s

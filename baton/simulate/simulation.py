@@ -303,7 +303,8 @@ def simulate(cfg: Any, spec: SimulateSpec, costs: Costs | None = None, engines: 
              steps: int | None = None) -> SimResult:
     """Run one simulation of `cfg`; declared costs from `spec` unless `costs` is given."""
     if costs is None:
-        costs = DeclaredCosts(spec, cfg.rollout.group_size, cfg.weights.transport, cfg.runtime)
+        ranks = spec.learners or getattr(cfg.learner, "world_size", 1)  # a plug-in learner may have no ranks
+        costs = DeclaredCosts(spec, cfg.rollout.group_size, cfg.weights.transport, cfg.runtime, ranks)
     return Simulation(cfg, spec, costs, engines=engines, steps=steps).run()
 
 

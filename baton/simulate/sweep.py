@@ -60,7 +60,8 @@ def run_sweep(config: str, overrides: Sequence[str], axes: dict[str, list[int]],
             point_costs = MeasuredCosts(costs.calls, costs.steps, m, costs.hop_s, costs.engine_load_s,
                                         costs.get_s_per_group)
         result = simulate(cfg, spec, point_costs, engines=e, steps=steps)
-        sweep.points.append(SweepPoint(result.engines, result.k, spec.learners,
+        ranks = spec.learners or getattr(cfg.learner, "world_size", 1)
+        sweep.points.append(SweepPoint(result.engines, result.k, ranks,
                                        {**result.figures, "sim_wall_s": result.wall_s}))
     return sweep
 

@@ -310,3 +310,22 @@ def test_simulated_ray_runs_match_their_measurements_within_20_percent(tmp_path)
             else:
                 assert abs(predicted[key] - measured) / measured <= 0.2, (mode, key, predicted[key], measured)
     print(json.dumps(errors))
+
+
+def test_learner_ranks_divide_the_step_and_push_from_their_shards() -> None:
+    """On N ranks the compute divides by N and FSDP's traffic is added; mooncake_p2p pushes from every
+    shard at once (1/N of the time), another transport gathers on rank 0 first."""
+    import random
+
+    from baton.schema import SimulateSpec
+    from baton.simulate.costs import DeclaredCosts
+
+    spec = SimulateSpec(train_tokens_per_s=1000, weight_bytes=4_000_000_000, shard_bytes_per_s=1e9,
+                        push_bytes_per_s=1e9)
+    rng = random.Random(0)
+    one, four = (DeclaredCosts(spec, 8, "mooncake_p2p", "ray", ranks=n) for n in (1, 4))
+    assert one.step_s(rng, 4000) == pytest.approx(4.0)
+    assert four.step_s(rng, 4000) == pytest.approx(1.0 + 3 * 4.0 * 0.75)
+    assert four.push_s(rng) == pytest.approx(one.push_s(rng) / 4)
+    gather = DeclaredCosts(spec, 8, "disk", "ray", ranks=4)
+    assert gather.push_s(rng) == pytest.approx(4.0 * 0.75 + one.push_s(rng))
