@@ -39,7 +39,7 @@ from pipeline.refs import HeldRef
 from policies.staleness import staleness
 from stages.learner.bias import step_outcomes
 from stages.learner.collector import BatchCollector
-from stages.learner.ranks import RankedTrainer, RankGroup
+from stages.learner.ranks import LearnerRankFailed, RankedTrainer, RankGroup
 from stages.learner.step import PolicyTrainer
 from stages.weights.base import WeightTransport
 from stages.weights.snapshot import save_snapshot, snapshot_key
@@ -99,8 +99,19 @@ class LearnerActor(BaseActor):
 
     async def _call(self, fn: Any, *args: Any) -> Any:
         """`fn(*args)` in a worker thread. With several ranks it may block in a collective a dead rank never
-        joins: then the run's cancellation abandons the thread rather than wait for it."""
-        return await anyio.to_thread.run_sync(fn, *args, abandon_on_cancel=self.ranks is not None)
+        joins: then the run's cancellation abandons the thread rather than wait for it; a collective that
+        fails because a rank died is reported as that rank's failure (`LearnerRankFailed`)."""
+        if self.ranks is None:
+            return await anyio.to_thread.run_sync(fn, *args)
+        try:
+            return await anyio.to_thread.run_sync(fn, *args, abandon_on_cancel=True)
+        except RuntimeError as exc:  # torch.distributed's errors (DistBackendError is one)
+            with anyio.move_on_after(5):  # the dead rank's exit code comes soon after its sockets close
+                while True:
+                    self.ranks.check()
+                    await anyio.sleep(0.1)
+            world = self.spec.world_size
+            raise LearnerRankFailed(f"a collective of the learner's {world} ranks failed: {exc}") from exc
 
     async def _watch_ranks(self) -> None:
         """Fail the learner as soon as one of its other ranks has exited (`LearnerRankFailed`)."""

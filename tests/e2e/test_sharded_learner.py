@@ -1,0 +1,73 @@
+"""The quickstart with a learner of two ranks (FSDP2 over gloo, real processes), through the real `baton`
+console script: it learns as the one-rank learner does, on the local runtime and on Ray, with a
+balanced ledger; a rank SIGKILLed mid-run fails the run promptly naming the rank, and the run resumes
+from its checkpoint with nothing trained twice."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests import ROOT
+from tests.helpers.ledger_checks import check_ledger
+from tests.helpers.runs import baton_run
+
+pytestmark = pytest.mark.long
+STEPS = 240  # as tests/e2e/test_e2e.py: reverse-2's reward is ~0.4 at v200 at the quickstart's lr
+
+
+def test_two_ranks_learn_the_quickstart(tmp_path: Path) -> None:
+    s = baton_run(tmp_path, "quickstart.toml", f"steps={STEPS}", "learner.world_size=2")
+    assert s["version"] == STEPS and s["ledger_balanced"]
+    assert s["reward_end"] >= s["reward_start"] + 0.15, s
+    assert s["max_staleness_trained"] <= 2 and s["samples"]["lost"] == 0
+    records = check_ledger(Path(s["run_dir"]), bound=2)
+    assert sum(r["fate"] == "trained" for r in records) == STEPS * 16 * 8
+
+
+def test_two_ranks_learn_on_ray(tmp_path: Path) -> None:
+    s = baton_run(tmp_path, "ray-mooncake.toml", "steps=120", "learner.world_size=2")
+    assert s["runtime"] == "ray" and s["version"] == 120 and s["ledger_balanced"]
+    assert s["reward_end"] >= s["reward_start"] + 0.15, s
+    check_ledger(Path(s["run_dir"]), bound=2)
+
+
+def rank_pids(parent: int) -> list[int]:
+    """The learner's follower processes: the children of `parent` that multiprocessing spawned."""
+    children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
+    return [int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+
+
+def test_a_killed_rank_fails_the_run_and_it_resumes(tmp_path: Path) -> None:
+    sets = [f"run_root='{tmp_path}'", f"model.path='{tmp_path / 'model'}'", "steps=40", "learner.world_size=2",
+            "checkpoint.every=5", "telemetry.progress=false"]
+    args = [shutil.which("baton"), "run", str(ROOT / "configs" / "quickstart.toml"), *(x for o in sets
+                                                                                       for x in ("--set", o))]
+    run = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env={**os.environ, "PYTHONPATH": str(ROOT)})
+    deadline = time.monotonic() + 300
+    while not list(tmp_path.glob("quickstart-*/checkpoints/v*")) and time.monotonic() < deadline:
+        assert run.poll() is None, run.communicate()[1][-3000:]
+        time.sleep(0.5)
+    (follower,) = rank_pids(run.pid)
+    os.kill(follower, signal.SIGKILL)
+    killed = time.monotonic()
+    _, stderr = run.communicate(timeout=120)
+    assert run.returncode == 1, stderr[-3000:]
+    assert time.monotonic() - killed < 60, "the run stops promptly"
+    assert "learner rank 1" in stderr and "exited with code -9" in stderr, stderr[-3000:]
+    (run_dir,) = tmp_path.glob("quickstart-*")
+    resumed = subprocess.run([shutil.which("baton"), "run", "--resume", str(run_dir), "--set",
+                              "telemetry.progress=false"], cwd=tmp_path, capture_output=True, text=True,
+                             timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    summary = json.loads(resumed.stdout.strip().splitlines()[-1])
+    assert summary["version"] == 40 and summary["ledger_balanced"]
+    check_ledger(run_dir, bound=2)  # among its checks: no sample trained twice
