@@ -28,7 +28,10 @@ SUMMARY_SHOWN = ("version", "reward_start", "reward_end", "max_staleness_trained
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
-        "watch", help="print a run's progress from its folder while it runs, and its summary when it ends"
+        "watch", help="print a run's progress from its folder while it runs, and its summary when it ends",
+        epilog="exit codes:\n  0   the run finished (its summary printed)\n  1   the run failed (failure.log's "
+               "message printed)\n  2   RUN_DIR is not a folder, or bad usage\n  130 interrupted by Ctrl-C or SIGTERM",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("run_dir", metavar="RUN_DIR", help="the run's folder (runs/<name>-<timestamp>)")
     parser.add_argument("--interval", type=float, default=2.0, help="seconds between lines (default 2)")
