@@ -24,6 +24,7 @@ from pipeline.telemetry import FAILURE_FILE, METRICS_FILE, format_value
 SHOWN = ("reward", "staleness_mean", "samples_per_s", "version_s", "filtered_frac")  # when the record has them
 SUMMARY_SHOWN = ("version", "reward_start", "reward_end", "max_staleness_trained", "samples", "ledger_balanced",
                  "wall_s", "samples_per_s")
+REASONS_SHOWN = 8  # per fate, in the finished summary; summary.json has them all
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -65,7 +66,13 @@ def progress_line(record: Mapping[str, Any], steps: int | None) -> str:
 
 
 def summary_lines(summary: Mapping[str, Any]) -> list[str]:
+    """The finished line, one line per fate with its samples by reason (the most first), and where the
+    summary is."""
     lines = ["finished: " + "  ".join(f"{k} {format_value(summary[k])}" for k in SUMMARY_SHOWN if k in summary)]
+    for fate, reasons in (summary.get("reasons") or {}).items():
+        shown = list(reasons.items())[:REASONS_SHOWN]
+        more = f"; and {len(reasons) - len(shown)} more reasons" if len(reasons) > len(shown) else ""
+        lines.append(f"{fate} {sum(reasons.values())} by reason: " + "; ".join(f"{n} {r}" for r, n in shown) + more)
     lines.append(f"summary: {summary.get('run_dir', '')}/summary.json")
     return lines
 

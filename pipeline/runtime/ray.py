@@ -153,6 +153,7 @@ class Conductor(LocalClock, LocalLedger):
             {
                 "version": self.clock.version,
                 "counts": self.ledger.counts(),
+                "reasons": self.ledger.reasons(),
                 "violations": self.ledger.violations(),
                 "ledger_json": self.ledger.to_json(),
                 "gate": {"started": self.gate.started, "discarded": self.gate.discarded, "wait_s": self.gate.wait_s},
@@ -498,6 +499,7 @@ class RayRun:
             self.report = RunReport(
                 final["version"], final["counts"], not final["violations"], final["ledger_json"], started_at,
                 extra={"runtime": "ray", "restarts": dict(self.restarts), "checkpoint_pause_s": final["frozen_s"]},
+                reasons=final["reasons"],
             )
         for host in self._hosts.values():
             try:
