@@ -13,8 +13,13 @@
                                                exit 1 when any run breaks an invariant
     baton watch RUN_DIR                        follow a run's progress from its folder, then its summary
     baton ledger RUN_DIR [--export F] [--id ID] the ledger's totals and invariants (exit 1 on a broken one)
+    baton --version                            the installed version
 
-Exit codes: 0 done, 1 the run failed (an actor raised; the message names it), 2 bad config.
+exit codes (each command's --help lists its own):
+  0   done
+  1   the run failed (an actor raised; the message names it)
+  2   bad config or usage
+  130 interrupted by Ctrl-C or SIGTERM
 """
 
 from __future__ import annotations
@@ -30,16 +35,56 @@ import time
 from baton import ledger_command, watch_command
 from baton.config import ConfigError
 
+INTERRUPTED = (130, "interrupted by Ctrl-C or SIGTERM")
+EXIT_CODES: dict[str, tuple[tuple[int, str], ...]] = {  # each command's, listed by its --help
+    "run": ((0, "done; the last stdout line is the JSON summary"),
+            (1, "the run failed (an actor raised; the message names it)"), (2, "bad config or usage"),
+            (130, "interrupted by Ctrl-C or SIGTERM; what the run started is stopped")),
+    "check": ((0, "the config is valid (printed, resolved)"), (2, "bad config or usage"), INTERRUPTED),
+    "faults": ((0, "every run kept every invariant"), (1, "a run broke one"), (2, "bad config or usage"),
+               INTERRUPTED),
+    "simulate": ((0, "done"), (2, "bad config or usage"), INTERRUPTED),
+    "mooncake-master": ((0, "stopped by Ctrl-C or SIGTERM"), (1, "the master exited by itself"),
+                        (2, "Mooncake is not installed, or bad usage")),
+}
+
+
+def exit_codes_epilog(codes: tuple[tuple[int, str], ...]) -> str:
+    """A --help epilog listing `codes`, one per line."""
+    return "exit codes:\n" + "\n".join(f"  {code:<4}{meaning}" for code, meaning in codes)
+
+
+def version() -> str:
+    """The installed distribution's version (baton-rl), else this source tree's pyproject.toml's."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("baton-rl")
+    except metadata.PackageNotFoundError:
+        import tomllib
+        from pathlib import Path
+
+        pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+        return tomllib.loads(pyproject.read_text())["project"]["version"]
+
 
 def add_overrides(parser: argparse.ArgumentParser, help_text: str) -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=help_text)
 
 
+def _command(sub: argparse._SubParsersAction, name: str, help_text: str) -> argparse.ArgumentParser:
+    return sub.add_parser(name, help=help_text, epilog=exit_codes_epilog(EXIT_CODES[name]),
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="baton", description="fully-asynchronous RL rollout pipeline")
+    synopsis = __doc__.split("\n\n", 1)[1]  # the command list and the exit codes
+    parser = argparse.ArgumentParser(prog="baton", description="fully-asynchronous RL rollout pipeline",
+                                     epilog=synopsis, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"baton {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_text in (("run", "run a pipeline config"), ("check", "validate a config, start nothing")):
-        p = sub.add_parser(name, help=help_text)
+        p = _command(sub, name, help_text)
         p.add_argument(
             "config", nargs="?" if name == "run" else None,
             help="path to a TOML config, e.g. configs/quickstart.toml (run --resume: default RUN_DIR/config.toml)",
@@ -50,12 +95,21 @@ def _parser() -> argparse.ArgumentParser:
                 help="continue the run in RUN_DIR from its latest checkpoint (needs checkpoint.every > 0)",
             )
         add_overrides(p, "override a config key, e.g. --set learner.lr=1e-3 (repeatable)")
-    f = sub.add_parser("faults", help="run the fault matrix on a config; exit 1 if any invariant breaks")
+    f = _command(sub, "faults", "run the fault matrix on a config; exit 1 if any invariant breaks")
     f.add_argument("config", help="path to a TOML config, e.g. configs/faults.toml")
     f.add_argument("--kinds", default=None, help="comma-separated fault kinds (default: all of them)")
     f.add_argument("--seeds", type=int, default=3, help="seeds per fault kind: 0 .. N-1 (default 3)")
     add_overrides(f, "override a config key for every run (repeatable)")
-    s = sub.add_parser("simulate", help="predict throughput, staleness and idle time in virtual time")
+    _simulate_parser(_command(sub, "simulate", "predict throughput, staleness and idle time in virtual time"))
+    watch_command.add_parser(sub)
+    ledger_command.add_parser(sub)
+    m = _command(sub, "mooncake-master", "run a mooncake_master on 127.0.0.1 (prints its address)")
+    m.add_argument("--port", type=int, default=None, help="RPC port (default: a free one)")
+    m.add_argument("--lease-ttl-ms", type=int, default=500, help="read lease before a key can be removed")
+    return parser
+
+
+def _simulate_parser(s: argparse.ArgumentParser) -> None:
     s.add_argument("config", nargs="?", help="path to a TOML config (its [simulate] table declares costs); "
                    "default with --calibrate: RUN_DIR/config.toml")
     s.add_argument("--calibrate", metavar="RUN_DIR", default=None,
@@ -67,12 +121,6 @@ def _parser() -> argparse.ArgumentParser:
                    help="simulate every combination, e.g. --sweep engines=1,2,4,8 k=0,1,2,4 (keys: engines, k, "
                    "learners)")
     add_overrides(s, "override a config key, e.g. --set simulate.decode_tokens_per_s=3000 (repeatable)")
-    watch_command.add_parser(sub)
-    ledger_command.add_parser(sub)
-    m = sub.add_parser("mooncake-master", help="run a mooncake_master on 127.0.0.1 (prints its address)")
-    m.add_argument("--port", type=int, default=None, help="RPC port (default: a free one)")
-    m.add_argument("--lease-ttl-ms", type=int, default=500, help="read lease before a key can be removed")
-    return parser
 
 
 def run_mooncake_master(port: int | None, lease_ttl_ms: int) -> int:
@@ -125,6 +173,8 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The `baton` command; its exit code (EXIT_CODES). Ctrl-C, and SIGTERM (which takes Ctrl-C's path),
+    end every command with 130 but `mooncake-master`, for which they are the way to stop it (0)."""
     args = _parser().parse_args(argv)
     commands = {
         "mooncake-master": lambda: run_mooncake_master(args.port, args.lease_ttl_ms),
@@ -133,7 +183,14 @@ def main(argv: list[str] | None = None) -> int:
         "watch": lambda: watch_command.run(args),
         "ledger": lambda: ledger_command.run(args),
     }
-    return commands[args.command]() if args.command in commands else run_or_check(args)
+    if args.command not in ("run", "mooncake-master") and threading.current_thread() is threading.main_thread():
+        _take_ctrl_c_back()
+        signal.signal(signal.SIGTERM, _sigterm_as_ctrl_c)
+    try:
+        return commands[args.command]() if args.command in commands else run_or_check(args)
+    except KeyboardInterrupt:
+        print("baton: interrupted", file=sys.stderr)
+        return 130
 
 
 def run_or_check(args: argparse.Namespace) -> int:

@@ -9,7 +9,8 @@ it is not checked (said so). `--export FILE` writes one JSON record per sample (
 `--id ID` prints one sample's record and every row it has in the store. Works while the run is going
 (it reads the last commit).
 
-Exit codes: 0 every invariant holds, 1 one is broken (each printed), 2 no such run folder, store or id.
+Exit codes: 0 every invariant holds, 1 one is broken (each printed), 2 no such run folder, store or id,
+130 interrupted by Ctrl-C or SIGTERM.
 The last stdout line is one JSON object.
 """
 
@@ -29,7 +30,12 @@ from pipeline.ledger_store import check, export_jsonl, history, meta, open_run, 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add `ledger` to a `baton` subparsers object."""
-    p = subparsers.add_parser("ledger", help="a run's ledger: totals, invariant checks, export, one sample")
+    p = subparsers.add_parser(
+        "ledger", help="a run's ledger: totals, invariant checks, export, one sample",
+        epilog="exit codes:\n  0   every invariant holds\n  1   one is broken (each printed)\n  2   no such run "
+               "folder, store or id, or bad usage\n  130 interrupted by Ctrl-C or SIGTERM",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run folder (holds ledger.sqlite)")
     p.add_argument("--export", metavar="FILE", default=None, help="write one JSON record per sample to FILE")
     p.add_argument("--id", dest="item_id", metavar="ID", default=None, help="show one sample's history")

@@ -24,11 +24,15 @@ from pipeline.telemetry import FAILURE_FILE, METRICS_FILE, format_value
 SHOWN = ("reward", "staleness_mean", "samples_per_s", "version_s", "filtered_frac")  # when the record has them
 SUMMARY_SHOWN = ("version", "reward_start", "reward_end", "max_staleness_trained", "samples", "ledger_balanced",
                  "wall_s", "samples_per_s")
+REASONS_SHOWN = 8  # per fate, in the finished summary; summary.json has them all
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
-        "watch", help="print a run's progress from its folder while it runs, and its summary when it ends"
+        "watch", help="print a run's progress from its folder while it runs, and its summary when it ends",
+        epilog="exit codes:\n  0   the run finished (its summary printed)\n  1   the run failed (failure.log's "
+               "message printed)\n  2   RUN_DIR is not a folder, or bad usage\n  130 interrupted by Ctrl-C or SIGTERM",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("run_dir", metavar="RUN_DIR", help="the run's folder (runs/<name>-<timestamp>)")
     parser.add_argument("--interval", type=float, default=2.0, help="seconds between lines (default 2)")
@@ -62,7 +66,13 @@ def progress_line(record: Mapping[str, Any], steps: int | None) -> str:
 
 
 def summary_lines(summary: Mapping[str, Any]) -> list[str]:
+    """The finished line, one line per fate with its samples by reason (the most first), and where the
+    summary is."""
     lines = ["finished: " + "  ".join(f"{k} {format_value(summary[k])}" for k in SUMMARY_SHOWN if k in summary)]
+    for fate, reasons in (summary.get("reasons") or {}).items():
+        shown = list(reasons.items())[:REASONS_SHOWN]
+        more = f"; and {len(reasons) - len(shown)} more reasons" if len(reasons) > len(shown) else ""
+        lines.append(f"{fate} {sum(reasons.values())} by reason: " + "; ".join(f"{n} {r}" for r, n in shown) + more)
     lines.append(f"summary: {summary.get('run_dir', '')}/summary.json")
     return lines
 

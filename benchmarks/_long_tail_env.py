@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+from typing import Any
 
 import anyio
 
@@ -45,7 +46,9 @@ class LongTailFeedback:
     _episodes = itertools.count()  # episodes made in this process since `reset`
 
     def __init__(self, seed: int = 0, min_turns: int = 1, max_turns: int = 16, turn_alpha: float = 1.0,
-                 latency_min_s: float = 0.01, latency_max_s: float = 1.0, turn_discount: float = 0.8) -> None:
+                 latency_min_s: float = 0.01, latency_max_s: float = 1.0, **feedback: Any) -> None:
+        """`feedback`: DigitFeedback's own options (turn_discount, right, show ...), whatever the base config
+        (configs/agent-feedback.toml) sets; its max_turns is this episode's turn budget."""
         if not 1 <= min_turns <= max_turns:
             raise ValueError(f"need 1 <= min_turns <= max_turns, got {min_turns}, {max_turns}")
         if turn_alpha <= 0:
@@ -55,7 +58,7 @@ class LongTailFeedback:
         self.rng = random.Random(f"{seed}/{next(LongTailFeedback._episodes)}")
         self.turn_budget = pareto_turns(self.rng, min_turns, max_turns, turn_alpha)
         self.latency = (latency_min_s, latency_max_s)
-        self.inner = DigitFeedback(max_turns=self.turn_budget, turn_discount=turn_discount)
+        self.inner = DigitFeedback(max_turns=self.turn_budget, **feedback)
 
     @classmethod
     def reset(cls) -> None:

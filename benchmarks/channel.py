@@ -196,7 +196,9 @@ async def run_ray(n_batched: int, n_plain: int, repeats: int) -> dict[str, float
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    from pipeline.runtime.ray import init_own_cluster
+
+    init_own_cluster(num_cpus=2, log_to_driver=False)  # never a cluster `ray start` left behind
     try:
         best: dict[str, float] = {}
         for _ in range(repeats):

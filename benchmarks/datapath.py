@@ -351,6 +351,8 @@ def run_ray(batches: dict[int, RolloutBatch], override: int | None) -> dict:
     os.environ.pop("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", None)  # the default path
     import ray
 
+    from pipeline.runtime.ray import init_own_cluster
+
     @ray.remote(num_cpus=1)
     class Getter:
         def __init__(self) -> None:
@@ -365,7 +367,7 @@ def run_ray(batches: dict[int, RolloutBatch], override: int | None) -> dict:
             return seconds, sum(t.nbytes for t in got["tensors"].values())
 
     reference = {}
-    ray.init(include_dashboard=False, num_cpus=2, log_to_driver=False)
+    init_own_cluster(num_cpus=2, log_to_driver=False)  # never a cluster `ray start` left behind
     try:
         getter = Getter.remote()
         for size, batch in batches.items():

@@ -364,5 +364,7 @@ class RayStoreSpec:
 
     def open(self, holder: bool) -> RayStore:
         if not ray.is_initialized():
-            ray.init(include_dashboard=False, log_to_driver=False)
+            from pipeline.runtime.ray import init_own_cluster
+
+            init_own_cluster(log_to_driver=False)
         return RayStore(self.name, capacity_bytes=self.capacity_bytes)

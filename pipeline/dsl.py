@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 import tomllib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,9 +39,10 @@ from pipeline.context import RunContext
 from pipeline.contracts import Buffer, Consumer, Producer, VersionPolicy
 from pipeline.events import EventCounts
 from pipeline.faults import FaultPlan, FaultSpec
+from pipeline.reasons import by_kind
 from pipeline.runtime import RunReport, Runtime
 from pipeline.sinks import metric_sinks
-from pipeline.telemetry import Progress, RunFolder, get_logger, render_report
+from pipeline.telemetry import Panel, Progress, RunFolder, get_logger, render_report
 from pipeline.watchdog import WatchdogSettings
 
 RUNTIMES = ("local", "ray")
@@ -136,8 +137,8 @@ class Pipeline:
         if report is not None and report.ledger_json is not None:
             folder.write_text("ledger.json", report.ledger_json.decode())
         records = folder.read_metrics()
-        render_report(folder.path / "report.png", records, self.consumer.report_panels(records, folder.path),
-                      title=self.name)
+        panels = self.consumer.report_panels(records, folder.path) + reasons_panels(report.reasons if report else {})
+        render_report(folder.path / "report.png", records, panels, title=self.name)
         return records
 
     def _summary(
@@ -156,6 +157,7 @@ class Pipeline:
                 k: counts.get(k, 0)
                 for k in ("produced", "trained", "dropped", "lost", "regenerated", "filtered", "reused")
             },
+            "reasons": report.reasons,  # why samples were dropped, lost or regenerated (pipeline.reasons)
             "in_flight": counts["in_flight"],
             "ledger_balanced": report.balanced,
             "wall_s": round(wall, 2),
@@ -169,4 +171,14 @@ class Pipeline:
         return summary
 
 
-__all__ = ["Pipeline", "RunContext"]
+def reasons_panels(reasons: Mapping[str, Mapping[str, int]]) -> list[Panel]:
+    """The report's panel of why samples were not trained, from `RunReport.reasons`: per fate (dropped,
+    lost, regenerated), the fraction of its samples per reason kind (a reason up to its first ':'); none
+    when every sample trained."""
+    counts = {f"{fate} (n={sum(items.values())})": by_kind(items) for fate, items in reasons.items()}
+    if not counts:
+        return []
+    return [Panel("samples not trained, by reason", "hist", counts=counts, xlabel="reason (up to its first ':')")]
+
+
+__all__ = ["Pipeline", "RunContext", "reasons_panels"]

@@ -25,7 +25,8 @@ consumed, or reaches a terminal fate) its values move under its *outcome*: `"tra
 `"{fate}:{kind}"` where `kind` is its reason up to the first ':' (`"dropped:stale"`,
 `"dropped:filtered"`, `"lost:StoreError"` ...). `take_settled()` hands over what settled since the
 last call (and forgets it), so a consumer can histogram trained vs dropped values step by step;
-values of items still in flight are the only ones held.
+values of items still in flight are the only ones held. `reasons()` counts the items of each fate
+but trained by reason (pipeline.reasons: bounded whatever the reasons hold), for the run's summary.
 
 The ledger also keeps, per group, what the group was made from (`source`, opaque bytes such as an
 encoded prompt) until the group is trained or dropped, so work that was lost or requeued can be
@@ -54,7 +55,8 @@ from pathlib import Path
 
 import msgspec
 
-from pipeline.ledger_store import Fate, ItemRecord, LedgerStore, Position, StoreError, check, records
+from pipeline.ledger_store import Fate, ItemRecord, LedgerStore, Position, StoreError, check, records, settled_reasons
+from pipeline.reasons import ReasonCounts, reason_kind
 
 FATES: tuple[Fate, ...] = ("trained", "dropped", "lost", "regenerated", "in_flight")
 SETTLED: tuple[Fate, ...] = FATES[:-1]
@@ -95,6 +97,7 @@ class Ledger:
         self._values: dict[str, dict[str, float]] = {}  # item id -> named values, until it settles
         self._pending_redo: list[tuple[str, bytes]] = []  # (group, source) taken, its redo not produced yet
         self._settled: defaultdict[str, defaultdict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+        self._reasons = ReasonCounts()  # the items settled other than trained, by reason
 
     @classmethod
     def create(cls, run_dir: str | Path, max_uses: int = 1) -> Ledger:
@@ -222,6 +225,7 @@ class Ledger:
         ledger._sources = dict(state.sources)
         ledger._pending_redo = list(state.pending_redo)
         ledger._values = {k: dict(v) for k, v in state.values.items()}
+        ledger._reasons.add_all(settled_reasons(ledger.store.conn))  # the store holds the checkpoint's rows
         problems = ledger.violations(full=False)
         if problems:
             raise LedgerError(f"a checkpointed ledger does not balance: {'; '.join(problems[:5])}")
@@ -277,6 +281,11 @@ class Ledger:
             "filtered": self._counts["filtered"],
             "reused": self._counts["reused"],
         }
+
+    def reasons(self) -> dict[str, dict[str, int]]:
+        """{fate: {reason: items}} for the items that settled other than trained, most items first; bounded
+        (pipeline.reasons: beyond a few reasons per kind, a kind's items are counted under "{kind}: ...")."""
+        return self._reasons.as_dict()
 
     def violations(self, full: bool = True) -> list[str]:
         """Every broken invariant, as a sentence; empty when the ledger balances. Checks the counts (the
@@ -348,6 +357,8 @@ class Ledger:
                 self._settled[outcome][name].append(value)
         if fate == "dropped" and outcome_of(fate, reason) == f"dropped:{FILTERED}":
             self._counts["filtered"] += 1
+        if fate != "trained":
+            self._reasons.add(fate, reason)
         self._counts["in_flight"] -= 1
         self._counts[fate] += 1
         rec.fate = fate
@@ -358,7 +369,7 @@ def outcome_of(fate: str, reason: str) -> str:
     """"trained", or "{fate}:{kind}" where kind is `reason` up to its first ':' (the fate alone if empty)."""
     if fate == "trained":
         return fate
-    kind = reason.split(":", 1)[0].strip()
+    kind = reason_kind(reason)
     return f"{fate}:{kind}" if kind else fate
 
 

@@ -254,6 +254,15 @@ def totals(conn: sqlite3.Connection) -> dict[str, int]:
     }
 
 
+def settled_reasons(conn: sqlite3.Connection) -> list[tuple[str, str, int]]:
+    """(fate, reason, items) of the items that settled other than trained, in the order each reason first
+    appeared (for pipeline.reasons.ReasonCounts)."""
+    return conn.execute(
+        "SELECT fate, reason, count(*) FROM settled WHERE use = 0 AND fate != 'trained' "
+        "GROUP BY fate, reason ORDER BY min(seq)"
+    ).fetchall()
+
+
 class Violation(msgspec.Struct, frozen=True):
     kind: str  # settled twice | trained twice | over max_uses | over the bound | lost uncounted | bad record
     message: str
@@ -311,5 +320,5 @@ def open_run(run_dir: Path | str) -> sqlite3.Connection:
 __all__ = [
     "COMMIT_ROWS", "COMMIT_S", "STORE_FILE", "Fate", "ItemRecord", "LedgerStore", "Position", "StoreError", "Violation",
     "check",
-    "connect", "export_jsonl", "history", "meta", "open_run", "records", "totals",
+    "connect", "export_jsonl", "history", "meta", "open_run", "records", "settled_reasons", "totals",
 ]

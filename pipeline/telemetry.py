@@ -454,9 +454,9 @@ class Panel:
     kind "line": one line per key in `y` against record key `x` (or the record index if x is None), or,
                  with `series` ({label: (xs, ys)}), those lines as given.
     kind "hist": a histogram of `values` if given, else of every record's `y` keys (one per key);
-                 with `counts` ({label: {bin: count}}, pre-binned, e.g. by pipeline.histograms or by
-                 integer), one bar per label at each bin, as fractions of that label's total, so groups
-                 of different sizes compare.
+                 with `counts` ({label: {bin: count}}, pre-binned, e.g. by pipeline.histograms, by
+                 integer or by name), one bar per label at each bin, as fractions of that label's total,
+                 so groups of different sizes compare.
     kind "bar":  with `x` None, one bar per `y` key from the last record that has it; with `x` set,
                  bars of each `y` key at each record's `x` (grouped).
     kind "timeline": `lanes` ({lane: [(start s, duration s, state), ...]}), one row per lane, each
@@ -512,7 +512,7 @@ def sliding_rate(ts: Sequence[float], amounts: Sequence[float], window_s: float)
 def _draw_binned(ax: Any, counts: Mapping[str, Mapping[str, int]]) -> bool:
     """Grouped bars of pre-binned counts, one colour per label, heights as fractions of the label."""
     shown = {label: bins for label, bins in counts.items() if sum(bins.values()) > 0}
-    edges = sorted({edge for bins in shown.values() for edge in bins}, key=float)
+    edges = sorted({edge for bins in shown.values() for edge in bins}, key=_bin_order)
     width = 0.8 / max(len(shown), 1)
     for j, (label, bins) in enumerate(shown.items()):
         total = sum(bins.values())
@@ -520,10 +520,19 @@ def _draw_binned(ax: Any, counts: Mapping[str, Mapping[str, int]]) -> bool:
                width=width, label=label)
     if edges:
         offset = width * (len(shown) - 1) / 2
-        ax.set_xticks([i + offset for i in range(len(edges))], edges)
-        ax.set_xlabel("bin (lower edge)")
+        named = _bin_order(edges[-1])[0]  # bins named by words (reasons), not by numbers
+        ax.set_xticks([i + offset for i in range(len(edges))], edges, rotation=20 if named else 0)
+        ax.set_xlabel("bin" if named else "bin (lower edge)")
         ax.set_ylabel("fraction")
     return bool(shown)
+
+
+def _bin_order(edge: str) -> tuple[int, float, str]:
+    """Numeric bins in numeric order, then named ones alphabetically."""
+    try:
+        return 0, float(edge), ""
+    except ValueError:
+        return 1, 0.0, edge
 
 
 def _draw_line(ax: Any, panel: Panel, records: list[Mapping[str, Any]]) -> bool:

@@ -23,7 +23,8 @@ def share_the_gil() -> None:
 
 @dataclass
 class RunReport:
-    """What a runtime hands back: the clock, the ledger's counts and records, and runtime extras."""
+    """What a runtime hands back: the clock, the ledger's counts, reasons (`Ledger.reasons`) and records,
+    and runtime extras."""
 
     version: int
     counts: dict[str, int]
@@ -31,6 +32,7 @@ class RunReport:
     ledger_json: bytes | None
     started_at: float  # wall clock
     extra: dict[str, Any] = field(default_factory=dict)  # runtime-specific summary entries
+    reasons: dict[str, dict[str, int]] = field(default_factory=dict)  # {fate: {reason: items}}, trained aside
 
 
 class Runtime(Protocol):

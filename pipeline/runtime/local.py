@@ -60,7 +60,7 @@ class LocalRun:
                 for channel in ctx.channels.values():
                     channel.close()
                 self.report = RunReport(clock.version, ledger.counts(), ledger.balanced(), ledger.to_json(),
-                                        ctx.started_at)
+                                        ctx.started_at, reasons=ledger.reasons())
         if failure is not None:
             log.error("run failed", folder=str(folder.path), ledger=ledger.counts(), error=str(failure))
             if isinstance(failure.__cause__, PipelineHung):

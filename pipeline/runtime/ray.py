@@ -161,6 +161,7 @@ class Conductor(LocalClock, LocalLedger):
             {
                 "version": self.clock.version,
                 "counts": self.ledger.counts(),
+                "reasons": self.ledger.reasons(),
                 "violations": self.ledger.violations(),
                 "ledger_json": self.ledger.to_json(),
                 "gate": {"started": self.gate.started, "discarded": self.gate.discarded, "wait_s": self.gate.wait_s},
@@ -430,26 +431,25 @@ class RayRun:
             self._init_ray(hosts_needed)
 
     def _init_ray(self, hosts_needed: int) -> None:
-        local = self.address is None
+        options: dict[str, Any] = dict(
+            log_to_driver=bool(os.environ.get("BATON_RAY_LOGS")),
+            # MALLOC_ARENA_MAX: glibc's arena per thread lets a host's heap creep up long after warm-up
+            # (measured, 40k samples: the learner's process +54 MB per 100k over the second half, +39 with 2)
+            runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+                                      "MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX", "2"),
+                                      **_memory_report_env()}},
+        )
+        if self.address is None:
+            # logical CPUs: one per host even on a 2-core machine (each host runs one torch thread).
+            # Ray's GCS keeps an event record of every actor call for its state API, which baton never
+            # reads; a run makes millions of calls, so a cluster of its own records none (measured:
+            # +150 MB of GCS per 50k calls by default, +24 MB capped at 10k tasks, +1 MB off)
+            init_own_cluster(max(os.cpu_count() or 1, hosts_needed),
+                             _system_config={"task_events_report_interval_ms": 0}, **options)
+            return
         try:
-            ray.init(
-                # logical CPUs: one per host even on a 2-core machine (each host runs one torch thread)
-                num_cpus=max(os.cpu_count() or 1, hosts_needed) if local else None,
-                address="local" if local else self.address, include_dashboard=False,
-                log_to_driver=bool(os.environ.get("BATON_RAY_LOGS")),
-                # MALLOC_ARENA_MAX: glibc's arena per thread lets a host's heap creep up long after warm-up
-                # (measured, 40k samples: the learner's process +54 MB per 100k over the second half, +39 with 2)
-                runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-                                          "MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX", "2"),
-                                          **_memory_report_env()}},
-                # Ray's GCS keeps an event record of every actor call for its state API, which baton never
-                # reads; a run makes millions of calls, so a cluster of its own records none (measured:
-                # +150 MB of GCS per 50k calls by default, +24 MB capped at 10k tasks, +1 MB off)
-                _system_config={"task_events_report_interval_ms": 0} if local else None,
-            )
+            ray.init(address=self.address, include_dashboard=False, **options)
         except (ConnectionError, ValueError, RuntimeError) as exc:
-            if local:
-                raise
             raise ConnectionError(f"ray.address = {self.address!r}: could not join that Ray cluster ({exc})") from exc
 
     async def _shared_state(
@@ -518,6 +518,7 @@ class RayRun:
             self.report = RunReport(
                 final["version"], final["counts"], not final["violations"], final["ledger_json"], started_at,
                 extra={"runtime": "ray", "restarts": dict(self.restarts), "checkpoint_pause_s": final["frozen_s"]},
+                reasons=final["reasons"],
             )
         for host in self._hosts.values():
             try:
@@ -659,6 +660,18 @@ async def feed_resume(resume: Any, wiring: Wiring) -> None:
         await ctx.services.store.close()
 
 
+def init_own_cluster(num_cpus: int | None = None, **options: Any) -> None:
+    """Start a new local Ray cluster of this process's own and connect to it (`ray.init(address="local")`),
+    never one that `ray start` left behind, live or dead: plain `ray.init()` joins the cluster RAY_ADDRESS
+    names, else the one whose address /tmp/ray/ray_current_cluster still holds after its head stopped (and
+    then fails: "num_cpus ... must not be provided"). Its listeners are on 127.0.0.1 (this module sets
+    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before importing ray), there is no dashboard, and the caller's
+    SIGTERM handler stays. `options`: more `ray.init` keywords. Every local cluster baton or its
+    benchmarks start comes from here."""
+    with _keeping_the_sigterm_handler():
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **options)
+
+
 @contextlib.contextmanager
 def _keeping_the_sigterm_handler() -> Iterator[None]:
     """`ray.init` replaces the process's SIGTERM handler (with `sys.exit`, and then its core worker's crash
@@ -682,4 +695,4 @@ def _memory_report_env() -> dict[str, str]:
 
 _STATE_ENCODER = msgspec.msgpack.Encoder()
 
-__all__ = ["Conductor", "RayRun", "StageHost"]
+__all__ = ["Conductor", "RayRun", "StageHost", "init_own_cluster"]

@@ -71,6 +71,16 @@ def test_watch_a_failed_run_prints_the_short_failure_and_exits_1(tmp_path: Path)
     assert "Traceback" in (run_dir / FAILURE_FILE).read_text() and "Traceback" not in out.getvalue()
 
 
+def test_the_summary_says_per_fate_why_samples_were_not_trained_the_most_first() -> None:
+    reasons = {f"episode failed: environment step raised KeyError: {i}": 20 - i for i in range(10)}
+    lines = watch_command.summary_lines({"run_dir": "r", "version": 3, "samples": {"dropped": 155, "lost": 1},
+                                         "reasons": {"dropped": reasons, "lost": {"CorruptPayload: bad": 1}}})
+    assert lines[1] == "dropped 155 by reason: " + "; ".join(
+        f"{20 - i} episode failed: environment step raised KeyError: {i}" for i in range(8)) + "; and 2 more reasons"
+    assert lines[2] == "lost 1 by reason: 1 CorruptPayload: bad"
+    assert lines[3] == "summary: r/summary.json"
+
+
 def test_watch_cli_entry_refuses_a_missing_folder(tmp_path: Path) -> None:
     parser = argparse.ArgumentParser()
     watch_command.add_parser(parser.add_subparsers(dest="command"))

@@ -4,6 +4,7 @@ closed mid-run stops the run with a clear error, and the ledger balances in ever
 
 from __future__ import annotations
 
+import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,10 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from baton.watch_command import watch
 from buffers.memory import MemoryStore
 from buffers.ref_buffer import RefBuffer
 from pipeline.actor import ActorFailed, BaseActor
 from pipeline.dsl import Pipeline
+from pipeline.reasons import by_kind, more_of
 from policies import MaxStaleness
 from stages.data.model import make_tiny_model
 from stages.data.tasks import ReverseDigits
@@ -88,6 +91,12 @@ def test_stale_groups_are_dropped_and_counted(model: Path, tmp_path: Path) -> No
     dropped = [r for r in ledger_of(s) if r["fate"] == "dropped"]
     assert dropped and all(r["reason"].startswith("stale: ") for r in dropped)
     assert all(r["trained_at"][0] == r["versions"][0] for r in ledger_of(s) if r["fate"] == "trained")
+    # the summary, and `baton watch` from it, say why: every dropped sample by its reason
+    assert list(s["reasons"]) == ["dropped"] and by_kind(s["reasons"]["dropped"]) == {"stale": len(dropped)}
+    assert set(s["reasons"]["dropped"]) <= {r["reason"] for r in dropped} | {more_of("stale")}
+    out = io.StringIO()
+    assert watch(Path(s["run_dir"]), out=out, sleep=lambda _: None) == 0
+    assert f"dropped {len(dropped)} by reason: " in out.getvalue()
 
 
 def test_stale_groups_are_requeued_and_regenerated(model: Path, tmp_path: Path) -> None:
@@ -111,6 +120,7 @@ def test_corrupt_payloads_are_lost_counted_and_replaced(model: Path, tmp_path: P
     assert s["samples"]["trained"] == 6 * 4 * 4
     lost = [r for r in ledger_of(s) if r["fate"] == "lost"]
     assert all("CorruptPayload" in r["reason"] for r in lost)
+    assert sum(s["reasons"]["lost"].values()) == len(lost) and all("CorruptPayload" in r for r in s["reasons"]["lost"])
     assert s["ledger_balanced"]
 
 

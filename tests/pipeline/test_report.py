@@ -12,6 +12,7 @@ import pytest
 from baton.builder import build_pipeline
 from baton.config import validate
 from baton.schema import RunConfig
+from pipeline.dsl import reasons_panels
 from pipeline.telemetry import Panel, render_report, sliding_rate
 from policies.staleness import MaxStaleness
 from stages.learner import GRPOLearner
@@ -113,6 +114,10 @@ def test_report_of_an_async_run_with_drops(tmp_path: Path) -> None:
     assert sum(counts.values()) == 8 * 4
     assert any(set(p.counts) >= {"trained (n=128)"} and len(p.counts) > 1
                for p in panels if p.title.startswith("trained vs dropped"))
+    why = reasons_panels(summary["reasons"])  # the run's report.png has it after the consumer's panels
+    assert render_report(tmp_path / "why.png", [], why) == ["samples not trained, by reason"]
+    dropped = why[0].counts[f"dropped (n={summary['samples']['dropped']})"]
+    assert "stale" in dropped and sum(dropped.values()) == summary["samples"]["dropped"]
     assert drawn[-1].startswith("where the time goes")
 
 
