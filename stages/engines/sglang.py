@@ -79,6 +79,8 @@ class SGLangEngine:
         if self.pause_mode not in PAUSE_MODES:
             raise ValueError(f"engine.pause_mode must be one of {PAUSE_MODES}, got {self.pause_mode!r}")
         self._version = 0
+        cpu = self.device == "cpu" or (self.device == "auto" and not gpu_available())
+        self.gpus = 0 if cpu or self.url is not None else 1  # the server it launches uses one; an attached one none
         self._latest: tuple[int, dict[str, torch.Tensor]] | None = None
         self._server: SGLangServer | None = None
         self._base_url: str | None = None  # the server's address: `url`, or the launched server's
@@ -100,12 +102,6 @@ class SGLangEngine:
     def load(self) -> int:
         """Requests this engine has in flight on its server."""
         return len(self._inflight)
-
-    @property
-    def gpus(self) -> int:
-        """GPUs the server it launches uses (one; none on CPU, none for a server attached by url)."""
-        cpu = self.device == "cpu" or (self.device == "auto" and not gpu_available())
-        return 0 if cpu or self.url is not None else 1
 
     def attach(self, run: EngineRun) -> None:
         """The run's staleness policy answers for requests in flight; the server logs to the run folder."""

@@ -71,15 +71,11 @@ class TorchEngine:
         self.busy_s = 0.0
         self.policy = None  # the run's staleness policy (its `interrupt`), from `attach`
         self.stats = {"interrupted": 0, "prefills": 0, "decode_steps": 0}  # forward passes of each kind
+        self.gpus = int(str(device).startswith("cuda"))  # what its process asks the runtime for
 
     @property
     def version(self) -> int:
         return self._version
-
-    @property
-    def gpus(self) -> int:
-        """One when it generates on CUDA."""
-        return int(str(self.device).startswith("cuda"))
 
     @property
     def load(self) -> int:

@@ -1,4 +1,5 @@
-"""SGLangEngine's own logic against a scripted HTTP stand-in (the real server is tests/stages/engines/test_sglang.py)."""
+"""SGLangEngine's own logic against a scripted HTTP stand-in (the real server:
+tests/stages/engines/test_sglang.py)."""
 
 from __future__ import annotations
 
