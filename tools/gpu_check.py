@@ -10,6 +10,9 @@ learner step and sparse weight deltas on a random-init model of real size, on CU
 - sparse deltas: the learner-side `Planner` packs each version in bf16 and diffs it against the one
   before, the receiver-side `Slots` rebuilds it and verifies every bucket's checksum (changed
   fraction, patch bytes / full bytes, diff and rebuild seconds) at lr 1e-6 and 1e-5;
+- sharded learner: the same step with the model under FSDP2 (a group of one rank on the one GPU: bf16
+  compute, fp32 reduction and master weights), s per step and peak memory, and its weights gathered
+  one parameter at a time to the host (what a push of N ranks does without mooncake_p2p);
 - mooncake_p2p from CUDA memory: when `mooncake` imports there (it is not installed on the device
   image; carry its CUDA wheel), registers the learner's CUDA weights with a TransferEngine.
 Prints one JSON object as its last line (and writes it to `--out`/gpu-check.json). `--shape tiny
@@ -162,6 +165,37 @@ def send(planner: Planner, actor: PolicyTrainer, version: int, slots: Slots) -> 
             "rebuild_s": round(time.perf_counter() - t0, 4)}
 
 
+def check_sharded_learner(folder: Path, device: str, batch: int, vocab: int, steps: int) -> dict:
+    """The learner's FSDP2 path on one rank of its own group (nccl on CUDA, gloo on CPU)."""
+    import torch.distributed as dist
+
+    from pipeline.net import free_port
+
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        trainer = PolicyTrainer(GRPOLearner(model_path=folder, lr=1e-6, device=device), steps=1 << 30, shard=True)
+        trainer.schedule(0)
+        batches = fake_batches(max(batch // 8, 1), 8, prompt=128, completion=128, vocab=vocab)
+        if device.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats()
+        seconds = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            trainer.train(batches)
+            sync(device)
+            seconds.append(round(time.perf_counter() - t0, 4))
+        t0 = time.perf_counter()
+        weights = trainer.weights()
+        out = {"step_s": seconds, "gather_s": round(time.perf_counter() - t0, 4),
+               "gathered_bytes": sum(t.nbytes for t in weights.values())}
+        if device.startswith("cuda"):
+            out["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
 def check_mooncake_cuda(device: str) -> dict:
     try:
         from mooncake.engine import TransferEngine
@@ -194,6 +228,7 @@ def main() -> None:
         vocab = SHAPES[a.shape]["vocab_size"]
         result["engine"] = asyncio.run(check_engine(folder, a.device, a.batch, a.new_tokens, vocab))
         result.update(check_learner_and_deltas(folder, a.device, a.batch, vocab, a.steps))
+        result["sharded_learner"] = check_sharded_learner(folder, a.device, a.batch, vocab, a.steps)
     result["mooncake_cuda"] = check_mooncake_cuda(a.device)
     line = json.dumps(result)
     if a.out:

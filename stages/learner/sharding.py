@@ -30,13 +30,14 @@ def pick_device(device: str, world_size: int = 1) -> torch.device:
 
 
 def load_policy(folder: str | Path, device: torch.device, world_size: int = 1,
-                activation_checkpointing: bool = False) -> torch.nn.Module:
-    """The model in `folder`, in fp32, on `device`; sharded over the ranks with FSDP2 when `world_size` > 1."""
+                activation_checkpointing: bool = False, shard: bool | None = None) -> torch.nn.Module:
+    """The model in `folder`, in fp32, on `device`; sharded over the ranks with FSDP2 when `world_size` > 1
+    (or `shard`: a group of one, as the GPU check runs FSDP2 on its one GPU)."""
     model = load_model(folder)
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
-    if world_size == 1:
+    if not (world_size > 1 if shard is None else shard):
         return model.to(device)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard

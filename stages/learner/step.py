@@ -145,14 +145,17 @@ class PolicyTrainer:
     `spec` is the learner's config (`stages.learner.GRPOLearner`); `world_size` > 1 shards the model
     with FSDP2 over the process group this rank has joined."""
 
-    def __init__(self, spec: Any, steps: int, world_size: int = 1) -> None:
+    def __init__(self, spec: Any, steps: int, world_size: int = 1, shard: bool | None = None) -> None:
         self.spec, self.steps, self.world_size = spec, steps, world_size
+        self.sharded = world_size > 1 if shard is None else shard
         self.device = sharding.pick_device(spec.device, world_size)
-        self.model = sharding.load_policy(spec.model_path, self.device, world_size, spec.activation_checkpointing)
+        self.model = sharding.load_policy(spec.model_path, self.device, world_size, spec.activation_checkpointing,
+                                          self.sharded)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
         self.reference: torch.nn.Module | None = None  # the initial weights, for the KL penalty (kl_coef > 0)
         if spec.kl_coef > 0:  # the model folder holds the initial weights, also on resume
-            self.reference = sharding.load_policy(spec.model_path, self.device, world_size).requires_grad_(False)
+            self.reference = sharding.load_policy(spec.model_path, self.device, world_size,
+                                                    shard=self.sharded).requires_grad_(False)
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
 
     def schedule(self, version: int) -> None:
@@ -166,17 +169,17 @@ class PolicyTrainer:
     def weights(self) -> dict[str, torch.Tensor]:
         """The weights to publish: the live state dict on one rank; on several, every parameter gathered
         whole, one at a time, to rank 0's host memory (a collective: every rank calls it; the others get {})."""
-        if self.world_size == 1:
+        if not self.sharded:
             return self.model.state_dict()
         return sharding.full_weights(self.model)
 
     def write_state(self, folder: Path, version: int) -> None:
         """This rank's part of a checkpoint (a collective with several ranks)."""
-        write_learner_state(folder, version, self.model, self.optimizer, self.spec.selection, self.world_size > 1)
+        write_learner_state(folder, version, self.model, self.optimizer, self.spec.selection, self.sharded)
 
     def read_state(self, folder: Path) -> int:
         """Load a checkpoint's learner state, written at any world size; returns its version."""
-        return read_learner_state(folder, self.model, self.optimizer, self.spec.selection, self.world_size > 1)
+        return read_learner_state(folder, self.model, self.optimizer, self.spec.selection, self.sharded)
 
     def train(self, batches: list[RolloutBatch], mean_staleness: float = 0.0) -> dict[str, float]:
         """One version's step on all of `batches` (this rank is the whole learner)."""
