@@ -37,7 +37,7 @@ from buffers.mooncake import MooncakeSettings
 from pipeline.dsl import Pipeline
 from pipeline.faults import FAULT_KINDS, FaultSpec
 from pipeline.watchdog import WatchdogSettings
-from policies.correction import Correction
+from policies.correction import KIND_OF_SETTING, Correction, CorrectionKind
 from policies.selection import Selection
 from policies.staleness import MaxStaleness, reuse_lead
 from stages.data.datasets import DatasetTask
@@ -456,12 +456,15 @@ class MaxStalenessSpec(Section):
 
 
 class CorrectionSpec(Section):
-    """Off-policy correction in the learner's loss (policies.correction)."""
+    """Off-policy correction in the learner's loss (policies.correction): which objective, and its settings."""
 
-    kind: Literal["none", "tis", "decoupled"] = Field(
+    kind: CorrectionKind = Field(
         default_of(Correction, "kind"),
-        description="none: PPO-clip on behaviour logprobs; tis / decoupled: clip against the learner's "
-        "logprobs at the step's start, tokens weighted by pi_prox / pi_behav"
+        description="none: PPO-clip on behaviour logprobs; the others clip against the learner's logprobs at the "
+        "step's start and weight tokens by pi_prox / pi_behav: tis truncates the weight, decoupled keeps it "
+        "(left out above decoupled_cap), m2po leaves out the tokens whose squared log-weight lifts the batch's "
+        "second moment over m2_threshold, mis-token / mis-seq leave out tokens / rows whose weight lies outside "
+        "their bounds, gspo uses a sequence-level ratio and clip"
     )
     tis_cap: float = Field(default_of(Correction, "tis_cap"), ge=1, description="tis: importance weights above "
                            "this are truncated to it")
@@ -469,15 +472,55 @@ class CorrectionSpec(Section):
         default_of(Correction, "decoupled_cap"), ge=1,
         description="decoupled: tokens whose importance weight exceeds this are left out; unset: none are"
     )
+    m2_threshold: float = Field(
+        default_of(Correction, "m2_threshold"), gt=0,
+        description="m2po: the most mean squared log(pi_prox / pi_behav) of the kept tokens (the batch's second "
+        "moment); the largest are left out until it holds (0.04 in the M2PO paper)"
+    )
+    mis_token_low: float = Field(default_of(Correction, "mis_token_low"), ge=0, le=1,
+                                 description="mis-token: tokens whose weight is below this are left out")
+    mis_token_high: float = Field(default_of(Correction, "mis_token_high"), ge=1,
+                                  description="mis-token: tokens whose weight is above this are left out")
+    mis_seq_low: float = Field(
+        default_of(Correction, "mis_seq_low"), ge=0, le=1,
+        description="mis-seq: rows whose geometric-mean weight (per token, so tighter than a token's bounds) is "
+        "below this are left out"
+    )
+    mis_seq_high: float = Field(default_of(Correction, "mis_seq_high"), ge=1,
+                                description="mis-seq: rows whose geometric-mean weight is above this are left out")
+    gspo_clip_low: float = Field(
+        default_of(Correction, "gspo_clip_low"), gt=0, lt=1,
+        description="gspo: the sequence ratio is clipped at 1 - this (replaces learner.clip_eps; 3e-4 in the "
+        "GSPO paper)"
+    )
+    gspo_clip_high: float = Field(
+        default_of(Correction, "gspo_clip_high"), gt=0,
+        description="gspo: the sequence ratio is clipped at 1 + this (replaces learner.clip_eps_high; 4e-4 in "
+        "the GSPO paper)"
+    )
 
     @model_validator(mode="after")
-    def _cap_matches_kind(self) -> CorrectionSpec:
-        if self.decoupled_cap is not None and self.kind != "decoupled":
-            raise ValueError(
-                f"correction.decoupled_cap = {self.decoupled_cap} applies only to correction.kind = 'decoupled', "
-                f"but correction.kind = {self.kind!r}; remove correction.decoupled_cap or set correction.kind = "
-                "'decoupled'"
-            )
+    def _settings_match_kind(self) -> CorrectionSpec:
+        """A setting only one kind reads, given a value other than its default under another kind, is a mistake."""
+        for key, kind in KIND_OF_SETTING.items():
+            value = getattr(self, key)
+            if self.kind != kind and value != default_of(Correction, key):
+                raise ValueError(
+                    f"correction.{key} = {value} applies only to correction.kind = {kind!r}, but correction.kind = "
+                    f"{self.kind!r}; remove correction.{key} or set correction.kind = {kind!r}"
+                )
+        return self
+
+    @model_validator(mode="after")
+    def _bounds_keep_on_policy_tokens(self) -> CorrectionSpec:
+        for level in ("mis_token", "mis_seq"):
+            low, high = getattr(self, f"{level}_low"), getattr(self, f"{level}_high")
+            if low == high:
+                raise ValueError(
+                    f"correction.{level}_low = {low} equals correction.{level}_high: only weights of exactly 1 "
+                    f"would be kept; widen them, e.g. {level}_low = {default_of(Correction, level + '_low')}, "
+                    f"{level}_high = {default_of(Correction, level + '_high')}"
+                )
         return self
 
 

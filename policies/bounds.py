@@ -38,8 +38,8 @@ derivation against exactly):
   epoch, `s * epochs + epochs - 1` optimizer steps older than the weights being trained. With
   `correction = "none"` the loss clips against that behaviour policy, so the bound k, stated in versions,
   would silently stand for more optimizer steps (miles #1697): rejected unless no trained sample is ever
-  older than the step's own version (k = 0: PPO's epochs on on-policy data). A correction (`tis`,
-  `decoupled`) clips against the step's proximal policy, so only the importance weight sees the versions.
+  older than the step's own version (k = 0: PPO's epochs on on-policy data). A correction (every kind but
+  `none`) clips against the step's proximal policy, so only the importance weight sees the versions.
 * A group can be trained only at versions `oldest .. oldest + k`, so `max_reuse > k + 1` is unreachable.
 
 Each problem names the keys to change and values that would pass.

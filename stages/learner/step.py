@@ -225,7 +225,7 @@ class PolicyTrainer:
         proximal = logp.detach() if proximal is None else proximal  # the weights at the step's start
         entropy = token_entropy(logp_all if spec.entropy_coef > 0 else logp_all.detach())
         loss, info = spec.correction.loss(logp, old[:, 1:], proximal, adv, m, spec.clip_eps, spec.clip_eps_high,
-                                          reduce)
+                                          reduce, entropy=entropy)
         if spec.entropy_coef > 0:
             loss = loss - spec.entropy_coef * reduce(entropy * bonus, m)
         if self.reference is not None:
