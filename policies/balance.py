@@ -9,9 +9,10 @@ at least as many groups as ranks every rank gets one or more; when there are few
 over get none and still take part in the step with an empty batch (their loss contributes 0 and the
 loss is normalised by the step's global token count, so the gradient equals one rank's).
 
-`micro_batches(tokens, max_tokens)` packs one rank's rows into micro-batches of at most `max_tokens`
-tokens each, first fit over the rows largest first; a row larger than the budget is alone in its
-micro-batch.
+`micro_batches(tokens, max_tokens)` packs one rank's rows into micro-batches whose padded size (rows x
+the longest row: what a padded forward pass holds) is at most `max_tokens`, first fit over the rows
+largest first (so a micro-batch's rows are of like length and little is padding); a row larger than the
+budget is alone in its micro-batch.
 """
 
 from __future__ import annotations
@@ -39,19 +40,20 @@ def loads(tokens: Sequence[int], shares: Sequence[Sequence[int]]) -> list[int]:
     return [sum(tokens[i] for i in share) for share in shares]
 
 
-def micro_batches(tokens: Sequence[int], max_tokens: int) -> list[list[int]]:
-    """Row indexes per micro-batch (each list ascending; micro-batches ordered by their first row), each
-    within `max_tokens` unless it is a single row larger than that."""
+def micro_batches(tokens: Sequence[int], max_tokens: int | None) -> list[list[int]]:
+    """Row indexes per micro-batch (each list ascending; micro-batches ordered by their first row), each of
+    padded size (rows x its longest row) within `max_tokens` unless it is a single row larger than that.
+    None: one micro-batch of every row."""
+    if max_tokens is None:
+        return [list(range(len(tokens)))] if len(tokens) else []
     if max_tokens < 1:
         raise ValueError(f"max_tokens is {max_tokens}; it must be at least 1")
     batches: list[list[int]] = []
-    room: list[int] = []
     for i in sorted(range(len(tokens)), key=lambda i: (-tokens[i], i)):
-        fit = next((b for b, free in enumerate(room) if tokens[i] <= free), None)
+        # rows come longest first, so a micro-batch's first row is its longest
+        fit = next((b for b in batches if (len(b) + 1) * tokens[b[0]] <= max_tokens), None)
         if fit is None:
             batches.append([i])
-            room.append(max_tokens - tokens[i])
         else:
-            batches[fit].append(i)
-            room[fit] -= tokens[i]
+            fit.append(i)
     return sorted((sorted(b) for b in batches), key=lambda b: b[0])

@@ -10,7 +10,7 @@ of the collective. Followers run `follow` until told to stop.
 Protocol, all over the control group, no pickle: a command is an int64 tensor [op, version, n] then n
 bytes (a path, or msgpack); a step sends every rank its share of the groups as codec-encoded batches
 (`buffers.codec`) and the `StepPlan` every rank must agree on. A step's groups are split across ranks
-by tokens (`split_by_tokens`: whole groups, the most tokens first to the least loaded rank).
+by tokens (`policies.balance.balance_groups`: whole groups, the most tokens first to the least loaded rank).
 
 Failure: a follower that exits is seen by `RankGroup.check` (the learner actor polls it) and ends
 the run at once with `LearnerRankFailed`, naming the rank and its exit code; a collective that a dead
@@ -33,6 +33,7 @@ from buffers.codec import RolloutBatch, decode, encode
 from pipeline.contracts import Helper, HelperStarter, Resources
 from pipeline.net import free_port
 from pipeline.runtime.local import start_local_helpers
+from policies.balance import balance_groups
 from stages.learner.step import PolicyTrainer, StepPlan, group_figures, plan_step, row_lengths
 
 STEP, WEIGHTS, SAVE, LOAD, SCHEDULE, STOP = range(6)
@@ -40,18 +41,6 @@ STEP, WEIGHTS, SAVE, LOAD, SCHEDULE, STOP = range(6)
 
 class LearnerRankFailed(RuntimeError):
     """A rank of the learner died or left its group; the message names the rank and how."""
-
-
-def split_by_tokens(tokens: list[int], ranks: int) -> list[list[int]]:
-    """Whole groups (by index) per rank, balancing tokens: the largest group first, each to the rank with
-    the fewest tokens so far (ties: the lowest rank). Pure and deterministic."""
-    shares: list[list[int]] = [[] for _ in range(ranks)]
-    load = [0] * ranks
-    for i in sorted(range(len(tokens)), key=lambda i: (-tokens[i], i)):
-        rank = min(range(ranks), key=lambda r: (load[r], r))
-        shares[rank].append(i)
-        load[rank] += tokens[i]
-    return [sorted(share) for share in shares]
 
 
 def _pack(batches: list[RolloutBatch]) -> bytes:
@@ -223,7 +212,7 @@ class RankedTrainer:
         """Split the step's groups over the ranks by tokens, send each follower its share, step rank 0's;
         the metrics are over every rank's rows (reward and group figures over all `batches`)."""
         tokens = [sum(row_lengths([b])) for b in batches]
-        shares = [[batches[i] for i in share] for share in split_by_tokens(tokens, self.group.world_size)]
+        shares = [[batches[i] for i in share] for share in balance_groups(tokens, self.group.world_size)]
         plan = plan_step(shares, mean_staleness, self.spec.micro_batch_tokens)
         self.channel.command(STEP, 0, msgspec.msgpack.encode(plan))
         self.channel.scatter([b"", *(_pack(share) for share in shares[1:])])

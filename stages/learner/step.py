@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from buffers.codec import RolloutBatch
+from policies.balance import micro_batches
 from stages.learner import sharding
 from stages.learner.losses import (
     aggregate,
@@ -104,23 +105,6 @@ def batch_tensors(batches: list[RolloutBatch]) -> tuple[torch.Tensor, ...]:
 def row_lengths(batches: list[RolloutBatch]) -> list[int]:
     """Every row's token count, in `batch_tensors` order."""
     return [int(n) for b in batches for n in np.diff(b.offsets)]
-
-
-def micro_batches(lengths: list[int], max_tokens: int | None) -> list[list[int]]:
-    """Consecutive rows cut into micro-batches whose padded size (rows x longest row) stays within
-    `max_tokens`; a row longer than that is a micro-batch alone. None: one micro-batch of every row."""
-    if not lengths:
-        return []
-    if max_tokens is None:
-        return [list(range(len(lengths)))]
-    batches, current, longest = [], [], 0
-    for i, n in enumerate(lengths):
-        if current and max(longest, n) * (len(current) + 1) > max_tokens:
-            batches.append(current)
-            current, longest = [], 0
-        current.append(i)
-        longest = max(longest, n)
-    return [*batches, current]
 
 
 def trained_positions(batches: list[RolloutBatch]) -> list[int]:

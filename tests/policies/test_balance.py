@@ -62,13 +62,14 @@ def test_micro_batches_hold_every_row_once_within_the_budget(tokens, max_tokens)
 
     assert sorted(i for b in batches for i in b) == list(range(len(tokens)))
     for b in batches:
-        assert sum(tokens[i] for i in b) <= max_tokens or len(b) == 1
+        assert len(b) * max(tokens[i] for i in b) <= max_tokens or len(b) == 1, "padded size within the budget"
     assert [b[0] for b in batches] == sorted(b[0] for b in batches)
-    assert not tokens or len(batches) < 2 * sum(tokens) / max_tokens + 1  # first fit: any two batches overflow one
+    assert micro_batches(tokens, None) == ([list(range(len(tokens)))] if tokens else [])
 
 
 def test_micro_batches_known_packing_and_an_oversized_row_alone():
-    assert micro_batches([3, 9, 4, 2, 5], 10) == [[0, 3], [1], [2, 4]]  # 9 | 5 + 4 | 3 + 2
+    assert micro_batches([3, 9, 4, 2, 5], 10) == [[0, 3], [1], [2, 4]]  # 9 | 5 + 4 padded to 2 x 5 | 3 + 2
+    assert micro_batches([3, 4, 4, 2], 12) == [[0, 1, 2], [3]]  # 4 + 4 + 3 padded to 3 x 4 = 12 | 2
     assert micro_batches([12, 1, 1], 10) == [[0], [1, 2]]
     assert micro_batches([], 10) == []
 

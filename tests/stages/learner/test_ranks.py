@@ -3,7 +3,7 @@
 One group of two ranks serves the module (spawning a rank costs ~10 s of imports): this test process is
 rank 0, a spawned process rank 1. On it: five steps on the same groups equal five steps of one rank;
 its checkpoint (DCP shards) loads into one rank and one rank's into it; a rank SIGKILLed mid-run fails
-the learner naming the rank. The split of groups over ranks is checked by itself."""
+the learner naming the rank. (The split of groups over ranks: tests/policies/test_balance.py.)"""
 
 from __future__ import annotations
 
@@ -17,13 +17,11 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from buffers.codec import RolloutBatch
 from stages.data.model import make_tiny_model
 from stages.learner import GRPOLearner
-from stages.learner.ranks import LearnerRankFailed, RankedTrainer, RankGroup, split_by_tokens
+from stages.learner.ranks import LearnerRankFailed, RankedTrainer, RankGroup
 from stages.learner.step import PolicyTrainer, plan_step
 
 torch.set_num_threads(1)
@@ -122,17 +120,6 @@ def test_checkpoints_load_at_another_world_size(spec: GRPOLearner, two_ranks: Ra
     fresh.train(groups(13), 0.0)
     two_ranks.train(groups(13), 0.0)
     assert_same(fresh, two_ranks)
-
-
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.integers(1, 500), min_size=1, max_size=40), st.integers(1, 8))
-def test_groups_split_over_ranks_by_tokens(tokens: list[int], ranks: int) -> None:
-    shares = split_by_tokens(tokens, ranks)
-    assert sorted(i for share in shares for i in share) == list(range(len(tokens))), "each group exactly once"
-    loads = [sum(tokens[i] for i in share) for share in shares]
-    assert max(loads) <= sum(tokens) / ranks + max(tokens), "greedy's bound: one group over the mean at most"
-    if len(tokens) >= ranks:
-        assert all(shares), "every rank gets a group when there are enough"
 
 
 def test_the_plan_counts_over_every_rank() -> None:
