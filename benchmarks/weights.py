@@ -41,7 +41,8 @@ from pipeline.net import free_port  # noqa: E402
 from stages.weights.disk import DiskTransport  # noqa: E402
 from stages.weights.groups import pair_group  # noqa: E402
 from stages.weights.layout import fill, plan  # noqa: E402
-from stages.weights.mooncake_p2p import HELLO, Hello, HelloReply, MooncakeP2PTransport, _transfer_engine  # noqa: E402
+from stages.weights.mooncake_p2p import HELLO, Hello, HelloReply, MooncakeP2PTransport  # noqa: E402
+from stages.weights.transfer_engine import transfer_engine  # noqa: E402
 from tests.helpers.p2p_peer import read_frame, write_frame  # noqa: E402
 
 TENSOR_MIB = 16
@@ -87,7 +88,7 @@ class RawWrite:
         layout = plan(0, tensors, 1 << 62)
         self.src = np.zeros(layout.total, dtype=np.uint8)
         fill(self.src, tensors, layout)
-        self.te = _transfer_engine("tcp", "")
+        self.te = transfer_engine("tcp", "")
         self.te.register_memory(self.src.ctypes.data, self.src.nbytes)
         self.peer, self.slot = "", 0
 

@@ -75,9 +75,9 @@ async def loop(store: MooncakeStore, a: argparse.Namespace, sample) -> None:
 def transfer_receiver(nbytes: int) -> None:
     """The child of `--writes`: a TransferEngine with `nbytes` registered; prints "port address"
     and stays until its stdin closes."""
-    from stages.weights.mooncake_p2p import _transfer_engine
+    from stages.weights.transfer_engine import transfer_engine
 
-    te = _transfer_engine("tcp", "")
+    te = transfer_engine("tcp", "")
     slot = np.zeros(nbytes, dtype=np.uint8)
     assert te.register_memory(slot.ctypes.data, nbytes) == 0
     print(te.get_rpc_port(), slot.ctypes.data, flush=True)
@@ -87,12 +87,12 @@ def transfer_receiver(nbytes: int) -> None:
 def transfer_loop(a: argparse.Namespace) -> None:
     """`--writes N`: N weight-push-shaped writes (`--bytes` in two buckets, as `mooncake_p2p` does
     for the tiny model) from this process's TransferEngine into a child's registered slot."""
-    from stages.weights.mooncake_p2p import _transfer_engine
+    from stages.weights.transfer_engine import transfer_engine
 
     child = subprocess.Popen([sys.executable, __file__, "--receiver", str(a.bytes)], cwd=ROOT,
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     port, slot = (int(x) for x in child.stdout.readline().split())
-    te = _transfer_engine("tcp", "")
+    te = transfer_engine("tcp", "")
     source = np.ones(a.bytes, dtype=np.uint8)
     assert te.register_memory(source.ctypes.data, a.bytes) == 0
     half = a.bytes // 2

@@ -42,6 +42,7 @@ from stages.learner.collector import BatchCollector
 from stages.learner.ranks import LearnerRankFailed, RankedTrainer, RankGroup
 from stages.learner.step import PolicyTrainer
 from stages.weights.base import WeightTransport
+from stages.weights.mooncake_shards import ShardPublisher
 from stages.weights.snapshot import save_snapshot, snapshot_key
 
 
@@ -80,7 +81,7 @@ class LearnerActor(BaseActor):
         await self._call(trainer.schedule, version)
         # every engine starts from exactly the learner's weights of the run's first version (0 or the checkpoint's)
         await self._publish(version)
-        if resume is not None and self.snapshot_every:  # replaces a snapshot of a rolled-back version
+        if resume is not None and self.snapshot_every and self._published is not None:  # replaces a rolled-back one
             await save_snapshot(self.store, snapshot_key(self.ctx.run, self.ctx.folder.path.name), version,
                                 self._published)
 
@@ -204,7 +205,7 @@ class LearnerActor(BaseActor):
         """The new version is published: snapshot it when due, advance the run's clock, and only then mark
         the groups trained (at the version they were trained at, `version - 1`)."""
         ctx = self.ctx
-        if self.snapshot_every and version % self.snapshot_every == 0:
+        if self.snapshot_every and version % self.snapshot_every == 0 and self._published is not None:
             key = snapshot_key(ctx.run, ctx.folder.path.name)
             await save_snapshot(self.store, key, version, self._published)
         await ctx.clock.advance_to(version)
@@ -223,8 +224,12 @@ class LearnerActor(BaseActor):
         and unreachable engines the transport handled are reported as run events (`weights.refused`,
         `weights.unreachable`)."""
         started, before = time.perf_counter(), dict(self.transport.stats)
-        self._published = await self._call(self.trainer.weights)
-        await self.transport.publish(version, self._published)
+        if isinstance(self.trainer, RankedTrainer) and isinstance(self.transport, ShardPublisher):
+            self._published = None  # every rank writes its own rows: no rank holds the version whole
+            await self.transport.publish_shards(version, self.trainer)
+        else:
+            self._published = await self._call(self.trainer.weights)
+            await self.transport.publish(version, self._published)
         counted = {k: round(v - before.get(k, 0), 4) for k, v in self.transport.stats.items()}
         for key in ("refused", "unreachable"):
             if counted.get(key):

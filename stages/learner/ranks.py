@@ -35,8 +35,11 @@ from pipeline.net import free_port
 from pipeline.runtime.local import start_local_helpers
 from policies.balance import balance_groups
 from stages.learner.step import PolicyTrainer, StepPlan, group_figures, plan_step, row_lengths
+from stages.weights.layout import Layout
+from stages.weights.mooncake_shards import PushSettings, ShardWriter
+from stages.weights.reshard import BucketCheck
 
-STEP, WEIGHTS, SAVE, LOAD, SCHEDULE, STOP = range(6)
+STEP, WEIGHTS, SAVE, LOAD, SCHEDULE, PUSH, STOP = range(7)
 
 
 class LearnerRankFailed(RuntimeError):
@@ -87,6 +90,22 @@ class Channel:
             if part:
                 dist.send(torch.frombuffer(bytearray(part), dtype=torch.uint8), dst=rank, group=self.group)
 
+    def gather(self, data: bytes, rank: int, world_size: int) -> list[bytes]:
+        """Every rank's `data`, at rank 0 (in rank order; the others get [])."""
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
+        dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=self.group)
+        if rank != 0:
+            if data:
+                dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst=0, group=self.group)
+            return []
+        parts = [data]
+        for source in range(1, world_size):
+            part = torch.zeros(int(sizes[source]), dtype=torch.uint8)
+            if len(part):
+                dist.recv(part, src=source, group=self.group)
+            parts.append(part.numpy().tobytes())
+        return parts
+
     def receive_part(self, rank: int, world_size: int) -> bytes:
         sizes = torch.zeros(world_size, dtype=torch.int64)
         dist.broadcast(sizes, src=0, group=self.group)
@@ -108,11 +127,48 @@ def join_group(rank: int, world_size: int, address: str, port: int, device: str,
     return Channel(dist.new_group(backend="gloo") if backend == "nccl" else None)
 
 
+class PushOrder(msgspec.Struct, frozen=True):
+    """Rank 0 to every rank: write your pieces of `version` into the slot at `address` of `peer`."""
+
+    peer: str
+    address: int
+    version: int
+    settings: PushSettings
+
+
+class PushResult(msgspec.Struct, frozen=True):
+    checks: list[BucketCheck] = []
+    error: str = ""
+
+
+class ShardPusher:
+    """One rank's part of a push from the shards (`stages.weights.mooncake_shards`); its writer is made on
+    the first push (the transport's settings come with it)."""
+
+    def __init__(self, trainer: PolicyTrainer, rank: int) -> None:
+        self.trainer, self.rank = trainer, rank
+        self.writer: ShardWriter | None = None
+
+    def ready(self, settings: PushSettings) -> ShardWriter:
+        if self.writer is None or self.writer.settings != settings:
+            self.writer = ShardWriter(dict(self.trainer.model.named_parameters()), self.rank,
+                                      self.trainer.world_size, settings)
+        return self.writer
+
+    def push(self, order: PushOrder) -> bytes:
+        try:
+            checks = self.ready(order.settings).write(order.peer, order.address, order.version)
+        except ConnectionError as exc:
+            return msgspec.msgpack.encode(PushResult(error=str(exc)))
+        return msgspec.msgpack.encode(PushResult(checks))
+
+
 def follow(rank: int, world_size: int, address: str, port: int, spec: Any, steps: int) -> None:
     """A follower rank's process: join the group, make the trainer, then do what rank 0 says."""
     torch.set_num_threads(1)
     channel = join_group(rank, world_size, address, port, spec.device, spec.rank_timeout_s)
     trainer = PolicyTrainer(spec, steps, world_size)
+    pusher = ShardPusher(trainer, rank)
     while True:
         op, version, data = channel.receive_command()
         if op == STEP:
@@ -127,6 +183,8 @@ def follow(rank: int, world_size: int, address: str, port: int, spec: Any, steps
             trainer.read_state(Path(data.decode()))
         elif op == SCHEDULE:
             trainer.schedule(version)
+        elif op == PUSH:
+            channel.gather(pusher.push(msgspec.msgpack.decode(data, type=PushOrder)), rank, world_size)
         elif op == STOP:
             break
     dist.destroy_process_group()
@@ -186,6 +244,22 @@ class RankedTrainer:
     def __init__(self, trainer: PolicyTrainer, group: RankGroup) -> None:
         self.trainer, self.group = trainer, group
         self.spec, self.device, self.model = trainer.spec, trainer.device, trainer.model
+        self.pusher = ShardPusher(trainer, 0)
+
+    # -- a `stages.weights.mooncake_shards.ShardSource`: pushes from every rank's shard ----------------
+    def receive_layout(self, version: int, settings: PushSettings) -> Layout:
+        return self.pusher.ready(settings).receive_layout(version)
+
+    def write(self, peer: str, address: int, version: int, settings: PushSettings) -> list[BucketCheck]:
+        order = PushOrder(peer, address, version, settings)
+        self.channel.command(PUSH, version, msgspec.msgpack.encode(order))
+        mine = self.pusher.push(order)
+        results = [msgspec.msgpack.decode(r, type=PushResult)
+                   for r in self.channel.gather(mine, 0, self.group.world_size)]
+        for rank, result in enumerate(results):
+            if result.error:
+                raise ConnectionError(f"learner rank {rank}: {result.error}")
+        return [check for result in results for check in result.checks]
 
     @property
     def channel(self) -> Channel:

@@ -31,7 +31,6 @@ peers are addressed as `ip:rpc_port` (127.0.0.1, or `$BATON_HOST` on multi-node 
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -62,7 +61,10 @@ from stages.weights.layout import (
     views,
     with_checksums,
 )
+from stages.weights.mooncake_shards import PushSettings, ShardSource
+from stages.weights.reshard import BucketCheck
 from stages.weights.sparse import Patch, Planner, SlotReply, Slots
+from stages.weights.transfer_engine import advertised_host, transfer_engine
 
 HELLO, COMMIT = "weights.p2p.hello", "weights.p2p.commit"
 _CHECKSUMS = ThreadPoolExecutor(1, thread_name_prefix="baton-p2p-checksums")  # a version's, beside its first write
@@ -88,32 +90,12 @@ class Commit(msgspec.Struct, frozen=True):
     slot: int
     layout: bytes
     patch: Patch | None = None  # None: the slot was written whole; else rebuild it from the inbox
+    checks: tuple[BucketCheck, ...] = ()  # written by the learner's ranks (mooncake_shards): each rank's buckets
 
 
 # every commit reply, whatever happened (applied, already held, refused), says which slot the
 # engines run on (the learner's next write goes to the other one) and what each slot holds
 CommitReply = SlotReply
-
-
-def _transfer_engine(protocol: str, device: str) -> Any:
-    from buffers.mooncake_master import require_mooncake
-
-    require_mooncake()  # names the package or system library to install
-    from mooncake.engine import TransferEngine
-
-    engine = TransferEngine()
-    rc = engine.initialize(advertised_host(), "P2PHANDSHAKE", protocol, device)
-    if rc != 0:
-        raise WeightPushError(
-            f"TransferEngine.initialize({advertised_host()}, P2PHANDSHAKE, {protocol!r}, {device!r}) returned {rc}"
-        )
-    return engine
-
-
-def advertised_host() -> str:
-    """The address peers use to reach this process's TransferEngine: 127.0.0.1 unless `BATON_HOST`
-    names this node's address (multi-node runs)."""
-    return os.environ.get("BATON_HOST", "127.0.0.1")
 
 
 class SlotReceiver(EngineReceiver):
@@ -138,7 +120,7 @@ class SlotReceiver(EngineReceiver):
     async def hello(self, header: bytes, _blob: Any = None) -> bytes:
         hello = msgspec.msgpack.decode(header, type=Hello)
         if self._te is None:
-            self._te = _transfer_engine(hello.protocol, hello.device)
+            self._te = transfer_engine(hello.protocol, hello.device)
         slots = self.slots.slots
         if not slots or slots[0].nbytes < hello.capacity:
             # engines keep their current weights alive (views hold the old slot)
@@ -185,7 +167,10 @@ class SlotReceiver(EngineReceiver):
             if commit.patch is not None and self._inbox is None:
                 raise LayoutError("a delta, but this receiver has no inbox (say hello with inbox=True)")
             inbox = self._inbox.numpy() if commit.patch is not None else None
-            slot = await anyio.to_thread.run_sync(self.slots.rebuild, commit.slot, layout, commit.patch, inbox)
+            if commit.checks:
+                slot = await anyio.to_thread.run_sync(self.slots.take_shards, commit.slot, layout, commit.checks)
+            else:
+                slot = await anyio.to_thread.run_sync(self.slots.rebuild, commit.slot, layout, commit.patch, inbox)
         except (LayoutError, msgspec.DecodeError, msgspec.ValidationError) as exc:
             return self.refuse(str(exc))
         reply = await self.apply(layout.version, views(slot, layout))
@@ -241,14 +226,36 @@ class MooncakeP2PTransport(PushTransport):
         # fault injection: called with (layout, attempt) after a version's buckets were written; a
         # returned (offset, bytes) is written over the receiver's slot (damage in flight)
         self.damage: Callable[[Layout, int], tuple[int, bytes] | None] | None = None
+        self._shards: ShardSource | None = None  # the learner's ranks, while a version is pushed from its shards
+        self._staged_from_shards = False  # the staged version came from the shards: no rank here holds it whole
 
     def engine_receiver(self, engines: list[Any]) -> SlotReceiver:
         return SlotReceiver(engines)
+
+    async def publish_shards(self, version: int, shards: ShardSource) -> None:
+        """Publish `version` from the learner's shards: every rank writes its own pieces into each engine's
+        free slot, rank 0 commits with every rank's checks (`stages.weights.mooncake_shards`)."""
+        if self.sparse:
+            raise WeightPushError("weights.sparse deltas need the whole version on one rank; with "
+                                  "learner.world_size > 1 set weights.sparse = false")
+        self._shards = shards
+        try:
+            await self.publish(version, {})
+        finally:
+            self._shards = None
+
+    def push_settings(self) -> PushSettings:
+        return PushSettings(self.protocol, self.device, self.bucket_bytes, self.engine_dtype, self.pace_bytes_per_s)
 
     async def stage(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         """Written from `tensors` themselves when they are on CPU, without a packing copy: they must
         not change until `publish` returns (the learner's next optimizer step waits for it). A
         `resend` while the learner changes them sends torn bytes, which the receiver refuses."""
+        self._staged_from_shards = self._shards is not None
+        if self._shards is not None:
+            self._layout = await anyio.to_thread.run_sync(self._shards.receive_layout, version, self.push_settings())
+            self.stats["state_bytes"] += self._layout.total
+            return
         if self._planner is not None:
             await anyio.to_thread.run_sync(self._stage_packed, version, tensors)
             return
@@ -266,6 +273,8 @@ class MooncakeP2PTransport(PushTransport):
         if fresh and not await self._hello(target, layout):
             return None, 0
         slot, patch, nbytes = target.next_slot, None, layout.total
+        if self._shards is not None:
+            return await self._send_shards(target, slot, layout, attempt)
         if self.sparse and self._planner is not None:
             patch, pieces = await anyio.to_thread.run_sync(self._planner.patch, target.holds, slot, attempt > 0)
         try:
@@ -299,12 +308,44 @@ class MooncakeP2PTransport(PushTransport):
         self._te, self._staging, self._source = None, None, {}
         await super().close()
 
+    async def resend(self, receiver: Any) -> None:
+        """A catch-up of a version pushed from the shards needs every rank (a collective the learner's own
+        flow must order): it waits for the next publish, which reaches the receiver anew."""
+        if self._staged_from_shards:
+            async with self._busy:
+                for target in (t for t in self._targets if t.asker is receiver):
+                    target.forget()
+                    self.stats["deferred"] += 1
+            return
+        await super().resend(receiver)
+
     # -- internals -------------------------------------------------------------------------------
+    async def _send_shards(self, target: _SlotTarget, slot: int, layout: Layout,
+                           attempt: int) -> tuple[bytes | None, int]:
+        """Every rank writes its pieces into `slot`; then the commit with every rank's checks."""
+        assert self._shards is not None
+        try:
+            checks = await anyio.to_thread.run_sync(self._shards.write, target.peer, target.slots[slot],
+                                                    layout.version, self.push_settings())
+        except ConnectionError as exc:
+            if not await self._hello(target, layout):
+                return None, 0
+            raise LinkBroken(str(exc)) from None
+        if self.damage is not None and (hit := self.damage(layout, attempt)) is not None:
+            await anyio.to_thread.run_sync(self._write_bytes, target, target.slots[slot] + hit[0], hit[1])
+        answer = await target.asker.ask(COMMIT, msgspec.msgpack.encode(Commit(slot, encode_layout(layout),
+                                                                               checks=tuple(checks))))
+        if answer is not None:
+            reply = msgspec.msgpack.decode(answer, type=CommitReply)
+            target.next_slot = 1 - reply.live if reply.live in (0, 1) else slot
+            target.holds = reply.holds
+        return answer, layout.total
+
     def _stage_packed(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         """Pack the version in the engine dtype (kept as a base of later deltas), written from there."""
         assert self._planner is not None
         if self._te is None:
-            self._te = _transfer_engine(self.protocol, self.device)
+            self._te = transfer_engine(self.protocol, self.device)
         buffer = self._planner.stage(version, tensors, self.bucket_bytes)
         self._layout = self._planner.versions.layout
         assert self._layout is not None
@@ -343,7 +384,7 @@ class MooncakeP2PTransport(PushTransport):
         are (returns None: checksums still to compute); anything else (CUDA, non-contiguous) is
         packed into a registered staging buffer first (returns the checksummed layout)."""
         if self._te is None:
-            self._te = _transfer_engine(self.protocol, self.device)
+            self._te = transfer_engine(self.protocol, self.device)
         direct = all(t.device.type == "cpu" and t.is_contiguous() for t in tensors.values())
         if direct:
             storages = [t.untyped_storage() for t in tensors.values()]
@@ -406,6 +447,8 @@ class MooncakeP2PTransport(PushTransport):
             self._write_bytes(target, dst + hit[0], hit[1])
 
     def _write_bytes(self, target: _SlotTarget, address: int, data: bytes) -> None:
+        if self._te is None:  # a push from the shards writes through the ranks' own engines
+            self._te = transfer_engine(self.protocol, self.device)
         scratch = np.frombuffer(bytearray(data), dtype=np.uint8)
         self._te.register_memory(scratch.ctypes.data, scratch.nbytes)
         try:

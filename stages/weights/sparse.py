@@ -229,6 +229,21 @@ class Slots:
         self.holds[slot] = layout.version
         return buffer
 
+    def take_shards(self, slot: int, layout: Layout, checks: tuple) -> Any:
+        """A version the learner's ranks wrote into `slot` piece by piece (`stages.weights.mooncake_shards`):
+        verify their checks; returns the slot. Raises LayoutError, leaving the slot holding nothing."""
+        from stages.weights.mooncake_shards import verify_shards
+
+        if not 0 <= slot < len(self.slots) or slot == self.live:
+            raise LayoutError(f"slot {slot} cannot take a version (live: {self.live})")
+        self.holds[slot] = -1
+        buffer = self.slots[slot]
+        if buffer.nbytes < layout.total:
+            raise LayoutError(f"slot of {buffer.nbytes} bytes for a layout of {layout.total}")
+        verify_shards(buffer, layout, checks)
+        self.holds[slot] = layout.version
+        return buffer
+
     def applied(self, slot: int) -> None:
         self.live = slot
 

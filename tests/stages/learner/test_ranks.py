@@ -131,6 +131,44 @@ def test_the_plan_counts_over_every_rank() -> None:
     assert whole.micro_batches == 1 and split.micro_batches > 1
 
 
+def test_every_rank_pushes_its_own_rows_into_the_engine(spec: GRPOLearner, two_ranks: RankedTrainer) -> None:
+    """mooncake_p2p from the shards: the engine ends up with exactly the learner's weights, no rank having
+    gathered them; bytes of rank 1's rows damaged in flight refuse the version, and the engine keeps its own."""
+    import anyio
+
+    from stages.engines.torch import TorchEngine
+    from stages.weights.base import WeightPushError
+    from stages.weights.mooncake_p2p import MooncakeP2PTransport
+
+    async def scenario() -> None:
+        engine = TorchEngine(spec.model_path)
+        await engine.start()
+        transport = MooncakeP2PTransport(bucket_bytes=1 << 16)
+        transport.subscribe(engine)
+        two_ranks.train(groups(20), 0.0)
+        await transport.publish_shards(1, two_ranks)
+        assert engine.version == 1
+        learner = full(two_ranks)
+        live = {n: p.detach() for n, p in engine._model.named_parameters()}
+        assert all(torch.equal(live[n], learner[n]) for n in live), "the engine holds the learner's weights"
+        assert transport.stats["copied"] == 0, "written from the ranks' own shards"
+
+        def damage(layout, attempt):  # the last bytes of the first tensor: rows that rank 1 holds
+            entry = next(e for e in layout.tensors if e.shape[0] >= 2)
+            return entry.offset + entry.nbytes - 8, b"\xff" * 8
+
+        transport.damage = damage
+        two_ranks.train(groups(21), 0.0)
+        with pytest.raises(WeightPushError, match="learner ranks \\[1\\] fail their checksum"):
+            await transport.publish_shards(2, two_ranks)
+        assert engine.version == 1
+        assert all(torch.equal(p.detach(), live[n]) for n, p in engine._model.named_parameters())
+        await transport.close()
+        await engine.stop()
+
+    anyio.run(scenario)
+
+
 def test_a_killed_rank_fails_the_learner(spec: GRPOLearner, two_ranks: RankedTrainer) -> None:
     """Last in this module: it ends the shared group's rank 1."""
     follower = two_ranks.group.helpers[0]
