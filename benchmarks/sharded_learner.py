@@ -20,22 +20,31 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
 
+import anyio
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from weights import Peer  # noqa: E402  (benchmarks/weights.py's engine process)
 
 from stages.data.model import make_tiny_model  # noqa: E402
 from stages.learner import GRPOLearner  # noqa: E402
 from stages.learner.ranks import RankedTrainer, RankGroup  # noqa: E402
 from stages.learner.step import PolicyTrainer  # noqa: E402
+from stages.weights.mooncake_p2p import MooncakeP2PTransport  # noqa: E402
 from tests.stages.learner.test_ranks import groups  # noqa: E402  (the parity test's groups)
+
+MODELS = {64: {"hidden_size": 256, "layers": 17}, 512: {"hidden_size": 768, "layers": 15}}  # ~MiB of fp32 weights
+BUCKET = 32 << 20
 
 
 def state_bytes(trainer: PolicyTrainer) -> int:
@@ -86,6 +95,78 @@ def compare_learners(folder: Path, steps: int) -> tuple[dict, dict, dict]:
     return figures, reference, ratios
 
 
+class PeakRSS:
+    """The most resident memory each of `pids` held above its level at the start, sampled every 5 ms."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.pids, self.base = pids, [self._rss(p) for p in pids]
+        self.peak = list(self.base)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    @staticmethod
+    def _rss(pid: int) -> int:
+        return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.005):
+            self.peak = [max(p, self._rss(pid)) for p, pid in zip(self.peak, self.pids, strict=True)]
+
+    def __enter__(self) -> PeakRSS:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def above(self) -> list[int]:
+        return [p - b for p, b in zip(self.peak, self.base, strict=True)]
+
+
+async def timed_pushes(transport: MooncakeP2PTransport, ranked: RankedTrainer, version: int, sharded: bool,
+                       pids: list[int], repeats: int = 3) -> dict:
+    seconds, peaks = [], []
+    for i in range(repeats):
+        with PeakRSS(pids) as rss:
+            t0 = time.perf_counter()
+            if sharded:
+                await transport.publish_shards(version + i, ranked)
+            else:  # gather every parameter on rank 0, then push the whole version from there
+                await transport.publish(version + i, await anyio.to_thread.run_sync(ranked.weights))
+            seconds.append(time.perf_counter() - t0)
+        peaks.append(rss.above())
+    return {"push_s_median": round(statistics.median(seconds), 4),
+            "peak_extra_mib_per_rank": [round(max(p[r] for p in peaks) / 2**20, 1) for r in range(len(pids))]}
+
+
+def compare_pushes(tmp: Path, mib: int) -> tuple[dict, dict]:
+    folder = make_tiny_model(tmp / f"model-{mib}", **MODELS[mib])
+    spec = GRPOLearner(folder, device="cpu", world_size=2)
+    group = RankGroup(spec, steps=10)
+    group.spawn()
+    group.join()
+    peer = Peer()
+    try:
+        ranked = RankedTrainer(PolicyTrainer(spec, 10, world_size=2), group)
+        nbytes = sum(p.numel() * 4 for p in ranked.model.parameters())
+        pids = [os.getpid(), group.helpers[0].pid]
+
+        async def both() -> tuple[dict, dict]:
+            transport = MooncakeP2PTransport(bucket_bytes=BUCKET)
+            transport.subscribe(peer)
+            await transport.publish_shards(1, ranked)  # warm: hello, slots, registration, the plan
+            sharded = await timed_pushes(transport, ranked, 2, True, pids)
+            gathered = await timed_pushes(transport, ranked, 10, False, pids)
+            return sharded, gathered
+
+        sharded, gathered = anyio.run(both)
+    finally:
+        peer.stop()
+        group.close()
+    return {**sharded, "weight_mib": round(nbytes / 2**20, 1), "bucket_mib": BUCKET >> 20}, gathered
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=5)
@@ -96,6 +177,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="baton-sharded-") as tmp:
         folder = make_tiny_model(Path(tmp) / "model", hidden_size=128, layers=4)
         figures, reference, ratios = compare_learners(folder, a.steps)
+        for mib in ([] if a.skip_push else [int(x) for x in a.push_mib.split(",")]):
+            figures[f"push_{mib}mib"], reference[f"push_{mib}mib_gather"] = compare_pushes(Path(tmp), mib)
+            ratios[f"push_from_shards_vs_gather_{mib}mib"] = round(
+                figures[f"push_{mib}mib"]["push_s_median"] / reference[f"push_{mib}mib_gather"]["push_s_median"], 3)
+            print(f"{mib} MiB: from the shards {figures[f'push_{mib}mib']}, "
+                  f"gathered {reference[f'push_{mib}mib_gather']}")
     print(f"2 ranks vs 1: weights within {ratios['parity_max_abs_diff']:.2e} after {a.steps} steps; rank 0 holds "
           f"{figures['state_bytes_rank0']} state bytes vs {reference['state_bytes']} "
           f"(x{ratios['state_bytes_per_rank_vs_single']}); step {figures['step_s_median']} s vs "
