@@ -208,6 +208,8 @@ def run_or_check(args: argparse.Namespace) -> int:
         return 2
     if args.command == "check":
         sys.stdout.write(cfg.resolved_toml())
+        if (window := cfg.window_report()) is not None:  # what the staleness window holds, on stderr
+            print(f"baton: {window}", file=sys.stderr)
         return 0
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -43,7 +43,7 @@ from policies.staleness import MaxStaleness, reuse_lead
 from stages.data.datasets import DatasetTask
 from stages.data.model import DTYPES, check_model_folder, make_tiny_model
 from stages.data.rewards import ON_ERROR, RewardFunction, resolve
-from stages.data.tasks import ReverseDigits
+from stages.data.tasks import Addition, ReverseDigits
 from stages.engines.sglang import SGLangEngine
 from stages.environments import make_environment
 from stages.learner import GRPOLearner
@@ -106,9 +106,17 @@ class ReverseDigitsSpec(Section):
     kind: Literal["reverse-digits"] = "reverse-digits"
     digits: int = Field(default_of(ReverseDigits, "digits"), ge=1, le=16)
 
+    @property
+    def max_new_tokens(self) -> int:
+        return ReverseDigits(digits=self.digits).max_new_tokens
+
 
 class AdditionSpec(Section):
     kind: Literal["addition"] = "addition"
+
+    @property
+    def max_new_tokens(self) -> int:
+        return Addition().max_new_tokens
 
 
 class DatasetTaskSpec(Section):
@@ -142,6 +150,9 @@ class DatasetTaskSpec(Section):
     @property
     def uses_chat(self) -> bool:
         return self.messages_field is not None or self.chat
+
+
+BUILT_IN_TASKS = (ReverseDigitsSpec, AdditionSpec, DatasetTaskSpec)  # tasks whose sizes the schema knows
 
 
 class RewardSpec(Section):
@@ -815,21 +826,48 @@ class RunConfig(Section):
     def _staleness_holds(self) -> RunConfig:
         """The static check of `policies.bounds`: refuse a shape that can break the staleness bound. Runs after
         _mode_sets_k (validators run in the order defined), so staleness.k is set."""
-        from policies.bounds import PipelineShape, check
+        from policies.bounds import check
+
+        shape = self.pipeline_shape()
+        if shape is None:
+            return self  # plug-ins: their numbers mean what their authors say
+        problems = check(shape)
+        if problems:
+            raise ValueError("the staleness bound does not hold: " + " | ".join(problems))
+        return self
+
+    def pipeline_shape(self) -> Any:
+        """The numbers that decide staleness (a `policies.bounds.PipelineShape`); None for plug-in parts."""
+        from policies.bounds import PipelineShape
 
         if not isinstance(self.staleness, MaxStalenessSpec) or not isinstance(self.learner, GRPOSpec):
-            return self  # plug-ins: their numbers mean what their authors say
-        problems = check(PipelineShape(
+            return None
+        return PipelineShape(
             k=self.staleness.k, groups_per_step=self.learner.groups_per_step, engines=getattr(self.engine, "count", 1),
             batch_groups=getattr(self.engine, "batch_groups", 1), produced_channel=self.buffer.produced_channel,
             buffer_refs=self.buffer.max_refs, ready_channel=self.buffer.ready_channel,
             admission=self.staleness.admission, max_reuse=self.replay.max_reuse, epochs=self.learner.epochs,
             replays_ride_along=self.replay.ride_along,
             corrected=self.correction.kind != "none", lead=self.staleness.lead,
-        ))
-        if problems:
-            raise ValueError("the staleness bound does not hold: " + " | ".join(problems))
-        return self
+        )
+
+    def window_report(self) -> str | None:
+        """What the staleness window holds at most, in groups, samples and store bytes (`baton check`)."""
+        from policies.bounds import live_groups
+        from stages.environments.tokens import EpisodeTokens
+
+        shape = self.pipeline_shape()
+        if shape is None:
+            return None
+        groups = live_groups(shape)
+        samples = groups * self.rollout.group_size
+        new_tokens = self.task.max_new_tokens if isinstance(self.task, BUILT_IN_TASKS) else None
+        per_token = samples * EpisodeTokens.ROW_BYTES_PER_TOKEN
+        line = (f"staleness window (k = {shape.k}, {shape.admission} admission): up to {groups} groups, {samples} "
+                f"samples, live at once; in the store that is {per_token / 2**10:,.1f} KiB per token of a sample")
+        if new_tokens:
+            line += f", {per_token * new_tokens / 2**20:,.2f} MiB for completions of {new_tokens} tokens plus prompts"
+        return line
 
     def _set_lead(self, staleness: MaxStalenessSpec) -> None:
         """Check staleness.lead against k, or derive it from replay.max_reuse when unset: groups that

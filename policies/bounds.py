@@ -125,6 +125,18 @@ def optimizer_lag(shape: PipelineShape) -> int:
     return trained_staleness(shape) * shape.epochs + shape.epochs - 1
 
 
+def live_groups(shape: PipelineShape) -> int:
+    """Groups that can exist at once between their admission and their last training step: the pipeline's
+    capacity, and under pace admission at most `(lead + 1) * groups_per_step` of them (live groups are
+    capped at `(v + lead + 1) * groups_per_step` while `v * groups_per_step` were consumed); plus, with
+    reuse, the replay window's trained groups with uses left (at most k versions' worth)."""
+    lead = shape.k if shape.lead is None else shape.lead
+    live = shape.capacity
+    if shape.admission == "pace":
+        live = min(live, (lead + 1) * shape.groups_per_step)
+    return live + (shape.k * shape.groups_per_step if shape.max_reuse > 1 else 0)
+
+
 def check(shape: PipelineShape) -> list[str]:
     """Every way this shape can break the staleness contract, as a sentence naming keys and values
     that fix it; empty when it holds for every interleaving of the model above."""

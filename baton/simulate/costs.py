@@ -12,9 +12,10 @@ from typing import Protocol
 import numpy as np
 
 from baton.schema import SimulateSpec
+from stages.environments.tokens import EpisodeTokens
 
-# bytes of payload per token in the codec: int32 token + float32 logprob + uint8 mask + int32 version
-CODEC_BYTES_PER_TOKEN = 13
+# bytes of payload per token in the store: int32 token + float32 logprob + uint8 mask + int32 version
+CODEC_BYTES_PER_TOKEN = EpisodeTokens.ROW_BYTES_PER_TOKEN
 # one call to an actor in another process (a Ray channel, the gate, the ledger): about 1 ms measured on
 # this project's CPU box (shared/notes/async-ceiling.md, "An actor call round trip is about 1 ms")
 RAY_HOP_S = 1e-3

@@ -13,7 +13,7 @@ staleness is that of its oldest model token (`version_span`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import numpy as np
 
@@ -79,6 +79,8 @@ class EpisodeTokens:
             return None
         versions = np.concatenate(self._versions)[np.concatenate(self._mask).astype(bool)]
         return int(versions.min()), int(versions.max())
+
+    ROW_BYTES_PER_TOKEN: ClassVar[int] = 13  # what `row` stores per token: 4 + 4 + 1 + 4
 
     def row(self) -> dict[str, np.ndarray]:
         """The codec row (`buffers.codec.RolloutBatch.from_rows`): tokens int32, logprobs float32,
