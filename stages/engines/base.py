@@ -7,7 +7,7 @@ between decode steps: a completion's tokens each carry the version that really p
 
 Lifecycle: the rollout stage hands each engine the run's part in it (`attach(EngineRun)`) before
 `start`; `stop` fails whatever is still in flight with `EngineError`. A new engine kind passes
-`tests/contracts/engine_contract.py` by adding itself to that module's list.
+`tests/contracts/test_engine_contract.py` by adding itself to its `ENGINES` list.
 """
 
 from __future__ import annotations

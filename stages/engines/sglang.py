@@ -92,6 +92,7 @@ class SGLangEngine:
         self._expected: dict[str, tuple[int, ...]] | None = None
         self._rids = itertools.count()
         self._last_abort = ""
+        self._stopping = False  # `stop` began: requests in flight fail with EngineError, nothing restarts
 
     # -- lifecycle -----------------------------------------------------------------------------
     @property
@@ -132,6 +133,7 @@ class SGLangEngine:
     async def start(self) -> None:
         if self._http is not None:
             return
+        self._stopping = False
         self._update_lock, self._restart_lock = anyio.Lock(), anyio.Lock()
         self._base_url = self.url
         if self.url is None:
@@ -158,6 +160,8 @@ class SGLangEngine:
             raise
 
     async def stop(self) -> None:
+        """Fail the requests in flight (EngineError) and stop the server this engine launched."""
+        self._stopping = True
         await self._updater.close(server_up=self._http is not None)
         if self._http is not None:
             await self._http.close()
@@ -216,6 +220,8 @@ class SGLangEngine:
         try:
             answer = await self._call("POST", "/generate", body)
         except ServerGone:
+            if self._stopping:
+                raise EngineError(f"engine {self.name} stopped") from None
             await self._recover()
             return [None] * len(prompts)
         finally:
@@ -315,7 +321,8 @@ class SGLangEngine:
     async def _call(self, method: str, path: str, body: dict | None = None, check: bool = True) -> Any:
         """One request, retried for 30 s while the server refuses connections; raises ServerGone
         when it stays unreachable and EngineError on an error answer (when `check`)."""
-        assert self._http is not None, f"engine {self.name} is not started"
+        if self._http is None or self._http.closed:
+            raise EngineError(f"engine {self.name} is {'stopped' if self._stopping else 'not started'}")
         try:
             async for attempt in AsyncRetrying(
                 retry=retry_if_exception_type(aiohttp.ClientConnectorError),

@@ -112,7 +112,11 @@ class TorchEngine:
 
     async def receive_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         """Take a whole version (the engine may read `tensors` until a newer version replaces it);
-        returns once no earlier version's tensors are read (see the module docstring)."""
+        returns once no earlier version's tensors are read (see the module docstring). A version that
+        does not fit the model raises EngineError here, before it is staged: the engine and its
+        running requests stay on their version."""
+        if self._model is not None and version > self._version:
+            _check_fit(self._model, version, tensors)
         self._stage(version, tensors)
         while True:
             with self._lock:
@@ -296,10 +300,9 @@ class TorchEngine:
         return nxt, logp.gather(1, nxt[:, None]).squeeze(1)
 
 
-def _adopt(model: torch.nn.Module, version: int, tensors: dict[str, torch.Tensor]) -> None:
-    """Make `tensors` the model's weights: each parameter becomes its tensor (zero-copy) when dtype
-    and device match, else it is copied in. Every parameter must be given (a tied head may be
-    left out: it is the embedding); nothing is changed unless the whole version fits."""
+def _check_fit(model: torch.nn.Module, version: int, tensors: dict[str, torch.Tensor]) -> None:
+    """EngineError naming what does not fit unless `tensors` is a whole version of the model's
+    weights: every parameter, each of its shape (a tied head may be left out: it is the embedding)."""
     params = dict(model.named_parameters())  # tied parameters appear once
     buffers = dict(model.named_buffers())
     missing = [n for n in params if n not in tensors]
@@ -307,9 +310,17 @@ def _adopt(model: torch.nn.Module, version: int, tensors: dict[str, torch.Tensor
     unexpected = [n for n in tensors if n not in params and n not in buffers and not n.endswith("lm_head.weight")]
     wrong = [n for n, p in params.items() if n in tensors and tensors[n].shape != p.shape]
     if missing or unexpected or wrong:
-        raise RuntimeError(
+        raise EngineError(
             f"weights of version {version} do not fit: missing={missing} unexpected={unexpected} wrong shape={wrong}"
         )
+
+
+def _adopt(model: torch.nn.Module, version: int, tensors: dict[str, torch.Tensor]) -> None:
+    """Make `tensors` the model's weights: each parameter becomes its tensor (zero-copy) when dtype
+    and device match, else it is copied in; nothing is changed unless the whole version fits."""
+    _check_fit(model, version, tensors)
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
     for name, param in params.items():
         t = tensors[name]
         if t.dtype == param.dtype and t.device == param.device:

@@ -13,7 +13,8 @@ engines in this process), `stage(version, tensors)` (make a version sendable onc
 buffer, clones) and `send(target, attempt)`: one attempt at one receiver, sending what they choose
 (a delta, the whole state), returning (the encoded `ApplyReply`, None when the receiver does not
 answer; the bytes sent) or raising `LinkBroken`. A refused or broken attempt is tried again
-`retries` more times, then raised as `WeightPushError`, never counted as delivered. A receiver that
+`retries` more times, then raised as `WeightPushError`, never counted as delivered (an engine that
+will not take a verified version, e.g. one that does not fit it, refuses it too). A receiver that
 does not answer is skipped and its session forgotten (`Target.forget`): `resend()` catches it up
 once its process is back, so one dead engine never stops the others.
 """
@@ -163,8 +164,13 @@ class EngineReceiver:
         return msgspec.msgpack.encode(ApplyReply(False, self.version, reason))
 
     async def apply(self, version: int, tensors: dict[str, torch.Tensor]) -> bytes:
+        """Hand the version to every engine; an engine that will not take it (weights that do not
+        fit: its EngineError) keeps its own, and the version is refused."""
         for engine in self.engines:
-            await engine.receive_weights(version, tensors)
+            try:
+                await engine.receive_weights(version, tensors)
+            except Exception as exc:  # noqa: BLE001 - the engine's own error, told to the learner as the reason
+                return self.refuse(f"engine {engine.name} refused version {version}: {exc}")
         self.version = version
         return msgspec.msgpack.encode(ApplyReply(True, self.version))
 

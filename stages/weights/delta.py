@@ -67,7 +67,8 @@ class DeltaReceiver(EngineReceiver):
         except (LayoutError, msgspec.DecodeError, msgspec.ValidationError) as exc:
             return self.refuse(str(exc))
         reply = await self.apply(layout.version, views(buffer, layout))
-        self.slots.applied(slot)
+        if self.version == layout.version:  # its engines run on the slot now (not when one refused it)
+            self.slots.applied(slot)
         return reply
 
 

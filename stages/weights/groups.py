@@ -21,9 +21,11 @@ def pair_group(
     from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world, rendezvous
 
     timeout = timedelta(seconds=timeout_s)
+    # the rendezvous waits for the other party (up to the timeout): outside the lock, so a party that
+    # never comes holds up no other pair's group
+    store, rank, world_size = next(rendezvous(f"tcp://{host}:{port}", rank, 2, timeout=timeout))
+    store.set_timeout(timeout)
     with _LOCK:  # torch's group registry is process-global
-        store, rank, world_size = next(rendezvous(f"tcp://{host}:{port}", rank, 2, timeout=timeout))
-        store.set_timeout(timeout)
         group, _ = _new_process_group_helper(
             world_size, rank, [], backend, PrefixStore(name, store), group_name=name, timeout=timeout
         )

@@ -1,4 +1,8 @@
-"""`inproc`: engines in the learner's process get a private copy of each version."""
+"""`inproc`: engines in the learner's process get a private copy of each version.
+
+A receiver that raises on a version (an engine refusing weights that do not fit) keeps its own
+version; `publish` then raises `WeightPushError` naming it, counted in `stats["refused"]`.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ from typing import Any
 
 import torch
 
-from stages.weights.base import WeightReceiver, new_stats, require_newer, state_bytes
+from stages.weights.base import WeightPushError, WeightReceiver, new_stats, require_newer, state_bytes
 from stages.weights.packed import PackedWeightReceiver
 
 
@@ -32,7 +36,11 @@ class InprocTransport:
         for receiver in self._receivers:
             # a copy per receiver: the learner keeps training in place while engines decode
             copy = {name: t.detach().clone() for name, t in tensors.items()}
-            await receiver.receive_weights(version, copy)
+            try:
+                await receiver.receive_weights(version, copy)
+            except Exception as exc:  # noqa: BLE001 - whatever it raised, the version did not reach it
+                self.stats["refused"] += 1
+                raise WeightPushError(f"receiver {receiver.name} refused version {version}: {exc}") from exc
             self.stats["bytes"] += state_bytes(copy)
         self._last = version
         self.stats["versions"] += 1

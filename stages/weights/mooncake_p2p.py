@@ -174,7 +174,8 @@ class SlotReceiver(EngineReceiver):
         except (LayoutError, msgspec.DecodeError, msgspec.ValidationError) as exc:
             return self.refuse(str(exc))
         reply = await self.apply(layout.version, views(slot, layout))
-        self.slots.applied(commit.slot)
+        if self.version == layout.version:  # its engines run on the slot now (not when one refused it)
+            self.slots.applied(commit.slot)
         return reply
 
     def close(self) -> None:

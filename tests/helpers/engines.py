@@ -35,3 +35,22 @@ def uniform_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return sd
 
 
+
+
+def greedy_tokens(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    """The `n` tokens `model` itself picks by argmax after `prompt`: what any engine on its weights
+    generates greedily."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def assert_produced_by(model: torch.nn.Module, prompt: list[int], completion, not_by=None) -> None:
+    """The completion's logprobs (sampled at temperature 1) are `model`'s teacher-forced ones, and
+    not `not_by`'s."""
+    got = torch.from_numpy(completion.logprobs)
+    assert torch.allclose(got, teacher_forced_logprobs(model, prompt, completion.tokens), atol=1e-4)
+    if not_by is not None:
+        assert not torch.allclose(got, teacher_forced_logprobs(not_by, prompt, completion.tokens), atol=1e-2)

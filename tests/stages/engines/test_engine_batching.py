@@ -358,22 +358,14 @@ async def test_cancelled_calls_leave_the_queue_at_once_and_the_batch_at_the_next
     assert len(out[0].tokens) == 3
 
 
-async def test_stop_fails_running_calls_and_a_bad_version_fails_the_batch(model_a, monkeypatch) -> None:
-    engine = await started(model_a)
-    running = threading.Event()
-    on_step(engine, monkeypatch, {2: running.set})
-
-    async def stop_when_running() -> None:
-        await anyio.to_thread.run_sync(running.wait)
-        await engine.stop()
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(stop_when_running)
-        with pytest.raises(EngineError, match="stopped"):
-            await engine.generate([LONG], SamplingParams(max_new_tokens=10_000))
+async def test_a_staged_version_that_does_not_fit_fails_the_batch_and_the_engine_goes_on(model_a) -> None:
+    """A version received before `start` (receive_weights checks a version against the model only once
+    it has one) fails the batch that would apply it; the engine stays on its version. (`stop` failing
+    the calls in flight: tests/contracts/test_engine_contract.py.)"""
+    engine = TorchEngine(model_a, seed=11)
+    await engine.receive_weights(1, {"nonsense": torch.zeros(1)})
     await engine.start()
-    engine._stage(1, {"nonsense": torch.zeros(1)})
-    with pytest.raises(RuntimeError, match="do not fit"):
+    with pytest.raises(EngineError, match="do not fit"):
         await engine.generate([SHORT, MEDIUM], SamplingParams(max_new_tokens=4))
     out = await engine.generate([SHORT], SamplingParams(max_new_tokens=4))  # the engine goes on
     assert len(out[0].tokens) == 4 and engine.version == 0

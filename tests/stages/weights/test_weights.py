@@ -1,24 +1,21 @@
-"""Weight layout (pure), and the byte-moving transports across real engine processes: `mooncake_p2p`
-(over TransferEngine) and `disk` (safetensors)."""
+"""Weight layout (pure), packed versions and snapshots, and what the byte-moving transports do beyond the
+transport contract (tests/contracts/test_transport_contract.py): the engine running on its receive slot,
+engines killed after their session began, disk's kept files, delta's bytes."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
-import anyio
 import msgspec
 import numpy as np
 import pytest
 import torch
-import xxhash
 
-from stages.data.model import load_model, make_tiny_model
-from stages.weights.base import WeightPushError
+from stages.data.model import make_tiny_model
 from stages.weights.layout import LayoutError, bad_buckets, decode_layout, encode_layout, fill, plan, views
-from tests.helpers.p2p_peer import read_frame, write_frame
+from tests.helpers.p2p_peer import PeerProcess, digest, learner_version
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -98,38 +95,6 @@ def test_packed_weights_round_trip_and_refuse_damage() -> None:
 # ---------------------------------------------------------------- across processes
 
 
-class PeerProcess:
-    """An engine process (tests/helpers/p2p_peer.py) reached over its stdin/stdout: an `Asker`."""
-
-    def __init__(self, model: Path, name: str) -> None:
-        self.name = name
-        self.proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "tests" / "helpers" / "p2p_peer.py"), str(model)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            cwd=ROOT,
-        )
-        self.lock = threading.Lock()
-
-    def _call(self, box: str, header: bytes) -> bytes | None:
-        with self.lock:
-            try:
-                write_frame(self.proc.stdin, msgspec.msgpack.encode([box, header]))
-                return read_frame(self.proc.stdout)
-            except (BrokenPipeError, OSError):
-                return None
-
-    async def ask(self, box: str, header: bytes) -> bytes | None:
-        return await anyio.to_thread.run_sync(self._call, box, header)
-
-    async def state(self) -> tuple[int, int, dict[str, int]]:
-        return msgspec.msgpack.decode(await self.ask("state", b""))
-
-    def stop(self) -> None:
-        self.proc.kill()
-        self.proc.wait(10)
-
-
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("p2p") / "tiny")
@@ -141,42 +106,6 @@ def peers(model):
     yield started
     for p in started:
         p.stop()
-
-
-def learner_version(model: Path, seed: int) -> dict[str, torch.Tensor]:
-    torch.manual_seed(seed)
-    m = load_model(model)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.add_(torch.randn_like(p) * 0.01)
-    return m.state_dict()
-
-
-def digest(state: dict[str, torch.Tensor]) -> dict[str, int]:
-    return {
-        n: xxhash.xxh3_64_intdigest(t.detach().contiguous().view(-1).view(torch.uint8).numpy())
-        for n, t in state.items()
-    }
-
-
-@pytest.mark.anyio
-async def test_p2p_push_is_bit_exact_in_every_engine_process(model, peers) -> None:
-    from stages.weights.mooncake_p2p import MooncakeP2PTransport
-
-    transport = MooncakeP2PTransport(bucket_bytes=64 << 10)
-    for peer in peers:
-        transport.subscribe(peer)
-    try:
-        for version in (1, 2, 3):  # both slots used, then the first one again
-            state = learner_version(model, seed=version)
-            await transport.publish(version, state)
-            for peer in peers:
-                got_version, rejected, got = await peer.state()
-                assert got_version == version and rejected == 0
-                assert got == digest(state)  # every byte of every parameter
-        assert transport.stats["bytes"] > 0 and transport.stats["refused"] == 0
-    finally:
-        await transport.close()
 
 
 @pytest.mark.anyio
@@ -212,34 +141,6 @@ async def test_the_engine_runs_on_the_slot_and_the_live_slot_is_never_written(mo
 
 
 @pytest.mark.anyio
-async def test_a_corrupted_bucket_is_refused_and_the_engine_keeps_its_version(model, peers) -> None:
-    from stages.weights.mooncake_p2p import MooncakeP2PTransport
-
-    peer = peers[0]
-    transport = MooncakeP2PTransport(bucket_bytes=64 << 10, retries=1)
-    transport.subscribe(peer)
-    first = learner_version(model, seed=1)
-    await transport.publish(1, first)
-
-    def damage_in_flight(layout, attempt):  # 8 bytes of the last bucket's first tensor arrive wrong
-        entry = layout.tensors[layout.buckets[-1].first]
-        return entry.offset + 5, bytes([0xDE, 0xAD, 0xBE, 0xEF]) * 2
-
-    transport.damage = damage_in_flight  # every attempt arrives damaged
-    with pytest.raises(WeightPushError, match="fail their checksum"):
-        await transport.publish(2, learner_version(model, seed=2))
-    version, rejected, got = await peer.state()
-    assert (version, rejected) == (1, 2) and got == digest(first)  # untouched by the bad version
-
-    transport.damage = lambda layout, attempt: damage_in_flight(layout, attempt) if attempt == 0 else None
-    third = learner_version(model, seed=3)
-    await transport.publish(3, third)  # damaged once, refused, written again: applied
-    version, rejected, got = await peer.state()
-    assert (version, rejected) == (3, 3) and got == digest(third)
-    await transport.close()
-
-
-@pytest.mark.anyio
 async def test_a_dead_engine_is_skipped_and_the_others_still_get_every_version(model, peers) -> None:
     from stages.weights.mooncake_p2p import MooncakeP2PTransport
 
@@ -260,71 +161,25 @@ async def test_a_dead_engine_is_skipped_and_the_others_still_get_every_version(m
 
 
 @pytest.mark.anyio
-async def test_disk_push_is_bit_exact_and_keeps_only_the_newest_files(model, peers, tmp_path) -> None:
+async def test_disk_keeps_only_the_newest_files(model, tmp_path) -> None:
+    """(Delivery, damage, dead engines: tests/contracts/test_transport_contract.py.)"""
+    from stages.engines.torch import TorchEngine
     from stages.weights.disk import DiskTransport
 
+    engine = TorchEngine(model, name="local")
+    await engine.start()
     transport = DiskTransport(root=tmp_path / "weights", keep=2)
-    for peer in peers:
-        transport.subscribe(peer)
+    transport.subscribe(engine)
     for version in (1, 2, 3):
-        state = learner_version(model, seed=version)
-        await transport.publish(version, state)
-        for peer in peers:
-            got_version, rejected, got = await peer.state()
-            assert (got_version, rejected) == (version, 0) and got == digest(state)
+        await transport.publish(version, learner_version(model, seed=version))
+        assert engine.version == version
     assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v00000002", "v00000003"]
 
 
-@pytest.mark.anyio
-async def test_a_damaged_weights_file_is_refused_and_the_engine_keeps_its_version(model, peers, tmp_path) -> None:
-    from stages.weights.disk import DiskTransport
-
-    transport = DiskTransport(root=tmp_path / "weights", retries=1)
-    transport.subscribe(peers[0])
-    first = learner_version(model, seed=1)
-    await transport.publish(1, first)
-    write = transport._write
-
-    def write_then_damage(version, tensors):
-        notice = write(version, tensors)
-        with open(notice.path, "r+b") as f:  # one flipped byte near the end: inside the tensor data
-            f.seek(-100, 2)
-            byte = f.read(1)
-            f.seek(-100, 2)
-            f.write(bytes([byte[0] ^ 0xFF]))
-        return notice
-
-    transport._write = write_then_damage
-    with pytest.raises(WeightPushError, match="fail their checksum"):
-        await transport.publish(2, learner_version(model, seed=2))
-    version, rejected, got = await peers[0].state()
-    assert (version, rejected) == (1, 2) and got == digest(first)
-
-
-@pytest.mark.anyio
-@pytest.mark.parametrize("kind", ["disk", "delta"])
-async def test_a_dead_engine_is_skipped_and_counted(model, peers, tmp_path, kind: str) -> None:
+def test_transports_are_made_by_name_with_their_options() -> None:
+    """(Each one's type, name and stats: tests/contracts/test_transport_contract.py.)"""
     from stages.weights import make_transport
 
-    transport = make_transport(kind, **({"root": tmp_path / "weights"} if kind == "disk" else {}))
-    for peer in peers:
-        transport.subscribe(peer)
-    peers[0].stop()
-    state = learner_version(model, seed=5)
-    await transport.publish(1, state)
-    assert transport.stats["unreachable"] == 1
-    version, _, got = await peers[1].state()
-    assert version == 1 and got == digest(state)
-
-
-def test_every_transport_is_made_by_name_with_one_stats_shape() -> None:
-    from stages.weights import TRANSPORTS, make_transport
-    from stages.weights.base import STATS, WeightTransport
-
-    for kind in TRANSPORTS:
-        transport = make_transport(kind)
-        assert isinstance(transport, WeightTransport) and transport.name == kind
-        assert transport.stats == dict.fromkeys(STATS, 0)
     assert make_transport("disk", keep=5).keep == 5
     with pytest.raises(ValueError, match="known: inproc, mooncake_p2p, disk, delta, broadcast"):
         make_transport("carrier-pigeon")
@@ -384,68 +239,25 @@ async def test_a_restarted_delta_receiver_is_caught_up_with_the_whole_state_at_o
     assert (transport.stats["resent"], transport.stats["full_sends"], transport.stats["refused"]) == (1, 1, 0)
 
 
-@pytest.mark.anyio
-async def test_a_delta_that_rebuilds_the_wrong_state_is_refused(model, peers) -> None:
-    import msgspec
-
-    from stages.weights.delta import DeltaTransport
-
-    transport = DeltaTransport(retries=0)
-    transport.subscribe(peers[0])
-    state = learner_version(model, seed=1)
-    await transport.publish(1, state)
-    message = transport._message
-
-    def lying(*args):  # every bucket's checksum a lie
-        layout = decode_layout(message(*args).layout)
-        buckets = tuple(msgspec.structs.replace(b, checksum=12345) for b in layout.buckets)
-        lie = encode_layout(msgspec.structs.replace(layout, buckets=buckets))
-        return msgspec.structs.replace(message(*args), layout=lie)
-
-    transport._message = lying
-    with pytest.raises(WeightPushError, match="fail their checksum"):
-        await transport.publish(2, learner_version(model, seed=2))
-    version, rejected, got = await peers[0].state()
-    assert (version, rejected) == (1, 1) and got == digest(state)
-
-
 # ---------------------------------------------------------------- broadcast
 
 
 @pytest.mark.anyio
-async def test_broadcast_is_bit_exact_refuses_damage_and_skips_a_dead_engine(model, peers) -> None:
+async def test_broadcast_skips_an_engine_that_died_in_its_group(model, peers) -> None:
+    """An engine process killed after its group formed breaks only its own group. (Delivery, damage and
+    an engine that never answers: tests/contracts/test_transport_contract.py.)"""
     from stages.weights.broadcast import BroadcastTransport
 
     transport = BroadcastTransport(retries=1, timeout_s=30)
     for peer in peers:
         transport.subscribe(peer)
-    for version in (1, 2):
-        state = learner_version(model, seed=version)
-        await transport.publish(version, state)
-        for peer in peers:
-            got_version, rejected, got = await peer.state()
-            assert (got_version, rejected) == (version, 0) and got == digest(state)
-
-    def damage(outgoing, attempt):  # every attempt: one value changed in flight
-        outgoing = dict(outgoing)
-        name = next(iter(outgoing))
-        outgoing[name] = outgoing[name].clone()
-        outgoing[name].view(-1)[0] += 1.0
-        return outgoing
-
-    transport.before_send = damage
-    with pytest.raises(WeightPushError, match="fails its checksum"):
-        await transport.publish(3, learner_version(model, seed=3))
-    version, rejected, got = await peers[0].state()
-    assert (version, rejected) == (2, 2) and got == digest(state)  # still version 2, untouched
-
-    transport.before_send = None
+    await transport.publish(1, learner_version(model, seed=1))
     peers[0].stop()  # its group breaks; the run goes on with the other engine
-    state = learner_version(model, seed=4)
-    await transport.publish(4, state)
+    state = learner_version(model, seed=2)
+    await transport.publish(2, state)
     assert transport.stats["unreachable"] >= 1
     version, _, got = await peers[1].state()
-    assert version == 4 and got == digest(state)
+    assert version == 2 and got == digest(state)
     await transport.close()
 
 
