@@ -51,7 +51,6 @@ TRANSPORT_OPTIONS: dict[str, tuple[str, ...]] = {
     "disk": ("root", "retries"),
     "broadcast": ("retries",),
 }
-SAMPLING_KEYS = ("batch_groups", "temperature", "top_p")  # engine-section keys the rollout stage takes
 
 
 def reverse_digits(spec: schema.ReverseDigitsSpec, cfg: RunConfig) -> ReverseDigits:
@@ -112,7 +111,7 @@ def ray_store(spec: schema.RayStoreSpec, cfg: RunConfig) -> RayStoreOpener:
 def grpo_learner(spec: Any, cfg: RunConfig, *, model: Path) -> GRPOLearner:
     return GRPOLearner(
         model, **spec.model_dump(exclude={"kind"}),  # every other key of [learner] is a GRPOLearner field
-        temperature=getattr(cfg.engine, "temperature", default_of(GRPOLearner, "temperature")),
+        temperature=cfg.engine_sampling().get("temperature", default_of(GRPOLearner, "temperature")),
         weights=make_part("weights", cfg), snapshot_every=cfg.weights.snapshot_every,
         correction=make_correction(cfg), selection=make_selection_policy(cfg),
         replays_ride_along=cfg.replay.ride_along,
@@ -193,8 +192,8 @@ def make_evaluation(cfg: RunConfig, task: Any) -> Evaluation | None:
 def make_rollout(cfg: RunConfig, model: Path) -> Rollout:
     """The producer: the task and `engine.count` engines; the engine section's sampling keys when it has them."""
     task = make_part("task", cfg)
-    engines = [make_part("engine", cfg, model=model, index=i) for i in range(getattr(cfg.engine, "count", 1))]
-    sampling = {key: getattr(cfg.engine, key) for key in SAMPLING_KEYS if hasattr(cfg.engine, key)}
+    engines = [make_part("engine", cfg, model=model, index=i) for i in range(cfg.engine_count)]
+    sampling = cfg.engine_sampling()
     environment = cfg.environment
     return Rollout(task, engines, tokenizer=model, group_size=cfg.rollout.group_size,
                    request_timeout_s=cfg.rollout.request_timeout_s, reward=make_reward(cfg),

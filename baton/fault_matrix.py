@@ -260,12 +260,12 @@ def _latest(root: Path, name: str) -> Path | None:
 
 
 def _window_groups(cfg: Any) -> int | None:
-    """Groups that may be in flight when the run ends: (k + 1) x groups_per_step under pace
-    admission (started - discarded < (steps + k + 1) x B, of which steps x B were trained)."""
-    staleness, learner = cfg.staleness, cfg.learner
-    if getattr(staleness, "admission", None) != "pace" or not hasattr(learner, "groups_per_step"):
-        return None
-    return (staleness.k + 1) * learner.groups_per_step
+    """Groups that may be in flight when the run ends, under pace admission (`policies.bounds.live_groups`:
+    started - discarded < (steps + lead + 1) x B, of which steps x B were trained)."""
+    from policies.bounds import live_groups
+
+    shape = cfg.pipeline_shape()
+    return live_groups(shape) if shape is not None and shape.admission == "pace" else None
 
 
 def run_matrix(

@@ -255,6 +255,9 @@ class SGLangEngineSpec(Section):
         return python
 
 
+BUILT_IN_ENGINES = (TorchEngineSpec, SGLangEngineSpec)  # engines whose sections the schema knows
+
+
 class RolloutSpec(Section):
     group_size: int = Field(default_of(Rollout, "group_size"), ge=2)
     request_timeout_s: float | None = Field(
@@ -787,7 +790,8 @@ class RunConfig(Section):
         reward or eval split needs a task that has answers to check (a dataset's)."""
         if not self.model.create:
             try:
-                check_model_folder(self.model.path, needs_chat_template=getattr(self.task, "uses_chat", False))
+                check_model_folder(self.model.path, needs_chat_template=isinstance(self.task, DatasetTaskSpec)
+                                   and self.task.uses_chat)
             except ValueError as exc:
                 raise ValueError(f"model.path: {exc}") from None
         if self.eval.every and isinstance(self.task, DatasetTaskSpec) and self.task.eval_path is None:
@@ -836,6 +840,24 @@ class RunConfig(Section):
             raise ValueError("the staleness bound does not hold: " + " | ".join(problems))
         return self
 
+    @property
+    def engine_count(self) -> int:
+        """Engine workers: the built-in engines' `count`; a plug-in engine section is one worker."""
+        return self.engine.count if isinstance(self.engine, BUILT_IN_ENGINES) else 1
+
+    def engine_sampling(self) -> dict[str, Any]:
+        """The rollout's sampling keys the engine section sets (batch_groups, temperature, top_p); none for
+        a plug-in engine (the rollout's defaults apply)."""
+        if not isinstance(self.engine, BUILT_IN_ENGINES):
+            return {}
+        return {"batch_groups": self.engine.batch_groups, "temperature": self.engine.temperature,
+                "top_p": self.engine.top_p}
+
+    @property
+    def learner_ranks(self) -> int:
+        """The learner's world size (a plug-in learner: one)."""
+        return self.learner.world_size if isinstance(self.learner, GRPOSpec) else 1
+
     def pipeline_shape(self) -> Any:
         """The numbers that decide staleness (a `policies.bounds.PipelineShape`); None for plug-in parts."""
         from policies.bounds import PipelineShape
@@ -843,8 +865,8 @@ class RunConfig(Section):
         if not isinstance(self.staleness, MaxStalenessSpec) or not isinstance(self.learner, GRPOSpec):
             return None
         return PipelineShape(
-            k=self.staleness.k, groups_per_step=self.learner.groups_per_step, engines=getattr(self.engine, "count", 1),
-            batch_groups=getattr(self.engine, "batch_groups", 1), produced_channel=self.buffer.produced_channel,
+            k=self.staleness.k, groups_per_step=self.learner.groups_per_step, engines=self.engine_count,
+            batch_groups=self.engine_sampling().get("batch_groups", 1), produced_channel=self.buffer.produced_channel,
             buffer_refs=self.buffer.max_refs, ready_channel=self.buffer.ready_channel,
             admission=self.staleness.admission, max_reuse=self.replay.max_reuse, epochs=self.learner.epochs,
             replays_ride_along=self.replay.ride_along,

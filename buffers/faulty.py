@@ -29,7 +29,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import anyio
 from typing_extensions import Buffer
@@ -50,6 +50,13 @@ class Restartable(Protocol):
 
 class Killable(Protocol):
     def kill(self) -> None: ...
+
+
+@runtime_checkable
+class OwnsMaster(Protocol):
+    """A store that started its own Mooncake master (`buffers.mooncake.MooncakeStore.open("auto")`)."""
+
+    master: Restartable | None
 
 
 @dataclass(frozen=True)
@@ -141,7 +148,8 @@ class FaultyStore:
         self._corrupt = plan.schedule("store.corrupt")
         self._master_restart = plan.schedule("store.master_restart")
         self._holder_crash = plan.schedule("store.holder_crash")
-        self._master: Restartable | None = plan.targets.get("master") or getattr(inner, "master", None)
+        own = inner.master if isinstance(inner, OwnsMaster) else None
+        self._master: Restartable | None = plan.targets.get("master") or own
         self._holder: Killable | None = plan.targets.get("holder")
         if self._master_restart is not None and self._master is None:
             raise FaultPlanError(

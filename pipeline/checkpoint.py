@@ -243,9 +243,10 @@ class LocalCut:
         for name, channel in reversed(self.channels.items()):
             held.extend(HeldRef(ref=r, holder=f"channel:{name}") for r in channel.items() if isinstance(r, Ref))
         ledger = self.ledger.state()  # in flight, and the store's position (committed, fsynced)
+        producers = [h for h in self.holders if isinstance(h, CheckpointedProducer)]
         owed = owed_sources(
-            [src for holder in self.holders for src in getattr(holder, "held_sources", list)()],
-            [item for holder in self.holders for item in getattr(holder, "recording", list)()], ledger,
+            [src for holder in producers for src in holder.held_sources()],
+            [item for holder in producers for item in holder.recording()], ledger,
         )
         return RunState(
             run=self.run, version=version, steps=self.steps, units_per_version=self.gate.units_per_version,

@@ -43,6 +43,8 @@ from typing import Any
 
 import anyio
 
+from pipeline.channel import Channel
+
 FAULT_KINDS: tuple[str, ...] = (
     "engine.crash", "engine.hang", "store.put_fail", "store.get_fail", "store.corrupt",
     "store.master_restart", "store.holder_crash", "weights.push_fail", "learner.crash", "channel.stall",
@@ -271,15 +273,14 @@ def install(ctx: Any, faults: FaultPlan | None, isolated: bool = False) -> Fault
     (and changes nothing) when no fault is planned."""
     if not faults:
         return None
-    folder = getattr(ctx.folder, "path", ctx.folder)
-    plan = faults.bound(folder, isolated=isolated)
+    plan = faults.bound(ctx.folder.path, isolated=isolated)
     ctx.services.faults = plan
     crash = plan.schedule("learner.crash")
     if crash is not None:
         ctx.clock = CrashingClock(ctx.clock, crash, kill_process=isolated)
     if plan.planned("channel.stall"):
         for name, channel in ctx.channels.items():
-            if name != "feedback" and hasattr(channel, "before_send"):
+            if name != "feedback" and isinstance(channel, Channel):  # this process's own (Ray's are actors)
                 channel.before_send = stall_hook(plan.schedule("channel.stall", name))
     return plan
 

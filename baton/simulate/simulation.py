@@ -70,12 +70,12 @@ class Simulation:
     def __init__(self, cfg: Any, spec: SimulateSpec, costs: Costs, engines: int | None = None,
                  steps: int | None = None) -> None:
         self.cfg, self.spec, self.costs = cfg, spec, costs
-        self.engines = engines or spec.engines or getattr(cfg.engine, "count", 1)
+        self.engines = engines or spec.engines or cfg.engine_count
         self.steps = steps or spec.steps or cfg.steps
         self.rng = random.Random(spec.seed)
         self.groups_per_step = cfg.learner.groups_per_step
         self.group_size = cfg.rollout.group_size
-        self.batch_groups = getattr(cfg.engine, "batch_groups", default_of(Rollout, "batch_groups"))
+        self.batch_groups = cfg.engine_sampling().get("batch_groups", default_of(Rollout, "batch_groups"))
         self.policy = make_part("staleness", cfg)  # the object `baton run` builds for this config
         self.selection = make_selection_policy(cfg)
         self.clock = VersionClock()
@@ -295,7 +295,7 @@ class Simulation:
         return SimResult(
             records=self.records, figures=figures, staleness_hist=dict(sorted(Counter(self.trained_staleness).items())),
             counts=dict(self.counts), events=self.loop.events, wall_s=round(time.perf_counter() - started, 3),
-            engines=self.engines, k=getattr(self.policy, "bound", -1),
+            engines=self.engines, k=self.policy.bound,
         )
 
 
@@ -303,7 +303,7 @@ def simulate(cfg: Any, spec: SimulateSpec, costs: Costs | None = None, engines: 
              steps: int | None = None) -> SimResult:
     """Run one simulation of `cfg`; declared costs from `spec` unless `costs` is given."""
     if costs is None:
-        ranks = spec.learners or getattr(cfg.learner, "world_size", 1)  # a plug-in learner may have no ranks
+        ranks = spec.learners or cfg.learner_ranks
         costs = DeclaredCosts(spec, cfg.rollout.group_size, cfg.weights.transport, cfg.runtime, ranks)
     return Simulation(cfg, spec, costs, engines=engines, steps=steps).run()
 

@@ -60,7 +60,7 @@ def run_sweep(config: str, overrides: Sequence[str], axes: dict[str, list[int]],
             point_costs = MeasuredCosts(costs.calls, costs.steps, m, costs.hop_s, costs.engine_load_s,
                                         costs.get_s_per_group)
         result = simulate(cfg, spec, point_costs, engines=e, steps=steps)
-        ranks = spec.learners or getattr(cfg.learner, "world_size", 1)
+        ranks = spec.learners or cfg.learner_ranks
         sweep.points.append(SweepPoint(result.engines, result.k, ranks,
                                        {**result.figures, "sim_wall_s": result.wall_s}))
     return sweep

@@ -31,6 +31,7 @@ from pipeline.faults import (
     install,
     read_events,
 )
+from pipeline.telemetry import RunFolder
 from pipeline.versions import VersionClock
 from stages.engines.faulty import EngineCrashed, with_engine_faults
 from stages.weights.base import WeightPushError
@@ -97,7 +98,8 @@ async def test_no_fault_planned_means_no_wrapper_and_no_hook(tmp_path: Path) -> 
     assert with_engine_faults(engine, None) is engine and with_engine_faults(engine, other) is engine
     assert with_weight_faults(transport, None) is transport and with_weight_faults(transport, other) is transport
     channel = Channel("produced", max_items=4)
-    ctx = SimpleNamespace(folder=tmp_path, services=Services(), clock=object(), channels={"produced": channel})
+    ctx = SimpleNamespace(folder=RunFolder(tmp_path), services=Services(), clock=object(),
+                          channels={"produced": channel})
     clock = ctx.clock
     assert install(ctx, None) is None
     assert ctx.services == Services() and ctx.clock is clock and channel.before_send is None
@@ -201,7 +203,7 @@ async def test_a_channel_stall_delays_a_send_and_loses_nothing(tmp_path: Path) -
     import anyio
 
     channel = Channel("produced", max_items=4)
-    ctx = SimpleNamespace(folder=tmp_path, services=Services(), clock=None, channels={"produced": channel})
+    ctx = SimpleNamespace(folder=RunFolder(tmp_path), services=Services(), clock=None, channels={"produced": channel})
     install(ctx, FaultPlan([FaultSpec("channel.stall", at=(2,), delay_s=0.2)]))
     t0 = anyio.current_time()
     for item in range(3):
