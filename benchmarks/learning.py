@@ -1,8 +1,13 @@
-"""Learning that holds up: the quickstart's settings with only the task changed, over seeds, and the same
-at staleness k = 4 and k = 8 with the correction the README recommends for them (`decoupled`).
+"""Learning that holds up: the quickstart's settings with only the task changed, over seeds, staleness
+bounds k and off-policy objectives (`policies.correction`).
 
     python benchmarks/learning.py [--tasks reverse2,reverse3,reverse4,addition,math,math-scratch] [--seeds 0,1,2]
-                                  [--ks 2,4,8] [--budget-s 120] [--steps 1500] [--set key=value ...]
+                                  [--ks 0,2,4,8,32] [--objectives decoupled,m2po] [--budget-s 120] [--steps 1500]
+                                  [--set key=value ...]
+
+k = 0 is sync mode (the on-policy reference). Without `--objectives` a run at k <= 2 uses the config's own
+correction and a run above it `--correction` (the README's rule); with it, every run uses each objective
+listed, at every k.
 
 Each row is one run (`baton run`, its own process): task, seed, k, the time from process start to a trailing
 mean train reward (last `--window` versions) of `--target` (0.8) and the version it happened at, the final
@@ -19,9 +24,11 @@ threshold is the accuracy of greedy answers on the held-out eval split (200 prob
 versions): `--eval-target` (0.8) of them right by math-verify. Their rows also carry the eval accuracy at each
 evaluation and the trailing train reward.
 
-Last stdout line: one JSON object with "rows" (one per task, seed and k), "figures" (reached / runs and
-the median seconds and versions to the target per k) and "ratios": reached_fraction (goal 1.0) and,
-against the k = 2 rows measured in the same invocation, the median time to target at k = 4 and 8.
+Last stdout line: one JSON object with "rows" (one per task, seed, k and objective), "figures" (reached /
+runs and the median seconds and versions to the target per k and objective) and "ratios": reached_fraction
+(goal 1.0); against the k = 2 rows measured in the same invocation, the median time to target at each k;
+and per task, k and objective, versions to the target at k over versions at k = 2 with the same objective,
+at the worst seed (`versions_vs_k2/<task>/k<k>/<objective>`; goal at k = 8: at most 1.2).
 """
 
 from __future__ import annotations
@@ -72,35 +79,51 @@ def limits(task: str, a: argparse.Namespace) -> tuple[int, float]:
     return max(a.steps, steps), max(a.budget_s, budget_s)
 
 
-def run_once(task: str, seed: int, k: int, a: argparse.Namespace, root: Path) -> dict:
+def objective_sets(k: int, objective: str | None, a: argparse.Namespace) -> list[str]:
+    """The overrides that pick a run's objective and mode (k = 0: sync, the same code path)."""
+    mode = ["mode='sync'"] if k == 0 else [f"staleness.k={k}"]
+    if objective is not None:
+        return [*mode, f"correction.kind='{objective}'"]
+    return [*mode, *([] if k <= 2 else [f"correction.kind='{a.correction}'"])]
+
+
+def run_once(task: str, seed: int, k: int, a: argparse.Namespace, root: Path, objective: str | None = None) -> dict:
     config, task_sets = TASKS[task]
     steps, _ = limits(task, a)
-    sets = [*task_sets, f"seed={seed}", f"steps={steps}", f"staleness.k={k}", f"run_root='{root}'",
-            f"name='{task}-s{seed}-k{k}'", "telemetry.progress=false", "telemetry.log_level='warning'",
-            "checkpoint.every=0", *([] if k <= 2 else [f"correction.kind='{a.correction}'"]), *a.overrides]
+    name = f"{task}-s{seed}-k{k}" + (f"-{objective}" if objective else "")
+    sets = [*task_sets, f"seed={seed}", f"steps={steps}", f"run_root='{root}'",
+            f"name='{name}'", "telemetry.progress=false", "telemetry.log_level='warning'",
+            "checkpoint.every=0", *objective_sets(k, objective, a), *a.overrides]
     cmd = [sys.executable, "-m", "baton.cli", "run", config, *[x for s in sets for x in ("--set", s)]]
     started = time.perf_counter()
-    log = root / f"{task}-s{seed}-k{k}.log"  # a file, not a pipe: a pipe nobody reads until the end can fill
+    log = root / f"{name}.log"  # a file, not a pipe: a pipe nobody reads until the end can fill
     with log.open("w") as sink:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT)
-        wall, killed = _watch(proc, task, seed, k, a, root, started)
-    metrics = _metrics_file(root, task, seed, k)
+        wall, killed = _watch(proc, task, name, a, root, started)
+    metrics = _metrics_file(root, name)
     if metrics is None or not _records(metrics):
-        return {"task": task, "seed": seed, "k": k, "error": log.read_text()[-500:]}
-    row = _row(task, seed, k, metrics, a, wall)
+        return {"task": task, "seed": seed, "k": k, "objective": objective, "error": log.read_text()[-500:]}
+    row = {**_row(task, seed, k, metrics, a, wall), "objective": objective or _objective_of(metrics)}
     if killed:  # it ignored SIGTERM for a minute: a bug of its own, worth seeing in the table
         row["killed_after_sigterm"] = True
     return row
 
 
-def _watch(proc: subprocess.Popen, task: str, seed: int, k: int, a: argparse.Namespace, root: Path,
+def _objective_of(metrics: Path) -> str:
+    """The correction kind the run's resolved config names."""
+    import tomllib
+
+    return tomllib.loads((metrics.parent / "config.toml").read_text()).get("correction", {}).get("kind", "none")
+
+
+def _watch(proc: subprocess.Popen, task: str, name: str, a: argparse.Namespace, root: Path,
            started: float) -> tuple[float, bool]:
     """Wait for the run, stopping it once it has shown `after` versions past the target or used its
     budget; its wall seconds, and whether it had to be killed."""
     metrics, killed = None, False
     while proc.poll() is None:  # stop the run once it has shown `after` versions past the target
         time.sleep(1.0)
-        metrics = metrics or _metrics_file(root, task, seed, k)
+        metrics = metrics or _metrics_file(root, name)
         elapsed = time.perf_counter() - started
         if elapsed > limits(task, a)[1] or (metrics and _target_point(task, metrics, a, a.after) is not None):
             proc.terminate()
@@ -113,9 +136,9 @@ def _watch(proc: subprocess.Popen, task: str, seed: int, k: int, a: argparse.Nam
     return time.perf_counter() - started, killed
 
 
-def _metrics_file(root: Path, task: str, seed: int, k: int) -> Path | None:
-    """The run's metrics.jsonl once its folder exists (the folder name ends in a timestamp)."""
-    return next(iter(sorted(root.glob(f"{task}-s{seed}-k{k}-*/metrics.jsonl"))), None)
+def _metrics_file(root: Path, name: str) -> Path | None:
+    """The run's metrics.jsonl once its folder exists (the folder name is `name-<timestamp>`)."""
+    return next(iter(sorted(root.glob(f"{name}-2*/metrics.jsonl"))), None)
 
 
 def _records(path: Path) -> list[dict]:
@@ -181,8 +204,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tasks", default=DEFAULT_TASKS, help=f"from {', '.join(TASKS)}")
     p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--ks", default="2,4,8", help="staleness bounds; above 2 the run uses --correction")
+    p.add_argument("--ks", default="2,4,8", help="staleness bounds (0: sync); above 2 the run uses --correction")
     p.add_argument("--correction", default="decoupled")
+    p.add_argument("--objectives", default=None, help="correction kinds to run at every k, e.g. decoupled,m2po")
     p.add_argument("--steps", type=int, default=1500, help="most versions per run")
     p.add_argument("--budget-s", type=float, default=180.0, help="most seconds per run")
     p.add_argument("--target", type=float, default=0.8, help="trailing train reward (the built-in tasks)")
@@ -193,32 +217,54 @@ def main() -> None:
     a = p.parse_args()
     prepare(a.tasks.split(","))
     rows = []
+    objectives = a.objectives.split(",") if a.objectives else [None]
     with tempfile.TemporaryDirectory() as tmp:
         for k in (int(x) for x in a.ks.split(",")):
             for task in a.tasks.split(","):
-                for seed in (int(x) for x in a.seeds.split(",")):
-                    rows.append(run_once(task, seed, k, a, Path(tmp)))
-                    print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+                for objective in objectives:
+                    for seed in (int(x) for x in a.seeds.split(",")):
+                        rows.append(run_once(task, seed, k, a, Path(tmp), objective))
+                        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     print(json.dumps({"benchmark": "learning", "overrides": a.overrides, **summarise(rows)}))
 
 
 def summarise(rows: list[dict]) -> dict:
-    """Per k: runs that reached the target and the medians over them; ratios against k = 2's medians."""
+    """Per k and objective: runs that reached the target and the medians over them; ratios against k = 2."""
     figures: dict[str, dict] = {}
-    for k in sorted({r["k"] for r in rows}):
-        mine = [r for r in rows if r["k"] == k]
+    for k, objective in sorted({(r["k"], r.get("objective") or "") for r in rows}):
+        mine = [r for r in rows if r["k"] == k and (r.get("objective") or "") == objective]
         hit = [r for r in mine if r.get("reached")]
-        figures[f"k{k}"] = {
+        figures[f"k{k}" + (f"/{objective}" if objective else "")] = {
             "reached": f"{len(hit)}/{len(mine)}",
             "median_seconds_to_target": statistics.median(r["seconds_to_target"] for r in hit) if hit else None,
             "median_versions_to_target": statistics.median(r["versions_to_target"] for r in hit) if hit else None,
         }
     ratios = {"reached_fraction": round(sum(bool(r.get("reached")) for r in rows) / max(1, len(rows)), 3)}
-    reference = figures.get("k2", {}).get("median_seconds_to_target")
     for name, f in figures.items():
-        if name != "k2" and reference and f["median_seconds_to_target"]:
+        reference = figures.get(name.replace(name.split("/")[0], "k2", 1), {}).get("median_seconds_to_target")
+        if not name.startswith("k2") and reference and f["median_seconds_to_target"]:
             ratios[f"{name}_time_vs_k2"] = round(f["median_seconds_to_target"] / reference, 3)
+    ratios.update(versions_vs_k2(rows))
     return {"rows": rows, "figures": figures, "ratios": ratios}
+
+
+def versions_vs_k2(rows: list[dict]) -> dict[str, float | None]:
+    """Per task, k and objective: versions to the target at k over those at k = 2 (same task and objective),
+    at the worst seed; None when some seed did not reach the target."""
+    out: dict[str, float | None] = {}
+    for task, k, objective in sorted({(r["task"], r["k"], r.get("objective") or "") for r in rows}):
+        mine = [r for r in rows if (r["task"], r["k"], r.get("objective") or "") == (task, k, objective)]
+        base = [r for r in rows if (r["task"], r["k"], r.get("objective") or "") == (task, 2, objective)]
+        if k == 2 or not base:
+            continue
+        key = f"versions_vs_k2/{task}/k{k}" + (f"/{objective}" if objective else "")
+        if not all(r.get("reached") for r in mine + base):
+            out[key] = None
+            continue
+        base_by_seed = {r["seed"]: r["versions_to_target"] for r in base}
+        out[key] = round(max(r["versions_to_target"] / base_by_seed[r["seed"]] for r in mine
+                             if r["seed"] in base_by_seed), 3)
+    return out
 
 
 if __name__ == "__main__":
