@@ -22,3 +22,19 @@ def mooncake_master():
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray cluster of this test module's own (four logical CPUs), started the way the runtime starts
+    one (`pipeline.runtime.ray.init_own_cluster`: never a cluster `ray start` left behind), stopped after
+    the module."""
+    import ray
+
+    from pipeline.runtime.ray import init_own_cluster
+
+    init_own_cluster(num_cpus=4, log_to_driver=False, namespace="baton-tests")
+    try:
+        yield
+    finally:
+        ray.shutdown()

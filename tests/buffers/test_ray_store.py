@@ -6,7 +6,6 @@ import asyncio
 import gc
 import hashlib
 import os
-import sys
 import uuid
 
 import numpy as np
@@ -25,18 +24,6 @@ from tests.contracts.store_contract import (
 )
 
 pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("ray_cluster")]
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import this test module
-    yield
-    ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
-    if started:
-        ray.shutdown()
 
 
 @pytest.fixture

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-import ray  # noqa: E402
 
 from buffers.ray_store import RayStoreSpec  # noqa: E402
 from buffers.ref_buffer import RefBuffer  # noqa: E402
@@ -29,13 +28,6 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="baton-tests")
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("model"))
 
@@ -44,7 +36,7 @@ def metrics_of(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_multi_turn_episodes_run_in_the_producer_processes(cluster, model: Path, tmp_path: Path) -> None:
+def test_multi_turn_episodes_run_in_the_producer_processes(ray_cluster, model: Path, tmp_path: Path) -> None:
     """Two producer processes, each running the feedback environment's episodes (built there from a
     partial); every group accounted for, and episodes take more than one turn."""
     steps, groups = 6, 4
@@ -71,7 +63,7 @@ def test_multi_turn_episodes_run_in_the_producer_processes(cluster, model: Path,
     assert all(m["turns_mean"] > 1 for m in metrics), [m["turns_mean"] for m in metrics]
 
 
-def test_engine_crash_on_ray_restarts_the_producer_of_multi_turn_episodes(cluster, model: Path,
+def test_engine_crash_on_ray_restarts_the_producer_of_multi_turn_episodes(ray_cluster, model: Path,
                                                                            tmp_path: Path) -> None:
     """The fault matrix's engine.crash on configs/agent-feedback.toml on Ray: the producer process is
     SIGKILLed mid-episode, Ray restarts it, the slots of its unfinished groups are freed and the run
@@ -98,7 +90,7 @@ def test_engine_crash_on_ray_restarts_the_producer_of_multi_turn_episodes(cluste
     assert restarted, "the restart is a run event"
 
 
-def test_pace_admission_drops_nothing_around_checkpoint_pauses(cluster, model: Path, tmp_path: Path) -> None:
+def test_pace_admission_drops_nothing_around_checkpoint_pauses(ray_cluster, model: Path, tmp_path: Path) -> None:
     """admission = "pace" on Ray with a checkpoint cut every 3 versions (each pauses the ledger while the
     hosts answer) and two producers of multi-turn episodes of uneven length: no group is dropped as
     stale, so every sample produced is trained or still in flight at the end."""

@@ -42,15 +42,6 @@ def anyio_backend() -> str:
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        yield
-    finally:
-        ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def peers(ray_cluster):
     """Two long-lived peer actors (other processes) that produce into / consume from channels."""
     actors = [Peer.remote() for _ in range(2)]

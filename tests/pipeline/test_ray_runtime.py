@@ -28,13 +28,6 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="baton-tests")
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("model"))
 
@@ -57,7 +50,7 @@ def pipeline(model: Path, root: Path, steps: int, weights: object = "inproc") ->
     )
 
 
-def test_every_actor_in_its_own_process_and_nothing_unaccounted(cluster, model: Path, tmp_path: Path) -> None:
+def test_every_actor_in_its_own_process_and_nothing_unaccounted(ray_cluster, model: Path, tmp_path: Path) -> None:
     s = pipeline(model, tmp_path, steps=15).run()
     assert s["runtime"] == "ray" and s["version"] == 15
     assert s["samples"]["trained"] == 15 * 8 * 8
@@ -90,7 +83,7 @@ def kill_host_when(root: Path, version: int, killed: list[int], host: str = "pro
     return thread
 
 
-def test_a_killed_producer_is_restarted_and_nothing_is_lost(cluster, model: Path, tmp_path: Path) -> None:
+def test_a_killed_producer_is_restarted_and_nothing_is_lost(ray_cluster, model: Path, tmp_path: Path) -> None:
     """With weights pushed over TransferEngine (mooncake_p2p): pushes to the dead process are skipped,
     the other engine keeps getting every version, and the restarted one is caught up at once."""
     from stages.weights.mooncake_p2p import MooncakeP2PTransport
@@ -111,7 +104,7 @@ def test_a_killed_producer_is_restarted_and_nothing_is_lost(cluster, model: Path
     assert len(incarnations) == 2, "the restarted producer process produced groups that were trained"
 
 
-def test_a_dead_buffer_stops_the_run_naming_it(cluster, model: Path, tmp_path: Path) -> None:
+def test_a_dead_buffer_stops_the_run_naming_it(ray_cluster, model: Path, tmp_path: Path) -> None:
     killed: list[int] = []
     watcher = kill_host_when(tmp_path, version=2, killed=killed, host="buffer-0")
     with pytest.raises(ActorFailed) as err:
