@@ -45,6 +45,13 @@ An unknown key or a bad value fails before anything starts, naming the key, the 
 (exit code 2). So does a shape that could break its own staleness bound (see
 [the staleness contract](../concepts.md#the-staleness-contract)).
 
+```text
+$ baton check configs/quickstart.toml --set learner.lrr=1e-3 --set staleness.on_stale=later
+baton: configs/quickstart.toml is invalid:
+  unknown key 'learner.lrr' (remove it, or check its spelling)
+  staleness.on_stale = "later": Input should be 'drop' or 'requeue'
+```
+
 A key left out takes the default shown. "unset" means the key has no value unless you give one (the
 description says what that means). Sizes (`bytes`) take an integer or a string such as `"64MiB"`.
 A section with a `kind` key also takes `kind = "package.module:Class"`: your own class, called with the
