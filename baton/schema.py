@@ -550,8 +550,8 @@ class WeightsSpec(Section):
     """How each new version reaches the engines; independent of `store` (rollout data)."""
 
     transport: Literal[tuple(TRANSPORTS)] = Field(default_of(GRPOLearner, "weights"),  # type: ignore[valid-type]
-        description="how new versions reach the engines: inproc, mooncake_p2p, disk, delta or broadcast (the Ray "
-                    "runtime guide describes each)")
+        description="how new versions reach the engines, independent of the store: inproc, mooncake_p2p, disk, "
+                    "delta or broadcast (which needs runtime = 'ray')")
     protocol: str = Field(default_of(MooncakeP2PTransport, "protocol"),
                           description='mooncake_p2p: TransferEngine protocol, "tcp" or "rdma"')
     device: str = Field(default_of(MooncakeP2PTransport, "device"),
@@ -605,7 +605,8 @@ class WatchdogSpec(Section):
 
 
 class RaySpec(Section):
-    address: str | None = Field(None, description="attach to this Ray cluster; default: start one on 127.0.0.1")
+    address: str | None = Field(None, description="attach to this Ray cluster (\"auto\" inside `ray job submit`: the "
+                                "cluster the job runs on); default: start one on 127.0.0.1")
 
 
 class TelemetrySpec(Section):
