@@ -236,8 +236,9 @@ def extra_lines(name: str) -> list[str]:
             rows.append((f'`"{kind}"`', f"`{ENVIRONMENTS[kind]}`", options, module_summary(cls)))
         return lines + table(("kind", "class", "options (default)", "what it is"), rows) + [""]
     if name == "reward":
-        from stages.rewards import BUILT_IN, resolve
+        from baton.schema import resolve  # the rewards module's own resolver, wherever that module lives
 
+        BUILT_IN = sys.modules[resolve.__module__].BUILT_IN
         rows = [(f"`{n}`", first_paragraph(resolve(n).__doc__) or f"`{resolve(n).__qualname__}`") for n in BUILT_IN]
         return ["Built-in reward functions (`function` or a `weights` key):", "",
                 *table(("name", "what it scores"), rows), ""]
@@ -311,17 +312,23 @@ def subcommands(parser: argparse.ArgumentParser) -> list[tuple[str, str, argpars
     return found
 
 
-def exit_code_text(parser: argparse.ArgumentParser) -> tuple[str, bool]:
-    """The exit codes: the parser's epilog when it states them, else the `Exit codes:` paragraph of
-    `baton.cli`'s docstring; and whether the epilog was that source."""
+def split_exit_codes(text: str | None) -> tuple[str, str | None]:
+    """An epilog or docstring without its exit-codes paragraph, and that paragraph (None: it has none)."""
+    paragraphs = [p.rstrip() for p in (text or "").strip("\n").split("\n\n")]
+    codes = [p for p in paragraphs if p.strip().lower().startswith("exit codes")]
+    rest = "\n\n".join(p for p in paragraphs if p not in codes).strip("\n")
+    return rest, codes[0].strip("\n") if codes else None
+
+
+def exit_codes(parser: argparse.ArgumentParser) -> str:
+    """The exit codes: the paragraph of the parser's epilog that states them, else that of `baton.cli`'s
+    docstring."""
     import baton.cli
 
-    if parser.epilog and "exit" in parser.epilog.lower():
-        return parser.epilog.strip(), True
-    for paragraph in (baton.cli.__doc__ or "").split("\n\n"):
-        if paragraph.strip().lower().startswith("exit codes"):
-            return " ".join(paragraph.split()), False
-    raise SystemExit("tools/gen_reference.py: baton.cli states no exit codes (parser epilog or docstring)")
+    codes = split_exit_codes(parser.epilog)[1] or split_exit_codes(inspect.cleandoc(baton.cli.__doc__ or ""))[1]
+    if codes is None:
+        raise SystemExit("tools/gen_reference.py: baton.cli states no exit codes (parser epilog or docstring)")
+    return codes
 
 
 def render_cli() -> str:
@@ -329,14 +336,14 @@ def render_cli() -> str:
     from baton.cli import _parser
 
     parser = _parser()
-    codes, from_epilog = exit_code_text(parser)
     lines = [NOTICE, "", CLI_INTRO, "## `baton`", "", parser.description or "", "",
              "```text", usage(parser), "```", ""]
     rows = argument_rows(parser)
     if rows:
         lines += table(("argument", "default", "meaning"), rows) + [""]
-    if parser.epilog and not from_epilog:
-        lines += ["```text", parser.epilog.strip(), "```", ""]
+    synopsis = split_exit_codes(parser.epilog)[0]
+    if synopsis:
+        lines += ["```text", synopsis, "```", ""]
     lines += ["Commands: " + ", ".join(f"[`{n}`](#baton-{n})" for n, _, _ in subcommands(parser)) + ".", ""]
     for name, help_text, sub in subcommands(parser):
         lines += [f"## `baton {name}`", "", help_text + ("." if help_text and help_text[-1] not in ".)" else ""), ""]
@@ -345,7 +352,7 @@ def render_cli() -> str:
         lines += ["```text", usage(sub), "```", "", *table(("argument", "default", "meaning"), argument_rows(sub)), ""]
         if sub.epilog:
             lines += ["```text", sub.epilog.strip(), "```", ""]
-    lines += ["## Exit codes", "", "```text", codes, "```", ""]
+    lines += ["## Exit codes", "", "```text", exit_codes(parser), "```", ""]
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -59,7 +59,11 @@ class Documented:
 
     @property
     def argv(self) -> list[str]:
-        return shlex.split(re.sub(r"\s*\[[^\]]*\]", "", self.line))  # `[--port N]`: optional, left out
+        line = re.sub(r"\s*\[[^\]]*\]", "", self.line)  # `[--port N]`: optional, left out
+        try:
+            return shlex.split(line)
+        except ValueError:  # a synopsis line: the command, then prose ("follow a run's progress")
+            return line.split()
 
     @property
     def key(self) -> str | None:
@@ -122,28 +126,24 @@ def documented() -> list[Documented]:
 def concrete(command: Documented) -> bool:
     """Does the line say enough to be run (a config, or a run folder to stand in for)? `baton run`,
     `baton check CONFIG` and usage lines only name the command."""
-    argv = command.argv
+    configs = [a for a in command.argv if a.endswith(".toml") and (ROOT / a).is_file()]
     if command.key in ("baton run", "baton check", "baton faults"):
-        return any(a.endswith(".toml") for a in argv)
+        return bool(configs)
     if command.key == "baton simulate":
-        return any(a.endswith(".toml") or a.startswith("runs/") for a in argv)
-    if command.key in ("baton run --resume", "baton watch", "baton ledger"):
-        return "RUN_DIR" in argv
+        return bool(configs) or any(a.startswith("runs/") for a in command.argv)  # a run to calibrate from
     return True
 
 
 def cases() -> list[Documented]:
-    """The documented lines to run: the concrete ones, and for a kind the docs only name, its default."""
+    """What to run: each concrete documented line of a kind whose smoke form follows the line (`BY_LINE`);
+    for every other documented kind, or one the docs only name, one line of its own (`DEFAULTS`)."""
     commands = documented()
-    runnable, kinds = [], set()
-    for command in filter(concrete, commands):  # a form that ignores the line's arguments runs once per kind
-        if command.key in BY_LINE or command.key not in kinds:
-            runnable.append(command)
-            kinds.add(command.key)
-    named_only = sorted({c.key for c in commands} - {c.key for c in runnable})
-    missing = [key for key in named_only if key not in DEFAULTS]
-    assert not missing, f"the docs name {missing} but show no line to run; give each a DEFAULTS line"
-    return runnable + [Documented(DEFAULTS[key], ("(default)",)) for key in named_only]
+    runnable = [c for c in commands if c.key in BY_LINE and concrete(c)]
+    others = sorted({c.key for c in commands} - {c.key for c in runnable})
+    for key in others:
+        pages = tuple(sorted({p for c in commands if c.key == key for p in c.pages}))
+        runnable.append(Documented(DEFAULTS.get(key) or next(c.line for c in commands if c.key == key), pages))
+    return runnable
 
 
 FORMS = {
@@ -166,11 +166,18 @@ FORMS = {
 
 
 BY_LINE = {"baton run", "baton check", "baton faults", "baton simulate", "tools/make_math_example.py"}
-DEFAULTS = {  # a line to run for a kind of command the docs name without showing a whole line
+DEFAULTS = {  # the line a kind runs when its smoke form does not follow the documented line
+    "baton run": "baton run configs/quickstart.toml",
     "baton check": "baton check configs/quickstart.toml",
+    "baton faults": "baton faults configs/faults.toml",
+    "baton simulate": "baton simulate configs/qwen7b-sim.toml",
     "baton watch": "baton watch RUN_DIR",
     "baton ledger": "baton ledger RUN_DIR",
     "baton run --resume": "baton run --resume RUN_DIR",
+    "baton mooncake-master": "baton mooncake-master",
+    "tools/answer_positions.py probe": "python tools/answer_positions.py probe RUN_DIR",
+    "tools/answer_positions.py fit": "python tools/answer_positions.py fit",
+    "tools/gen_reference.py": "python tools/gen_reference.py --check",
 }
 
 

@@ -9,6 +9,7 @@ callers pass."""
 from __future__ import annotations
 
 import ast
+import importlib
 import json
 from collections.abc import Iterator
 from functools import cache
@@ -46,6 +47,20 @@ def key_text(node: ast.expr) -> str:
     raise AssertionError(f"a metric key the test cannot read: {ast.unparse(node)}")
 
 
+def defined(name: str) -> dict:
+    """The module-level dict `name` of the one stages/ module that assigns it (BINS: the outcome histograms,
+    STATS: the weight transports' counters), imported from wherever it lives."""
+    def assigns(node: ast.stmt) -> list[str]:
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        return [t.id for t in targets if isinstance(t, ast.Name)]
+
+    paths = [path for path, tree in modules().items() if path.parts[len(ROOT.parts)] == "stages"
+             for node in tree.body if name in assigns(node)]
+    assert len(paths) == 1, f"expected one stages/ module defining {name}, found {paths}"
+    module = ".".join(paths[0].relative_to(ROOT).with_suffix("").parts)
+    return getattr(importlib.import_module(module), name)
+
+
 def learner_record() -> ast.Dict:
     """The dict of the learner's one `log_metrics({...})` call."""
     calls = [node for path, tree in modules().items() if path.parts[len(ROOT.parts)] == "stages"
@@ -59,12 +74,10 @@ def learner_record() -> ast.Dict:
 def record_keys() -> set[str]:
     """The keys the learner's record names itself (its spreads aside; the dict comprehension it spreads
     gives its key pattern, `events/<kind>`), nested ones as the sinks flatten them."""
-    from stages.bias import BINS
-    from stages.weights.base import STATS
-
+    bins, stats = defined("BINS"), defined("STATS")
     record = learner_record()
-    nested = {"outcomes": [f"outcomes/<outcome>/{k}" for k in ("n", *BINS, *(f"{b}_mean" for b in BINS))],
-              "weights": [f"weights/{k}" for k in STATS]}
+    nested = {"outcomes": [f"outcomes/<outcome>/{k}" for k in ("n", *bins, *(f"{b}_mean" for b in bins))],
+              "weights": [f"weights/{k}" for k in stats]}
     found = set()
     for key, value in zip(record.keys, record.values, strict=True):
         if key is not None:
@@ -179,23 +192,33 @@ def test_the_page_lists_every_key_the_learner_record_names() -> None:
     assert not missing, f"{PAGE.relative_to(ROOT)} does not list these metrics.jsonl keys: {missing}"
 
 
+def correction_kinds() -> list[str]:
+    from typing import get_args
+
+    from baton.schema import CorrectionSpec
+
+    return list(get_args(CorrectionSpec.model_fields["kind"].annotation))
+
+
 @pytest.mark.slow
-def test_the_page_lists_every_key_a_real_run_writes(tmp_path: Path, monkeypatch) -> None:
-    """The learner step's statistics come from several functions (the loss, the correction, the episodes):
-    a real run of three versions, multi-turn and with a KL penalty so that every optional key is written,
-    says which keys they are."""
+@pytest.mark.parametrize("correction", correction_kinds())
+def test_the_page_lists_every_key_a_real_run_writes(correction: str, tmp_path: Path, monkeypatch) -> None:
+    """The learner step's statistics come from several functions (the loss, each correction, the episodes):
+    a real run of three versions per correction, multi-turn and with a KL penalty so that every optional key
+    is written, says which keys they are."""
     from baton.builder import build_pipeline
     from baton.schema import load_run_config
 
     monkeypatch.chdir(ROOT)
     cfg = load_run_config(ROOT / "configs" / "agent-feedback.toml", [
         "steps=3", f"run_root={json.dumps(str(tmp_path))}", "telemetry.progress=false", "learner.kl_coef=0.01",
-        "correction.kind='tis'", f"model.path={json.dumps(str(tmp_path / 'model'))}", "checkpoint.every=0",
+        f"correction.kind={json.dumps(correction)}", f"model.path={json.dumps(str(tmp_path / 'model'))}",
+        "checkpoint.every=0",
     ])
     summary = build_pipeline(cfg).run()
     records = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     keys = set().union(*(written_keys(r) for r in records))
-    assert {"loss", "kl_ref", "turns_mean", "episode/<name>", "is_capped_frac", "weights/bytes"} <= keys
+    assert {"loss", "kl_ref", "turns_mean", "episode/<name>", "weights/bytes"} <= keys
     missing = missing_from_page(keys)
     assert not missing, f"{PAGE.relative_to(ROOT)} does not list these metrics.jsonl keys: {missing}"
 

@@ -13,7 +13,7 @@ from tests.docs.pages import PAGES, ROOT, blocks, code_spans, key_exists, sectio
 from tests.docs.test_metrics_page import event_kinds
 
 FILE_SUFFIXES = ("jsonl", "json", "toml", "png", "py", "txt", "sqlite", "db", "md", "sh", "token")
-PLACEHOLDERS = {"key", "KEY", "section.key"}  # how the docs write "a key" in general
+PLACEHOLDERS = {"key", "KEY", "k", "section.key"}  # how the docs write "a key" in general (`--set k=v`)
 
 
 def schema_models() -> list[type[BaseModel]]:
