@@ -319,8 +319,13 @@ def smoke_mooncake_master(argv: list[str]) -> None:
     try:
         started = json.loads(master.stdout.readline())
         assert started["master"].endswith(f":{port}")
-        assert "Ctrl-C stops it" in master.stderr.readline()
-        time.sleep(1.0)  # `baton mooncake-master` takes over SIGTERM only after saying so
+        said = []
+        for line in master.stderr:  # the master's own log lines may come first
+            said.append(line)
+            if "Ctrl-C stops it" in line:
+                break
+        assert "Ctrl-C stops it" in said[-1], said
+        time.sleep(2.0)  # `baton mooncake-master` takes over SIGTERM only after saying so
     finally:
         master.send_signal(signal.SIGTERM)
         code = master.wait(timeout=60)
