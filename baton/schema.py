@@ -71,7 +71,10 @@ class PluginSpec(BaseModel):
     """`kind = "package.module:Class"`; every other key is passed to the class as a keyword (baton.builder)."""
 
     model_config = ConfigDict(extra="allow")
-    kind: Annotated[str, Field(pattern=r"^[\w.]+:\w+$")]
+    kind: Annotated[str, Field(pattern=r"^[\w.]+:\w+$")] = Field(
+        description="your own class as 'package.module:Class'; every other key of the table is passed to it as a "
+        "keyword argument"
+    )
 
 
 def kinds(*members: type[BaseModel]) -> Any:
@@ -90,12 +93,19 @@ def kinds(*members: type[BaseModel]) -> Any:
 
 
 class ModelSpec(Section):
-    path: str = "runs/models/tiny-qwen2"
+    path: str = Field("runs/models/tiny-qwen2",
+        description="a Hugging Face causal-LM folder, shared by the engines and the learner (with `create`, the tiny"
+                    " model is made there); nothing is downloaded")
     create: bool = Field(True, description="make a random-init tiny model there if it is missing")
-    hidden_size: int = Field(default_of(make_tiny_model, "hidden_size"), ge=8)
-    layers: int = Field(default_of(make_tiny_model, "layers"), ge=1)
-    heads: int = Field(default_of(make_tiny_model, "heads"), ge=1)
-    kv_heads: int = Field(default_of(make_tiny_model, "kv_heads"), ge=1)
+    hidden_size: int = Field(default_of(make_tiny_model, "hidden_size"), ge=8,
+        description="with `create`: the tiny model's hidden size (a folder made with other shape values is an error,"
+                    " not replaced)")
+    layers: int = Field(default_of(make_tiny_model, "layers"), ge=1,
+        description="with `create`: the tiny model's decoder layers")
+    heads: int = Field(default_of(make_tiny_model, "heads"), ge=1,
+        description="with `create`: the tiny model's attention (query) heads")
+    kv_heads: int = Field(default_of(make_tiny_model, "kv_heads"), ge=1,
+        description="with `create`: the tiny model's key/value heads (heads / kv_heads query heads share one)")
     seed: int = Field(default_of(make_tiny_model, "seed"), description="seed of the random init (independent of "
                       "the run's seed)")
     dtype: Literal[tuple(DTYPES)] = Field("float32", description="the engines' weights (the learner trains in "  # type: ignore[valid-type]
@@ -103,8 +113,9 @@ class ModelSpec(Section):
 
 
 class ReverseDigitsSpec(Section):
-    kind: Literal["reverse-digits"] = "reverse-digits"
-    digits: int = Field(default_of(ReverseDigits, "digits"), ge=1, le=16)
+    kind: Literal["reverse-digits"] = Field("reverse-digits",
+        description="reverse a string of digits: `1234>` -> `4321`; reward: the fraction of positions right")
+    digits: int = Field(default_of(ReverseDigits, "digits"), ge=1, le=16, description="digits per prompt")
 
     @property
     def max_new_tokens(self) -> int:
@@ -112,7 +123,9 @@ class ReverseDigitsSpec(Section):
 
 
 class AdditionSpec(Section):
-    kind: Literal["addition"] = "addition"
+    kind: Literal["addition"] = Field("addition",
+        description="single-digit addition: `3+5=` -> `08` (two digits, zero-padded); reward: the fraction of "
+                    "positions right")
 
     @property
     def max_new_tokens(self) -> int:
@@ -122,19 +135,24 @@ class AdditionSpec(Section):
 class DatasetTaskSpec(Section):
     """Prompts from a local JSONL/JSON/Parquet/CSV file or a `save_to_disk` folder (stages.data.datasets)."""
 
-    kind: Literal["dataset"] = "dataset"
+    kind: Literal["dataset"] = Field("dataset",
+        description="prompts and answers from rows of a local dataset file or folder")
     path: str = Field(description="the train split: a file or a save_to_disk folder")
     eval_path: str | None = Field(None, description="the eval split, read like `path` ([eval] generates it)")
     split: str | None = Field(None, description="which split of a save_to_disk DatasetDict")
     prompt_field: str | None = Field(None, description="text prompts (a user message when `chat`)")
     messages_field: str | None = Field(None, description="chat prompts: [{role, content}, ...]")
-    answer_field: str = default_of(DatasetTask, "answer_field")
+    answer_field: str = Field(default_of(DatasetTask, "answer_field"),
+        description="the row field holding the answer the reward checks")
     metadata_fields: list[str] = Field(default_factory=list, description="row fields passed to the reward")
-    system_prompt: str | None = None
+    system_prompt: str | None = Field(None,
+        description="a system message put first in every prompt (needs chat prompts: `chat` or `messages_field`)")
     chat: bool = Field(default_of(DatasetTask, "chat"), description="prompt_field text goes through the chat "
                        "template")
-    max_new_tokens: int = Field(default_of(DatasetTask, "max_new_tokens"), ge=1)
-    shuffle: bool = default_of(DatasetTask, "shuffle")
+    max_new_tokens: int = Field(default_of(DatasetTask, "max_new_tokens"), ge=1,
+        description="most tokens the model generates per completion")
+    shuffle: bool = Field(default_of(DatasetTask, "shuffle"),
+        description="shuffle the rows of each epoch, seeded by the run's seed; false: file order")
     epochs: int | None = Field(default_of(DatasetTask, "epochs"), ge=1, description="unset: cycle forever")
 
     @model_validator(mode="after")
@@ -192,17 +210,21 @@ class EvalSpec(Section):
 
 
 class TorchEngineSpec(Section):
-    kind: Literal["torch"] = "torch"
+    kind: Literal["torch"] = Field("torch",
+        description="the in-process torch engine (continuous batching between decode steps)")
     count: int = Field(1, ge=1, le=16, description="engine workers (each its own producer actor)")
     batch_groups: int = Field(default_of(Rollout, "batch_groups"), ge=1, description="groups generated per engine call")
-    temperature: float = Field(default_of(Rollout, "temperature"), gt=0)
-    top_p: float = Field(default_of(Rollout, "top_p"), gt=0, le=1)
+    temperature: float = Field(default_of(Rollout, "temperature"), gt=0,
+        description="sampling temperature; the learner computes its logprobs at the same temperature")
+    top_p: float = Field(default_of(Rollout, "top_p"), gt=0, le=1,
+        description="nucleus sampling: draw from the smallest set of tokens whose probability reaches this; 1: all")
 
 
 class SGLangEngineSpec(Section):
     """SGLang servers: launched on 127.0.0.1 (CPU flags when no GPU), or attached by `urls`."""
 
-    kind: Literal["sglang"] = "sglang"
+    kind: Literal["sglang"] = Field("sglang",
+        description="SGLang HTTP servers (launched per engine, or attached by `urls`)")
     count: int = Field(1, ge=1, le=64, description="servers (each its own producer actor)")
     urls: list[Annotated[str, Field(pattern=r"^https?://[\w.-]+:\d+/?$")]] = Field(
         default_factory=list, description="attach to running servers instead of launching (one per engine)"
@@ -211,10 +233,14 @@ class SGLangEngineSpec(Section):
         None, description="interpreter with sglang (default: $BATON_SGLANG_PYTHON, then .venv-sglang)"
     )
     batch_groups: int = Field(default_of(Rollout, "batch_groups"), ge=1, description="groups generated per engine call")
-    temperature: float = Field(default_of(Rollout, "temperature"), gt=0)
-    top_p: float = Field(default_of(Rollout, "top_p"), gt=0, le=1)
-    dtype: Literal["float32", "bfloat16", "float16", "auto"] = default_of(SGLangEngine, "dtype")
-    device: Literal["auto", "cpu", "cuda"] = default_of(SGLangEngine, "device")
+    temperature: float = Field(default_of(Rollout, "temperature"), gt=0,
+        description="sampling temperature; the learner computes its logprobs at the same temperature")
+    top_p: float = Field(default_of(Rollout, "top_p"), gt=0, le=1,
+        description="nucleus sampling: draw from the smallest set of tokens whose probability reaches this; 1: all")
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(default_of(SGLangEngine, "dtype"),
+        description="the server's weights; when this key is not set, model.dtype is used (auto: the checkpoint's)")
+    device: Literal["auto", "cpu", "cuda"] = Field(default_of(SGLangEngine, "device"),
+        description="auto: cuda when a GPU is visible, else cpu (the server then gets the CPU flags)")
     threads: int = Field(default_of(SGLangEngine, "threads"), ge=1, description="torch threads per server process "
                          "on CPU")
     max_total_tokens: int = Field(default_of(SGLangEngine, "max_total_tokens"), ge=256, description="KV-cache "
@@ -259,7 +285,8 @@ BUILT_IN_ENGINES = (TorchEngineSpec, SGLangEngineSpec)  # engines whose sections
 
 
 class RolloutSpec(Section):
-    group_size: int = Field(default_of(Rollout, "group_size"), ge=2)
+    group_size: int = Field(default_of(Rollout, "group_size"), ge=2,
+        description="completions per prompt: one GRPO group, whose rewards are compared with their mean")
     request_timeout_s: float | None = Field(
         default_of(Rollout, "request_timeout_s"), gt=0,
         description="an engine call not answered within this is an error and its groups are generated "
@@ -311,8 +338,10 @@ class GatewaySpec(Section):
     agents: int | None = Field(None, ge=1, description="agent calls at once (default: engine.batch_groups * "
                                "rollout.group_size)")
     max_tokens: int = Field(default_of(GatewaySettings, "max_tokens"), ge=1, description="per request")
-    max_episode_tokens: int = Field(default_of(GatewaySettings, "max_episode_tokens"), ge=1)
-    max_episode_s: float = Field(default_of(GatewaySettings, "max_episode_s"), gt=0)
+    max_episode_tokens: int = Field(default_of(GatewaySettings, "max_episode_tokens"), ge=1,
+        description="all tokens of one episode; generation stops there")
+    max_episode_s: float = Field(default_of(GatewaySettings, "max_episode_s"), gt=0,
+        description="an episode open longer than this is dropped ('episode time limit')")
     reward_timeout_s: float = Field(default_of(GatewaySettings, "reward_timeout_s"), gt=0, description="an "
                                     "episode whose reward has not come this long after its last request is dropped")
 
@@ -351,37 +380,52 @@ class FaultConfig(Section):
 
 
 class MemoryStoreSpec(Section):
-    kind: Literal["memory"] = "memory"
-    capacity: ByteSize | None = default_of(MemoryStore, "capacity_bytes")
+    kind: Literal["memory"] = Field("memory", description="an in-process store: the local runtime only")
+    capacity: ByteSize | None = Field(default_of(MemoryStore, "capacity_bytes"),
+        description="most payload bytes held at once (a put beyond it is refused with StoreFull); unset: no bound")
 
 
 class MooncakeStoreSpec(Section):
     """Mirrors Miles's `--mooncake-store-init-kwargs`; MOONCAKE_* environment variables give defaults."""
 
-    kind: Literal["mooncake"] = "mooncake"
+    kind: Literal["mooncake"] = Field("mooncake",
+        description="Mooncake Store: the buffer's process mounts a segment, a mooncake_master coordinates")
     master: str = Field(
         default_factory=lambda: os.environ.get("MOONCAKE_MASTER_ADDR", "auto"),
         pattern=r"^(auto|[\w.-]+:\d+)$",
         description='"auto" starts a master on 127.0.0.1 for the run; "host:port" attaches',
     )
-    protocol: str = Field(default_factory=lambda: os.environ.get("MOONCAKE_PROTOCOL", "tcp"))
-    device: str = Field(default_factory=lambda: os.environ.get("MOONCAKE_DEVICE", ""))
-    global_segment_size: ByteSize = ByteSize(1 << 30)
-    local_buffer_size: ByteSize = ByteSize(default_of(MooncakeSettings, "local_buffer_size"))
-    chunk_bytes: ByteSize = ByteSize(default_of(MooncakeSettings, "chunk_bytes"))
-    replicas: int = Field(default_of(MooncakeSettings, "replicas"), ge=1)
+    protocol: str = Field(default_factory=lambda: os.environ.get("MOONCAKE_PROTOCOL", "tcp"),
+        description='TransferEngine protocol, "tcp" or "rdma" (default: $MOONCAKE_PROTOCOL, else "tcp")')
+    device: str = Field(default_factory=lambda: os.environ.get("MOONCAKE_DEVICE", ""),
+        description="RDMA device names for protocol = 'rdma' (default: $MOONCAKE_DEVICE, else empty)")
+    global_segment_size: ByteSize = Field(ByteSize(1 << 30),
+        description="memory the buffer stage's process mounts into the store; must hold the buffer's byte bounds x "
+                    "replicas below the master's 90 % eviction watermark (checked before the run)")
+    local_buffer_size: ByteSize = Field(ByteSize(default_of(MooncakeSettings, "local_buffer_size")),
+        description="each client's local transfer buffer registered with Mooncake")
+    chunk_bytes: ByteSize = Field(ByteSize(default_of(MooncakeSettings, "chunk_bytes")),
+        description="objects larger than this are stored as parts and reassembled on get (at least 1 MiB)")
+    replicas: int = Field(default_of(MooncakeSettings, "replicas"), ge=1,
+        description="copies of each object on distinct segments; 2 survives one holder's death but needs two "
+                    "processes holding segments")
 
 
 class RayStoreSpec(Section):
     """Ray's object store (Miles's `--object-store-backend ray`): one numpy object per batch."""
 
-    kind: Literal["ray"] = "ray"
-    capacity: ByteSize | None = None
+    kind: Literal["ray"] = Field("ray",
+        description="Ray's object store: one numpy object per batch, owned by the store's index actor")
+    capacity: ByteSize | None = Field(None,
+        description="most payload bytes held at once (a put beyond it is refused); unset: bounded by Ray's object "
+                    "store only")
 
 
 class BufferSpec(Section):
-    max_refs: int = Field(default_of(RefBuffer, "max_refs"), ge=1)
-    max_bytes: ByteSize = ByteSize(default_of(RefBuffer, "max_bytes"))
+    max_refs: int = Field(default_of(RefBuffer, "max_refs"), ge=1,
+        description="refs the buffer stage holds at once; when full it stops receiving (backpressure)")
+    max_bytes: ByteSize = Field(ByteSize(default_of(RefBuffer, "max_bytes")),
+        description="payload bytes the refs the buffer holds may point at")
     produced_channel: int = Field(64, ge=1, description="refs in flight producer -> buffer")
     produced_bytes: ByteSize = Field(ByteSize(64 << 20), description="payload bytes in flight producer -> buffer")
     ready_channel: int = Field(16, ge=1, description="refs in flight buffer -> learner")
@@ -394,9 +438,12 @@ class BufferSpec(Section):
 
 
 class GRPOSpec(Section):
-    kind: Literal["grpo"] = "grpo"
-    lr: float = Field(default_of(GRPOLearner, "lr"), gt=0)
-    groups_per_step: int = Field(default_of(GRPOLearner, "groups_per_step"), ge=1)
+    kind: Literal["grpo"] = Field("grpo",
+        description="GRPO: group-normalised advantages and a PPO-clip loss (the built-in learner)")
+    lr: float = Field(default_of(GRPOLearner, "lr"), gt=0,
+        description="AdamW learning rate, before warmup, decay and the staleness factor")
+    groups_per_step: int = Field(default_of(GRPOLearner, "groups_per_step"), ge=1,
+        description="new groups trained per learner step; each step makes one new version")
     clip_eps: float = Field(default_of(GRPOLearner, "clip_eps"), gt=0, description="PPO clip: ratio >= 1 - clip_eps "
                             "(and <= 1 + clip_eps unless clip_eps_high is set)")
     clip_eps_high: float | None = Field(default_of(GRPOLearner, "clip_eps_high"), gt=0, description="PPO clip, high "
@@ -419,7 +466,8 @@ class GRPOSpec(Section):
     lr_decay: Literal[LR_DECAYS] = Field(default_of(GRPOLearner, "lr_decay"),  # type: ignore[valid-type]
                                          description="after warmup: constant, or linear / cosine decay to "
                                          "min_lr_ratio x lr at the last version")
-    min_lr_ratio: float = Field(default_of(GRPOLearner, "min_lr_ratio"), ge=0, le=1)
+    min_lr_ratio: float = Field(default_of(GRPOLearner, "min_lr_ratio"), ge=0, le=1,
+        description="the decay's floor: lr_decay ends at this x lr")
     lr_tuned_staleness: float = Field(default_of(GRPOLearner, "lr_tuned_staleness"), ge=0, description="the "
                                       "staleness lr was chosen at: a staler step trains at lr x ((this + 1) / (its "
                                       "mean staleness + 1)) ** lr_staleness_power")
@@ -431,8 +479,9 @@ class GRPOSpec(Section):
                                      "trailing mean reward is below this")
     warn_window: int = Field(default_of(GRPOLearner, "warn_window"), ge=1, description="versions in that trailing "
                              "mean")
-    max_grad_norm: float = Field(default_of(GRPOLearner, "max_grad_norm"), gt=0)
-    weight_decay: float = Field(default_of(GRPOLearner, "weight_decay"), ge=0)
+    max_grad_norm: float = Field(default_of(GRPOLearner, "max_grad_norm"), gt=0,
+        description="gradients are clipped to this global norm before each optimizer step")
+    weight_decay: float = Field(default_of(GRPOLearner, "weight_decay"), ge=0, description="AdamW weight decay")
     epochs: int = Field(default_of(GRPOLearner, "epochs"), ge=1, description="optimizer passes over each step's "
                         "batch (PPO epochs)")
     device: str = Field(default_of(GRPOLearner, "device"), pattern=r"^(auto|cpu|cuda(:\d+)?)$",
@@ -450,9 +499,11 @@ class GRPOSpec(Section):
 
 
 class MaxStalenessSpec(Section):
-    kind: Literal["max-staleness"] = "max-staleness"
+    kind: Literal["max-staleness"] = Field("max-staleness",
+        description="the built-in staleness policy: a bound k on how many versions old a trained token may be")
     k: int | None = Field(None, ge=0, description="default: MaxStaleness's k in async mode, 0 in sync mode")
-    on_stale: Literal["drop", "requeue"] = default_of(MaxStaleness, "on_stale")
+    on_stale: Literal["drop", "requeue"] = Field(default_of(MaxStaleness, "on_stale"),
+        description="a group older than k at the learner: 'drop' it, or 'requeue' its prompt to be generated again")
     max_span: int | None = Field(
         default_of(MaxStaleness, "max_span"), ge=1,
         description="most weight versions one sample may span; longer ones restart on the new weights",
@@ -565,7 +616,9 @@ class ReplaySpec(Section):
 class WeightsSpec(Section):
     """How each new version reaches the engines; independent of `store` (rollout data)."""
 
-    transport: Literal[tuple(TRANSPORTS)] = default_of(GRPOLearner, "weights")  # type: ignore[valid-type]
+    transport: Literal[tuple(TRANSPORTS)] = Field(default_of(GRPOLearner, "weights"),  # type: ignore[valid-type]
+        description="how new versions reach the engines, independent of the store: inproc, mooncake_p2p, disk, "
+                    "delta or broadcast (which needs runtime = 'ray')")
     protocol: str = Field(default_of(MooncakeP2PTransport, "protocol"),
                           description='mooncake_p2p: TransferEngine protocol, "tcp" or "rdma"')
     device: str = Field(default_of(MooncakeP2PTransport, "device"),
@@ -619,15 +672,18 @@ class WatchdogSpec(Section):
 
 
 class RaySpec(Section):
-    address: str | None = Field(None, description="attach to this Ray cluster; default: start one on 127.0.0.1")
+    address: str | None = Field(None, description="attach to this Ray cluster (\"auto\" inside `ray job submit`: the "
+                                "cluster the job runs on); default: start one on 127.0.0.1")
     placement_timeout_s: float = Field(120.0, gt=0, description="an actor (or a learner's other ranks) the cluster "
                                        "has not placed by then fails the run, naming what it asked for")
 
 
 class TelemetrySpec(Section):
-    log_format: Literal["console", "json"] = "console"
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
-    progress: bool = default_of(Pipeline, "progress")
+    log_format: Literal["console", "json"] = Field("console",
+        description="console: readable lines; json: one JSON object per line")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="the lowest level logged")
+    progress: bool = Field(default_of(Pipeline, "progress"),
+        description="the progress line on stderr (version, reward, staleness, samples/s, channel depths)")
     sinks: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = Field(
         default_factory=lambda: ["jsonl"], description="where metrics go: metrics.jsonl always, plus tensorboard, "
         "wandb (offline in the run folder unless WANDB_MODE=online), mlflow (the run folder, or MLFLOW_TRACKING_URI)",
@@ -658,25 +714,25 @@ class SimulateSpec(Section):
                                      "by default): FSDP's gathers and scatters, and gathers before a push")
     steps: int | None = Field(None, ge=1, description="versions to simulate; default: steps")
     warmup: int = Field(10, ge=0, description="versions left out of the steady-state figures")
-    seed: int = 0
-    prompt_tokens: int = Field(16, ge=1)
-    response_tokens_mean: float = Field(8.0, gt=0)
+    seed: int = Field(0, description="seeds the simulated response lengths and cost draws")
+    prompt_tokens: int = Field(16, ge=1, description="tokens per prompt")
+    response_tokens_mean: float = Field(8.0, gt=0, description="mean response length in tokens")
     response_tokens_sigma: float = Field(0.5, ge=0, description="lognormal shape of response lengths")
-    max_response_tokens: int = Field(16, ge=1)
+    max_response_tokens: int = Field(16, ge=1, description="responses are capped at this many tokens")
     decode_tokens_per_s: float = Field(5_000.0, gt=0, description="one engine's decode throughput at batch")
     sequence_tokens_per_s: float = Field(500.0, gt=0, description="one sequence's decode speed")
-    engine_call_overhead_s: float = Field(0.0, ge=0)
+    engine_call_overhead_s: float = Field(0.0, ge=0, description="fixed cost of one engine call")
     engine_load_s: float = Field(0.0, ge=0, description="an engine's pause to load a new version")
     train_tokens_per_s: float = Field(20_000.0, gt=0, description="one learner replica's training throughput")
-    step_overhead_s: float = Field(0.0, ge=0)
+    step_overhead_s: float = Field(0.0, ge=0, description="fixed cost of one learner step")
     learner_overhead_s: float = Field(0.0, ge=0, description="per-version bookkeeping besides the step")
-    weight_bytes: ByteSize = Field(ByteSize(1 << 20))
+    weight_bytes: ByteSize = Field(ByteSize(1 << 20), description="bytes of one version of the weights")
     push_bytes_per_s: float | None = Field(None, gt=0, description="learner egress; default: by weights.transport")
     push_per_engine: bool = Field(False, description="each engine gets its own copy from the learner (P2P "
                                   "without relays): push time grows with engines; false: one broadcast")
-    push_latency_s: float = Field(0.0, ge=0)
-    store_bytes_per_s: float = Field(1e9, gt=0)
-    store_latency_s: float = Field(1e-4, ge=0)
+    push_latency_s: float = Field(0.0, ge=0, description="fixed cost of one weight push")
+    store_bytes_per_s: float = Field(1e9, gt=0, description="store put/get throughput")
+    store_latency_s: float = Field(1e-4, ge=0, description="fixed cost of one store put or get")
     hop_s: float | None = Field(None, ge=0, description="per cross-process channel call; default 1 ms on ray")
     zero_signal_fraction: float = Field(0.0, ge=0, lt=1, description="groups whose rewards are all equal")
 
@@ -691,34 +747,50 @@ class SimulateSpec(Section):
 
 
 class RunConfig(Section):
-    name: str = Field("baton", pattern=r"^[A-Za-z0-9_.-]+$")
-    seed: int = default_of(Pipeline, "seed")
+    name: str = Field("baton", pattern=r"^[A-Za-z0-9_.-]+$",
+        description="the run's name: the run folder's prefix (run_root/<name>-<timestamp>) and the first part of "
+                    "every store key")
+    seed: int = Field(default_of(Pipeline, "seed"),
+        description="seeds torch, prompt sampling, engine sampling and the dataset's shuffle (the tiny model's init "
+                    "has model.seed)")
     steps: int = Field(default_of(Pipeline, "steps"), ge=1, description="learner versions to train")
-    mode: Literal["async", "sync"] = "async"
-    runtime: Literal["local", "ray"] = default_of(Pipeline, "runtime")
-    run_root: str = default_of(Pipeline, "run_root")
-    model: ModelSpec = ModelSpec()
-    task: kinds(ReverseDigitsSpec, AdditionSpec, DatasetTaskSpec) = ReverseDigitsSpec()  # type: ignore[valid-type]
+    mode: Literal["async", "sync"] = Field("async",
+        description="sync: staleness.k = 0 through the same code path (on-policy); async: the staleness policy's k")
+    runtime: Literal["local", "ray"] = Field(default_of(Pipeline, "runtime"),
+        description="local: every actor a task in one event loop; ray: every actor a Ray actor in its own process")
+    run_root: str = Field(default_of(Pipeline, "run_root"), description="where run folders are made")
+    model: ModelSpec = Field(ModelSpec(), description="[model]: the model folder engines and learner load")
+    task: kinds(ReverseDigitsSpec, AdditionSpec, DatasetTaskSpec) = Field(ReverseDigitsSpec(),  # type: ignore[valid-type]
+        description="[task]: where prompts and answers come from")
     reward: RewardSpec | None = Field(None, description="[reward]: the reward function; unset: the task's own "
                                       "(a dataset task: exact_match)")
-    eval: EvalSpec = EvalSpec()
-    engine: kinds(TorchEngineSpec, SGLangEngineSpec) = TorchEngineSpec()  # type: ignore[valid-type]
-    rollout: RolloutSpec = RolloutSpec()
+    eval: EvalSpec = Field(EvalSpec(), description="[eval]: evaluation during training; off unless eval.every is set")
+    engine: kinds(TorchEngineSpec, SGLangEngineSpec) = Field(TorchEngineSpec(),  # type: ignore[valid-type]
+        description="[engine]: the inference engines the producer generates on")
+    rollout: RolloutSpec = Field(RolloutSpec(),
+        description="[rollout]: the producer's group size and engine-call timeout")
     environment: EnvironmentSpec | None = Field(None, description="[environment]: multi-turn episodes; unset: "
                                                 "single-turn")
-    episode: EpisodeSpec = EpisodeSpec()
+    episode: EpisodeSpec = Field(EpisodeSpec(), description="[episode]: per-episode limits, whatever the environment")
     gateway: GatewaySpec | None = Field(None, description="[gateway]: train agents that speak the OpenAI API")
-    store: kinds(MemoryStoreSpec, MooncakeStoreSpec, RayStoreSpec) = MemoryStoreSpec()  # type: ignore[valid-type]
-    buffer: BufferSpec = BufferSpec()
-    learner: kinds(GRPOSpec) = GRPOSpec()  # type: ignore[valid-type]
-    staleness: kinds(MaxStalenessSpec) = MaxStalenessSpec()  # type: ignore[valid-type]
-    correction: CorrectionSpec = CorrectionSpec()
-    replay: ReplaySpec = ReplaySpec()
-    weights: WeightsSpec = WeightsSpec()
-    telemetry: TelemetrySpec = TelemetrySpec()
-    ray: RaySpec = RaySpec()
-    checkpoint: CheckpointSpec = CheckpointSpec()
-    watchdog: WatchdogSpec = WatchdogSpec()
+    store: kinds(MemoryStoreSpec, MooncakeStoreSpec, RayStoreSpec) = Field(MemoryStoreSpec(),  # type: ignore[valid-type]
+        description="[store]: where rollout payloads live (refs travel through the channels)")
+    buffer: BufferSpec = Field(BufferSpec(),
+        description="[buffer]: the bounds of the buffer stage and of the channels around it")
+    learner: kinds(GRPOSpec) = Field(GRPOSpec(),  # type: ignore[valid-type]
+        description="[learner]: the consumer: loss, optimizer and device")
+    staleness: kinds(MaxStalenessSpec) = Field(MaxStalenessSpec(),  # type: ignore[valid-type]
+        description="[staleness]: what may be generated and trained, from weight versions")
+    correction: CorrectionSpec = Field(CorrectionSpec(), description="[correction]: off-policy correction in the loss")
+    replay: ReplaySpec = Field(ReplaySpec(),
+        description="[replay]: which groups each step trains on, and how often one may be")
+    weights: WeightsSpec = Field(WeightsSpec(), description="[weights]: how each new version reaches the engines")
+    telemetry: TelemetrySpec = Field(TelemetrySpec(),
+        description="[telemetry]: logs, the progress line and metric sinks")
+    ray: RaySpec = Field(RaySpec(), description="[ray]: which Ray cluster runtime = 'ray' uses")
+    checkpoint: CheckpointSpec = Field(CheckpointSpec(),
+        description="[checkpoint]: checkpoints for `baton run --resume`")
+    watchdog: WatchdogSpec = Field(WatchdogSpec(), description="[watchdog]: hang diagnosis")
     faults: list[FaultConfig] = Field(default_factory=list, description="[[faults]]: injected faults (pipeline.faults)")
     simulate: SimulateSpec | None = Field(None, description="[simulate]: cluster shape and declared costs for "
                                           "`baton simulate` (baton.simulate); `baton run` ignores it")

@@ -15,7 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from stages import simulate as sim  # noqa: E402
+from baton.simulate import simulation as sim  # noqa: E402
 
 
 def main() -> None:

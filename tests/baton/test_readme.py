@@ -1,4 +1,5 @@
-"""The README's two commands and its Python quickstart are what the project really does."""
+"""The README's two commands and its Python quickstart are what the project really does, and it stays a
+README: everything else lives in docs/ (tests/docs checks the site and the README's links into it)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,10 @@ def test_readme_commands_are_what_ci_runs() -> None:
     ci = (ROOT / ".ci" / "run").read_text()
     assert install_and_run in ci and "baton run configs/quickstart.toml" in install_and_run
     assert tests in ci and "pytest" in tests
+
+
+def test_readme_stays_short() -> None:
+    assert len(README.splitlines()) <= 250, "the README is the front page; move detail into docs/"
 
 
 @pytest.mark.slow
