@@ -114,7 +114,7 @@ def grpo_learner(spec: Any, cfg: RunConfig, *, model: Path) -> GRPOLearner:
         temperature=cfg.engine_sampling().get("temperature", default_of(GRPOLearner, "temperature")),
         weights=make_part("weights", cfg), snapshot_every=cfg.weights.snapshot_every,
         correction=make_correction(cfg), selection=make_selection_policy(cfg),
-        replays_ride_along=cfg.replay.ride_along,
+        replays_ride_along=cfg.replay.ride_along, export_every=cfg.checkpoint.export_every,
     )
 
 

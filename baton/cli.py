@@ -13,6 +13,9 @@
                                                exit 1 when any run breaks an invariant
     baton watch RUN_DIR                        follow a run's progress from its folder, then its summary
     baton ledger RUN_DIR [--export F] [--id ID] the ledger's totals and invariants (exit 1 on a broken one)
+    baton export RUN_DIR OUT [--version V] [--dtype D] [--max-shard-size S]
+                                               a checkpoint's model as a Hugging Face folder (the latest
+                                               checkpoint by default); one JSON line
     baton --version                            the installed version
 
 exit codes (each command's --help lists its own):
@@ -32,7 +35,7 @@ import sys
 import threading
 import time
 
-from baton import ledger_command, watch_command
+from baton import export_command, ledger_command, watch_command
 from baton.config import ConfigError
 
 INTERRUPTED = (130, "interrupted by Ctrl-C or SIGTERM")
@@ -103,6 +106,7 @@ def _parser() -> argparse.ArgumentParser:
     _simulate_parser(_command(sub, "simulate", "predict throughput, staleness and idle time in virtual time"))
     watch_command.add_parser(sub)
     ledger_command.add_parser(sub)
+    export_command.add_parser(sub)
     m = _command(sub, "mooncake-master", "run a mooncake_master on 127.0.0.1 (prints its address)")
     m.add_argument("--port", type=int, default=None, help="RPC port (default: a free one)")
     m.add_argument("--lease-ttl-ms", type=int, default=500, help="read lease before a key can be removed")
@@ -182,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         "simulate": lambda: run_simulate(args),
         "watch": lambda: watch_command.run(args),
         "ledger": lambda: ledger_command.run(args),
+        "export": lambda: export_command.run(args),
     }
     if args.command not in ("run", "mooncake-master") and threading.current_thread() is threading.main_thread():
         _take_ctrl_c_back()

@@ -649,6 +649,20 @@ class CheckpointSpec(Section):
     every: int = Field(20, ge=0, description="write a checkpoint every this many versions; 0: never")
     keep: int = Field(default_of(Pipeline, "checkpoint_keep"), ge=1,
                       description="complete checkpoints kept in the run folder (older ones are removed)")
+    export_every: int = Field(default_of(GRPOLearner, "export_every"), ge=0, description="export every this many "
+                              "versions' checkpoint as a Hugging Face folder, RUN_DIR/exports/v{version:08d}/ "
+                              "(`baton export`), while the run goes on; a multiple of every; 0: never")
+
+    @model_validator(mode="after")
+    def _exports_checkpoints(self) -> CheckpointSpec:
+        if self.export_every and (not self.every or self.export_every % self.every):
+            fix = (f"set checkpoint.export_every to a multiple of {self.every}" if self.every else
+                   "set checkpoint.every (e.g. to checkpoint.export_every)")
+            raise ValueError(
+                f"checkpoint.export_every = {self.export_every} exports checkpoints, but checkpoint.every = "
+                f"{self.every} writes none at those versions; {fix}, or checkpoint.export_every = 0"
+            )
+        return self
 
 
 class WatchdogSpec(Section):

@@ -377,6 +377,14 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return max(complete, key=lambda p: (_version_of(p), p.stat().st_mtime)) if complete else None
 
 
+def complete_checkpoints(run_dir: str | Path) -> dict[int, Path]:
+    """{version: folder} of every complete checkpoint in `run_dir`, oldest first (the newest folder of a
+    version written twice, by a resumed run)."""
+    ordered = sorted(_complete_checkpoints(Path(run_dir) / CHECKPOINTS),
+                     key=lambda p: (_version_of(p), p.stat().st_mtime))
+    return {_version_of(p): p for p in ordered}
+
+
 def read_state(checkpoint: Path) -> RunState:
     """The run state of a complete checkpoint folder."""
     if not _is_complete(checkpoint):
@@ -653,7 +661,8 @@ async def _payload_exists(store: Any, ref: Ref) -> bool:
 
 __all__ = [
     "CheckpointError", "Checkpointer", "CheckpointingConsumer", "CutFailed", "GateCounts", "HeldRef", "LocalCut",
-    "RefHolder", "OwedWork", "ResumeFeeder", "PortableResume", "Resume", "RunCut", "RunState", "latest_checkpoint",
+    "RefHolder", "OwedWork", "ResumeFeeder", "PortableResume", "Resume", "RunCut", "RunState", "complete_checkpoints",
+    "latest_checkpoint",
     "owed_sources", "python_random_state", "random_state", "read_state", "redo_requests", "reopen", "restore_gate",
     "resumed_ledger",
 ]

@@ -192,17 +192,17 @@ def load_model(folder: str | Path, dtype: str = "float32") -> torch.nn.Module:
     return model
 
 
-def load_tokenizer(folder: str | Path):
-    """The folder's tokenizer, with a pad token (its EOS when it names none). The tiny demo model's
-    tokenizer adds BOS to plain prompts (as the rollout always did for it); others add what their
-    config says (Llama/Mistral: BOS; Qwen: nothing)."""
+def load_tokenizer(folder: str | Path, pad: bool = True):
+    """The folder's tokenizer, with a pad token (its EOS when it names none, unless not `pad`). The tiny
+    demo model's tokenizer adds BOS to plain prompts (as the rollout always did for it); others add what
+    their config says (Llama/Mistral: BOS; Qwen: nothing)."""
     from transformers import AutoTokenizer
 
     folder = _check_folder(folder)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     if (folder / MARKER).exists():
         tokenizer.add_bos_token = True
-    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+    if pad and tokenizer.pad_token is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 

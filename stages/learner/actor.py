@@ -11,7 +11,10 @@ Each version:
 4. every `checkpoint.every` versions, a checkpoint (pipeline.checkpoint): the run's state plus this
    learner's model, optimizer and RNG states (stages.learner.state) and the refs it holds. A resumed
    learner starts from those, publishes the checkpoint's weights to the engines before any
-   generation, and takes back the reusable groups of its window whose payloads still exist.
+   generation, and takes back the reusable groups of its window whose payloads still exist. Every
+   `checkpoint.export_every` versions the checkpoint is also exported as a Hugging Face folder, in a
+   worker thread while training goes on (stages.learner.export.ExportsAsRunGoes); the next checkpoint
+   waits for it (it may remove the folder being read).
 
 Each metrics record carries what shows a collapse early: `entropy` (mask-averaged, of the step's last
 forward), `zero_var_frac` (groups whose rewards are all equal), `clip_frac_low` / `clip_frac_high`
@@ -39,6 +42,7 @@ from pipeline.refs import HeldRef
 from policies.staleness import staleness
 from stages.learner.bias import step_outcomes
 from stages.learner.collector import BatchCollector
+from stages.learner.export import ExportsAsRunGoes
 from stages.learner.ranks import LearnerRankFailed, RankedTrainer, RankGroup
 from stages.learner.step import PolicyTrainer
 from stages.weights.base import WeightTransport
@@ -63,6 +67,8 @@ class LearnerActor(BaseActor):
         self._warned = False  # the entropy-collapse event is reported once per run
         self._version = 0  # the version this learner's weights are at (kept by _train)
         self._events = EventCounts(ctx.folder.path)  # run events (pipeline.events) so far, for the metrics
+        self.exports = ExportsAsRunGoes(spec.export_every, spec.model_path, ctx.folder.path, ctx)
+        self._export_tasks: anyio.abc.TaskGroup | None = None  # the exports running (made in `run`)
 
     @property
     def store(self) -> Any:
@@ -146,10 +152,10 @@ class LearnerActor(BaseActor):
         async with anyio.create_task_group() as watch:
             if self.ranks is not None:
                 watch.start_soon(self._watch_ranks)
-            async with anyio.create_task_group() as frees:  # payloads freed in the background
-                self.collector.frees = frees
+            async with anyio.create_task_group() as frees:  # payloads freed and checkpoints exported meanwhile
+                self.collector.frees = self._export_tasks = frees
                 await self._train()
-            self.collector.frees = None
+            self.collector.frees = self._export_tasks = None
             watch.cancel_scope.cancel()
 
     async def _train(self) -> None:
@@ -216,8 +222,13 @@ class LearnerActor(BaseActor):
         ctx = self.ctx
         ctx.note(self.name, f"trained version {version}")
         if ctx.checkpoint is not None and ctx.checkpoint.due(version):
+            if self.exports.running():
+                ctx.note(self.name, f"waiting for the last export to finish before checkpointing version {version}")
+                await self.exports.wait()
             written = await ctx.checkpoint.save(version, self)
             ctx.note(self.name, f"checkpoint of version {version} {'written' if written else 'skipped'}")
+            if written is not None and self._export_tasks is not None:
+                self.exports.after_checkpoint(self._export_tasks, written, version)
 
     async def _publish(self, version: int) -> tuple[float, dict[str, float]]:
         """Publish `version`'s weights: the seconds it took and the transport's counters for it. Refusals

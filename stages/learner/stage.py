@@ -68,6 +68,7 @@ class GRPOLearner:
     temperature: float = 1.0
     weights: str | WeightTransport = "inproc"
     snapshot_every: int = 1  # keep every n-th version in the store for engine processes that (re)start; 0: never
+    export_every: int = 0  # export each checkpoint of a multiple of this version as an HF folder (export.py); 0: never
     device: str = "auto"  # "auto": cuda when a GPU is visible, else cpu
     world_size: int = 1  # learner ranks (processes, one device each), the model sharded over them with FSDP2
     micro_batch_tokens: int | None = None  # padded tokens per forward/backward pass (gradient accumulation)
@@ -96,6 +97,8 @@ class GRPOLearner:
             raise ValueError(f"learner.lr_tuned_staleness must be >= 0, got {self.lr_tuned_staleness}")
         if self.lr_staleness_power < 0:
             raise ValueError(f"learner.lr_staleness_power must be >= 0, got {self.lr_staleness_power}")
+        if self.export_every < 0:
+            raise ValueError(f"checkpoint.export_every must be >= 0 (0: never), got {self.export_every}")
         if self.world_size < 1:
             raise ValueError(f"learner.world_size must be >= 1, got {self.world_size}")
         if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:

@@ -10,6 +10,8 @@ Files, in the checkpoint's `consumer/` folder; none is read back with pickle:
 Checkpoints written before 0.2 hold `model.safetensors` and `optimizer.pt` instead of `shards/`;
 they still load, at any world size.
 
+`read_model_weights` reads the model's weights alone, in one process (an export: stages.learner.export).
+
 Restoring sets all of them back, so a resumed learner continues with the checkpoint's weights, moments
 and random streams.
 """
@@ -101,9 +103,9 @@ def read_learner_state(
             _load_shards(folder / SHARDS_DIR, model, optimizer, sharded)
         else:
             _load_legacy(folder, model, optimizer)
-    except (RuntimeError, KeyError, ValueError) as exc:
+    except (RuntimeError, KeyError, ValueError, dcp.CheckpointException) as exc:
         raise ValueError(
-            f"checkpoint {folder} does not fit the model ({type(exc).__name__}: {str(exc)[:300]}); resume with "
+            f"checkpoint {folder} does not fit the model ({_cause(exc)}); resume with "
             "the model the run was started with (model.path)"
         ) from None
     rng = safetensors.torch.load_file(str(folder / RNG_FILE))
@@ -118,6 +120,37 @@ def read_learner_state(
     if learner.selection_rng is not None:
         selection.set_rng_state(python_random_state(learner.selection_rng))
     return learner.version
+
+
+def read_model_weights(folder: Path, model: torch.nn.Module) -> int:
+    """Load only the model's weights of the learner state in `folder` (a checkpoint's `consumer/`, written at
+    any world size, or pre-0.2) into `model`, a whole (unsharded) model built from the run's model folder;
+    no process group is needed and the optimizer's state is never read. Returns the checkpoint's version;
+    raises ValueError when the weights do not fit `model`."""
+    learner = msgspec.json.decode((folder / STATE_FILE).read_bytes(), type=LearnerState)
+    state = {"model": model.state_dict()}
+    try:
+        if (folder / SHARDS_DIR).is_dir():
+            with warnings.catch_warnings():  # one process: DCP says it assumes so
+                warnings.filterwarnings("ignore", "torch.distributed is disabled")
+                dcp.load(state, checkpoint_id=folder / SHARDS_DIR, no_dist=True)  # the "model" keys alone
+        else:
+            state["model"] = safetensors.torch.load_file(str(folder / LEGACY_MODEL_FILE))
+        model.load_state_dict(state["model"], strict=True)
+    except (RuntimeError, KeyError, ValueError, dcp.CheckpointException) as exc:
+        raise ValueError(
+            f"checkpoint {folder} does not fit the model ({_cause(exc)}); give the model folder the run was "
+            "started with (its config.toml's model.path)"
+        ) from None
+    return learner.version
+
+
+def _cause(exc: BaseException) -> str:
+    """What went wrong, in one line: a DCP failure (a BaseException carrying each rank's) says its first rank's."""
+    if isinstance(exc, dcp.CheckpointException) and exc.failures:
+        failure = next(iter(exc.failures.values()))
+        exc = failure[0] if isinstance(failure, tuple) else failure  # (exception, traceback) in torch 2.x
+    return f"{type(exc).__name__}: {str(exc)[:300]}"
 
 
 def _load_shards(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, sharded: bool) -> None:
@@ -147,4 +180,4 @@ def _load_legacy(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Op
     set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
 
 
-__all__ = ["LearnerState", "read_learner_state", "write_learner_state"]
+__all__ = ["LearnerState", "read_learner_state", "read_model_weights", "write_learner_state"]

@@ -17,7 +17,7 @@ import pytest
 from baton import cli
 from tests import ROOT
 
-COMMANDS = ("run", "check", "faults", "simulate", "watch", "ledger", "mooncake-master")
+COMMANDS = ("run", "check", "faults", "simulate", "watch", "ledger", "export", "mooncake-master")
 
 
 def help_text(capsys: pytest.CaptureFixture[str], *args: str) -> str:
@@ -31,6 +31,7 @@ def test_the_help_shows_the_synopsis_and_the_exit_codes(capsys: pytest.CaptureFi
     out = help_text(capsys)
     for line in ("baton run CONFIG [--set key=value ...]", "baton run --resume RUN_DIR", "baton check CONFIG",
                  "baton simulate CONFIG", "baton faults CONFIG", "baton watch RUN_DIR", "baton ledger RUN_DIR",
+                 "baton export RUN_DIR OUT",
                  "baton mooncake-master", "baton --version"):
         assert line in out, line
     codes = out[out.index("exit codes"):]
