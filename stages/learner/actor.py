@@ -206,6 +206,8 @@ class LearnerActor(BaseActor):
             self._watch_collapse(version + 1, stats["reward"], stats["entropy"])
             last, version = time.perf_counter(), version + 1
             await self._checkpoint_if_due(version)
+        if self.exports.every:  # the last version has no checkpoint: it is exported from the live weights
+            await self.exports.last(await self._call(self.trainer.weights), version)
 
     async def _advance(self, version: int, refs: list) -> None:
         """The new version is published: snapshot it when due, advance the run's clock, and only then mark

@@ -25,10 +25,12 @@ failed run.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -120,7 +122,18 @@ def export_checkpoint(
     max_shard_size: str | int = DEFAULT_SHARD_SIZE, force: bool = False,
 ) -> Exported:
     """Write `checkpoint`'s model as a Hugging Face folder `out` (see the module docstring)."""
-    checkpoint, model_path, out = Path(checkpoint), Path(model_path), Path(out)
+    checkpoint = Path(checkpoint)
+    return export_model(model_path, out, lambda model: read_model_weights(checkpoint / CONSUMER_DIR, model),
+                        dtype=dtype, max_shard_size=max_shard_size, force=force, source=str(checkpoint))
+
+
+def export_model(
+    model_path: str | Path, out: str | Path, fill: Callable[[torch.nn.Module], int], *, dtype: str | None = None,
+    max_shard_size: str | int = DEFAULT_SHARD_SIZE, force: bool = False, source: str = "the weights",
+) -> Exported:
+    """Write a Hugging Face folder `out`: the model of `model_path` with the weights `fill(model)` puts in it
+    (returning their version), its tokenizer and generation config; all or nothing."""
+    model_path, out = Path(model_path), Path(out)
     dtype = dtype or default_dtype(model_path)
     if dtype not in EXPORT_DTYPES:
         raise ExportError(f"dtype {dtype!r} is not one an export writes; use one of {', '.join(EXPORT_DTYPES)}")
@@ -128,10 +141,10 @@ def export_checkpoint(
     _check_out(out, force)
     try:
         model = load_model(model_path)
-        version = read_model_weights(checkpoint / CONSUMER_DIR, model)
+        version = fill(model)
         tokenizer = load_tokenizer(model_path, pad=False)
     except FileNotFoundError as exc:  # also a model folder that is gone (ModelFolderError)
-        raise ExportError(f"cannot export {checkpoint}: {exc}") from None
+        raise ExportError(f"cannot export {source}: {exc}") from None
     except ValueError as exc:
         raise ExportError(str(exc)) from None
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -209,13 +222,27 @@ class ExportsAsRunGoes:
         """Export `checkpoint` (of `version`) in `tasks` when the version is due."""
         if self.due(version):
             self.done = anyio.Event()
-            tasks.start_soon(self._export, checkpoint, version, self.done)
+            write = functools.partial(export_checkpoint, checkpoint, self.model_path, force=True)
+            tasks.start_soon(self._export, write, version, self.done)
 
-    async def _export(self, checkpoint: Path, version: int, done: anyio.Event) -> None:
+    async def last(self, weights: dict[str, torch.Tensor], version: int) -> None:
+        """Export the run's last version from the learner's own weights (no checkpoint is written at the end)."""
+        if not self.every:
+            return
+        await self.wait()
+
+        def fill(model: torch.nn.Module) -> int:
+            model.load_state_dict(weights, strict=False)  # a tied head may be named once
+            return version
+
+        self.done = anyio.Event()
+        await self._export(lambda out: export_model(self.model_path, out, fill, force=True), version, self.done)
+
+    async def _export(self, write: Any, version: int, done: anyio.Event) -> None:
+        """`write(out)` into RUN_DIR/exports/v{version}/ in a worker thread; a failure is a run event."""
         out = self.run_dir / EXPORTS_DIR / f"v{version:08d}"
         try:
-            exported = await anyio.to_thread.run_sync(
-                lambda: export_checkpoint(checkpoint, self.model_path, out, force=True), abandon_on_cancel=True)
+            exported = await anyio.to_thread.run_sync(write, out, abandon_on_cancel=True)
             self.log.info("model exported", **exported.as_dict())
         except Exception as exc:  # any failure: a warning and a run event; the run goes on
             self.ctx.event("learner.export_failed", version=version, out=str(out),

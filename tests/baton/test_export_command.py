@@ -149,12 +149,13 @@ def test_export_every_is_a_multiple_of_every() -> None:
 
 @pytest.mark.slow
 def test_a_run_exports_as_it_goes_and_its_latest_checkpoint_round_trips(tmp_path: Path) -> None:
-    """The quickstart for 7 versions with a checkpoint every 3, exported every 3: exports of 3 and 6 (the last
-    version is not checkpointed); `baton export` of the latest checkpoint (a real process) equals the run's own
-    export, holds the checkpoint's weights, and generates the torch engine's greedy completions at version 6."""
+    """The quickstart for 7 versions with a checkpoint every 3, exported every 3: exports of 3 and 6, and of the
+    last version, 7, from the learner's own weights (it has no checkpoint); `baton export` of the latest
+    checkpoint (a real process) equals the run's own export, holds the checkpoint's weights, and generates
+    the torch engine's greedy completions at version 6."""
     summary = baton_run(tmp_path, "quickstart.toml", "steps=7", "checkpoint.every=3", "checkpoint.export_every=3")
     run_dir, model = Path(summary["run_dir"]), tmp_path / "model"
-    assert sorted(p.name for p in (run_dir / "exports").iterdir()) == ["v00000003", "v00000006"]
+    assert sorted(p.name for p in (run_dir / "exports").iterdir()) == ["v00000003", "v00000006", "v00000007"]
     assert not (run_dir / "events.jsonl").exists() or "export_failed" not in (run_dir / "events.jsonl").read_text()
     proc = subprocess.run([sys.executable, "-m", "baton.cli", "export", str(run_dir), str(tmp_path / "out")],
                           capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
@@ -170,6 +171,8 @@ def test_a_run_exports_as_it_goes_and_its_latest_checkpoint_round_trips(tmp_path
     assert all(torch.equal(own[n], weights[n]) for n in weights)
     initial = exported_weights(model)
     assert not all(torch.equal(initial[n], weights[n]) for n in weights), "six versions trained"
+    last = exported_weights(run_dir / "exports" / "v00000007")
+    assert last.keys() == weights.keys() and not all(torch.equal(last[n], weights[n]) for n in weights)
 
     from transformers import AutoTokenizer
 
