@@ -14,6 +14,7 @@ Each gets the smoke form its kind has in `FORMS` (a command of a kind without on
 - `baton faults ...`: the documented line with one fault kind (`engine.crash`) and one seed.
 - `baton simulate ...`: the documented line with `--steps 20`; `--calibrate` reads a real quickstart run.
 - `baton watch RUN_DIR`, `baton ledger RUN_DIR`: on a finished quickstart run.
+- `baton export RUN_DIR OUT`: that run's latest checkpoint (version 4), into a new folder.
 - `baton mooncake-master`: started on a free port, its address read, stopped with SIGTERM (exit 0).
 - `python benchmarks/...`: `--help` (each runs for minutes; their figures are in docs/results).
 - `python examples/math_dsl.py`: really, 2 versions; `python examples/openai_agent.py`: `--help` (it needs a
@@ -38,6 +39,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -154,6 +156,7 @@ FORMS = {
     "baton simulate": "--steps 20",
     "baton watch": "a finished run",
     "baton ledger": "a finished run",
+    "baton export": "the latest checkpoint of a finished run, into a new folder",
     "baton mooncake-master": "started, its address read, stopped by SIGTERM",
     "examples/math_dsl.py": "2 versions",
     "examples/openai_agent.py": "--help",
@@ -173,6 +176,7 @@ DEFAULTS = {  # the line a kind runs when its smoke form does not follow the doc
     "baton simulate": "baton simulate configs/qwen7b-sim.toml",
     "baton watch": "baton watch RUN_DIR",
     "baton ledger": "baton ledger RUN_DIR",
+    "baton export": "baton export RUN_DIR OUT",
     "baton run --resume": "baton run --resume RUN_DIR",
     "baton mooncake-master": "baton mooncake-master",
     "tools/answer_positions.py probe": "python tools/answer_positions.py probe RUN_DIR",
@@ -308,6 +312,10 @@ def smoke_baton(command: Documented, request) -> None:
     elif command.key in ("baton watch", "baton ledger"):
         done = ran(substitute(argv, {"RUN_DIR": str(request.getfixturevalue("finished_run"))}))
         assert done.stdout.strip()
+    elif command.key == "baton export":
+        out = work / f"export-{uuid.uuid4().hex[:8]}"
+        done = ran(substitute(argv, {"RUN_DIR": str(request.getfixturevalue("finished_run")), "OUT": str(out)}))
+        assert summary_of(done)["version"] == 4 and (out / "config.json").is_file()
     elif command.key == "baton mooncake-master":
         smoke_mooncake_master(argv)
 
