@@ -6,6 +6,7 @@ Experiment: `MLFLOW_EXPERIMENT_NAME`, default the run's name; the MLflow run is 
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -15,6 +16,12 @@ from pipeline.sinks import SinkUnavailable, flat_params, flatten
 
 STORE_FILE = "mlflow.db"
 _BATCH = 100  # params per log_batch call (MLflow's limit)
+
+
+def mlflow_name(key: str) -> str:
+    """A metric name MLflow takes: its characters outside letters, digits and `_ - . : /` and space become
+    `_` (a user's environment may report any name)."""
+    return re.sub(r"[^\w\-.:/ ]", "_", key)
 
 
 def tracking_uri(folder: Path) -> str:
@@ -45,7 +52,7 @@ class MlflowSink:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in scalars.items()])
+        self.client.log_batch(self.run_id, metrics=[Metric(mlflow_name(k), v, now, step) for k, v in scalars.items()])
         self.last_step = step
 
     def close(self, summary: Mapping[str, Any] | None) -> None:

@@ -37,8 +37,8 @@ Promises, for every objective:
   0 for `none`), and `masked_frac`: the tokens the objective cut (left out, or held by a binding clip), which
   with per-row advantages A != 0 are exactly the masked tokens that get no gradient. With `entropy`, also per
   entropy bucket (`common.entropy_buckets`: [0, 0.1), [0.1, 0.5), [0.5, 1.5), [1.5, inf) nats)
-  `masked_frac/entropy<0.1` ... (the share of all tokens that lie in the bucket and were cut; they add up to
-  `masked_frac`) and `tokens_frac/entropy<0.1` ... (the bucket's share), so a step shows whether the
+  `masked_frac/entropy_lt_0.1` ... (the share of all tokens that lie in the bucket and were cut; they add up to
+  `masked_frac`) and `tokens_frac/entropy_lt_0.1` ... (the bucket's share), so a step shows whether the
   high-entropy tokens are the ones being cut. Every stat that is a fraction is one of the mask's tokens.
 """
 

@@ -18,13 +18,14 @@ ENTROPY_EDGES: tuple[float, ...] = (0.1, 0.5, 1.5)  # nats; the buckets are [0, 
 
 
 def entropy_buckets(edges: tuple[float, ...] = ENTROPY_EDGES) -> list[tuple[str, float, float]]:
-    """(name, low, high) per bucket of per-token entropy, low inclusive: `entropy<0.1`, `entropy0.1-0.5`, ...,
-    `entropy>=1.5`. The names are the suffixes of the `masked_frac/...` and `tokens_frac/...` stats."""
+    """(name, low, high) per bucket of per-token entropy, low inclusive: `entropy_lt_0.1`, `entropy_0.1_0.5`,
+    ..., `entropy_ge_1.5`. The names are the suffixes of the `masked_frac/...` and `tokens_frac/...` stats
+    (letters, digits, `.` and `_` only: every dashboard takes them as metric names)."""
     bounds = [0.0, *edges, float("inf")]
     names = (
-        [f"entropy<{edges[0]:g}"]
-        + [f"entropy{low:g}-{high:g}" for low, high in zip(edges, edges[1:], strict=False)]
-        + [f"entropy>={edges[-1]:g}"]
+        [f"entropy_lt_{edges[0]:g}"]
+        + [f"entropy_{low:g}_{high:g}" for low, high in zip(edges, edges[1:], strict=False)]
+        + [f"entropy_ge_{edges[-1]:g}"]
     )
     return [(name, bounds[i], bounds[i + 1]) for i, name in enumerate(names)]
 

@@ -31,7 +31,7 @@ from policies.correction import (  # noqa: E402
 )
 
 E = math.exp
-BUCKETS = ["entropy<0.1", "entropy0.1-0.5", "entropy0.5-1.5", "entropy>=1.5"]
+BUCKETS = ["entropy_lt_0.1", "entropy_0.1_0.5", "entropy_0.5_1.5", "entropy_ge_1.5"]
 
 
 def _leaf(values: torch.Tensor) -> torch.Tensor:
@@ -104,8 +104,8 @@ def test_m2po_keeps_the_stale_high_entropy_tokens_that_clipping_cuts() -> None:
     entropy = torch.tensor([[2.0] + [0.05] * 7])
     adv, mask = torch.ones(1, 1), torch.ones(1, 8)
     _, clipped = none(_leaf(proximal), behaviour, adv, mask, clip_high=0.28, entropy=entropy)
-    assert clipped["masked_frac/entropy>=1.5"] == clipped["tokens_frac/entropy>=1.5"] == 1 / 8  # all of them
-    assert clipped["masked_frac/entropy<0.1"] == 0.0
+    assert clipped["masked_frac/entropy_ge_1.5"] == clipped["tokens_frac/entropy_ge_1.5"] == 1 / 8  # all of them
+    assert clipped["masked_frac/entropy_lt_0.1"] == 0.0
     logprobs = _leaf(proximal)
     loss, kept = m2po(logprobs, behaviour, proximal, adv, mask, clip_high=0.28, entropy=entropy)
     loss.backward()
@@ -245,7 +245,7 @@ def test_without_entropy_only_the_overall_fraction_is_reported() -> None:
 
 def test_entropy_buckets_are_named_by_their_edges() -> None:
     assert [name for name, _, _ in entropy_buckets()] == BUCKETS
-    assert entropy_buckets((1.0,)) == [("entropy<1", 0.0, 1.0), ("entropy>=1", 1.0, math.inf)]
+    assert entropy_buckets((1.0,)) == [("entropy_lt_1", 0.0, 1.0), ("entropy_ge_1", 1.0, math.inf)]
 
 
 # ------------------------------------------------------------------------------- choosing one
