@@ -95,14 +95,15 @@ def test_an_actor_the_cluster_cannot_place_fails_naming_it(monkeypatch: pytest.M
         ray.init(address=f"127.0.0.1:{port}", include_dashboard=False)
         with pytest.raises(ActorUnplaceable, match=r"actor consumer-0 asks for 1 CPU and 1 GPU and no node"):
             check_feasible({"producer-0": Resources(), "consumer-0": Resources(gpus=1)})
-        first = Holder.remote()
-        assert ray.get(first.ready.remote())  # it holds the only CPU
-        second = Holder.remote()
-        needs = {"producer-0": Resources(), "producer-1": Resources()}
-        with pytest.raises(ActorUnplaceable, match=r"producer-1 not placed within 5 s \(asking for producer-1: "
+        from ray.util.placement_group import placement_group
+
+        held = placement_group([{"CPU": 1}])  # another job holds the only CPU
+        assert ray.get(held.ready(), timeout=60)
+        waiting = Holder.remote()
+        needs = {"producer-0": Resources()}
+        with pytest.raises(ActorUnplaceable, match=r"producer-0 not placed within 5 s \(asking for producer-0: "
                            r"1 CPU\); the cluster has 1 CPU and 0 GPU"):
-            asyncio.run(await_placed({"producer-0": first.ready.remote(), "producer-1": second.ready.remote()},
-                                     needs, timeout_s=5))
+            asyncio.run(await_placed({"producer-0": waiting.ready.remote()}, needs, timeout_s=5))
     finally:
         ray.shutdown()
         stop_head(head, tmp)
