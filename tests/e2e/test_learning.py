@@ -65,6 +65,7 @@ def _rewards(tmp_path: Path, seed: int, correction: str) -> list[float]:
     return [m["reward"] for m in metrics]
 
 
+@pytest.mark.long  # a slow integration run: in the long suite
 def test_corrected_loss_beats_uncorrected_on_stale_data(tmp_path: Path) -> None:
     runs = {(kind, seed): _rewards(tmp_path, seed, kind) for seed in SEEDS for kind in ("none", "decoupled")}
     area = {key: statistics.mean(rewards) for key, rewards in runs.items()}

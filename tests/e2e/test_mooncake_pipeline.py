@@ -53,6 +53,7 @@ def test_quickstart_on_mooncake_stops_its_master(tmp_path: Path) -> None:
     assert not masters_running() - before, "the auto-started master was stopped at exit"
 
 
+@pytest.mark.long  # a slow integration run: in the long suite
 @pytest.mark.parametrize("config", [
     "quickstart-mooncake.toml",
     # Ray's init installs its own SIGTERM handlers (one aborts the driver, leaving the master behind)

@@ -23,7 +23,8 @@ from stages.environments.feedback import DigitFeedback  # noqa: E402
 from stages.rollout.episode import EpisodeLimits  # noqa: E402
 from tests.helpers.ledger_checks import check_ledger  # noqa: E402
 
-pytestmark = pytest.mark.slow
+# slow integration runs: in the long suite (CI runs it after the suite)
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -20,7 +20,8 @@ from pipeline.net import free_port  # noqa: E402
 from pipeline.runtime.ray import RayRun  # noqa: E402
 from tests.helpers.ray_head import stop_head  # noqa: E402
 
-pytestmark = pytest.mark.slow
+# slow integration runs: in the long suite (CI runs it after the suite)
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 
 def _start_head(tmp: Path, port: int) -> subprocess.Popen:

@@ -83,6 +83,7 @@ def kill_host_when(root: Path, version: int, killed: list[int], host: str = "pro
     return thread
 
 
+@pytest.mark.long  # a slow integration run: in the long suite
 def test_a_killed_producer_is_restarted_and_nothing_is_lost(ray_cluster, model: Path, tmp_path: Path) -> None:
     """With weights pushed over TransferEngine (mooncake_p2p): pushes to the dead process are skipped,
     the other engine keeps getting every version, and the restarted one is caught up at once."""
@@ -104,6 +105,7 @@ def test_a_killed_producer_is_restarted_and_nothing_is_lost(ray_cluster, model: 
     assert len(incarnations) == 2, "the restarted producer process produced groups that were trained"
 
 
+@pytest.mark.long  # a slow integration run: in the long suite
 def test_a_dead_buffer_stops_the_run_naming_it(ray_cluster, model: Path, tmp_path: Path) -> None:
     killed: list[int] = []
     watcher = kill_host_when(tmp_path, version=2, killed=killed, host="buffer-0")

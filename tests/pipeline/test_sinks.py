@@ -182,6 +182,7 @@ def test_mlflow_local_store_holds_metrics_jsonl_and_params(run: tuple[dict, list
     assert mlrun.data.metrics["summary/reward_end"] == summary["reward_end"]
 
 
+@pytest.mark.long  # a slow integration run: in the long suite
 @pytest.mark.slow
 def test_on_ray_the_driver_forwards_what_the_learner_process_writes(tmp_path: Path) -> None:
     """The learner runs in its own Ray process; the driver alone writes the sink, the same records."""

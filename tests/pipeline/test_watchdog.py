@@ -92,6 +92,7 @@ def test_a_wedged_engine_is_reported_then_fails_the_run_with_pipeline_hung(model
     assert "no progress for" in text and "rollout:wedged-0" in text and "watchdog.fail_after_s = 1.2" in text
 
 
+@pytest.mark.long  # a slow integration run: in the long suite
 @pytest.mark.slow
 def test_on_ray_a_wedged_engine_is_reported_across_the_hosts_then_fails_the_run(model: Path, tmp_path: Path) -> None:
     """The driver's watchdog asks the conductor, the channel hosts and every stage host (`diagnose()`) while

@@ -30,7 +30,9 @@ try:
 except SGLangUnavailable as exc:
     _MISSING = str(exc)
 
-pytestmark = [pytest.mark.anyio, pytest.mark.sglang, pytest.mark.skipif(bool(_MISSING), reason=_MISSING)]
+# a real server per module: in the long suite (tests/contracts/test_engine_contract.py keeps one in the suite)
+pytestmark = [pytest.mark.anyio, pytest.mark.sglang, pytest.mark.long,
+              pytest.mark.skipif(bool(_MISSING), reason=_MISSING)]
 
 
 @pytest.fixture(scope="module")

@@ -159,6 +159,7 @@ async def test_tool_episodes_on_the_torch_engine(example: Path, tmp_path: Path) 
     assert counts["valid_calls"] >= 1
 
 
+@pytest.mark.long  # a slow integration run: in the long suite
 @pytest.mark.anyio
 @pytest.mark.sglang
 @pytest.mark.slow
@@ -198,6 +199,7 @@ def test_baton_check_accepts_agent_tools_toml(example: Path) -> None:
     assert 'kind = "calculator"' in proc.stdout and "max_tokens = 1280" in proc.stdout
 
 
+@pytest.mark.long  # a slow integration run: in the long suite
 @pytest.mark.slow
 def test_baton_run_agent_tools_toml(example: Path) -> None:
     """A short run of the config on the local runtime finishes with a balanced ledger."""
