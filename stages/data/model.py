@@ -36,7 +36,8 @@ class ModelFolderError(FileNotFoundError, ValueError):
     what is wrong and what to do; the config layer prefixes the key that named the folder)."""
 
 
-def _build_tokenizer():
+def tiny_tokenizer():
+    """The tiny model's tokenizer (a character vocabulary, ChatML-like specials), made in memory."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -89,7 +90,7 @@ def make_tiny_model(
             )
         return folder
     folder.mkdir(parents=True, exist_ok=True)
-    tokenizer = _build_tokenizer()
+    tokenizer = tiny_tokenizer()
     tokenizer.save_pretrained(folder)
     vocab_size = 64  # >= len(tokenizer); a multiple of 8 keeps every backend's kernels happy
     assert len(tokenizer) <= vocab_size

@@ -28,6 +28,8 @@ LrDecay = Literal["constant", "linear", "cosine"]
 LR_DECAYS: tuple[str, ...] = get_args(LrDecay)
 EntropyScope = Literal["all", "zero-variance"]
 ENTROPY_SCOPES: tuple[str, ...] = get_args(EntropyScope)
+DistillMode = Literal["advantage", "loss"]
+DISTILL_MODES: tuple[str, ...] = get_args(DistillMode)
 
 
 def group_advantages(
@@ -43,6 +45,27 @@ def group_advantages(
         return centred
     var = torch.zeros(groups, dtype=rewards.dtype).index_add_(0, group_index, centred**2) / (count - 1).clamp(min=1)
     return centred / (var.sqrt()[group_index] + eps)
+
+
+def distill_advantages(
+    advantages: torch.Tensor, behaviour: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor, coef: float,
+    mode: DistillMode = "advantage",
+) -> torch.Tensor:
+    """On-policy distillation's per-token advantages [rows, T]: the teacher's term `-coef * (behaviour -
+    teacher)` on every model token (0 elsewhere) added to GRPO's per-row `advantages` ("advantage"), or
+    alone ("loss": pure distillation, the rewards steer nothing). The term is the negative single-sample
+    estimate of the reverse KL(student || teacher) at that token, so the policy gradient of the loss on it
+    lowers that KL; it is built from logged logprobs only (no gradient flows through it: stop-gradient).
+
+    The student's logprob is the behaviour one, the logprob the engine sampled the token with: the
+    tokens were drawn from that policy, so `behaviour - teacher` is the estimate of the KL of the
+    policy that produced them; it is fixed for the step (every PPO epoch, micro-batch and rank sees the
+    same advantage, as with rewards), costs no extra forward, and the loss's off-policy correction
+    already weighs the learner's current policy against it."""
+    if mode not in DISTILL_MODES:
+        raise ValueError(f"distill mode must be one of {', '.join(DISTILL_MODES)}, got {mode!r}")
+    term = -coef * (behaviour - teacher) * mask
+    return term if mode == "loss" else advantages + term
 
 
 def zero_variance_groups(rewards: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
