@@ -40,7 +40,7 @@ from stages.rollout import Rollout
 from stages.rollout.episode import EpisodeLimits
 from stages.rollout.evaluation import Evaluation
 from stages.rollout.gateway_worker import GatewaySettings
-from stages.scorers import ClassifierReward, ComposedReward, Distillation, JudgeReward, SGLangTeacher, TorchTeacher
+from stages.scorers import ComposedReward, Distillation, SGLangTeacher, TorchTeacher
 from stages.weights import TRANSPORTS, make_transport
 from stages.weights.base import WeightTransport
 
@@ -184,26 +184,9 @@ def make_reward(cfg: RunConfig) -> RewardFunction | ComposedReward | None:
     rules = {name: weight for name, weight in spec.weights.items() if name not in schema.MODEL_REWARDS}
     fn = spec.function or (weighted_sum(*rules.items()) if rules else None)
     rule = RewardFunction(fn, timeout_s=spec.timeout_s, on_error=spec.on_error, batched=spec.batched) if fn else None
-    models = [(factory(getattr(spec, name)), spec.weights[name])
-              for name, factory in (("classifier", classifier_reward), ("judge", judge_reward))
+    models = [(getattr(spec, name).make(), spec.weights[name]) for name in schema.MODEL_REWARDS
               if getattr(spec, name) is not None]
     return ComposedReward(rule, models, on_error=spec.on_error) if models else rule
-
-
-def scorer_server(spec: schema.ScorerSpec) -> dict[str, Any]:
-    """The keys every model scorer passes to its server."""
-    return spec.model_dump(include={"url", "token_file", "concurrency", "timeout_s", "retries", "max_restarts",
-                                    "python", "dtype", "device"})
-
-
-def classifier_reward(spec: schema.ClassifierSpec) -> ClassifierReward:
-    return ClassifierReward(spec.model, label=spec.label, **scorer_server(spec))
-
-
-def judge_reward(spec: schema.JudgeSpec) -> JudgeReward:
-    return JudgeReward(model=spec.model, **spec.model_dump(include={
-        "model_name", "template", "parser", "max_score", "max_tokens", "temperature", "parse_retries"}),
-        **scorer_server(spec))
 
 
 def make_distillation(cfg: RunConfig) -> Distillation | None:

@@ -200,13 +200,16 @@ class ScorerSpec(Section):
     device: Literal["auto", "cpu", "cuda"] = Field(default_of(ScoringServer, "device"), description="a launched "
                                                    "server's device; auto: cuda when a GPU is visible, else cpu")
 
+    def server_keys(self) -> dict[str, Any]:
+        """The keys every model scorer passes to its server (stages.scorers.server.ScoringServer)."""
+        return self.model_dump(include={"url", "token_file", "concurrency", "timeout_s", "retries", "max_restarts",
+                                        "python", "dtype", "device"})
+
     @model_validator(mode="after")
     def _token_needs_url(self) -> ScorerSpec:
         if self.token_file is not None and self.url is None:
             raise ValueError("token_file is set without url: a server baton launches needs no token; set url or "
                              "remove token_file")
-        if self.token_file is not None and not Path(self.token_file).is_file():
-            raise ValueError(f"token_file = {self.token_file!r} does not exist; write the server's token there")
         return self
 
 
@@ -219,16 +222,12 @@ class ClassifierSpec(ScorerSpec):
     label: int = Field(default_of(ClassifierReward, "label"), ge=0, description="which output of the model's head "
                        "is the score")
 
-    @model_validator(mode="after")
-    def _classifier_makes_one(self) -> ClassifierSpec:
+    def make(self) -> ClassifierReward:
+        """The scorer (reads the folder's config and tokenizer: `RunConfig` checks it before a run)."""
         if not (Path(self.model) / "config.json").is_file():
             raise ValueError(f"model = {self.model!r} holds no model (no config.json); point it at a Hugging Face "
                              "folder")
-        try:
-            ClassifierReward(self.model, url=self.url, label=self.label)  # its tokenizer, template and labels
-        except ValueError as exc:
-            raise ValueError(str(exc)) from None
-        return self
+        return ClassifierReward(self.model, label=self.label, **self.server_keys())
 
 
 class JudgeSpec(ScorerSpec):
@@ -252,13 +251,23 @@ class JudgeSpec(ScorerSpec):
                                "answer with no grade (each counted: event judge.unparsed); then the sample fails")
 
     @model_validator(mode="after")
-    def _judge_makes_one(self) -> JudgeSpec:
+    def _one_server(self) -> JudgeSpec:
+        if self.model is None and self.url is None:
+            raise ValueError("give model (a folder baton serves with SGLang) or url (an OpenAI-compatible server)")
+        if self.model is None and self.model_name is None:
+            raise ValueError("a judge given by url needs model_name (the model the server serves)")
         try:
-            JudgeReward(model=self.model, url=self.url, model_name=self.model_name, template=self.template,
-                        parser=self.parser, max_score=self.max_score, parse_retries=self.parse_retries)
-        except ValueError as exc:
-            raise ValueError(str(exc)) from None
+            self.template.format(prompt="", completion="", answer="")
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ValueError(f"template: {exc!r}; it may use {{prompt}}, {{completion}} and {{answer}} (write "
+                             "literal braces as {{ and }})") from None
         return self
+
+    def make(self) -> JudgeReward:
+        """The scorer (resolves a plug-in parser, reads the token file: `RunConfig` checks it before a run)."""
+        return JudgeReward(model=self.model, **self.model_dump(include={
+            "model_name", "template", "parser", "max_score", "max_tokens", "temperature", "parse_retries"}),
+            **self.server_keys())
 
 
 MODEL_REWARDS = ("classifier", "judge")  # names in [reward] weights that are the [reward.<name>] tables
@@ -1063,6 +1072,18 @@ class RunConfig(Section):
                 raise ValueError(f"model.path: {exc}") from None
         if self.eval.every and isinstance(self.task, DatasetTaskSpec) and self.task.eval_path is None:
             raise ValueError("eval.every is set, but the dataset task has no task.eval_path to evaluate")
+        return self
+
+    @model_validator(mode="after")
+    def _model_rewards_load(self) -> RunConfig:
+        """Each model reward's folder, tokenizer, template, labels, parser and token file, before anything starts."""
+        for name in MODEL_REWARDS:
+            spec = getattr(self.reward, name, None)
+            if spec is not None:
+                try:
+                    spec.make()
+                except ValueError as exc:
+                    raise ValueError(f"reward.{name}: {exc}") from None
         return self
 
     @model_validator(mode="after")

@@ -49,7 +49,7 @@ def group_advantages(
 
 def distill_advantages(
     advantages: torch.Tensor, behaviour: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor, coef: float,
-    mode: DistillMode = "advantage",
+    mode: DistillMode = "advantage", group_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """On-policy distillation's per-token advantages [rows, T]: the teacher's term `-coef * (behaviour -
     teacher)` on every model token (0 elsewhere) added to GRPO's per-row `advantages` ("advantage"), or
@@ -65,7 +65,20 @@ def distill_advantages(
     if mode not in DISTILL_MODES:
         raise ValueError(f"distill mode must be one of {', '.join(DISTILL_MODES)}, got {mode!r}")
     term = -coef * (behaviour - teacher) * mask
+    if group_index is not None:
+        term = leave_one_out_centred(term, mask, group_index)
     return term if mode == "loss" else advantages + term
+
+
+def leave_one_out_centred(term: torch.Tensor, mask: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
+    """`term` minus, at each position, the mean of the other rows of its group that have a model token there."""
+    groups = int(group_index.max()) + 1
+    shape = (groups, term.shape[1])
+    sums = torch.zeros(shape, dtype=term.dtype).index_add_(0, group_index, term * mask)
+    counts = torch.zeros(shape, dtype=term.dtype).index_add_(0, group_index, mask)
+    others = counts[group_index] - mask
+    baseline = (sums[group_index] - term * mask) / others.clamp(min=1)
+    return (term - baseline * (others > 0)) * mask
 
 
 def zero_variance_groups(rewards: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
