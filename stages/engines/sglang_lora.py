@@ -221,7 +221,7 @@ class ServerAdapters:
             "input_ids": list(probe.tokens), "sampling_params": {"max_new_tokens": 1, "temperature": 1.0},
             "return_logprob": True, "logprob_start_len": 0, "lora_path": name, "extra_key": f"probe-{name}"})
         served = [lp for lp, *_ in answer["meta_info"]["input_token_logprobs"][1:]]
-        diff = max(abs(a - b) for a, b in zip(served, probe.logprobs, strict=True))
+        diff = probe.difference(served)
         if diff <= probe.tolerance:
             return
         self.stats["adapters_refused"] += 1

@@ -338,6 +338,7 @@ def _adopt(model: torch.nn.Module, version: int, tensors: dict[str, torch.Tensor
     """Make `tensors` the model's weights: each parameter becomes its tensor (zero-copy) when dtype
     and device match, else it is copied in; nothing is changed unless the whole version fits."""
     _check_fit(model, version, tensors)
+    _untie_head(model, tensors)
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     for name, param in params.items():
@@ -349,3 +350,14 @@ def _adopt(model: torch.nn.Module, version: int, tensors: dict[str, torch.Tensor
     for name, buffer in buffers.items():
         if name in tensors:
             buffer.copy_(tensors[name])
+
+
+def _untie_head(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """A version whose output head is not its embedding (an adapter on `lm_head`, merged) unties a tied
+    head: it becomes a parameter of its own, the embedding stays what it is."""
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is None or head.weight is not embedding.weight or "lm_head.weight" not in tensors:
+        return
+    embedding_name = next(n for n, p in model.named_parameters() if p is embedding.weight)
+    if tensors["lm_head.weight"].data_ptr() != tensors[embedding_name].data_ptr():
+        head.weight = torch.nn.Parameter(tensors["lm_head.weight"], requires_grad=False)

@@ -28,7 +28,8 @@ class AdapterMerger:
     def keep_base(self, model: torch.nn.Module | None, weights_lock: threading.Lock) -> None:
         """Keep `model`'s weights as they are now (at start: the model folder's) as the base; None forgets it."""
         self.model, self.lock = model, weights_lock
-        self.base = {} if model is None else {name: p.detach() for name, p in model.named_parameters()}
+        # a tied head under its own name too: an adapter may target it (it is then untied, stages.engines.torch)
+        self.base = {} if model is None else {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}
 
     def merge(self, version: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The whole version an adapter makes of the base: the merged target weights and the base's own
@@ -59,9 +60,10 @@ class AdapterMerger:
         assert self.model is not None
         ids = torch.tensor([list(probe.tokens)], device=self.model.device)
         with self.lock, torch.no_grad():  # functional_call swaps the parameters: no decode step meanwhile
-            out = torch.func.functional_call(self.model, weights, (), {"input_ids": ids})
+            # tie_weights=False: `weights` names a tied head too, merged apart from the embedding when adapted
+            out = torch.func.functional_call(self.model, weights, (), {"input_ids": ids}, tie_weights=False)
         logp = torch.log_softmax(out.logits[0, :-1].float(), -1).gather(1, ids[0, 1:, None]).squeeze(1).cpu()
-        diff = float((logp - torch.tensor(probe.logprobs)).abs().max())
+        diff = probe.difference(logp.tolist())
         if not diff <= probe.tolerance:
             raise AdapterError(f"its probe's logprobs differ from the learner's by {diff:.3g} (tolerance "
                                f"{probe.tolerance:g}): the engine does not hold the learner's adapter")

@@ -35,7 +35,7 @@ class LoraSpec:
     dropout: float = 0.0  # on the adapter's input, in training only
     target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")  # module names (their last part)
     check_every: int = 1  # versions between engine parity checks (the descriptor's probe); 0: never
-    check_tolerance: float = 1e-4  # most a probe's logprob may differ engine vs learner (bf16 engines: ~0.05)
+    check_tolerance: float = 1e-4  # most a probe's logprob may differ, relative beyond 1 (bf16 engines: ~0.05)
 
     def __post_init__(self) -> None:
         if self.rank < 1:
@@ -55,12 +55,10 @@ class LoraSpec:
 
 def check_targets(targets: tuple[str, ...] | list[str], linear: list[str]) -> None:
     """ValueError naming `learner.lora.target_modules` unless every target is one of the model's `linear`
-    module names (their last parts) other than the output head (adapters sit on the decoder's layers)."""
-    allowed = [name for name in linear if name != "lm_head"]
-    unknown = [m for m in targets if m not in allowed]
+    module names (their last parts; `lm_head` too, also when tied to the embedding)."""
+    unknown = [m for m in targets if m not in linear]
     if unknown:
-        raise ValueError(f"learner.lora.target_modules names {unknown}, not among the model's decoder linear "
-                         f"modules {allowed}")
+        raise ValueError(f"learner.lora.target_modules names {unknown}, not among the model's linear modules {linear}")
 
 
 def wrap(model: torch.nn.Module, spec: LoraSpec) -> torch.nn.Module:
@@ -74,6 +72,8 @@ def wrap(model: torch.nn.Module, spec: LoraSpec) -> torch.nn.Module:
     with torch.random.fork_rng(), warnings.catch_warnings():  # every rank (and every run) starts from one adapter
         torch.manual_seed(INIT_SEED)
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        # an adapter on a tied lm_head adapts the head alone (the embedding stays), as every engine applies it
+        warnings.filterwarnings("ignore", message=".*tie_word_embeddings=True.*", category=UserWarning)
         return get_peft_model(model, config)
 
 
@@ -96,7 +96,7 @@ def gathered_adapter(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
     whole = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
              for n, p in adapter_parameters(model).items()}
-    return get_peft_model_state_dict(model, state_dict=whole)
+    return get_peft_model_state_dict(model, state_dict=whole, save_embedding_layers=False)
 
 
 def probe_tokens(vocab_size: int) -> list[int]:

@@ -43,11 +43,20 @@ class AdapterError(ValueError):
 
 class Probe(msgspec.Struct, frozen=True):
     """A fixed token sequence and the learner's teacher-forced logprob of each token after the first
-    (temperature 1, the adapter applied): what the engine must reproduce within `tolerance`."""
+    (temperature 1, the adapter applied): what the engine must reproduce within `tolerance`
+    (`Probe.difference`)."""
 
     tokens: tuple[int, ...]
     logprobs: tuple[float, ...]
     tolerance: float
+
+    def difference(self, served: list[float] | tuple[float, ...]) -> float:
+        """The largest difference between the engine's logprobs and the learner's, relative beyond 1 in size
+        (|a - b| / max(1, |b|)): a trained adapter gives some probe tokens logprobs of -20 and below, where
+        float32 rounding alone (a merged weight against peft's two matmuls) exceeds 1e-4 absolute."""
+        if len(served) != len(self.logprobs):
+            return float("inf")
+        return max((abs(a - b) / max(1.0, abs(b)) for a, b in zip(served, self.logprobs, strict=True)), default=0.0)
 
 
 class AdapterSpec(msgspec.Struct, frozen=True):
@@ -101,6 +110,8 @@ def adapter_pairs(spec: AdapterSpec, tensors: dict[str, torch.Tensor],
     for name, tensor in tensors.items():
         weight, part = base_weight_name(name)
         parts.setdefault(weight, {})[part] = tensor
+    if "lm_head.weight" not in shapes and "model.embed_tokens.weight" in shapes:  # a tied head: the embedding's
+        shapes = {**shapes, "lm_head.weight": shapes["model.embed_tokens.weight"]}
     problems = []
     for weight, ab in parts.items():
         leaf = weight.rsplit(".", 2)[-2]

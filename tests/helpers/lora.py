@@ -12,7 +12,8 @@ from stages.data.model import load_model
 from stages.learner.lora import AdapterPublisher, LoraSpec, wrap
 from stages.weights.adapter import pack_adapter, unpack_adapter
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+# every linear module of the tiny Qwen2, its tied output head included
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 
 
 def peft_policy(folder: Path, seed: int, lora: LoraSpec | None = None, scale: float = 0.2) -> torch.nn.Module:
