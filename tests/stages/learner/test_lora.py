@@ -14,17 +14,15 @@ import torch.distributed as dist
 from stages.data.model import load_model, make_tiny_model
 from stages.learner import GRPOLearner
 from stages.learner.lora import LoraSpec, probe_tokens
+from stages.learner.lora_export import merged_checkpoint, write_adapter_folder
 from stages.learner.ranks import RankedTrainer, RankGroup
 from stages.learner.state import SHARDS_DIR, read_adapter
 from stages.learner.step import PolicyTrainer
 from stages.weights.adapter import (
-    ADAPTER_KEY,
     adapter_pairs,
     base_fingerprint,
-    merged_weights,
     unpack_adapter,
     weight_shapes,
-    write_peft_folder,
 )
 from stages.weights.base import state_bytes
 from tests.stages.learner.test_ranks import groups
@@ -73,7 +71,7 @@ def test_only_the_adapter_trains(spec: GRPOLearner, folder: Path) -> None:
               if "lora_" not in n}
     assert frozen.keys() == base.keys()
     assert all(torch.equal(frozen[n], base[n]) for n in base), "the base is the model folder's, bit for bit"
-    assert any(float(p.abs().max()) > 0 for n, p in lora.items() if ".lora_B." in n), "B moved off zero"
+    assert any(float(p.detach().abs().max()) > 0 for n, p in lora.items() if ".lora_B." in n), "B moved off zero"
 
 
 def test_a_version_publishes_the_adapter_alone(spec: GRPOLearner, folder: Path) -> None:
@@ -144,23 +142,27 @@ def test_the_kl_reference_is_the_frozen_base(spec: GRPOLearner) -> None:
     assert later[-1] > 0
 
 
-def test_the_adapter_exports_as_a_peft_folder_and_merged(spec: GRPOLearner, folder: Path, tmp_path: Path) -> None:
-    """What an export of a LoRA run needs: a PEFT folder peft itself loads, and full weights merged as peft
-    merges (both give the learner's logits)."""
+@pytest.mark.parametrize("targets", [LORA.target_modules, ("q_proj", "down_proj", "lm_head")])
+def test_a_checkpoint_exports_as_a_peft_folder_and_merged(spec: GRPOLearner, folder: Path, tmp_path: Path,
+                                                          targets: tuple[str, ...]) -> None:
+    """What an export of a LoRA run needs (stages.learner.lora_export): a PEFT folder peft itself loads, and
+    whole weights merged as peft merges (an adapted tied head untied); both give the learner's logits."""
     from peft import PeftModel
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    trainer = trained(spec)
-    descriptor, tensors = unpack_adapter(trainer.weights(1))
+    trainer = trained(replace(spec, lora=replace(LORA, target_modules=targets)))
+    trainer.write_state(tmp_path, version=3)
     ids = [1, 5, 9, 12, 3, 7]
     want = logits(trainer.model, ids)
-    out = write_peft_folder(tmp_path / "adapter", descriptor, tensors, folder)
-    loaded = PeftModel.from_pretrained(load_model(folder), out)
-    assert torch.allclose(logits(loaded, ids), want, atol=1e-6)
-    base = load_model(folder)
-    merged = merged_weights(base.state_dict(), descriptor, adapter_pairs(descriptor, tensors, weight_shapes(folder)))
-    base.load_state_dict(merged, strict=False)
-    assert torch.allclose(logits(base, ids), want, atol=1e-5)
-    assert ADAPTER_KEY not in tensors
+    out = write_adapter_folder(tmp_path, folder, tmp_path / "adapter")
+    assert torch.allclose(logits(PeftModel.from_pretrained(load_model(folder), out), ids), want, atol=1e-6)
+    merged, untied = merged_checkpoint(tmp_path, folder)
+    assert untied == ("lm_head" in targets)
+    config = AutoConfig.from_pretrained(folder, tie_word_embeddings=not untied)
+    model = AutoModelForCausalLM.from_config(config)
+    missing, unexpected = model.load_state_dict(merged, strict=False)
+    assert not unexpected and missing == ([] if untied else ["lm_head.weight"])  # a tied head is the embedding
+    assert torch.allclose(logits(model, ids), want, atol=1e-5)
 
 
 @pytest.fixture(scope="module")
