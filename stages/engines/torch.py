@@ -155,15 +155,20 @@ class TorchEngine:
                 self._staged = (version, tensors)
 
     def _apply_staged(self) -> None:
-        with self._lock:
-            staged, self._staged = self._staged, None
-        if staged is None or staged[0] <= self._version:
-            return
-        version, tensors = staged
-        assert self._model is not None
+        """Adopt the staged version (any thread). It leaves `_staged` only once `_version` says it is
+        applied, so that `receive_weights` never sees neither the staged nor the applied version."""
         with self._weights_lock:
-            _adopt(self._model, version, tensors)
-            self._version = version
+            with self._lock:
+                staged = self._staged
+            try:
+                if staged is not None and staged[0] > self._version:
+                    assert self._model is not None
+                    _adopt(self._model, *staged)
+                    self._version = staged[0]
+            finally:  # a version that does not fit is dropped with the batch that raised
+                with self._lock:
+                    if self._staged is staged:
+                        self._staged = None
 
     async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         """Completions of `prompts` (in order), each decoded as a request of the running batch."""
