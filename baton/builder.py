@@ -34,6 +34,7 @@ from stages.data.model import make_tiny_model
 from stages.data.rewards import RewardFunction, weighted_sum
 from stages.data.tasks import Addition, ReverseDigits
 from stages.engines.sglang import SGLangEngine
+from stages.engines.sglang_lora import LoraServing
 from stages.engines.torch import TorchEngine
 from stages.learner import GRPOLearner
 from stages.rollout import Rollout
@@ -75,13 +76,24 @@ def torch_engine(spec: Any, cfg: RunConfig, *, model: Path, index: int) -> Torch
     return TorchEngine(model, name=f"torch-{index}", seed=cfg.seed + index, dtype=cfg.model.dtype)
 
 
+def lora_serving(spec: schema.SGLangEngineSpec, cfg: RunConfig) -> LoraServing | None:
+    """With learner.lora, what each server is launched to serve: the adapters' rank (or the server's limit), their
+    target modules, and room for the staleness window (k + 2 unless engine.max_loaded_loras says more)."""
+    lora = cfg.learner.lora if isinstance(cfg.learner, schema.GRPOSpec) else None
+    if lora is None:
+        return None
+    k = cfg.staleness.k if isinstance(cfg.staleness, schema.MaxStalenessSpec) else default_of(MaxStaleness, "k")
+    return LoraServing(max_rank=spec.lora_rank_limit() or lora.rank, target_modules=tuple(lora.target_modules),
+                       max_loaded=spec.max_loaded_loras or k + 2)
+
+
 def sglang_engine(spec: schema.SGLangEngineSpec, cfg: RunConfig, *, model: Path, index: int) -> SGLangEngine:
     return SGLangEngine(
         model, name=f"sglang-{index}", url=spec.urls[index] if spec.urls else None, python=spec.python,
         dtype=spec.dtype if "dtype" in spec.model_fields_set else cfg.model.dtype, device=spec.device,
         threads=spec.threads, max_total_tokens=spec.max_total_tokens,
         extra_args=tuple(spec.extra_args), update=spec.update, pause_mode=spec.pause_mode,
-        max_restarts=spec.max_restarts,
+        max_restarts=spec.max_restarts, lora=lora_serving(spec, cfg),
         # locally every engine sees every GPU; on Ray each process sees the one Ray gave it
         gpu_id=spec.base_gpu_id + index if spec.device == "cuda" and cfg.runtime == "local" else None,
     )
@@ -111,7 +123,8 @@ def ray_store(spec: schema.RayStoreSpec, cfg: RunConfig) -> RayStoreOpener:
 
 def grpo_learner(spec: Any, cfg: RunConfig, *, model: Path) -> GRPOLearner:
     return GRPOLearner(
-        model, **spec.model_dump(exclude={"kind"}),  # every other key of [learner] is a GRPOLearner field
+        model, **spec.model_dump(exclude={"kind", "lora"}),  # every other key of [learner] is a GRPOLearner field
+        lora=spec.lora.spec() if spec.lora is not None else None,
         temperature=cfg.engine_sampling().get("temperature", default_of(GRPOLearner, "temperature")),
         weights=make_part("weights", cfg), snapshot_every=cfg.weights.snapshot_every,
         correction=make_correction(cfg), selection=make_selection_policy(cfg),

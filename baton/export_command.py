@@ -53,6 +53,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, metavar="PATH",
                    help="the model folder the run started from (default: RUN_DIR/config.toml's [model] path)")
     p.add_argument("--force", action="store_true", help="replace OUT when it holds files")
+    p.add_argument("--adapter", action="store_true", help="a LoRA run: the adapter alone, as a PEFT folder (by "
+                   "default a LoRA checkpoint is written with its adapter merged into the base)")
     return p
 
 
@@ -76,13 +78,16 @@ def model_folder(run_dir: Path, explicit: str | None) -> Path:
 
 def run(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
-    from stages.learner.export import ExportError, export_checkpoint, find_checkpoint
+    from stages.learner.export import ExportError, export_adapter, export_checkpoint, find_checkpoint
 
     try:
         checkpoint = find_checkpoint(run_dir, args.checkpoint_version)
         model = model_folder(run_dir, args.model)
-        exported = export_checkpoint(checkpoint, model, Path(args.out), dtype=args.dtype,
-                                     max_shard_size=args.max_shard_size, force=args.force)
+        if args.adapter:
+            exported = export_adapter(checkpoint, model, Path(args.out), force=args.force)
+        else:
+            exported = export_checkpoint(checkpoint, model, Path(args.out), dtype=args.dtype,
+                                         max_shard_size=args.max_shard_size, force=args.force)
     except (BadInput, ExportError) as exc:
         print(f"baton export: {exc}", file=sys.stderr)
         return 2

@@ -41,12 +41,13 @@ from policies.correction import KIND_OF_SETTING, Correction, CorrectionKind
 from policies.selection import Selection
 from policies.staleness import MaxStaleness, reuse_lead
 from stages.data.datasets import DatasetTask
-from stages.data.model import DTYPES, check_model_folder, make_tiny_model
+from stages.data.model import DTYPES, check_model_folder, linear_module_names, make_tiny_model
 from stages.data.rewards import ON_ERROR, RewardFunction, resolve
 from stages.data.tasks import Addition, ReverseDigits
 from stages.engines.sglang import SGLangEngine
 from stages.environments import make_environment
 from stages.learner import GRPOLearner
+from stages.learner.lora import LoraSpec, check_targets
 from stages.learner.losses import AGGREGATIONS, DISTILL_MODES, ENTROPY_SCOPES, LR_DECAYS
 from stages.rollout import Rollout
 from stages.rollout.episode import EpisodeLimits
@@ -445,6 +446,20 @@ class SGLangEngineSpec(Section):
     max_restarts: int = Field(default_of(SGLangEngine, "max_restarts"), ge=0, description="restarts of a dead server "
                               "before the run fails")
     base_gpu_id: int = Field(0, ge=0, description="device = 'cuda': engine i runs on GPU base_gpu_id + i")
+    max_lora_rank: int | None = Field(None, ge=1, description="with learner.lora: the server's --max-lora-rank "
+                                      "(default: learner.lora.rank); it refuses adapters of a larger rank")
+    max_loaded_loras: int | None = Field(None, ge=2, description="with learner.lora: adapters a server holds at once "
+                                         "(default and least: staleness.k + 2, the versions a live request may "
+                                         "still use plus the one loading)")
+
+    def lora_rank_limit(self) -> int | None:
+        """The largest adapter rank the server takes: `max_lora_rank`, or a --max-lora-rank in `extra_args`."""
+        if self.max_lora_rank is not None:
+            return self.max_lora_rank
+        args = list(self.extra_args)
+        if "--max-lora-rank" in args and args.index("--max-lora-rank") + 1 < len(args):
+            return int(args[args.index("--max-lora-rank") + 1])
+        return None
 
     @model_validator(mode="after")
     def _check(self) -> SGLangEngineSpec:
@@ -625,6 +640,27 @@ class BufferSpec(Section):
         return int(self.produced_bytes) + int(self.max_bytes) + int(self.ready_bytes)
 
 
+class LoraSection(Section):
+    """[learner] lora: train LoRA adapters on a frozen base and publish only them (stages.learner.lora)."""
+
+    rank: int = Field(default_of(LoraSpec, "rank"), ge=1, description="the adapters' rank")
+    alpha: float = Field(default_of(LoraSpec, "alpha"), gt=0, description="the adapters' output is scaled by "
+                         "alpha / rank")
+    dropout: float = Field(default_of(LoraSpec, "dropout"), ge=0, lt=1, description="dropout on the adapters' "
+                           "input, in training only")
+    target_modules: list[str] = Field(default_factory=lambda: list(default_of(LoraSpec, "target_modules")),
+                                      min_length=1, description="decoder linear modules to adapt, by the last part "
+                                      "of their names (checked against the model)")
+    check_every: int = Field(default_of(LoraSpec, "check_every"), ge=0, description="versions between checks "
+                             "that each engine's logprobs of a fixed sequence equal the learner's (refused "
+                             "otherwise); 0: never")
+    check_tolerance: float = Field(default_of(LoraSpec, "check_tolerance"), gt=0, description="most a checked "
+                                   "logprob may differ, relative beyond 1 in size (bfloat16 engines: about 0.05)")
+
+    def spec(self) -> LoraSpec:
+        return LoraSpec(**{**self.model_dump(), "target_modules": tuple(self.target_modules)})
+
+
 class GRPOSpec(Section):
     kind: Literal["grpo"] = Field("grpo",
         description="GRPO: group-normalised advantages and a PPO-clip loss (the built-in learner)")
@@ -684,6 +720,9 @@ class GRPOSpec(Section):
                                            "activations in backward: less memory, about a third more compute")
     rank_timeout_s: float = Field(default_of(GRPOLearner, "rank_timeout_s"), gt=0, description="a collective of "
                                   "the learner's ranks not answered in this long fails the run")
+    lora: LoraSection | None = Field(None, description="[learner] lora = { rank, alpha, dropout, target_modules }: "
+                                     "LoRA adapters on a frozen base, each version publishing the adapter alone; "
+                                     "unset: full fine-tuning")
 
 
 class MaxStalenessSpec(Section):
@@ -1045,6 +1084,31 @@ class RunConfig(Section):
                 f"learner rank needs one of its own; set learner.world_size to at most {have}, or use runtime = "
                 "'ray' on a cluster that has them"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _lora_fits(self) -> RunConfig:
+        """LoRA's settings fit the model and the engine, before anything starts: target modules the model
+        has, a rank the SGLang server takes, room for the staleness window's adapters, a way in for them."""
+        lora = self.learner.lora if isinstance(self.learner, GRPOSpec) else None
+        if lora is None:
+            return self
+        check_targets(lora.target_modules, linear_module_names(self.model.path))
+        if not isinstance(self.engine, SGLangEngineSpec):
+            return self
+        engine, k = self.engine, self.staleness.k if isinstance(self.staleness, MaxStalenessSpec) else None
+        limit = engine.lora_rank_limit()
+        if limit is not None and lora.rank > limit:
+            raise ValueError(f"learner.lora.rank = {lora.rank} is above the SGLang server's --max-lora-rank {limit} "
+                             "(engine.max_lora_rank or engine.extra_args): it would refuse every adapter; lower "
+                             "learner.lora.rank or raise engine.max_lora_rank")
+        if k is not None and engine.max_loaded_loras is not None and engine.max_loaded_loras < k + 2:
+            raise ValueError(f"engine.max_loaded_loras = {engine.max_loaded_loras}, but staleness.k = {k} keeps up "
+                             f"to k + 1 adapters in use plus the one loading; set it to at least {k + 2} (or unset)")
+        if engine.update == "distributed":
+            raise ValueError("engine.update = 'distributed' moves full weights only; SGLang loads LoRA adapters from "
+                             "tensors or a folder: with learner.lora set engine.update = 'tensor' (same host) or "
+                             "'disk' (a folder the server reads)")
         return self
 
     @model_validator(mode="after")

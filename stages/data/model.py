@@ -198,6 +198,20 @@ def load_model(folder: str | Path, dtype: str = "float32") -> torch.nn.Module:
     return model
 
 
+def linear_module_names(folder: str | Path) -> list[str]:
+    """The distinct last parts of the names of the linear modules of the causal LM in `folder` (a Qwen2's,
+    as the tiny model is, when the folder holds no model yet), built from its config alone on the meta
+    device: no weights are read."""
+    from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config
+
+    _quiet_transformers()
+    has_config = (Path(folder) / "config.json").is_file()
+    config = AutoConfig.from_pretrained(folder) if has_config else Qwen2Config(num_hidden_layers=1)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+
+
 def load_tokenizer(folder: str | Path, pad: bool = True):
     """The folder's tokenizer, with a pad token (its EOS when it names none, unless not `pad`). The tiny
     demo model's tokenizer adds BOS to plain prompts (as the rollout always did for it); others add what

@@ -4,6 +4,10 @@ An engine turns token prompts into completions and reports, for every generated 
 behaviour logprob and the weight version that produced it. It receives new weights through a
 weight transport (`receive_weights`) and promises to apply a version whole or not at all, only
 between decode steps: a completion's tokens each carry the version that really produced them.
+A version is either whole weights or, in a LoRA run, an adapter (`stages.weights.adapter`: the tensors
+hold `ADAPTER_KEY`): the engine applies it to its base model, never on top of an earlier version, and
+serves it only once its probe (when it carries one) reproduces the learner's logprobs; an adapter it
+cannot apply raises `EngineError` like any version that does not fit.
 
 Lifecycle: the rollout stage hands each engine the run's part in it (`attach(EngineRun)`) before
 `start`; `stop` fails whatever is still in flight with `EngineError`. A new engine kind passes

@@ -14,6 +14,10 @@ a running one by `url`; it speaks HTTP only and never imports sglang.
   staleness policy what each request should do (`interrupt`: continue on the new weights, or
   restart from its prompt), applies, and continues. A version is applied whole or the call raises
   `EngineError`; `version` only moves once the server confirmed the update.
+* **adapters** (`lora=LoraServing(...)`, a LoRA run): the server is launched with LoRA, each adapter
+  version is loaded as `policy-v{N}` and every request runs under the adapter of the version it started
+  under, holding it until it ends; what stays loaded and when an adapter may go:
+  `stages.engines.sglang_lora`. No pause, no weight update: the base never changes.
 * **health**: transient HTTP failures are retried (tenacity). If the server this engine launched
   dies, it is restarted, the latest weights are re-applied, and the requests that were in flight
   are generated again from their prompts; `stats["restarts"]` and `stats["regenerated"]` count it.
@@ -39,8 +43,10 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, w
 
 from pipeline.events import report_event
 from stages.engines.base import Completion, EngineError, EngineRun, SamplingParams
+from stages.engines.sglang_lora import LoraServing, ServerAdapters, fit_adapter
 from stages.engines.sglang_server import ServerFailed, SGLangServer, gpu_available
 from stages.engines.sglang_update import UPDATE_PATHS, ServerUpdate
+from stages.weights.adapter import AdapterError, base_fingerprint, unpack_adapter
 
 MAX_ROUNDS = 8  # generate() gives up on requests aborted (or lost to a dead server) this many times in a row
 PAUSE_MODES = ("in_place", "retract")
@@ -68,6 +74,7 @@ class SGLangEngine:
     update: str = "tensor"
     pause_mode: str = "in_place"
     max_restarts: int = 3
+    lora: LoraServing | None = None  # serve LoRA adapters (a LoRA run's versions): stages.engines.sglang_lora
     request_timeout_s: float = 600.0
     log_dir: str | Path | None = None  # the server's log and engine events go here (`attach`: the run folder)
     policy: Any = None  # the run's staleness policy (its `interrupt`), from `attach`
@@ -82,6 +89,7 @@ class SGLangEngine:
         cpu = self.device == "cpu" or (self.device == "auto" and not gpu_available())
         self.gpus = 0 if cpu or self.url is not None else 1  # the server it launches uses one; an attached one none
         self._latest: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._held: tuple[int, dict[str, torch.Tensor]] | None = None  # the version the server holds, applied last
         self._server: SGLangServer | None = None
         self._base_url: str | None = None  # the server's address: `url`, or the launched server's
         self._http: aiohttp.ClientSession | None = None
@@ -89,7 +97,9 @@ class SGLangEngine:
         self._update_lock: anyio.Lock | None = None
         self._restart_lock: anyio.Lock | None = None
         self._updater = ServerUpdate(self.name, Path(self.model_path), self._call)
+        self._adapters = ServerAdapters(self.name, self.lora, self._call, self.stats)
         self._expected: dict[str, tuple[int, ...]] | None = None
+        self._base: str | None = None  # the model folder's fingerprint (stages.weights.adapter), once an adapter came
         self._rids = itertools.count()
         self._last_abort = ""
         self._stopping = False  # `stop` began: requests in flight fail with EngineError, nothing restarts
@@ -136,24 +146,30 @@ class SGLangEngine:
         self._stopping = False
         self._update_lock, self._restart_lock = anyio.Lock(), anyio.Lock()
         self._base_url = self.url
+        self._adapters.log_dir = Path(self.log_dir) if self.log_dir else None
         if self.url is None:
             log_dir = Path(self.log_dir) if self.log_dir else Path(tempfile.gettempdir())
+            lora = self.lora.launch_args(cpu=self.gpus == 0) if self.lora is not None else ()
             self._server = SGLangServer(
                 self.model_path, python=self.python, port=self.port, dtype=self.dtype, device=self.device,
                 threads=self.threads, max_total_tokens=self.max_total_tokens,
-                extra_args=(*self.extra_args, *(() if self.gpu_id is None else ("--base-gpu-id", str(self.gpu_id)))),
+                extra_args=(*self.extra_args, *lora,
+                            *(() if self.gpu_id is None else ("--base-gpu-id", str(self.gpu_id)))),
                 log_path=log_dir / f"sglang-{self.name}-{os.getpid()}.log",
             )
             try:
                 await self._server.start()
             except ServerFailed as exc:
-                raise EngineError(f"engine {self.name}: {exc}") from None
+                shim = "pin_memory" in str(exc) and self.lora is not None
+                hint = "; rerun tools/sglang-cpu/install.sh: it installs the CPU LoRA shim" if shim else ""
+                raise EngineError(f"engine {self.name}: {exc}{hint}") from None
             self._base_url = self._server.url
         self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.request_timeout_s))
         try:
             await self._call("GET", "/health")
             if self._latest is not None:  # weights that arrived before start
                 await self._apply(*self._latest)
+                self._held = self._latest
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self.stop()
@@ -163,6 +179,7 @@ class SGLangEngine:
         """Fail the requests in flight (EngineError) and stop the server this engine launched."""
         self._stopping = True
         await self._updater.close(server_up=self._http is not None)
+        await self._adapters.close()
         if self._http is not None:
             await self._http.close()
             self._http = None
@@ -198,6 +215,8 @@ class SGLangEngine:
 
     async def _generate_some(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion | None]:
         rids = [f"{self.name}-{uuid.uuid4().hex[:8]}-{next(self._rids)}" for _ in prompts]
+        adapter = self._adapters.acquire(rids)  # the whole call runs under one adapter, held by each request
+        submitted = adapter[1] if adapter is not None else self._version
         body = {
             "input_ids": prompts,
             "rid": rids,
@@ -212,9 +231,9 @@ class SGLangEngine:
             "return_logprob": True,
             # prefix-cache entries are only shared between requests made under one version: a
             # prompt's KV computed by older weights must never serve a newer version's request
-            "extra_key": f"v{self._version}",
+            "extra_key": f"v{submitted}",
+            **({"lora_path": adapter[0]} if adapter is not None else {}),
         }
-        submitted = self._version
         for rid in rids:
             self._inflight[rid] = submitted
         try:
@@ -227,11 +246,15 @@ class SGLangEngine:
         finally:
             for rid in rids:
                 self._inflight.pop(rid, None)
+            if adapter is not None:
+                self._adapters.release(rids, adapter[0])
         if not isinstance(answer, list) or len(answer) != len(prompts):
             raise EngineError(f"engine {self.name}: /generate gave {type(answer).__name__}, not {len(prompts)} results")
-        return [self._completion(item, submitted, params) for item in answer]
+        return [self._completion(item, submitted, params, spans=adapter is None) for item in answer]
 
-    def _completion(self, item: dict, submitted: int, params: SamplingParams) -> Completion | None:
+    def _completion(self, item: dict, submitted: int, params: SamplingParams, spans: bool = True) -> Completion | None:
+        """One request's completion (None: aborted). Its tokens' versions: the server's `weight_versions`
+        spans (`spans`), or all `submitted` (a request under an adapter: the adapter's version throughout)."""
         meta = item["meta_info"]
         finish = (meta.get("finish_reason") or {}).get("type", "length")
         if finish == "abort":
@@ -244,7 +267,7 @@ class SGLangEngine:
             raise EngineError(f"engine {self.name}: {len(tokens)} logprobs for {len(item['output_ids'])} tokens")
         versions = np.full(len(tokens), submitted, dtype=np.int32)
         whole = [{"version": meta.get("weight_version"), "start": 0, "end": len(tokens)}]
-        for span in meta.get("weight_versions") or whole:
+        for span in (meta.get("weight_versions") or whole) if spans else ():
             versions[span["start"] : span["end"]] = self._parse_version(span["version"], submitted)
         stopped = finish == "stop" and len(tokens) > 0 and int(tokens[-1]) in params.stop_token_ids
         served = {"rid": meta.get("id"), "prompt_tokens": int(meta.get("prompt_tokens") or 0),
@@ -277,12 +300,28 @@ class SGLangEngine:
                 if self._server is None:
                     raise  # attached by url: nothing here can bring it back
                 # our server died: the next request restarts it and re-applies the latest version
+            except EngineError:
+                if self._latest[0] == version:  # refused: a restarted server gets what this one held, not it
+                    self._latest = self._held
+                raise
+            else:
+                self._held = (version, tensors)
 
     def _fit(self, version: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The tensors to send, checked against the checkpoint's names and shapes before the server
-        sees them: a version that does not fit whole is refused here, with the server untouched."""
+        sees them: a version that does not fit whole is refused here, with the server untouched (an
+        adapter: against the checkpoint and what the server was launched to serve)."""
         if self._expected is None:
             self._expected = _checkpoint_shapes(Path(self.model_path))
+        try:
+            adapter = unpack_adapter(tensors)
+        except AdapterError as exc:
+            raise EngineError(f"engine {self.name}: version {version}: {exc}") from None
+        if adapter is not None:
+            if self._base is None:
+                self._base = base_fingerprint(self.model_path)
+            fit_adapter(self.name, self.lora, version, *adapter, self._expected, self._base)
+            return tensors
         expected, problems = self._expected, []
         for name, shape in expected.items():
             if name not in tensors:
@@ -296,6 +335,15 @@ class SGLangEngine:
         return {n: t for n, t in tensors.items() if n in expected}
 
     async def _apply(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        adapter = unpack_adapter(tensors)
+        if adapter is not None:  # no pause: requests keep their own adapters (stages.engines.sglang_lora)
+            policy = self.policy
+            restart = [rid for rid, oldest in self._inflight.items()
+                       if policy is not None and policy.interrupt(oldest, version) == "restart"]
+            await self._adapters.install(version, *adapter, disk=self.update == "disk", restart=restart)
+            self._version = version
+            self.stats["updates"] += 1
+            return
         inflight = dict(self._inflight)
         if not inflight:
             await self._update(version, tensors)
@@ -314,6 +362,7 @@ class SGLangEngine:
         await self._updater.apply(version, tensors, self.update)
         self._version = version
         self.stats["updates"] += 1
+        await self._adapters.base_replaced()
         if flush_cache:  # KV computed by older weights must not serve new requests' prefixes
             await self._call("POST", "/flush_cache", {}, check=False)
 
@@ -363,6 +412,7 @@ class SGLangEngine:
             self.stats["restarts"] += 1
             report_event(self.log_dir, "engine.restarted", engine=self.name, restart=self.stats["restarts"])
             self._updater.server_restarted()
+            self._adapters.server_restarted()
             t0 = time.perf_counter()
             try:
                 await self._server.start()
@@ -370,6 +420,7 @@ class SGLangEngine:
                 raise EngineError(f"engine {self.name}: restart failed: {exc}") from None
             if self._latest is not None:
                 await self._apply(*self._latest)
+                self._held = self._latest
             self.stats["restart_s"] = round(time.perf_counter() - t0, 2)
 
 

@@ -12,6 +12,13 @@ A single call on an idle engine samples exactly the tokens a plain batched loop 
 would (same seed, same random draws: see `Sampling`); logprobs agree up to float rounding once some
 of its rows have left the batch.
 
+An adapter version (`stages.weights.adapter`: a LoRA run publishes the adapter alone) is merged into
+the engine's own base weights, W + alpha/r B A for each adapted module, once per version, before it is
+staged: decoding then runs the plain model at full speed (no LoRA matmuls per token), the rest of the
+version is the base's tensors themselves (no copy), and the base is kept untouched for the next merge.
+Its probe, when it has one, runs on the merged weights before they are staged: logprobs that differ
+from the learner's refuse the version (EngineError; `stats["adapters_refused"]`).
+
 New weights are staged by `receive_weights` and swapped in between decode steps of the running
 batch, so a long generation spans versions honestly instead of blocking the push. Swapping means the
 parameters become the received tensors (zero-copy: views over a transport's receive slot stay the
@@ -38,7 +45,9 @@ from transformers import Qwen2ForCausalLM
 
 from stages.data.model import load_model
 from stages.engines.base import Completion, EngineError, EngineRun, SamplingParams
+from stages.engines.torch_adapter import AdapterMerger
 from stages.engines.torch_batch import Batch, Call, Request, Sampling
+from stages.weights.adapter import ADAPTER_KEY
 
 CALL_SEED_STRIDE = 1_000_003  # call n's stream is seeded with seed + n * stride (call 0: the engine's seed)
 
@@ -71,6 +80,7 @@ class TorchEngine:
         self.busy_s = 0.0
         self.policy = None  # the run's staleness policy (its `interrupt`), from `attach`
         self.stats = {"interrupted": 0, "prefills": 0, "decode_steps": 0}  # forward passes of each kind
+        self._adapters = AdapterMerger(name, self.model_path, self.stats)
         self.gpus = int(str(device).startswith("cuda"))  # what its process asks the runtime for
 
     @property
@@ -100,6 +110,11 @@ class TorchEngine:
         if self._model is None:
             model = await anyio.to_thread.run_sync(load_model, self.model_path, self.dtype)
             self._model = model.to(self.device).eval()
+            self._adapters.keep_base(self._model, self._weights_lock)
+            with self._lock:
+                staged = self._staged
+            if staged is not None and ADAPTER_KEY in staged[1]:  # an adapter that came before start
+                self._stage(staged[0], await anyio.to_thread.run_sync(self._adapters.merge, *staged), replace=True)
 
     async def stop(self) -> None:
         """Fail what is queued or decoding (EngineError: retry elsewhere) and release the model."""
@@ -108,6 +123,7 @@ class TorchEngine:
         while self._serving:
             await anyio.sleep(0.002)
         self._model = None
+        self._adapters.keep_base(None, self._weights_lock)
         self._stopping = False
 
     async def receive_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
@@ -116,6 +132,8 @@ class TorchEngine:
         does not fit the model raises EngineError here, before it is staged: the engine and its
         running requests stay on their version."""
         if self._model is not None and version > self._version:
+            if ADAPTER_KEY in tensors:
+                tensors = await anyio.to_thread.run_sync(self._adapters.merge, version, tensors)
             _check_fit(self._model, version, tensors)
         self._stage(version, tensors)
         while True:
@@ -129,22 +147,28 @@ class TorchEngine:
             else:
                 await anyio.sleep(0.002)  # the running batch applies it after its current decode step
 
-    def _stage(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
-        """Keep `version` for the next decode-step boundary (any thread; a newer one wins)."""
+    def _stage(self, version: int, tensors: dict[str, torch.Tensor], replace: bool = False) -> None:
+        """Keep `version` for the next decode-step boundary (any thread; a newer one wins, or this one when
+        it `replace`s the staged version by its merged weights)."""
         with self._lock:
-            if self._staged is None or version > self._staged[0]:
+            if self._staged is None or version > self._staged[0] or (replace and version == self._staged[0]):
                 self._staged = (version, tensors)
 
     def _apply_staged(self) -> None:
-        with self._lock:
-            staged, self._staged = self._staged, None
-        if staged is None or staged[0] <= self._version:
-            return
-        version, tensors = staged
-        assert self._model is not None
+        """Adopt the staged version (any thread). It leaves `_staged` only once `_version` says it is
+        applied, so that `receive_weights` never sees neither the staged nor the applied version."""
         with self._weights_lock:
-            _adopt(self._model, version, tensors)
-            self._version = version
+            with self._lock:
+                staged = self._staged
+            try:
+                if staged is not None and staged[0] > self._version:
+                    assert self._model is not None
+                    _adopt(self._model, *staged)
+                    self._version = staged[0]
+            finally:  # a version that does not fit is dropped with the batch that raised
+                with self._lock:
+                    if self._staged is staged:
+                        self._staged = None
 
     async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         """Completions of `prompts` (in order), each decoded as a request of the running batch."""
@@ -319,6 +343,7 @@ def _adopt(model: torch.nn.Module, version: int, tensors: dict[str, torch.Tensor
     """Make `tensors` the model's weights: each parameter becomes its tensor (zero-copy) when dtype
     and device match, else it is copied in; nothing is changed unless the whole version fits."""
     _check_fit(model, version, tensors)
+    _untie_head(model, tensors)
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     for name, param in params.items():
@@ -330,3 +355,14 @@ def _adopt(model: torch.nn.Module, version: int, tensors: dict[str, torch.Tensor
     for name, buffer in buffers.items():
         if name in tensors:
             buffer.copy_(tensors[name])
+
+
+def _untie_head(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """A version whose output head is not its embedding (an adapter on `lm_head`, merged) unties a tied
+    head: it becomes a parameter of its own, the embedding stays what it is."""
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is None or head.weight is not embedding.weight or "lm_head.weight" not in tensors:
+        return
+    embedding_name = next(n for n, p in model.named_parameters() if p is embedding.weight)
+    if tensors["lm_head.weight"].data_ptr() != tensors[embedding_name].data_ptr():
+        head.weight = torch.nn.Parameter(tensors["lm_head.weight"], requires_grad=False)

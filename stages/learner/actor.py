@@ -237,11 +237,12 @@ class LearnerActor(BaseActor):
         and unreachable engines the transport handled are reported as run events (`weights.refused`,
         `weights.unreachable`)."""
         started, before = time.perf_counter(), dict(self.transport.stats)
-        if isinstance(self.trainer, RankedTrainer) and isinstance(self.transport, ShardPublisher):
+        sharded_push = isinstance(self.trainer, RankedTrainer) and isinstance(self.transport, ShardPublisher)
+        if sharded_push and self.spec.lora is None:  # an adapter is gathered whole: it is small
             self._published = None  # every rank writes its own rows: no rank holds the version whole
             await self.transport.publish_shards(version, self.trainer)
         else:
-            self._published = await self._call(self.trainer.weights)
+            self._published = await self._call(self.trainer.weights, version)
             await self.transport.publish(version, self._published)
         counted = {k: round(v - before.get(k, 0), 4) for k, v in self.transport.stats.items()}
         for key in ("refused", "unreachable"):

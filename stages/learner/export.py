@@ -36,11 +36,14 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 import torch
 
 from pipeline.checkpoint import CONSUMER_DIR, complete_checkpoints, latest_checkpoint
 from stages.data.model import load_model, load_tokenizer
-from stages.learner.state import read_model_weights
+from stages.learner.lora_export import merged_adapter, merged_checkpoint, write_adapter_folder
+from stages.learner.state import STATE_FILE, LearnerState, read_model_weights
+from stages.weights.adapter import unpack_adapter
 
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_SHARD_SIZE = "5GB"
@@ -121,10 +124,49 @@ def export_checkpoint(
     checkpoint: str | Path, model_path: str | Path, out: str | Path, *, dtype: str | None = None,
     max_shard_size: str | int = DEFAULT_SHARD_SIZE, force: bool = False,
 ) -> Exported:
-    """Write `checkpoint`'s model as a Hugging Face folder `out` (see the module docstring)."""
+    """Write `checkpoint`'s model as a Hugging Face folder `out` (see the module docstring); a LoRA run's
+    checkpoint is written with its adapter merged into the base."""
     checkpoint = Path(checkpoint)
-    return export_model(model_path, out, lambda model: read_model_weights(checkpoint / CONSUMER_DIR, model),
-                        dtype=dtype, max_shard_size=max_shard_size, force=force, source=str(checkpoint))
+    consumer = checkpoint / CONSUMER_DIR
+    learner = msgspec.json.decode((consumer / STATE_FILE).read_bytes(), type=LearnerState)
+    fill = functools.partial(_merged, consumer, Path(model_path), learner.version) if learner.lora is not None \
+        else functools.partial(read_model_weights, consumer)
+    return export_model(model_path, out, fill, dtype=dtype, max_shard_size=max_shard_size, force=force,
+                        source=str(checkpoint))
+
+
+def _merged(consumer: Path, model_path: Path, version: int, model: torch.nn.Module) -> int:
+    """A LoRA checkpoint's adapter merged into `model` (an adapter on a tied head unties it)."""
+    return _load_merged(model, *merged_checkpoint(consumer, model_path), version)
+
+
+def _load_merged(model: torch.nn.Module, weights: dict[str, torch.Tensor], untied: bool, version: int) -> int:
+    if untied:
+        model.config.tie_word_embeddings = False
+        model.lm_head.weight = torch.nn.Parameter(weights["lm_head.weight"].clone())
+    model.load_state_dict(weights, strict=False)  # a tied head may be named once
+    return version
+
+
+def export_adapter(checkpoint: str | Path, model_path: str | Path, out: str | Path, *, force: bool = False) -> Exported:
+    """Write a LoRA run's checkpoint's adapter alone as a PEFT folder `out` (`PeftModel.from_pretrained`, SGLang's
+    `/load_lora_adapter`); all or nothing."""
+    checkpoint, out = Path(checkpoint), Path(out)
+    consumer = checkpoint / CONSUMER_DIR
+    learner = msgspec.json.decode((consumer / STATE_FILE).read_bytes(), type=LearnerState)
+    if learner.lora is None:
+        raise ExportError(f"{checkpoint} holds full weights, not a LoRA adapter; export it without --adapter")
+    _check_out(out, force)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        write_adapter_folder(consumer, Path(model_path), tmp)
+        files = _readable_files(tmp, "adapter_config.json")
+        _replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return Exported(str(out), learner.version, files, sum((out / f).stat().st_size for f in files), "adapter")
 
 
 def export_model(
@@ -170,11 +212,11 @@ def _check_out(out: Path, force: bool) -> None:
         raise ExportError(f"{str(out)!r} exists and is not empty; choose another OUT, or replace it with --force")
 
 
-def _readable_files(folder: Path) -> list[str]:
-    """The folder's file names, sorted; the weights (safetensors writes 0600) made as readable as
-    config.json, which a plain open() wrote as the umask allows (the umask itself is never touched: other
-    threads of the learner's process may be creating files)."""
-    mode = (folder / "config.json").stat().st_mode & 0o777
+def _readable_files(folder: Path, config: str = "config.json") -> list[str]:
+    """The folder's file names, sorted; the weights (safetensors writes 0600) made as readable as `config`,
+    which a plain open() wrote as the umask allows (the umask itself is never touched: other threads of the
+    learner's process may be creating files)."""
+    mode = (folder / config).stat().st_mode & 0o777
     names = sorted(p.name for p in folder.iterdir() if p.is_file())
     for name in names:
         os.chmod(folder / name, mode)
@@ -232,6 +274,9 @@ class ExportsAsRunGoes:
         await self.wait()
 
         def fill(model: torch.nn.Module) -> int:
+            adapter = unpack_adapter(weights)  # a LoRA learner publishes its adapter alone
+            if adapter is not None:
+                return _load_merged(model, *merged_adapter(self.model_path, *adapter), version)
             model.load_state_dict(weights, strict=False)  # a tied head may be named once
             return version
 
@@ -252,4 +297,4 @@ class ExportsAsRunGoes:
 
 
 __all__ = ["EXPORT_DTYPES", "EXPORTS_DIR", "ExportError", "Exported", "ExportsAsRunGoes", "default_dtype",
-           "export_checkpoint", "find_checkpoint", "size_in_bytes"]
+           "export_adapter", "export_checkpoint", "find_checkpoint", "size_in_bytes"]

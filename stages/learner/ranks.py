@@ -176,7 +176,7 @@ def follow(rank: int, world_size: int, address: str, port: int, spec: Any, steps
             plan = msgspec.msgpack.decode(data, type=StepPlan)
             trainer.step(_unpack(blob), plan)
         elif op == WEIGHTS:
-            trainer.weights()
+            trainer.weights(version)
         elif op == SAVE:
             trainer.write_state(Path(data.decode()), version)
         elif op == LOAD:
@@ -270,9 +270,9 @@ class RankedTrainer:
         self.channel.command(SCHEDULE, version)
         self.trainer.schedule(version)
 
-    def weights(self) -> dict[str, torch.Tensor]:
-        self.channel.command(WEIGHTS)
-        return self.trainer.weights()
+    def weights(self, version: int = 0) -> dict[str, torch.Tensor]:
+        self.channel.command(WEIGHTS, version)
+        return self.trainer.weights(version)
 
     def write_state(self, folder: Path, version: int) -> None:
         self.channel.command(SAVE, version, str(folder).encode())

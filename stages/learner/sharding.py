@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from stages.data.model import load_model
+from stages.learner.lora import LoraSpec, is_peft, wrap
 
 
 def pick_device(device: str, world_size: int = 1) -> torch.device:
@@ -30,13 +31,17 @@ def pick_device(device: str, world_size: int = 1) -> torch.device:
 
 
 def load_policy(folder: str | Path, device: torch.device, world_size: int = 1,
-                activation_checkpointing: bool = False, shard: bool | None = None) -> torch.nn.Module:
-    """The model in `folder`, in fp32, on `device`; sharded over the ranks with FSDP2 when `world_size` > 1
-    (or `shard`: a group of one, as the GPU check runs FSDP2 on its one GPU)."""
+                activation_checkpointing: bool = False, shard: bool | None = None,
+                lora: LoraSpec | None = None) -> torch.nn.Module:
+    """The model in `folder`, in fp32, on `device`; with `lora`, wrapped with peft adapters (its base
+    frozen) before anything else; sharded over the ranks with FSDP2 when `world_size` > 1 (or `shard`: a
+    group of one, as the GPU check runs FSDP2 on its one GPU)."""
     model = load_model(folder)
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
+    if lora is not None:
+        model = wrap(model, lora)
     if not (world_size > 1 if shard is None else shard):
         return model.to(device)
     from torch.distributed.device_mesh import init_device_mesh
@@ -52,7 +57,10 @@ def load_policy(folder: str | Path, device: torch.device, world_size: int = 1,
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The transformer blocks of a Hugging Face causal LM (`model.model.layers` for Qwen2, Llama, ...)."""
+    """The transformer blocks of a Hugging Face causal LM (`model.model.layers` for Qwen2, Llama, ...), also
+    under a peft wrapper."""
+    if is_peft(model):
+        model = model.get_base_model()
     inner = getattr(model, "model", None)  # a transformers model's base model; not one of baton's types
     layers = getattr(inner, "layers", None)
     if layers is None:

@@ -21,6 +21,7 @@ from policies.correction import Correction
 from policies.selection import Fifo, Selection
 from stages.learner import report
 from stages.learner.actor import LearnerActor
+from stages.learner.lora import LoraSpec
 from stages.learner.losses import (
     AGGREGATIONS,
     DISTILL_MODES,
@@ -78,6 +79,7 @@ class GRPOLearner:
     micro_batch_tokens: int | None = None  # padded tokens per forward/backward pass (gradient accumulation)
     activation_checkpointing: bool = False  # recompute activations in backward: less memory, ~1/3 more compute
     rank_timeout_s: float = 300.0  # a collective no rank answers for this long fails the run
+    lora: LoraSpec | None = None  # train LoRA adapters on a frozen base and publish only them (stages.learner.lora)
     correction: Correction = Correction()  # off-policy correction of the loss (policies.correction)
     selection: Selection = Fifo()  # which groups a step trains on, reuse, zero-signal filter (policies.selection)
 

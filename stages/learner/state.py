@@ -8,7 +8,10 @@ Files, in the checkpoint's `consumer/` folder; none is read back with pickle:
 * `learner.json` (msgspec): the version, Python's and numpy's global RNG states and the selection
   policy's RNG state (None for policies without one).
 Checkpoints written before 0.2 hold `model.safetensors` and `optimizer.pt` instead of `shards/`;
-they still load, at any world size.
+they still load, at any world size. A LoRA learner's `shards/` hold the adapter's weights and their
+optimizer state only (the base is the model folder), and `learner.json` its `lora` settings: it
+resumes only with the same rank, alpha and target modules, and `read_adapter` reads the adapter alone
+(for an export) without a model.
 
 `read_model_weights` reads the model's weights alone, in one process (an export: stages.learner.export).
 
@@ -38,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from pipeline.checkpoint import RandomState, python_random_state, random_state
 from policies.selection import Selection
+from stages.learner.lora import LoraSpec
 
 SHARDS_DIR = "shards"
 RNG_FILE = "rng.safetensors"
@@ -59,15 +63,16 @@ class LearnerState(msgspec.Struct, kw_only=True):
     numpy_rng: NumpyRNG
     selection_rng: RandomState | None = None
     world_size: int = 1  # the ranks that wrote `shards/` (any world size reads them)
+    lora: LoraSpec | None = None  # a LoRA learner's: `shards/` hold the adapter only
 
 
 def write_learner_state(
     folder: Path, version: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, selection: Selection,
-    sharded: bool = False,
+    sharded: bool = False, lora: LoraSpec | None = None,
 ) -> None:
     """Write the learner's state for `version` into `folder` (see the module docstring). A `sharded` model's
     every rank calls it (DCP's save is a collective of the default group); rank 0 writes the rest."""
-    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    state = {"model": _model_state(model, lora), "optimizer": get_optimizer_state_dict(model, optimizer)}
     with warnings.catch_warnings():  # one process: DCP says it assumes so
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
         dcp.save(state, checkpoint_id=folder / SHARDS_DIR, no_dist=not sharded)
@@ -86,21 +91,23 @@ def write_learner_state(
         numpy_rng=NumpyRNG(str(kind), [int(k) for k in keys], int(pos), int(has_gauss), float(cached)),
         selection_rng=random_state(selection_rng) if selection_rng is not None else None,
         world_size=dist.get_world_size() if sharded else 1,
+        lora=lora,
     )
     (folder / STATE_FILE).write_bytes(msgspec.json.encode(learner))
 
 
 def read_learner_state(
     folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, selection: Selection,
-    sharded: bool = False,
+    sharded: bool = False, lora: LoraSpec | None = None,
 ) -> int:
     """Load what `write_learner_state` wrote (at any world size), or a pre-0.2 checkpoint, into `model`,
     `optimizer`, the RNGs and `selection`; returns the checkpoint's version. A `sharded` model's every
     rank calls it."""
     learner = msgspec.json.decode((folder / STATE_FILE).read_bytes(), type=LearnerState)
+    _check_same_adapter(folder, learner.lora, lora)
     try:
         if (folder / SHARDS_DIR).is_dir():
-            _load_shards(folder / SHARDS_DIR, model, optimizer, sharded)
+            _load_shards(folder / SHARDS_DIR, model, optimizer, sharded, lora is not None)
         else:
             _load_legacy(folder, model, optimizer)
     except (RuntimeError, KeyError, ValueError, dcp.CheckpointException) as exc:
@@ -153,14 +160,58 @@ def _cause(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc)[:300]}"
 
 
-def _load_shards(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, sharded: bool) -> None:
-    """DCP shards of any world size into this rank's part of the model and optimizer."""
+def _model_state(model: torch.nn.Module, lora: LoraSpec | None) -> dict[str, torch.Tensor]:
+    """The model's part of a checkpoint: every weight, or with LoRA the adapter's (the trained ones) only."""
+    state = get_model_state_dict(model)
+    if lora is None:
+        return state
+    trained = {name for name, p in model.named_parameters() if p.requires_grad}
+    return {name: t for name, t in state.items() if name in trained}
+
+
+def _check_same_adapter(folder: Path, written: LoraSpec | None, wanted: LoraSpec | None) -> None:
+    """A checkpoint resumes only into a learner of its own kind: full weights, or the same adapter shape."""
+    def shape(lora: LoraSpec | None) -> tuple | None:
+        return None if lora is None else (lora.rank, float(lora.alpha), tuple(lora.target_modules))
+
+    if shape(written) != shape(wanted):
+        def say(lora: LoraSpec | None) -> str:
+            return "full weights" if lora is None else (f"a LoRA adapter (rank {lora.rank}, alpha {lora.alpha}, "
+                                                        f"target_modules {list(lora.target_modules)})")
+        raise ValueError(f"checkpoint {folder} holds {say(written)}, but learner.lora asks for {say(wanted)}; resume "
+                         "with the [learner] lora settings the run was started with")
+
+
+def _load_shards(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, sharded: bool,
+                 adapter_only: bool = False) -> None:
+    """DCP shards of any world size into this rank's part of the model and optimizer (with `adapter_only`,
+    a LoRA checkpoint's adapter: the base stays as loaded from the model folder)."""
     state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    if adapter_only:
+        trained = {name for name, p in model.named_parameters() if p.requires_grad}
+        state["model"] = {name: t for name, t in state["model"].items() if name in trained}
     with warnings.catch_warnings():  # one process: DCP says it assumes so
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
         dcp.load(state, checkpoint_id=path, no_dist=not sharded)
-    set_model_state_dict(model, state["model"])
+    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=not adapter_only))
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+
+def read_adapter(folder: Path) -> tuple[LoraSpec, dict[str, torch.Tensor]]:
+    """A LoRA checkpoint's settings and adapter (`folder`: its `consumer/` folder), whole, in host memory,
+    named as peft's `get_peft_model_state_dict` names them; read from the DCP shards of any world size
+    without loading the model. ValueError when the checkpoint holds full weights."""
+    learner = msgspec.json.decode((folder / STATE_FILE).read_bytes(), type=LearnerState)
+    if learner.lora is None:
+        raise ValueError(f"checkpoint {folder} holds full weights, not a LoRA adapter")
+    reader = dcp.FileSystemReader(str(folder / SHARDS_DIR))
+    entries = reader.read_metadata().state_dict_metadata
+    model = {key.removeprefix("model."): torch.empty(entry.size, dtype=entry.properties.dtype)
+             for key, entry in entries.items() if key.startswith("model.")}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.load({"model": model}, storage_reader=reader, no_dist=True)
+    return learner.lora, {name.replace(".default.", "."): t for name, t in model.items()}
 
 
 def _load_legacy(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -180,4 +231,4 @@ def _load_legacy(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Op
     set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
 
 
-__all__ = ["LearnerState", "read_learner_state", "read_model_weights", "write_learner_state"]
+__all__ = ["LearnerState", "read_adapter", "read_learner_state", "read_model_weights", "write_learner_state"]

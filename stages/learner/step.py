@@ -36,6 +36,7 @@ import torch
 from buffers.codec import RolloutBatch
 from policies.balance import micro_batches
 from stages.learner import sharding
+from stages.learner.lora import AdapterPublisher
 from stages.learner.losses import (
     aggregate,
     distill_advantages,
@@ -176,10 +177,13 @@ class PolicyTrainer:
         self.sharded = world_size > 1 if shard is None else shard
         self.device = sharding.pick_device(spec.device, world_size)
         self.model = sharding.load_policy(spec.model_path, self.device, world_size, spec.activation_checkpointing,
-                                          self.sharded)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
+                                          self.sharded, spec.lora)
+        trained = [p for p in self.model.parameters() if p.requires_grad]  # with LoRA: the adapter's only
+        self.optimizer = torch.optim.AdamW(trained, lr=spec.lr, weight_decay=spec.weight_decay)
+        self.adapter = AdapterPublisher(spec.lora, Path(spec.model_path)) if spec.lora is not None else None
         self.reference: torch.nn.Module | None = None  # the initial weights, for the KL penalty (kl_coef > 0)
-        if spec.kl_coef > 0:  # the model folder holds the initial weights, also on resume
+        # the model folder holds the initial weights, also on resume; with LoRA they are the frozen base itself
+        if spec.kl_coef > 0 and spec.lora is None:
             self.reference = sharding.load_policy(spec.model_path, self.device, world_size,
                                                     shard=self.sharded).requires_grad_(False)
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
@@ -192,20 +196,25 @@ class PolicyTrainer:
         self.scheduler = lr_scheduler(self.optimizer, spec.lr_warmup_steps, self.steps, spec.lr_decay,
                                       spec.min_lr_ratio, start=version)
 
-    def weights(self) -> dict[str, torch.Tensor]:
-        """The weights to publish: the live state dict on one rank; on several, every parameter gathered
-        whole, one at a time, to rank 0's host memory (a collective: every rank calls it; the others get {})."""
+    def weights(self, version: int = 0) -> dict[str, torch.Tensor]:
+        """What `version` publishes: the live state dict on one rank; on several, every parameter gathered
+        whole, one at a time, to rank 0's host memory (a collective: every rank calls it; the others get {}).
+        With LoRA, the adapter alone and its descriptor (`stages.learner.lora`), on every rank."""
+        if self.adapter is not None:
+            return self.adapter.version(self.model, self.device, version)
         if not self.sharded:
             return self.model.state_dict()
         return sharding.full_weights(self.model)
 
     def write_state(self, folder: Path, version: int) -> None:
         """This rank's part of a checkpoint (a collective with several ranks)."""
-        write_learner_state(folder, version, self.model, self.optimizer, self.spec.selection, self.sharded)
+        write_learner_state(folder, version, self.model, self.optimizer, self.spec.selection, self.sharded,
+                            self.spec.lora)
 
     def read_state(self, folder: Path) -> int:
         """Load a checkpoint's learner state, written at any world size; returns its version."""
-        return read_learner_state(folder, self.model, self.optimizer, self.spec.selection, self.sharded)
+        return read_learner_state(folder, self.model, self.optimizer, self.spec.selection, self.sharded,
+                                  self.spec.lora)
 
     def train(self, batches: list[RolloutBatch], mean_staleness: float = 0.0) -> dict[str, float]:
         """One version's step on all of `batches` (this rank is the whole learner)."""
@@ -255,10 +264,9 @@ class PolicyTrainer:
                                           reduce, entropy=entropy)
         if spec.entropy_coef > 0:
             loss = loss - spec.entropy_coef * reduce(entropy * bonus, m)
-        if self.reference is not None:
-            with torch.no_grad():
-                ref_logits = self.reference(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
-                reference = torch.log_softmax(ref_logits / spec.temperature, -1).gather(2, ids[:, 1:, None]).squeeze(-1)
+        if spec.kl_coef > 0:
+            ref_logits = self._reference_logits(ids, attn)
+            reference = torch.log_softmax(ref_logits / spec.temperature, -1).gather(2, ids[:, 1:, None]).squeeze(-1)
             per_token = kl_k3(logp, reference)
             loss = loss + spec.kl_coef * reduce(per_token, m)
             info["kl_ref"] = float((per_token.detach() * m).sum() / m.sum().clamp(min=1))
@@ -266,6 +274,16 @@ class PolicyTrainer:
         info["entropy"] = float((entropy.detach() * m).sum() / m.sum().clamp(min=1))
         totals.add(float(loss.detach()), info, float(m.sum()))
         return proximal
+
+
+    def _reference_logits(self, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The initial weights' logits for the KL penalty: the reference model's, or with LoRA the base's
+        (the adapter switched off for this forward)."""
+        with torch.no_grad():
+            if self.reference is not None:
+                return self.reference(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+            with self.model.disable_adapter():
+                return self.model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
 
 
 class _Rows:

@@ -23,7 +23,8 @@ import torch
 import xxhash
 
 ALIGN = 64
-DTYPES = {str(t): t for t in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32)}
+DTYPES = {str(t): t for t in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
+                                torch.uint8)}  # uint8: an adapter version's descriptor (stages.weights.adapter)
 
 
 class LayoutError(ValueError):

@@ -104,7 +104,8 @@ def test_plugin_kinds_resolve_by_dotted_path() -> None:
 
 
 def test_quickstart_configs_are_valid() -> None:
-    for name in ("quickstart.toml", "quickstart-sync.toml", "quickstart-mooncake.toml", "ray-mooncake.toml"):
+    for name in ("quickstart.toml", "quickstart-sync.toml", "quickstart-lora.toml", "quickstart-mooncake.toml",
+                 "ray-mooncake.toml"):
         validate(RunConfig, load_toml(ROOT / "configs" / name))
 
 

@@ -19,6 +19,10 @@ The contract, in the checks' order:
   sampled logprobs are theirs; a version not newer than the engine's is
   ignored; a version that does not fit (a wrong shape, a missing or unknown tensor) raises
   `EngineError` and leaves the engine, and the requests it is running, on its version;
+- an adapter version (a LoRA run's: the adapter alone and its descriptor, `stages.weights.adapter`) is
+  applied to the engine's base: greedy completions and sampled logprobs are then the peft model's; an
+  adapter whose probe the engine does not reproduce, or made for another base, raises `EngineError` and
+  leaves the engine on its version;
 - with the run's staleness policy attached, a request in flight when a version arrives is generated
   again on it when the policy says "restart" (every token of the new version, counted in the kind's
   `restart_counters`), and goes on under it when it says "continue" (its versions: the old, then the
@@ -47,6 +51,7 @@ from policies import MaxStaleness  # noqa: E402
 from stages.data.model import load_tokenizer, make_tiny_model  # noqa: E402
 from stages.engines.base import Completion, Engine, EngineError, EngineRun, SamplingParams  # noqa: E402
 from stages.engines.sglang import SGLangEngine  # noqa: E402
+from stages.engines.sglang_lora import LoraServing  # noqa: E402
 from stages.engines.sglang_server import SGLangUnavailable, sglang_python  # noqa: E402
 from stages.engines.torch import TorchEngine  # noqa: E402
 from tests.helpers.engines import (  # noqa: E402
@@ -56,6 +61,7 @@ from tests.helpers.engines import (  # noqa: E402
     teacher_forced_logprobs,
     uniform_weights,
 )
+from tests.helpers.lora import TARGETS, adapter_version, for_base, peft_policy, with_probe_shifted  # noqa: E402
 
 pytestmark = pytest.mark.anyio
 
@@ -85,7 +91,8 @@ ENGINES = [
     EngineKind("torch", lambda model, logs: TorchEngine(model, name="contract-torch", seed=3)),
     EngineKind(
         "sglang",
-        lambda model, logs: SGLangEngine(model, name="contract-sglang", log_dir=logs),
+        lambda model, logs: SGLangEngine(model, name="contract-sglang", log_dir=logs,
+                                         lora=LoraServing(max_rank=8, target_modules=TARGETS, max_loaded=4)),
         restart_counters=("interrupted", "regenerated"),
         marks=(pytest.mark.sglang, pytest.mark.skipif(bool(_NO_SGLANG), reason=_NO_SGLANG)),
         known_gaps={"continued tokens": (
@@ -329,6 +336,43 @@ async def test_a_version_that_does_not_fit_leaves_running_requests_on_theirs(sha
     for prompt, c in zip(PROMPTS[:2], out, strict=True):
         assert len(c.tokens) == LONG.max_new_tokens and set(c.versions.tolist()) == {version}
         assert_produced_by(a, prompt, c)
+
+
+# ---------------------------------------------------------------- adapters
+
+
+async def test_an_adapter_version_is_applied_to_the_base(shared: Shared, models, refs) -> None:
+    engine = await shared.get()
+    await push(engine, refs[0])  # full weights of the model folder: the base an adapter applies to
+    for seed in (1, 2):  # a second adapter replaces the first (applied to the base, not on top of it)
+        policy = peft_policy(models[0], seed)
+        version = engine.version + 1
+        await engine.receive_weights(version, adapter_version(policy, models[0]))
+        assert engine.version == version
+        greedy = await engine.generate(PROMPTS, GREEDY)
+        assert [c.tokens.tolist() for c in greedy] == [greedy_tokens(policy, p, GREEDY.max_new_tokens) for p in PROMPTS]
+        for prompt, c in zip(PROMPTS, await engine.generate(PROMPTS, sampled(6)), strict=True):
+            assert (c.versions == version).all()
+            assert_produced_by(policy, prompt, c, not_by=refs[0])
+
+
+@pytest.mark.parametrize("how", ["probe", "base"])
+async def test_an_adapter_the_engine_does_not_reproduce_is_refused(shared: Shared, models, refs, how: str) -> None:
+    """A probe off by 0.01 is what an engine holding another adapter than the learner's sees; an adapter
+    made for another model folder does not apply to this one."""
+    engine = await shared.get()
+    await push(engine, refs[0])
+    kept = peft_policy(models[0], 3)
+    version = engine.version + 1
+    await engine.receive_weights(version, adapter_version(kept, models[0]))
+    candidate = adapter_version(peft_policy(models[0], 4), models[0])
+    bad = with_probe_shifted(candidate, 0.01) if how == "probe" else for_base(candidate, "other:0123")
+    with pytest.raises(EngineError, match=how):
+        await engine.receive_weights(version + 1, bad)
+    assert engine.version == version
+    for prompt, c in zip(PROMPTS, await engine.generate(PROMPTS, sampled(5)), strict=True):
+        assert (c.versions == version).all()
+        assert_produced_by(kept, prompt, c)
 
 
 # ---------------------------------------------------------------- requests in flight

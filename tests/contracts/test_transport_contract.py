@@ -17,7 +17,9 @@ The contract (`stages.weights.base`):
   (`weights.push_fail`) is retried, then surfaced, the same way;
 - `resend(receiver)` catches up a receiver that lost or missed versions (its process restarted, or it
   did not answer) with the latest one;
-- a receiver whose process does not answer is counted (`stats["unreachable"]`), never stops the others.
+- a receiver whose process does not answer is counted (`stats["unreachable"]`), never stops the others;
+- a LoRA run's version (the adapter alone and its descriptor, `stages.weights.adapter`) moves like any
+  other: every engine ends up with its base and exactly that adapter merged.
 """
 
 from __future__ import annotations
@@ -40,8 +42,10 @@ from stages.data.model import load_model, make_tiny_model  # noqa: E402
 from stages.engines.torch import TorchEngine  # noqa: E402
 from stages.weights import TRANSPORTS as BUILT_IN  # noqa: E402
 from stages.weights import engine_mailboxes, make_transport  # noqa: E402
+from stages.weights.adapter import adapter_pairs, merged_weights, unpack_adapter  # noqa: E402
 from stages.weights.base import STATS, WeightPushError, WeightTransport, state_bytes  # noqa: E402
 from stages.weights.faulty import with_weight_faults  # noqa: E402
+from tests.helpers.lora import adapter_version, peft_policy  # noqa: E402
 from tests.helpers.p2p_peer import PeerProcess, digest, learner_version  # noqa: E402
 
 pytestmark = pytest.mark.anyio
@@ -358,6 +362,26 @@ async def test_versions_must_increase(case, model, request, tmp_path) -> None:
         await all_hold(subscribed, 2, digest(second))
     finally:
         await transport.close()
+
+
+@pytest.mark.parametrize("case", CASES)
+async def test_an_adapter_version_moves_like_any_other(case, model, request, tmp_path) -> None:
+    subscribed = await receivers(request, case, model, direct=1, local=1, processes=1)
+    transport = case.make(tmp_path)
+    for receiver in subscribed:
+        receiver.subscribe(transport)
+    base = load_model(model).state_dict()
+    try:
+        for version in (1, 2):  # each merged into the base, not on top of the previous one
+            published = adapter_version(peft_policy(model, seed=version), model)
+            spec, tensors = unpack_adapter(published)
+            merged = {**base, **merged_weights(base, spec, adapter_pairs(spec, tensors, {n: tuple(t.shape)
+                                                                                         for n, t in base.items()}))}
+            await transport.publish(version, published)
+            await all_hold(subscribed, version, digest(merged))
+    finally:
+        await transport.close()
+    assert transport.stats["state_bytes"] < 0.25 * 2 * state_bytes(base)  # the adapters' bytes, not the model's
 
 
 @pytest.mark.parametrize("case", MOVES_BYTES)
