@@ -131,6 +131,7 @@ def grpo_learner(spec: Any, cfg: RunConfig, *, model: Path) -> GRPOLearner:
         replays_ride_along=cfg.replay.ride_along, export_every=cfg.checkpoint.export_every,
         distill_coef=cfg.distill.coef if cfg.distill else 0.0,
         distill_mode=cfg.distill.mode if cfg.distill else default_of(GRPOLearner, "distill_mode"),
+        distill_baseline=cfg.distill.baseline if cfg.distill else default_of(GRPOLearner, "distill_baseline"),
     )
 
 

@@ -61,7 +61,11 @@ def distill_advantages(
     tokens were drawn from that policy, so `behaviour - teacher` is the estimate of the KL of the
     policy that produced them; it is fixed for the step (every PPO epoch, micro-batch and rank sees the
     same advantage, as with rewards), costs no extra forward, and the loss's off-policy correction
-    already weighs the learner's current policy against it."""
+    already weighs the learner's current policy against it.
+
+    With `group_index` (rows -> group) the term is centred per group (`leave_one_out_centred`): each row's
+    baseline comes from the other, independently sampled rows only, so the gradient's expectation is
+    unchanged and its variance falls (the term is large and mostly negative for a far-off student)."""
     if mode not in DISTILL_MODES:
         raise ValueError(f"distill mode must be one of {', '.join(DISTILL_MODES)}, got {mode!r}")
     term = -coef * (behaviour - teacher) * mask
@@ -71,7 +75,8 @@ def distill_advantages(
 
 
 def leave_one_out_centred(term: torch.Tensor, mask: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
-    """`term` minus, at each position, the mean of the other rows of its group that have a model token there."""
+    """`term` minus, at each position, the mean of the other rows of its group that have a model token there
+    (unchanged where no other row has one); 0 off the `mask`."""
     groups = int(group_index.max()) + 1
     shape = (groups, term.shape[1])
     sums = torch.zeros(shape, dtype=term.dtype).index_add_(0, group_index, term * mask)

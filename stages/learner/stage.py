@@ -57,6 +57,7 @@ class GRPOLearner:
     kl_coef: float = 0.0  # k3 KL penalty to the initial weights (kept in memory only when > 0)
     distill_coef: float = 0.0  # on-policy distillation: the teacher's per-token term's weight (0: off)
     distill_mode: DistillMode = "advantage"  # "advantage": added to GRPO's; "loss": the whole advantage
+    distill_baseline: bool = True  # the teacher's term less its leave-one-out mean over the group's other rows
     lr_warmup_steps: int = 0  # linear warmup over this many versions
     lr_decay: LrDecay = "constant"  # after warmup: constant, linear or cosine to min_lr_ratio x lr at the last step
     min_lr_ratio: float = 0.0

@@ -24,7 +24,6 @@ in a worker thread while the actor's event loop keeps receiving the next groups.
 
 from __future__ import annotations
 
-import os
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -305,7 +304,7 @@ class _Rows:
         if spec.distill_coef > 0:  # per-token advantages: GRPO's plus (or replaced by) the teacher's term
             teacher = teacher_tensor(batches, ids.shape[1])
             adv = distill_advantages(adv, old, teacher, mask, spec.distill_coef, spec.distill_mode,
-                                     group_index if os.environ.get("BATON_DISTILL_BASELINE") else None)
+                                     group_index if spec.distill_baseline else None)
         bonus = entropy_bonus_rows(rewards, group_index, spec.entropy_scope)[:, None]
         return cls(ids, old, mask, attn, rewards, group_index, adv, bonus)
 

@@ -55,3 +55,29 @@ def reference_logprobs(model: torch.nn.Module, ids: list[int]) -> np.ndarray:
     """The model's own forward over `ids` alone: the logprob of each token after the first."""
     logits = model(torch.tensor([ids])).logits[0, :-1].float()
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1).numpy()
+
+
+def make_reverse_teacher(folder: Path, digits: int = 2, steps: int = 100, seed: int = 1) -> Path:
+    """A teacher made to answer reverse-`digits` (`12>` -> `21`): the tiny model (seed `seed`) fitted
+    supervised on every prompt of the task, saved with the tiny tokenizer (the student's)."""
+    from stages.data.model import load_model, load_tokenizer, make_tiny_model, prompt_token_ids
+
+    make_tiny_model(folder, seed=seed)
+    tokenizer, model = load_tokenizer(folder), load_model(folder)
+    prompts = [f"{n:0{digits}d}" for n in range(10**digits)]
+    rows = [prompt_token_ids(tokenizer, f"{p}>") + list(tokenizer.encode(p[::-1], add_special_tokens=False))
+            for p in prompts]
+    ids = torch.tensor(rows)
+    targets = ids[:, 1:].clone()
+    targets[:, : -digits] = -100  # the answer's tokens alone
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+        for _ in range(steps):
+            logits = model(ids).logits[:, :-1]
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    model.save_pretrained(folder)
+    return folder

@@ -12,7 +12,7 @@ import torch
 from buffers.codec import RolloutBatch
 from stages.data.model import make_tiny_model
 from stages.learner import GRPOLearner
-from stages.learner.losses import distill_advantages
+from stages.learner.losses import distill_advantages, leave_one_out_centred
 from stages.learner.step import TEACHER_FIELD, PolicyTrainer, group_figures
 from stages.scorers.teacher import TEACHER_FIELD as PRODUCER_FIELD
 
@@ -29,6 +29,42 @@ def test_the_teacher_term_is_added_per_model_token_or_replaces_the_advantage() -
     assert torch.equal(distill_advantages(advantages, behaviour, teacher, mask, 2.0, "loss"), term)
     with pytest.raises(ValueError, match="advantage, loss"):
         distill_advantages(advantages, behaviour, teacher, mask, 2.0, "kl")
+
+
+def test_the_group_baseline_leaves_each_token_its_term_less_the_other_rows_mean() -> None:
+    term = torch.tensor([[0.0, 3.0, 1.0], [0.0, 1.0, 5.0], [0.0, 2.0, 0.0], [0.0, 4.0, 7.0]])
+    mask = torch.tensor([[0.0, 1.0, 1.0], [0.0, 1.0, 1.0], [0.0, 1.0, 0.0], [0.0, 1.0, 1.0]])
+    group_index = torch.tensor([0, 0, 0, 1])
+    expected = torch.tensor([[0.0, 3 - 1.5, 1 - 5.0], [0.0, 1 - 2.5, 5 - 1.0], [0.0, 2 - 2.0, 0.0],
+                             [0.0, 4.0, 7.0]])  # a row alone in its group (or at a position) keeps its term
+    assert torch.allclose(leave_one_out_centred(term, mask, group_index), expected)
+    behaviour, teacher = torch.zeros_like(term), term  # the term is teacher - behaviour with coef 1
+    centred = distill_advantages(torch.ones(4, 1), behaviour, teacher, mask, 1.0, "loss", group_index)
+    assert torch.allclose(centred, expected)
+
+
+def test_with_the_baseline_a_token_the_teacher_likes_more_than_its_group_mates_rises(spec) -> None:
+    trainer = PolicyTrainer(replace(spec, distill_coef=1.0, distill_mode="loss"), 10)
+    trainer.schedule(0)
+    batches = groups(0.0, [0.5] * 4, trainer.model, n=1)
+    token_fields = dict(batches[0].token_fields)
+    liked = np.zeros(batches[0].token_fields["logprobs"].shape, np.float32)
+    liked[batches[0].offsets[0]:batches[0].offsets[1]] = 2.0  # the teacher likes row 0's tokens more
+    token_fields[TEACHER_FIELD] = token_fields[TEACHER_FIELD] + liked * token_fields["loss_mask"]
+    batches = [RolloutBatch(batches[0].offsets, token_fields, batches[0].row_fields, batches[0].meta)]
+    before = row_logprobs(trainer, batches[0])
+    for _ in range(3):
+        trainer.train(batches)
+    after = row_logprobs(trainer, batches[0])
+    gap = (after[0] - after[1:].mean()) - (before[0] - before[1:].mean())
+    assert gap > 0.05, (before, after)
+
+
+def row_logprobs(trainer: PolicyTrainer, batch: RolloutBatch) -> np.ndarray:
+    """Per row, the mean logprob the trainer's policy gives its model tokens."""
+    return np.array([token_logprobs(trainer.model, batch.row(i)["tokens"])[batch.row(i)["loss_mask"][1:]
+                                                                             .astype(bool)].mean()
+                     for i in range(batch.rows)])
 
 
 def groups(teacher_shift: float, rewards: list[float], model: torch.nn.Module | None = None,
@@ -77,8 +113,9 @@ def sampled_logprob(trainer: PolicyTrainer, batches: list[RolloutBatch]) -> floa
 @pytest.mark.parametrize("shift, direction", [(1.0, 1), (-1.0, -1)])
 def test_pure_distillation_moves_the_sampled_tokens_toward_the_teacher(spec, shift: float, direction: int) -> None:
     """Rewards all equal (no GRPO signal): the teacher's term alone raises the logprob of tokens the teacher
-    likes more than the student did, and lowers it for tokens it likes less."""
-    trainer = PolicyTrainer(replace(spec, distill_coef=1.0, distill_mode="loss"), 10)
+    likes more than the student did, and lowers it for tokens it likes less (the raw term: no baseline, which
+    would centre this uniform shift to 0)."""
+    trainer = PolicyTrainer(replace(spec, distill_coef=1.0, distill_mode="loss", distill_baseline=False), 10)
     trainer.schedule(0)
     batches = groups(shift, [0.5] * 4, trainer.model)
     before = sampled_logprob(trainer, batches)
