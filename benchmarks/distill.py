@@ -1,6 +1,7 @@
 """On-policy distillation against RL alone, and a classifier reward against a rule reward, on this machine.
 
-    python benchmarks/distill.py [--seeds 3] [--digits 2] [--teacher-steps 300] [--steps 250] [--quick]
+    python benchmarks/distill.py [--seeds 3] [--digits 2] [--teacher-steps 300] [--steps 250] [--skip-learning]
+                                 [--quick]
 
 - time to reward 0.8 (the first version whose trailing 10-version mean train reward reaches 0.8; seconds
   from the run's start) on reverse-`--digits` (the quickstart's task and tiny model, lr 1.5e-3), per seed:
@@ -10,7 +11,8 @@
   (goal: distillation's time at most 0.5 of RL alone's; a run that never reaches 0.8 counts as None);
 - samples/s of a quickstart-shaped run with a classifier reward (`[reward.classifier]`: a random-init
   Qwen2ForSequenceClassification of the tiny model's shape, on an SGLang server baton launches) against the
-  task's rule reward, same config and steps; left out (None) when no SGLang environment exists.
+  task's rule reward, same config and steps, from the 10th version on (the server's start left out; the
+  runs' own samples/s, start included, are reported beside); left out (None) when no SGLang environment exists.
 
 `--quick`: a smoke form (one seed, a handful of versions, no SGLang server: ~20 s); its figures mean nothing.
 
@@ -117,8 +119,21 @@ def scoring(root: Path, steps: int) -> dict:
     rule = run(root, "rule-reward", 0, steps, 2, checkpoint={"every": 0})
     model = run(root, "classifier-reward", 0, steps, 2, checkpoint={"every": 0}, reward={
         "weights": {"classifier": 1.0}, "classifier": {"model": str(classifier)}})
-    return {"rule_samples_per_s": rule["samples_per_s"], "classifier_samples_per_s": model["samples_per_s"],
+    return {"rule_samples_per_s": steady_rate(rule), "classifier_samples_per_s": steady_rate(model),
+            "rule_samples_per_s_with_start": rule["samples_per_s"],
+            "classifier_samples_per_s_with_start": model["samples_per_s"],
             "classifier_scoring_s": round(statistics.mean(m.get("scoring_s", 0.0) for m in model["metrics"]), 5)}
+
+
+def steady_rate(summary: dict) -> float | None:
+    """Trained samples per second from the run's 10th version to its last (the scorer's server start and the
+    first versions left out; the run's own samples_per_s counts them)."""
+    metrics = summary["metrics"]
+    if len(metrics) <= WINDOW:
+        return None
+    rows = summary["samples"]["trained"] / len(metrics)
+    seconds = metrics[-1]["t"] - metrics[WINDOW - 1]["t"]
+    return round(rows * (len(metrics) - WINDOW) / seconds, 1) if seconds > 0 else None
 
 
 def main() -> None:
@@ -128,13 +143,15 @@ def main() -> None:
     p.add_argument("--teacher-steps", type=int, default=300)
     p.add_argument("--steps", type=int, default=250, help="versions of each RL-alone and distillation run")
     p.add_argument("--scoring-steps", type=int, default=60, help="versions of each samples/s run")
+    p.add_argument("--skip-learning", action="store_true", help="the samples/s figures alone")
     p.add_argument("--quick", action="store_true", help="a smoke form: one seed, a handful of versions")
     a = p.parse_args()
     if a.quick:
         a.seeds, a.teacher_steps, a.steps, a.scoring_steps = 1, 4, 4, 4
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="baton-distill-") as tmp:
-        learned = learning(Path(tmp), a.seeds, a.steps, a.teacher_steps, a.digits)
+        learned = {"seeds": {}} if a.skip_learning else learning(Path(tmp), a.seeds, a.steps, a.teacher_steps,
+                                                                  a.digits)
         scored = {"skipped": "--quick"} if a.quick else scoring(Path(tmp), a.scoring_steps)
     figures = {"learning": learned, "scoring": scored, "seeds": a.seeds, "digits": a.digits,
                "target_reward": TARGET_REWARD}
