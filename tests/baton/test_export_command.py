@@ -148,6 +148,7 @@ def test_export_every_is_a_multiple_of_every() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.long  # CI time: in the long suite
 def test_a_run_exports_as_it_goes_and_its_latest_checkpoint_round_trips(tmp_path: Path) -> None:
     """The quickstart for 7 versions with a checkpoint every 3, exported every 3: exports of 3 and 6, and of the
     last version, 7, from the learner's own weights (it has no checkpoint); `baton export` of the latest

@@ -30,6 +30,7 @@ def baton(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.long  # CI time: in the long suite
 def test_reuse_and_filtering_are_accounted_for_exactly(tmp_path: Path) -> None:
     proc = baton(tmp_path, *REUSE)
     assert proc.returncode == 0, proc.stderr[-3000:]

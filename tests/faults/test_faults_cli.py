@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
+@pytest.mark.long  # CI time: in the long suite
 def test_a_push_that_keeps_failing_breaks_the_matrix_with_exit_1(tmp_path: Path) -> None:
     sets = [f"run_root='{tmp_path}'", f"model.path='{tmp_path / 'model'}'",
             'faults=[{kind="weights.push_fail", at=[1, 2, 3]}]']  # the first push and both of its retries

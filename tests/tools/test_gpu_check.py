@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.long  # CI time: in the long suite
 def test_the_device_check_runs_on_cpu_and_its_deltas_rebuild_each_version(tmp_path: Path) -> None:
     cmd = [sys.executable, "tools/gpu_check.py", "--shape", "tiny", "--device", "cpu", "--batch", "8",
            "--new-tokens", "8", "--steps", "2", "--out", str(tmp_path)]

@@ -34,7 +34,8 @@ try:
 except SGLangUnavailable as exc:
     _MISSING = str(exc)
 
-pytestmark = [pytest.mark.anyio, pytest.mark.sglang, pytest.mark.skipif(bool(_MISSING), reason=_MISSING)]
+pytestmark = [pytest.mark.anyio, pytest.mark.sglang, pytest.mark.long,  # CI time: the long suite
+               pytest.mark.skipif(bool(_MISSING), reason=_MISSING)]
 
 PROMPT = [1, 5, 9, 12]
 LONG = SamplingParams(max_new_tokens=240)  # the tiny model's positions end at 256

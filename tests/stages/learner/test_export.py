@@ -136,6 +136,7 @@ def test_a_pre_02_checkpoint_exports_the_same_weights(spec: GRPOLearner, model_p
     assert_equal_weights(exported_weights(tmp_path / "out"), weights)
 
 
+@pytest.mark.long  # CI time: in the long suite
 def test_a_checkpoint_of_two_ranks_exports_the_same_weights(spec: GRPOLearner, model_path: Path,
                                                              tmp_path: Path) -> None:
     from tests.stages.learner.test_ranks import groups
@@ -236,6 +237,7 @@ def test_the_runs_exports_go_on_and_report_a_failed_one(trained, model_path: Pat
 
 @pytest.mark.slow
 @pytest.mark.sglang
+@pytest.mark.long  # CI time: in the long suite
 def test_an_sglang_cpu_server_serves_the_export(exported: Path, tmp_path: Path) -> None:
     from stages.engines.sglang_server import SGLangServer, SGLangUnavailable, sglang_python
 

@@ -177,6 +177,7 @@ def test_an_episode_too_old_for_the_engines_weights_restarts_between_turns() -> 
 
 
 @pytest.mark.slow
+@pytest.mark.long  # CI time: in the long suite
 def test_multi_turn_staleness_holds_across_turns(tmp_path: Path) -> None:
     s = baton_run(tmp_path, "agent-feedback.toml", "steps=30", "staleness.k=1")
     assert s["max_staleness_trained"] <= 1 and s["ledger_balanced"]

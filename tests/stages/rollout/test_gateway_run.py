@@ -23,7 +23,8 @@ from tools.make_math_example import make_math_data, make_qwen_like_model
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("crash", [False, pytest.param(True, marks=pytest.mark.long)], ids=["clean", "engine-crash"])
+@pytest.mark.long  # CI time: in the long suite (tests/stages/gateway keeps the gateway in the suite)
+@pytest.mark.parametrize("crash", [False, True], ids=["clean", "engine-crash"])
 def test_an_openai_agent_trains_through_the_gateway(tmp_path: Path, crash: bool) -> None:
     model = make_qwen_like_model(tmp_path / "math-model", hidden_size=32, layers=1)
     train, _ = make_math_data(tmp_path / "data", train=32, eval=8)

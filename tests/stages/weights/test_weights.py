@@ -243,6 +243,7 @@ async def test_a_restarted_delta_receiver_is_caught_up_with_the_whole_state_at_o
 
 
 @pytest.mark.anyio
+@pytest.mark.long  # CI time: in the long suite
 async def test_broadcast_skips_an_engine_that_died_in_its_group(model, peers) -> None:
     """An engine process killed after its group formed breaks only its own group. (Delivery, damage and
     an engine that never answers: tests/contracts/test_transport_contract.py.)"""
