@@ -41,6 +41,7 @@ from stages.rollout import Rollout
 from stages.rollout.episode import EpisodeLimits
 from stages.rollout.evaluation import Evaluation
 from stages.rollout.gateway_worker import GatewaySettings
+from stages.scorers import ComposedReward, Distillation, SGLangTeacher, TorchTeacher
 from stages.weights import TRANSPORTS, make_transport
 from stages.weights.base import WeightTransport
 
@@ -128,6 +129,9 @@ def grpo_learner(spec: Any, cfg: RunConfig, *, model: Path) -> GRPOLearner:
         weights=make_part("weights", cfg), snapshot_every=cfg.weights.snapshot_every,
         correction=make_correction(cfg), selection=make_selection_policy(cfg),
         replays_ride_along=cfg.replay.ride_along, export_every=cfg.checkpoint.export_every,
+        distill_coef=cfg.distill.coef if cfg.distill else 0.0,
+        distill_mode=cfg.distill.mode if cfg.distill else default_of(GRPOLearner, "distill_mode"),
+        distill_baseline=cfg.distill.baseline if cfg.distill else default_of(GRPOLearner, "distill_baseline"),
     )
 
 
@@ -185,13 +189,34 @@ def make_model(spec: schema.ModelSpec) -> Path:
                            kv_heads=spec.kv_heads, seed=spec.seed)
 
 
-def make_reward(cfg: RunConfig) -> RewardFunction | None:
-    """[reward]: one function, or the weighted sum of `weights`; None: the task's own."""
+def make_reward(cfg: RunConfig) -> RewardFunction | ComposedReward | None:
+    """[reward]: one function, or the weighted sum of `weights`, with the model rewards of [reward.classifier]
+    and [reward.judge] composed in; None: the task's own."""
     spec = cfg.reward
     if spec is None:
         return None
-    fn = spec.function or weighted_sum(*spec.weights.items())
-    return RewardFunction(fn, timeout_s=spec.timeout_s, on_error=spec.on_error, batched=spec.batched)
+    rules = {name: weight for name, weight in spec.weights.items() if name not in schema.MODEL_REWARDS}
+    fn = spec.function or (weighted_sum(*rules.items()) if rules else None)
+    rule = RewardFunction(fn, timeout_s=spec.timeout_s, on_error=spec.on_error, batched=spec.batched) if fn else None
+    models = [(getattr(spec, name).make(), spec.weights[name]) for name in schema.MODEL_REWARDS
+              if getattr(spec, name) is not None]
+    return ComposedReward(rule, models, on_error=spec.on_error) if models else rule
+
+
+def make_distillation(cfg: RunConfig) -> Distillation | None:
+    """[distill]: each teacher (a folder in this process with torch, or on SGLang; a url on its server)."""
+    spec = cfg.distill
+    if spec is None:
+        return None
+    teachers: dict[str, Any] = {}
+    for name, where in spec.teachers().items():
+        if schema.is_url(where) or spec.backend == "sglang":
+            at = {"url": where} if schema.is_url(where) else {"model": where}
+            teachers[name] = SGLangTeacher(**at, name=f"teacher-{name}", **spec.model_dump(include={
+                "token_file", "concurrency", "timeout_s", "retries", "max_restarts", "python", "dtype", "device"}))
+        else:
+            teachers[name] = TorchTeacher(where, dtype=spec.dtype, name=f"teacher-{name}")
+    return Distillation(teachers, key=spec.teacher_key, on_error=spec.on_error)
 
 
 def make_evaluation(cfg: RunConfig, task: Any) -> Evaluation | None:
@@ -213,7 +238,8 @@ def make_rollout(cfg: RunConfig, model: Path) -> Rollout:
                    evaluation=make_evaluation(cfg, task), limits=EpisodeLimits(**cfg.episode.model_dump()),
                    environment=environment.kind if environment else None,
                    environment_options=environment.options() if environment else {},
-                   gateway=GatewaySettings(**cfg.gateway.model_dump()) if cfg.gateway else None, **sampling)
+                   gateway=GatewaySettings(**cfg.gateway.model_dump()) if cfg.gateway else None,
+                   teacher=make_distillation(cfg), **sampling)
 
 
 def make_buffer(cfg: RunConfig) -> RefBuffer:

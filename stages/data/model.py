@@ -14,6 +14,7 @@ and `prompt_token_ids` tokenizes plain text (BOS only where the tokenizer adds o
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import torch
@@ -36,7 +37,8 @@ class ModelFolderError(FileNotFoundError, ValueError):
     what is wrong and what to do; the config layer prefixes the key that named the folder)."""
 
 
-def _build_tokenizer():
+def tiny_tokenizer():
+    """The tiny model's tokenizer (a character vocabulary, ChatML-like specials), made in memory."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -89,7 +91,7 @@ def make_tiny_model(
             )
         return folder
     folder.mkdir(parents=True, exist_ok=True)
-    tokenizer = _build_tokenizer()
+    tokenizer = tiny_tokenizer()
     tokenizer.save_pretrained(folder)
     vocab_size = 64  # >= len(tokenizer); a multiple of 8 keeps every backend's kernels happy
     assert len(tokenizer) <= vocab_size
@@ -118,6 +120,7 @@ WEIGHT_FILES = (
 )
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_LOADING = threading.Lock()  # see load_model
 
 
 def _check_folder(folder: str | Path) -> Path:
@@ -176,7 +179,9 @@ def check_model_folder(folder: str | Path, needs_chat_template: bool = False) ->
 
 
 def load_model(folder: str | Path, dtype: str = "float32") -> torch.nn.Module:
-    """Load the causal LM on CPU, in train mode, in `dtype` ("float32" or "bfloat16")."""
+    """Load the causal LM on CPU, in train mode, in `dtype` ("float32" or "bfloat16"). One load at a time per
+    process: transformers builds the model under a process-wide meta-device context, so a load in another
+    thread at the same time (an engine and a teacher starting together) would get meta tensors."""
     from transformers import AutoModelForCausalLM
 
     if dtype not in DTYPES:
@@ -184,7 +189,8 @@ def load_model(folder: str | Path, dtype: str = "float32") -> torch.nn.Module:
     _quiet_transformers()
     folder = _check_folder(folder)
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[dtype])
+        with _LOADING:
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[dtype])
     except (ValueError, KeyError) as exc:
         _check_architecture(folder)  # names the architecture when that is what failed
         raise ModelFolderError(f"model folder {str(folder)!r} cannot be loaded as a causal LM: {exc}") from None

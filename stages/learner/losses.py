@@ -28,6 +28,8 @@ LrDecay = Literal["constant", "linear", "cosine"]
 LR_DECAYS: tuple[str, ...] = get_args(LrDecay)
 EntropyScope = Literal["all", "zero-variance"]
 ENTROPY_SCOPES: tuple[str, ...] = get_args(EntropyScope)
+DistillMode = Literal["advantage", "loss"]
+DISTILL_MODES: tuple[str, ...] = get_args(DistillMode)
 
 
 def group_advantages(
@@ -43,6 +45,45 @@ def group_advantages(
         return centred
     var = torch.zeros(groups, dtype=rewards.dtype).index_add_(0, group_index, centred**2) / (count - 1).clamp(min=1)
     return centred / (var.sqrt()[group_index] + eps)
+
+
+def distill_advantages(
+    advantages: torch.Tensor, behaviour: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor, coef: float,
+    mode: DistillMode = "advantage", group_index: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """On-policy distillation's per-token advantages [rows, T]: the teacher's term `-coef * (behaviour -
+    teacher)` on every model token (0 elsewhere) added to GRPO's per-row `advantages` ("advantage"), or
+    alone ("loss": pure distillation, the rewards steer nothing). The term is the negative single-sample
+    estimate of the reverse KL(student || teacher) at that token, so the policy gradient of the loss on it
+    lowers that KL; it is built from logged logprobs only (no gradient flows through it: stop-gradient).
+
+    The student's logprob is the behaviour one, the logprob the engine sampled the token with: the
+    tokens were drawn from that policy, so `behaviour - teacher` is the estimate of the KL of the
+    policy that produced them; it is fixed for the step (every PPO epoch, micro-batch and rank sees the
+    same advantage, as with rewards), costs no extra forward, and the loss's off-policy correction
+    already weighs the learner's current policy against it.
+
+    With `group_index` (rows -> group) the term is centred per group (`leave_one_out_centred`): each row's
+    baseline comes from the other, independently sampled rows only, so the gradient's expectation is
+    unchanged and its variance falls (the term is large and mostly negative for a far-off student)."""
+    if mode not in DISTILL_MODES:
+        raise ValueError(f"distill mode must be one of {', '.join(DISTILL_MODES)}, got {mode!r}")
+    term = -coef * (behaviour - teacher) * mask
+    if group_index is not None:
+        term = leave_one_out_centred(term, mask, group_index)
+    return term if mode == "loss" else advantages + term
+
+
+def leave_one_out_centred(term: torch.Tensor, mask: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
+    """`term` minus, at each position, the mean of the other rows of its group that have a model token there
+    (unchanged where no other row has one); 0 off the `mask`."""
+    groups = int(group_index.max()) + 1
+    shape = (groups, term.shape[1])
+    sums = torch.zeros(shape, dtype=term.dtype).index_add_(0, group_index, term * mask)
+    counts = torch.zeros(shape, dtype=term.dtype).index_add_(0, group_index, mask)
+    others = counts[group_index] - mask
+    baseline = (sums[group_index] - term * mask) / others.clamp(min=1)
+    return (term - baseline * (others > 0)) * mask
 
 
 def zero_variance_groups(rewards: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:

@@ -24,8 +24,10 @@ from stages.learner.actor import LearnerActor
 from stages.learner.lora import LoraSpec
 from stages.learner.losses import (
     AGGREGATIONS,
+    DISTILL_MODES,
     ENTROPY_SCOPES,
     LR_DECAYS,
+    DistillMode,
     EntropyScope,
     LossAggregation,
     LrDecay,
@@ -53,6 +55,9 @@ class GRPOLearner:
     entropy_coef: float = 0.01  # entropy bonus: loss -= coef x aggregated entropy
     entropy_scope: EntropyScope = "all"  # "zero-variance": the bonus counts only rows of groups without signal
     kl_coef: float = 0.0  # k3 KL penalty to the initial weights (kept in memory only when > 0)
+    distill_coef: float = 0.0  # on-policy distillation: the teacher's per-token term's weight (0: off)
+    distill_mode: DistillMode = "advantage"  # "advantage": added to GRPO's; "loss": the whole advantage
+    distill_baseline: bool = True  # the teacher's term less its leave-one-out mean over the group's other rows
     lr_warmup_steps: int = 0  # linear warmup over this many versions
     lr_decay: LrDecay = "constant"  # after warmup: constant, linear or cosine to min_lr_ratio x lr at the last step
     min_lr_ratio: float = 0.0
@@ -107,6 +112,10 @@ class GRPOLearner:
             raise ValueError(f"learner.micro_batch_tokens must be >= 1 (or unset), got {self.micro_batch_tokens}")
         if self.clip_eps_high is not None and self.clip_eps_high <= 0:
             raise ValueError(f"learner.clip_eps_high must be > 0, got {self.clip_eps_high}")
+        if self.distill_coef < 0:
+            raise ValueError(f"distill.coef must be >= 0, got {self.distill_coef}")
+        if self.distill_mode not in DISTILL_MODES:
+            raise ValueError(f"distill.mode must be one of {', '.join(DISTILL_MODES)}, got {self.distill_mode!r}")
 
     @property
     def units_per_version(self) -> int:

@@ -2,7 +2,10 @@
 
 A step on a list of decoded groups (`RolloutBatch`es):
 1. pads their rows into [rows, T] tensors (token ids, behaviour logprobs, loss mask, attention mask)
-   and computes group-centred advantages (divided by the group's std with `norm_adv_by_std`);
+   and computes group-centred advantages (divided by the group's std with `norm_adv_by_std`); with
+   on-policy distillation (`distill_coef` > 0) the advantages become per token: the teacher's term
+   `-distill_coef * (behaviour - teacher logprob)` from the batch's `teacher_logprobs` field is added
+   to them, or replaces them (`distill_mode = "loss"`; `losses.distill_advantages`);
 2. per PPO epoch, per micro-batch (rows within `micro_batch_tokens` padded tokens): forward, the
    configured off-policy objective (`policies.correction`) against the behaviour logprobs and the
    proximal policy (the weights at the step's start: epoch 0's forward), aggregated over the loss
@@ -35,6 +38,7 @@ from stages.learner import sharding
 from stages.learner.lora import AdapterPublisher
 from stages.learner.losses import (
     aggregate,
+    distill_advantages,
     entropy_bonus_rows,
     group_advantages,
     kl_k3,
@@ -44,6 +48,8 @@ from stages.learner.losses import (
     zero_variance_fraction,
 )
 from stages.learner.state import read_learner_state, write_learner_state
+
+TEACHER_FIELD = "teacher_logprobs"  # the token field the producer's teacher writes (stages.scorers.teacher)
 
 
 class StepPlan(msgspec.Struct, frozen=True):
@@ -70,13 +76,48 @@ def episode_metrics(batches: list[RolloutBatch]) -> dict[str, float]:
     return out
 
 
+def scoring_metrics(batches: list[RolloutBatch]) -> dict[str, float]:
+    """Model scoring's numbers over a step's batches: the mean seconds a group's scoring took (`scoring_s`,
+    with model scorers), and with distillation the teacher log-ratio per model token, `behaviour -
+    teacher` logprob, its mean and spread (`distill/log_ratio_mean`, `distill/log_ratio_std`)."""
+    out: dict[str, float] = {}
+    seconds = [b.row_fields["scoring_s"] for b in batches if "scoring_s" in b.row_fields]
+    if seconds:
+        out["scoring_s"] = round(float(np.mean(np.concatenate(seconds))), 5)
+    taught = [b for b in batches if TEACHER_FIELD in b.token_fields]
+    if taught:
+        ratios = np.concatenate([(b.token_fields["logprobs"] - b.token_fields[TEACHER_FIELD])[
+            b.token_fields["loss_mask"].astype(bool)] for b in taught])
+        if ratios.size:
+            out["distill/log_ratio_mean"] = round(float(ratios.mean()), 5)
+            out["distill/log_ratio_std"] = round(float(ratios.std()), 5)
+    return out
+
+
 def group_figures(batches: list[RolloutBatch]) -> dict[str, float]:
     """What a step's metrics say of its groups: the mean reward per group, the fraction of groups whose
-    rewards are all equal, and the episodes' numbers (`episode_metrics`)."""
+    rewards are all equal, the episodes' numbers (`episode_metrics`) and model scoring's (`scoring_metrics`)."""
     rewards = torch.from_numpy(np.concatenate([b.row_fields["rewards"] for b in batches]).astype(np.float32))
     group_index = torch.from_numpy(np.repeat(np.arange(len(batches)), [b.rows for b in batches]))
     return {"reward": round(float(np.mean([b.row_fields["rewards"].mean() for b in batches])), 4),
-            "zero_var_frac": round(zero_variance_fraction(rewards, group_index), 4), **episode_metrics(batches)}
+            "zero_var_frac": round(zero_variance_fraction(rewards, group_index), 4), **episode_metrics(batches),
+            **scoring_metrics(batches)}
+
+
+def teacher_tensor(batches: list[RolloutBatch], width: int) -> torch.Tensor:
+    """The step's `teacher_logprobs`, [rows, width] like `batch_tensors`' logprobs; every group must carry them."""
+    missing = [b.meta.get("group", "?") for b in batches if TEACHER_FIELD not in b.token_fields]
+    if missing:
+        raise ValueError(f"learner.distill_coef > 0, but group {missing[0]} has no {TEACHER_FIELD}: the producer "
+                         "scores with a teacher only when the config has a [distill] table")
+    teacher = torch.zeros((sum(b.rows for b in batches), width))
+    i = 0
+    for b in batches:
+        values = b.token_fields[TEACHER_FIELD]
+        for lo, hi in zip(b.offsets[:-1], b.offsets[1:], strict=True):
+            teacher[i, : hi - lo] = torch.from_numpy(values[lo:hi].astype(np.float32))
+            i += 1
+    return teacher
 
 
 def batch_tensors(batches: list[RolloutBatch]) -> tuple[torch.Tensor, ...]:
@@ -209,6 +250,7 @@ class PolicyTrainer:
         proximal logprobs of its rows (epoch 0's forward)."""
         spec = self.spec
         ids, old, mask, attn, adv, bonus = rows.take(chunk, self.device)
+        adv = adv[:, 1:] if adv.shape[1] > 1 else adv  # per-token advantages: at the loss's positions 1..
         reduce = partial(aggregate, mode=spec.loss_agg_mode, max_tokens=spec.loss_max_tokens or plan.width,
                          denominator=plan.tokens if spec.loss_agg_mode == "token-mean" else plan.rows)
         m = mask[:, 1:]
@@ -259,6 +301,10 @@ class _Rows:
                        torch.zeros(0, 1), torch.zeros(0, 1))
         ids, old, mask, attn, rewards, group_index = batch_tensors(batches)
         adv = group_advantages(rewards, group_index, scale_by_std=spec.norm_adv_by_std)[:, None]
+        if spec.distill_coef > 0:  # per-token advantages: GRPO's plus (or replaced by) the teacher's term
+            teacher = teacher_tensor(batches, ids.shape[1])
+            adv = distill_advantages(adv, old, teacher, mask, spec.distill_coef, spec.distill_mode,
+                                     group_index if spec.distill_baseline else None)
         bonus = entropy_bonus_rows(rewards, group_index, spec.entropy_scope)[:, None]
         return cls(ids, old, mask, attn, rewards, group_index, adv, bonus)
 
@@ -270,7 +316,8 @@ class _Rows:
         index = torch.tensor(chunk)
         width = max(self.lengths[i] for i in chunk)
         cut = (t[index, :width] for t in (self.ids, self.old, self.mask, self.attn))
-        return tuple(t.to(device) for t in (*cut, self.adv[index], self.bonus[index]))
+        adv = self.adv[index, :width] if self.adv.shape[1] > 1 else self.adv[index]  # per token with distillation
+        return tuple(t.to(device) for t in (*cut, adv, self.bonus[index]))
 
 
 def _padded(chunks: list[list[int]], passes: int) -> list[list[int]]:

@@ -7,16 +7,22 @@ Invariants:
   a group with nothing left to train (every episode failed, or a failed reward with `on_error =
   "drop"`) is recorded and dropped whole, and nothing is stored for it;
 - a reward function that raises never raises here: the sample is counted (`stats["reward_failed"]`
-  by reason, and a run event) and scored as the reward's `on_error` says;
+  by reason, and a run event) and scored as the reward's `on_error` says; a teacher that fails likewise
+  (`stats["teacher_failed"]`, the distillation's `on_error`);
+- the reward and the teacher score a group at once, after its episodes gave their engine room back:
+  scoring never holds an engine slot; with model scorers each row carries `scoring_s`, the group's
+  scoring seconds;
 - group ids are unique across workers, processes and restarts (engine name, incarnation, counter).
 """
 
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
+import numpy as np
 
 from buffers.codec import encode, peek
 from buffers.retry import with_retries
@@ -30,6 +36,7 @@ from stages.engines.base import Completion, Engine
 from stages.rollout.episode import Episode, EpisodeFailed
 from stages.rollout.outbox import Finished, encode_group, version_span
 from stages.rollout.prompts import encode_prompt
+from stages.scorers.teacher import TEACHER_FIELD
 
 
 def count(stats: dict, stat: str, key: str) -> None:
@@ -55,26 +62,52 @@ class GroupMaker:
         group_id, source = self.new_group_id(), encode_prompt(prompt)
         span = version_span(episodes, self.engine.version)
         self.spec.stats["tokens"] += sum(e.tokens.model_tokens for e in episodes)
-        if self.scored_by_reward and episodes and not rewarded:
-            scores = await self.score(prompt, [e.last for e in episodes if e.last is not None])
-            if self.spec.reward.on_error == "drop" and any(scores.failures):
-                reason = next(f for f in scores.failures if f)
-                self.log.warning("reward failed; group dropped", group=group_id, reason=reason)
-                return self.dropped(group_id, span, source, len(results), "reward failed",
-                                    {"reward_failed": [float(f is not None) for f in scores.failures]})
-        else:
-            scores = Scores([e.reward for e in episodes], [None] * len(episodes))
         if not episodes:
             return self.dropped(group_id, span, source, len(results), f"episode failed: {failed[0].reason}")
+        t_score = anyio.current_time()
+        scored = await self._scored(prompt, episodes, rewarded)
+        scored.seconds = anyio.current_time() - t_score
+        reason = scored.drop_reason(self.spec.reward.on_error, self.spec.teacher)
+        if reason is not None:
+            self.log.warning("group dropped", group=group_id, reason=reason)
+            return self.dropped(group_id, span, source, len(results), reason,
+                                {"reward_failed": [float(f is not None) for f in scored.scores.failures]})
         t_put = anyio.current_time()
-        ref, values = await self._store(group_id, prompt, episodes, scores, span)
+        ref, values = await self._store(group_id, prompt, episodes, scored, span)
         finished = Finished([Produced(ref.item_ids, group_id, span, source, values)], ref, source=source,
-                            lengths=[e.tokens.model_tokens for e in episodes], put_s=anyio.current_time() - t_put)
+                            lengths=[e.tokens.model_tokens for e in episodes], put_s=anyio.current_time() - t_put,
+                            scoring_s=scored.seconds)
         if failed:
             ids = [f"{group_id}/failed-{i}" for i in range(len(failed))]
             finished.records.append(Produced(ids, f"{group_id}.failed", span, source, {}))
             finished.dropped.append((ids, f"episode failed: {failed[0].reason}"))
         return finished
+
+    async def _scored(self, prompt: Prompt, episodes: list[Episode], rewarded: bool) -> Scored:
+        """The group's rewards and, with distillation, its teacher logprobs: scored at once, on no engine."""
+        scored = Scored(Scores([e.reward for e in episodes], [None] * len(episodes)))
+
+        async def rewards() -> None:
+            scored.scores = await self.score(prompt, [e.last for e in episodes if e.last is not None])
+
+        async def teacher() -> None:
+            scored.teacher, scored.teacher_failure = await self.teach(prompt, episodes)
+
+        async with anyio.create_task_group() as tg:
+            if self.scored_by_reward and not rewarded:
+                tg.start_soon(rewards)
+            if self.spec.teacher is not None:
+                tg.start_soon(teacher)
+        return scored
+
+    async def teach(self, prompt: Prompt, episodes: list[Episode]) -> tuple[list[np.ndarray], str | None]:
+        """Every episode's `teacher_logprobs` (stages.scorers.teacher); a failure is counted in
+        `stats["teacher_failed"]` by reason, and a run event."""
+        values, failure = await self.spec.teacher.score(prompt.metadata, [e.tokens.row() for e in episodes])
+        if failure is not None:
+            count(self.spec.stats, "teacher_failed", failure)
+            self.ctx.event("teacher.failed", count=len(episodes), engine=self.engine.name, reason=failure)
+        return values, failure
 
     def dropped(self, group_id: str, span: tuple[int, int], source: bytes, n: int, reason: str,
                 values: dict | None = None) -> Finished:
@@ -102,14 +135,17 @@ class GroupMaker:
         self.made += 1
         return group_id
 
-    async def _store(self, group_id: str, prompt: Prompt, episodes: list[Episode], scores: Scores,
+    async def _store(self, group_id: str, prompt: Prompt, episodes: list[Episode], scored: Scored,
                      span: tuple[int, int]) -> tuple[Ref, dict[str, list[float]]]:
         """Encode and store one scored group; returns its Ref (not yet recorded or sent) and, per sample,
         the values the ledger keeps for bias accounting: `reward`, `length` (model tokens) and, when a
         reward failed (scored 0), `reward_failed` (1 for those samples)."""
-        ctx, (lo, hi) = self.ctx, span
+        ctx, (lo, hi), scores = self.ctx, span, scored.scores
+        token_fields = {TEACHER_FIELD: scored.teacher} if scored.teacher is not None else {}
+        row_fields = {"scoring_s": np.full(len(episodes), scored.seconds, np.float32)} if self.spec.scorers else {}
         batch = encode_group(episodes, scores.rewards, span,
-                             {"run": ctx.run, "group": group_id, "prompt": prompt.text, "answer": prompt.answer})
+                             {"run": ctx.run, "group": group_id, "prompt": prompt.text, "answer": prompt.answer},
+                             token_fields, row_fields)
         payload = encode(batch, pool=self.store.pool)  # straight into the store's memory where it has a pool
         key = make_key(ctx.run, lo, group_id, f"0-{len(episodes) - 1}")
         await with_retries(lambda: self.store.put(key, payload))
@@ -123,3 +159,21 @@ class GroupMaker:
         if any(scores.failures):
             values["reward_failed"] = [float(f is not None) for f in scores.failures]
         return ref, values
+
+
+@dataclass
+class Scored:
+    """What scoring one group gave: its rewards, its teacher logprobs (with distillation) and how long it took."""
+
+    scores: Scores
+    teacher: list[np.ndarray] | None = None
+    teacher_failure: str | None = None
+    seconds: float = 0.0
+
+    def drop_reason(self, reward_on_error: str, distillation: Any) -> str | None:
+        """Why the group is dropped (None: it is stored): a failed reward or teacher whose `on_error` is "drop"."""
+        if reward_on_error == "drop" and any(self.scores.failures):
+            return "reward failed"
+        if self.teacher_failure is not None and distillation.on_error == "drop":
+            return "teacher failed"
+        return None

@@ -1,11 +1,12 @@
 """A finished GRPO group on its way out of the producer: encoded, stored, recorded, sent.
 
 `encode_group` turns the group's episodes into one `RolloutBatch` (a row per episode: its tokens
-token-in token-out, logprobs, loss mask and per-token versions; per row the reward, the model turns
-and each number an environment reported). `GroupOutbox` batches the control traffic of all the
-groups a producer process finishes: whatever finished while the previous ledger call and channel send
-were in flight goes in the next one, so each costs one round trip however many episodes run (on Ray
-each is a call to another process).
+token-in token-out, logprobs, loss mask and per-token versions, and with distillation the teacher's
+logprobs, `teacher_logprobs`, 0 where the mask is; per row the reward, the model turns, each number an
+environment reported and, with model scorers, the group's scoring seconds `scoring_s`). `GroupOutbox`
+batches the control traffic of all the groups a producer process finishes: whatever finished while the
+previous ledger call and channel send were in flight goes in the next one, so each costs one round trip
+however many episodes run (on Ray each is a call to another process).
 
 Invariant, as before the episode model: a group is recorded as produced only once its payload is
 stored, and its Ref is sent downstream only after it was recorded. After each batch, one line of the
@@ -40,11 +41,17 @@ def version_span(episodes: list[Episode], fallback: int) -> tuple[int, int]:
     return min(s[0] for s in spans), max(s[1] for s in spans)
 
 
-def encode_group(episodes: list[Episode], rewards: list[float], span: tuple[int, int], meta: dict) -> RolloutBatch:
-    """One batch, a row per episode (see the module docstring)."""
+def encode_group(episodes: list[Episode], rewards: list[float], span: tuple[int, int], meta: dict,
+                 token_fields: dict[str, list[np.ndarray]] | None = None,
+                 row_fields: dict[str, np.ndarray] | None = None) -> RolloutBatch:
+    """One batch, a row per episode (see the module docstring); `token_fields` add a token column per name (one
+    array per episode, as long as its tokens: `teacher_logprobs`), `row_fields` a value per episode."""
     rows = [e.tokens.row() for e in episodes]
+    for name, arrays in (token_fields or {}).items():
+        for row, values in zip(rows, arrays, strict=True):
+            row[name] = values
     n = len(episodes)
-    fields = {
+    fields = {**(row_fields or {}),
         "rewards": np.asarray(rewards, dtype=np.float32),
         "prompt_lens": np.asarray([e.tokens.prompt_len for e in episodes], dtype=np.int32),
         "versions": np.asarray([span] * n, dtype=np.int32),
@@ -67,6 +74,7 @@ class Finished:
     source: bytes = b""
     lengths: list[int] = field(default_factory=list)  # model tokens per stored episode
     put_s: float = 0.0
+    scoring_s: float = 0.0  # its reward and teacher scoring
     started: float = 0.0  # when the group started (anyio time)
     gate_s: float = 0.0  # its admission's wait at the gate
     admission: int = 0  # the producer's admission number of its prompt
@@ -128,13 +136,14 @@ class GroupOutbox:
     def _log(self, batch: list[Finished], engine_s: float, record_s: float) -> None:
         """One line per recorded batch of groups in the generation log (`baton simulate --calibrate` reads
         it as an engine call): groups, the longest wait at the gate of their admissions, the engine's wall
-        time for them (`gen_s`), the slowest put, the seconds to record and send them, response tokens and
-        their lengths, bytes stored, and the engine's own counters."""
+        time for them (`gen_s`), the slowest put and the slowest scoring (`scoring_s`), the seconds to record
+        and send them, response tokens and their lengths, bytes stored, and the engine's own counters."""
         lengths = [n for f in batch for n in f.lengths]
         self.ctx.folder.append_record(GENERATION_FILE, {
             "engine": self.engine.name, "t": round(time.time() - self.ctx.started_at, 4), "groups": len(batch),
             "group_size": self.group_size, "gate_s": round(max(f.gate_s for f in batch), 5),
             "gen_s": round(engine_s, 5), "put_s": round(max(f.put_s for f in batch), 5),
+            "scoring_s": round(max(f.scoring_s for f in batch), 5),
             "send_s": round(record_s, 5), "tokens": int(sum(lengths)), "lengths": lengths,
             "nbytes": int(sum(f.ref.nbytes for f in batch if f.ref is not None)),
             **{f"engine/{k}": v for k, v in self.engine.stats.items()},

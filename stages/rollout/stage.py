@@ -28,6 +28,7 @@ from stages.rollout.episode import EpisodeLimits, EpisodeSetup
 from stages.rollout.evaluation import Evaluation
 from stages.rollout.gateway_worker import GatewaySettings, GatewayWorker, RolloutHost
 from stages.rollout.worker import RolloutWorker
+from stages.scorers import ComposedReward, Distillation, Lifecycle, ModelReward
 from stages.weights import engine_mailboxes
 
 
@@ -38,11 +39,14 @@ class Rollout:
     `tokenizer` is a tokenizer object or the model folder to load it from; generation stops at its
     EOS and at generation_config.json's `eos_token_id`s. `reward` scores single-turn completions: a
     `stages.data.rewards.RewardFunction`, a callable or a "pkg.module:function" path; None: the task's
-    `reward_function` if it has one, else its own `reward(prompt, completion)`. A sample whose reward
-    fails is counted in `stats["reward_failed"]` by reason and gets what the reward's `on_error` says
-    (scored 0, or its group dropped). `environment` makes episodes multi-turn: a name or
-    "pkg.module:Class" of `stages.environments` (with `environment_options`), or a callable that
-    returns a fresh `Environment`; its rewards replace the reward function. `limits` bound each
+    `reward_function` if it has one, else its own `reward(prompt, completion)`; a model reward
+    (`stages.scorers`: a classifier, a judge, or a `ComposedReward` of rule and model rewards) is scored
+    beside generation, on its own server. A sample whose reward fails is counted in
+    `stats["reward_failed"]` by reason and gets what the reward's `on_error` says (scored 0, or its group
+    dropped). `teacher` (a `stages.scorers.Distillation`) scores each group's tokens for on-policy
+    distillation: its logprobs travel in the batch as `teacher_logprobs`. `environment` makes episodes
+    multi-turn: a name or "pkg.module:Class" of `stages.environments` (with `environment_options`), or a
+    callable that returns a fresh `Environment`; its rewards replace the reward function. `limits` bound each
     episode (turns, tokens, timeouts). Payloads go to the store the run's buffer stage owns.
     """
 
@@ -61,6 +65,7 @@ class Rollout:
     environment_options: dict[str, Any] = field(default_factory=dict)
     limits: EpisodeLimits = field(default_factory=EpisodeLimits)
     gateway: GatewaySettings | None = None  # serve the OpenAI API; episodes come from its agents
+    teacher: Distillation | None = None  # on-policy distillation: teacher logprobs of every group's tokens
     engine_sync_s: float = 30.0  # at most this long a new group waits for its engine to reach the admitting version
     stats: dict = field(default_factory=lambda: {"groups": 0, "gen_s": 0.0, "tokens": 0, "regenerated": {}})
 
@@ -83,12 +88,19 @@ class Rollout:
         self.stop_token_ids = stop_token_ids(self.tokenizer)
         if self.reward is None:
             self.reward = data.reward_function if data is not None else task_reward(self.task)
-        elif not isinstance(self.reward, RewardFunction):
+        elif isinstance(self.reward, ModelReward):
+            self.reward = ComposedReward(None, [(self.reward, 1.0)])
+        elif not isinstance(self.reward, RewardFunction | ComposedReward):
             self.reward = RewardFunction(self.reward)
         if isinstance(self.environment, str):
             make_environment(self.environment, **self.environment_options)  # a bad name or option fails now
         if self.limits.request_timeout_s is None and self.request_timeout_s is not None:
             self.limits = replace(self.limits, request_timeout_s=self.request_timeout_s)
+
+    @property
+    def scorers(self) -> list[Lifecycle]:
+        """The model scorers the workers start and stop with their engines (none for rule rewards)."""
+        return [part for part in (self.reward, self.teacher) if isinstance(part, Lifecycle)]
 
     @property
     def workers(self) -> int:

@@ -99,7 +99,10 @@ class ProducerWorker(BaseActor):
         resume = self.ctx.resume
         if resume is not None and (state := resume.rng_state(self.name)) is not None:
             self.prompts.restore(state)  # the prompt stream goes on from the checkpoint
-        await self.engine.start()
+        async with anyio.create_task_group() as tg:  # model scorers start beside the engine (shared per process)
+            tg.start_soon(self.engine.start)
+            for scorer in self.spec.scorers:
+                tg.start_soon(scorer.start, self.ctx.folder.path)
         # an engine that starts late (or restarts) catches up from the learner's latest snapshot
         snapshot = await load_snapshot(self.store, snapshot_key(self.ctx.run, self.ctx.folder.path.name))
         # never newer than the clock: a snapshot a crashed attempt wrote after the checkpoint was rolled back
@@ -109,6 +112,8 @@ class ProducerWorker(BaseActor):
 
     async def stop(self) -> None:
         await self.engine.stop()
+        for scorer in self.spec.scorers:
+            await scorer.stop()
 
     def held_refs(self) -> list[HeldRef]:
         """Refs recorded as produced and not yet all sent on (a checkpoint re-uses them on resume)."""

@@ -1,0 +1,84 @@
+"""Teachers: their per-token logprobs equal the teacher model's own forward over the same ids, aligned to the
+codec row (the model tokens of every turn; 0 at prompt and environment tokens), and several teachers picked
+by a sample field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from stages.data.model import load_model, make_tiny_model
+from stages.scorers import Distillation, TorchTeacher
+from stages.scorers.teacher import aligned, forward_logprobs
+from tests.helpers.scorers import multi_turn_row, reference_logprobs
+
+torch.set_num_threads(1)
+
+ROWS = [  # prompt ids, model turns, environment replies (the tiny vocabulary: ids 3..)
+    ([1, 6, 7, 20], [[8, 9, 2]], []),
+    ([1, 5, 21], [[10, 11], [12, 13, 14, 2]], [[1, 15, 16]]),
+    ([1, 5, 6, 7, 8, 9, 21], [[4, 4], [30, 2], [31]], [[1, 17], [1, 18, 19, 3]]),
+]
+
+
+@pytest.fixture(scope="module")
+def teacher_folder(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("teacher") / "t", seed=3)
+
+
+def test_forward_logprobs_equal_the_models_own_forward_of_each_sequence(teacher_folder: Path) -> None:
+    model = load_model(teacher_folder).eval()
+    sequences = [multi_turn_row(*row)["tokens"].tolist() for row in ROWS]
+    batched = forward_logprobs(model, sequences)  # one forward, rows padded on the right
+    for ids, values in zip(sequences, batched, strict=True):
+        assert values.shape == (len(ids) - 1,)
+        np.testing.assert_allclose(values, reference_logprobs(model, ids), atol=1e-5)
+
+
+@pytest.mark.anyio
+async def test_teacher_logprobs_sit_on_the_model_tokens_of_every_turn(teacher_folder: Path) -> None:
+    model = load_model(teacher_folder).eval()
+    distillation = Distillation({"teacher": TorchTeacher(teacher_folder)})
+    await distillation.start()
+    rows = [multi_turn_row(*row) for row in ROWS]
+    values, failure = await distillation.score(None, rows)
+    assert failure is None
+    for row, teacher in zip(rows, values, strict=True):
+        mask = row["loss_mask"].astype(bool)
+        assert teacher.dtype == np.float32 and teacher.shape == row["tokens"].shape
+        assert not teacher[~mask].any(), "0 at prompt and environment tokens, as logprobs"
+        expected = np.concatenate([[0.0], reference_logprobs(model, row["tokens"].tolist())])
+        np.testing.assert_allclose(teacher[mask], expected[mask], atol=1e-5)
+        assert (teacher[mask] < 0).all()
+    assert distillation.stats["calls"] == 1 and "failures" not in distillation.stats
+
+
+@pytest.mark.anyio
+async def test_the_sample_field_picks_its_teacher(teacher_folder: Path, tmp_path: Path) -> None:
+    other = make_tiny_model(tmp_path / "other", seed=4)
+    distillation = Distillation({"math": TorchTeacher(teacher_folder), "code": TorchTeacher(other)}, key="domain")
+    await distillation.start()
+    row = multi_turn_row(*ROWS[1])
+    math, _ = await distillation.score({"domain": "math"}, [row])
+    code, _ = await distillation.score({"domain": "code"}, [row])
+    mask = row["loss_mask"].astype(bool)
+    expected = np.concatenate([[0.0], reference_logprobs(load_model(other).eval(), row["tokens"].tolist())])
+    np.testing.assert_allclose(code[0][mask], expected[mask], atol=1e-5)
+    assert np.abs(math[0][mask] - code[0][mask]).max() > 1e-3, "two teachers, two answers"
+    stand_in, failure = await distillation.score({"domain": "poetry"}, [row])
+    assert failure == "teacher no teacher"
+    np.testing.assert_array_equal(stand_in[0], row["logprobs"])  # the student's own: a log-ratio of 0
+    assert distillation.stats["failures"] == {"teacher no teacher": 1}
+
+
+def test_several_teachers_need_a_key_and_rows_must_fit(teacher_folder: Path) -> None:
+    with pytest.raises(ValueError, match="teacher_key"):
+        Distillation({"a": TorchTeacher(teacher_folder), "b": TorchTeacher(teacher_folder)})
+    with pytest.raises(ValueError, match="on_error"):
+        Distillation({"a": TorchTeacher(teacher_folder)}, on_error="retry")
+    row = multi_turn_row(*ROWS[0])
+    with pytest.raises(Exception, match="logprobs for a row of"):
+        aligned(row, np.zeros(3, np.float32))
