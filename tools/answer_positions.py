@@ -23,13 +23,13 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.checkpoint import latest_checkpoint  # noqa: E402
 from stages.data.model import load_model, load_tokenizer, make_tiny_model, prompt_token_ids  # noqa: E402
 from stages.data.tasks import Addition, ReverseDigits  # noqa: E402
+from stages.learner.state import read_model_weights  # noqa: E402
 
 
 def task_of(config: dict):
@@ -66,7 +66,7 @@ def probe(run_dir: Path, samples: int) -> None:
         raise SystemExit(f"{run_dir} has no checkpoint")
     folder = config["model"]["path"]
     tokenizer, model, task = load_tokenizer(folder), load_model(folder), task_of(config)
-    model.load_state_dict(load_file(checkpoint / "consumer" / "model.safetensors"))
+    read_model_weights(checkpoint / "consumer", model)  # written at any world size
     prompts, ids, answers = encoded(tokenizer, task, samples, seed=12345)
     out, entropies = greedy(model.eval(), ids, answers.shape[1])
     print(f"{checkpoint.name}: {task.name}, {samples} prompts, greedy")
