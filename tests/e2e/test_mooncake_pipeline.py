@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import anyio
+import psutil
 import pytest
 import torch
 
@@ -33,6 +34,16 @@ pytestmark = pytest.mark.slow
 def masters_running() -> set[int]:
     out = subprocess.run(["pgrep", "-f", "mooncake/mooncake_master"], capture_output=True, text=True).stdout
     return {int(p) for p in out.split()}
+
+
+def masters_started_by(pid: int) -> set[int]:
+    """The masters among `pid`'s descendants (a Ray run's own cluster is the driver's child too): what a run
+    started, whatever other runs on the machine start meanwhile."""
+    try:
+        descendants = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return set()
+    return {child.pid for child in descendants if child.pid in masters_running()}
 
 
 def test_quickstart_on_mooncake_stops_its_master(tmp_path: Path) -> None:
@@ -63,7 +74,6 @@ def test_a_killed_run_stops_the_master_it_started(tmp_path: Path, config: str) -
     """SIGTERM (a scheduler's kill) unwinds `baton run` like Ctrl-C: exit 130, and the mooncake_master
     it started is gone, not left behind. It is delivered as Ctrl-C is (a cancelled run), never as an
     exception raised at a random point: one raised inside a weakref callback is dropped and the run went on."""
-    before = masters_running()
     sets = [f"run_root='{tmp_path}'", f"model.path='{tmp_path / 'model'}'", "steps=100000"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "baton.cli", "run", str(ROOT / "configs" / config),
@@ -75,7 +85,7 @@ def test_a_killed_run_stops_the_master_it_started(tmp_path: Path, config: str) -
             if any(tmp_path.glob("*/metrics.jsonl")) or proc.poll() is not None:
                 break
             time.sleep(0.1)
-        started = masters_running() - before
+        started = masters_started_by(proc.pid)
         assert proc.poll() is None and len(started) == 1, proc.stderr.read()[-3000:] if proc.poll() else started
         proc.terminate()
         _, err = proc.communicate(timeout=60)
