@@ -81,7 +81,7 @@ def test_corrected_loss_beats_uncorrected_on_stale_data(tmp_path: Path) -> None:
     assert statistics.mean(gains) > 0, (gains, report)
 
 
-NO_COLLAPSE_SEEDS = (0, 1, 2)
+NO_COLLAPSE_SEEDS = (1,)  # CI time: one run of 900 versions (benchmarks/learning.py --tasks reverse3: three)
 STEPS_REVERSE3 = 900  # measured (2026-12-02, lr 4e-4): the trailing reward reaches 0.8 at versions 412-678
 # A collapsed policy's entropy: the old defaults fell to 0.003 on reverse-4 (926 versions) and stalled, today's
 # model at lr 3e-3 to 0.006 on reverse-3 (7 of 8 groups without signal); runs with the current defaults stay at

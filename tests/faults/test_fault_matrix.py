@@ -76,7 +76,7 @@ def test_each_fault_on_mooncake_local(kind: str, tmp_path: Path, model_path: str
 
 
 @pytest.mark.long
-@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("seed", [1])  # CI time: one more seed here; `baton faults --seeds N` runs more
 @pytest.mark.parametrize("kind", FAULT_KINDS)
 def test_each_fault_on_mooncake_local_more_seeds(kind: str, seed: int, tmp_path: Path, model_path: str) -> None:
     check(run(kind, seed, tmp_path, model_path))
