@@ -100,7 +100,8 @@ def test_an_actor_the_cluster_cannot_place_fails_naming_it(monkeypatch: pytest.M
 
         held = placement_group([{"CPU": 1}])  # another job holds the only CPU
         assert ray.get(held.ready(), timeout=60)
-        waiting = Holder.remote()
+        # detached: Ray once cancelled the pending actor as unreferenced under load (ActorDiedError, not a wait)
+        waiting = Holder.options(lifetime="detached", name=f"holder-{port}").remote()
         needs = {"producer-0": Resources()}
         with pytest.raises(ActorUnplaceable, match=r"producer-0 not placed within 5 s \(asking for producer-0: "
                            r"1 CPU\); the cluster has 1 CPU and 0 GPU"):
