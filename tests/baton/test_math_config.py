@@ -98,6 +98,7 @@ def test_a_bad_row_fails_the_build_naming_file_row_and_field(example: Path, tmp_
 
 
 @pytest.mark.slow
+@pytest.mark.long  # CI time: in the long suite
 def test_baton_run_math_toml(example: Path) -> None:
     """The CLI runs the math example end to end: chat prompts, the reward, evaluations tagged with versions."""
     paths = (f"model.path='{example / 'model'}'", f"task.path='{example / 'data' / 'train.jsonl'}'",

@@ -46,6 +46,7 @@ def masters_started_by(pid: int) -> set[int]:
     return {child.pid for child in descendants if child.pid in masters_running()}
 
 
+@pytest.mark.long  # CI time: in the long suite
 def test_quickstart_on_mooncake_stops_its_master(tmp_path: Path) -> None:
     before = masters_running()
     sets = [f"run_root='{tmp_path}'", f"model.path='{tmp_path / 'model'}'", "steps=20"]

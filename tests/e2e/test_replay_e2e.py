@@ -60,6 +60,7 @@ def test_reuse_and_filtering_are_accounted_for_exactly(tmp_path: Path) -> None:
     assert (run_dir / "report.png").stat().st_size > 0
 
 
+@pytest.mark.long  # CI time: in the long suite
 def test_a_run_whose_groups_never_carry_signal_fails_instead_of_hanging(tmp_path: Path) -> None:
     # near-greedy sampling: the 8 completions of a prompt are identical, so their rewards are equal
     proc = baton(tmp_path, "steps=5", "engine.temperature=0.001", "replay.drop_zero_signal=true",

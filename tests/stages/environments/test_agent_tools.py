@@ -193,6 +193,7 @@ def baton(*args: str) -> subprocess.CompletedProcess:
                           timeout=600)
 
 
+@pytest.mark.long  # CI time: in the long suite
 def test_baton_check_accepts_agent_tools_toml(example: Path) -> None:
     proc = baton("check", str(TOOLS), *paths(example))
     assert proc.returncode == 0, proc.stderr[-3000:]

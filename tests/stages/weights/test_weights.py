@@ -141,6 +141,7 @@ async def test_the_engine_runs_on_the_slot_and_the_live_slot_is_never_written(mo
 
 
 @pytest.mark.anyio
+@pytest.mark.long  # CI time: in the long suite
 async def test_a_dead_engine_is_skipped_and_the_others_still_get_every_version(model, peers) -> None:
     from stages.weights.mooncake_p2p import MooncakeP2PTransport
 
