@@ -105,12 +105,7 @@ class ClassifierReward:
         if not 0 <= self.label < labels:
             raise ValueError(f"classifier label {self.label} is not an output of {str(self.model)!r} "
                              f"({labels} labels); choose one in 0..{labels - 1}")
-        self.server = ScoringServer(
-            self.name, model=self.model, url=self.url, token_file=self.token_file, concurrency=self.concurrency,
-            timeout_s=self.timeout_s, retries=self.retries, max_restarts=self.max_restarts, python=self.python,
-            dtype=self.dtype, device=self.device, extra_args=("--is-embedding",), stats=self.stats,
-        )
-        self.stats.setdefault("restarts", 0)
+        self.server = ScoringServer.of(self, extra_args=("--is-embedding",))
 
     async def start(self, log_dir: Path | None = None) -> None:
         if self.url is None and self.server.server is None:

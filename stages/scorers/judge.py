@@ -91,12 +91,7 @@ class JudgeReward:
         if isinstance(self.parser, str):
             self.parser = plugins.resolve(self.parser, PARSERS, what="judge parser")
         url = self.url.removesuffix("/").removesuffix("/v1") if self.url else None
-        self.server = ScoringServer(
-            self.name, model=self.model, url=url, token_file=self.token_file, concurrency=self.concurrency,
-            timeout_s=self.timeout_s, retries=self.retries, max_restarts=self.max_restarts, python=self.python,
-            dtype=self.dtype, device=self.device, stats=self.stats,
-        )
-        self.stats.setdefault("restarts", 0)
+        self.server = ScoringServer.of(self, url=url)
         self.stats.setdefault("parse_failures", 0)
 
     async def start(self, log_dir: Path | None = None) -> None:

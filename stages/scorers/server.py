@@ -37,6 +37,10 @@ from stages.scorers.base import ScorerError
 TRANSPORT_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ServerDisconnectedError, ConnectionError)
 
 
+_SCORER_SETTINGS = ("name", "model", "url", "token_file", "concurrency", "timeout_s", "retries", "max_restarts",
+                    "python", "dtype", "device")
+
+
 class _ServerDown(Exception):
     """The server baton launched is dead: restart it, then try the request again."""
 
@@ -60,6 +64,14 @@ class ScoringServer:
     max_total_tokens: int = 16384
     extra_args: tuple[str, ...] = ()
     stats: dict = field(default_factory=lambda: {"restarts": 0})
+
+    @classmethod
+    def of(cls, scorer: Any, **overrides: Any) -> ScoringServer:
+        """The server of `scorer` (a classifier, judge or teacher), from the settings it shares with this
+        class (its `name`, `model`, `url`, `concurrency`, ...), counting into the scorer's own `stats`."""
+        shared = {name: getattr(scorer, name) for name in _SCORER_SETTINGS if hasattr(scorer, name)}
+        scorer.stats.setdefault("restarts", 0)
+        return cls(**{**shared, "stats": scorer.stats, **overrides})
 
     def __post_init__(self) -> None:
         if self.url is None and self.model is None:

@@ -106,12 +106,7 @@ class SGLangTeacher:
     stats: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.server = ScoringServer(
-            self.name, model=self.model, url=self.url, token_file=self.token_file, concurrency=self.concurrency,
-            timeout_s=self.timeout_s, retries=self.retries, max_restarts=self.max_restarts, python=self.python,
-            dtype=self.dtype, device=self.device, stats=self.stats,
-        )
-        self.stats.setdefault("restarts", 0)
+        self.server = ScoringServer.of(self)
 
     async def start(self, log_dir: Path | None = None) -> None:
         await self.server.start(log_dir)

@@ -9,13 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from stages.data.model import load_model, make_tiny_model
 from stages.learner import GRPOLearner
 from stages.learner.lora import LoraSpec, probe_tokens
 from stages.learner.lora_export import merged_checkpoint, write_adapter_folder
-from stages.learner.ranks import RankedTrainer, RankGroup
+from stages.learner.ranks import RankedTrainer
 from stages.learner.state import SHARDS_DIR, read_adapter
 from stages.learner.step import PolicyTrainer
 from stages.weights.adapter import (
@@ -25,6 +24,7 @@ from stages.weights.adapter import (
     weight_shapes,
 )
 from stages.weights.base import state_bytes
+from tests.helpers.learner_ranks import ranked_trainer
 from tests.stages.learner.test_ranks import groups
 
 torch.set_num_threads(1)
@@ -180,15 +180,8 @@ def test_a_checkpoint_exports_as_a_peft_folder_and_merged(spec: GRPOLearner, fol
 
 @pytest.fixture(scope="module")
 def two_ranks(spec: GRPOLearner):
-    ranked = replace(spec, world_size=2)
-    group = RankGroup(ranked, steps=100)
-    group.spawn()
-    group.join()
-    trainer = RankedTrainer(PolicyTrainer(ranked, 100, world_size=2), group)
-    trainer.schedule(0)
-    yield trainer
-    group.close()
-    assert not dist.is_initialized()
+    with ranked_trainer(spec) as trainer:
+        yield trainer
 
 
 def test_two_ranks_with_lora_step_as_one(spec: GRPOLearner, two_ranks: RankedTrainer, tmp_path: Path) -> None:

@@ -10,19 +10,18 @@ from __future__ import annotations
 import os
 import signal
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 from buffers.codec import RolloutBatch
 from stages.data.model import make_tiny_model
 from stages.learner import GRPOLearner
-from stages.learner.ranks import LearnerRankFailed, RankedTrainer, RankGroup
+from stages.learner.ranks import LearnerRankFailed, RankedTrainer
 from stages.learner.step import PolicyTrainer, plan_step
+from tests.helpers.learner_ranks import ranked_trainer
 
 torch.set_num_threads(1)
 STEPS = 5
@@ -56,15 +55,8 @@ def spec(tmp_path_factory) -> GRPOLearner:
 
 @pytest.fixture(scope="module")
 def two_ranks(spec: GRPOLearner):
-    ranked = replace(spec, world_size=2)
-    group = RankGroup(ranked, steps=100)
-    group.spawn()
-    group.join()
-    trainer = RankedTrainer(PolicyTrainer(ranked, 100, world_size=2), group)
-    trainer.schedule(0)
-    yield trainer
-    group.close()
-    assert not dist.is_initialized()
+    with ranked_trainer(spec) as trainer:
+        yield trainer
 
 
 def full(trainer) -> dict[str, torch.Tensor]:
