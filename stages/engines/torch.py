@@ -157,6 +157,8 @@ class TorchEngine:
     def _apply_staged(self) -> None:
         """Adopt the staged version (any thread). It leaves `_staged` only once `_version` says it is
         applied, so that `receive_weights` never sees neither the staged nor the applied version."""
+        if self._staged is None:  # every decode step asks: nothing staged takes no lock
+            return
         with self._weights_lock:
             with self._lock:
                 staged = self._staged
