@@ -38,3 +38,11 @@ def ray_cluster():
         yield
     finally:
         ray.shutdown()
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """`long` is what CI runs after the suite and `nightly` what it leaves out: a test marked both would run
+    in CI under `-m long`, so the two are refused together."""
+    both = [item.nodeid for item in items if item.get_closest_marker("long") and item.get_closest_marker("nightly")]
+    if both:
+        raise pytest.UsageError(f"marked both `long` and `nightly` (choose one): {both}")

@@ -19,10 +19,10 @@ from tests import ROOT
 from tests.helpers.ledger_checks import check_ledger
 from tests.helpers.runs import baton_run
 
-pytestmark = pytest.mark.long
 STEPS = 240  # as tests/e2e/test_e2e.py: reverse-2's reward is ~0.4 at v200 at the quickstart's lr
 
 
+@pytest.mark.nightly  # the Ray run below and the killed-rank run cover two local ranks end to end in CI
 def test_two_ranks_learn_the_quickstart(tmp_path: Path) -> None:
     s = baton_run(tmp_path, "quickstart.toml", f"steps={STEPS}", "learner.world_size=2")
     assert s["version"] == STEPS and s["ledger_balanced"]
@@ -32,6 +32,7 @@ def test_two_ranks_learn_the_quickstart(tmp_path: Path) -> None:
     assert sum(r["fate"] == "trained" for r in records) == STEPS * 16 * 8
 
 
+@pytest.mark.long
 def test_two_ranks_learn_on_ray(tmp_path: Path) -> None:
     s = baton_run(tmp_path, "ray-mooncake.toml", "steps=120", "learner.world_size=2")
     assert s["runtime"] == "ray" and s["version"] == 120 and s["ledger_balanced"]
@@ -45,6 +46,7 @@ def rank_pids(parent: int) -> list[int]:
     return [int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
 
 
+@pytest.mark.long
 def test_a_killed_rank_fails_the_run_and_it_resumes(tmp_path: Path) -> None:
     sets = [f"run_root='{tmp_path}'", f"model.path='{tmp_path / 'model'}'", "steps=40", "learner.world_size=2",
             "checkpoint.every=5", "telemetry.progress=false"]

@@ -198,7 +198,7 @@ def _feedback_run_learned(metrics: list[dict]) -> str | None:
     return None
 
 
-@pytest.mark.long
+@pytest.mark.nightly
 @pytest.mark.timeout(900)  # up to three runs of ~2 minutes each
 def test_the_feedback_environment_learns_and_later_turns_fix_mistakes(tmp_path: Path) -> None:
     """The tiny model learns this in 5 of 6 runs of 400 versions (README, "feedback environment"; a run
