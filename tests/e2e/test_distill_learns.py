@@ -18,7 +18,7 @@ from baton.schema import RunConfig
 from tests import ROOT
 from tests.helpers.scorers import make_reverse_teacher
 
-pytestmark = pytest.mark.long
+pytestmark = pytest.mark.nightly
 STEPS = 150  # measured (2026-12-03): the mean reward per 10 versions passes 0.8 at ~120, 0.95 at 150
 LR = 1.5e-3  # the quickstart's 4e-4 learns too, in more versions
 

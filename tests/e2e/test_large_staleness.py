@@ -31,7 +31,8 @@ def test_k32_runs_checkpoints_resumes_and_keeps_its_bound(tmp_path: Path) -> Non
     sets = [f"run_root='{tmp_path}'", f"model.path='{tmp_path / 'model'}'", "steps=80", f"staleness.k={K}",
             "checkpoint.every=20", "telemetry.progress=false"]
     check = subprocess.run([shutil.which("baton"), "check", str(ROOT / "configs" / "quickstart.toml"),
-                            *(x for s in sets for x in ("--set", s))], capture_output=True, text=True, cwd=tmp_path)
+                            *(x for s in sets for x in ("--set", s))], capture_output=True, text=True, cwd=tmp_path,
+                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert check.returncode == 0, check.stderr
     assert f"staleness window (k = {K}, pace admission): up to" in check.stderr, "baton check says what k holds"
     run = baton("run", str(ROOT / "configs" / "quickstart.toml"), *(x for s in sets for x in ("--set", s)),

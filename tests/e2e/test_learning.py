@@ -133,7 +133,7 @@ def test_reverse3_learns_without_collapse(tmp_path: Path, seed: int) -> None:
 K8_SEED, K8_STEPS, K8_REACHES = 0, 400, 0.6  # measured (2026-12-03): 0.8 at version 336 (k = 2: 304)
 
 
-@pytest.mark.long
+@pytest.mark.nightly
 @pytest.mark.timeout(600)
 def test_k8_learns_per_version_like_k2(tmp_path: Path) -> None:
     """The quickstart with staleness bound k = 8, `m2po` and the same lr at every staleness (what

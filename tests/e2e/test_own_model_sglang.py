@@ -22,7 +22,7 @@ try:
 except SGLangUnavailable as exc:
     _MISSING = str(exc)
 
-pytestmark = [pytest.mark.anyio, pytest.mark.sglang, pytest.mark.slow, pytest.mark.long,
+pytestmark = [pytest.mark.anyio, pytest.mark.sglang, pytest.mark.slow, pytest.mark.nightly,
               pytest.mark.skipif(bool(_MISSING), reason=_MISSING)]
 
 

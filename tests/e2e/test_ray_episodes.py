@@ -23,8 +23,7 @@ from stages.environments.feedback import DigitFeedback  # noqa: E402
 from stages.rollout.episode import EpisodeLimits  # noqa: E402
 from tests.helpers.ledger_checks import check_ledger  # noqa: E402
 
-# slow integration runs: in the long suite (CI runs it after the suite)
-pytestmark = [pytest.mark.slow, pytest.mark.long]
+pytestmark = pytest.mark.slow  # and each test `long` (CI runs it after the suite) or `nightly`
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -37,6 +36,7 @@ def metrics_of(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.long
 def test_multi_turn_episodes_run_in_the_producer_processes(ray_cluster, model: Path, tmp_path: Path) -> None:
     """Two producer processes, each running the feedback environment's episodes (built there from a
     partial); every group accounted for, and episodes take more than one turn."""
@@ -64,6 +64,7 @@ def test_multi_turn_episodes_run_in_the_producer_processes(ray_cluster, model: P
     assert all(m["turns_mean"] > 1 for m in metrics), [m["turns_mean"] for m in metrics]
 
 
+@pytest.mark.nightly  # Ray's producer restart: tests/pipeline/test_ray_runtime.py in CI
 def test_engine_crash_on_ray_restarts_the_producer_of_multi_turn_episodes(ray_cluster, model: Path,
                                                                            tmp_path: Path) -> None:
     """The fault matrix's engine.crash on configs/agent-feedback.toml on Ray: the producer process is
@@ -91,6 +92,7 @@ def test_engine_crash_on_ray_restarts_the_producer_of_multi_turn_episodes(ray_cl
     assert restarted, "the restart is a run event"
 
 
+@pytest.mark.long
 def test_pace_admission_drops_nothing_around_checkpoint_pauses(ray_cluster, model: Path, tmp_path: Path) -> None:
     """admission = "pace" on Ray with a checkpoint cut every 3 versions (each pauses the ledger while the
     hosts answer) and two producers of multi-turn episodes of uneven length: no group is dropped as

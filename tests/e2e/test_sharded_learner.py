@@ -22,7 +22,7 @@ from tests.helpers.runs import baton_run
 STEPS = 240  # as tests/e2e/test_e2e.py: reverse-2's reward is ~0.4 at v200 at the quickstart's lr
 
 
-@pytest.mark.nightly  # the Ray run below and the killed-rank run cover two local ranks end to end in CI
+@pytest.mark.nightly  # CI's long suite runs two ranks on Ray and a killed local rank's resume
 def test_two_ranks_learn_the_quickstart(tmp_path: Path) -> None:
     s = baton_run(tmp_path, "quickstart.toml", f"steps={STEPS}", "learner.world_size=2")
     assert s["version"] == STEPS and s["ledger_balanced"]
@@ -33,11 +33,13 @@ def test_two_ranks_learn_the_quickstart(tmp_path: Path) -> None:
 
 
 @pytest.mark.long
-def test_two_ranks_learn_on_ray(tmp_path: Path) -> None:
-    s = baton_run(tmp_path, "ray-mooncake.toml", "steps=120", "learner.world_size=2")
-    assert s["runtime"] == "ray" and s["version"] == 120 and s["ledger_balanced"]
-    assert s["reward_end"] >= s["reward_start"] + 0.15, s
-    check_ledger(Path(s["run_dir"]), bound=2)
+def test_two_ranks_train_on_ray(tmp_path: Path) -> None:
+    """Two learner actors in a placement group: every sample trained once within the bound (learning itself:
+    the nightly local run above; the two ranks' step is the one-rank step: tests/stages/learner/test_ranks.py)."""
+    s = baton_run(tmp_path, "ray-mooncake.toml", "steps=30", "learner.world_size=2")
+    assert s["runtime"] == "ray" and s["version"] == 30 and s["ledger_balanced"]
+    records = check_ledger(Path(s["run_dir"]), bound=2)
+    assert sum(r["fate"] == "trained" for r in records) == s["samples"]["trained"] > 0
 
 
 def rank_pids(parent: int) -> list[int]:

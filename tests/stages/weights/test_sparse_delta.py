@@ -259,7 +259,7 @@ def test_a_patch_crosses_processes_as_msgpack() -> None:
 # ---------------------------------------------------------------- the quickstart
 
 
-@pytest.mark.long  # ~25 s: the default suite stays under 15 minutes on 2 cores
+@pytest.mark.nightly  # two runs of the quickstart: 42 s
 def test_the_quickstart_learns_with_sparse_deltas_as_with_full_pushes(tmp_path: Path) -> None:
     def run(transport: str) -> dict:
         out = tmp_path / transport
