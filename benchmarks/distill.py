@@ -1,6 +1,6 @@
 """On-policy distillation against RL alone, and a classifier reward against a rule reward, on this machine.
 
-    python benchmarks/distill.py [--seeds 3] [--digits 2] [--teacher-steps 300] [--steps 250] [--skip-learning]
+    python benchmarks/distill.py [--seeds 3] [--digits 4] [--teacher-steps 1000] [--steps 900] [--skip-learning]
                                  [--quick]
 
 - time to reward 0.8 (the first version whose trailing 10-version mean train reward reaches 0.8; seconds
@@ -139,9 +139,9 @@ def steady_rate(summary: dict) -> float | None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--digits", type=int, default=2)
-    p.add_argument("--teacher-steps", type=int, default=300)
-    p.add_argument("--steps", type=int, default=250, help="versions of each RL-alone and distillation run")
+    p.add_argument("--digits", type=int, default=4)
+    p.add_argument("--teacher-steps", type=int, default=1000)
+    p.add_argument("--steps", type=int, default=900, help="versions of each RL-alone and distillation run")
     p.add_argument("--scoring-steps", type=int, default=60, help="versions of each samples/s run")
     p.add_argument("--skip-learning", action="store_true", help="the samples/s figures alone")
     p.add_argument("--quick", action="store_true", help="a smoke form: one seed, a handful of versions")

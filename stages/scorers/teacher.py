@@ -38,17 +38,33 @@ TEACHER_FIELD = "teacher_logprobs"
 
 
 @dataclass
+class _Request:
+    """One caller's sequences, waiting to join a forward; `done` is set once `result` or `error` is."""
+
+    sequences: Sequence[Sequence[int]]
+    done: anyio.Event = field(default_factory=anyio.Event)
+    result: list[np.ndarray] | None = None
+    error: BaseException | None = None
+
+
+@dataclass
 class TorchTeacher:
-    """A teacher model folder scored in this process; one forward per group (rows padded on the right)."""
+    """A teacher model folder scored in this process (rows padded on the right).
+
+    Forwards run one at a time; the groups that ask while one runs wait and then go together in the next
+    forward, up to `max_batch_rows` rows (always at least one group): on a small model a forward's fixed
+    cost, not its rows, is what a group pays. Each caller gets exactly its own rows back, in its order."""
 
     model: str | Path
     dtype: str = "float32"
     name: str = "teacher"
+    max_batch_rows: int = 256
     stats: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._model: torch.nn.Module | None = None
         self._lock: anyio.Lock | None = None
+        self._pending: list[_Request] = []
 
     def __getstate__(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
@@ -70,8 +86,36 @@ class TorchTeacher:
     async def logprobs(self, sequences: Sequence[Sequence[int]]) -> list[np.ndarray]:
         if self._model is None or self._lock is None:
             raise ScorerError("not started", f"teacher {self.name} is not started")
+        request = _Request(sequences)
+        self._pending.append(request)
         async with self._lock:  # one forward at a time: torch uses this process's thread for it
-            return await anyio.to_thread.run_sync(forward_logprobs, self._model, sequences)
+            if not request.done.is_set():  # else an earlier forward took it along
+                await self._forward_pending()
+        if request.error is not None:
+            raise request.error
+        return request.result
+
+    async def _forward_pending(self) -> None:
+        """One forward over the oldest waiting requests, up to `max_batch_rows` rows."""
+        batch, rows = [], 0
+        while self._pending and (not batch or rows + len(self._pending[0].sequences) <= self.max_batch_rows):
+            batch.append(self._pending.pop(0))
+            rows += len(batch[-1].sequences)
+        joined = [s for request in batch for s in request.sequences]
+        try:
+            values = await anyio.to_thread.run_sync(forward_logprobs, self._model, joined)
+        except Exception as exc:  # every caller in the batch sees the failure
+            values, error = None, exc
+        self.stats["forwards"] = self.stats.get("forwards", 0) + 1
+        self.stats["forward_rows"] = self.stats.get("forward_rows", 0) + rows
+        start = 0
+        for request in batch:
+            if values is None:
+                request.error = error
+            else:
+                request.result = values[start: start + len(request.sequences)]
+            start += len(request.sequences)
+            request.done.set()
 
 
 @torch.no_grad()

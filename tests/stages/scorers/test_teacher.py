@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import anyio
 import numpy as np
 import pytest
 import torch
@@ -82,3 +83,47 @@ def test_several_teachers_need_a_key_and_rows_must_fit(teacher_folder: Path) -> 
     row = multi_turn_row(*ROWS[0])
     with pytest.raises(Exception, match="logprobs for a row of"):
         aligned(row, np.zeros(3, np.float32))
+
+
+@pytest.mark.anyio
+async def test_groups_that_ask_together_share_forwards_and_each_gets_its_own_rows(teacher_folder: Path) -> None:
+    model = load_model(teacher_folder).eval()
+    teacher = TorchTeacher(teacher_folder, max_batch_rows=6)
+    await teacher.start()
+    groups = [[multi_turn_row(*row)["tokens"].tolist() for row in ROWS][: 1 + g % 3] for g in range(8)]
+    answers: dict[int, list[np.ndarray]] = {}
+
+    async def ask(g: int) -> None:
+        answers[g] = await teacher.logprobs(groups[g])
+
+    async with anyio.create_task_group() as tg:
+        for g in range(len(groups)):
+            tg.start_soon(ask, g)
+    for g, sequences in enumerate(groups):
+        assert len(answers[g]) == len(sequences)
+        for ids, values in zip(sequences, answers[g], strict=True):
+            np.testing.assert_allclose(values, reference_logprobs(model, ids), atol=1e-5)
+    rows = sum(len(s) for s in groups)
+    assert teacher.stats["forward_rows"] == rows
+    assert teacher.stats["forwards"] < len(groups), "groups waiting on a forward go together in the next"
+    assert teacher.stats["forwards"] >= rows / 6, "no forward takes more than max_batch_rows"
+
+
+@pytest.mark.anyio
+async def test_a_failed_forward_fails_every_group_that_shared_it(teacher_folder: Path, monkeypatch) -> None:
+    teacher = TorchTeacher(teacher_folder)
+    await teacher.start()
+    monkeypatch.setattr("stages.scorers.teacher.forward_logprobs", lambda *a: (_ for _ in ()).throw(
+        RuntimeError("out of memory")))
+    failures = []
+
+    async def ask() -> None:
+        try:
+            await teacher.logprobs([[1, 5, 6, 7]])
+        except RuntimeError as exc:
+            failures.append(str(exc))
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(3):
+            tg.start_soon(ask)
+    assert failures == ["out of memory"] * 3
