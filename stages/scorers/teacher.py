@@ -37,7 +37,7 @@ from stages.scorers.server import ScoringServer
 TEACHER_FIELD = "teacher_logprobs"
 
 
-@dataclass
+@dataclass(eq=False)
 class _Request:
     """One caller's sequences, waiting to join a forward; `done` is set once `result` or `error` is."""
 
@@ -88,9 +88,13 @@ class TorchTeacher:
             raise ScorerError("not started", f"teacher {self.name} is not started")
         request = _Request(sequences)
         self._pending.append(request)
-        async with self._lock:  # one forward at a time: torch uses this process's thread for it
-            if not request.done.is_set():  # else an earlier forward took it along
-                await self._forward_pending()
+        try:
+            async with self._lock:  # one forward at a time: torch uses this process's thread for it
+                if not request.done.is_set():  # else an earlier forward took it along
+                    await self._forward_pending()
+        finally:  # a caller cancelled while it waited leaves nothing for a later forward
+            if request in self._pending:
+                self._pending.remove(request)
         if request.error is not None:
             raise request.error
         return request.result

@@ -127,3 +127,25 @@ async def test_a_failed_forward_fails_every_group_that_shared_it(teacher_folder:
         for _ in range(3):
             tg.start_soon(ask)
     assert failures == ["out of memory"] * 3
+
+
+@pytest.mark.anyio
+async def test_a_caller_cancelled_while_it_waits_leaves_nothing_behind(teacher_folder: Path) -> None:
+    teacher = TorchTeacher(teacher_folder)
+    await teacher.start()
+    held, release = anyio.Event(), anyio.Event()
+
+    async def forward_in_progress() -> None:
+        async with teacher._lock:
+            held.set()
+            await release.wait()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(forward_in_progress)
+        await held.wait()
+        with anyio.move_on_after(0.05):
+            await teacher.logprobs([[1, 5, 6, 7]])
+        assert teacher._pending == []
+        release.set()
+    assert len(await teacher.logprobs([[1, 5, 6, 7]])) == 1
+    assert teacher.stats["forwards"] == 1, "the cancelled caller's rows were never computed"
