@@ -3,7 +3,7 @@ bounds k and off-policy objectives (`policies.correction`).
 
     python benchmarks/learning.py [--tasks reverse2,reverse3,reverse4,addition,math,math-scratch] [--seeds 0,1,2]
                                   [--ks 0,2,4,8,32] [--objectives decoupled,m2po] [--budget-s 120] [--steps 1500]
-                                  [--set key=value ...]
+                                  [--runtime local|ray] [--set key=value ...]
 
 k = 0 is sync mode (the on-policy reference). Without `--objectives` a run at k <= 2 uses the config's own
 correction and a run above it `--correction` (the README's rule); with it, every run uses each objective
@@ -28,7 +28,13 @@ Last stdout line: one JSON object with "rows" (one per task, seed, k and objecti
 runs and the median seconds and versions to the target per k and objective) and "ratios": reached_fraction
 (goal 1.0); against the k = 2 rows measured in the same invocation, the median time to target at each k;
 and per task, k and objective, versions to the target at k over versions at k = 2 with the same objective,
-at the worst seed (`versions_vs_k2/<task>/k<k>/<objective>`; goal at k = 8: at most 1.2).
+at the worst seed (`versions_vs_k2/<task>/k<k>/<objective>`; goal at k = 8: at most 1.2); with k = 0 among
+the ks, the median seconds to the target at k over sync's (`seconds_vs_sync/<task>/k<k>/<objective>`: below 1,
+the larger bound got there sooner).
+
+`--runtime ray` runs every row on the Ray runtime (`RAY_SETS`: each stage in its own process, Ray's object
+store, the weights over mooncake_p2p, one engine), where sync mode leaves the engine idle while the learner
+trains and the other way round, and a bound k > 0 lets them overlap.
 """
 
 from __future__ import annotations
@@ -61,6 +67,7 @@ PREREQUISITES = {
     "math-scratch": ("runs/math-example", ["tools/make_math_example.py", "runs/math-example"]),
 }
 DEFAULT_TASKS = "reverse2,reverse3,reverse4,addition,math"
+RAY_SETS = ["runtime='ray'", "store={kind='ray'}", "weights.transport='mooncake_p2p'"]
 # a task that needs more than --steps / --budget-s gets at least this (addition reaches the target at v1,536-3,244)
 TASK_LIMITS = {"addition": (4000, 420.0), "math": (2000, 720.0)}  # name -> (versions, seconds)
 
@@ -81,7 +88,7 @@ def limits(task: str, a: argparse.Namespace) -> tuple[int, float]:
 
 def objective_sets(k: int, objective: str | None, a: argparse.Namespace) -> list[str]:
     """The overrides that pick a run's objective and mode (k = 0: sync, the same code path)."""
-    mode = ["mode='sync'"] if k == 0 else [f"staleness.k={k}"]
+    mode = ["mode='sync'", "staleness.k=0"] if k == 0 else [f"staleness.k={k}"]  # the quickstart names k = 2
     if objective is not None:
         return [*mode, f"correction.kind='{objective}'"]
     return [*mode, *([] if k <= 2 else [f"correction.kind='{a.correction}'"])]
@@ -93,7 +100,8 @@ def run_once(task: str, seed: int, k: int, a: argparse.Namespace, root: Path, ob
     name = f"{task}-s{seed}-k{k}" + (f"-{objective}" if objective else "")
     sets = [*task_sets, f"seed={seed}", f"steps={steps}", f"run_root='{root}'",
             f"name='{name}'", "telemetry.progress=false", "telemetry.log_level='warning'",
-            "checkpoint.every=0", *objective_sets(k, objective, a), *a.overrides]
+            "checkpoint.every=0", *objective_sets(k, objective, a), *(RAY_SETS if a.runtime == "ray" else []),
+            *a.overrides]
     cmd = [sys.executable, "-m", "baton.cli", "run", config, *[x for s in sets for x in ("--set", s)]]
     started = time.perf_counter()
     log = root / f"{name}.log"  # a file, not a pipe: a pipe nobody reads until the end can fill
@@ -213,6 +221,7 @@ def main() -> None:
     p.add_argument("--eval-target", type=float, default=0.8, help="held-out greedy accuracy (the math dataset)")
     p.add_argument("--window", type=int, default=20, help="versions in the trailing mean reward")
     p.add_argument("--after", type=int, default=40, help="versions a run goes on past the target")
+    p.add_argument("--runtime", choices=["local", "ray"], default="local", help="ray: every stage its own process")
     p.add_argument("--set", dest="overrides", action="append", default=[], help="config override for every run")
     a = p.parse_args()
     prepare(a.tasks.split(","))
@@ -225,7 +234,7 @@ def main() -> None:
                     for seed in (int(x) for x in a.seeds.split(",")):
                         rows.append(run_once(task, seed, k, a, Path(tmp), objective))
                         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    print(json.dumps({"benchmark": "learning", "overrides": a.overrides, **summarise(rows)}))
+    print(json.dumps({"benchmark": "learning", "runtime": a.runtime, "overrides": a.overrides, **summarise(rows)}))
 
 
 def summarise(rows: list[dict]) -> dict:
@@ -245,6 +254,7 @@ def summarise(rows: list[dict]) -> dict:
         if not name.startswith("k2") and reference and f["median_seconds_to_target"]:
             ratios[f"{name}_time_vs_k2"] = round(f["median_seconds_to_target"] / reference, 3)
     ratios.update(versions_vs_k2(rows))
+    ratios.update(seconds_vs_sync(rows))
     return {"rows": rows, "figures": figures, "ratios": ratios}
 
 
@@ -266,6 +276,27 @@ def versions_vs_k2(rows: list[dict]) -> dict[str, float | None]:
                              if r["seed"] in base_by_seed), 3)
     return out
 
+
+
+def seconds_vs_sync(rows: list[dict]) -> dict[str, float | None]:
+    """Per task, k > 0 and objective: the median seconds to the target over sync's (k = 0, same task, any
+    objective: its data is on-policy), medians over the seeds that reached it; None when either reached it at
+    no seed."""
+    out: dict[str, float | None] = {}
+    for task, k, objective in sorted({(r["task"], r["k"], r.get("objective") or "") for r in rows}):
+        sync = [r for r in rows if (r["task"], r["k"]) == (task, 0)]
+        if k == 0 or not sync:
+            continue
+        mine = [r for r in rows if (r["task"], r["k"], r.get("objective") or "") == (task, k, objective)]
+        key = f"seconds_vs_sync/{task}/k{k}" + (f"/{objective}" if objective else "")
+        at_k, at_sync = _median_seconds(mine), _median_seconds(sync)
+        out[key] = round(at_k / at_sync, 3) if at_k and at_sync else None
+    return out
+
+
+def _median_seconds(rows: list[dict]) -> float | None:
+    hit = [r["seconds_to_target"] for r in rows if r.get("reached")]
+    return statistics.median(hit) if hit else None
 
 if __name__ == "__main__":
     main()

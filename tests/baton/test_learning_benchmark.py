@@ -1,0 +1,42 @@
+"""benchmarks/learning.py's figures from rows it would record, and its rows validating with the config they build
+on (a row that fails to start shows only as an error in a matrix of an hour: k = 0 on the quickstart was refused so)."""
+
+from __future__ import annotations
+
+import argparse
+
+from baton.schema import load_run_config
+from benchmarks import learning
+
+
+def row(k: int, seed: int, versions: int | None, seconds: float | None, objective: str = "m2po") -> dict:
+    return {"task": "reverse2", "k": k, "seed": seed, "objective": objective, "reached": versions is not None,
+            "versions_to_target": versions, "seconds_to_target": seconds}
+
+
+def test_versions_against_k2_take_the_worst_seed_and_need_every_seed() -> None:
+    rows = [row(2, 0, 300, 60.0), row(2, 1, 400, 80.0), row(8, 0, 330, 40.0), row(8, 1, 520, 50.0),
+            row(32, 0, 350, 30.0), row(32, 1, None, None)]
+    ratios = learning.summarise(rows)["ratios"]
+    assert ratios["versions_vs_k2/reverse2/k8/m2po"] == 1.3  # seed 1: 520 / 400, worse than seed 0's 1.1
+    assert ratios["versions_vs_k2/reverse2/k32/m2po"] is None  # seed 1 never reached the target
+    assert ratios["reached_fraction"] == round(5 / 6, 3)
+
+
+def test_seconds_against_sync_compare_medians_and_take_sync_of_any_objective() -> None:
+    rows = [row(0, 0, 280, 100.0, "none"), row(0, 1, 300, 140.0, "none"),
+            row(2, 0, 300, 60.0), row(2, 1, 400, 80.0), row(8, 0, None, None), row(8, 1, None, None)]
+    ratios = learning.summarise(rows)["ratios"]
+    assert ratios["seconds_vs_sync/reverse2/k2/m2po"] == round(70.0 / 120.0, 3)
+    assert ratios["seconds_vs_sync/reverse2/k8/m2po"] is None
+    assert not any(key.startswith("seconds_vs_sync") for key in learning.summarise(rows[2:])["ratios"])
+
+
+def test_the_ray_form_of_a_row_is_a_config_baton_accepts(tmp_path) -> None:
+    args = argparse.Namespace(correction="decoupled", runtime="ray", overrides=[])
+    config, task_sets = learning.TASKS["reverse3"]
+    for k in (0, 8):
+        sets = [*task_sets, f"run_root='{tmp_path}'", *learning.objective_sets(k, "m2po", args), *learning.RAY_SETS]
+        cfg = load_run_config(config, sets)
+        assert cfg.runtime == "ray" and cfg.store.kind == "ray" and cfg.weights.transport == "mooncake_p2p"
+        assert cfg.staleness.k == k and cfg.correction.kind == "m2po"
