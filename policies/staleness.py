@@ -14,6 +14,11 @@ step and bound k:
     would be dropped ("pace, don't discard"). A `lead` below k leaves each group k - lead versions in
     which it may be trained again (replay): producers that outpace the learner otherwise deliver every
     group exactly k old, and nothing is ever reused.
+    Groups that finish out of admission order (several producers, episodes of uneven length) overtake
+    one another: with `lead` >= 1 the learner can take a whole version's groups past a long one, which
+    then arrives older than k and is dropped or requeued (counted). Only `lead` = 0 (no producer works
+    ahead of the learner, so its step waits for every group admitted at its version) rules that out for
+    any arrival order, at the cost of the overlap.
   - `eager` (Miles's and verl's behaviour): a producer starts work whenever the bounded channels
     take it; staleness is enforced only by the accept check, so work that aged past k while queued
     is generated, then dropped or requeued (and counted, with its lengths and rewards, as such).

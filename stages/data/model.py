@@ -14,6 +14,9 @@ and `prompt_token_ids` tokenizes plain text (BOS only where the tokenizer adds o
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
 import threading
 from pathlib import Path
 
@@ -70,38 +73,63 @@ def make_tiny_model(
 
     Reuse is keyed on the architecture arguments: a folder made with other arguments is an error
     unless `overwrite` is set, so two runs never silently train different models under one name.
+    The model is written into a staging folder beside `folder` and renamed into place, so a process
+    never loads a half-written model: of several processes making the same folder at once (two runs,
+    parallel test workers), one rename wins and the others reuse its folder.
     8 query heads over 4 key/value heads (head size 8, Qwen's 2:1 grouping) rather than 4 over 2: the
     same parameters, but reverse-4's middle answer position fits supervised in 50 steps instead of 200,
     and GRPO (lr 1.5e-3, k = 2) learns reverse-3 and reverse-4 at every seed tried (README "Learning defaults").
     """
+    folder = Path(folder)
+    spec = {"hidden_size": hidden_size, "layers": layers, "heads": heads, "kv_heads": kv_heads, "seed": seed}
+    if (folder / MARKER).exists() and not overwrite:
+        return _reuse_tiny_model(folder, spec)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-making-", dir=folder.parent))
+    try:
+        staging.chmod(0o755)  # mkdtemp's 0700 would hide the model from other users' servers
+        _write_tiny_model(staging, spec)
+        if overwrite and folder.exists():
+            shutil.rmtree(folder)
+        try:
+            os.rename(staging, folder)  # atomic; fails when `folder` exists and is not empty
+        except OSError:
+            if (folder / MARKER).exists():  # another process made it meanwhile
+                return _reuse_tiny_model(folder, spec)
+            shutil.copytree(staging, folder, dirs_exist_ok=True)  # a folder the user made, without a model
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder
+
+
+def _reuse_tiny_model(folder: Path, spec: dict) -> Path:
+    found = json.loads((folder / MARKER).read_text())
+    if found != spec:
+        differing = ", ".join(f"{key} = {found.get(key)}" for key in spec if found.get(key) != spec[key])
+        raise ModelFolderError(
+            f"{folder} holds a tiny model made with {found}, not {spec}: delete the folder to make it again, "
+            f"keep it by asking for its settings ([model] {differing}), or choose another folder "
+            "(in Python: overwrite=True remakes it)"
+        )
+    return folder
+
+
+def _write_tiny_model(folder: Path, spec: dict) -> None:
+    """The tokenizer, config and weights of `spec`, then the marker that says the folder is complete."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     _quiet_transformers()
-    folder = Path(folder)
-    spec = {"hidden_size": hidden_size, "layers": layers, "heads": heads, "kv_heads": kv_heads, "seed": seed}
-    marker = folder / MARKER
-    if marker.exists() and not overwrite:
-        found = json.loads(marker.read_text())
-        if found != spec:
-            differing = ", ".join(f"{key} = {found.get(key)}" for key in spec if found.get(key) != spec[key])
-            raise ModelFolderError(
-                f"{folder} holds a tiny model made with {found}, not {spec}: delete the folder to make it again, "
-                f"keep it by asking for its settings ([model] {differing}), or choose another folder "
-                "(in Python: overwrite=True remakes it)"
-            )
-        return folder
-    folder.mkdir(parents=True, exist_ok=True)
     tokenizer = tiny_tokenizer()
     tokenizer.save_pretrained(folder)
     vocab_size = 64  # >= len(tokenizer); a multiple of 8 keeps every backend's kernels happy
     assert len(tokenizer) <= vocab_size
     config = Qwen2Config(
         vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=4 * hidden_size,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
+        hidden_size=spec["hidden_size"],
+        intermediate_size=4 * spec["hidden_size"],
+        num_hidden_layers=spec["layers"],
+        num_attention_heads=spec["heads"],
+        num_key_value_heads=spec["kv_heads"],
         max_position_embeddings=256,
         tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id,
@@ -109,10 +137,9 @@ def make_tiny_model(
         pad_token_id=tokenizer.pad_token_id,
     )
     with torch.random.fork_rng():
-        torch.manual_seed(seed)
+        torch.manual_seed(spec["seed"])
         Qwen2ForCausalLM(config).save_pretrained(folder)
-    marker.write_text(json.dumps(spec))
-    return folder
+    (folder / MARKER).write_text(json.dumps(spec))
 
 
 WEIGHT_FILES = (

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import os
 import threading
+from pathlib import Path
 
 import torch
 
@@ -202,6 +203,24 @@ def test_make_tiny_model_reuse_and_mismatch(model_a) -> None:
     with pytest.raises(ModelFolderError):
         make_tiny_model(model_a, seed=5)
     assert (model_a / "model.safetensors").exists()
+
+
+def test_processes_making_one_model_folder_at_once_all_get_the_whole_model(tmp_path) -> None:
+    """Two processes (two runs, two test workers) make the same folder at once: each returns a folder that
+    loads, the weights are the one seed's, and no staging folder is left beside it."""
+    import subprocess
+    import sys
+
+    folder = tmp_path / "runs" / "models" / "tiny"
+    make = f"from stages.data.model import make_tiny_model; make_tiny_model({str(folder)!r})"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
+    makers = [subprocess.Popen([sys.executable, "-c", make], env=env) for _ in range(2)]
+    assert [m.wait(timeout=120) for m in makers] == [0, 0]
+    assert [p.name for p in folder.parent.iterdir()] == ["tiny"]
+    reference = make_tiny_model(tmp_path / "reference")
+    made, expected = load_model(folder), load_model(reference)
+    for (name, value), (_, want) in zip(made.state_dict().items(), expected.state_dict().items(), strict=True):
+        assert torch.equal(value, want), name
 
 
 def test_load_model_on_missing_folder_names_files(tmp_path) -> None:
