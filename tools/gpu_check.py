@@ -13,8 +13,13 @@ learner step and sparse weight deltas on a random-init model of real size, on CU
 - sharded learner: the same step with the model under FSDP2 (a group of one rank on the one GPU: bf16
   compute, fp32 reduction and master weights), s per step and peak memory, and its weights gathered
   one parameter at a time to the host (what a push of N ranks does without mooncake_p2p);
+- LoRA: the learner with a rank-16 adapter on q/k/v/o (peft; the base frozen in bf16 on the GPU) steps,
+  publishes the adapter with its parity probe, and a bf16 `TorchEngine` merges it into its base and
+  checks the probe (s per step, peak memory, adapter bytes / full bytes, merge s, the probe's difference);
 - mooncake_p2p from CUDA memory: when `mooncake` imports there (it is not installed on the device
-  image; carry its CUDA wheel), registers the learner's CUDA weights with a TransferEngine.
+  image; carry the slimmed CUDA wheel, see tools/gpu-check.sh), two TransferEngines on loopback TCP:
+  the learner's packed bf16 weights in CUDA memory written to a host buffer and to another CUDA buffer
+  in 32 MiB buckets with `batch_transfer_sync_write`, verified byte for byte (GB/s).
 Prints one JSON object as its last line (and writes it to `--out`/gpu-check.json). `--shape tiny
 --device cpu` is the CPU run of the same code that CI's machine can do.
 """
@@ -40,6 +45,7 @@ from stages.data.model import make_tiny_model  # noqa: E402
 from stages.engines.base import SamplingParams  # noqa: E402
 from stages.engines.torch import TorchEngine  # noqa: E402
 from stages.learner import GRPOLearner  # noqa: E402
+from stages.learner.lora import LoraSpec  # noqa: E402
 from stages.learner.step import PolicyTrainer  # noqa: E402
 from stages.weights.base import new_stats  # noqa: E402
 from stages.weights.sparse import Planner, Slots  # noqa: E402
@@ -196,19 +202,81 @@ def check_sharded_learner(folder: Path, device: str, batch: int, vocab: int, ste
         dist.destroy_process_group()
 
 
-def check_mooncake_cuda(device: str) -> dict:
+def check_lora(folder: Path, device: str, batch: int, vocab: int, steps: int) -> dict:
+    """A LoRA learner's steps and one published adapter, merged and probed by a bf16 TorchEngine."""
+    spec = LoraSpec(rank=16, alpha=32, check_tolerance=0.1)  # a bf16 engine against an fp32 learner
+    trainer = PolicyTrainer(GRPOLearner(model_path=folder, lr=1e-4, device=device, lora=spec), steps=1 << 30)
+    trainer.schedule(0)
+    batches = fake_batches(max(batch // 8, 1), 8, prompt=128, completion=128, vocab=vocab)
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    seconds = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        with torch.autocast(device_type=trainer.device.type, dtype=torch.bfloat16):
+            trainer.train(batches)
+        sync(device)
+        seconds.append(round(time.perf_counter() - t0, 4))
+    out = {"trainable": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad), "step_s": seconds}
+    if device.startswith("cuda"):
+        out["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    adapter = {k: v.detach().to("cpu") for k, v in trainer.weights(steps).items()}
+    full = sum(t.nbytes for t in load_file(folder / "model.safetensors").values())
+    out["adapter_bytes_vs_full"] = round(sum(t.nbytes for t in adapter.values()) / full, 4)
+    out.update(asyncio.run(merge_on_engine(folder, device, steps, adapter)))
+    return out
+
+
+async def merge_on_engine(folder: Path, device: str, version: int, adapter: dict[str, torch.Tensor]) -> dict:
+    engine = TorchEngine(folder, device=device, dtype="bfloat16", seed=0)
+    await engine.start()
+    try:
+        t0 = time.perf_counter()
+        await engine.receive_weights(version, adapter)
+        sync(device)
+        stats = engine.stats
+        return {"receive_s": round(time.perf_counter() - t0, 4), "engine_version": engine.version,
+                **{k: stats[k] for k in ("adapters_merged", "adapters_refused", "merge_s") if k in stats}}
+    finally:
+        await engine.stop()
+
+
+def check_mooncake_cuda(folder: Path, device: str) -> dict:
+    """The learner's packed bf16 weights, in CUDA memory, written by one TransferEngine into another's
+    host buffer and CUDA buffer over loopback TCP (32 MiB buckets), verified byte for byte."""
     try:
         from mooncake.engine import TransferEngine
     except ImportError as exc:
         return {"skipped": f"mooncake is not installed here ({exc})"}
     if not device.startswith("cuda"):
         return {"skipped": "not on CUDA"}
-    engine = TransferEngine()
-    if engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
-        return {"failed": "TransferEngine.initialize"}
-    tensor = torch.empty(256 << 20, dtype=torch.uint8, device=device)
-    code = engine.register_memory(tensor.data_ptr(), tensor.numel())
-    return {"register_cuda_256mib": "ok" if code == 0 else f"error {code}"}
+    engines = [TransferEngine(), TransferEngine()]
+    for engine in engines:
+        if engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
+            return {"failed": "TransferEngine.initialize"}
+    planner = Planner("bfloat16", stats=new_stats())
+    packed = planner.stage(0, load_file(folder / "model.safetensors"), 32 << 20)
+    source = torch.from_numpy(packed).to(device)
+    targets = {"to_host": torch.zeros(source.numel(), dtype=torch.uint8).pin_memory(),
+               "to_cuda": torch.zeros(source.numel(), dtype=torch.uint8, device=device)}
+    out: dict = {"bytes": source.numel()}
+    if engines[0].register_memory(source.data_ptr(), source.numel()) != 0:
+        return {"failed": "register_memory of CUDA weights"}
+    peer = f"127.0.0.1:{engines[1].get_rpc_port()}"
+    for name, target in targets.items():
+        if engines[1].register_memory(target.data_ptr(), target.numel()) != 0:
+            out[name] = "register_memory failed"
+            continue
+        starts = range(0, source.numel(), 32 << 20)
+        t0 = time.perf_counter()
+        rc = engines[0].batch_transfer_sync_write(peer, [source.data_ptr() + s for s in starts],
+                                                  [target.data_ptr() + s for s in starts],
+                                                  [min(32 << 20, source.numel() - s) for s in starts])
+        sync(device)
+        seconds = time.perf_counter() - t0
+        same = bool(torch.equal(target.to(device), source)) if rc == 0 else False
+        out[name] = {"rc": rc, "gb_per_s": round(source.numel() / seconds / 1e9, 2), "verified": same}
+    return out
 
 
 def main() -> None:
@@ -229,7 +297,8 @@ def main() -> None:
         result["engine"] = asyncio.run(check_engine(folder, a.device, a.batch, a.new_tokens, vocab))
         result.update(check_learner_and_deltas(folder, a.device, a.batch, vocab, a.steps))
         result["sharded_learner"] = check_sharded_learner(folder, a.device, a.batch, vocab, a.steps)
-    result["mooncake_cuda"] = check_mooncake_cuda(a.device)
+        result["lora"] = check_lora(folder, a.device, a.batch, vocab, a.steps)
+        result["mooncake_cuda"] = check_mooncake_cuda(folder, a.device)
     line = json.dumps(result)
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)

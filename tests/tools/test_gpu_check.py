@@ -24,4 +24,7 @@ def test_the_device_check_runs_on_cpu_and_its_deltas_rebuild_each_version(tmp_pa
     sends = result["sparse"]["lr=1e-06"] + result["sparse"]["lr=1e-05"]
     assert [s["base"] for s in sends] == [0, 1, 2, 3]  # each version a delta on the one before, verified
     assert all(0 < s["changed_frac"] < 1 and s["bytes_vs_full"] < 1 for s in sends)
+    lora = result["lora"]  # the adapter trained, was published with its probe, and the engine merged it
+    assert lora["adapters_merged"] == 1 and lora["adapters_refused"] == 0 and lora["engine_version"] == 2
+    assert 0 < lora["adapter_bytes_vs_full"] < 1 and lora["trainable"] < result["learner"]["params"]
     assert "skipped" in result["mooncake_cuda"]  # no CUDA here (nor, maybe, mooncake)
