@@ -171,6 +171,26 @@ def send(planner: Planner, actor: PolicyTrainer, version: int, slots: Slots) -> 
             "rebuild_s": round(time.perf_counter() - t0, 4)}
 
 
+def timed_steps(trainer: PolicyTrainer, device: str, batch: int, vocab: int, steps: int, autocast: bool) -> dict:
+    """`steps` steps of `trainer` (from version 0) on the same fake batches, timed one by one, under bf16
+    autocast or not; the peak GPU memory over them on CUDA."""
+    trainer.schedule(0)
+    batches = fake_batches(max(batch // 8, 1), 8, prompt=128, completion=128, vocab=vocab)
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    seconds = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        with torch.autocast(device_type=trainer.device.type, dtype=torch.bfloat16, enabled=autocast):
+            trainer.train(batches)
+        sync(device)
+        seconds.append(round(time.perf_counter() - t0, 4))
+    out: dict = {"step_s": seconds}
+    if device.startswith("cuda"):
+        out["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    return out
+
+
 def check_sharded_learner(folder: Path, device: str, batch: int, vocab: int, steps: int) -> dict:
     """The learner's FSDP2 path on one rank of its own group (nccl on CUDA, gloo on CPU)."""
     import torch.distributed as dist
@@ -181,23 +201,11 @@ def check_sharded_learner(folder: Path, device: str, batch: int, vocab: int, ste
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         trainer = PolicyTrainer(GRPOLearner(model_path=folder, lr=1e-6, device=device), steps=1 << 30, shard=True)
-        trainer.schedule(0)
-        batches = fake_batches(max(batch // 8, 1), 8, prompt=128, completion=128, vocab=vocab)
-        if device.startswith("cuda"):
-            torch.cuda.reset_peak_memory_stats()
-        seconds = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            trainer.train(batches)
-            sync(device)
-            seconds.append(round(time.perf_counter() - t0, 4))
+        out = timed_steps(trainer, device, batch, vocab, steps, autocast=False)
         t0 = time.perf_counter()
         weights = trainer.weights()
-        out = {"step_s": seconds, "gather_s": round(time.perf_counter() - t0, 4),
-               "gathered_bytes": sum(t.nbytes for t in weights.values())}
-        if device.startswith("cuda"):
-            out["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-        return out
+        return out | {"gather_s": round(time.perf_counter() - t0, 4),
+                      "gathered_bytes": sum(t.nbytes for t in weights.values())}
     finally:
         dist.destroy_process_group()
 
@@ -206,20 +214,8 @@ def check_lora(folder: Path, device: str, batch: int, vocab: int, steps: int) ->
     """A LoRA learner's steps and one published adapter, merged and probed by a bf16 TorchEngine."""
     spec = LoraSpec(rank=16, alpha=32, check_tolerance=0.1)  # a bf16 engine against an fp32 learner
     trainer = PolicyTrainer(GRPOLearner(model_path=folder, lr=1e-4, device=device, lora=spec), steps=1 << 30)
-    trainer.schedule(0)
-    batches = fake_batches(max(batch // 8, 1), 8, prompt=128, completion=128, vocab=vocab)
-    if device.startswith("cuda"):
-        torch.cuda.reset_peak_memory_stats()
-    seconds = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        with torch.autocast(device_type=trainer.device.type, dtype=torch.bfloat16):
-            trainer.train(batches)
-        sync(device)
-        seconds.append(round(time.perf_counter() - t0, 4))
-    out = {"trainable": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad), "step_s": seconds}
-    if device.startswith("cuda"):
-        out["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    out = timed_steps(trainer, device, batch, vocab, steps, autocast=True)
+    out["trainable"] = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
     adapter = {k: v.detach().to("cpu") for k, v in trainer.weights(steps).items()}
     full = sum(t.nbytes for t in load_file(folder / "model.safetensors").values())
     out["adapter_bytes_vs_full"] = round(sum(t.nbytes for t in adapter.values()) / full, 4)
