@@ -42,6 +42,9 @@ _MANIFEST = struct.Struct("<16sQQI")  # magic, total bytes, chunk bytes, parts
 _MANIFEST_MAGIC = b"\x00baton-chunked\x00\x01"
 _PART = "#p{:04d}"
 INLINE_BYTES = 2 << 20
+# a put whose transfer could not be submitted (-800) with one replica is tried again for this long: on a
+# loaded machine a first connection to a holder can fail to submit; a holder that is gone still fails
+TRANSFER_RETRY_S = 2.0
 
 
 class MooncakeError(StoreError):
@@ -185,13 +188,15 @@ class MooncakeStore:
         """Upsert. While the store is full (-200) or the master is away (-900, e.g. restarting) it
         waits, up to `full_wait_s`, then raises the typed error. With replicas > 1, a put the master
         routed to a dead holder (-800) is retried too: the master drops that holder within its
-        client_ttl, and the copies then go to live segments."""
+        client_ttl, and the copies then go to live segments. With one replica a -800 is retried for
+        `TRANSFER_RETRY_S` only (a transfer that failed to submit), then raised."""
         view = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
         put = partial(self._call, self._put, key, view, nbytes=view.nbytes)
-        waits: tuple[type[MooncakeError], ...] = (MooncakeNoSpace, MooncakeMasterUnreachable)
-        if self.settings.replicas > 1:
-            waits = (*waits, MooncakeTransferFailed)
-        await retry_while(put, waits, first_wait_s=0.02, max_wait_s=0.5, within_s=self.settings.full_wait_s)
+        transfer_s = self.settings.full_wait_s if self.settings.replicas > 1 else TRANSFER_RETRY_S
+        submitted = partial(retry_while, put, (MooncakeTransferFailed,), first_wait_s=0.05, max_wait_s=0.5,
+                            within_s=transfer_s)
+        waits = (MooncakeNoSpace, MooncakeMasterUnreachable)
+        await retry_while(submitted, waits, first_wait_s=0.02, max_wait_s=0.5, within_s=self.settings.full_wait_s)
 
     async def get(self, key: str, size_hint: int | None = None) -> memoryview:
         """The value of `key`. `size_hint` (a Ref's nbytes) saves the size lookup and is checked: a

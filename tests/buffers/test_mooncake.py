@@ -14,6 +14,7 @@ import anyio
 import numpy as np
 import pytest
 
+from buffers import mooncake
 from buffers.mooncake import (
     MooncakeLeased,
     MooncakeMasterUnreachable,
@@ -213,6 +214,37 @@ async def test_a_key_this_store_read_is_removed_once_its_lease_is_over(holder) -
     assert time.monotonic() - t0 >= holder.settings.read_lease_s - 0.05
     with pytest.raises(KeyNotFound):
         await holder.get("own/v00000000/g/0")
+
+
+def failing_puts(store: MooncakeStore, failures: int, monkeypatch) -> list[str]:
+    """Make `store`'s next `failures` transfers fail to submit (-800), as under load; the keys it was asked for."""
+    real, asked = store._put, []
+
+    def put(key: str, data) -> None:
+        asked.append(key)
+        if len(asked) <= failures:
+            raise MooncakeTransferFailed(f"mooncake put of {key!r} failed: -800 TRANSFER_FAIL")
+        return real(key, data)
+
+    monkeypatch.setattr(store, "_put", put)
+    return asked
+
+
+async def test_a_put_whose_transfer_failed_to_submit_is_tried_again(holder, monkeypatch) -> None:
+    asked = failing_puts(holder, 2, monkeypatch)
+    await holder.put("tf/v00000000/g/0", b"sent on the third try")
+    assert asked == ["tf/v00000000/g/0"] * 3
+    assert bytes(await holder.get("tf/v00000000/g/0")) == b"sent on the third try"
+
+
+async def test_a_put_that_never_reaches_a_holder_still_fails_typed(holder, monkeypatch) -> None:
+    monkeypatch.setattr(mooncake, "TRANSFER_RETRY_S", 0.3)
+    asked = failing_puts(holder, 1 << 30, monkeypatch)
+    with pytest.raises(MooncakeTransferFailed):
+        await holder.put("tf/v00000000/g/1", b"never sent")
+    assert len(asked) >= 2  # tried again, then raised: one replica waits TRANSFER_RETRY_S, not full_wait_s
+    with pytest.raises(KeyNotFound):
+        await holder.get("tf/v00000000/g/1")
 
 
 async def test_holder_death_is_a_transfer_failure(mooncake_master) -> None:
