@@ -16,7 +16,8 @@ learner step and sparse weight deltas on a random-init model of real size, on CU
 - LoRA: the learner with a rank-16 adapter on q/k/v/o (peft; the base frozen in bf16 on the GPU) steps,
   publishes the adapter with its parity probe, and a bf16 `TorchEngine` merges it into its base and
   checks the probe (s per step, peak memory, adapter bytes / full bytes, merge s, the probe's difference);
-- mooncake_p2p from CUDA memory: when `mooncake` imports there (it is not installed on the device
+- Mooncake from CUDA memory (the TransferEngine calls `mooncake_p2p` makes, not its transport class,
+  which sends from host memory): when `mooncake` imports there (it is not installed on the device
   image; carry the slimmed CUDA wheel, see tools/gpu-check.sh), two TransferEngines on loopback TCP:
   the learner's packed bf16 weights in CUDA memory written to a host buffer and to another CUDA buffer
   in 32 MiB buckets with `batch_transfer_sync_write`, verified byte for byte (GB/s).
