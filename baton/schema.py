@@ -687,6 +687,10 @@ class GRPOSpec(Section):
     entropy_scope: Literal[ENTROPY_SCOPES] = Field(  # type: ignore[valid-type]
         default_of(GRPOLearner, "entropy_scope"), description='"all" rows, or "zero-variance": only the rows of '
         "groups whose rewards are all equal (no signal)")
+    entropy_cap: float | None = Field(default_of(GRPOLearner, "entropy_cap"), gt=0, description="each token's "
+                                      "entropy counts in the bonus only up to this (nats): a token above it gets "
+                                      "no push, so the bonus cannot drive the policy towards uniform where "
+                                      "rewards are flat; unset: uncapped")
     kl_coef: float = Field(default_of(GRPOLearner, "kl_coef"), ge=0, description="k3 KL penalty to the initial "
                            "weights (0: off, and no reference model is kept)")
     lr_warmup_steps: int = Field(default_of(GRPOLearner, "lr_warmup_steps"), ge=0, description="versions of linear "

@@ -28,7 +28,9 @@ Last stdout line: one JSON object with "rows" (one per task, seed, k and objecti
 runs and the median seconds and versions to the target per k and objective) and "ratios": reached_fraction
 (goal 1.0); against the k = 2 rows measured in the same invocation, the median time to target at each k;
 and per task, k and objective, versions to the target at k over versions at k = 2 with the same objective,
-at the worst seed (`versions_vs_k2/<task>/k<k>/<objective>`; goal at k = 8: at most 1.2); with k = 0 among
+at the worst seed (`versions_vs_k2/<task>/k<k>/<objective>`; goal at k = 8: at most 1.2), and the same counting
+the versions of the weights that generated the target's samples (`policy_versions_vs_k2/...`: a train reward
+at version v is that of samples made about k versions before, a lag of k that is not slower learning); with k = 0 among
 the ks, the median seconds to the target at k over sync's (`seconds_vs_sync/<task>/k<k>/<objective>`: below 1,
 the larger bound got there sooner).
 
@@ -195,6 +197,9 @@ def _row(task: str, seed: int, k: int, metrics: Path, a: argparse.Namespace, wal
         "reached": point is not None,
         "seconds_to_target": round(startup + point["t"], 1) if point is not None else None,
         "versions_to_target": point["version"] if point is not None else None,
+        # the weights that generated the samples which met the target: the train reward at version v is
+        # that of samples made `staleness` versions earlier, so at k = 32 it lags the learner by ~32
+        "policy_version_at_target": _policy_version(point),
         "final_reward": round(trailing[-1], 4),
         "reward_at": {v: round(trailing[v - 1], 4) for v in (100, 200, 400, 800)
                       if len(records) >= v},  # trailing reward at these versions: comparable across loads
@@ -206,6 +211,13 @@ def _row(task: str, seed: int, k: int, metrics: Path, a: argparse.Namespace, wal
     if task in EVAL_TASKS:
         row["eval_accuracy_at"] = {e["version"]: e["eval/pass_rate"] for e in _evaluations(metrics)}
     return row
+
+
+def _policy_version(point: dict | None) -> int | None:
+    """The version of the weights whose samples the target record trained on (an eval record: its own)."""
+    if point is None:
+        return None
+    return round(point["version"] - point.get("staleness_mean", 0.0))
 
 
 def main() -> None:
@@ -254,28 +266,30 @@ def summarise(rows: list[dict]) -> dict:
         if not name.startswith("k2") and reference and f["median_seconds_to_target"]:
             ratios[f"{name}_time_vs_k2"] = round(f["median_seconds_to_target"] / reference, 3)
     ratios.update(versions_vs_k2(rows))
+    ratios.update(versions_vs_k2(rows, field="policy_version_at_target", name="policy_versions_vs_k2"))
     ratios.update(seconds_vs_sync(rows))
     return {"rows": rows, "figures": figures, "ratios": ratios}
 
 
-def versions_vs_k2(rows: list[dict]) -> dict[str, float | None]:
+def versions_vs_k2(rows: list[dict], field: str = "versions_to_target",
+                   name: str = "versions_vs_k2") -> dict[str, float | None]:
     """Per task, k and objective: versions to the target at k over those at k = 2 (same task and objective),
-    at the worst seed; None when some seed did not reach the target."""
+    at the worst seed; None when some seed did not reach the target. `field` "policy_version_at_target"
+    (`name` policy_versions_vs_k2): the same, counting the versions of the weights that generated them."""
     out: dict[str, float | None] = {}
     for task, k, objective in sorted({(r["task"], r["k"], r.get("objective") or "") for r in rows}):
         mine = [r for r in rows if (r["task"], r["k"], r.get("objective") or "") == (task, k, objective)]
         base = [r for r in rows if (r["task"], r["k"], r.get("objective") or "") == (task, 2, objective)]
         if k == 2 or not base:
             continue
-        key = f"versions_vs_k2/{task}/k{k}" + (f"/{objective}" if objective else "")
+        key = f"{name}/{task}/k{k}" + (f"/{objective}" if objective else "")
         if not all(r.get("reached") for r in mine + base):
             out[key] = None
             continue
-        base_by_seed = {r["seed"]: r["versions_to_target"] for r in base}
-        out[key] = round(max(r["versions_to_target"] / base_by_seed[r["seed"]] for r in mine
+        base_by_seed = {r["seed"]: r[field] for r in base}
+        out[key] = round(max(r[field] / base_by_seed[r["seed"]] for r in mine
                              if r["seed"] in base_by_seed), 3)
     return out
-
 
 
 def seconds_vs_sync(rows: list[dict]) -> dict[str, float | None]:

@@ -9,9 +9,10 @@ A step on a list of decoded groups (`RolloutBatch`es):
 2. per PPO epoch, per micro-batch (rows within `micro_batch_tokens` padded tokens): forward, the
    configured off-policy objective (`policies.correction`) against the behaviour logprobs and the
    proximal policy (the weights at the step's start: epoch 0's forward), aggregated over the loss
-   mask as `loss_agg_mode` says, minus `entropy_coef` x entropy, plus `kl_coef` x the k3 KL to the
-   initial weights; backward. Then clip gradients, take an AdamW step at the scheduled learning rate
-   scaled for the batch's mean staleness (`staleness_lr_factor`); the scheduler steps once a version.
+   mask as `loss_agg_mode` says, minus `entropy_coef` x entropy (each token's at most `entropy_cap`),
+   plus `kl_coef` x the k3 KL to the initial weights; backward. Then clip gradients, take an AdamW step
+   at the scheduled learning rate scaled for the batch's mean staleness (`staleness_lr_factor`); the
+   scheduler steps once a version.
 
 Invariant: a step on N ranks is the step on one rank. Each rank trains whole groups (its share, split
 by tokens: `stages.learner.ranks`), and every aggregation divides by the step's global count
@@ -40,6 +41,7 @@ from stages.learner.losses import (
     aggregate,
     distill_advantages,
     entropy_bonus_rows,
+    entropy_bonus_term,
     group_advantages,
     kl_k3,
     lr_scheduler,
@@ -262,7 +264,7 @@ class PolicyTrainer:
         loss, info = spec.correction.loss(logp, old[:, 1:], proximal, adv, m, spec.clip_eps, spec.clip_eps_high,
                                           reduce, entropy=entropy)
         if spec.entropy_coef > 0:
-            loss = loss - spec.entropy_coef * reduce(entropy * bonus, m)
+            loss = loss - spec.entropy_coef * reduce(entropy_bonus_term(entropy, spec.entropy_cap) * bonus, m)
         if spec.kl_coef > 0:
             ref_logits = self._reference_logits(ids, attn)
             reference = torch.log_softmax(ref_logits / spec.temperature, -1).gather(2, ids[:, 1:, None]).squeeze(-1)

@@ -11,7 +11,8 @@ from benchmarks import learning
 
 def row(k: int, seed: int, versions: int | None, seconds: float | None, objective: str = "m2po") -> dict:
     return {"task": "reverse2", "k": k, "seed": seed, "objective": objective, "reached": versions is not None,
-            "versions_to_target": versions, "seconds_to_target": seconds}
+            "versions_to_target": versions, "seconds_to_target": seconds,
+            "policy_version_at_target": versions - k if versions is not None else None}  # staleness k throughout
 
 
 def test_versions_against_k2_take_the_worst_seed_and_need_every_seed() -> None:
@@ -21,6 +22,14 @@ def test_versions_against_k2_take_the_worst_seed_and_need_every_seed() -> None:
     assert ratios["versions_vs_k2/reverse2/k8/m2po"] == 1.3  # seed 1: 520 / 400, worse than seed 0's 1.1
     assert ratios["versions_vs_k2/reverse2/k32/m2po"] is None  # seed 1 never reached the target
     assert ratios["reached_fraction"] == round(5 / 6, 3)
+    # counted by the weights that made the target's samples: seed 1 (520 - 8) / (400 - 2)
+    assert ratios["policy_versions_vs_k2/reverse2/k8/m2po"] == round(512 / 398, 3)
+
+
+def test_the_policy_version_of_a_target_is_its_version_less_the_staleness() -> None:
+    assert learning._policy_version({"version": 340, "staleness_mean": 7.9}) == 332
+    assert learning._policy_version({"version": 50}) == 50  # an evaluation: the weights it evaluated
+    assert learning._policy_version(None) is None
 
 
 def test_seconds_against_sync_compare_medians_and_take_sync_of_any_objective() -> None:
