@@ -37,7 +37,7 @@ from buffers.mooncake import MooncakeSettings
 from pipeline.dsl import Pipeline
 from pipeline.faults import FAULT_KINDS, FaultSpec
 from pipeline.watchdog import WatchdogSettings
-from policies.correction import KIND_OF_SETTING, Correction, CorrectionKind
+from policies.correction import KIND_OF_SETTING, KINDS, Correction, auto_kind
 from policies.selection import Selection
 from policies.staleness import MaxStaleness, reuse_lead
 from stages.data.datasets import DatasetTask
@@ -758,9 +758,10 @@ class MaxStalenessSpec(Section):
 class CorrectionSpec(Section):
     """Off-policy correction in the learner's loss (policies.correction): which objective, and its settings."""
 
-    kind: CorrectionKind = Field(
-        default_of(Correction, "kind"),
-        description="none: PPO-clip on behaviour logprobs; the others clip against the learner's logprobs at the "
+    kind: Literal[("auto", *KINDS)] = Field(  # type: ignore[valid-type]
+        "auto",
+        description="auto (the default): none up to staleness.k = 2, m2po above (resolved when the config loads; "
+        "docs/results/learning.md says why); none: PPO-clip on behaviour logprobs; the others clip against the learner's logprobs at the "
         "step's start and weight tokens by pi_prox / pi_behav: tis truncates the weight, decoupled keeps it "
         "(left out above decoupled_cap), m2po leaves out the tokens whose squared log-weight lifts the batch's "
         "second moment over m2_threshold, mis-token / mis-seq leave out tokens / rows whose weight lies outside "
@@ -802,14 +803,25 @@ class CorrectionSpec(Section):
     @model_validator(mode="after")
     def _settings_match_kind(self) -> CorrectionSpec:
         """A setting only one kind reads, given a value other than its default under another kind, is a mistake."""
+        if self.kind != "auto":  # auto: checked once RunConfig has resolved it from staleness.k
+            self.check_settings(f"correction.kind = {self.kind!r}")
+        return self
+
+    def check_settings(self, kind_said: str) -> None:
+        """Raise when a setting of another kind than `self.kind` is set; `kind_said` names the kind in the error."""
         for key, kind in KIND_OF_SETTING.items():
             value = getattr(self, key)
             if self.kind != kind and value != default_of(Correction, key):
                 raise ValueError(
-                    f"correction.{key} = {value} applies only to correction.kind = {kind!r}, but correction.kind = "
-                    f"{self.kind!r}; remove correction.{key} or set correction.kind = {kind!r}"
+                    f"correction.{key} = {value} applies only to correction.kind = {kind!r}, but {kind_said}; "
+                    f"remove correction.{key} or set correction.kind = {kind!r}"
                 )
-        return self
+
+    def resolve_auto(self, k: int) -> None:
+        """`auto` becomes the kind `policies.correction.auto_kind` picks for bound k; its settings are checked."""
+        if self.kind == "auto":
+            self.kind = auto_kind(k)
+            self.check_settings(f"correction.kind = 'auto' is {self.kind!r} at staleness.k = {k}")
 
     @model_validator(mode="after")
     def _bounds_keep_on_policy_tokens(self) -> CorrectionSpec:
@@ -1057,6 +1069,9 @@ class RunConfig(Section):
             if self.staleness.k is None:
                 self.staleness.k = 0 if self.mode == "sync" else default_of(MaxStaleness, "k")
             self._set_lead(self.staleness)
+        # a plug-in staleness policy names no k: its auto is k = 2's
+        self.correction.resolve_auto(self.staleness.k if isinstance(self.staleness, MaxStalenessSpec)
+                                     else default_of(MaxStaleness, "k"))
         if isinstance(self.store, MooncakeStoreSpec):
             self._check_mooncake_capacity(self.store)
         if self.weights.transport == "broadcast" and self.runtime == "local":

@@ -5,9 +5,9 @@ bounds k and off-policy objectives (`policies.correction`).
                                   [--ks 0,2,4,8,32] [--objectives decoupled,m2po] [--budget-s 120] [--steps 1500]
                                   [--runtime local|ray] [--set key=value ...]
 
-k = 0 is sync mode (the on-policy reference). Without `--objectives` a run at k <= 2 uses the config's own
-correction and a run above it `--correction` (the README's rule); with it, every run uses each objective
-listed, at every k.
+k = 0 is sync mode (the on-policy reference). Without `--objectives` a run uses the config's own correction
+(`auto`: `none` up to k = 2, `m2po` above), or above k = 2 `--correction` when given; with `--objectives`,
+every run uses each objective listed, at every k.
 
 Each row is one run (`baton run`, its own process): task, seed, k, the time from process start to a trailing
 mean train reward (last `--window` versions) of `--target` (0.8) and the version it happened at, the final
@@ -93,7 +93,7 @@ def objective_sets(k: int, objective: str | None, a: argparse.Namespace) -> list
     mode = ["mode='sync'", "staleness.k=0"] if k == 0 else [f"staleness.k={k}"]  # the quickstart names k = 2
     if objective is not None:
         return [*mode, f"correction.kind='{objective}'"]
-    return [*mode, *([] if k <= 2 else [f"correction.kind='{a.correction}'"])]
+    return [*mode, *([] if k <= 2 or a.correction is None else [f"correction.kind='{a.correction}'"])]
 
 
 def run_once(task: str, seed: int, k: int, a: argparse.Namespace, root: Path, objective: str | None = None) -> dict:
@@ -224,8 +224,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tasks", default=DEFAULT_TASKS, help=f"from {', '.join(TASKS)}")
     p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--ks", default="2,4,8", help="staleness bounds (0: sync); above 2 the run uses --correction")
-    p.add_argument("--correction", default="decoupled")
+    p.add_argument("--ks", default="2,4,8", help="staleness bounds (0: sync)")
+    p.add_argument("--correction", default=None, help="the objective above k = 2 (default: the config's auto, m2po)")
     p.add_argument("--objectives", default=None, help="correction kinds to run at every k, e.g. decoupled,m2po")
     p.add_argument("--steps", type=int, default=1500, help="most versions per run")
     p.add_argument("--budget-s", type=float, default=180.0, help="most seconds per run")

@@ -54,10 +54,10 @@ from policies.correction.gspo import gspo
 from policies.correction.m2po import m2po, second_moment_keep
 from policies.correction.mis import mis_seq, mis_token
 from policies.correction.ppo import decoupled, none, tis
-from policies.correction.registry import KIND_OF_SETTING, KINDS, OBJECTIVES, Correction, CorrectionKind
+from policies.correction.registry import KIND_OF_SETTING, KINDS, OBJECTIVES, Correction, CorrectionKind, auto_kind
 
 __all__ = [
     "ENTROPY_EDGES", "KINDS", "KIND_OF_SETTING", "OBJECTIVES", "Correction", "CorrectionKind", "Reduce", "Stats",
-    "clipped_surrogate", "decoupled", "entropy_buckets", "gspo", "importance_weights", "m2po", "mis_seq",
+    "auto_kind", "clipped_surrogate", "decoupled", "entropy_buckets", "gspo", "importance_weights", "m2po", "mis_seq",
     "mis_token", "none", "second_moment_keep", "tis",
 ]

@@ -49,3 +49,15 @@ def test_the_ray_form_of_a_row_is_a_config_baton_accepts(tmp_path) -> None:
         cfg = load_run_config(config, sets)
         assert cfg.runtime == "ray" and cfg.store.kind == "ray" and cfg.weights.transport == "mooncake_p2p"
         assert cfg.staleness.k == k and cfg.correction.kind == "m2po"
+
+
+def test_without_objectives_a_row_takes_the_configs_auto_or_the_correction_asked(tmp_path) -> None:
+    config, task_sets = learning.TASKS["reverse2"]
+
+    def kind(k: int, correction: str | None) -> str:
+        args = argparse.Namespace(correction=correction, runtime="local", overrides=[])
+        sets = [*task_sets, f"run_root='{tmp_path}'", *learning.objective_sets(k, None, args)]
+        return load_run_config(config, sets).correction.kind
+
+    assert [kind(k, None) for k in (0, 2, 8)] == ["none", "none", "m2po"]  # auto: m2po above k = 2
+    assert [kind(k, "decoupled") for k in (2, 8)] == ["none", "decoupled"]  # --correction: above k = 2 only

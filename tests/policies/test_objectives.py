@@ -280,6 +280,20 @@ def test_correction_rejects_bad_settings_naming_the_key(kwargs: dict, match: str
         Correction(**kwargs)
 
 
+def test_auto_is_none_up_to_k2_and_m2po_above_and_checks_settings_against_what_it_resolved_to() -> None:
+    from policies.correction import auto_kind
+
+    assert [auto_kind(k) for k in (0, 1, 2, 3, 8, 32)] == ["none", "none", "none", "m2po", "m2po", "m2po"]
+    assert validate(RunConfig, {}).correction.kind == "none"  # the default k = 2
+    assert validate(RunConfig, {"mode": "sync"}).correction.kind == "none"
+    at_k8 = validate(RunConfig, {"staleness": {"k": 8}, "correction": {"m2_threshold": 0.02}})
+    assert make_correction(at_k8) == Correction("m2po", m2_threshold=0.02)
+    assert validate(RunConfig, {"staleness": {"k": 8}, "correction": {"kind": "none"}}).correction.kind == "none"
+    with pytest.raises(ConfigError, match=r"correction.kind = 'auto' is 'none' at staleness.k = 2; remove "
+                                          r"correction.m2_threshold or set correction.kind = 'm2po'"):
+        validate(RunConfig, {"correction": {"m2_threshold": 0.02}})
+
+
 def test_config_selects_each_objective_and_refuses_settings_of_another() -> None:
     cfg = validate(RunConfig, {"correction": {"kind": "m2po", "m2_threshold": 0.1}})
     assert make_correction(cfg) == Correction("m2po", m2_threshold=0.1)
