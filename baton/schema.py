@@ -761,11 +761,11 @@ class CorrectionSpec(Section):
     kind: Literal[("auto", *KINDS)] = Field(  # type: ignore[valid-type]
         "auto",
         description="auto (the default): none up to staleness.k = 2, m2po above (resolved when the config loads; "
-        "docs/results/learning.md says why); none: PPO-clip on behaviour logprobs; the others clip against the "
-        "learner's logprobs at the step's start and weight tokens by pi_prox / pi_behav: tis truncates the weight, decoupled keeps it "
-        "(left out above decoupled_cap), m2po leaves out the tokens whose squared log-weight lifts the batch's "
-        "second moment over m2_threshold, mis-token / mis-seq leave out tokens / rows whose weight lies outside "
-        "their bounds, gspo uses a sequence-level ratio and clip"
+        "docs/results/learning.md says why); none: PPO-clip on behaviour logprobs; the others clip against "
+        "the learner's logprobs at the step's start and weight tokens by pi_prox / pi_behav: tis truncates "
+        "the weight, decoupled keeps it (left out above decoupled_cap), m2po leaves out the tokens whose "
+        "squared log-weight lifts the batch's second moment over m2_threshold, mis-token / mis-seq leave out "
+        "tokens / rows whose weight lies outside their bounds, gspo uses a sequence-level ratio and clip"
     )
     tis_cap: float = Field(default_of(Correction, "tis_cap"), ge=1, description="tis: importance weights above "
                            "this are truncated to it")
