@@ -28,17 +28,13 @@ OBJECTIVES: dict[str, tuple[Callable[..., tuple[torch.Tensor, Stats]], Callable[
     "gspo": (gspo, lambda c: {"clip_eps": c.gspo_clip_low, "clip_high": c.gspo_clip_high}),
 }
 
-# `correction.kind = "auto"` (the config's default) resolves to one of these by the staleness bound k
-AUTO_KIND_UP_TO_K2, AUTO_KIND_ABOVE_K2 = "none", "m2po"
-
-
 def auto_kind(k: int) -> str:
     """The objective the config's `auto` picks for bound k: `none` up to k = 2, where it learns as well as any
     (docs/results/learning.md), and `m2po` above, the one objective that held in every measured row from
     k = 4 to 32 (PPO-style clipping against a stale behaviour policy cuts exactly the tokens that moved)."""
     if k < 0:
         raise ValueError(f"staleness.k must be >= 0, got {k}")
-    return AUTO_KIND_UP_TO_K2 if k <= 2 else AUTO_KIND_ABOVE_K2
+    return "none" if k <= 2 else "m2po"
 
 
 # the settings that only one kind reads

@@ -155,8 +155,8 @@ def entropy_bonus_term(entropy: torch.Tensor, cap: float | None = None) -> torch
     """Per token, the entropy the bonus rewards: the token's entropy, or with `cap` at most `cap`, so a
     token whose entropy is above it gets no gradient from the bonus. Uncapped, a bonus on a batch whose
     rewards are flat is the loss's only gradient, and Adam, which scales steps by the gradient's own size,
-    turns it into full-size steps towards uniform (seen at k = 8 on addition: entropy 0.2 to 4 nats, the
-    vocabulary's log, in a dozen versions)."""
+    turns it into full-size steps towards uniform (seen at k = 8 on the math example with `m2po`: entropy
+    1.2 to 5.8 nats a token, the vocabulary's log, within 60 versions)."""
     return entropy if cap is None else entropy.clamp(max=cap)
 
 
