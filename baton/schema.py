@@ -48,7 +48,7 @@ from stages.engines.sglang import SGLangEngine
 from stages.environments import make_environment
 from stages.learner import GRPOLearner
 from stages.learner.lora import LoraSpec, check_targets
-from stages.learner.losses import AGGREGATIONS, DISTILL_MODES, ENTROPY_SCOPES, LR_DECAYS
+from stages.learner.losses import ADVANTAGE_BASELINES, AGGREGATIONS, DISTILL_MODES, ENTROPY_SCOPES, LR_DECAYS
 from stages.rollout import Rollout
 from stages.rollout.episode import EpisodeLimits
 from stages.rollout.evaluation import Evaluation
@@ -683,6 +683,10 @@ class GRPOSpec(Section):
                                         "constant divisor; unset: the batch's padded width")
     norm_adv_by_std: bool = Field(default_of(GRPOLearner, "norm_adv_by_std"), description="false: advantages are "
                                   "r - group mean, not divided by the group's std (Dr. GRPO)")
+    advantage_baseline: Literal[ADVANTAGE_BASELINES] = Field(  # type: ignore[valid-type]
+        default_of(GRPOLearner, "advantage_baseline"), description='"sampled": a group\'s mean reward as sampled; '
+        '"current": its mean reweighted to the weights being trained (each row by its sequence\'s importance '
+        "weight, self-normalised), the baseline of a group that stale samples no longer describe")
     entropy_coef: float = Field(default_of(GRPOLearner, "entropy_coef"), ge=0, description="entropy bonus")
     entropy_scope: Literal[ENTROPY_SCOPES] = Field(  # type: ignore[valid-type]
         default_of(GRPOLearner, "entropy_scope"), description='"all" rows, or "zero-variance": only the rows of '
@@ -714,6 +718,9 @@ class GRPOSpec(Section):
     max_grad_norm: float = Field(default_of(GRPOLearner, "max_grad_norm"), gt=0,
         description="gradients are clipped to this global norm before each optimizer step")
     weight_decay: float = Field(default_of(GRPOLearner, "weight_decay"), ge=0, description="AdamW weight decay")
+    adam_betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = Field(
+        default_of(GRPOLearner, "adam_betas"), description="AdamW's decay rates of its gradient mean (momentum) "
+        "and of its squared gradient, each in [0, 1)")
     epochs: int = Field(default_of(GRPOLearner, "epochs"), ge=1, description="optimizer passes over each step's "
                         "batch (PPO epochs)")
     device: str = Field(default_of(GRPOLearner, "device"), pattern=r"^(auto|cpu|cuda(:\d+)?)$",

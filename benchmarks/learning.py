@@ -235,16 +235,19 @@ def main() -> None:
     p.add_argument("--after", type=int, default=40, help="versions a run goes on past the target")
     p.add_argument("--runtime", choices=["local", "ray"], default="local", help="ray: every stage its own process")
     p.add_argument("--set", dest="overrides", action="append", default=[], help="config override for every run")
+    p.add_argument("--keep", type=Path, default=None, help="a folder that keeps every run's own (metrics, log)")
     a = p.parse_args()
     prepare(a.tasks.split(","))
     rows = []
     objectives = a.objectives.split(",") if a.objectives else [None]
     with tempfile.TemporaryDirectory() as tmp:
+        root = a.keep or Path(tmp)
+        root.mkdir(parents=True, exist_ok=True)
         for k in (int(x) for x in a.ks.split(",")):
             for task in a.tasks.split(","):
                 for objective in objectives:
                     for seed in (int(x) for x in a.seeds.split(",")):
-                        rows.append(run_once(task, seed, k, a, Path(tmp), objective))
+                        rows.append(run_once(task, seed, k, a, root, objective))
                         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     print(json.dumps({"benchmark": "learning", "runtime": a.runtime, "overrides": a.overrides, **summarise(rows)}))
 

@@ -23,10 +23,12 @@ from stages.learner import report
 from stages.learner.actor import LearnerActor
 from stages.learner.lora import LoraSpec
 from stages.learner.losses import (
+    ADVANTAGE_BASELINES,
     AGGREGATIONS,
     DISTILL_MODES,
     ENTROPY_SCOPES,
     LR_DECAYS,
+    AdvantageBaseline,
     DistillMode,
     EntropyScope,
     LossAggregation,
@@ -52,6 +54,8 @@ class GRPOLearner:
     loss_agg_mode: LossAggregation = "token-mean"  # stages.losses.aggregate
     loss_max_tokens: int | None = None  # seq-mean-token-sum-norm's constant divisor; None: the batch's width
     norm_adv_by_std: bool = False  # False: Dr. GRPO advantages (r - group mean, no std scaling)
+    # "current": a group's baseline is its mean reward reweighted to the step's start weights (losses.group_advantages)
+    advantage_baseline: AdvantageBaseline = "sampled"
     entropy_coef: float = 0.01  # entropy bonus: loss -= coef x aggregated entropy
     entropy_scope: EntropyScope = "all"  # "zero-variance": the bonus counts only rows of groups without signal
     entropy_cap: float | None = None  # each token's entropy counts in the bonus up to this (nats); None: uncapped
@@ -71,6 +75,7 @@ class GRPOLearner:
     replays_ride_along: bool = False  # reuse: replays train on top of groups_per_step new groups, not in their place
     max_grad_norm: float = 1.0
     weight_decay: float = 0.0
+    adam_betas: tuple[float, float] = (0.9, 0.999)  # AdamW's (momentum, second-moment) decay rates
     epochs: int = 1  # optimizer passes over each step's batch (PPO epochs)
     temperature: float = 1.0
     weights: str | WeightTransport = "inproc"
@@ -98,6 +103,9 @@ class GRPOLearner:
             )
         if self.lr_decay not in LR_DECAYS:
             raise ValueError(f"learner.lr_decay must be one of {', '.join(LR_DECAYS)}, got {self.lr_decay!r}")
+        if self.advantage_baseline not in ADVANTAGE_BASELINES:
+            raise ValueError(f"learner.advantage_baseline must be one of {', '.join(ADVANTAGE_BASELINES)}, "
+                             f"got {self.advantage_baseline!r}")
         if self.entropy_scope not in ENTROPY_SCOPES:
             raise ValueError(f"learner.entropy_scope must be one of {', '.join(ENTROPY_SCOPES)}, "
                              f"got {self.entropy_scope!r}")
@@ -107,6 +115,8 @@ class GRPOLearner:
             raise ValueError(f"learner.lr_tuned_staleness must be >= 0, got {self.lr_tuned_staleness}")
         if self.lr_staleness_power < 0:
             raise ValueError(f"learner.lr_staleness_power must be >= 0, got {self.lr_staleness_power}")
+        if len(self.adam_betas) != 2 or not all(0 <= beta < 1 for beta in self.adam_betas):
+            raise ValueError(f"learner.adam_betas must be two numbers in [0, 1), got {self.adam_betas}")
         if self.export_every < 0:
             raise ValueError(f"checkpoint.export_every must be >= 0 (0: never), got {self.export_every}")
         if self.world_size < 1:
