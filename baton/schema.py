@@ -48,7 +48,7 @@ from stages.engines.sglang import SGLangEngine
 from stages.environments import make_environment
 from stages.learner import GRPOLearner
 from stages.learner.lora import LoraSpec, check_targets
-from stages.learner.losses import ADVANTAGE_BASELINES, AGGREGATIONS, DISTILL_MODES, ENTROPY_SCOPES, LR_DECAYS
+from stages.learner.losses import AGGREGATIONS, DISTILL_MODES, ENTROPY_SCOPES, LR_DECAYS
 from stages.rollout import Rollout
 from stages.rollout.episode import EpisodeLimits
 from stages.rollout.evaluation import Evaluation
@@ -683,10 +683,6 @@ class GRPOSpec(Section):
                                         "constant divisor; unset: the batch's padded width")
     norm_adv_by_std: bool = Field(default_of(GRPOLearner, "norm_adv_by_std"), description="false: advantages are "
                                   "r - group mean, not divided by the group's std (Dr. GRPO)")
-    advantage_baseline: Literal[ADVANTAGE_BASELINES] = Field(  # type: ignore[valid-type]
-        default_of(GRPOLearner, "advantage_baseline"), description='"sampled": a group\'s mean reward as sampled; '
-        '"current": its mean reweighted to the weights being trained (each row by its sequence\'s importance '
-        "weight, self-normalised), the baseline of a group that stale samples no longer describe")
     entropy_coef: float = Field(default_of(GRPOLearner, "entropy_coef"), ge=0, description="entropy bonus")
     entropy_scope: Literal[ENTROPY_SCOPES] = Field(  # type: ignore[valid-type]
         default_of(GRPOLearner, "entropy_scope"), description='"all" rows, or "zero-variance": only the rows of '

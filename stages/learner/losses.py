@@ -28,53 +28,23 @@ LrDecay = Literal["constant", "linear", "cosine"]
 LR_DECAYS: tuple[str, ...] = get_args(LrDecay)
 EntropyScope = Literal["all", "zero-variance"]
 ENTROPY_SCOPES: tuple[str, ...] = get_args(EntropyScope)
-AdvantageBaseline = Literal["sampled", "current"]
-ADVANTAGE_BASELINES: tuple[str, ...] = get_args(AdvantageBaseline)
 DistillMode = Literal["advantage", "loss"]
 DISTILL_MODES: tuple[str, ...] = get_args(DistillMode)
 
 
 def group_advantages(
-    rewards: torch.Tensor, group_index: torch.Tensor, eps: float = 1e-4, scale_by_std: bool = True,
-    log_weights: torch.Tensor | None = None,
+    rewards: torch.Tensor, group_index: torch.Tensor, eps: float = 1e-4, scale_by_std: bool = True
 ) -> torch.Tensor:
     """(r - mean of its group) / (std of its group + eps), per row; without `scale_by_std` (Dr. GRPO)
-    just r - mean of its group. A group of equal rewards gives 0 either way.
-
-    With `log_weights` (per row, e.g. `sequence_log_weights`), the mean is the self-normalised weighted one,
-    sum w r / sum w within the group: the group's expected reward under the policy the weights point to,
-    not under the one that sampled it. Equal weights give the plain mean."""
+    just r - mean of its group. A group of equal rewards gives 0 either way."""
     groups = int(group_index.max()) + 1
     count = torch.zeros(groups, dtype=rewards.dtype).index_add_(0, group_index, torch.ones_like(rewards))
-    if log_weights is None:
-        mean = torch.zeros(groups, dtype=rewards.dtype).index_add_(0, group_index, rewards) / count
-    else:
-        mean = weighted_group_mean(rewards, group_index, log_weights.to(rewards.dtype), groups)
+    mean = torch.zeros(groups, dtype=rewards.dtype).index_add_(0, group_index, rewards) / count
     centred = rewards - mean[group_index]
     if not scale_by_std:
         return centred
     var = torch.zeros(groups, dtype=rewards.dtype).index_add_(0, group_index, centred**2) / (count - 1).clamp(min=1)
     return centred / (var.sqrt()[group_index] + eps)
-
-
-def weighted_group_mean(
-    values: torch.Tensor, group_index: torch.Tensor, log_weights: torch.Tensor, groups: int
-) -> torch.Tensor:
-    """Per group, sum w v / sum w with w = exp(log_weights), computed stably (each group's largest log
-    weight is subtracted before exponentiating)."""
-    top = torch.full((groups,), -torch.inf, dtype=log_weights.dtype).scatter_reduce(
-        0, group_index, log_weights, reduce="amax")
-    w = torch.exp(log_weights - top[group_index])
-    total = torch.zeros(groups, dtype=values.dtype).index_add_(0, group_index, w)
-    return torch.zeros(groups, dtype=values.dtype).index_add_(0, group_index, w * values) / total
-
-
-def sequence_log_weights(current: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor,
-                         bound: float = 5.0) -> torch.Tensor:
-    """Per row, log of the sequence's importance weight pi_current(y) / pi_behaviour(y): the sum over its
-    trained tokens of the log-ratios, clamped to [-bound, bound] so one row cannot take all of its group's
-    weight by numerical accident alone."""
-    return ((current - behaviour) * mask).sum(-1).clamp(-bound, bound)
 
 
 def distill_advantages(

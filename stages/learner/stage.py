@@ -23,12 +23,10 @@ from stages.learner import report
 from stages.learner.actor import LearnerActor
 from stages.learner.lora import LoraSpec
 from stages.learner.losses import (
-    ADVANTAGE_BASELINES,
     AGGREGATIONS,
     DISTILL_MODES,
     ENTROPY_SCOPES,
     LR_DECAYS,
-    AdvantageBaseline,
     DistillMode,
     EntropyScope,
     LossAggregation,
@@ -54,8 +52,6 @@ class GRPOLearner:
     loss_agg_mode: LossAggregation = "token-mean"  # stages.losses.aggregate
     loss_max_tokens: int | None = None  # seq-mean-token-sum-norm's constant divisor; None: the batch's width
     norm_adv_by_std: bool = False  # False: Dr. GRPO advantages (r - group mean, no std scaling)
-    # "current": a group's baseline is its mean reward reweighted to the step's start weights (losses.group_advantages)
-    advantage_baseline: AdvantageBaseline = "sampled"
     entropy_coef: float = 0.01  # entropy bonus: loss -= coef x aggregated entropy
     entropy_scope: EntropyScope = "all"  # "zero-variance": the bonus counts only rows of groups without signal
     entropy_cap: float | None = None  # each token's entropy counts in the bonus up to this (nats); None: uncapped
@@ -103,9 +99,6 @@ class GRPOLearner:
             )
         if self.lr_decay not in LR_DECAYS:
             raise ValueError(f"learner.lr_decay must be one of {', '.join(LR_DECAYS)}, got {self.lr_decay!r}")
-        if self.advantage_baseline not in ADVANTAGE_BASELINES:
-            raise ValueError(f"learner.advantage_baseline must be one of {', '.join(ADVANTAGE_BASELINES)}, "
-                             f"got {self.advantage_baseline!r}")
         if self.entropy_scope not in ENTROPY_SCOPES:
             raise ValueError(f"learner.entropy_scope must be one of {', '.join(ENTROPY_SCOPES)}, "
                              f"got {self.entropy_scope!r}")

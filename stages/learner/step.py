@@ -45,7 +45,6 @@ from stages.learner.losses import (
     group_advantages,
     kl_k3,
     lr_scheduler,
-    sequence_log_weights,
     staleness_lr_factor,
     token_entropy,
     zero_variance_fraction,
@@ -235,9 +234,6 @@ class PolicyTrainer:
         rows = _Rows.of(batches, spec, self.device)
         chunks = _padded(micro_batches(rows.lengths, spec.micro_batch_tokens), plan.micro_batches)
         proximal: list[torch.Tensor | None] = [None] * len(chunks)
-        if spec.advantage_baseline == "current":  # every rank runs the pass: FSDP's forwards are collectives
-            proximal = self._proximal_pass(rows, chunks)
-            rows = _Rows.of(batches, spec, self.device, log_weights=rows.sequence_log_weights(chunks, proximal))
         for _ in range(spec.epochs):  # PPO epochs: later passes see ratios move away from 1, and clip
             opt.zero_grad(set_to_none=True)
             totals = _Totals()
@@ -281,17 +277,6 @@ class PolicyTrainer:
         totals.add(float(loss.detach()), info, float(m.sum()))
         return proximal
 
-    def _proximal_pass(self, rows: _Rows, chunks: list[list[int]]) -> list[torch.Tensor | None]:
-        """The weights at the step's start: each micro-batch's logprobs of its tokens, without gradient (a
-        forward of every chunk, empty ones too, as FSDP's collectives require)."""
-        out: list[torch.Tensor | None] = []
-        with torch.no_grad():
-            for chunk in chunks:
-                ids, _, _, attn, _, _ = rows.take(chunk, self.device)
-                logits = self.model(input_ids=ids, attention_mask=attn).logits[:, :-1].float() / self.spec.temperature
-                out.append(torch.log_softmax(logits, -1).gather(2, ids[:, 1:, None]).squeeze(-1) if chunk else None)
-        return out
-
     def _reference_logits(self, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """The initial weights' logits for the KL penalty: the reference model's, or with LoRA the base's
         (the adapter switched off for this forward)."""
@@ -311,33 +296,19 @@ class _Rows:
         self.lengths = [int(n) for n in attn.sum(-1)]
 
     @classmethod
-    def of(cls, batches: list[RolloutBatch], spec: Any, device: torch.device,
-           log_weights: torch.Tensor | None = None) -> _Rows:
-        """`log_weights` (per row): each group's baseline is its weighted mean reward (`group_advantages`)."""
+    def of(cls, batches: list[RolloutBatch], spec: Any, device: torch.device) -> _Rows:
         if not batches:  # a rank without groups this step: one masked dummy row keeps the collectives in step
             z = torch.zeros((0, 2))
             return cls(z.long(), z, z, z.long(), torch.zeros(0), torch.zeros(0, dtype=torch.long),
                        torch.zeros(0, 1), torch.zeros(0, 1))
         ids, old, mask, attn, rewards, group_index = batch_tensors(batches)
-        adv = group_advantages(rewards, group_index, scale_by_std=spec.norm_adv_by_std,
-                               log_weights=log_weights)[:, None]
+        adv = group_advantages(rewards, group_index, scale_by_std=spec.norm_adv_by_std)[:, None]
         if spec.distill_coef > 0:  # per-token advantages: GRPO's plus (or replaced by) the teacher's term
             teacher = teacher_tensor(batches, ids.shape[1])
             adv = distill_advantages(adv, old, teacher, mask, spec.distill_coef, spec.distill_mode,
                                      group_index if spec.distill_baseline else None)
         bonus = entropy_bonus_rows(rewards, group_index, spec.entropy_scope)[:, None]
         return cls(ids, old, mask, attn, rewards, group_index, adv, bonus)
-
-    def sequence_log_weights(self, chunks: list[list[int]], proximal: list[torch.Tensor | None]) -> torch.Tensor:
-        """Per row, the log importance weight of its whole sequence, the step's start weights over the
-        behaviour policy's (`losses.sequence_log_weights`), from each chunk's proximal logprobs."""
-        out = torch.zeros(len(self.lengths))
-        for chunk, logp in zip(chunks, proximal, strict=True):
-            if chunk:
-                index = torch.tensor(chunk)
-                width = logp.shape[1] + 1
-                out[index] = sequence_log_weights(logp.cpu(), self.old[index, 1:width], self.mask[index, 1:width])
-        return out
 
     def take(self, chunk: list[int], device: torch.device) -> tuple[torch.Tensor, ...]:
         """The rows `chunk`, cut to their longest row, on `device` (empty: one masked dummy row)."""
