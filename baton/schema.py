@@ -48,7 +48,7 @@ from stages.engines.sglang import SGLangEngine
 from stages.environments import make_environment
 from stages.learner import GRPOLearner
 from stages.learner.lora import LoraSpec, check_targets
-from stages.learner.losses import AGGREGATIONS, DISTILL_MODES, ENTROPY_SCOPES, LR_DECAYS
+from stages.learner.losses import AGGREGATIONS, DISTILL_MODES, ENTROPY_SCOPES, LR_DECAYS, staleness_lr_factor
 from stages.rollout import Rollout
 from stages.rollout.episode import EpisodeLimits
 from stages.rollout.evaluation import Evaluation
@@ -705,6 +705,8 @@ class GRPOSpec(Section):
                                       "mean staleness + 1)) ** lr_staleness_power")
     lr_staleness_power: float = Field(default_of(GRPOLearner, "lr_staleness_power"), ge=0, description="0: the "
                                       "same lr at every staleness")
+    lr_staleness_floor: float = Field(default_of(GRPOLearner, "lr_staleness_floor"), ge=0, le=1, description="the "
+                                      "cut never takes a step's lr below this x lr (0: no floor)")
     warn_entropy_below: float = Field(default_of(GRPOLearner, "warn_entropy_below"), ge=0, description="a "
                                       "learner.entropy_collapse event when the entropy falls below this ...")
     warn_reward_below: float = Field(default_of(GRPOLearner, "warn_reward_below"), description="... while the "
@@ -1284,6 +1286,12 @@ class RunConfig(Section):
                 f"samples, live at once; in the store that is {per_token / 2**10:,.1f} KiB per token of a sample")
         if new_tokens:
             line += f", {per_token * new_tokens / 2**20:,.2f} MiB for completions of {new_tokens} tokens plus prompts"
+        learner = self.learner
+        if hasattr(learner, "lr_staleness_floor") and shape.k > 0:
+            factor = staleness_lr_factor(shape.k, learner.lr_tuned_staleness, learner.lr_staleness_power,
+                                         learner.lr_staleness_floor)
+            line += (f"; a step on groups {shape.k} versions old trains at {factor:.2f} x lr "
+                     "(learner.lr_tuned_staleness, lr_staleness_power, lr_staleness_floor)")
         return line
 
     def _set_lead(self, staleness: MaxStalenessSpec) -> None:

@@ -65,6 +65,7 @@ class GRPOLearner:
     # the staleness lr was chosen at: a staler step's lr x ((this + 1) / (staleness + 1)) ** lr_staleness_power
     lr_tuned_staleness: float = 5.0  # with lr 4e-4: a staleness-8 step takes 0.44 x lr (README "Learning defaults")
     lr_staleness_power: float = 2.0  # 0: the same lr at every staleness
+    lr_staleness_floor: float = 0.4  # the cut never takes the lr below this x lr (k = 8's 0.44 is above it)
     warn_entropy_below: float = 0.05  # a learner.entropy_collapse event when entropy falls below this ...
     warn_reward_below: float = 0.5  # ... while the trailing mean reward is below this
     warn_window: int = 20  # versions in the trailing reward
@@ -108,6 +109,8 @@ class GRPOLearner:
             raise ValueError(f"learner.lr_tuned_staleness must be >= 0, got {self.lr_tuned_staleness}")
         if self.lr_staleness_power < 0:
             raise ValueError(f"learner.lr_staleness_power must be >= 0, got {self.lr_staleness_power}")
+        if not 0 <= self.lr_staleness_floor <= 1:
+            raise ValueError(f"learner.lr_staleness_floor must be in [0, 1], got {self.lr_staleness_floor}")
         if len(self.adam_betas) != 2 or not all(0 <= beta < 1 for beta in self.adam_betas):
             raise ValueError(f"learner.adam_betas must be two numbers in [0, 1), got {self.adam_betas}")
         if self.export_every < 0:

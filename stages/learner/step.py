@@ -227,7 +227,8 @@ class PolicyTrainer:
         metrics (over every rank's rows)."""
         plan = plan if plan is not None else plan_step([batches], 0.0, self.spec.micro_batch_tokens)
         spec, opt = self.spec, self.optimizer
-        lr_scale = staleness_lr_factor(plan.mean_staleness, spec.lr_tuned_staleness, spec.lr_staleness_power)
+        lr_scale = staleness_lr_factor(plan.mean_staleness, spec.lr_tuned_staleness, spec.lr_staleness_power,
+                                       spec.lr_staleness_floor)
         for group in opt.param_groups:  # the scheduler sets each step's lr afresh, so this lasts one step
             group["lr"] *= lr_scale
         lr = opt.param_groups[0]["lr"]

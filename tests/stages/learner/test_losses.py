@@ -147,6 +147,15 @@ def test_staler_steps_take_smaller_steps() -> None:
         staleness_lr_factor(-1, tuned_at=2)
 
 
+def test_the_floor_keeps_a_large_bound_learning() -> None:
+    assert staleness_lr_factor(32, tuned_at=5) == pytest.approx((6 / 33) ** 2)  # 0.033: k = 32 barely moves
+    assert staleness_lr_factor(32, tuned_at=5, floor=0.4) == 0.4
+    assert staleness_lr_factor(8, tuned_at=5, floor=0.4) == pytest.approx((6 / 9) ** 2)  # 0.44: above the floor
+    assert staleness_lr_factor(2, tuned_at=5, floor=0.4) == 1.0
+    with pytest.raises(ValueError, match="floor"):
+        staleness_lr_factor(8, tuned_at=5, floor=1.5)
+
+
 def test_lr_scheduler_steps_the_optimizer_and_resumes_from_a_version() -> None:
     opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
     sched = lr_scheduler(opt, warmup_steps=2, total_steps=6, decay="linear")
@@ -205,8 +214,8 @@ def test_a_run_warns_once_when_entropy_collapses_while_reward_is_low(tmp_path) -
 
 def test_a_stale_step_trains_at_the_scaled_lr(tmp_path) -> None:
     """At k = 4 the engine runs ahead of the learner, so steps train on groups 3-4 versions old: each
-    record's `lr` is the configured lr times `staleness_lr_factor` of that step's mean staleness; with
-    power 0 it is the configured lr throughout."""
+    record's `lr` is the configured lr times `staleness_lr_factor` of that step's mean staleness (never
+    below the floor); with power 0 it is the configured lr throughout."""
     import json
     from pathlib import Path
 
@@ -218,14 +227,16 @@ def test_a_stale_step_trains_at_the_scaled_lr(tmp_path) -> None:
             "telemetry": {"progress": False, "log_level": "error"}, "checkpoint": {"every": 0},
             "staleness": {"k": 4}, "correction": {"kind": "decoupled"},
             "engine": {"kind": "torch", "batch_groups": 4}, "learner": {
-                "lr": 3e-3, "groups_per_step": 4, "lr_tuned_staleness": 2.0, "lr_staleness_power": power}})
+                "lr": 3e-3, "groups_per_step": 4, "lr_tuned_staleness": 2.0, "lr_staleness_power": power,
+                "lr_staleness_floor": 0.5}})
         run_dir = Path(build_pipeline(cfg).run()["run_dir"])
         return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
     scaled = run("scaled", 2.0)
     assert max(m["staleness_mean"] for m in scaled) > 2, "the test needs steps staler than the tuned staleness"
     for m in scaled:
-        factor = staleness_lr_factor(m["staleness_mean"], 2.0, 2.0)
+        factor = staleness_lr_factor(m["staleness_mean"], 2.0, 2.0, floor=0.5)
+        assert factor >= 0.5
         assert m["lr"] == pytest.approx(3e-3 * factor) and m["lr_staleness_factor"] == pytest.approx(factor, abs=1e-4)
     assert min(m["lr"] for m in scaled) < 3e-3
     assert {m["lr"] for m in run("unscaled", 0.0)} == {3e-3}
