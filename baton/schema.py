@@ -48,7 +48,14 @@ from stages.engines.sglang import SGLangEngine
 from stages.environments import make_environment
 from stages.learner import GRPOLearner
 from stages.learner.lora import LoraSpec, check_targets
-from stages.learner.losses import AGGREGATIONS, DISTILL_MODES, ENTROPY_SCOPES, LR_DECAYS, staleness_lr_factor
+from stages.learner.losses import (
+    AGGREGATIONS,
+    DISTILL_MODES,
+    ENTROPY_SCOPES,
+    LR_DECAYS,
+    auto_entropy_cap,
+    staleness_lr_factor,
+)
 from stages.rollout import Rollout
 from stages.rollout.episode import EpisodeLimits
 from stages.rollout.evaluation import Evaluation
@@ -687,10 +694,10 @@ class GRPOSpec(Section):
     entropy_scope: Literal[ENTROPY_SCOPES] = Field(  # type: ignore[valid-type]
         default_of(GRPOLearner, "entropy_scope"), description='"all" rows, or "zero-variance": only the rows of '
         "groups whose rewards are all equal (no signal)")
-    entropy_cap: float | None = Field(default_of(GRPOLearner, "entropy_cap"), gt=0, description="each token's "
-                                      "entropy counts in the bonus only up to this (nats): a token above it gets "
-                                      "no push, so the bonus cannot drive the policy towards uniform where "
-                                      "rewards are flat; unset: uncapped")
+    entropy_cap: Annotated[float, Field(gt=0)] | Literal["auto", "off"] = Field("auto", description="each "
+        "token's entropy counts in the bonus only up to this (nats): a token above it gets no push, so the bonus "
+        'cannot drive the policy towards uniform where rewards are flat; "off": uncapped; "auto" (the default): '
+        "off up to staleness.k = 2, 1.0 above (resolved when the config loads)")
     kl_coef: float = Field(default_of(GRPOLearner, "kl_coef"), ge=0, description="k3 KL penalty to the initial "
                            "weights (0: off, and no reference model is kept)")
     lr_warmup_steps: int = Field(default_of(GRPOLearner, "lr_warmup_steps"), ge=0, description="versions of linear "
@@ -1075,8 +1082,10 @@ class RunConfig(Section):
                 self.staleness.k = 0 if self.mode == "sync" else default_of(MaxStaleness, "k")
             self._set_lead(self.staleness)
         # a plug-in staleness policy names no k: its auto is k = 2's
-        self.correction.resolve_auto(self.staleness.k if isinstance(self.staleness, MaxStalenessSpec)
-                                     else default_of(MaxStaleness, "k"))
+        bound = self.staleness.k if isinstance(self.staleness, MaxStalenessSpec) else default_of(MaxStaleness, "k")
+        self.correction.resolve_auto(bound)
+        if isinstance(self.learner, GRPOSpec) and self.learner.entropy_cap == "auto":
+            self.learner.entropy_cap = auto_entropy_cap(bound) or "off"
         if isinstance(self.store, MooncakeStoreSpec):
             self._check_mooncake_capacity(self.store)
         if self.weights.transport == "broadcast" and self.runtime == "local":

@@ -160,6 +160,19 @@ def entropy_bonus_term(entropy: torch.Tensor, cap: float | None = None) -> torch
     return entropy if cap is None else entropy.clamp(max=cap)
 
 
+AUTO_ENTROPY_CAP = 1.0  # nats; measured on the math example at k = 8 and 32 (docs/results/learning.md)
+
+
+def auto_entropy_cap(k: int) -> float | None:
+    """The entropy cap the config's `auto` picks for staleness bound k: none up to k = 2, AUTO_ENTROPY_CAP
+    above, where the off-policy objective (m2po) leaves tokens out and the bonus can become most of the
+    gradient. It guards a trained checkpoint from being driven to uniform, at the price of some versions
+    on random-init models, whose entropy starts far above it."""
+    if k < 0:
+        raise ValueError(f"staleness.k must be >= 0, got {k}")
+    return None if k <= 2 else AUTO_ENTROPY_CAP
+
+
 def kl_k3(logprobs: torch.Tensor, reference_logprobs: torch.Tensor) -> torch.Tensor:
     """Per-token k3 estimate of KL(pi || pi_ref) on tokens sampled from pi (Schulman's; verl's
     `low_var_kl`): exp(ref - logp) - (ref - logp) - 1, which is >= 0 and 0 exactly where they agree."""

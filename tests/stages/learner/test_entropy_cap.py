@@ -43,6 +43,21 @@ def test_the_key_reaches_the_learner_and_a_bad_cap_is_refused(tmp_path: Path) ->
         validate(RunConfig, {"learner": {"entropy_cap": -1.0}})
 
 
+@pytest.mark.parametrize(("k", "given", "learner_gets"), [
+    (2, None, None), (0, None, None), (4, None, 1.0), (32, None, 1.0),  # auto: off up to k = 2, 1.0 above
+    (8, "off", None), (2, 0.5, 0.5), (8, 0.3, 0.3),  # what a user names is kept
+])
+def test_auto_caps_above_k2_and_the_resolved_config_says_so(tmp_path: Path, k: int, given: object,
+                                                             learner_gets: float | None) -> None:
+    learner = {} if given is None else {"entropy_cap": given}
+    cfg = validate(RunConfig, {"model": {"path": str(tmp_path / "m")}, "staleness": {"k": k}, "learner": learner})
+    assert grpo_learner(cfg.learner, cfg, model=tmp_path / "m").entropy_cap == learner_gets
+    assert cfg.learner.entropy_cap == (learner_gets or "off")  # resolved: the run's config.toml names it
+    again = validate(RunConfig, {"model": {"path": str(tmp_path / "m")}, "staleness": {"k": k},
+                                 "learner": {"entropy_cap": cfg.learner.entropy_cap}})
+    assert again.learner.entropy_cap == cfg.learner.entropy_cap  # a resumed run reads back what it ran with
+
+
 def test_on_flat_rewards_a_capped_bonus_leaves_high_entropy_weights_alone(tmp_path: Path) -> None:
     """Every group's rewards equal: the policy gradient is zero and the bonus is the whole loss. A random
     model's entropy is several nats, far above a cap of 0.1, so the capped learner's step changes nothing,
