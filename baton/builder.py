@@ -125,7 +125,7 @@ def grpo_learner(spec: Any, cfg: RunConfig, *, model: Path) -> GRPOLearner:
     return GRPOLearner(
         model, **spec.model_dump(exclude={"kind", "lora", "entropy_cap"}),  # the others are GRPOLearner fields
         lora=spec.lora.spec() if spec.lora is not None else None,
-        entropy_cap=entropy_cap(spec.entropy_cap),
+        entropy_cap=None if spec.entropy_cap == "off" else spec.entropy_cap,  # "auto" is resolved at load
         temperature=cfg.engine_sampling().get("temperature", default_of(GRPOLearner, "temperature")),
         weights=make_part("weights", cfg), snapshot_every=cfg.weights.snapshot_every,
         correction=make_correction(cfg), selection=make_selection_policy(cfg),
@@ -134,15 +134,6 @@ def grpo_learner(spec: Any, cfg: RunConfig, *, model: Path) -> GRPOLearner:
         distill_mode=cfg.distill.mode if cfg.distill else default_of(GRPOLearner, "distill_mode"),
         distill_baseline=cfg.distill.baseline if cfg.distill else default_of(GRPOLearner, "distill_baseline"),
     )
-
-
-def entropy_cap(value: float | str) -> float | None:
-    """`learner.entropy_cap` as GRPOLearner takes it: a number, or None for "off" ("auto" is resolved when
-    the config loads)."""
-    if value == "auto":
-        raise ValueError("learner.entropy_cap = 'auto' reached the builder unresolved: load the config with "
-                         "baton.schema.load_run_config or validate(RunConfig, ...)")
-    return None if value == "off" else float(value)
 
 
 def max_staleness(spec: schema.MaxStalenessSpec, cfg: RunConfig) -> MaxStaleness:

@@ -1296,7 +1296,7 @@ class RunConfig(Section):
         if new_tokens:
             line += f", {per_token * new_tokens / 2**20:,.2f} MiB for completions of {new_tokens} tokens plus prompts"
         learner = self.learner
-        if hasattr(learner, "lr_staleness_floor") and shape.k > 0:
+        if isinstance(learner, GRPOSpec) and shape.k > 0:
             factor = staleness_lr_factor(shape.k, learner.lr_tuned_staleness, learner.lr_staleness_power,
                                          learner.lr_staleness_floor)
             line += (f"; a step on groups {shape.k} versions old trains at {factor:.2f} x lr "

@@ -164,13 +164,11 @@ AUTO_ENTROPY_CAP = 1.0  # nats; measured on the math example at k = 8 and 32 (do
 
 
 def auto_entropy_cap(k: int) -> float | None:
-    """The entropy cap the config's `auto` picks for staleness bound k: none up to k = 2, AUTO_ENTROPY_CAP
-    above, where the off-policy objective (m2po) leaves tokens out and the bonus can become most of the
-    gradient. It guards a trained checkpoint from being driven to uniform, at the price of some versions
-    on random-init models, whose entropy starts far above it."""
-    if k < 0:
-        raise ValueError(f"staleness.k must be >= 0, got {k}")
-    return None if k <= 2 else AUTO_ENTROPY_CAP
+    """The entropy cap the config's `auto` picks for staleness bound k: none where `correction.auto_kind` picks no
+    off-policy objective (k <= 2), AUTO_ENTROPY_CAP where it picks one that leaves tokens out, so the bonus
+    can become most of the gradient. It guards a trained checkpoint from being driven to uniform, at the
+    price of some versions on random-init models, whose entropy starts far above it."""
+    return None if correction.auto_kind(k) == "none" else AUTO_ENTROPY_CAP
 
 
 def kl_k3(logprobs: torch.Tensor, reference_logprobs: torch.Tensor) -> torch.Tensor:

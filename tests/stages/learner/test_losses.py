@@ -236,7 +236,6 @@ def test_a_stale_step_trains_at_the_scaled_lr(tmp_path) -> None:
     assert max(m["staleness_mean"] for m in scaled) > 2, "the test needs steps staler than the tuned staleness"
     for m in scaled:
         factor = staleness_lr_factor(m["staleness_mean"], 2.0, 2.0, floor=0.5)
-        assert factor >= 0.5
         assert m["lr"] == pytest.approx(3e-3 * factor) and m["lr_staleness_factor"] == pytest.approx(factor, abs=1e-4)
     assert min(m["lr"] for m in scaled) < 3e-3
     assert {m["lr"] for m in run("unscaled", 0.0)} == {3e-3}
