@@ -24,6 +24,11 @@ threshold is the accuracy of greedy answers on the held-out eval split (200 prob
 versions): `--eval-target` (0.8) of them right by math-verify. Their rows also carry the eval accuracy at each
 evaluation and the trailing train reward.
 
+`--repeats R` runs every cell R times (the local runtime's interleaving is not deterministic, and above
+k = 2 the same seed has taken v713 and v950 to one target): a seed's figure in the ratios is then the
+median of its runs. `--parallel P` runs P at a time (on 2 cores at most 3, and then versions, not seconds,
+are the figure).
+
 Last stdout line: one JSON object with "rows" (one per task, seed, k and objective), "figures" (reached /
 runs and the median seconds and versions to the target per k and objective) and "ratios": reached_fraction
 (goal 1.0); against the k = 2 rows measured in the same invocation, the median time to target at each k;
@@ -43,11 +48,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,10 +103,14 @@ def objective_sets(k: int, objective: str | None, a: argparse.Namespace) -> list
     return [*mode, *([] if k <= 2 or a.correction is None else [f"correction.kind='{a.correction}'"])]
 
 
-def run_once(task: str, seed: int, k: int, a: argparse.Namespace, root: Path, objective: str | None = None) -> dict:
+def run_once(task: str, seed: int, k: int, a: argparse.Namespace, root: Path, objective: str | None = None,
+             repeat: int | None = None) -> dict:
+    """One row: `baton run` of the task at seed and k, watched to its target or limits. `repeat` (with
+    --repeats) numbers the runs of one cell and is part of the row and of the run's name."""
     config, task_sets = TASKS[task]
     steps, _ = limits(task, a)
     name = f"{task}-s{seed}-k{k}" + (f"-{objective}" if objective else "")
+    name += f"-r{repeat}" if repeat is not None else ""
     sets = [*task_sets, f"seed={seed}", f"steps={steps}", f"run_root='{root}'",
             f"name='{name}'", "telemetry.progress=false", "telemetry.log_level='warning'",
             "checkpoint.every=0", *objective_sets(k, objective, a), *(RAY_SETS if a.runtime == "ray" else []),
@@ -111,9 +122,10 @@ def run_once(task: str, seed: int, k: int, a: argparse.Namespace, root: Path, ob
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT)
         wall, killed = _watch(proc, task, name, a, root, started)
     metrics = _metrics_file(root, name)
+    cell = {"task": task, "seed": seed, "k": k, **({"repeat": repeat} if repeat is not None else {})}
     if metrics is None or not _records(metrics):
-        return {"task": task, "seed": seed, "k": k, "objective": objective, "error": log.read_text()[-500:]}
-    row = {**_row(task, seed, k, metrics, a, wall), "objective": objective or _objective_of(metrics)}
+        return {**cell, "objective": objective, "error": log.read_text()[-500:]}
+    row = {**_row(task, seed, k, metrics, a, wall), **cell, "objective": objective or _objective_of(metrics)}
     if killed:  # it ignored SIGTERM for a minute: a bug of its own, worth seeing in the table
         row["killed_after_sigterm"] = True
     return row
@@ -236,20 +248,36 @@ def main() -> None:
     p.add_argument("--runtime", choices=["local", "ray"], default="local", help="ray: every stage its own process")
     p.add_argument("--set", dest="overrides", action="append", default=[], help="config override for every run")
     p.add_argument("--keep", type=Path, default=None, help="a folder that keeps every run's own (metrics, log)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs per task, seed, k and objective; a seed's figure is the median of its runs")
+    p.add_argument("--parallel", type=int, default=1, help="runs at a time (2 cores: at most 3)")
     a = p.parse_args()
     prepare(a.tasks.split(","))
-    rows = []
-    objectives = a.objectives.split(",") if a.objectives else [None]
     with tempfile.TemporaryDirectory() as tmp:
         root = a.keep or Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
-        for k in (int(x) for x in a.ks.split(",")):
-            for task in a.tasks.split(","):
-                for objective in objectives:
-                    for seed in (int(x) for x in a.seeds.split(",")):
-                        rows.append(run_once(task, seed, k, a, root, objective))
-                        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    print(json.dumps({"benchmark": "learning", "runtime": a.runtime, "overrides": a.overrides, **summarise(rows)}))
+        rows = run_matrix(a, root)
+    print(json.dumps({"benchmark": "learning", "runtime": a.runtime, "overrides": a.overrides,
+                      "repeats": a.repeats, **summarise(rows)}))
+
+
+def run_matrix(a: argparse.Namespace, root: Path) -> list[dict]:
+    """Every row of the matrix, `a.parallel` runs at a time, each printed to stderr as it ends; returned in
+    the matrix's order (k, task, objective, seed, repeat) whatever order they ended in."""
+    objectives = a.objectives.split(",") if a.objectives else [None]
+    repeats = list(range(a.repeats)) if a.repeats > 1 else [None]
+    cells = [(task, seed, k, objective, repeat) for k in (int(x) for x in a.ks.split(","))
+             for task in a.tasks.split(",") for objective in objectives
+             for seed in (int(x) for x in a.seeds.split(",")) for repeat in repeats]
+
+    def one(cell: tuple) -> dict:
+        task, seed, k, objective, repeat = cell
+        row = run_once(task, seed, k, a, root, objective, repeat)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+        return row
+
+    with ThreadPoolExecutor(max_workers=max(1, a.parallel)) as pool:
+        return list(pool.map(one, cells))
 
 
 def summarise(rows: list[dict]) -> dict:
@@ -277,7 +305,8 @@ def summarise(rows: list[dict]) -> dict:
 def versions_vs_k2(rows: list[dict], field: str = "versions_to_target",
                    name: str = "versions_vs_k2") -> dict[str, float | None]:
     """Per task, k and objective: versions to the target at k over those at k = 2 (same task and objective),
-    at the worst seed; None when some seed did not reach the target. `field` "policy_version_at_target"
+    at the worst seed (with --repeats, each seed's median run: `seed_medians`); None when some seed's did not
+    reach the target. `field` "policy_version_at_target"
     (`name` policy_versions_vs_k2): the same, counting the versions of the weights that generated them."""
     out: dict[str, float | None] = {}
     for task, k, objective in sorted({(r["task"], r["k"], r.get("objective") or "") for r in rows}):
@@ -286,12 +315,21 @@ def versions_vs_k2(rows: list[dict], field: str = "versions_to_target",
         if k == 2 or not base:
             continue
         key = f"{name}/{task}/k{k}" + (f"/{objective}" if objective else "")
-        if not all(r.get("reached") for r in mine + base):
+        at_k, at_k2 = seed_medians(mine, field), seed_medians(base, field)
+        if any(v is None for v in [*at_k.values(), *at_k2.values()]):
             out[key] = None
             continue
-        base_by_seed = {r["seed"]: r[field] for r in base}
-        out[key] = round(max(r[field] / base_by_seed[r["seed"]] for r in mine
-                             if r["seed"] in base_by_seed), 3)
+        out[key] = round(max(at_k[seed] / at_k2[seed] for seed in at_k if seed in at_k2), 3)
+    return out
+
+
+def seed_medians(rows: list[dict], field: str) -> dict[int, float | None]:
+    """Per seed, the median of `field` over its runs (--repeats), a run that missed the target counting as
+    later than any that reached it: None where the median is such a run. One run a seed: its own figure."""
+    out: dict[int, float | None] = {}
+    for seed in sorted({r["seed"] for r in rows}):
+        middle = statistics.median(r[field] if r.get("reached") else math.inf for r in rows if r["seed"] == seed)
+        out[seed] = None if math.isinf(middle) else float(middle)
     return out
 
 

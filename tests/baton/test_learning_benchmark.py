@@ -61,3 +61,33 @@ def test_without_objectives_a_row_takes_the_configs_auto_or_the_correction_asked
 
     assert [kind(k, None) for k in (0, 2, 8)] == ["none", "none", "m2po"]  # auto: m2po above k = 2
     assert [kind(k, "decoupled") for k in (2, 8)] == ["none", "decoupled"]  # --correction: above k = 2 only
+
+
+def test_with_repeats_a_seed_counts_its_median_run() -> None:
+    rows = [row(2, 0, 300, 60.0), row(2, 0, 310, 61.0), row(2, 0, 900, 90.0),  # seed 0 at k = 2: median 310
+            row(8, 0, 330, 40.0), row(8, 0, 372, 41.0), row(8, 0, None, None)]  # a miss counts as latest: 372
+    assert learning.seed_medians(rows[3:], "versions_to_target") == {0: 372.0}
+    assert learning.summarise(rows)["ratios"]["versions_vs_k2/reverse2/k8/m2po"] == round(372 / 310, 3)
+    two_misses = [*rows[:3], row(8, 0, 330, 40.0), row(8, 0, None, None), row(8, 0, None, None)]
+    assert learning.summarise(two_misses)["ratios"]["versions_vs_k2/reverse2/k8/m2po"] is None
+
+
+def test_the_matrix_runs_in_parallel_and_keeps_its_order(monkeypatch, tmp_path) -> None:
+    import threading
+    import time
+
+    running, most = set(), []
+
+    def fake_run(task, seed, k, a, root, objective=None, repeat=None):
+        running.add((seed, k, repeat))
+        most.append(len(running))
+        time.sleep(0.3 if seed == 0 else 0.05)  # seed 0 ends last
+        running.discard((seed, k, repeat))
+        return {"task": task, "seed": seed, "k": k, "repeat": repeat, "thread": threading.get_ident()}
+
+    monkeypatch.setattr(learning, "run_once", fake_run)
+    args = argparse.Namespace(objectives=None, repeats=2, ks="2,8", tasks="reverse2", seeds="0,1", parallel=3)
+    rows = learning.run_matrix(args, tmp_path)
+    assert [(r["k"], r["seed"], r["repeat"]) for r in rows] == [
+        (k, seed, repeat) for k in (2, 8) for seed in (0, 1) for repeat in (0, 1)]
+    assert max(most) == 3 and len({r["thread"] for r in rows}) == 3
