@@ -790,6 +790,12 @@ class CorrectionSpec(Section):
         description="m2po: the most mean squared log(pi_prox / pi_behav) of the kept tokens (the batch's second "
         "moment); the largest are left out until it holds (0.04 in the M2PO paper)"
     )
+    m2_positive: Literal["weighted", "on_policy"] = Field(
+        default_of(Correction, "m2_positive"),
+        description="m2po: weighted (the default): a positive-advantage token is weighted and bounded like any; "
+        "on_policy: it trains at weight 1 and is never left out (the bound acts on the others), so a good "
+        "sample the learner has since moved away from is not shrunk away"
+    )
     mis_token_low: float = Field(default_of(Correction, "mis_token_low"), ge=0, le=1,
                                  description="mis-token: tokens whose weight is below this are left out")
     mis_token_high: float = Field(default_of(Correction, "mis_token_high"), ge=1,

@@ -11,6 +11,13 @@ The kept tokens' loss is the decoupled one: PPO-clip of pi_theta / pi_prox, weig
 At the step's first epoch pi_theta equals pi_prox, the clip cannot bind, and the loss is M2PO's masked,
 unclipped -(pi_theta / pi_behav) A; later PPO epochs stay within the clip range of the step's own start.
 A left-out token gets weight 0 and stays in the aggregation's denominator.
+
+`positive = "on_policy"` trains every positive-advantage token at weight 1 and never leaves it out; the bound
+then acts on the other tokens only. Under large staleness a good sample the learner has since moved away from
+(a rare right answer at a position the policy is locking wrongly) has a weight far below 1 and a large
+squared log-weight, so the importance weight shrinks, and the bound removes, exactly the discovery that would
+unlock it; a good token the learner already made likely has a weight far above 1, and its full weight only
+sharpens what is learned. Negative-advantage tokens keep their importance weights.
 """
 
 from __future__ import annotations
@@ -53,19 +60,25 @@ def m2po(
     logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, proximal_logprobs: torch.Tensor,
     advantages: torch.Tensor, mask: torch.Tensor, clip_eps: float = 0.2, threshold: float = 0.04,
     clip_high: float | None = None, reduce: Reduce = token_mean, entropy: torch.Tensor | None = None,
+    positive: str = "weighted",
 ) -> tuple[torch.Tensor, Stats]:
-    """The decoupled loss on the tokens `second_moment_keep` keeps. Stats beyond the shared ones: `m2` (the
-    batch's M2 before masking), `m2_kept` (after), `is_capped_frac` (tokens the bound left out), and
-    `masked_frac` (those, plus tokens held by a binding clip)."""
+    """The decoupled loss on the tokens `second_moment_keep` keeps (`positive = "on_policy"`: of the others,
+    and on every positive-advantage token at weight 1). Stats beyond the shared ones: `m2` (the
+    batch's M2 before masking), `m2_kept` (after, a positive token counting at log-weight 0 when it trains at
+    weight 1), `is_weight_*` (the tokens' own weights, whatever they train at), `is_capped_frac` (tokens the
+    bound left out), and `masked_frac` (those, plus tokens held by a binding clip)."""
     per_token, weights, ratio, stats = against_proximal(
         logprobs, behaviour_logprobs, proximal_logprobs, advantages, mask, clip_eps, clip_high
     )
     log_ratio = (proximal_logprobs - behaviour_logprobs).detach()
-    keep = second_moment_keep(log_ratio, mask, threshold)
+    good = (advantages > 0).expand_as(mask) & (mask > 0) if positive == "on_policy" else torch.zeros_like(mask > 0)
+    keep = second_moment_keep(log_ratio, mask * ~good, threshold) | good
     left_out = (mask > 0) & ~keep
-    loss = reduce(per_token * torch.where(keep, weights, torch.zeros_like(weights)), mask)
+    trained_at = torch.where(good, torch.ones_like(weights), torch.where(keep, weights, torch.zeros_like(weights)))
+    loss = reduce(per_token * trained_at, mask)
     with torch.no_grad():
         squares = torch.where(mask > 0, log_ratio, torch.zeros_like(log_ratio)) ** 2
-        moments = {"m2": float(token_mean(squares, mask)), "m2_kept": float(token_mean(squares, keep.float()))}
+        trained = torch.where(good, torch.zeros_like(squares), squares)  # what each kept token is weighted at
+        moments = {"m2": float(token_mean(squares, mask)), "m2_kept": float(token_mean(trained, keep.float()))}
     cut = left_out | binding_clip(ratio, advantages, clip_eps, clip_high)
     return loss, stats | weight_stats(weights, left_out, mask) | moments | cut_stats(cut, mask, entropy)

@@ -22,7 +22,7 @@ KINDS: tuple[str, ...] = get_args(CorrectionKind)
 OBJECTIVES: dict[str, tuple[Callable[..., tuple[torch.Tensor, Stats]], Callable[[Any], dict[str, Any]]]] = {
     "tis": (tis, lambda c: {"cap": c.tis_cap}),
     "decoupled": (decoupled, lambda c: {"cap": c.decoupled_cap}),
-    "m2po": (m2po, lambda c: {"threshold": c.m2_threshold}),
+    "m2po": (m2po, lambda c: {"threshold": c.m2_threshold, "positive": c.m2_positive}),
     "mis-token": (mis_token, lambda c: {"low": c.mis_token_low, "high": c.mis_token_high}),
     "mis-seq": (mis_seq, lambda c: {"low": c.mis_seq_low, "high": c.mis_seq_high}),
     "gspo": (gspo, lambda c: {"clip_eps": c.gspo_clip_low, "clip_high": c.gspo_clip_high}),
@@ -39,7 +39,7 @@ def auto_kind(k: int) -> str:
 
 # the settings that only one kind reads
 KIND_OF_SETTING: dict[str, str] = {
-    "tis_cap": "tis", "decoupled_cap": "decoupled", "m2_threshold": "m2po",
+    "tis_cap": "tis", "decoupled_cap": "decoupled", "m2_threshold": "m2po", "m2_positive": "m2po",
     "mis_token_low": "mis-token", "mis_token_high": "mis-token", "mis_seq_low": "mis-seq", "mis_seq_high": "mis-seq",
     "gspo_clip_low": "gspo", "gspo_clip_high": "gspo",
 }
@@ -62,6 +62,7 @@ class Correction:
     tis_cap: float = 2.0  # tis: weights above it are truncated to it
     decoupled_cap: float | None = None  # decoupled: tokens whose weight exceeds it are left out; None: keep all
     m2_threshold: float = 0.04  # m2po: most mean squared log-weight of the kept tokens
+    m2_positive: Literal["weighted", "on_policy"] = "weighted"  # m2po: "on_policy": positive tokens at weight 1
     mis_token_low: float = 0.5  # mis-token: tokens whose weight lies outside [low, high] are left out
     mis_token_high: float = 2.0
     mis_seq_low: float = 0.9  # mis-seq: rows whose geometric-mean weight lies outside [low, high] are left out
@@ -82,6 +83,11 @@ class Correction:
             raise ValueError(
                 f"correction.m2_threshold must be > 0 (the kept tokens' mean squared log-weight; 0 would leave out "
                 f"every stale token), got {self.m2_threshold}; the M2PO paper uses 0.04"
+            )
+        if self.m2_positive not in ("weighted", "on_policy"):
+            raise ValueError(
+                f"correction.m2_positive must be 'weighted' or 'on_policy' (positive tokens at weight 1), "
+                f"got {self.m2_positive!r}"
             )
         _check_bounds("mis-token", self.mis_token_low, self.mis_token_high, "0.5 and 2.0")
         _check_bounds("mis-seq", self.mis_seq_low, self.mis_seq_high, "0.9 and 1.1")

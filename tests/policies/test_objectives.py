@@ -112,6 +112,35 @@ def test_m2po_keeps_the_stale_high_entropy_tokens_that_clipping_cuts() -> None:
     assert kept["masked_frac"] == 0.0 and logprobs.grad[0, 0] == pytest.approx(-1.5 / 8)
 
 
+def test_m2po_on_policy_trains_positive_tokens_at_weight_one_and_bounds_the_others() -> None:
+    """Row 0 (advantage +1): a discovery the learner moved away from (weight 0.2) and a token it already made
+    likely (weight 16). Row 1 (advantage -1): weights 1 and e^0.1. Weighted, the bound leaves out both of row 0's
+    (squares 2.6 and 7.7); on_policy trains them at weight 1, and bounds row 1 alone."""
+    proximal, behaviour = _stale([[math.log(0.2), math.log(16.0)], [0.0, 0.1]])
+    adv, mask = torch.tensor([[1.0], [-1.0]]), torch.ones(2, 2)
+    grads = {}
+    for positive in ("weighted", "on_policy"):
+        logprobs = _leaf(proximal)
+        loss, stats = m2po(logprobs, behaviour, proximal, adv, mask, threshold=0.2, positive=positive)
+        loss.backward()
+        grads[positive] = logprobs.grad
+        assert stats["is_weight_max"] == pytest.approx(16.0)  # the tokens' own weights, whatever they train at
+    assert grads["weighted"][0].tolist() == [0.0, 0.0]  # both left out
+    assert grads["weighted"][1].tolist() == pytest.approx([1 / 4, E(0.1) / 4])
+    assert grads["on_policy"][0].tolist() == pytest.approx([-1 / 4, -1 / 4])  # pushed up, at weight 1
+    assert grads["on_policy"][1].tolist() == pytest.approx([1 / 4, E(0.1) / 4])  # unchanged: their weights
+    _, stats = m2po(proximal, behaviour, proximal, adv, mask, threshold=0.2, positive="on_policy")
+    assert stats["is_capped_frac"] == 0.0 and stats["m2_kept"] == pytest.approx(0.01 / 4)
+
+
+def test_m2po_on_policy_still_bounds_negative_tokens() -> None:
+    proximal, behaviour = _stale([[0.0, 3.0]])
+    logprobs = _leaf(proximal)
+    loss, stats = m2po(logprobs, behaviour, proximal, -torch.ones(1, 1), torch.ones(1, 2), positive="on_policy")
+    loss.backward()
+    assert logprobs.grad[0].tolist() == pytest.approx([0.5, 0.0]) and stats["is_capped_frac"] == 0.5
+
+
 # ------------------------------------------------------------------------------- masked importance sampling
 
 
@@ -255,6 +284,7 @@ def test_the_registry_hands_each_kind_its_settings() -> None:
     behaviour, proximal, logprobs, adv, mask, _ = _random_step(7, 3, 5, 1.0)
     pairs = [
         (Correction("m2po", m2_threshold=0.01), partial(m2po, threshold=0.01)),
+        (Correction("m2po", m2_positive="on_policy"), partial(m2po, positive="on_policy")),
         (Correction("mis-token", mis_token_low=0.3, mis_token_high=3.0), partial(mis_token, low=0.3, high=3.0)),
         (Correction("mis-seq", mis_seq_low=0.8, mis_seq_high=1.2), partial(mis_seq, low=0.8, high=1.2)),
         (Correction("gspo", gspo_clip_low=0.01, gspo_clip_high=0.02), partial(gspo, clip_eps=0.01, clip_high=0.02)),
@@ -270,6 +300,7 @@ def test_the_registry_hands_each_kind_its_settings() -> None:
     ("kwargs", "match"),
     [
         ({"kind": "m2po", "m2_threshold": 0.0}, r"correction.m2_threshold must be > 0 .* uses 0.04"),
+        ({"kind": "m2po", "m2_positive": "unit"}, r"correction.m2_positive must be 'weighted' or 'on_policy'"),
         ({"kind": "mis-token", "mis_token_low": 1.5}, r"correction.mis_token_low and correction.mis_token_high"),
         ({"kind": "mis-seq", "mis_seq_high": 0.9}, r"correction.mis_seq_low and correction.mis_seq_high"),
         ({"kind": "gspo", "gspo_clip_low": 1.0}, r"correction.gspo_clip_low must lie in \(0, 1\)"),
