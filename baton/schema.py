@@ -792,9 +792,9 @@ class CorrectionSpec(Section):
     )
     m2_positive: Literal["weighted", "on_policy"] = Field(
         default_of(Correction, "m2_positive"),
-        description="m2po: weighted (the default): a positive-advantage token is weighted and bounded like any; "
-        "on_policy: it trains at weight 1 and is never left out (the bound acts on the others), so a good "
-        "sample the learner has since moved away from is not shrunk away"
+        description="m2po: on_policy (the default): a positive-advantage token trains at weight 1 and is never "
+        "left out (the bound acts on the others), so a good sample the learner has since moved away from is "
+        "not shrunk away; weighted (the M2PO paper's): it is weighted and bounded like any"
     )
     mis_token_low: float = Field(default_of(Correction, "mis_token_low"), ge=0, le=1,
                                  description="mis-token: tokens whose weight is below this are left out")

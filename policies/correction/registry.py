@@ -62,7 +62,7 @@ class Correction:
     tis_cap: float = 2.0  # tis: weights above it are truncated to it
     decoupled_cap: float | None = None  # decoupled: tokens whose weight exceeds it are left out; None: keep all
     m2_threshold: float = 0.04  # m2po: most mean squared log-weight of the kept tokens
-    m2_positive: Literal["weighted", "on_policy"] = "weighted"  # m2po: "on_policy": positive tokens at weight 1
+    m2_positive: Literal["weighted", "on_policy"] = "on_policy"  # m2po: good tokens at weight 1; "weighted": paper
     mis_token_low: float = 0.5  # mis-token: tokens whose weight lies outside [low, high] are left out
     mis_token_high: float = 2.0
     mis_seq_low: float = 0.9  # mis-seq: rows whose geometric-mean weight lies outside [low, high] are left out
