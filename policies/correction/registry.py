@@ -61,7 +61,7 @@ class Correction:
     kind: CorrectionKind = "none"
     tis_cap: float = 2.0  # tis: weights above it are truncated to it
     decoupled_cap: float | None = None  # decoupled: tokens whose weight exceeds it are left out; None: keep all
-    m2_threshold: float = 0.04  # m2po: most mean squared log-weight of the kept tokens
+    m2_threshold: float = 0.2  # m2po: most mean squared log-weight of the kept tokens (the paper: 0.04)
     m2_positive: Literal["weighted", "on_policy"] = "on_policy"  # m2po: good tokens at weight 1; "weighted": paper
     mis_token_low: float = 0.5  # mis-token: tokens whose weight lies outside [low, high] are left out
     mis_token_high: float = 2.0
