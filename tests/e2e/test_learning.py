@@ -130,18 +130,17 @@ def test_reverse3_learns_without_collapse(tmp_path: Path, seed: int) -> None:
         assert lowest >= ENTROPY_FLOOR, f"seed {seed}: entropy fell to {lowest:.4f} before the reward reached {goal}"
 
 
-K8_SEED, K8_STEPS, K8_REACHES = 0, 400, 0.6  # measured (2026-12-03): 0.8 at version 336 (k = 2: 304)
+K8_SEED, K8_STEPS, K8_REACHES = 0, 400, 0.6  # measured (2026-12-05, uncapped): 0.8 at version 352 (k = 2: 303)
 
 
 @pytest.mark.nightly
 @pytest.mark.timeout(600)
 def test_k8_learns_per_version_like_k2(tmp_path: Path) -> None:
-    """The quickstart with staleness bound k = 8, `m2po` and the same lr at every staleness (what
-    docs/results/learning.md recommends for k >= 8 on the reverse tasks): producers run up to 8 versions
-    ahead, and the trailing reward still reaches K8_REACHES within K8_STEPS versions (k = 2 reaches 0.8 at
-    about version 300 on this seed)."""
-    records = _quickstart_run(tmp_path, K8_SEED, K8_STEPS,
-                              sets=("staleness.k=8", "correction.kind='m2po'", "learner.lr_staleness_power=0"))
+    """The quickstart with staleness bound k = 8 and nothing else changed (the defaults above k = 2: `m2po`
+    with good samples at weight 1, the full step, the entropy cap): producers run up to 8 versions ahead,
+    and the trailing reward still reaches K8_REACHES within K8_STEPS versions (k = 2 reaches 0.8 at about
+    version 300 on this seed)."""
+    records = _quickstart_run(tmp_path, K8_SEED, K8_STEPS, sets=("staleness.k=8",))
     assert statistics.fmean(r["staleness_mean"] for r in records[50:]) >= 4, "the data should really be stale"
     rewards = [r["reward"] for r in records]
     trailing = [statistics.fmean(rewards[max(0, i + 1 - WINDOW): i + 1]) for i in range(len(rewards))]
