@@ -284,7 +284,8 @@ def test_the_registry_hands_each_kind_its_settings() -> None:
     behaviour, proximal, logprobs, adv, mask, _ = _random_step(7, 3, 5, 1.0)
     pairs = [
         (Correction("m2po", m2_threshold=0.01), partial(m2po, threshold=0.01, positive="on_policy")),
-        (Correction("m2po", m2_positive="weighted"), partial(m2po, threshold=0.2, positive="weighted")),
+        (Correction("m2po", m2_positive="weighted"),
+         partial(m2po, threshold=Correction().m2_threshold, positive="weighted")),
         (Correction("mis-token", mis_token_low=0.3, mis_token_high=3.0), partial(mis_token, low=0.3, high=3.0)),
         (Correction("mis-seq", mis_seq_low=0.8, mis_seq_high=1.2), partial(mis_seq, low=0.8, high=1.2)),
         (Correction("gspo", gspo_clip_low=0.01, gspo_clip_high=0.02), partial(gspo, clip_eps=0.01, clip_high=0.02)),
