@@ -694,10 +694,11 @@ class GRPOSpec(Section):
     entropy_scope: Literal[ENTROPY_SCOPES] = Field(  # type: ignore[valid-type]
         default_of(GRPOLearner, "entropy_scope"), description='"all" rows, or "zero-variance": only the rows of '
         "groups whose rewards are all equal (no signal)")
-    entropy_cap: Annotated[float, Field(gt=0)] | Literal["auto", "off"] = Field("auto", description="each "
-        "token's entropy counts in the bonus only up to this (nats): a token above it gets no push, so the bonus "
-        'cannot drive the policy towards uniform where rewards are flat; "off": uncapped; "auto" (the default): '
-        "off up to staleness.k = 2, 1.0 above (resolved when the config loads)")
+    entropy_cap: Annotated[float, Field(gt=0)] | Literal["auto", "off", "initial"] = Field("auto", description=
+        "each token's entropy counts in the bonus only up to this (nats): a token above it gets no push, so the "
+        'bonus cannot drive the policy towards uniform where rewards are flat; "initial": the policy\'s mean '
+        'token entropy on its first step (kept in checkpoints); "off": uncapped; "auto" (the default): off up '
+        'to staleness.k = 2, "initial" above (resolved when the config loads)')
     kl_coef: float = Field(default_of(GRPOLearner, "kl_coef"), ge=0, description="k3 KL penalty to the initial "
                            "weights (0: off, and no reference model is kept)")
     lr_warmup_steps: int = Field(default_of(GRPOLearner, "lr_warmup_steps"), ge=0, description="versions of linear "

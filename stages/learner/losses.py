@@ -160,15 +160,18 @@ def entropy_bonus_term(entropy: torch.Tensor, cap: float | None = None) -> torch
     return entropy if cap is None else entropy.clamp(max=cap)
 
 
-AUTO_ENTROPY_CAP = 1.0  # nats; measured on the math example at k = 8 and 32 (docs/results/learning.md)
+INITIAL_ENTROPY_CAP = "initial"  # the cap is the policy's own mean token entropy on its first step
 
 
-def auto_entropy_cap(k: int) -> float | None:
+def auto_entropy_cap(k: int) -> str | None:
     """The entropy cap the config's `auto` picks for staleness bound k: none where `correction.auto_kind` picks no
-    off-policy objective (k <= 2), AUTO_ENTROPY_CAP where it picks one that leaves tokens out, so the bonus
-    can become most of the gradient. It guards a trained checkpoint from being driven to uniform, at the
-    price of some versions on random-init models, whose entropy starts far above it."""
-    return None if correction.auto_kind(k) == "none" else AUTO_ENTROPY_CAP
+    off-policy objective (k <= 2); above, where the objective leaves tokens out and the bonus can become most
+    of the gradient, "initial": the policy's mean token entropy on its first step. The bonus can then hold a
+    token as uncertain as the policy started, never push it above that, so it cannot drive a trained
+    checkpoint (about 1.2 nats a token on the math example) towards uniform (log |vocab|), and it leaves a
+    random-init model (near uniform already) as uncapped, which a fixed cap of 1.0 slowed by up to 1.5 times
+    the versions (docs/results/learning.md)."""
+    return None if correction.auto_kind(k) == "none" else INITIAL_ENTROPY_CAP
 
 
 def kl_k3(logprobs: torch.Tensor, reference_logprobs: torch.Tensor) -> torch.Tensor:

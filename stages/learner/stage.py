@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pipeline.channel import Channel
 from pipeline.context import RunContext
@@ -54,7 +54,9 @@ class GRPOLearner:
     norm_adv_by_std: bool = False  # False: Dr. GRPO advantages (r - group mean, no std scaling)
     entropy_coef: float = 0.01  # entropy bonus: loss -= coef x aggregated entropy
     entropy_scope: EntropyScope = "all"  # "zero-variance": the bonus counts only rows of groups without signal
-    entropy_cap: float | None = None  # each token's entropy counts in the bonus up to this (nats); None: uncapped
+    # each token's entropy counts in the bonus up to this (nats); "initial": the policy's mean token entropy
+    # on its first step (kept in checkpoints); None: uncapped
+    entropy_cap: float | Literal["initial"] | None = None
     kl_coef: float = 0.0  # k3 KL penalty to the initial weights (kept in memory only when > 0)
     distill_coef: float = 0.0  # on-policy distillation: the teacher's per-token term's weight (0: off)
     distill_mode: DistillMode = "advantage"  # "advantage": added to GRPO's; "loss": the whole advantage
@@ -103,8 +105,8 @@ class GRPOLearner:
         if self.entropy_scope not in ENTROPY_SCOPES:
             raise ValueError(f"learner.entropy_scope must be one of {', '.join(ENTROPY_SCOPES)}, "
                              f"got {self.entropy_scope!r}")
-        if self.entropy_cap is not None and self.entropy_cap <= 0:
-            raise ValueError(f"learner.entropy_cap must be > 0 (or unset: uncapped), got {self.entropy_cap}")
+        if self.entropy_cap != "initial" and self.entropy_cap is not None and self.entropy_cap <= 0:
+            raise ValueError(f"learner.entropy_cap must be > 0, 'initial' or unset (uncapped), got {self.entropy_cap}")
         if self.lr_tuned_staleness < 0:
             raise ValueError(f"learner.lr_tuned_staleness must be >= 0, got {self.lr_tuned_staleness}")
         if self.lr_staleness_power < 0:

@@ -64,11 +64,12 @@ class LearnerState(msgspec.Struct, kw_only=True):
     selection_rng: RandomState | None = None
     world_size: int = 1  # the ranks that wrote `shards/` (any world size reads them)
     lora: LoraSpec | None = None  # a LoRA learner's: `shards/` hold the adapter only
+    entropy_cap: float | None = None  # the bonus's cap measured on the first step (`entropy_cap = "initial"`)
 
 
 def write_learner_state(
     folder: Path, version: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, selection: Selection,
-    sharded: bool = False, lora: LoraSpec | None = None,
+    sharded: bool = False, lora: LoraSpec | None = None, entropy_cap: float | None = None,
 ) -> None:
     """Write the learner's state for `version` into `folder` (see the module docstring). A `sharded` model's
     every rank calls it (DCP's save is a collective of the default group); rank 0 writes the rest."""
@@ -92,6 +93,7 @@ def write_learner_state(
         selection_rng=random_state(selection_rng) if selection_rng is not None else None,
         world_size=dist.get_world_size() if sharded else 1,
         lora=lora,
+        entropy_cap=entropy_cap,
     )
     (folder / STATE_FILE).write_bytes(msgspec.json.encode(learner))
 
@@ -99,10 +101,10 @@ def write_learner_state(
 def read_learner_state(
     folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, selection: Selection,
     sharded: bool = False, lora: LoraSpec | None = None,
-) -> int:
+) -> LearnerState:
     """Load what `write_learner_state` wrote (at any world size), or a pre-0.2 checkpoint, into `model`,
-    `optimizer`, the RNGs and `selection`; returns the checkpoint's version. A `sharded` model's every
-    rank calls it."""
+    `optimizer`, the RNGs and `selection`; returns the rest of the state (its version, the measured entropy
+    cap). A `sharded` model's every rank calls it."""
     learner = msgspec.json.decode((folder / STATE_FILE).read_bytes(), type=LearnerState)
     _check_same_adapter(folder, learner.lora, lora)
     try:
@@ -126,7 +128,7 @@ def read_learner_state(
     np.random.set_state((n.kind, np.asarray(n.keys, dtype=np.uint32), n.pos, n.has_gauss, n.cached_gaussian))
     if learner.selection_rng is not None:
         selection.set_rng_state(python_random_state(learner.selection_rng))
-    return learner.version
+    return learner
 
 
 def read_model_weights(folder: Path, model: torch.nn.Module) -> int:

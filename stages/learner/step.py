@@ -189,6 +189,8 @@ class PolicyTrainer:
             self.reference = sharding.load_policy(spec.model_path, self.device, world_size,
                                                     shard=self.sharded).requires_grad_(False)
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+        # the bonus's cap in nats; with "initial" None until the first step has measured the policy's entropy
+        self.entropy_cap: float | None = None if spec.entropy_cap == "initial" else spec.entropy_cap
 
     def schedule(self, version: int) -> None:
         """The learning-rate schedule, at `version` (0, or a checkpoint's): a function of the version alone."""
@@ -211,12 +213,17 @@ class PolicyTrainer:
     def write_state(self, folder: Path, version: int) -> None:
         """This rank's part of a checkpoint (a collective with several ranks)."""
         write_learner_state(folder, version, self.model, self.optimizer, self.spec.selection, self.sharded,
-                            self.spec.lora)
+                            self.spec.lora, self.entropy_cap if self.spec.entropy_cap == "initial" else None)
 
     def read_state(self, folder: Path) -> int:
-        """Load a checkpoint's learner state, written at any world size; returns its version."""
-        return read_learner_state(folder, self.model, self.optimizer, self.spec.selection, self.sharded,
-                                  self.spec.lora)
+        """Load a checkpoint's learner state, written at any world size; returns its version. With
+        `entropy_cap = "initial"` the cap the run measured on its first step comes back with it (a checkpoint
+        without one measures it afresh on the next step)."""
+        learner = read_learner_state(folder, self.model, self.optimizer, self.spec.selection, self.sharded,
+                                     self.spec.lora)
+        if self.spec.entropy_cap == "initial":
+            self.entropy_cap = learner.entropy_cap
+        return learner.version
 
     def train(self, batches: list[RolloutBatch], mean_staleness: float = 0.0) -> dict[str, float]:
         """One version's step on all of `batches` (this rank is the whole learner)."""
@@ -246,6 +253,10 @@ class PolicyTrainer:
         info = totals.result(plan.tokens, self.world_size)
         info["lr"], info["lr_staleness_factor"] = lr, round(lr_scale, 4)
         info["grad_norm"] = round(grad_norm, 4)
+        if self.spec.entropy_cap == "initial" and self.entropy_cap is None:
+            self.entropy_cap = info["entropy"]  # every rank's tokens: the same cap on every rank
+        if self.entropy_cap is not None:
+            info["entropy_cap"] = round(self.entropy_cap, 4)
         return {**info, **(group_figures(batches) if batches else {})}
 
     def _micro_step(self, rows: _Rows, chunk: list[int], plan: StepPlan, proximal: torch.Tensor | None,
@@ -266,7 +277,7 @@ class PolicyTrainer:
         loss, info = spec.correction.loss(logp, old[:, 1:], proximal, adv, m, spec.clip_eps, spec.clip_eps_high,
                                           reduce, entropy=entropy)
         if spec.entropy_coef > 0:
-            loss = loss - spec.entropy_coef * reduce(entropy_bonus_term(entropy, spec.entropy_cap) * bonus, m)
+            loss = loss - spec.entropy_coef * reduce(entropy_bonus_term(entropy, self.entropy_cap) * bonus, m)
         if spec.kl_coef > 0:
             ref_logits = self._reference_logits(ids, attn)
             reference = torch.log_softmax(ref_logits / spec.temperature, -1).gather(2, ids[:, 1:, None]).squeeze(-1)

@@ -40,15 +40,17 @@ def test_the_key_reaches_the_learner_and_a_bad_cap_is_refused(tmp_path: Path) ->
     with pytest.raises(ValueError, match="entropy_cap"):
         GRPOLearner(tmp_path / "m", entropy_cap=0.0)
     with pytest.raises(Exception, match="entropy_cap"):
+        validate(RunConfig, {"learner": {"entropy_cap": "first"}})
+    with pytest.raises(Exception, match="entropy_cap"):
         validate(RunConfig, {"learner": {"entropy_cap": -1.0}})
 
 
 @pytest.mark.parametrize(("k", "given", "learner_gets"), [
-    (2, None, None), (0, None, None), (4, None, 1.0), (32, None, 1.0),  # auto: off up to k = 2, 1.0 above
-    (8, "off", None), (2, 0.5, 0.5), (8, 0.3, 0.3),  # what a user names is kept
+    (2, None, None), (0, None, None), (4, None, "initial"), (32, None, "initial"),  # auto: off up to k = 2
+    (8, "off", None), (2, 0.5, 0.5), (8, 0.3, 0.3), (2, "initial", "initial"),  # what a user names is kept
 ])
 def test_auto_caps_above_k2_and_the_resolved_config_says_so(tmp_path: Path, k: int, given: object,
-                                                             learner_gets: float | None) -> None:
+                                                             learner_gets: float | str | None) -> None:
     learner = {} if given is None else {"entropy_cap": given}
     cfg = validate(RunConfig, {"model": {"path": str(tmp_path / "m")}, "staleness": {"k": k}, "learner": learner})
     assert grpo_learner(cfg.learner, cfg, model=tmp_path / "m").entropy_cap == learner_gets
@@ -77,3 +79,26 @@ def test_on_flat_rewards_a_capped_bonus_leaves_high_entropy_weights_alone(tmp_pa
 
     assert moved(0.1) == 0.0
     assert moved(None) > 0.0
+
+
+def test_an_initial_cap_is_the_first_steps_entropy_and_survives_a_checkpoint(tmp_path: Path) -> None:
+    """`entropy_cap = "initial"`: the first step is uncapped and measures the policy's mean token entropy;
+    from the second step on the cap is that figure, the metrics name it, and a resumed trainer gets it
+    back from the checkpoint instead of measuring its own (by then sharper) policy."""
+    folder = make_tiny_model(tmp_path / "tiny")
+    spec = GRPOLearner(folder, lr=1e-2, device="cpu", entropy_cap="initial")
+    trainer = PolicyTrainer(spec, 10)
+    trainer.schedule(0)
+    assert trainer.entropy_cap is None
+    first = trainer.train(groups(0), 0.0)
+    assert trainer.entropy_cap == first["entropy"] > 1.0  # a random model: several nats a token
+    assert first["entropy_cap"] == pytest.approx(first["entropy"], abs=1e-4)
+    second = trainer.train(groups(1), 0.0)
+    assert second["entropy_cap"] == first["entropy_cap"]  # measured once, not each step
+    trainer.write_state(tmp_path / "ckpt", 2)
+    resumed = PolicyTrainer(spec, 10)
+    assert resumed.read_state(tmp_path / "ckpt") == 2
+    assert resumed.entropy_cap == trainer.entropy_cap
+    fixed = PolicyTrainer(replace(spec, entropy_cap=0.5), 10)  # a number is the cap from the first step
+    fixed.read_state(tmp_path / "ckpt")
+    assert fixed.entropy_cap == 0.5
