@@ -253,8 +253,8 @@ class PolicyTrainer:
         info = totals.result(plan.tokens, self.world_size)
         info["lr"], info["lr_staleness_factor"] = lr, round(lr_scale, 4)
         info["grad_norm"] = round(grad_norm, 4)
-        if self.spec.entropy_cap == "initial" and self.entropy_cap is None:
-            self.entropy_cap = info["entropy"]  # every rank's tokens: the same cap on every rank
+        if self.spec.entropy_cap == "initial" and self.entropy_cap is None and info.get("entropy", 0.0) > 0:
+            self.entropy_cap = info["entropy"]  # over every rank's tokens: the same cap on every rank
         if self.entropy_cap is not None:
             info["entropy_cap"] = round(self.entropy_cap, 4)
         return {**info, **(group_figures(batches) if batches else {})}
