@@ -28,7 +28,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import anyio
 import numpy as np
@@ -113,12 +113,18 @@ class LearnerActor(BaseActor):
         try:
             return await anyio.to_thread.run_sync(fn, *args, abandon_on_cancel=True)
         except RuntimeError as exc:  # torch.distributed's errors (DistBackendError is one)
-            with anyio.move_on_after(5):  # the dead rank's exit code comes soon after its sockets close
-                while True:
-                    self.ranks.check()
-                    await anyio.sleep(0.1)
-            world = self.spec.world_size
-            raise LearnerRankFailed(f"a collective of the learner's {world} ranks failed: {exc}") from exc
+            await self._rank_failed(exc)
+
+    async def _rank_failed(self, exc: RuntimeError) -> NoReturn:
+        """Raise `LearnerRankFailed` for a collective that failed with `exc`: the dead rank's, naming it, when
+        one has exited (its exit code comes soon after its sockets close), else the collective's."""
+        assert self.ranks is not None
+        with anyio.move_on_after(5):
+            while True:
+                self.ranks.check()
+                await anyio.sleep(0.1)
+        world = self.spec.world_size
+        raise LearnerRankFailed(f"a collective of the learner's {world} ranks failed: {exc}") from exc
 
     async def _watch_ranks(self) -> None:
         """Fail the learner as soon as one of its other ranks has exited (`LearnerRankFailed`)."""
@@ -227,7 +233,12 @@ class LearnerActor(BaseActor):
             if self.exports.running():
                 ctx.note(self.name, f"waiting for the last export to finish before checkpointing version {version}")
                 await self.exports.wait()
-            written = await ctx.checkpoint.save(version, self)
+            try:  # every rank writes its shards: a rank that dies meanwhile fails the collective
+                written = await ctx.checkpoint.save(version, self)
+            except RuntimeError as exc:
+                if self.ranks is None:
+                    raise
+                await self._rank_failed(exc)
             ctx.note(self.name, f"checkpoint of version {version} {'written' if written else 'skipped'}")
             if written is not None and self._export_tasks is not None:
                 self.exports.after_checkpoint(self._export_tasks, written, version)
