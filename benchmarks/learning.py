@@ -126,6 +126,7 @@ def run_once(task: str, seed: int, k: int, a: argparse.Namespace, root: Path, ob
     if metrics is None or not _records(metrics):
         return {**cell, "objective": objective, "error": log.read_text()[-500:]}
     row = {**_row(task, seed, k, metrics, a, wall), **cell, "objective": objective or _objective_of(metrics)}
+    row["auto_objective"] = objective is None and (k <= 2 or a.correction is None)  # the config's own choice
     if killed:  # it ignored SIGTERM for a minute: a bug of its own, worth seeing in the table
         row["killed_after_sigterm"] = True
     return row
@@ -311,7 +312,7 @@ def versions_vs_k2(rows: list[dict], field: str = "versions_to_target",
     out: dict[str, float | None] = {}
     for task, k, objective in sorted({(r["task"], r["k"], r.get("objective") or "") for r in rows}):
         mine = [r for r in rows if (r["task"], r["k"], r.get("objective") or "") == (task, k, objective)]
-        base = [r for r in rows if (r["task"], r["k"], r.get("objective") or "") == (task, 2, objective)]
+        base = _k2_reference(rows, mine, task, objective)
         if k == 2 or not base:
             continue
         key = f"{name}/{task}/k{k}" + (f"/{objective}" if objective else "")
@@ -321,6 +322,15 @@ def versions_vs_k2(rows: list[dict], field: str = "versions_to_target",
             continue
         out[key] = round(max(at_k[seed] / at_k2[seed] for seed in at_k if seed in at_k2), 3)
     return out
+
+
+def _k2_reference(rows: list[dict], mine: list[dict], task: str, objective: str) -> list[dict]:
+    """The k = 2 rows a cell is compared with: the same objective, or, for a cell on the config's own `auto`
+    objective (`m2po` above k = 2), k = 2's `auto` rows (`none`): the defaults against the defaults."""
+    same = [r for r in rows if (r["task"], r["k"], r.get("objective") or "") == (task, 2, objective)]
+    if same or not all(r.get("auto_objective") for r in mine):
+        return same
+    return [r for r in rows if (r["task"], r["k"]) == (task, 2) and r.get("auto_objective")]
 
 
 def seed_medians(rows: list[dict], field: str) -> dict[int, float | None]:

@@ -72,6 +72,14 @@ def test_with_repeats_a_seed_counts_its_median_run() -> None:
     assert learning.summarise(two_misses)["ratios"]["versions_vs_k2/reverse2/k8/m2po"] is None
 
 
+def test_the_defaults_at_k_are_compared_with_the_defaults_at_k2_whatever_objective_each_resolved_to() -> None:
+    auto = [{**r, "auto_objective": True} for r in (row(2, 0, 300, 60.0, "none"), row(8, 0, 345, 50.0, "m2po"))]
+    assert learning.summarise(auto)["ratios"]["versions_vs_k2/reverse2/k8/m2po"] == 1.15
+    # an objective asked for by name above k = 2 is not the defaults: no k = 2 run with it, no ratio
+    asked = [auto[0], {**row(8, 0, 345, 50.0, "m2po"), "auto_objective": False}]
+    assert "versions_vs_k2/reverse2/k8/m2po" not in learning.summarise(asked)["ratios"]
+
+
 def test_the_matrix_runs_in_parallel_and_keeps_its_order(monkeypatch, tmp_path) -> None:
     import threading
     import time
