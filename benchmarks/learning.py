@@ -32,7 +32,8 @@ are the figure).
 Last stdout line: one JSON object with "rows" (one per task, seed, k and objective), "figures" (reached /
 runs and the median seconds and versions to the target per k and objective) and "ratios": reached_fraction
 (goal 1.0); against the k = 2 rows measured in the same invocation, the median time to target at each k;
-and per task, k and objective, versions to the target at k over versions at k = 2 with the same objective,
+and per task, k and objective, versions to the target at k over versions at k = 2 with the same objective
+(without `--objectives`: k = 2's own default, `none`, the defaults against the defaults),
 at the worst seed (`versions_vs_k2/<task>/k<k>/<objective>`; goal at k = 8: at most 1.2), and the same counting
 the versions of the weights that generated the target's samples (`policy_versions_vs_k2/...`: a train reward
 at version v is that of samples made about k versions before, a lag of k that is not slower learning); with k = 0 among
@@ -294,7 +295,9 @@ def summarise(rows: list[dict]) -> dict:
         }
     ratios = {"reached_fraction": round(sum(bool(r.get("reached")) for r in rows) / max(1, len(rows)), 3)}
     for name, f in figures.items():
-        reference = figures.get(name.replace(name.split("/")[0], "k2", 1), {}).get("median_seconds_to_target")
+        at_k2 = [f for n, f in figures.items() if n.split("/")[0] == "k2"]
+        same = figures.get(name.replace(name.split("/")[0], "k2", 1))  # else k = 2 run with one objective only
+        reference = (same or (at_k2[0] if len(at_k2) == 1 else {})).get("median_seconds_to_target")
         if not name.startswith("k2") and reference and f["median_seconds_to_target"]:
             ratios[f"{name}_time_vs_k2"] = round(f["median_seconds_to_target"] / reference, 3)
     ratios.update(versions_vs_k2(rows))
