@@ -65,9 +65,9 @@ class GRPOLearner:
     lr_decay: LrDecay = "constant"  # after warmup: constant, linear or cosine to min_lr_ratio x lr at the last step
     min_lr_ratio: float = 0.0
     # the staleness lr was chosen at: a staler step's lr x ((this + 1) / (staleness + 1)) ** lr_staleness_power
-    lr_tuned_staleness: float = 8.0  # the full step up to k = 8, the cut above (docs/results/learning.md)
+    lr_tuned_staleness: float = 32.0  # the full step up to k = 32, the cut above (docs/results/learning.md)
     lr_staleness_power: float = 2.0  # 0: the same lr at every staleness
-    lr_staleness_floor: float = 0.4  # the cut never takes the lr below this x lr (k = 32 trains at it)
+    lr_staleness_floor: float = 0.4  # the cut never takes the lr below this x lr (from k = 52 on)
     warn_entropy_below: float = 0.05  # a learner.entropy_collapse event when entropy falls below this ...
     warn_reward_below: float = 0.5  # ... while the trailing mean reward is below this
     warn_window: int = 20  # versions in the trailing reward

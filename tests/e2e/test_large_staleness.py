@@ -35,7 +35,7 @@ def test_k32_runs_checkpoints_resumes_and_keeps_its_bound(tmp_path: Path) -> Non
                            env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert check.returncode == 0, check.stderr
     assert f"staleness window (k = {K}, pace admission): up to" in check.stderr, "baton check says what k holds"
-    assert f"a step on groups {K} versions old trains at 0.40 x lr" in check.stderr, "and the lr it trains at"
+    assert f"a step on groups {K} versions old trains at 1.00 x lr" in check.stderr, "and the lr it trains at"
     run = baton("run", str(ROOT / "configs" / "quickstart.toml"), *(x for s in sets for x in ("--set", s)),
                 cwd=tmp_path)
     deadline = time.monotonic() + 600
