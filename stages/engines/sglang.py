@@ -418,6 +418,7 @@ class SGLangEngine:
                 await self._server.start()
             except ServerFailed as exc:
                 raise EngineError(f"engine {self.name}: restart failed: {exc}") from None
+            self._base_url = self._server.url  # a new port when another process took the old one meanwhile
             if self._latest is not None:
                 await self._apply(*self._latest)
                 self._held = self._latest

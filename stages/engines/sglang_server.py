@@ -48,6 +48,15 @@ class ServerFailed(RuntimeError):
     """The server exited or did not become healthy; the message ends with its log's tail."""
 
 
+class PortTaken(ServerFailed):
+    """Another process holds the server's port: the server could not bind it (SGLang binds its HTTP port only
+    at the end of its start, so a port free at launch may be gone by then), or a foreign server answers on it."""
+
+
+BIND_FAILED = "address already in use"  # uvicorn's log line when the port is taken (errno 98)
+PORT_TRIES = 3  # launches on fresh ports before a port baton picked is given up on
+
+
 def sglang_python(explicit: str | os.PathLike | None = None) -> Path:
     """The interpreter that runs the server (see the module docstring for the search order)."""
     candidates = [explicit, os.environ.get("BATON_SGLANG_PYTHON"), DEFAULT_VENV / "bin" / "python"]
@@ -86,6 +95,8 @@ class SGLangServer:
     log_path: Path | None = None
     launch_timeout_s: float = 240.0
     process: subprocess.Popen | None = field(default=None, init=False, repr=False)
+    _port_given: bool | None = field(default=None, init=False, repr=False)  # a port the caller named is never moved
+    _log_offset: int = field(default=0, init=False, repr=False)  # where this launch's lines start in the log
 
     @property
     def url(self) -> str:
@@ -115,21 +126,38 @@ class SGLangServer:
         return env
 
     async def start(self) -> None:
-        """Launch and wait until `/health` answers; raises ServerFailed with the log's tail."""
+        """Launch and wait until `/health` answers from this server's own process group; raises ServerFailed
+        with the log's tail. A port baton picked that another process took meanwhile (a restart keeps its
+        port, which may have been handed out again since the crash) is replaced by a fresh one, up to
+        PORT_TRIES launches; a port the caller named raises PortTaken."""
         if self.alive():
             return
-        if self.port is None:
-            self.port = free_port(self.host)
+        if self._port_given is None:
+            self._port_given = self.port is not None
+        for attempt in range(1 if self._port_given else PORT_TRIES):
+            if self.port is None or (attempt > 0 and not self._port_given):
+                self.port = free_port(self.host)
+            self._launch()
+            try:
+                await self._wait_healthy()
+                return
+            except PortTaken:
+                self.stop()
+                if self._port_given or attempt == PORT_TRIES - 1:
+                    raise
+                self.port = None
+
+    def _launch(self) -> None:
         if self.log_path is None:
             self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"baton-sglang-{os.getpid()}-{self.port}.log"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
                 self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env=self.environment(), start_new_session=True,
                 preexec_fn=functools.partial(die_with_parent, signal.SIGTERM),  # SIGTERM: it stops its own children
             )
-        await self._wait_healthy()
 
     async def _wait_healthy(self) -> None:
         import aiohttp
@@ -139,15 +167,40 @@ class SGLangServer:
             while time.monotonic() < deadline:
                 if not self.alive():
                     raise ServerFailed(f"SGLang server exited with code {self.process.returncode}{self._tail()}")
+                if BIND_FAILED in self._launch_log().lower():  # the server does not exit then: it waits, unbound
+                    raise PortTaken(f"port {self.port} is taken by another process{self._tail()}")
                 try:
                     async with http.get(self.url + "/health") as response:
                         if response.status == 200:
+                            self._check_listener()
                             return
                 except (aiohttp.ClientError, TimeoutError):
                     pass
                 await anyio.sleep(0.5)
         self.stop()
         raise ServerFailed(f"SGLang server not healthy after {self.launch_timeout_s:.0f} s{self._tail()}")
+
+    def _launch_log(self) -> str:
+        """What this launch has written to the log so far."""
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        with open(self.log_path, "rb") as log:
+            log.seek(self._log_offset)
+            return log.read().decode(errors="replace")
+
+    def _check_listener(self) -> None:
+        """Raise PortTaken when the process listening on the port is not of this server's group: a foreign
+        server answering /health must not pass for this one (its answers would be another model's)."""
+        import psutil
+
+        try:
+            owners = {c.pid for c in psutil.net_connections(kind="tcp")
+                      if c.status == psutil.CONN_LISTEN and c.laddr.port == self.port and c.pid is not None}
+            foreign = {pid for pid in owners if os.getpgid(pid) != self.process.pid}
+        except (psutil.Error, ProcessLookupError, PermissionError):
+            return  # cannot tell (another user's process): trust the answer, as before this check
+        if foreign:
+            raise PortTaken(f"port {self.port} answers from process {sorted(foreign)}, not this server")
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
