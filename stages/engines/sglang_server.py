@@ -9,7 +9,9 @@ sglang; `SGLangUnavailable` says how to install it when none does.
 Guarantees: the server binds 127.0.0.1 unless told otherwise; it runs in its own session, so
 `stop()` ends exactly the process group this object started (server, scheduler, detokenizer) and
 nothing else; on Linux it also gets SIGTERM if the process that launched it dies; a server that
-dies or never becomes healthy raises `ServerFailed` carrying the tail of its log.
+dies or never becomes healthy raises `ServerFailed` carrying the tail of its log; healthy means `/health`
+answered by a process of this server's own group, on a port it bound (a port baton picked and found taken,
+as a restart's may be, is replaced by a fresh one; a port the caller named raises `PortTaken`).
 """
 
 from __future__ import annotations
