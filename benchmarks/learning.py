@@ -294,10 +294,10 @@ def summarise(rows: list[dict]) -> dict:
             "median_versions_to_target": statistics.median(r["versions_to_target"] for r in hit) if hit else None,
         }
     ratios = {"reached_fraction": round(sum(bool(r.get("reached")) for r in rows) / max(1, len(rows)), 3)}
+    at_k2 = [figure for n, figure in figures.items() if n.split("/")[0] == "k2"]
+    only_k2 = at_k2[0] if len(at_k2) == 1 else {}  # k = 2 ran with one objective: every k's reference
     for name, f in figures.items():
-        at_k2 = [f for n, f in figures.items() if n.split("/")[0] == "k2"]
-        same = figures.get(name.replace(name.split("/")[0], "k2", 1))  # else k = 2 run with one objective only
-        reference = (same or (at_k2[0] if len(at_k2) == 1 else {})).get("median_seconds_to_target")
+        reference = figures.get(name.replace(name.split("/")[0], "k2", 1), only_k2).get("median_seconds_to_target")
         if not name.startswith("k2") and reference and f["median_seconds_to_target"]:
             ratios[f"{name}_time_vs_k2"] = round(f["median_seconds_to_target"] / reference, 3)
     ratios.update(versions_vs_k2(rows))

@@ -97,8 +97,11 @@ class SGLangServer:
     log_path: Path | None = None
     launch_timeout_s: float = 240.0
     process: subprocess.Popen | None = field(default=None, init=False, repr=False)
-    _port_given: bool | None = field(default=None, init=False, repr=False)  # a port the caller named is never moved
+    _port_given: bool = field(default=False, init=False, repr=False)  # a port the caller named is never moved
     _log_offset: int = field(default=0, init=False, repr=False)  # where this launch's lines start in the log
+
+    def __post_init__(self) -> None:
+        self._port_given = self.port is not None
 
     @property
     def url(self) -> str:
@@ -134,10 +137,9 @@ class SGLangServer:
         PORT_TRIES launches; a port the caller named raises PortTaken."""
         if self.alive():
             return
-        if self._port_given is None:
-            self._port_given = self.port is not None
-        for attempt in range(1 if self._port_given else PORT_TRIES):
-            if self.port is None or (attempt > 0 and not self._port_given):
+        tries = 1 if self._port_given else PORT_TRIES
+        for attempt in range(tries):
+            if self.port is None:
                 self.port = free_port(self.host)
             self._launch()
             try:
@@ -145,7 +147,7 @@ class SGLangServer:
                 return
             except PortTaken:
                 self.stop()
-                if self._port_given or attempt == PORT_TRIES - 1:
+                if attempt == tries - 1:
                     raise
                 self.port = None
 

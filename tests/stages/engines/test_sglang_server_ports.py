@@ -43,6 +43,17 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
+class AlwaysOk(http.server.BaseHTTPRequestHandler):
+    """A foreign server's handler: 200 to every GET, /health included."""
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args) -> None:
+        pass
+
+
 class StandIn(SGLangServer):
     def command(self) -> list[str]:
         return [sys.executable, "-c", STAND_IN, "--port", str(self.port)]
@@ -80,10 +91,7 @@ async def test_a_foreign_server_answering_on_the_port_is_not_taken_for_this_one(
     await server.start()
     crashed_on = server.port
     server.kill()
-    foreign = http.server.HTTPServer(("127.0.0.1", crashed_on), http.server.BaseHTTPRequestHandler)
-    foreign.RequestHandlerClass = type("Ok", (http.server.BaseHTTPRequestHandler,), {
-        "do_GET": lambda self: (self.send_response(200), self.end_headers()),
-        "log_message": lambda self, *args: None})
+    foreign = http.server.HTTPServer(("127.0.0.1", crashed_on), AlwaysOk)
     thread = threading.Thread(target=foreign.serve_forever, daemon=True)
     thread.start()
     try:
