@@ -177,12 +177,15 @@ async def when_in_flight(engine, n: int, action: Callable[[], Awaitable[None]], 
 async def generate_while(engine, prompts: list[list[int]], params: SamplingParams,
                          action: Callable[[], Awaitable[None]], settle: float = 0.15) -> tuple[list[Completion], int]:
     """Generate `prompts`, awaiting `action()` while they are in flight; returns the completions and
-    the engine's `load` while they were in flight."""
+    the engine's `load` while they were in flight (0: they ended before it was seen, and the action
+    never ran: the event loop can be held longer than a request takes)."""
     loads: list[int] = []
     async with anyio.create_task_group() as tg:
         tg.start_soon(when_in_flight, engine, len(prompts), action, loads, settle)
         out = await engine.generate(prompts, params)
-    return out, loads[0]
+        if not loads:
+            tg.cancel_scope.cancel()
+    return out, loads[0] if loads else 0
 
 
 T = TypeVar("T")
@@ -346,7 +349,8 @@ async def test_a_version_that_does_not_fit_leaves_running_requests_on_theirs(sha
             await engine.receive_weights(version + 1, misfit(b, "wrong shape")[0])
         refused.append(engine.version)
 
-    out, _ = await generate_while(engine, PROMPTS[:2], LONG, push_misfit)
+    out, _ = await until_mid_flight(lambda settle: generate_while(engine, PROMPTS[:2], LONG, push_misfit, settle),
+                                    late=lambda r: r[1] == 0)  # not seen in flight: the push never ran
     assert refused == [version]
     for prompt, c in zip(PROMPTS[:2], out, strict=True):
         assert len(c.tokens) == LONG.max_new_tokens and set(c.versions.tolist()) == {version}

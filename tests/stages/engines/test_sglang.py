@@ -160,18 +160,22 @@ async def test_an_update_that_does_not_fit_never_reaches_the_server(engine, mode
 
 
 async def generate_while(engine, tokenizer, n: int, action, settle: float = 0.05) -> list:
-    """Start `n` long requests; once they have run `settle` seconds, await `action()`; return the completions."""
+    """Start `n` long requests; once they have run `settle` seconds, await `action()`; return the completions.
+    The action runs even when the requests ended before they were seen in flight (the event loop can be
+    held longer than a request takes: 0.3 s in aiohttp's first write, measured 2026-12-06); a caller
+    that needs it inside them checks the completions, or pauses the server first."""
     results = {}
 
     async def generate():
         results["c"] = await engine.generate([prompt(tokenizer)] * n, LONG)
 
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(generate)
-        while not engine._inflight:
-            await anyio.sleep(0.01)
-        await anyio.sleep(settle)  # some tokens on the old version first (on a fast day 200 took < 0.15 s)
-        await action()
+    with anyio.fail_after(120):  # a hang fails here: pytest-timeout's would leave the module's teardown stuck
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(generate)
+            while not engine._inflight and "c" not in results:
+                await anyio.sleep(0.01)
+            await anyio.sleep(settle)  # some tokens on the old version first (on a fast day 200 took < 0.15 s)
+            await action()
     return results["c"]
 
 
@@ -251,7 +255,9 @@ async def test_killed_server_is_restarted_and_its_requests_regenerated(engine, m
         os.killpg(old_pid, signal.SIGKILL)  # the whole server dies mid-request ...
         await engine.receive_weights(latest, perturbed(model, seed=latest))  # ... and a version arrives: no error
 
-    completions = await generate_while(engine, tokenizer, 3, crash_then_push, settle=0.01)  # dies mid-request
+    # paused, the server holds the requests until it dies: they are inside it when it does, however fast it is
+    await engine._call("POST", "/pause_generation", {"mode": "in_place"})
+    completions = await generate_while(engine, tokenizer, 3, crash_then_push)
     assert engine.stats["restarts"] == restarts + 1 and engine.stats["regenerated"] == regenerated + 3
     assert engine.server.pid != old_pid and engine.version == latest
     ids = prompt(tokenizer)
