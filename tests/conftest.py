@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import pytest
@@ -46,3 +47,18 @@ def pytest_collection_modifyitems(config, items) -> None:
     both = [item.nodeid for item in items if item.get_closest_marker("long") and item.get_closest_marker("nightly")]
     if both:
         raise pytest.UsageError(f"marked both `long` and `nightly` (choose one): {both}")
+    for item in items:
+        if inspect.iscoroutinefunction(getattr(item, "function", None)):
+            item.add_marker(pytest.mark.timeout(timeout=_timeout_of(item), method="thread"))
+
+
+def _timeout_of(item) -> float | None:
+    """The test's own timeout (None: the configured one). An async test that runs past it is ended with its
+    worker (pytest-timeout's `thread` method) rather than by an exception raised inside its event loop: that
+    left anyio's runner busy with the test: the module's next tests failed with it, or its async fixtures
+    never tore down and the suite waited forever (an SGLang test on 2026-12-06). Its worker is replaced
+    and the other tests go on."""
+    marker = item.get_closest_marker("timeout")
+    if marker is None:
+        return None
+    return marker.kwargs.get("timeout", marker.args[0] if marker.args else None)
