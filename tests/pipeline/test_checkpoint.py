@@ -402,22 +402,31 @@ def pipeline(
     )
 
 
-def crash_with_groups_held(model: Path, root: Path, store_kind: str, admission: str, tries: int = 5):
-    """A run crashed at version 7 whose version-6 checkpoint has groups produced and held by the buffer,
-    not yet trained: (its store, its folder, the checkpoint, how many such groups). Whether any wait in the
-    buffer at that moment depends on how fast the producer ran against the learner (none, once in a
-    fresh run of the suite, 2026-12-06), so a run that has none is made again, up to `tries` times."""
+def crash_until(model: Path, root: Path, make_store, found, crash_at: int, tries: int = 5, **run):
+    """Runs crashed at `crash_at`, made again (up to `tries` times) until `found(checkpoint)` of the last
+    checkpoint before the crash is not empty: what a checkpoint holds at that moment depends on how fast the
+    producer ran against the learner. Returns (its store, its folder, the checkpoint, what `found` found)."""
     for attempt in range(tries):
-        store = MemoryStore() if store_kind == "memory" else SurvivingStore()
-        with pytest.raises(ActorFailed, match="injected crash at version 7"):
-            pipeline(model, root / f"try{attempt}", store, steps=12, crash_at=7, admission=admission).run()
+        store = make_store()
+        with pytest.raises(ActorFailed, match=f"injected crash at version {crash_at}"):
+            pipeline(model, root / f"try{attempt}", store, steps=12, crash_at=crash_at, **run).run()
         run_dir = next((root / f"try{attempt}").glob("resume-*"))
         checkpoint = read_state(latest_checkpoint(run_dir))
+        if what := found(checkpoint):
+            return store, run_dir, checkpoint, what
+    raise AssertionError(f"no checkpoint held what the test needs in {tries} runs")
+
+
+def crash_with_groups_held(model: Path, root: Path, store_kind: str, admission: str):
+    """A run crashed at version 7 whose version-6 checkpoint has groups produced and held by the buffer,
+    not yet trained (none, once in a fresh run of the suite, 2026-12-06): (its store, its folder, the
+    checkpoint, how many such groups)."""
+    def held_groups(checkpoint) -> int:
         in_flight = in_flight_groups(checkpoint)
-        held = len({h.ref.group for h in checkpoint.held if h.uses == 0 and h.ref.group in in_flight})
-        if held:
-            return store, run_dir, checkpoint, held
-    raise AssertionError(f"no checkpoint at version 6 held a produced group in {tries} runs")
+        return len({h.ref.group for h in checkpoint.held if h.uses == 0 and h.ref.group in in_flight})
+
+    make_store = MemoryStore if store_kind == "memory" else SurvivingStore
+    return crash_until(model, root, make_store, held_groups, crash_at=7, admission=admission)
 
 
 @pytest.mark.parametrize(("store_kind", "admission"), [("memory", "eager"), ("surviving", "pace")])
@@ -475,16 +484,17 @@ def test_groups_the_learner_may_reuse_come_back_into_its_window_after_a_crash(mo
     their payloads surviving, trained once more after the resume; none more than twice, all within k."""
     import structlog
 
-    store = SurvivingStore()
-    with pytest.raises(ActorFailed, match="injected crash at version 6"):  # right after the checkpoint
-        pipeline(model, tmp_path, store, steps=12, crash_at=6, max_reuse=2, k=REUSE_K).run()
-    run_dir = next(tmp_path.glob("resume-*"))
-    checkpoint = read_state(latest_checkpoint(run_dir))
+    def reusable_groups(checkpoint) -> list:
+        """Groups the window held with a use left, still trainable at the checkpoint's version (a learner
+        that outran the producer may have used them all up by then: once in a fresh run, 2026-12-06)."""
+        reused = [h for h in checkpoint.held if h.uses > 0]
+        assert all(h.uses == 1 and h.holder == "learner" for h in reused)
+        return [h for h in reused if checkpoint.version - h.ref.version <= REUSE_K]
+
+    # crashed right after the version-6 checkpoint
+    store, run_dir, checkpoint, reusable = crash_until(
+        model, tmp_path, SurvivingStore, reusable_groups, crash_at=6, max_reuse=2, k=REUSE_K)
     assert checkpoint.version == 6
-    reusable = [h for h in checkpoint.held if h.uses > 0]
-    assert all(h.uses == 1 and h.holder == "learner" for h in reusable)
-    reusable = [h for h in reusable if 6 - h.ref.version <= REUSE_K]  # still trainable at the checkpoint's version
-    assert reusable, "the window held groups with a use left"
     with structlog.testing.capture_logs() as logs:
         summary = pipeline(model, tmp_path, store, steps=12, max_reuse=2, k=REUSE_K).resume(run_dir)
     restored = [e for e in logs if e.get("event") == "learner restored"]
