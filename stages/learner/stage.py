@@ -49,7 +49,7 @@ class GRPOLearner:
     groups_per_step: int = 16  # groups trained per version (one optimizer step)
     clip_eps: float = 0.2  # PPO clip, low side (and the high side unless clip_eps_high is set)
     clip_eps_high: float | None = 0.28  # PPO clip, high side (DAPO's clip-higher); None: clip_eps
-    loss_agg_mode: LossAggregation = "token-mean"  # stages.losses.aggregate
+    loss_agg_mode: LossAggregation = "token-mean"  # stages.learner.losses.aggregate
     loss_max_tokens: int | None = None  # seq-mean-token-sum-norm's constant divisor; None: the batch's width
     norm_adv_by_std: bool = False  # False: Dr. GRPO advantages (r - group mean, no std scaling)
     entropy_coef: float = 0.01  # entropy bonus: loss -= coef x aggregated entropy

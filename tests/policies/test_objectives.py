@@ -13,7 +13,6 @@ torch.set_num_threads(1)
 import pytest  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from stages.losses import AGGREGATIONS, aggregate  # noqa: E402
 
 from baton.builder import make_correction  # noqa: E402
 from baton.config import ConfigError, validate  # noqa: E402
@@ -29,6 +28,7 @@ from policies.correction import (  # noqa: E402
     none,
     second_moment_keep,
 )
+from stages.learner.losses import AGGREGATIONS, aggregate  # noqa: E402
 
 E = math.exp
 BUCKETS = ["entropy_lt_0.1", "entropy_0.1_0.5", "entropy_0.5_1.5", "entropy_ge_1.5"]
