@@ -7,7 +7,7 @@ key -> (ObjectRef, nbytes); every process of a run that opens `RayStore(name=...
 actors, learner) sees the same keys. Refs cross the actor boundary wrapped in a list so Ray passes
 them as refs instead of resolving them.
 
-Ownership and what survives which death (Ray 2.60, measured by tests/test_ray_store.py):
+Ownership and what survives which death (Ray 2.60, measured by tests/buffers/test_ray_store.py):
 
 * `ray.put(..., _owner=actor)` was removed in Ray 2.56 (it raises ValueError in 2.60), so a process
   cannot hand ownership of its own put to the index. With `owner="index"` (the default) the payload

@@ -3,7 +3,7 @@
 `baton check` and `baton run` call `check(shape)` from config validation and refuse a config for which
 it returns problems. Every number comes from the config; nothing here runs or measures anything.
 
-The model (the one `tests/test_staleness_properties.py` simulates, and whose worst case it checks this
+The model (the one `tests/policies/test_staleness_properties.py` simulates, and whose worst case it checks this
 derivation against exactly):
 
 * Between the start of a group's generation and the learner step that trains it, the group waits in

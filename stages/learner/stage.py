@@ -41,11 +41,11 @@ from stages.weights.faulty import with_weight_faults
 @dataclass
 class GRPOLearner:
     """The DSL/config object: `GRPOLearner(model_path, lr=4e-4, groups_per_step=16)`. The defaults are the
-    learning defaults measured in docs/results.md, "Learning defaults" (every built-in task at every seed
-    tried)."""
+    learning defaults measured in docs/results/learning.md, "What the defaults learn" (every built-in task at
+    every seed tried)."""
 
     model_path: str | Path
-    lr: float = 4e-4  # 1.5e-3 learns reverse-digits sooner but locks addition (docs/results.md)
+    lr: float = 4e-4  # 1.5e-3 learns reverse-digits sooner but locks addition (docs/results/learning.md)
     groups_per_step: int = 16  # groups trained per version (one optimizer step)
     clip_eps: float = 0.2  # PPO clip, low side (and the high side unless clip_eps_high is set)
     clip_eps_high: float | None = 0.28  # PPO clip, high side (DAPO's clip-higher); None: clip_eps

@@ -1,4 +1,4 @@
-"""A second process for the Mooncake tests: `python tests/mooncake_peer.py MASTER SEGMENT_BYTES CMD...`.
+"""A second process for the Mooncake tests: `python tests/helpers/mooncake_peer.py MASTER SEGMENT_BYTES CMD...`.
 
 Commands (one JSON line of results on stdout when done):
   put KEY SIZE      put deterministic bytes of SIZE under KEY (as a client of the store)

@@ -8,9 +8,9 @@ Stages (as in the running pipeline, without payloads or time):
             capacity (they are FIFO stages in series);
   learner   a prefetch of up to `groups_per_step` loaded groups, and the `ReplayWindow` of
             policies.selection (admit / evict / select, and reuse), which it asks exactly as
-            stages/learner.py does; a replayed group takes a new one's place and counts as a started unit
-            (`AdmissionGate.replayed`), or, with `replays_ride_along`, trains on top of `groups_per_step`
-            new groups and takes no admission slot.
+            stages/learner/collector.py does; a replayed group takes a new one's place and counts as a
+            started unit (`AdmissionGate.replayed`), or, with `replays_ride_along`, trains on top of
+            `groups_per_step` new groups and takes no admission slot.
 
 Each action is one event; any sequence of them is a legal interleaving (an impossible action is a
 no-op). `worst_case` plays the interleaving the static bound is derived from: producers fill every
