@@ -93,8 +93,7 @@ Score = Callable[[Prompt, list[Completion], str], Awaitable[Scores]]  # a group'
 
 @dataclass(frozen=True)
 class EvalSetup:
-    """What an evaluation takes from its rollout: the tokenizer rendering the prompts, the sampling (its
-    temperature replaced), the bound on one engine call (None: none), the stats its record goes to."""
+    """What an evaluation takes from its rollout (the sampling gets its temperature; its record goes to `stats`)."""
 
     tokenizer: Any
     sampling: SamplingParams

@@ -118,14 +118,6 @@ class Rollout:
     def helpers(self) -> list[Resources]:
         return []
 
-    def sampling(self) -> SamplingParams:
-        return SamplingParams(
-            max_new_tokens=self.task.max_new_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            stop_token_ids=self.stop_token_ids,
-        )
-
     def episode_setup(self, policy: Any) -> EpisodeSetup:
         """How this rollout's episodes run: chat rendering for chat tasks (else plain text), one
         environment per episode (None: single-turn), sampling and limits, the staleness policy."""
@@ -134,7 +126,9 @@ class Rollout:
         environment = self.environment
         if isinstance(environment, str):  # checked whole in __post_init__; here only the class is resolved
             environment = functools.partial(environment_class(environment), **self.environment_options)
-        return EpisodeSetup(renderer, environment, self.sampling(), self.limits, policy)
+        sampling = SamplingParams(max_new_tokens=self.task.max_new_tokens, temperature=self.temperature,
+                                  top_p=self.top_p, stop_token_ids=self.stop_token_ids)
+        return EpisodeSetup(renderer, environment, sampling, self.limits, policy)
 
     def actors(self, ctx: RunContext, inbox: Channel | None, outbox: Channel | None) -> list[RolloutWorker]:
         """One worker per engine of this process; in gateway mode the first hosts the process's gateway."""

@@ -32,7 +32,7 @@ import torch
 from stages.data.model import load_tokenizer
 from stages.data.rewards import Sample, Scores
 from stages.scorers.base import ScorerError, record
-from stages.scorers.server import ScoringServer, ServerSettings
+from stages.scorers.server import ScoringServer, Served, ServerSettings
 
 INDEX = "model.safetensors.index.json"
 BIAS_FILE = "baton-score-bias.safetensors"
@@ -75,7 +75,7 @@ def serving_folder(model: Path, into: Path) -> Path:
 
 
 @dataclass
-class ClassifierReward:
+class ClassifierReward(Served):
     """`ClassifierReward(ServerSettings("rm-folder"))` launches the folder on SGLang; with a `url` it attaches to
     a server already serving it (the folder still gives the tokenizer and chat template). `label`: which output
     is the score."""
@@ -105,10 +105,7 @@ class ClassifierReward:
         if self.settings.url is None and self.server.server is None:
             folder = serving_folder(self.model, Path(tempfile.mkdtemp(prefix="baton-classifier-")))
             self.server.settings = replace(self.settings, model=folder)
-        await self.server.start(log_dir)
-
-    async def stop(self) -> None:
-        await self.server.stop()
+        await super().start(log_dir)
 
     def render(self, sample: Sample) -> list[int]:
         """The ids the reward model reads for `sample` (see the module docstring)."""

@@ -18,7 +18,6 @@ import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 import anyio
 
@@ -26,7 +25,7 @@ from pipeline import plugins
 from pipeline.events import report_event
 from stages.data.rewards import Sample, Scores
 from stages.scorers.base import ScorerError, record
-from stages.scorers.server import ScoringServer, ServerSettings
+from stages.scorers.server import ScoringServer, Served, ServerSettings
 
 DEFAULT_TEMPLATE = (
     "Grade the response to the task below from 0 (wrong or useless) to 10 (fully right).\n\n"
@@ -47,7 +46,7 @@ PARSERS = {"number": "stages.scorers.judge:first_number"}
 
 
 @dataclass
-class JudgeReward:
+class JudgeReward(Served):
     """`JudgeReward(ServerSettings("judge-folder"))` launches the folder on SGLang;
     `JudgeReward(ServerSettings(url=...), model_name=...)` uses any OpenAI-compatible server (with `token_file`:
     its bearer token)."""
@@ -86,12 +85,6 @@ class JudgeReward:
         url = url.removesuffix("/").removesuffix("/v1") if url else None
         self.server = ScoringServer(self.name, replace(self.settings, url=url), self.stats)
         self.stats.setdefault("parse_failures", 0)
-
-    async def start(self, log_dir: Path | None = None) -> None:
-        await self.server.start(log_dir)
-
-    async def stop(self) -> None:
-        await self.server.stop()
 
     async def score(self, samples: Sequence[Sample]) -> Scores:
         """One group's scores, a request per sample at once (the server's cap bounds them); never raises."""

@@ -218,3 +218,15 @@ class ScoringServer:
                 raise ScorerError("server down", f"scorer {self.name}: restart failed: {exc}") from None
             self.base_url = self._server.url
             self.stats["restart_s"] = round(time.perf_counter() - t0, 2)
+
+
+class Served:
+    """A scorer on its `ScoringServer` (`server`), started and stopped with it."""
+
+    server: ScoringServer
+
+    async def start(self, log_dir: Path | None = None) -> None:
+        await self.server.start(log_dir)
+
+    async def stop(self) -> None:
+        await self.server.stop()

@@ -32,7 +32,7 @@ import torch
 from stages.data.model import load_model
 from stages.data.rewards import ON_ERROR
 from stages.scorers.base import ScorerError, Teacher, record
-from stages.scorers.server import ScoringServer, ServerSettings
+from stages.scorers.server import ScoringServer, Served, ServerSettings
 
 TEACHER_FIELD = "teacher_logprobs"
 TEACHER_TIMEOUT_S = 60.0  # a teacher request scores whole rows: the default of [distill] timeout_s
@@ -138,7 +138,7 @@ def forward_logprobs(model: torch.nn.Module, sequences: Sequence[Sequence[int]])
 
 
 @dataclass
-class SGLangTeacher:
+class SGLangTeacher(Served):
     """A teacher on an SGLang server: launched from the settings' `model` (a folder), or attached by `url`."""
 
     settings: ServerSettings
@@ -147,12 +147,6 @@ class SGLangTeacher:
 
     def __post_init__(self) -> None:
         self.server = ScoringServer(self.name, self.settings, self.stats)
-
-    async def start(self, log_dir: Path | None = None) -> None:
-        await self.server.start(log_dir)
-
-    async def stop(self) -> None:
-        await self.server.stop()
 
     async def logprobs(self, sequences: Sequence[Sequence[int]]) -> list[np.ndarray]:
         body = {"input_ids": [list(map(int, s)) for s in sequences], "return_logprob": True, "logprob_start_len": 0,
