@@ -41,7 +41,7 @@ from stages.rollout import Rollout
 from stages.rollout.episode import EpisodeLimits
 from stages.rollout.evaluation import Evaluation
 from stages.rollout.gateway_worker import GatewaySettings
-from stages.scorers import ComposedReward, Distillation, SGLangTeacher, TorchTeacher
+from stages.scorers import ComposedReward, Distillation, ServerSettings, SGLangTeacher, TorchTeacher
 from stages.weights import TRANSPORTS, make_transport
 from stages.weights.base import WeightTransport
 
@@ -213,8 +213,9 @@ def make_distillation(cfg: RunConfig) -> Distillation | None:
     for name, where in spec.teachers().items():
         if schema.is_url(where) or spec.backend == "sglang":
             at = {"url": where} if schema.is_url(where) else {"model": where}
-            teachers[name] = SGLangTeacher(**at, name=f"teacher-{name}", **spec.model_dump(include={
-                "token_file", "concurrency", "timeout_s", "retries", "max_restarts", "python", "dtype", "device"}))
+            teachers[name] = SGLangTeacher(ServerSettings(**at, **spec.model_dump(include={
+                "token_file", "concurrency", "timeout_s", "retries", "max_restarts", "python", "dtype", "device"})),
+                name=f"teacher-{name}")
         else:
             teachers[name] = TorchTeacher(where, dtype=spec.dtype, name=f"teacher-{name}")
     return Distillation(teachers, key=spec.teacher_key, on_error=spec.on_error)

@@ -60,8 +60,9 @@ from stages.rollout import Rollout
 from stages.rollout.episode import EpisodeLimits
 from stages.rollout.evaluation import Evaluation
 from stages.rollout.gateway_worker import GatewaySettings, as_agent
-from stages.scorers import ClassifierReward, Distillation, JudgeReward, SGLangTeacher
-from stages.scorers.server import ScoringServer
+from stages.scorers import ClassifierReward, Distillation, JudgeReward
+from stages.scorers.server import ServerSettings
+from stages.scorers.teacher import TEACHER_TIMEOUT_S
 from stages.weights import TRANSPORTS
 from stages.weights.mooncake_p2p import MooncakeP2PTransport
 
@@ -187,29 +188,29 @@ URL = r"^https?://[\w.-]+(:\d+)?(/[\w./-]*)?$"
 
 
 class ScorerSpec(Section):
-    """What every model scorer's server takes (stages.scorers.server.ScoringServer)."""
+    """What every model scorer's server takes (stages.scorers.server.ServerSettings)."""
 
     url: Annotated[str, Field(pattern=URL)] | None = Field(None, description="use this running server instead of "
                                                         "launching one from the model folder")
     token_file: str | None = Field(None, description="with url: a file holding the server's API token (sent as a "
                                    "bearer token; the token itself never goes in the config)")
-    concurrency: int = Field(default_of(ScoringServer, "concurrency"), ge=1, description="requests of this scorer "
+    concurrency: int = Field(default_of(ServerSettings, "concurrency"), ge=1, description="requests of this scorer "
                              "in flight at once, over all groups of a producer process")
-    timeout_s: float = Field(default_of(ScoringServer, "timeout_s"), gt=0, description="one request; past it the "
+    timeout_s: float = Field(default_of(ServerSettings, "timeout_s"), gt=0, description="one request; past it the "
                              "samples fail ('<scorer> timeout'), counted like a failing reward function")
-    retries: int = Field(default_of(ScoringServer, "retries"), ge=0, description="re-sends of a request after a "
+    retries: int = Field(default_of(ServerSettings, "retries"), ge=0, description="re-sends of a request after a "
                          "transport error (refused, reset)")
-    max_restarts: int = Field(default_of(ScoringServer, "max_restarts"), ge=0, description="restarts of a launched "
+    max_restarts: int = Field(default_of(ServerSettings, "max_restarts"), ge=0, description="restarts of a launched "
                               "server that died, over the run (event scorer.restarted); then its samples fail")
     python: str | None = Field(None, description="interpreter with sglang for a launched server (default: "
                                "$BATON_SGLANG_PYTHON, then .venv-sglang)")
-    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(default_of(ScoringServer, "dtype"),
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(default_of(ServerSettings, "dtype"),
         description="a launched server's weights (auto: the checkpoint's)")
-    device: Literal["auto", "cpu", "cuda"] = Field(default_of(ScoringServer, "device"), description="a launched "
+    device: Literal["auto", "cpu", "cuda"] = Field(default_of(ServerSettings, "device"), description="a launched "
                                                    "server's device; auto: cuda when a GPU is visible, else cpu")
 
     def server_keys(self) -> dict[str, Any]:
-        """The keys every model scorer passes to its server (stages.scorers.server.ScoringServer)."""
+        """The keys every model scorer passes to its server (stages.scorers.server.ServerSettings)."""
         return self.model_dump(include={"url", "token_file", "concurrency", "timeout_s", "retries", "max_restarts",
                                         "python", "dtype", "device"})
 
@@ -235,7 +236,7 @@ class ClassifierSpec(ScorerSpec):
         if not (Path(self.model) / "config.json").is_file():
             raise ValueError(f"model = {self.model!r} holds no model (no config.json); point it at a Hugging Face "
                              "folder")
-        return ClassifierReward(self.model, label=self.label, **self.server_keys())
+        return ClassifierReward(ServerSettings(self.model, **self.server_keys()), label=self.label)
 
 
 class JudgeSpec(ScorerSpec):
@@ -273,9 +274,8 @@ class JudgeSpec(ScorerSpec):
 
     def make(self) -> JudgeReward:
         """The scorer (resolves a plug-in parser, reads the token file: `RunConfig` checks it before a run)."""
-        return JudgeReward(model=self.model, **self.model_dump(include={
-            "model_name", "template", "parser", "max_score", "max_tokens", "temperature", "parse_retries"}),
-            **self.server_keys())
+        return JudgeReward(ServerSettings(self.model, **self.server_keys()), **self.model_dump(include={
+            "model_name", "template", "parser", "max_score", "max_tokens", "temperature", "parse_retries"}))
 
 
 MODEL_REWARDS = ("classifier", "judge")  # names in [reward] weights that are the [reward.<name>] tables
@@ -341,12 +341,12 @@ class DistillSpec(Section):
         description="a group its teacher failed to score: 'zero' (no teacher term: it trains on its reward) or "
                     "'drop' (dropped, counted)")
     token_file: str | None = Field(None, description="for teachers given by url: a file holding their API token")
-    concurrency: int = Field(default_of(ScoringServer, "concurrency"), ge=1, description="sglang: requests per "
+    concurrency: int = Field(default_of(ServerSettings, "concurrency"), ge=1, description="sglang: requests per "
                              "teacher server in flight at once")
-    timeout_s: float = Field(default_of(SGLangTeacher, "timeout_s"), gt=0, description="sglang: one request")
-    retries: int = Field(default_of(ScoringServer, "retries"), ge=0, description="sglang: re-sends after a "
+    timeout_s: float = Field(TEACHER_TIMEOUT_S, gt=0, description="sglang: one request")
+    retries: int = Field(default_of(ServerSettings, "retries"), ge=0, description="sglang: re-sends after a "
                          "transport error")
-    max_restarts: int = Field(default_of(ScoringServer, "max_restarts"), ge=0, description="sglang: restarts of a "
+    max_restarts: int = Field(default_of(ServerSettings, "max_restarts"), ge=0, description="sglang: restarts of a "
                               "launched teacher server that died (event scorer.restarted)")
     python: str | None = Field(None, description="sglang: interpreter with sglang (default: $BATON_SGLANG_PYTHON, "
                                "then .venv-sglang)")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol, runtime_checkable
 
@@ -24,8 +24,10 @@ import numpy as np
 
 from pipeline.context import RunContext
 from stages.data.model import prompt_token_ids
+from stages.data.rewards import Scores
 from stages.data.tasks import Prompt
-from stages.engines.base import Engine, EngineError
+from stages.engines.base import Completion, Engine, EngineError, SamplingParams
+from stages.rollout.stats import RolloutStats
 from stages.runfiles import EVAL_FILE
 
 
@@ -86,13 +88,26 @@ class Evaluation:
         }
 
 
+Score = Callable[[Prompt, list[Completion], str], Awaitable[Scores]]  # a group's rewards, failures counted by name
+
+
+@dataclass(frozen=True)
+class EvalSetup:
+    """What an evaluation takes from its rollout (the sampling gets its temperature; its record goes to `stats`)."""
+
+    tokenizer: Any
+    sampling: SamplingParams
+    request_timeout_s: float | None
+    stats: RolloutStats
+
+
 class Evaluator:
     """Runs `evaluation` on one worker's engine between its own engine calls (see the module docstring).
 
     An engine failure or timeout skips that evaluation (logged); it never ends the run."""
 
-    def __init__(self, evaluation: Evaluation, spec: Any, engine: Engine, ctx: RunContext, score: Any) -> None:
-        self.evaluation, self.spec, self.engine, self.ctx, self.score = evaluation, spec, engine, ctx, score
+    def __init__(self, evaluation: Evaluation, engine: Engine, ctx: RunContext, score: Score, setup: EvalSetup) -> None:
+        self.evaluation, self.engine, self.ctx, self.score, self.setup = evaluation, engine, ctx, score, setup
         self.name = f"rollout:{engine.name}"
         self.log = ctx.log(self.name)
         self._next = 0  # the engine version at which the next evaluation is due
@@ -100,20 +115,20 @@ class Evaluator:
 
     async def run_if_due(self) -> None:
         """Generate and score the eval prompts once the engine reaches the next due version."""
-        evaluation, spec, version = self.evaluation, self.spec, self.engine.version
+        evaluation, setup, version = self.evaluation, self.setup, self.engine.version
         if version < self._next:
             return
         self._next = evaluation.next_due(version)
         if self._prompts is None:
             self._prompts = evaluation.prompt_list()
         prompts, n = self._prompts, evaluation.samples
-        ids = [prompt_token_ids(spec.tokenizer, p.text, p.messages) for p in prompts]
+        ids = [prompt_token_ids(setup.tokenizer, p.text, p.messages) for p in prompts]
         self.ctx.note(self.name, f"evaluating {len(prompts)} prompts at version {version}")
         t0 = anyio.current_time()
         try:
-            with anyio.fail_after(spec.request_timeout_s):
+            with anyio.fail_after(setup.request_timeout_s):
                 completions = await self.engine.generate(
-                    [i for i in ids for _ in range(n)], replace(spec.sampling(), temperature=evaluation.temperature)
+                    [i for i in ids for _ in range(n)], replace(setup.sampling, temperature=evaluation.temperature)
                 )
         except (EngineError, TimeoutError) as exc:
             self.log.warning("evaluation skipped", version=version, error=repr(exc))
@@ -122,6 +137,6 @@ class Evaluator:
         for g, prompt in enumerate(prompts):
             rewards += (await self.score(prompt, completions[g * n : (g + 1) * n], "eval_reward_failed")).rewards
         record = evaluation.record([c.versions for c in completions], rewards, anyio.current_time() - t0, version)
-        spec.stats["eval"] = record
+        setup.stats.eval = record
         self.log.info("evaluated", **{k.replace("/", "_"): v for k, v in record.items()})
         self.ctx.folder.append_record(EVAL_FILE, {"t": round(time.time() - self.ctx.started_at, 4), **record})

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -37,7 +38,6 @@ from stages.gateway.episodes import Limits
 from stages.gateway.host import OpenedEpisode, OverBudget
 from stages.gateway.server import Gateway, make_token_file
 from stages.rollout.episode import Episode, EpisodeFailed
-from stages.rollout.groups import count
 from stages.rollout.prompts import encode_prompt
 from stages.rollout.worker import ProducerWorker
 
@@ -64,9 +64,8 @@ class FormingGroup:
 class RolloutHost:
     """The host over this process's rollout workers (see the module docstring)."""
 
-    def __init__(self, workers: list[GatewayWorker]) -> None:
-        self.workers = workers
-        self.group_size = workers[0].spec.group_size
+    def __init__(self, workers: list[GatewayWorker], group_size: int, stop_token_ids: Sequence[int]) -> None:
+        self.workers, self.group_size, self.stop_token_ids = workers, group_size, tuple(stop_token_ids)
         self._forming: FormingGroup | None = None
         self._episodes: dict[str, FormingGroup] = {}
         self._numbers = itertools.count()
@@ -96,7 +95,7 @@ class RolloutHost:
     async def generate(self, episode_id: str | None, prompt_ids: list[int], params: SamplingParams) -> Completion:
         group = self._episodes.get(episode_id) if episode_id is not None else None
         worker = group.worker if group is not None else max(self.workers, key=lambda w: w.room.free)
-        stops = tuple(dict.fromkeys((*params.stop_token_ids, *worker.spec.stop_token_ids)))
+        stops = tuple(dict.fromkeys((*params.stop_token_ids, *self.stop_token_ids)))
         try:
             (completion,) = await worker.engine.generate([prompt_ids], replace(params, stop_token_ids=stops))
         except EngineError as exc:  # the agent hears 503 and may resend; the episode's record is unchanged
@@ -152,10 +151,14 @@ def as_agent(agent: Any):
 
 
 class GatewayWorker(ProducerWorker):
-    """A producer worker in gateway mode (see the module docstring). `host` is set on the first worker
-    of its process by the rollout stage; the others only record and send their groups."""
+    """A producer worker in gateway mode (see the module docstring), serving as `gateway` says. `host` is set
+    on the first worker of its process by the rollout stage; the others only record and send their groups."""
 
     host: RolloutHost | None = None
+
+    def __init__(self, *parts: Any, gateway: GatewaySettings, **named: Any) -> None:
+        super().__init__(*parts, **named)
+        self.gateway = gateway
 
     async def run(self) -> None:
         async with anyio.create_task_group() as tg:
@@ -164,10 +167,10 @@ class GatewayWorker(ProducerWorker):
                 return
             gateway = await self._start_gateway(self.host)
             try:
-                settings = self.spec.gateway
+                settings, shape = self.gateway, self.settings
                 if settings.agent is not None:
                     agent = as_agent(settings.agent)
-                    for _ in range(settings.agents or self.spec.batch_groups * self.spec.group_size):
+                    for _ in range(settings.agents or shape.batch_groups * shape.group_size):
                         tg.start_soon(self._run_agents, gateway, agent)
                 await anyio.sleep_forever()
             finally:
@@ -176,12 +179,12 @@ class GatewayWorker(ProducerWorker):
 
     async def _start_gateway(self, host: RolloutHost) -> Gateway:
         """Serve the gateway; its URL and the file holding its token go to RUN_DIR/gateway-{engine}.json."""
-        settings, folder = self.spec.gateway, self.ctx.folder.path
+        settings, folder = self.gateway, self.ctx.folder.path
         token_file = folder / f"gateway-{self.engine.name}.token"
         limits = Limits(max_tokens=settings.max_tokens, max_episode_tokens=settings.max_episode_tokens,
                         max_episode_s=settings.max_episode_s, reward_timeout_s=settings.reward_timeout_s)
         gateway = Gateway(host, make_token_file(token_file), settings.port, settings.bind, limits,
-                          tokenizer=self.spec.tokenizer, renderer=renderer_for(self.spec.tokenizer, True),
+                          tokenizer=self.scoring.tokenizer, renderer=renderer_for(self.scoring.tokenizer, True),
                           model=self.ctx.run)
         await gateway.start()
         (folder / f"gateway-{self.engine.name}.json").write_text(msgspec.json.encode(
@@ -199,7 +202,7 @@ class GatewayWorker(ProducerWorker):
         try:
             finished = await self.maker.finish(prompt, results, rewarded=True)
         except StoreError as exc:
-            count(self.spec.stats, "episodes_failed", "store failed")
+            self.stats.count("episodes_failed", "store failed")
             finished = self.maker.dropped(self.maker.new_group_id(), (self.engine.version,) * 2,
                                           encode_prompt(prompt), len(results), f"store failed: {exc}")
         finished.admission = admission

@@ -30,27 +30,39 @@ from buffers.store import ObjectStore
 from pipeline.context import RunContext
 from pipeline.refs import Produced, Ref, make_key
 from stages.data.model import decode_many
-from stages.data.rewards import Sample, Scores
+from stages.data.rewards import RewardFunction, Sample, Scores
 from stages.data.tasks import Prompt
 from stages.engines.base import Completion, Engine
 from stages.rollout.episode import Episode, EpisodeFailed
 from stages.rollout.outbox import Finished, encode_group, version_span
 from stages.rollout.prompts import encode_prompt
+from stages.rollout.stats import RolloutStats
+from stages.scorers import ComposedReward, Distillation, Lifecycle
 from stages.scorers.teacher import TEACHER_FIELD
 
 
-def count(stats: dict, stat: str, key: str) -> None:
-    """One more `key` in the rollout's `stats[stat]` (a dict of counts by reason)."""
-    counts = stats.setdefault(stat, {})
-    counts[key] = counts.get(key, 0) + 1
+@dataclass(frozen=True)
+class Scoring:
+    """How a worker's groups are scored: the reward (and the tokenizer decoding completions for it), the
+    teacher with distillation; `by_reward` False when an environment's episodes bring their own rewards."""
+
+    reward: RewardFunction | ComposedReward
+    tokenizer: Any  # a Hugging Face tokenizer
+    teacher: Distillation | None = None
+    by_reward: bool = True
+
+    @property
+    def scorers(self) -> list[Lifecycle]:
+        """The model scorers the workers start and stop with their engines (none for rule rewards)."""
+        return [part for part in (self.reward, self.teacher) if isinstance(part, Lifecycle)]
 
 
 class GroupMaker:
-    """Scores and stores one worker's finished groups (see the module docstring)."""
+    """Scores and stores one worker's finished groups (see the module docstring), counting into `stats`."""
 
-    def __init__(self, spec: Any, engine: Engine, store: ObjectStore, ctx: RunContext, environment: bool) -> None:
-        self.spec, self.engine, self.store, self.ctx = spec, engine, store, ctx
-        self.scored_by_reward = not environment  # single-turn groups are scored here; episodes bring their own
+    def __init__(self, scoring: Scoring, stats: RolloutStats, engine: Engine, store: ObjectStore,
+                 ctx: RunContext) -> None:
+        self.scoring, self.stats, self.engine, self.store, self.ctx = scoring, stats, engine, store, ctx
         self.incarnation = uuid.uuid4().hex[:8]
         self.made = 0
         self.log = ctx.log(f"rollout:{engine.name}")
@@ -61,13 +73,13 @@ class GroupMaker:
         failed = [r for r in results if isinstance(r, EpisodeFailed)]
         group_id, source = self.new_group_id(), encode_prompt(prompt)
         span = version_span(episodes, self.engine.version)
-        self.spec.stats["tokens"] += sum(e.tokens.model_tokens for e in episodes)
+        self.stats.tokens += sum(e.tokens.model_tokens for e in episodes)
         if not episodes:
             return self.dropped(group_id, span, source, len(results), f"episode failed: {failed[0].reason}")
         t_score = anyio.current_time()
         scored = await self._scored(prompt, episodes, rewarded)
         scored.seconds = anyio.current_time() - t_score
-        reason = scored.drop_reason(self.spec.reward.on_error, self.spec.teacher)
+        reason = scored.drop_reason(self.scoring.reward.on_error, self.scoring.teacher)
         if reason is not None:
             self.log.warning("group dropped", group=group_id, reason=reason)
             return self.dropped(group_id, span, source, len(results), reason,
@@ -94,18 +106,19 @@ class GroupMaker:
             scored.teacher, scored.teacher_failure = await self.teach(prompt, episodes)
 
         async with anyio.create_task_group() as tg:
-            if self.scored_by_reward and not rewarded:
+            if self.scoring.by_reward and not rewarded:
                 tg.start_soon(rewards)
-            if self.spec.teacher is not None:
+            if self.scoring.teacher is not None:
                 tg.start_soon(teacher)
         return scored
 
     async def teach(self, prompt: Prompt, episodes: list[Episode]) -> tuple[list[np.ndarray], str | None]:
         """Every episode's `teacher_logprobs` (stages.scorers.teacher); a failure is counted in
         `stats["teacher_failed"]` by reason, and a run event."""
-        values, failure = await self.spec.teacher.score(prompt.metadata, [e.tokens.row() for e in episodes])
+        assert self.scoring.teacher is not None
+        values, failure = await self.scoring.teacher.score(prompt.metadata, [e.tokens.row() for e in episodes])
         if failure is not None:
-            count(self.spec.stats, "teacher_failed", failure)
+            self.stats.count("teacher_failed", failure)
             self.ctx.event("teacher.failed", count=len(episodes), engine=self.engine.name, reason=failure)
         return values, failure
 
@@ -118,14 +131,14 @@ class GroupMaker:
     async def score(self, prompt: Prompt, group: list[Completion], failures: str = "reward_failed") -> Scores:
         """The group's rewards (never raises); failed samples are counted in `stats[failures]` by reason."""
         tokens = [c.tokens.tolist() for c in group]
-        scores = await self.spec.reward.score([
+        scores = await self.scoring.reward.score([
             Sample(prompt=prompt.text, completion=text, tokens=ids, answer=prompt.answer,
                    metadata=prompt.metadata or {}, messages=prompt.messages, source=prompt)
-            for text, ids in zip(decode_many(self.spec.tokenizer, tokens), tokens, strict=True)
+            for text, ids in zip(decode_many(self.scoring.tokenizer, tokens), tokens, strict=True)
         ])
         failed = [f for f in scores.failures if f]
         for reason in failed:
-            count(self.spec.stats, failures, reason)
+            self.stats.count(failures, reason)
         if failed:  # a warning now, counts in the metrics and the summary (pipeline.events)
             self.ctx.event(failures.replace("_", "."), count=len(failed), engine=self.engine.name, reason=failed[0])
         return scores
@@ -142,14 +155,14 @@ class GroupMaker:
         reward failed (scored 0), `reward_failed` (1 for those samples)."""
         ctx, (lo, hi), scores = self.ctx, span, scored.scores
         token_fields = {TEACHER_FIELD: scored.teacher} if scored.teacher is not None else {}
-        row_fields = {"scoring_s": np.full(len(episodes), scored.seconds, np.float32)} if self.spec.scorers else {}
+        row_fields = {"scoring_s": np.full(len(episodes), scored.seconds, np.float32)} if self.scoring.scorers else {}
         batch = encode_group(episodes, scores.rewards, span,
                              {"run": ctx.run, "group": group_id, "prompt": prompt.text, "answer": prompt.answer},
                              token_fields, row_fields)
         payload = encode(batch, pool=self.store.pool)  # straight into the store's memory where it has a pool
         key = make_key(ctx.run, lo, group_id, f"0-{len(episodes) - 1}")
         await with_retries(lambda: self.store.put(key, payload))
-        self.spec.stats["groups"] += 1
+        self.stats.groups += 1
         ref = Ref(
             store=self.store.name, key=key, version=lo, version_max=hi, rows=len(episodes),
             nbytes=payload.nbytes, checksum=peek(payload).checksum, group=group_id,
@@ -170,10 +183,10 @@ class Scored:
     teacher_failure: str | None = None
     seconds: float = 0.0
 
-    def drop_reason(self, reward_on_error: str, distillation: Any) -> str | None:
+    def drop_reason(self, reward_on_error: str, distillation: Distillation | None) -> str | None:
         """Why the group is dropped (None: it is stored): a failed reward or teacher whose `on_error` is "drop"."""
         if reward_on_error == "drop" and any(self.scores.failures):
             return "reward failed"
-        if self.teacher_failure is not None and distillation.on_error == "drop":
+        if self.teacher_failure is not None and distillation is not None and distillation.on_error == "drop":
             return "teacher failed"
         return None

@@ -20,6 +20,7 @@ from pipeline.checkpoint import RandomState, python_random_state, random_state
 from pipeline.context import RunContext
 from stages.data.tasks import DataTask, Prompt, Task
 from stages.rollout.outbox import Finished
+from stages.rollout.stats import RolloutStats
 
 _PROMPT = msgspec.json.Decoder(Prompt)
 encode_prompt = msgspec.json.encode
@@ -29,9 +30,9 @@ _MT_WORDS = len(random.Random().getstate()[1])  # a Mersenne Twister state's len
 
 
 class PromptStream:
-    """The prompts of one worker (see the module docstring)."""
+    """The prompts of one worker (see the module docstring); redone groups are counted in `stats`."""
 
-    def __init__(self, task: Task, ctx: RunContext, rng: random.Random, stats: dict) -> None:
+    def __init__(self, task: Task, ctx: RunContext, rng: random.Random, stats: RolloutStats) -> None:
         self.task, self.ctx, self.rng, self.stats = task, ctx, rng, stats
         self._generating: dict[int, Prompt] = {}  # admitted, not yet recorded as produced (by admission number)
         self._admitted = 0
@@ -40,7 +41,7 @@ class PromptStream:
         """`n` prompts: groups to redo first (one feedback poll for all), then new samples."""
         redos = await self.ctx.poll_feedback_many(n)
         if redos:
-            self.stats["redone"] = self.stats.get("redone", 0) + len(redos)
+            self.stats.redone += len(redos)
         prompts = [decode_prompt(await self.ctx.ledger.take_source(r.group)) for r in redos]
         return prompts + [self.task.sample(self.rng) for _ in range(n - len(redos))]
 

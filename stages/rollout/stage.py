@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from buffers.store import ObjectStore
 from pipeline.channel import Channel
 from pipeline.context import RunContext
 from pipeline.contracts import Resources
@@ -27,8 +28,10 @@ from stages.environments.render import renderer_for
 from stages.rollout.episode import EpisodeLimits, EpisodeSetup
 from stages.rollout.evaluation import Evaluation
 from stages.rollout.gateway_worker import GatewaySettings, GatewayWorker, RolloutHost
-from stages.rollout.worker import RolloutWorker
-from stages.scorers import ComposedReward, Distillation, Lifecycle, ModelReward
+from stages.rollout.groups import Scoring
+from stages.rollout.stats import RolloutStats
+from stages.rollout.worker import RolloutWorker, WorkerSettings
+from stages.scorers import ComposedReward, Distillation, ModelReward
 from stages.weights import engine_mailboxes
 
 
@@ -67,7 +70,7 @@ class Rollout:
     gateway: GatewaySettings | None = None  # serve the OpenAI API; episodes come from its agents
     teacher: Distillation | None = None  # on-policy distillation: teacher logprobs of every group's tokens
     engine_sync_s: float = 30.0  # at most this long a new group waits for its engine to reach the admitting version
-    stats: dict = field(default_factory=lambda: {"groups": 0, "gen_s": 0.0, "tokens": 0, "regenerated": {}})
+    stats: RolloutStats = field(default_factory=RolloutStats, init=False)  # its workers' counts in this process
 
     def __post_init__(self) -> None:
         if self.group_size < 2:
@@ -98,9 +101,9 @@ class Rollout:
             self.limits = replace(self.limits, request_timeout_s=self.request_timeout_s)
 
     @property
-    def scorers(self) -> list[Lifecycle]:
-        """The model scorers the workers start and stop with their engines (none for rule rewards)."""
-        return [part for part in (self.reward, self.teacher) if isinstance(part, Lifecycle)]
+    def scoring(self) -> Scoring:
+        """How its groups are scored (single-turn ones by the reward; an environment's episodes bring theirs)."""
+        return Scoring(self.reward, self.tokenizer, self.teacher, by_reward=self.environment is None)
 
     @property
     def workers(self) -> int:
@@ -115,14 +118,6 @@ class Rollout:
     def helpers(self) -> list[Resources]:
         return []
 
-    def sampling(self) -> SamplingParams:
-        return SamplingParams(
-            max_new_tokens=self.task.max_new_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            stop_token_ids=self.stop_token_ids,
-        )
-
     def episode_setup(self, policy: Any) -> EpisodeSetup:
         """How this rollout's episodes run: chat rendering for chat tasks (else plain text), one
         environment per episode (None: single-turn), sampling and limits, the staleness policy."""
@@ -131,7 +126,9 @@ class Rollout:
         environment = self.environment
         if isinstance(environment, str):  # checked whole in __post_init__; here only the class is resolved
             environment = functools.partial(environment_class(environment), **self.environment_options)
-        return EpisodeSetup(renderer, environment, self.sampling(), self.limits, policy)
+        sampling = SamplingParams(max_new_tokens=self.task.max_new_tokens, temperature=self.temperature,
+                                  top_p=self.top_p, stop_token_ids=self.stop_token_ids)
+        return EpisodeSetup(renderer, environment, sampling, self.limits, policy)
 
     def actors(self, ctx: RunContext, inbox: Channel | None, outbox: Channel | None) -> list[RolloutWorker]:
         """One worker per engine of this process; in gateway mode the first hosts the process's gateway."""
@@ -144,13 +141,22 @@ class Rollout:
         if plan is not None and plan.planned("engine.hang") and self.limits.request_timeout_s is None:
             raise FaultPlanError("fault engine.hang needs rollout.request_timeout_s (e.g. 30) to turn a hang into "
                                  "an error; set it, or remove the fault")
-        kind = RolloutWorker if self.gateway is None else GatewayWorker
         # engine faults wrap only what the worker calls; weight receivers keep the engine itself
-        workers = [kind(self, with_engine_faults(engine, plan), ctx.services.store, ctx, outbox,
-                        task=self._task_of(i), index=i) for i, engine in enumerate(self.engines)]
+        workers = [self.worker(with_engine_faults(engine, plan), ctx.services.store, ctx, outbox, self._task_of(i), i)
+                   for i, engine in enumerate(self.engines)]
         if self.gateway is not None:
-            workers[0].host = RolloutHost(workers)
+            workers[0].host = RolloutHost(workers, self.group_size, self.stop_token_ids)
         return workers
+
+    def worker(self, engine: Engine, store: ObjectStore, ctx: RunContext, outbox: Channel, task: Task | None = None,
+               index: int = 0) -> RolloutWorker | GatewayWorker:
+        """Worker `index` on `engine` (of `task`: default, the whole task), given what it uses of this stage."""
+        settings = WorkerSettings(self.group_size, self.batch_groups, self.max_regenerations, self.engine_sync_s,
+                                  self.request_timeout_s)
+        parts = (settings, self.task if task is None else task, self.scoring, self.stats, engine, store, ctx, outbox)
+        if self.gateway is not None:
+            return GatewayWorker(*parts, index, gateway=self.gateway)
+        return RolloutWorker(*parts, index, episode_setup=self.episode_setup, evaluation=self.evaluation)
 
     def _task_of(self, worker: int) -> Task:
         """Worker `worker`'s task: its own shard of a dataset (workers may live in other processes),

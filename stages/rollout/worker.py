@@ -22,7 +22,9 @@ environment fails is recorded as dropped with its reason; the run goes on.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import anyio
 
@@ -44,14 +46,12 @@ from stages.rollout.episode import (
     run_episode,
     run_single_turns,
 )
-from stages.rollout.evaluation import Evaluator
-from stages.rollout.groups import GroupMaker, count
+from stages.rollout.evaluation import EvalSetup, Evaluation, Evaluator
+from stages.rollout.groups import GroupMaker, Scoring
 from stages.rollout.outbox import GroupOutbox
 from stages.rollout.prompts import PromptStream
+from stages.rollout.stats import RolloutStats
 from stages.weights.snapshot import load_snapshot, snapshot_key
-
-if TYPE_CHECKING:
-    from stages.rollout.stage import Rollout
 
 
 class GroupsNotStored(StoreError):
@@ -79,21 +79,33 @@ class Room:
         self._changed.set()
 
 
-class ProducerWorker(BaseActor):
-    """One engine's worker, as the run and its checkpoints see it (see the module docstring)."""
+@dataclass(frozen=True)
+class WorkerSettings:
+    """What a rollout worker reads of its stage's settings (the `Rollout` fields of the same names)."""
 
-    def __init__(self, spec: Rollout, engine: Engine, store: ObjectStore, ctx: RunContext, outbox: Channel,
-                 task: Task | None = None, index: int = 0) -> None:
-        self.spec, self.engine, self.store, self.ctx = spec, engine, store, ctx
-        self.task = task if task is not None else spec.task
+    group_size: int
+    batch_groups: int
+    max_regenerations: int = 5
+    engine_sync_s: float = 30.0
+    request_timeout_s: float | None = None  # an evaluation's engine call (an episode's is in its limits)
+
+
+class ProducerWorker(BaseActor):
+    """One engine's worker, as the run and its checkpoints see it (see the module docstring). Its task is its
+    own (a dataset's shard); `stats` is its stage's, shared by the stage's workers in this process."""
+
+    def __init__(self, settings: WorkerSettings, task: Task, scoring: Scoring, stats: RolloutStats, engine: Engine,
+                 store: ObjectStore, ctx: RunContext, outbox: Channel, index: int = 0) -> None:
+        self.settings, self.task, self.scoring, self.stats = settings, task, scoring, stats
+        self.engine, self.store, self.ctx = engine, store, ctx
         self.index = index  # the first worker (index 0) runs the evaluations
         self.name = f"rollout:{engine.name}"
         self.rng = ctx.rng(self.name)
         self.log = ctx.log(self.name)
-        self.prompts = PromptStream(self.task, ctx, self.rng, spec.stats)
-        self.maker = GroupMaker(spec, engine, store, ctx, environment=spec.environment is not None)
-        self.groups = GroupOutbox(ctx, outbox, self.prompts.recorded, engine, spec.group_size)
-        self.room = Room(spec.batch_groups * spec.group_size)
+        self.prompts = PromptStream(self.task, ctx, self.rng, stats)
+        self.maker = GroupMaker(scoring, stats, engine, store, ctx)
+        self.groups = GroupOutbox(ctx, outbox, self.prompts.recorded, engine, settings.group_size)
+        self.room = Room(settings.batch_groups * settings.group_size)
 
     async def start(self) -> None:
         resume = self.ctx.resume
@@ -101,7 +113,7 @@ class ProducerWorker(BaseActor):
             self.prompts.restore(state)  # the prompt stream goes on from the checkpoint
         async with anyio.create_task_group() as tg:  # model scorers start beside the engine (shared per process)
             tg.start_soon(self.engine.start)
-            for scorer in self.spec.scorers:
+            for scorer in self.scoring.scorers:
                 tg.start_soon(scorer.start, self.ctx.folder.path)
         # an engine that starts late (or restarts) catches up from the learner's latest snapshot
         snapshot = await load_snapshot(self.store, snapshot_key(self.ctx.run, self.ctx.folder.path.name))
@@ -112,7 +124,7 @@ class ProducerWorker(BaseActor):
 
     async def stop(self) -> None:
         await self.engine.stop()
-        for scorer in self.spec.scorers:
+        for scorer in self.scoring.scorers:
             await scorer.stop()
 
     def held_refs(self) -> list[HeldRef]:
@@ -136,7 +148,7 @@ class ProducerWorker(BaseActor):
         """Count work generated again after `error`: a whole group (stat "regenerated", event
         groups.regenerated) or one episode (stat "episodes_restarted", event episodes.restarted)."""
         cause = type(error).__name__
-        count(self.spec.stats, stat, cause)
+        self.stats.count(stat, cause)
         self.ctx.event(event, engine=self.engine.name, cause=cause, error=str(error))
         plan = plan_of(self.ctx)
         if plan is not None:  # the fault runner counts these (they never reached the ledger)
@@ -144,22 +156,28 @@ class ProducerWorker(BaseActor):
 
 
 class RolloutWorker(ProducerWorker):
-    """Generates groups from its task on its engine (see the module docstring)."""
+    """Generates groups from its task on its engine (see the module docstring): its episodes as
+    `episode_setup(policy)` says, and on the first worker the run's `evaluation`."""
+
+    def __init__(self, *parts: Any, episode_setup: Callable[[Any], EpisodeSetup], evaluation: Evaluation | None = None,
+                 **named: Any) -> None:
+        super().__init__(*parts, **named)
+        self.episode_setup, self.evaluation = episode_setup, evaluation
 
     @functools.cached_property
     def setup(self) -> EpisodeSetup:
-        return self.spec.episode_setup(self.ctx.policy)
+        return self.episode_setup(self.ctx.policy)
 
     @functools.cached_property
     def evaluator(self) -> Evaluator | None:
         """The run's evaluations, on the first worker only."""
-        evaluation = self.spec.evaluation
-        if evaluation is None or self.index != 0:
+        if self.evaluation is None or self.index != 0:
             return None
-        return Evaluator(evaluation, self.spec, self.engine, self.ctx, self.maker.score)
+        setup = EvalSetup(self.scoring.tokenizer, self.setup.sampling, self.settings.request_timeout_s, self.stats)
+        return Evaluator(self.evaluation, self.engine, self.ctx, self.maker.score, setup)
 
     async def run(self) -> None:
-        group_size = self.spec.group_size
+        group_size = self.settings.group_size
         async with anyio.create_task_group() as tg:
             tg.start_soon(self.groups.run)
             while True:
@@ -186,7 +204,7 @@ class RolloutWorker(ProducerWorker):
 
     def _admit(self, prompt: Prompt) -> int:
         """Take room for the prompt's episodes and count it as generating; returns its admission number."""
-        self.room.take(self.spec.group_size)
+        self.room.take(self.settings.group_size)
         return self.prompts.admit(prompt)
 
     async def _group(self, admission: int, prompt: Prompt, admitted_at: int, gate_s: float = 0.0) -> None:
@@ -195,20 +213,20 @@ class RolloutWorker(ProducerWorker):
         counted, up to `max_regenerations` times."""
         await self._engine_at(admitted_at)
         t0 = anyio.current_time()
-        for attempt in range(self.spec.max_regenerations + 1):
+        for attempt in range(self.settings.max_regenerations + 1):
             episodes = await self._episodes(prompt)
             try:
                 finished = await self.maker.finish(prompt, episodes)
                 break
             except StoreError as exc:
-                if attempt == self.spec.max_regenerations:
+                if attempt == self.settings.max_regenerations:
                     raise
                 self.redone("regenerated", "groups.regenerated", exc)
         finished.admission, finished.gate_s, finished.started = admission, gate_s, t0
         self.groups.put(finished)
 
     async def _engine_at(self, version: int) -> None:
-        deadline = anyio.current_time() + self.spec.engine_sync_s
+        deadline = anyio.current_time() + self.settings.engine_sync_s
         while self.engine.version < version and anyio.current_time() < deadline:
             await anyio.sleep(0.002)
         if self.engine.version < version:
@@ -217,7 +235,7 @@ class RolloutWorker(ProducerWorker):
     async def _episodes(self, prompt: Prompt) -> list[Episode | EpisodeFailed]:
         """The group's episodes: one coroutine each with an environment; without one, the group's single
         turns go to the engine as one call (`stages.rollout.episode.run_single_turns`)."""
-        size = self.spec.group_size
+        size = self.settings.group_size
         if self.setup.environment is None:
             ids = self.setup.renderer.prompt_ids(first_messages(prompt))
             try:
@@ -229,11 +247,11 @@ class RolloutWorker(ProducerWorker):
                 self.room.give_back(size)
         results: list[Episode | EpisodeFailed] = [EpisodeFailed("not run")] * size
         rerun = list(range(size))
-        for attempt in range(self.spec.max_regenerations + 1):
+        for attempt in range(self.settings.max_regenerations + 1):
             async with anyio.create_task_group() as tg:
                 for i in rerun:
                     tg.start_soon(self._episode, prompt, results, i)
-            if attempt == self.spec.max_regenerations or not (rerun := self._aged(results)):
+            if attempt == self.settings.max_regenerations or not (rerun := self._aged(results)):
                 break
             self.room.take(len(rerun))  # the group's own episodes: they run before any new group
         return results
@@ -265,14 +283,14 @@ class RolloutWorker(ProducerWorker):
         """`await run()`, started again from its sample after an engine failure or a stale restart
         (counted as a regenerated group, or a restarted episode); past `max_regenerations` attempts the
         error ends the run. EpisodeFailed is counted."""
-        for attempt in range(self.spec.max_regenerations + 1):
+        for attempt in range(self.settings.max_regenerations + 1):
             try:
                 return await run()
             except EpisodeFailed as exc:
-                count(self.spec.stats, "episodes_failed", exc.reason)
+                self.stats.count("episodes_failed", exc.reason)
                 raise
             except EngineError as exc:
-                if attempt == self.spec.max_regenerations:
+                if attempt == self.settings.max_regenerations:
                     raise
                 if whole_group:
                     self.redone("regenerated", "groups.regenerated", exc)

@@ -1,8 +1,9 @@
 """Model scorers: rewards a model computes and teachers for on-policy distillation (docs/guides/model-rewards.md).
 
   base.py        the protocols (`ModelReward`, `Teacher`), `ScorerError`, the stats each keeps
-  server.py      `ScoringServer`: a scorer's HTTP server, launched by baton on loopback or given by url;
-                 concurrency cap, timeouts, retries, restarts of a launched server that died
+  server.py      `ServerSettings`, what every server-backed scorer shares; `ScoringServer`: a scorer's HTTP
+                 server, launched by baton on loopback or given by url; concurrency cap, timeouts, retries,
+                 restarts of a launched server that died
   classifier.py  `ClassifierReward`: a sequence-classification model on SGLang's /classify
   judge.py       `JudgeReward`: a generative model on an OpenAI-compatible chat endpoint, a rubric, a parser
   teacher.py     `TorchTeacher`, `SGLangTeacher`, `Distillation`: per-token teacher logprobs of the
@@ -17,6 +18,7 @@ from stages.scorers.base import Lifecycle, ModelReward, ScorerError, Teacher
 from stages.scorers.classifier import ClassifierReward
 from stages.scorers.compose import ComposedReward
 from stages.scorers.judge import JudgeReward
+from stages.scorers.server import ServerSettings
 from stages.scorers.teacher import TEACHER_FIELD, Distillation, SGLangTeacher, TorchTeacher
 
 __all__ = [
@@ -29,6 +31,7 @@ __all__ = [
     "ModelReward",
     "SGLangTeacher",
     "ScorerError",
+    "ServerSettings",
     "Teacher",
     "TorchTeacher",
 ]

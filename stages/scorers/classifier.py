@@ -24,7 +24,7 @@ import math
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -32,7 +32,7 @@ import torch
 from stages.data.model import load_tokenizer
 from stages.data.rewards import Sample, Scores
 from stages.scorers.base import ScorerError, record
-from stages.scorers.server import ScoringServer
+from stages.scorers.server import ScoringServer, Served, ServerSettings
 
 INDEX = "model.safetensors.index.json"
 BIAS_FILE = "baton-score-bias.safetensors"
@@ -75,26 +75,20 @@ def serving_folder(model: Path, into: Path) -> Path:
 
 
 @dataclass
-class ClassifierReward:
-    """`ClassifierReward("rm-folder")` launches the folder on SGLang; `url=` attaches to a server already
-    serving it (the folder still gives the tokenizer and chat template). `label`: which output is the score."""
+class ClassifierReward(Served):
+    """`ClassifierReward(ServerSettings("rm-folder"))` launches the folder on SGLang; with a `url` it attaches to
+    a server already serving it (the folder still gives the tokenizer and chat template). `label`: which output
+    is the score."""
 
-    model: str | Path
-    url: str | None = None
-    token_file: str | None = None
+    settings: ServerSettings
     label: int = 0
-    concurrency: int = 8
-    timeout_s: float = 30.0
-    retries: int = 2
-    max_restarts: int = 3
-    python: str | None = None
-    dtype: str = "float32"
-    device: str = "auto"
     name: str = "classifier"
     stats: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.model = Path(self.model)
+        if self.settings.model is None:
+            raise ValueError("classifier: give the reward model's folder (it renders the samples, with a url too)")
+        self.model = Path(self.settings.model)
         self.tokenizer = load_tokenizer(self.model, pad=False)
         if not self.tokenizer.chat_template:
             raise ValueError(f"classifier model {str(self.model)!r}: its tokenizer has no chat template to render "
@@ -105,15 +99,13 @@ class ClassifierReward:
         if not 0 <= self.label < labels:
             raise ValueError(f"classifier label {self.label} is not an output of {str(self.model)!r} "
                              f"({labels} labels); choose one in 0..{labels - 1}")
-        self.server = ScoringServer.of(self, extra_args=("--is-embedding",))
+        self.server = ScoringServer(self.name, self.settings, self.stats, extra_args=("--is-embedding",))
 
     async def start(self, log_dir: Path | None = None) -> None:
-        if self.url is None and self.server.server is None:
-            self.server.model = serving_folder(self.model, Path(tempfile.mkdtemp(prefix="baton-classifier-")))
-        await self.server.start(log_dir)
-
-    async def stop(self) -> None:
-        await self.server.stop()
+        if self.settings.url is None and self.server.server is None:
+            folder = serving_folder(self.model, Path(tempfile.mkdtemp(prefix="baton-classifier-")))
+            self.server.settings = replace(self.settings, model=folder)
+        await super().start(log_dir)
 
     def render(self, sample: Sample) -> list[int]:
         """The ids the reward model reads for `sample` (see the module docstring)."""

@@ -17,8 +17,7 @@ import math
 import re
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field, replace
 
 import anyio
 
@@ -26,7 +25,7 @@ from pipeline import plugins
 from pipeline.events import report_event
 from stages.data.rewards import Sample, Scores
 from stages.scorers.base import ScorerError, record
-from stages.scorers.server import ScoringServer
+from stages.scorers.server import ScoringServer, Served, ServerSettings
 
 DEFAULT_TEMPLATE = (
     "Grade the response to the task below from 0 (wrong or useless) to 10 (fully right).\n\n"
@@ -47,13 +46,12 @@ PARSERS = {"number": "stages.scorers.judge:first_number"}
 
 
 @dataclass
-class JudgeReward:
-    """`JudgeReward(model="judge-folder")` launches the folder on SGLang; `JudgeReward(url=..., model_name=...)`
-    uses any OpenAI-compatible server (with `token_file`: its bearer token)."""
+class JudgeReward(Served):
+    """`JudgeReward(ServerSettings("judge-folder"))` launches the folder on SGLang;
+    `JudgeReward(ServerSettings(url=...), model_name=...)` uses any OpenAI-compatible server (with `token_file`:
+    its bearer token)."""
 
-    model: str | Path | None = None
-    url: str | None = None
-    token_file: str | None = None
+    settings: ServerSettings
     model_name: str | None = None  # the request's "model"; default: the launched folder's path (SGLang's name)
     template: str = DEFAULT_TEMPLATE
     parser: str | Callable[[str], float | None] = "number"
@@ -61,24 +59,18 @@ class JudgeReward:
     max_tokens: int = 16
     temperature: float = 0.0
     parse_retries: int = 2
-    concurrency: int = 8
-    timeout_s: float = 30.0
-    retries: int = 2
-    max_restarts: int = 3
-    python: str | None = None
-    dtype: str = "float32"
-    device: str = "auto"
     name: str = "judge"
     stats: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.url is None and self.model is None:
+        model, url = self.settings.model, self.settings.url
+        if url is None and model is None:
             raise ValueError("judge: give a model folder to launch on SGLang, or the url of an OpenAI-compatible "
                              "server")
         if self.model_name is None:
-            if self.model is None:
+            if model is None:
                 raise ValueError("judge: a judge given by url needs model_name (the model the server serves)")
-            self.model_name = str(self.model)
+            self.model_name = str(model)
         if self.max_score <= 0:
             raise ValueError(f"judge.max_score must be > 0, got {self.max_score}")
         if self.parse_retries < 0:
@@ -90,15 +82,9 @@ class JudgeReward:
                              "(write literal braces as {{ and }})") from None
         if isinstance(self.parser, str):
             self.parser = plugins.resolve(self.parser, PARSERS, what="judge parser")
-        url = self.url.removesuffix("/").removesuffix("/v1") if self.url else None
-        self.server = ScoringServer.of(self, url=url)
+        url = url.removesuffix("/").removesuffix("/v1") if url else None
+        self.server = ScoringServer(self.name, replace(self.settings, url=url), self.stats)
         self.stats.setdefault("parse_failures", 0)
-
-    async def start(self, log_dir: Path | None = None) -> None:
-        await self.server.start(log_dir)
-
-    async def stop(self) -> None:
-        await self.server.stop()
 
     async def score(self, samples: Sequence[Sample]) -> Scores:
         """One group's scores, a request per sample at once (the server's cap bounds them); never raises."""

@@ -37,20 +37,18 @@ from stages.scorers.base import ScorerError
 TRANSPORT_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ServerDisconnectedError, ConnectionError)
 
 
-_SCORER_SETTINGS = ("name", "model", "url", "token_file", "concurrency", "timeout_s", "retries", "max_restarts",
-                    "python", "dtype", "device")
-
-
 class _ServerDown(Exception):
     """The server baton launched is dead: restart it, then try the request again."""
 
 
-@dataclass
-class ScoringServer:
-    """One scorer's server (see the module docstring). `extra_args` go to a launched server verbatim."""
+@dataclass(frozen=True)
+class ServerSettings:
+    """Where a scorer's requests go and how they are bounded: the settings every server-backed scorer (the
+    classifier, the judge, the SGLang teacher) shares, as `[reward.classifier]`, `[reward.judge]` and
+    `[distill]` give them. `model`: the folder a launched server loads (unused with `url`); `token_file`:
+    the file holding a given server's bearer token; `python`, `dtype`, `device`: a launched server's."""
 
-    name: str
-    model: str | Path | None = None  # the folder a launched server loads (unused with `url`)
+    model: str | Path | None = None
     url: str | None = None
     token_file: str | None = None
     concurrency: int = 8
@@ -60,28 +58,31 @@ class ScoringServer:
     python: str | None = None
     dtype: str = "float32"
     device: str = "auto"
+
+
+@dataclass
+class ScoringServer:
+    """One scorer's server (see the module docstring): `name` is its scorer's, restarts are counted into its
+    scorer's `stats`, and `extra_args` go to a launched server verbatim."""
+
+    name: str
+    settings: ServerSettings
+    stats: dict = field(default_factory=dict)
     threads: int = 1
     max_total_tokens: int = 16384
     extra_args: tuple[str, ...] = ()
-    stats: dict = field(default_factory=lambda: {"restarts": 0})
-
-    @classmethod
-    def of(cls, scorer: Any, **overrides: Any) -> ScoringServer:
-        """The server of `scorer` (a classifier, judge or teacher), from the settings it shares with this
-        class (its `name`, `model`, `url`, `concurrency`, ...), counting into the scorer's own `stats`."""
-        shared = {name: getattr(scorer, name) for name in _SCORER_SETTINGS if hasattr(scorer, name)}
-        scorer.stats.setdefault("restarts", 0)
-        return cls(**{**shared, "stats": scorer.stats, **overrides})
 
     def __post_init__(self) -> None:
-        if self.url is None and self.model is None:
+        self.stats.setdefault("restarts", 0)
+        settings = self.settings
+        if settings.url is None and settings.model is None:
             raise ValueError(f"scorer {self.name}: give a model folder to launch a server from, or a url")
-        if self.concurrency < 1:
-            raise ValueError(f"scorer {self.name}: concurrency must be >= 1, got {self.concurrency}")
-        if self.timeout_s <= 0:
-            raise ValueError(f"scorer {self.name}: timeout_s must be > 0, got {self.timeout_s}")
-        if self.token_file is not None and not Path(self.token_file).is_file():
-            raise ValueError(f"scorer {self.name}: token_file {self.token_file!r} does not exist; write the "
+        if settings.concurrency < 1:
+            raise ValueError(f"scorer {self.name}: concurrency must be >= 1, got {settings.concurrency}")
+        if settings.timeout_s <= 0:
+            raise ValueError(f"scorer {self.name}: timeout_s must be > 0, got {settings.timeout_s}")
+        if settings.token_file is not None and not Path(settings.token_file).is_file():
+            raise ValueError(f"scorer {self.name}: token_file {settings.token_file!r} does not exist; write the "
                              "server's API token there (one line)")
         self._reset()
 
@@ -93,7 +94,7 @@ class ScoringServer:
         self._start_lock: anyio.Lock | None = None
         self._users = 0
         self.log_dir: Path | None = None
-        self.base_url: str | None = self.url.rstrip("/") if self.url else None
+        self.base_url: str | None = self.settings.url.rstrip("/") if self.settings.url else None
 
     def __getstate__(self) -> dict:
         """Only an unstarted server moves to another process (the Ray runtime builds the producer there)."""
@@ -122,12 +123,13 @@ class ScoringServer:
 
     async def _launch(self, log_dir: Path | None) -> None:
         self.log_dir = log_dir
-        self._limit, self._restart_lock = anyio.Semaphore(self.concurrency), anyio.Lock()
-        if self.url is None:
+        settings = self.settings
+        self._limit, self._restart_lock = anyio.Semaphore(settings.concurrency), anyio.Lock()
+        if settings.url is None:
             folder = Path(log_dir) if log_dir else Path(tempfile.gettempdir())
             self._server = SGLangServer(
-                self.model, python=self.python, dtype=self.dtype, device=self.device, threads=self.threads,
-                max_total_tokens=self.max_total_tokens, extra_args=self.extra_args,
+                settings.model, python=settings.python, dtype=settings.dtype, device=settings.device,
+                threads=self.threads, max_total_tokens=self.max_total_tokens, extra_args=self.extra_args,
                 log_path=folder / f"scorer-{self.name}-{os.getpid()}.log",
             )
             try:
@@ -136,11 +138,11 @@ class ScoringServer:
                 self._server = None
                 raise ScorerError("server failed", str(exc)) from None
             self.base_url = self._server.url
-        headers = {"Authorization": f"Bearer {self._token()}"} if self.token_file else {}
+        headers = {"Authorization": f"Bearer {self._token()}"} if self.settings.token_file else {}
         self._http = aiohttp.ClientSession(headers=headers)
 
     def _token(self) -> str:
-        return Path(self.token_file).read_text().strip()
+        return Path(self.settings.token_file).read_text().strip()
 
     async def stop(self) -> None:
         self._users = max(self._users - 1, 0)
@@ -167,7 +169,7 @@ class ScoringServer:
     async def _retried(self, path: str, body: dict) -> Any:
         try:
             async for attempt in AsyncRetrying(
-                retry=retry_if_exception_type(TRANSPORT_ERRORS), stop=stop_after_attempt(self.retries + 1),
+                retry=retry_if_exception_type(TRANSPORT_ERRORS), stop=stop_after_attempt(self.settings.retries + 1),
                 wait=wait_exponential(multiplier=0.05, max=1), reraise=True,
             ):
                 with attempt:
@@ -181,11 +183,11 @@ class ScoringServer:
         if self._server is not None and not self._server.alive():
             raise _ServerDown()
         try:
-            with anyio.fail_after(self.timeout_s):
+            with anyio.fail_after(self.settings.timeout_s):
                 async with self._http.post(self.base_url + path, json=body) as response:
                     status, text = response.status, await response.text()
         except TimeoutError:
-            raise ScorerError("timeout", f"{path} took over {self.timeout_s:g} s") from None
+            raise ScorerError("timeout", f"{path} took over {self.settings.timeout_s:g} s") from None
         except TRANSPORT_ERRORS:
             if self._server is not None and not self._server.alive():
                 raise _ServerDown() from None
@@ -203,9 +205,9 @@ class ScoringServer:
         async with self._restart_lock:
             if self._server.alive():
                 return  # another request restarted it meanwhile
-            if self.stats["restarts"] >= self.max_restarts:
+            if self.stats["restarts"] >= self.settings.max_restarts:
                 raise ScorerError("server down", f"scorer {self.name}: its server died again after "
-                                  f"{self.max_restarts} restarts")
+                                  f"{self.settings.max_restarts} restarts")
             self.stats["restarts"] += 1
             report_event(self.log_dir, "scorer.restarted", scorer=self.name, restart=self.stats["restarts"])
             t0 = time.perf_counter()
@@ -216,3 +218,15 @@ class ScoringServer:
                 raise ScorerError("server down", f"scorer {self.name}: restart failed: {exc}") from None
             self.base_url = self._server.url
             self.stats["restart_s"] = round(time.perf_counter() - t0, 2)
+
+
+class Served:
+    """A scorer on its `ScoringServer` (`server`), started and stopped with it."""
+
+    server: ScoringServer
+
+    async def start(self, log_dir: Path | None = None) -> None:
+        await self.server.start(log_dir)
+
+    async def stop(self) -> None:
+        await self.server.stop()

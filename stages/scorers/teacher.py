@@ -32,9 +32,10 @@ import torch
 from stages.data.model import load_model
 from stages.data.rewards import ON_ERROR
 from stages.scorers.base import ScorerError, Teacher, record
-from stages.scorers.server import ScoringServer
+from stages.scorers.server import ScoringServer, Served, ServerSettings
 
 TEACHER_FIELD = "teacher_logprobs"
+TEACHER_TIMEOUT_S = 60.0  # a teacher request scores whole rows: the default of [distill] timeout_s
 
 
 @dataclass(eq=False)
@@ -137,30 +138,15 @@ def forward_logprobs(model: torch.nn.Module, sequences: Sequence[Sequence[int]])
 
 
 @dataclass
-class SGLangTeacher:
-    """A teacher on an SGLang server: launched from `model` (a folder), or attached by `url`."""
+class SGLangTeacher(Served):
+    """A teacher on an SGLang server: launched from the settings' `model` (a folder), or attached by `url`."""
 
-    model: str | Path | None = None
-    url: str | None = None
-    token_file: str | None = None
-    concurrency: int = 8
-    timeout_s: float = 60.0
-    retries: int = 2
-    max_restarts: int = 3
-    python: str | None = None
-    dtype: str = "float32"
-    device: str = "auto"
+    settings: ServerSettings
     name: str = "teacher"
     stats: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.server = ScoringServer.of(self)
-
-    async def start(self, log_dir: Path | None = None) -> None:
-        await self.server.start(log_dir)
-
-    async def stop(self) -> None:
-        await self.server.stop()
+        self.server = ScoringServer(self.name, self.settings, self.stats)
 
     async def logprobs(self, sequences: Sequence[Sequence[int]]) -> list[np.ndarray]:
         body = {"input_ids": [list(map(int, s)) for s in sequences], "return_logprob": True, "logprob_start_len": 0,

@@ -39,8 +39,8 @@ def test_model_rewards_compose_with_rule_rewards(folders) -> None:
     assert isinstance(reward, ComposedReward) and reward.on_error == "drop"
     assert isinstance(reward.rule, RewardFunction)
     (classifier, w1), (judge, w2) = reward.models
-    assert isinstance(classifier, ClassifierReward) and w1 == 1.0 and classifier.server.timeout_s == 5
-    assert classifier.server.concurrency == 4 and classifier.url is None  # baton launches it
+    assert isinstance(classifier, ClassifierReward) and w1 == 1.0 and classifier.server.settings.timeout_s == 5
+    assert classifier.server.settings.concurrency == 4 and classifier.settings.url is None  # baton launches it
     assert isinstance(judge, JudgeReward) and w2 == 0.25 and judge.server.base_url == "http://127.0.0.1:30000"
     assert (judge.max_score, judge.parse_retries, judge.model_name) == (5, 1, "grader")
     only = make_reward(config(folders, reward={"weights": {"classifier": 1.0},
@@ -77,7 +77,7 @@ def test_distill_builds_teachers_and_the_learners_term(folders) -> None:
                                        "teacher_key": "domain", "backend": "sglang"})
     pipe = build_pipeline(several)
     teachers = pipe.producer.teacher.teachers
-    assert isinstance(teachers["a"], SGLangTeacher) and teachers["a"].url is None  # baton launches it
+    assert isinstance(teachers["a"], SGLangTeacher) and teachers["a"].settings.url is None  # baton launches it
     assert teachers["b"].server.base_url == "http://127.0.0.1:30000" and pipe.producer.teacher.key == "domain"
     assert build_pipeline(config(folders)).consumer.distill_coef == 0.0
 

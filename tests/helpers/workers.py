@@ -44,7 +44,7 @@ def worker_for(rollout: Rollout, engine, store, recorder: Recorder, tmp_path: Pa
         ledger=SimpleNamespace(produced=recorder.produced_, finished=recorder.finished_),
         gate=SimpleNamespace(discard=recorder.discard),
     )
-    return RolloutWorker(rollout, engine, store, ctx, recorder)
+    return rollout.worker(engine, store, ctx, recorder)
 
 
 def chatml_prompt(text: str) -> str:

@@ -16,7 +16,6 @@ from policies import MaxStaleness
 from stages import Rollout, make_tiny_model, tasks
 from stages.engines.base import Completion
 from stages.environments.feedback import DigitFeedback
-from stages.rollout import RolloutWorker
 from stages.rollout.episode import Episode, EpisodeLimits
 
 
@@ -66,7 +65,7 @@ async def test_episodes_that_aged_waiting_for_a_straggler_start_again(model: Pat
     events: list[tuple[str, dict]] = []
     ctx = SimpleNamespace(rng=lambda name: random.Random(0), log=lambda name: None, policy=MaxStaleness(k=2),
                           services=SimpleNamespace(faults=None), event=lambda kind, **f: events.append((kind, f)))
-    worker = RolloutWorker(spec, engine, None, ctx, None)
+    worker = spec.worker(engine, None, ctx, None)
     worker._admit(spec.task.sample(random.Random(1)))
     results = await worker._episodes(spec.task.sample(random.Random(1)))
     assert all(isinstance(r, Episode) for r in results)

@@ -60,7 +60,6 @@ class Worker:
 
     def __init__(self, name: str, free: int, gate: Gate) -> None:
         self.engine = SimpleNamespace(name=name)
-        self.spec = SimpleNamespace(group_size=2, stop_token_ids=(0,))
         self.room, self.ctx = Room(free), SimpleNamespace(gate=gate)
         self.admitted, self.groups = 0, []
         self.prompts = SimpleNamespace(next=self._next_prompts, admit=self._admit)
@@ -80,7 +79,7 @@ class Worker:
 async def test_the_run_host_forms_groups_on_the_least_loaded_engine_and_refuses_over_budget() -> None:
     gate = Gate(slots=2)
     busy, idle = Worker("busy", 2, gate), Worker("idle", 8, gate)
-    host = RolloutHost([busy, idle])
+    host = RolloutHost([busy, idle], group_size=2, stop_token_ids=(0,))
     first, second, third = await host.open(True), await host.open(True), await host.open(True)
     assert first.group == second.group != third.group and first.sample == second.sample
     assert first.id.startswith("idle.") and idle.room.free == 8 - 3, "new groups form on the engine with room"

@@ -25,7 +25,7 @@ from stages.data.model import make_tiny_model
 from stages.data.rewards import Sample
 from stages.data.tasks import ReverseDigits
 from stages.engines.sglang_server import SGLangUnavailable, sglang_python
-from stages.scorers import ClassifierReward, ComposedReward
+from stages.scorers import ClassifierReward, ComposedReward, ServerSettings
 from tests.helpers.ledger_checks import check_ledger
 from tests.helpers.scorers import make_tiny_classifier
 
@@ -66,7 +66,7 @@ def folder(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 async def classifier(folder, tmp_path_factory):
-    scorer = ClassifierReward(folder, timeout_s=60)
+    scorer = ClassifierReward(ServerSettings(folder, timeout_s=60))
     await scorer.start(tmp_path_factory.mktemp("classifier-logs"))
     yield scorer
     pid = scorer.server.server.pid

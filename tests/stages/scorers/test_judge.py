@@ -15,7 +15,7 @@ from pipeline.events import EVENTS_FILE
 from pipeline.net import free_port
 from stages.data.rewards import Sample
 from stages.scorers import JudgeReward
-from stages.scorers.server import ScoringServer
+from stages.scorers.server import ScoringServer, ServerSettings
 
 pytestmark = pytest.mark.anyio
 TOKEN = "judge-secret"
@@ -65,8 +65,8 @@ def samples(*completions: str) -> list[Sample]:
 async def test_parse_failures_and_timeouts_are_counted_by_reason(judge_server, tmp_path: Path) -> None:
     fake, url = judge_server
     (tmp_path / "token").write_text(TOKEN + "\n")
-    judge = JudgeReward(url=url, model_name="grader", token_file=str(tmp_path / "token"), timeout_s=0.5,
-                        parse_retries=2)
+    judge = JudgeReward(ServerSettings(url=url, token_file=str(tmp_path / "token"), timeout_s=0.5),
+                        model_name="grader", parse_retries=2)
     await judge.start(tmp_path)
     try:
         scores = await judge.score(samples("good", "bad", "slow", "flaky", "huge"))
@@ -85,8 +85,8 @@ async def test_parse_failures_and_timeouts_are_counted_by_reason(judge_server, t
 
 async def test_a_users_parser_and_its_range(judge_server, tmp_path: Path) -> None:
     _, url = judge_server
-    judge = JudgeReward(url=url, model_name="grader", parser=lambda text: 10.0 if "Grade" in text else None,
-                        parse_retries=0)
+    judge = JudgeReward(ServerSettings(url=url), model_name="grader",
+                        parser=lambda text: 10.0 if "Grade" in text else None, parse_retries=0)
     await judge.start(tmp_path)
     try:
         scores = await judge.score(samples("good", "bad"))
@@ -97,7 +97,7 @@ async def test_a_users_parser_and_its_range(judge_server, tmp_path: Path) -> Non
 
 async def test_the_concurrency_cap_holds_across_groups(judge_server, tmp_path: Path) -> None:
     fake, url = judge_server
-    judge = JudgeReward(url=url, model_name="grader", concurrency=2)
+    judge = JudgeReward(ServerSettings(url=url, concurrency=2), model_name="grader")
     await judge.start(tmp_path)
     try:
         async with anyio.create_task_group() as tg:
@@ -109,7 +109,8 @@ async def test_the_concurrency_cap_holds_across_groups(judge_server, tmp_path: P
 
 
 async def test_an_unreachable_server_fails_its_samples_after_the_retries(tmp_path: Path) -> None:
-    judge = JudgeReward(url=f"http://127.0.0.1:{free_port('127.0.0.1')}", model_name="grader", retries=1)
+    url = f"http://127.0.0.1:{free_port('127.0.0.1')}"
+    judge = JudgeReward(ServerSettings(url=url, retries=1), model_name="grader")
     await judge.start(tmp_path)
     try:
         scores = await judge.score(samples("good"))
@@ -120,8 +121,8 @@ async def test_an_unreachable_server_fails_its_samples_after_the_retries(tmp_pat
 
 def test_bad_settings_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="model_name"):
-        JudgeReward(url="http://127.0.0.1:1")
+        JudgeReward(ServerSettings(url="http://127.0.0.1:1"))
     with pytest.raises(ValueError, match="template"):
-        JudgeReward(model="m", template="Grade {respone}")
+        JudgeReward(ServerSettings("m"), template="Grade {respone}")
     with pytest.raises(ValueError, match="token_file"):
-        ScoringServer("judge", url="http://127.0.0.1:1", token_file=str(tmp_path / "missing"))
+        ScoringServer("judge", ServerSettings(url="http://127.0.0.1:1", token_file=str(tmp_path / "missing")))

@@ -16,7 +16,7 @@ import torch
 from stages.data.model import load_model, make_tiny_model
 from stages.data.rewards import Sample
 from stages.engines.sglang_server import SGLangUnavailable, sglang_python
-from stages.scorers import Distillation, JudgeReward, SGLangTeacher
+from stages.scorers import Distillation, JudgeReward, ServerSettings, SGLangTeacher
 from tests.helpers.scorers import multi_turn_row, reference_logprobs
 from tests.stages.scorers.test_teacher import ROWS
 
@@ -47,7 +47,7 @@ def folder(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 async def teacher(folder, tmp_path_factory):
-    scorer = SGLangTeacher(folder, timeout_s=60)
+    scorer = SGLangTeacher(ServerSettings(folder, timeout_s=60))
     await scorer.start(tmp_path_factory.mktemp("teacher-logs"))
     yield scorer
     await scorer.stop()
@@ -72,7 +72,7 @@ async def test_input_logprobs_equal_the_models_forward_on_every_turn(teacher, fo
 async def test_a_judge_on_the_servers_openai_endpoint(teacher, folder) -> None:
     """The tiny model answers with random characters: each sample is graded or fails as unparsed, and every
     unreadable answer is counted."""
-    judge = JudgeReward(url=teacher.server.base_url, model_name=str(folder), template="{completion}>",
+    judge = JudgeReward(ServerSettings(url=teacher.server.base_url), model_name=str(folder), template="{completion}>",
                         max_score=9, max_tokens=3, temperature=1.0, parse_retries=1)
     await judge.start()
     try:

@@ -313,7 +313,7 @@ async def test_a_restarted_engine_catches_up_from_the_snapshot_in_mooncake(model
                 log=lambda name: get_logger(name), services=Services(), resume=None,
                 clock=LocalClock(VersionClock(clock_version)),
             )
-            return engine, RolloutWorker(Rollout(ReverseDigits(), [engine], tokenizer=model), engine, store, ctx, None)
+            return engine, Rollout(ReverseDigits(), [engine], tokenizer=model).worker(engine, store, ctx, None)
 
         engine, worker = worker_at(12, "restarted")
         await worker.start()
