@@ -26,6 +26,7 @@ The contract (`stages.weights.base`):
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +49,7 @@ from stages.weights.base import STATS, WeightPushError, WeightTransport, state_b
 from stages.weights.faulty import with_weight_faults  # noqa: E402
 from tests.helpers.lora import adapter_version, peft_policy  # noqa: E402
 from tests.helpers.p2p_peer import PeerProcess, digest, learner_version  # noqa: E402
+from tests.helpers.runs import baton_run  # noqa: E402
 
 pytestmark = pytest.mark.anyio
 
@@ -332,6 +334,17 @@ def test_every_engine_process_answers_every_built_in_transport_and_the_runs_own(
     assert set(with_plugin) - set(built_in) == {"weights.plugin.safetensors"}
     with pytest.raises(ValueError, match="weights.transport.*broadcast, delta, disk, inproc, mooncake_p2p"):
         make_transport("no_such_transport")
+
+
+@pytest.mark.slow
+def test_a_plugin_transport_by_its_path_carries_a_quickstart_run(tmp_path) -> None:
+    summary = baton_run(tmp_path, "quickstart.toml", "steps=20", "telemetry.progress=false",
+                        f'weights.transport="{PLUGIN}"')
+    assert summary["version"] == 20 and summary["ledger_balanced"]
+    metrics = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    pushed = [m["weights"] for m in metrics if "weights" in m]
+    assert sum(p["versions"] for p in pushed) == 20 and sum(p["refused"] for p in pushed) == 0
+    assert all(p["bytes"] > p["state_bytes"] for p in pushed)  # a safetensors blob each: the tensors and a header
 
 
 @pytest.mark.parametrize("case", ASKERS)
