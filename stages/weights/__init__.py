@@ -31,7 +31,10 @@ TRANSPORTS: dict[str, str] = {
 def transport_class(kind: str) -> type:
     """The transport `kind` names: a built-in's name or a `"pkg.module:Class"` path (PluginError, a
     ValueError naming `weights.transport` and the built-ins, when it names none)."""
-    cls = resolve(kind, TRANSPORTS, what="weights.transport")
+    if kind not in TRANSPORTS and ":" not in kind:
+        raise ValueError(f"unknown weights.transport {kind!r}; known: {', '.join(TRANSPORTS)}, or a plug-in's "
+                         "'pkg.module:Class' path")
+    cls = resolve(TRANSPORTS.get(kind, kind), what="weights.transport")
     if not isinstance(cls, type) or not isinstance(getattr(cls, "receiver", None), type):
         raise ValueError(f"weights.transport {kind!r} is not a transport class with a `receiver` class (its engine "
                          "side, stages.weights.base.EngineReceiver)")

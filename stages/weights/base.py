@@ -5,13 +5,13 @@ for the next decode step); a receiver gets all named tensors of `version` or non
 published are strictly increasing (a publish that raised published nothing). Engines in this
 process are `WeightReceiver`s; engines in another process are an `Asker` (their host's mailboxes,
 `remote_receiver`) and answer each version with an `ApplyReply`; every message is msgpack,
-validated on arrival. A transport declares its engine side (`receiver`) and whether it can push from
-a sharded learner's ranks (`pushes_from_shards`), so the learner and the engines never test its name.
+validated on arrival. A transport declares its engine side (`receiver`) and whether it can push
+from a sharded learner's ranks (`pushes_from_shards`): the learner and the engines never test its name.
 
 The byte-moving transports (`disk`, `delta`, `broadcast`, `mooncake_p2p`) share one push loop,
 `PushTransport`, and say only what differs: `receiver` (their engine side, an `EngineReceiver`
-class: in engine processes and for engines in this process), `stage(version, tensors)` (make a version sendable once: a file, a packed
-buffer, clones) and `send(target, attempt)`: one attempt at one receiver, sending what they choose
+class: in engine processes and for engines in this process), `stage(version, tensors)` (make a
+version sendable once: a file, a packed buffer, clones) and `send(target, attempt)`: one attempt at one receiver, sending what they choose
 (a delta, the whole state), returning (the encoded `ApplyReply`, None when the receiver does not
 answer; the bytes sent) or raising `LinkBroken`. A refused or broken attempt is tried again
 `retries` more times, then raised as `WeightPushError`, never counted as delivered (an engine that
