@@ -12,13 +12,13 @@ The byte-moving transports (`disk`, `delta`, `broadcast`, `mooncake_p2p`) share 
 `PushTransport`, and say only what differs: `receiver` (their engine side, an `EngineReceiver`
 class: in engine processes and for engines in this process), `stage(version, tensors)` (make a
 version sendable once: a file, a packed buffer, clones) and `send(target, attempt)`: one attempt at
-one receiver, sending what they choose (a delta, the whole state), returning (the encoded `ApplyReply`, None when the receiver does not
-answer; the bytes sent) or raising `LinkBroken`. A refused or broken attempt is tried again
-`retries` more times, then raised as `WeightPushError`, never counted as delivered (an engine that
-will not take a verified version, e.g. one that does not fit it, refuses it too). A receiver that
-does not answer is skipped and its session forgotten (`Target.forget`): `resend()` catches it up
-once its process is back, so one dead engine never stops the others.
-"""
+one receiver, sending what they choose (a delta, the whole state), returning (the encoded
+`ApplyReply`, None when the receiver does not answer; the bytes sent) or raising `LinkBroken`. A
+refused or broken attempt is tried again `retries` more times, then raised as `WeightPushError`,
+never counted as delivered (an engine that will not take a verified version, e.g. one that does not
+fit it, refuses it too). A receiver that does not answer is skipped and its session forgotten
+(`Target.forget`): `resend()` catches it up once its process is back, so one dead engine never stops
+the others. """
 
 from __future__ import annotations
 
