@@ -42,17 +42,8 @@ from stages.rollout.episode import EpisodeLimits
 from stages.rollout.evaluation import Evaluation
 from stages.rollout.gateway_worker import GatewaySettings
 from stages.scorers import ComposedReward, Distillation, ServerSettings, SGLangTeacher, TorchTeacher
-from stages.weights import TRANSPORTS, make_transport
+from stages.weights import make_transport, transport_options
 from stages.weights.base import WeightTransport
-
-# the WeightsSpec keys each transport takes (as its constructor's keywords); one not named here is made
-# by the learner from its name alone, in the learner's process
-TRANSPORT_OPTIONS: dict[str, tuple[str, ...]] = {
-    "mooncake_p2p": ("protocol", "device", "bucket_bytes", "pace_bytes_per_s", "retries", "engine_dtype", "sparse"),
-    "delta": ("engine_dtype",),
-    "disk": ("root", "retries"),
-    "broadcast": ("retries",),
-}
 
 
 def reverse_digits(spec: schema.ReverseDigitsSpec, cfg: RunConfig) -> ReverseDigits:
@@ -141,16 +132,16 @@ def max_staleness(spec: schema.MaxStalenessSpec, cfg: RunConfig) -> MaxStaleness
 
 
 def weight_transport(spec: schema.WeightsSpec, cfg: RunConfig) -> WeightTransport | str:
-    """The transport with its config keys, or its name when it takes none (the learner makes it then)."""
-    values = {"protocol": spec.protocol, "device": spec.device, "bucket_bytes": int(spec.bucket_bytes),
+    """The transport (a built-in or a plug-in's path) with the config keys its constructor takes, those set
+    (unset: its own default), or its name when it gets none (the learner makes it then)."""
+    values = {"protocol": spec.protocol, "device": spec.device,
+              "bucket_bytes": int(spec.bucket_bytes) if spec.bucket_bytes else None,
               "pace_bytes_per_s": float(spec.pace) if spec.pace else None, "retries": spec.retries, "root": spec.root,
               "sparse": spec.sparse,
               # the learner trains in float32; engines holding another dtype get (and are diffed in) theirs
               "engine_dtype": cfg.model.dtype if cfg.model.dtype != "float32" else None}
-    options = {key: values[key] for key in TRANSPORT_OPTIONS.get(spec.transport, ())}
-    if all(value is None for value in options.values()):  # e.g. delta in the learner's dtype
-        return spec.transport
-    return make_transport(spec.transport, **options)
+    options = {key: values[key] for key in transport_options(spec.transport) if values.get(key) is not None}
+    return make_transport(spec.transport, **options) if options else spec.transport
 
 
 def make_correction(cfg: RunConfig) -> Correction:
@@ -169,7 +160,7 @@ KINDS: dict[str, dict[str, Callable[..., Any]]] = {
     "store": {"memory": memory_store, "mooncake": mooncake_store, "ray": ray_store},
     "learner": {"grpo": grpo_learner},
     "staleness": {"max-staleness": max_staleness},
-    "weights": dict.fromkeys(TRANSPORTS, weight_transport),
+    "weights": {"transport": weight_transport},  # every transport, a built-in or a plug-in's path
 }
 
 
@@ -241,7 +232,7 @@ def make_rollout(cfg: RunConfig, model: Path) -> Rollout:
                    environment=environment.kind if environment else None,
                    environment_options=environment.options() if environment else {},
                    gateway=GatewaySettings(**cfg.gateway.model_dump()) if cfg.gateway else None,
-                   teacher=make_distillation(cfg), **sampling)
+                   teacher=make_distillation(cfg), transport=cfg.weights.transport, **sampling)
 
 
 def make_buffer(cfg: RunConfig) -> RefBuffer:

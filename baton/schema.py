@@ -63,7 +63,7 @@ from stages.rollout.gateway_worker import GatewaySettings, as_agent
 from stages.scorers import ClassifierReward, Distillation, JudgeReward
 from stages.scorers.server import ServerSettings
 from stages.scorers.teacher import TEACHER_TIMEOUT_S
-from stages.weights import TRANSPORTS
+from stages.weights import TRANSPORTS, transport_class
 from stages.weights.mooncake_p2p import MooncakeP2PTransport
 
 
@@ -883,19 +883,19 @@ class ReplaySpec(Section):
 class WeightsSpec(Section):
     """How each new version reaches the engines; independent of `store` (rollout data)."""
 
-    transport: Literal[tuple(TRANSPORTS)] = Field(default_of(GRPOLearner, "weights"),  # type: ignore[valid-type]
-        description="how new versions reach the engines, independent of the store: inproc, mooncake_p2p, disk, "
-                    "delta or broadcast (which needs runtime = 'ray')")
+    transport: str = Field(default_of(GRPOLearner, "weights"), description="how new versions reach the engines, "
+                           f"independent of the store: {', '.join(TRANSPORTS)} (which needs runtime = 'ray'), or "
+                           "a plug-in's 'pkg.module:Class' (stages.weights)")
     protocol: str = Field(default_of(MooncakeP2PTransport, "protocol"),
                           description='mooncake_p2p: TransferEngine protocol, "tcp" or "rdma"')
     device: str = Field(default_of(MooncakeP2PTransport, "device"),
                         description="mooncake_p2p: RDMA device names (empty for tcp)")
-    bucket_bytes: ByteSize = Field(ByteSize(default_of(MooncakeP2PTransport, "bucket_bytes")),
-                                   description="mooncake_p2p: bytes per checksummed bucket")
+    bucket_bytes: ByteSize | None = Field(None, description="bytes per checksummed bucket (mooncake_p2p, delta); "
+                                          "default: the transport's own")
     pace: ByteSize | None = Field(default_of(MooncakeP2PTransport, "pace_bytes_per_s"),
                                   description="mooncake_p2p: push at most this many bytes per second")
-    retries: int = Field(default_of(MooncakeP2PTransport, "retries"), ge=0, description="re-sends of a refused "
-                         "version before the run fails (mooncake_p2p, disk, broadcast)")
+    retries: int | None = Field(None, ge=0, description="re-sends of a refused version before the run fails "
+                                "(mooncake_p2p, disk, delta, broadcast); default: the transport's own")
     root: str | None = Field(None, description="disk: folder every engine can read (default: a temporary one)")
     sparse: bool = Field(default_of(MooncakeP2PTransport, "sparse"), description="mooncake_p2p: send each version "
                          "as element-level deltas against what the engine holds (transport = 'delta' always does)")
@@ -904,10 +904,16 @@ class WeightsSpec(Section):
         description="keep every n-th version in the store for engines that (re)start; 0: never",
     )
 
+    @field_validator("transport")
+    @classmethod
+    def _transport_resolves(cls, transport: str) -> str:
+        transport_class(transport)  # a built-in's name or an importable plug-in (ValueError naming the known)
+        return transport
+
     @property
     def kind(self) -> str:
-        """The registry key of this part (baton.builder): the transport's name."""
-        return self.transport
+        """The registry key of this part (baton.builder): one factory makes every transport."""
+        return "transport"
 
 
 class CheckpointSpec(Section):

@@ -46,7 +46,6 @@ from stages.learner.export import ExportsAsRunGoes
 from stages.learner.ranks import LearnerRankFailed, RankedTrainer, RankGroup
 from stages.learner.step import PolicyTrainer
 from stages.weights.base import WeightTransport
-from stages.weights.mooncake_shards import ShardPublisher
 from stages.weights.snapshot import save_snapshot, snapshot_key
 
 
@@ -248,7 +247,7 @@ class LearnerActor(BaseActor):
         and unreachable engines the transport handled are reported as run events (`weights.refused`,
         `weights.unreachable`)."""
         started, before = time.perf_counter(), dict(self.transport.stats)
-        sharded_push = isinstance(self.trainer, RankedTrainer) and isinstance(self.transport, ShardPublisher)
+        sharded_push = isinstance(self.trainer, RankedTrainer) and self.transport.pushes_from_shards
         if sharded_push and self.spec.lora is None:  # an adapter is gathered whole: it is small
             self._published = None  # every rank writes its own rows: no rank holds the version whole
             await self.transport.publish_shards(version, self.trainer)

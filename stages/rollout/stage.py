@@ -69,6 +69,7 @@ class Rollout:
     limits: EpisodeLimits = field(default_factory=EpisodeLimits)
     gateway: GatewaySettings | None = None  # serve the OpenAI API; episodes come from its agents
     teacher: Distillation | None = None  # on-policy distillation: teacher logprobs of every group's tokens
+    transport: str | None = None  # the learner's weight transport: a plug-in's engine side is registered here too
     engine_sync_s: float = 30.0  # at most this long a new group waits for its engine to reach the admitting version
     stats: RolloutStats = field(default_factory=RolloutStats, init=False)  # its workers' counts in this process
 
@@ -134,7 +135,7 @@ class Rollout:
         """One worker per engine of this process; in gateway mode the first hosts the process's gateway."""
         assert outbox is not None
         ctx.services.weight_receivers.extend(self.engines)
-        ctx.services.mailboxes.update(engine_mailboxes(self.engines))  # weights from other processes
+        ctx.services.mailboxes.update(engine_mailboxes(self.engines, self.transport))  # weights from other processes
         for engine in self.engines:
             engine.attach(EngineRun(policy=ctx.policy, log_dir=ctx.folder.path))
         plan = plan_of(ctx)

@@ -5,19 +5,20 @@ for the next decode step); a receiver gets all named tensors of `version` or non
 published are strictly increasing (a publish that raised published nothing). Engines in this
 process are `WeightReceiver`s; engines in another process are an `Asker` (their host's mailboxes,
 `remote_receiver`) and answer each version with an `ApplyReply`; every message is msgpack,
-validated on arrival.
+validated on arrival. A transport declares its engine side (`receiver`) and whether it can push
+from a sharded learner's ranks (`pushes_from_shards`): the learner and the engines never test its name.
 
 The byte-moving transports (`disk`, `delta`, `broadcast`, `mooncake_p2p`) share one push loop,
-`PushTransport`, and say only what differs: `engine_receiver(engines)` (their engine side, for
-engines in this process), `stage(version, tensors)` (make a version sendable once: a file, a packed
-buffer, clones) and `send(target, attempt)`: one attempt at one receiver, sending what they choose
-(a delta, the whole state), returning (the encoded `ApplyReply`, None when the receiver does not
-answer; the bytes sent) or raising `LinkBroken`. A refused or broken attempt is tried again
-`retries` more times, then raised as `WeightPushError`, never counted as delivered (an engine that
-will not take a verified version, e.g. one that does not fit it, refuses it too). A receiver that
-does not answer is skipped and its session forgotten (`Target.forget`): `resend()` catches it up
-once its process is back, so one dead engine never stops the others.
-"""
+`PushTransport`, and say only what differs: `receiver` (their engine side, an `EngineReceiver`
+class: in engine processes and for engines in this process), `stage(version, tensors)` (make a
+version sendable once: a file, a packed buffer, clones) and `send(target, attempt)`: one attempt at
+one receiver, sending what they choose (a delta, the whole state), returning (the encoded
+`ApplyReply`, None when the receiver does not answer; the bytes sent) or raising `LinkBroken`. A
+refused or broken attempt is tried again `retries` more times, then raised as `WeightPushError`,
+never counted as delivered (an engine that will not take a verified version, e.g. one that does not
+fit it, refuses it too). A receiver that does not answer is skipped and its session forgotten
+(`Target.forget`): `resend()` catches it up once its process is back, so one dead engine never stops
+the others. """
 
 from __future__ import annotations
 
@@ -55,6 +56,8 @@ class WeightTransport(Protocol):
 
     name: str
     stats: dict[str, float]
+    receiver: type[EngineReceiver]  # its engine side: the mailboxes an engine process registers for it
+    pushes_from_shards: bool  # it has `publish_shards` (stages.weights.mooncake_shards): every learner rank writes
 
     def subscribe(self, receiver: WeightReceiver | Asker) -> None: ...
 
@@ -206,6 +209,8 @@ class PushTransport:
     name: str
     retries: int
     target_type: ClassVar[type[Target]] = Target
+    receiver: ClassVar[type[EngineReceiver]]
+    pushes_from_shards: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         self.stats = new_stats()
@@ -215,7 +220,8 @@ class PushTransport:
         self._lock: anyio.Lock | None = None
 
     def engine_receiver(self, engines: list[Any]) -> EngineReceiver:
-        raise NotImplementedError
+        """The engine side for engines in this process."""
+        return self.receiver(engines)
 
     async def stage(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         raise NotImplementedError

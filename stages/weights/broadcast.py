@@ -116,6 +116,7 @@ class BroadcastTransport(PushTransport):
     retries: int = 1
     name: str = "broadcast"
     target_type = _Member
+    receiver = BroadcastReceiver
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -88,13 +88,12 @@ class DeltaTransport(PushTransport):
     bucket_bytes: int = 4 << 20
     name: str = "delta"
     target_type = _DeltaTarget
+    receiver = DeltaReceiver
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self.planner = Planner(self.engine_dtype, self.stats)
 
-    def engine_receiver(self, engines: list[Any]) -> DeltaReceiver:
-        return DeltaReceiver(engines)
 
     async def stage(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         await anyio.to_thread.run_sync(self.planner.stage, version, tensors, self.bucket_bytes)

@@ -77,14 +77,13 @@ class DiskTransport(PushTransport):
     keep: int = 2
     retries: int = 2
     name: str = "disk"
+    receiver = DiskReceiver
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self._notice: DiskNotice | None = None
         self._file_bytes = 0
 
-    def engine_receiver(self, engines: list[Any]) -> DiskReceiver:
-        return DiskReceiver(engines)
 
     async def stage(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         self._notice = await anyio.to_thread.run_sync(self._write, version, tensors)

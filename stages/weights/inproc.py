@@ -12,11 +12,13 @@ from typing import Any
 import torch
 
 from stages.weights.base import WeightPushError, WeightReceiver, new_stats, require_newer, state_bytes
-from stages.weights.packed import PackedWeightReceiver
+from stages.weights.packed import PackedReceiver, PackedWeightReceiver
 
 
 class InprocTransport:
     name = "inproc"
+    receiver = PackedReceiver  # engines in another process get each version packed (through Ray)
+    pushes_from_shards = False
 
     def __init__(self) -> None:
         self._receivers: list[WeightReceiver] = []

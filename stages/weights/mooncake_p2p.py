@@ -211,6 +211,8 @@ class MooncakeP2PTransport(PushTransport):
     sparse: bool = False  # send each version as element-level deltas (`stages.weights.sparse`)
     name: str = "mooncake_p2p"
     target_type = _SlotTarget
+    receiver = SlotReceiver
+    pushes_from_shards = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -230,8 +232,6 @@ class MooncakeP2PTransport(PushTransport):
         self._shards: ShardSource | None = None  # the learner's ranks, while a version is pushed from its shards
         self._staged_from_shards = False  # the staged version came from the shards: no rank here holds it whole
 
-    def engine_receiver(self, engines: list[Any]) -> SlotReceiver:
-        return SlotReceiver(engines)
 
     async def publish_shards(self, version: int, shards: ShardSource) -> None:
         """Publish `version` from the learner's shards: every rank writes its own pieces into each engine's

@@ -68,7 +68,7 @@ class ShardSource(Protocol):
 
 @runtime_checkable
 class ShardPublisher(Protocol):
-    """A transport that can push a version from the learner's shards (`mooncake_p2p`)."""
+    """What a transport that declares `pushes_from_shards` has (`mooncake_p2p`)."""
 
     async def publish_shards(self, version: int, shards: ShardSource) -> None: ...
 

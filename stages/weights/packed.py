@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from stages.weights.base import RemoteReceiver
+from stages.weights.base import EngineReceiver, RemoteReceiver
 from stages.weights.layout import LayoutError, bad_buckets, decode_layout, encode_layout, fill, plan, views
 
 MAILBOX = "weights"
@@ -65,12 +65,13 @@ class PackedWeightReceiver(RemoteReceiver):
         return True
 
 
-def mailbox_for(engines: list[Any]):
-    """The handler a producer process registers: unpack, validate, stage on every local engine."""
+class PackedReceiver(EngineReceiver):
+    """The engine side (mailbox `weights`): unpack, validate, stage on every engine of this process."""
 
-    async def deliver(header: bytes, blob: np.ndarray) -> None:
+    def handlers(self) -> dict[str, Any]:
+        return {MAILBOX: self.deliver}
+
+    async def deliver(self, header: bytes, blob: np.ndarray) -> None:
         version, tensors = unpack(header, blob)
-        for engine in engines:
+        for engine in self.engines:
             await engine.receive_weights(version, tensors)
-
-    return deliver

@@ -1,9 +1,10 @@
-"""The weight-transport contract: what every transport in `stages.weights.TRANSPORTS` does, checked
+"""The weight-transport contract: what every transport in `stages.weights.TRANSPORTS` does (and a user's,
+by its path: `tests/contracts/plugin_transport.py`), checked
 with real receivers: TorchEngines in this process (subscribed as themselves, or behind the mailboxes
 an engine process registers, reached through `remote_receiver` as the learner reaches producer
 processes) and engine processes (`tests/helpers/p2p_peer.py`).
 
-A new transport passes by adding a `TransportCase` to `TRANSPORTS`: its name, its options, which
+A new transport passes by adding a `TransportCase` to `TRANSPORTS`: its name (or path), its options, which
 receivers it reaches, and (if it moves bytes) how to damage them in flight.
 
 The contract (`stages.weights.base`):
@@ -25,6 +26,7 @@ The contract (`stages.weights.base`):
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +49,7 @@ from stages.weights.base import STATS, WeightPushError, WeightTransport, state_b
 from stages.weights.faulty import with_weight_faults  # noqa: E402
 from tests.helpers.lora import adapter_version, peft_policy  # noqa: E402
 from tests.helpers.p2p_peer import PeerProcess, digest, learner_version  # noqa: E402
+from tests.helpers.runs import baton_run  # noqa: E402
 
 pytestmark = pytest.mark.anyio
 
@@ -116,6 +119,20 @@ def damage_patch(transport, damaged: Callable[[int], bool]) -> None:
     transport._message = message
 
 
+def damage_blob(transport, damaged: Callable[[int], bool]) -> None:
+    """the plug-in: one byte in the middle of the safetensors blob is flipped."""
+    sends = itertools.count()
+
+    def flip(data: bytes) -> bytes:
+        if not damaged(next(sends)):
+            return data
+        flipped = bytearray(data)
+        flipped[len(flipped) // 2] ^= 0xFF
+        return bytes(flipped)
+
+    transport.damage = flip
+
+
 def damage_broadcast(transport, damaged: Callable[[int], bool]) -> None:
     """broadcast: one value of the first tensor is changed in flight."""
     sends = itertools.count()
@@ -134,13 +151,14 @@ def damage_broadcast(transport, damaged: Callable[[int], bool]) -> None:
 
 @dataclass(frozen=True)
 class TransportCase:
-    kind: str  # its name in stages.weights.TRANSPORTS
+    kind: str  # its name in stages.weights.TRANSPORTS, or a plug-in's "pkg.module:Class"
     options: dict = field(default_factory=dict)  # constructor options; a `root` of None gets a fresh folder
     local: bool = True  # reaches engines in this process
     processes: bool = True  # reaches engine processes (tests/helpers/p2p_peer.py) through their mailboxes
     askers: bool = True  # subscribes `Asker`s: one that does not answer is counted unreachable and skipped
     damage: Damage | None = None  # None: it moves no bytes (nothing can arrive damaged)
     resends_bytes: bool = True  # a retry sends the bytes again (damage to one send is repaired by the next)
+    name: str = ""  # its `name`, where that is not `kind` (a plug-in's)
 
     def make(self, folder: Path):
         options = dict(self.options)
@@ -149,17 +167,26 @@ class TransportCase:
         return make_transport(self.kind, **options)
 
 
+PLUGIN = "tests.contracts.plugin_transport:SafetensorsTransport"  # a user's transport, outside the package
 TRANSPORTS = [
     TransportCase("inproc", processes=False, askers=False),
     TransportCase("disk", {"root": None, "retries": 1}, damage=damage_file, resends_bytes=False),
     TransportCase("delta", {"retries": 1}, damage=damage_patch),
     TransportCase("mooncake_p2p", {"bucket_bytes": 64 << 10, "retries": 1}, damage=damage_slots),
     TransportCase("broadcast", {"retries": 1, "timeout_s": 20}, local=False, damage=damage_broadcast),
+    # engine processes: tests/helpers/p2p_peer.py registers the built-ins' mailboxes; a quickstart run carries it
+    TransportCase(PLUGIN, {"retries": 1}, processes=False, damage=damage_blob, name="safetensors"),
 ]
-CASES = [pytest.param(case, id=case.kind) for case in TRANSPORTS]
-MOVES_BYTES = [pytest.param(case, id=case.kind) for case in TRANSPORTS if case.damage is not None]
-LOCAL = [pytest.param(case, id=case.kind) for case in TRANSPORTS if case.local]
-ASKERS = [pytest.param(case, id=case.kind) for case in TRANSPORTS if case.askers]
+
+
+def case_id(case: TransportCase) -> str:
+    return case.kind.rpartition(":")[2]
+
+
+CASES = [pytest.param(case, id=case_id(case)) for case in TRANSPORTS]
+MOVES_BYTES = [pytest.param(case, id=case_id(case)) for case in TRANSPORTS if case.damage is not None]
+LOCAL = [pytest.param(case, id=case_id(case)) for case in TRANSPORTS if case.local]
+ASKERS = [pytest.param(case, id=case_id(case)) for case in TRANSPORTS if case.askers]
 
 
 # ---------------------------------------------------------------- receivers
@@ -187,13 +214,13 @@ class Mailboxes(Engine):
     reached through `transport.remote_receiver`, as the learner reaches a producer process. `up`
     False: the process does not answer; `restart()`: it is a new process (a fresh engine, nothing held)."""
 
-    def __init__(self, model: Path, name: str) -> None:
+    def __init__(self, model: Path, name: str, transport: str) -> None:
         super().__init__(model, name)
-        self.model, self.up, self.handle = model, True, None
+        self.model, self.up, self.handle, self.transport = model, True, None, transport
 
     async def start(self) -> Mailboxes:
         await super().start()
-        self.boxes = engine_mailboxes([self.engine])
+        self.boxes = engine_mailboxes([self.engine], self.transport)
         return self
 
     def subscribe(self, transport) -> None:
@@ -273,7 +300,7 @@ async def receivers(request, case: TransportCase, model: Path, local: int = 0, p
     if not case.processes:
         local, processes = local + processes, 0
     made: list[Any] = [await Engine(model, f"engine-{i}").start() for i in range(direct)]
-    made += [await Mailboxes(model, f"mailboxes-{i}").start() for i in range(local)]
+    made += [await Mailboxes(model, f"mailboxes-{i}", case.kind).start() for i in range(local)]
     if processes:
         for process in request.getfixturevalue("processes")[:processes]:
             await process.restart()
@@ -290,14 +317,35 @@ async def all_hold(receivers: list[Any], version: int, state: dict[str, int]) ->
 
 
 def test_every_built_in_transport_is_checked() -> None:
-    assert sorted(case.kind for case in TRANSPORTS) == sorted(BUILT_IN)
+    assert sorted(case.kind for case in TRANSPORTS if case.kind != PLUGIN) == sorted(BUILT_IN)
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_made_by_name_with_the_common_stats(case: TransportCase, tmp_path) -> None:
     transport = case.make(tmp_path)
-    assert isinstance(transport, WeightTransport) and transport.name == case.kind
+    assert isinstance(transport, WeightTransport) and transport.name == (case.name or case.kind)
     assert transport.stats == dict.fromkeys(STATS, 0)
+
+
+def test_every_engine_process_answers_every_built_in_transport_and_the_runs_own() -> None:
+    """An engine process registers the receiver each transport declares: the built-ins', and a plug-in's
+    when the run's transport is one (it reaches the process with the producer stage)."""
+    built_in = engine_mailboxes([])
+    with_plugin = engine_mailboxes([], PLUGIN)
+    assert set(with_plugin) - set(built_in) == {"weights.plugin.safetensors"}
+    with pytest.raises(ValueError, match="weights.transport.*known: inproc, mooncake_p2p, disk, delta, broadcast"):
+        make_transport("no_such_transport")
+
+
+@pytest.mark.slow
+def test_a_plugin_transport_by_its_path_carries_a_quickstart_run(tmp_path) -> None:
+    summary = baton_run(tmp_path, "quickstart.toml", "steps=20", "telemetry.progress=false",
+                        f'weights.transport="{PLUGIN}"')
+    assert summary["version"] == 20 and summary["ledger_balanced"]
+    metrics = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    pushed = [m["weights"] for m in metrics if "weights" in m]
+    assert sum(p["versions"] for p in pushed) == 20 and sum(p["refused"] for p in pushed) == 0
+    assert all(p["bytes"] > p["state_bytes"] for p in pushed)  # a safetensors blob each: the tensors and a header
 
 
 @pytest.mark.parametrize("case", ASKERS)
