@@ -40,7 +40,7 @@ from anyio.lowlevel import checkpoint
 
 T = TypeVar("T")
 
-__all__ = ["Channel", "ChannelClosed", "ChannelStats"]
+__all__ = ["Channel", "ChannelBase", "ChannelClosed", "ChannelStats"]
 
 
 class ChannelClosed(Exception):
@@ -76,13 +76,73 @@ class _Waiter:
         self.size = size
 
 
-class Channel(Generic[T]):
-    """A bounded FIFO of items between tasks; see the module docstring for its guarantees."""
+class ChannelBase(Generic[T]):
+    """What every channel shares, local (`Channel`) or remote (`pipeline.runtime.ray_channel.RayChannel`):
+    its name and bounds (validated here), the accessors `depth`, `nbytes`, `closed`, its repr, the
+    `ChannelClosed` it raises, and async iteration over `receive` until `anyio.EndOfStream`.
 
-    CHECKPOINT_EVERY = 32
+    A subclass keeps `_nbytes` and `_closed` (and `_depth`, or overrides `depth`) current: exactly for a
+    local channel, as of the last reply for a proxy (which says so with `_REPR_NOTE`).
+    """
+
     # fault injection (pipeline.faults, channel.stall): awaited before each send when set; None costs
     # one attribute check per send
     before_send: Callable[[], Awaitable[None]] | None = None
+    _REPR_NOTE = ""
+
+    def __init__(self, name: str, max_items: int, max_bytes: int | None) -> None:
+        if max_items < 1:
+            raise ValueError(f"channel {name!r}: max_items must be >= 1, got {max_items}")
+        if max_bytes is not None and max_bytes < 1:
+            raise ValueError(f"channel {name!r}: max_bytes must be >= 1 or None, got {max_bytes}")
+        self.name = name
+        self.max_items = max_items
+        self.max_bytes = max_bytes
+        self._depth = 0
+        self._nbytes = 0
+        self._closed = False
+
+    def __repr__(self) -> str:
+        bytes_bound = "" if self.max_bytes is None else f" bytes={self._nbytes}/{self.max_bytes}"
+        state = " closed" if self._closed else ""
+        kind = type(self).__name__
+        return f"<{kind} {self.name!r} items={self.depth}/{self.max_items}{bytes_bound}{state}{self._REPR_NOTE}>"
+
+    @property
+    def depth(self) -> int:
+        """Number of items in the channel (a proxy: as of its last reply)."""
+        return self._depth
+
+    @property
+    def nbytes(self) -> int:
+        """Sum of the sizes of the items in the channel (a proxy: as of its last reply)."""
+        return self._nbytes
+
+    @property
+    def closed(self) -> bool:
+        """Whether the channel is closed (a proxy: as far as it knows, by its own close or the last reply)."""
+        return self._closed
+
+    def _closed_error(self) -> ChannelClosed:
+        return ChannelClosed(f"channel {self.name!r} is closed")
+
+    async def receive(self) -> T:
+        raise NotImplementedError
+
+    def __aiter__(self) -> ChannelBase[T]:
+        return self
+
+    async def __anext__(self) -> T:
+        try:
+            return await self.receive()
+        except anyio.EndOfStream:
+            raise StopAsyncIteration from None
+
+
+class Channel(ChannelBase[T]):
+    """A bounded FIFO of items between tasks; see the module docstring for its guarantees."""
+
+    CHECKPOINT_EVERY = 32
 
     def __init__(
         self,
@@ -91,17 +151,9 @@ class Channel(Generic[T]):
         max_bytes: int | None = None,
         size_of: Callable[[T], int] | None = None,
     ) -> None:
-        if max_items < 1:
-            raise ValueError(f"channel {name!r}: max_items must be >= 1, got {max_items}")
-        if max_bytes is not None and max_bytes < 1:
-            raise ValueError(f"channel {name!r}: max_bytes must be >= 1 or None, got {max_bytes}")
-        self.name = name
-        self.max_items = max_items
-        self.max_bytes = max_bytes
+        super().__init__(name, max_items, max_bytes)
         self._size_of: Callable[[T], int] = size_of or _nbytes_of
         self._buffer: deque[tuple[T, int]] = deque()
-        self._nbytes = 0
-        self._closed = False
         self._send_waiters: deque[_Waiter] = deque()
         self._receive_waiters: deque[_Waiter] = deque()
         self._sent = 0
@@ -110,24 +162,10 @@ class Channel(Generic[T]):
         self._receive_wait_s = 0.0
         self._ops = 0
 
-    def __repr__(self) -> str:
-        bytes_bound = "" if self.max_bytes is None else f" bytes={self._nbytes}/{self.max_bytes}"
-        state = " closed" if self._closed else ""
-        return f"<Channel {self.name!r} items={len(self._buffer)}/{self.max_items}{bytes_bound}{state}>"
-
     @property
     def depth(self) -> int:
         """Number of items in the channel."""
         return len(self._buffer)
-
-    @property
-    def nbytes(self) -> int:
-        """Sum of the sizes of the items in the channel."""
-        return self._nbytes
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
 
     def __len__(self) -> int:
         return len(self._buffer)
@@ -179,9 +217,6 @@ class Channel(Generic[T]):
     def _wake_receiver(self) -> None:
         if self._receive_waiters and (self._buffer or self._closed):
             self._receive_waiters[0].event.set()
-
-    def _closed_error(self) -> ChannelClosed:
-        return ChannelClosed(f"channel {self.name!r} is closed")
 
     def send_nowait(self, item: T) -> None:
         """Put `item` in now, or raise `anyio.WouldBlock` (full, or senders waiting) / `ChannelClosed`."""
@@ -297,12 +332,3 @@ class Channel(Generic[T]):
         self._closed = True
         self._wake_sender()
         self._wake_receiver()
-
-    def __aiter__(self) -> Channel[T]:
-        return self
-
-    async def __anext__(self) -> T:
-        try:
-            return await self.receive()
-        except anyio.EndOfStream:
-            raise StopAsyncIteration from None

@@ -72,12 +72,9 @@ MAX_CLASS_METHODS = 20
 OVER_BUDGET: dict[str, int] = {
     "baton/schema.py": 1357,
     "buffers/codec.py": 508,
-    "pipeline/channel.py::Channel": 24,
     "pipeline/checkpoint.py": 668,
     "pipeline/ledger.py::Ledger": 26,
     "pipeline/runtime/ray.py": 698,
-    "pipeline/runtime/ray_channel.py": 528,
-    "pipeline/runtime/ray_channel.py::RayChannel": 26,
     "pipeline/telemetry.py": 696,
 }
 
