@@ -1,7 +1,7 @@
 """A `Channel` that lives in a Ray actor, so that stages in different processes can share it.
 
-`ChannelHost` (in `ray_channel_host`) is an async Ray actor that owns one local `pipeline.channel.Channel`. Blocked sends and
-receives wait *inside the actor* (one actor task per waiter), so backpressure crosses processes.
+`ChannelHost` (module `ray_channel_host`) is an async Ray actor that owns one local `pipeline.channel.Channel`.
+Blocked sends and receives wait *inside the actor* (one actor task per waiter), so backpressure crosses processes.
 `RayChannel` is the proxy: it has the public surface of `Channel`, is serialisable (it holds only the
 actor handle, the channel's name and bounds, and the item type), and can be used from any process of
 the cluster, driver or actor. Items cross as msgspec msgpack bytes of `item_type`, never as pickled
@@ -63,7 +63,14 @@ import ray  # noqa: E402
 from pipeline.channel import Channel, ChannelBase, ChannelStats  # noqa: E402
 from pipeline.refs import Ref  # noqa: E402
 from pipeline.runtime.ray_channel_host import (  # noqa: E402
-    _CANCELLED, _CLOSED, _END, _INVALID, _OK, _WOULD_BLOCK, ChannelHost, _Reply,
+    _CANCELLED,
+    _CLOSED,
+    _END,
+    _INVALID,
+    _OK,
+    _WOULD_BLOCK,
+    ChannelHost,
+    _Reply,
 )
 
 T = TypeVar("T")

@@ -1,5 +1,6 @@
 """The architecture the suite enforces: the import-linter contracts in pyproject.toml (layers
-`baton > stages > buffers > pipeline | policies`, no circles within a package) and the size budgets: functions, modules, classes."""
+`baton > stages > buffers > pipeline | policies`, no circles within a package) and the size budgets of
+functions, modules and classes."""
 
 from __future__ import annotations
 
@@ -75,7 +76,6 @@ OVER_BUDGET: dict[str, int] = {
     "pipeline/checkpoint.py": 668,
     "pipeline/ledger.py::Ledger": 26,
     "pipeline/runtime/ray.py": 698,
-    "pipeline/telemetry.py": 696,
 }
 
 
