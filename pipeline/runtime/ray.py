@@ -82,7 +82,8 @@ class Conductor(LocalClock, LocalLedger):
         """Build the clock, ledger and gate (anyio primitives need the actor's running event loop): new
         ones, or the checkpoint's (`resume`: its msgpack `RunState`), reopened as `pipeline.checkpoint`
         states; then returns the msgpack `OwedWork` (the redo requests the driver queues first)."""
-        from pipeline.checkpoint import RunState, reopen, restore_gate, resumed_ledger
+        from pipeline.checkpoint import RunState
+        from pipeline.resume import reopen, restore_gate, resumed_ledger
         from pipeline.runtime.ray_cut import Freezer
 
         policy, units, max_uses = self._args
@@ -266,7 +267,7 @@ class Wiring:
     faults: Any = None  # a pipeline.faults.FaultPlan, bound in each host (process-level faults kill the host)
     checkpoint_every: int = 0  # the consumer checkpoints every this many versions (pipeline.runtime.ray_cut)
     checkpoint_keep: int = 2
-    resume: Any = None  # a pipeline.checkpoint.PortableResume: the consumer continues from that checkpoint
+    resume: Any = None  # a pipeline.resume.PortableResume: the consumer continues from that checkpoint
     placement_timeout_s: float = PLACEMENT_TIMEOUT_S  # helper processes not placed by then fail the run
 
     def context(self, worker: str) -> RunContext:
@@ -399,7 +400,7 @@ class RayRun:
     report: RunReport | None = None  # the conductor's final report, once the run ended (or failed)
 
     async def run(self, pipe: Any, folder: RunFolder, progress: Any, resume: Any = None) -> None:
-        """Run `pipe` in `folder`; `resume` (a `pipeline.checkpoint.Resume`): continue from its checkpoint."""
+        """Run `pipe` in `folder`; `resume` (a `pipeline.resume.Resume`): continue from its checkpoint."""
         started_ray = not ray.is_initialized()
         if started_ray:
             stages = (pipe.producer, pipe.buffer, pipe.consumer)
@@ -478,7 +479,7 @@ class RayRun:
         )
         if resume is None:
             return wiring, None
-        from pipeline.checkpoint import OwedWork
+        from pipeline.resume import OwedWork
 
         reopened = msgspec.msgpack.decode(reopened, type=OwedWork)
         resume.count(reopened)
@@ -648,9 +649,9 @@ async def _when_back(host: Any, peers: dict[str, list[Any]], timeout_s: float = 
 
 
 async def feed_resume(resume: Any, wiring: Wiring) -> None:
-    """A resumed run's `pipeline.checkpoint.ResumeFeeder`, run in the driver: it re-sends the checkpoint's
+    """A resumed run's `pipeline.resume.ResumeFeeder`, run in the driver: it re-sends the checkpoint's
     refs whose payload the store still holds and regenerates the others, through the conductor."""
-    from pipeline.checkpoint import ResumeFeeder
+    from pipeline.resume import ResumeFeeder
 
     ctx = wiring.context("resume")
     ctx.services.store = wiring.store.open(holder=False, faults=None)
