@@ -77,13 +77,9 @@ class _Waiter:
 
 
 class ChannelBase(Generic[T]):
-    """What every channel shares, local (`Channel`) or remote (`pipeline.runtime.ray_channel.RayChannel`):
-    its name and bounds (validated here), the accessors `depth`, `nbytes`, `closed`, its repr, the
-    `ChannelClosed` it raises, and async iteration over `receive` until `anyio.EndOfStream`.
-
-    A subclass keeps `_nbytes` and `_closed` (and `_depth`, or overrides `depth`) current: exactly for a
-    local channel, as of the last reply for a proxy (which says so with `_REPR_NOTE`).
-    """
+    """What a local `Channel` and a `pipeline.runtime.ray_channel.RayChannel` share: name and bounds (checked
+    here), `depth` / `nbytes` / `closed` (exact locally, a proxy's as of its last reply), repr, the
+    `ChannelClosed` they raise, and iteration until `anyio.EndOfStream`."""
 
     # fault injection (pipeline.faults, channel.stall): awaited before each send when set; None costs
     # one attribute check per send
@@ -110,17 +106,16 @@ class ChannelBase(Generic[T]):
 
     @property
     def depth(self) -> int:
-        """Number of items in the channel (a proxy: as of its last reply)."""
+        """Number of items in the channel."""
         return self._depth
 
     @property
     def nbytes(self) -> int:
-        """Sum of the sizes of the items in the channel (a proxy: as of its last reply)."""
+        """Sum of the sizes of the items in the channel."""
         return self._nbytes
 
     @property
     def closed(self) -> bool:
-        """Whether the channel is closed (a proxy: as far as it knows, by its own close or the last reply)."""
         return self._closed
 
     def _closed_error(self) -> ChannelClosed:

@@ -5,23 +5,19 @@ how a stage in any process of the run reaches them, through the same awaited cal
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+import ray
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-
-import ray  # noqa: E402
-
-from pipeline.admission import AdmissionGate  # noqa: E402
-from pipeline.context import LocalClock, LocalLedger  # noqa: E402
-from pipeline.contracts import VersionPolicy  # noqa: E402
-from pipeline.ledger import Ledger  # noqa: E402
-from pipeline.refs import Produced  # noqa: E402
-from pipeline.versions import VersionClock  # noqa: E402
+from pipeline.admission import AdmissionGate
+from pipeline.context import LocalClock, LocalLedger
+from pipeline.contracts import VersionPolicy
+from pipeline.ledger import Ledger
+from pipeline.refs import Produced
+from pipeline.versions import VersionClock
 
 __all__ = ["Conductor", "RemoteClock", "RemoteGate", "RemoteLedger"]
 
