@@ -72,7 +72,6 @@ MAX_CLASS_METHODS = 20
 # it is within budget (then its entry goes). Nothing else may exceed a budget.
 OVER_BUDGET: dict[str, int] = {
     "baton/schema.py": 1357,
-    "pipeline/ledger.py::Ledger": 26,
 }
 
 
