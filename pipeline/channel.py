@@ -40,7 +40,7 @@ from anyio.lowlevel import checkpoint
 
 T = TypeVar("T")
 
-__all__ = ["Channel", "ChannelClosed", "ChannelStats"]
+__all__ = ["Channel", "ChannelBase", "ChannelClosed", "ChannelStats"]
 
 
 class ChannelClosed(Exception):
@@ -76,21 +76,17 @@ class _Waiter:
         self.size = size
 
 
-class Channel(Generic[T]):
-    """A bounded FIFO of items between tasks; see the module docstring for its guarantees."""
+class ChannelBase(Generic[T]):
+    """What a local `Channel` and a `pipeline.runtime.ray_channel.RayChannel` share: name and bounds (checked
+    here), `depth` / `nbytes` / `closed` (exact locally, a proxy's as of its last reply), repr, the
+    `ChannelClosed` they raise, and iteration until `anyio.EndOfStream`."""
 
-    CHECKPOINT_EVERY = 32
     # fault injection (pipeline.faults, channel.stall): awaited before each send when set; None costs
     # one attribute check per send
     before_send: Callable[[], Awaitable[None]] | None = None
+    _REPR_NOTE = ""
 
-    def __init__(
-        self,
-        name: str,
-        max_items: int,
-        max_bytes: int | None = None,
-        size_of: Callable[[T], int] | None = None,
-    ) -> None:
+    def __init__(self, name: str, max_items: int, max_bytes: int | None) -> None:
         if max_items < 1:
             raise ValueError(f"channel {name!r}: max_items must be >= 1, got {max_items}")
         if max_bytes is not None and max_bytes < 1:
@@ -98,27 +94,20 @@ class Channel(Generic[T]):
         self.name = name
         self.max_items = max_items
         self.max_bytes = max_bytes
-        self._size_of: Callable[[T], int] = size_of or _nbytes_of
-        self._buffer: deque[tuple[T, int]] = deque()
+        self._depth = 0
         self._nbytes = 0
         self._closed = False
-        self._send_waiters: deque[_Waiter] = deque()
-        self._receive_waiters: deque[_Waiter] = deque()
-        self._sent = 0
-        self._received = 0
-        self._send_wait_s = 0.0
-        self._receive_wait_s = 0.0
-        self._ops = 0
 
     def __repr__(self) -> str:
         bytes_bound = "" if self.max_bytes is None else f" bytes={self._nbytes}/{self.max_bytes}"
         state = " closed" if self._closed else ""
-        return f"<Channel {self.name!r} items={len(self._buffer)}/{self.max_items}{bytes_bound}{state}>"
+        kind = type(self).__name__
+        return f"<{kind} {self.name!r} items={self.depth}/{self.max_items}{bytes_bound}{state}{self._REPR_NOTE}>"
 
     @property
     def depth(self) -> int:
         """Number of items in the channel."""
-        return len(self._buffer)
+        return self._depth
 
     @property
     def nbytes(self) -> int:
@@ -128,6 +117,50 @@ class Channel(Generic[T]):
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def _closed_error(self) -> ChannelClosed:
+        return ChannelClosed(f"channel {self.name!r} is closed")
+
+    async def receive(self) -> T:
+        raise NotImplementedError
+
+    def __aiter__(self) -> ChannelBase[T]:
+        return self
+
+    async def __anext__(self) -> T:
+        try:
+            return await self.receive()
+        except anyio.EndOfStream:
+            raise StopAsyncIteration from None
+
+
+class Channel(ChannelBase[T]):
+    """A bounded FIFO of items between tasks; see the module docstring for its guarantees."""
+
+    CHECKPOINT_EVERY = 32
+
+    def __init__(
+        self,
+        name: str,
+        max_items: int,
+        max_bytes: int | None = None,
+        size_of: Callable[[T], int] | None = None,
+    ) -> None:
+        super().__init__(name, max_items, max_bytes)
+        self._size_of: Callable[[T], int] = size_of or _nbytes_of
+        self._buffer: deque[tuple[T, int]] = deque()
+        self._send_waiters: deque[_Waiter] = deque()
+        self._receive_waiters: deque[_Waiter] = deque()
+        self._sent = 0
+        self._received = 0
+        self._send_wait_s = 0.0
+        self._receive_wait_s = 0.0
+        self._ops = 0
+
+    @property
+    def depth(self) -> int:
+        """Number of items in the channel."""
+        return len(self._buffer)
 
     def __len__(self) -> int:
         return len(self._buffer)
@@ -179,9 +212,6 @@ class Channel(Generic[T]):
     def _wake_receiver(self) -> None:
         if self._receive_waiters and (self._buffer or self._closed):
             self._receive_waiters[0].event.set()
-
-    def _closed_error(self) -> ChannelClosed:
-        return ChannelClosed(f"channel {self.name!r} is closed")
 
     def send_nowait(self, item: T) -> None:
         """Put `item` in now, or raise `anyio.WouldBlock` (full, or senders waiting) / `ChannelClosed`."""
@@ -297,12 +327,3 @@ class Channel(Generic[T]):
         self._closed = True
         self._wake_sender()
         self._wake_receiver()
-
-    def __aiter__(self) -> Channel[T]:
-        return self
-
-    async def __anext__(self) -> T:
-        try:
-            return await self.receive()
-        except anyio.EndOfStream:
-            raise StopAsyncIteration from None

@@ -98,7 +98,7 @@ class RunContext:
     services: Services = field(default_factory=Services)
     started_at: float = field(default_factory=time.time)  # wall clock: comparable across processes
     checkpoint: Any = None  # a pipeline.checkpoint.Checkpointer where the run checkpoints (the consumer's process)
-    resume: Any = None  # a pipeline.checkpoint.Resume (Ray: its PortableResume) when the run continues from one
+    resume: Any = None  # a pipeline.resume.Resume (Ray: its PortableResume) when the run continues from one
     activity: Activity = field(default_factory=Activity)  # each actor's last event, for the watchdog
 
     def note(self, actor: str, event: str) -> None:

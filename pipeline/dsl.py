@@ -34,12 +34,12 @@ from typing import Any
 import anyio
 
 from pipeline.actor import Actor
-from pipeline.checkpoint import Resume
 from pipeline.context import RunContext
 from pipeline.contracts import Buffer, Consumer, Producer, VersionPolicy
 from pipeline.events import EventCounts
 from pipeline.faults import FaultPlan, FaultSpec
 from pipeline.reasons import by_kind
+from pipeline.resume import Resume
 from pipeline.runtime import RunReport, Runtime
 from pipeline.sinks import metric_sinks
 from pipeline.telemetry import Panel, Progress, RunFolder, get_logger, render_report

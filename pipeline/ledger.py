@@ -84,7 +84,94 @@ class LedgerState(msgspec.Struct, kw_only=True):
     position: Position | None = None
 
 
-class Ledger:
+class LedgerView:
+    """The read side of a `Ledger`: its counts, reasons, records and the invariant check, over the state
+    the ledger keeps (`_counts`, `_live`: the records in flight, `_reasons`, `store`: the settled ones)."""
+
+    _counts: Counter[str]
+    _live: dict[str, ItemRecord]
+    _reasons: ReasonCounts
+    store: LedgerStore
+
+    def __len__(self) -> int:
+        """Items produced (settled or not)."""
+        return self._counts["produced"]
+
+    def __getitem__(self, item_id: str) -> ItemRecord:
+        """The item's record; a settled one is read back from the store (a copy)."""
+        return self._get(item_id)
+
+    def in_memory(self) -> int:
+        """Records held in memory: exactly the items in flight."""
+        return len(self._live)
+
+    def counts(self) -> dict[str, int]:
+        """{"produced": n, "trained": ..., "dropped": ..., "lost": ..., "regenerated": ..., "in_flight": ...,
+        "filtered": ..., "reused": ...}: one count per fate (they sum to "produced"), then two that are not
+        fates: "filtered", the dropped items whose reason is `FILTERED` (a part of "dropped"), and "reused",
+        the consumptions beyond each item's first (a trained item counts once in "trained")."""
+        return {
+            "produced": self._counts["produced"],
+            **{fate: self._counts[fate] for fate in FATES},
+            "filtered": self._counts["filtered"],
+            "reused": self._counts["reused"],
+        }
+
+    def reasons(self) -> dict[str, dict[str, int]]:
+        """{fate: {reason: items}} for the items that settled other than trained, most items first; bounded
+        (pipeline.reasons: beyond a few reasons per kind, a kind's items are counted under "{kind}: ...")."""
+        return self._reasons.as_dict()
+
+    def violations(self, full: bool = True) -> list[str]:
+        """Every broken invariant, as a sentence; empty when the ledger balances. Checks the counts (the
+        fates sum to what was produced; the store holds one row per settling and per reuse) and the
+        records in flight; with `full`, and a store of at most `FULL_CHECK_ROWS` rows, also every settled
+        record (`pipeline.ledger_store.check`; `baton ledger RUN_DIR` checks any store)."""
+        found = []
+        counts = self.counts()
+        total = sum(counts[f] for f in FATES)
+        if total != counts["produced"]:
+            found.append(f"fates sum to {total} but {counts['produced']} items were produced")
+        if len(self._live) != counts["in_flight"]:
+            found.append(f"{counts['in_flight']} items counted in flight, {len(self._live)} held")
+        rows = sum(counts[f] for f in SETTLED) + counts["reused"]
+        if rows != self.store.rows:
+            found.append(f"{rows} settlings and reuses counted, the store holds {self.store.rows} rows")
+        if full and self.store.rows <= FULL_CHECK_ROWS:
+            self.store.commit()
+            found.extend(f"{v.kind}: {v.message}" for v in check(self.store.conn))
+        return found
+
+    def balanced(self) -> bool:
+        return not self.violations()
+
+    def records(self) -> list[ItemRecord]:
+        """Every record (read back from the store: for small ledgers; `pipeline.ledger_store.records`
+        streams): the settled ones in the order they settled, then those in flight."""
+        self.store.commit()
+        return list(records(self.store.conn))
+
+    def to_json(self) -> bytes | None:
+        """One record per item as a JSON list (fields: id, group, versions, trained_at, fate, reason):
+        the run folder's ledger.json; None beyond `LEDGER_JSON_LIMIT` items (read the store instead:
+        `baton ledger RUN_DIR --export`). Commits the store either way."""
+        if self._counts["produced"] > LEDGER_JSON_LIMIT:
+            self.store.commit()
+            return None
+        return msgspec.json.encode(self.records())
+
+    def _get(self, item_id: str) -> ItemRecord:
+        rec = self._live.get(item_id)
+        if rec is None:
+            rec = self.store.lookup(item_id)
+        if rec is None:
+            raise LedgerError(f"item {item_id!r} was never produced")
+        return rec
+
+
+class Ledger(LedgerView):
+    """Records the fate of every item (see the module docstring); the reads are `LedgerView`'s."""
+
     def __init__(self, max_uses: int = 1, store: LedgerStore | None = None) -> None:
         if max_uses < 1:
             raise ValueError(f"max_uses must be >= 1, got {max_uses}")
@@ -103,18 +190,6 @@ class Ledger:
     def create(cls, run_dir: str | Path, max_uses: int = 1) -> Ledger:
         """A new ledger whose settled records go to `run_dir`'s ledger.sqlite."""
         return cls(max_uses, LedgerStore.in_folder(run_dir, max_uses))
-
-    def __len__(self) -> int:
-        """Items produced (settled or not)."""
-        return self._counts["produced"]
-
-    def __getitem__(self, item_id: str) -> ItemRecord:
-        """The item's record; a settled one is read back from the store (a copy)."""
-        return self._get(item_id)
-
-    def in_memory(self) -> int:
-        """Records held in memory: exactly the items in flight."""
-        return len(self._live)
 
     def produced(
         self,
@@ -270,69 +345,6 @@ class Ledger:
         self._settled.clear()
         return settled
 
-    def counts(self) -> dict[str, int]:
-        """{"produced": n, "trained": ..., "dropped": ..., "lost": ..., "regenerated": ..., "in_flight": ...,
-        "filtered": ..., "reused": ...}: one count per fate (they sum to "produced"), then two that are not
-        fates: "filtered", the dropped items whose reason is `FILTERED` (a part of "dropped"), and "reused",
-        the consumptions beyond each item's first (a trained item counts once in "trained")."""
-        return {
-            "produced": self._counts["produced"],
-            **{fate: self._counts[fate] for fate in FATES},
-            "filtered": self._counts["filtered"],
-            "reused": self._counts["reused"],
-        }
-
-    def reasons(self) -> dict[str, dict[str, int]]:
-        """{fate: {reason: items}} for the items that settled other than trained, most items first; bounded
-        (pipeline.reasons: beyond a few reasons per kind, a kind's items are counted under "{kind}: ...")."""
-        return self._reasons.as_dict()
-
-    def violations(self, full: bool = True) -> list[str]:
-        """Every broken invariant, as a sentence; empty when the ledger balances. Checks the counts (the
-        fates sum to what was produced; the store holds one row per settling and per reuse) and the
-        records in flight; with `full`, and a store of at most `FULL_CHECK_ROWS` rows, also every settled
-        record (`pipeline.ledger_store.check`; `baton ledger RUN_DIR` checks any store)."""
-        found = []
-        counts = self.counts()
-        total = sum(counts[f] for f in FATES)
-        if total != counts["produced"]:
-            found.append(f"fates sum to {total} but {counts['produced']} items were produced")
-        if len(self._live) != counts["in_flight"]:
-            found.append(f"{counts['in_flight']} items counted in flight, {len(self._live)} held")
-        rows = sum(counts[f] for f in SETTLED) + counts["reused"]
-        if rows != self.store.rows:
-            found.append(f"{rows} settlings and reuses counted, the store holds {self.store.rows} rows")
-        if full and self.store.rows <= FULL_CHECK_ROWS:
-            self.store.commit()
-            found.extend(f"{v.kind}: {v.message}" for v in check(self.store.conn))
-        return found
-
-    def balanced(self) -> bool:
-        return not self.violations()
-
-    def records(self) -> list[ItemRecord]:
-        """Every record (read back from the store: for small ledgers; `pipeline.ledger_store.records`
-        streams): the settled ones in the order they settled, then those in flight."""
-        self.store.commit()
-        return list(records(self.store.conn))
-
-    def to_json(self) -> bytes | None:
-        """One record per item as a JSON list (fields: id, group, versions, trained_at, fate, reason):
-        the run folder's ledger.json; None beyond `LEDGER_JSON_LIMIT` items (read the store instead:
-        `baton ledger RUN_DIR --export`). Commits the store either way."""
-        if self._counts["produced"] > LEDGER_JSON_LIMIT:
-            self.store.commit()
-            return None
-        return msgspec.json.encode(self.records())
-
-    def _get(self, item_id: str) -> ItemRecord:
-        rec = self._live.get(item_id)
-        if rec is None:
-            rec = self.store.lookup(item_id)
-        if rec is None:
-            raise LedgerError(f"item {item_id!r} was never produced")
-        return rec
-
     def _finish(self, ids: Iterable[str], fate: Fate, reason: str) -> None:
         rows: list[tuple[ItemRecord, int]] = []
         try:
@@ -375,5 +387,5 @@ def outcome_of(fate: str, reason: str) -> str:
 
 __all__ = [
     "FATES", "FILTERED", "LEDGER_JSON_LIMIT", "Fate", "ItemRecord", "Ledger", "LedgerError", "LedgerState",
-    "outcome_of",
+    "LedgerView", "outcome_of",
 ]

@@ -19,13 +19,14 @@ import anyio
 from pipeline.actor import Actor, ActorFailed
 from pipeline.admission import AdmissionGate
 from pipeline.channel import Channel
-from pipeline.checkpoint import Checkpointer, LocalCut, Resume
+from pipeline.checkpoint import Checkpointer, LocalCut
 from pipeline.context import LocalClock, LocalGate, LocalLedger, RunContext
 from pipeline.contracts import Helper, RefHolder, Resources
 from pipeline.faults import as_plan
 from pipeline.faults import install as install_faults
 from pipeline.ledger import Ledger
 from pipeline.lifetime import die_with_parent
+from pipeline.resume import Resume
 from pipeline.runtime import RunReport, share_the_gil
 from pipeline.telemetry import Progress, RunFolder
 from pipeline.versions import VersionClock

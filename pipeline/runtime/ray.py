@@ -2,7 +2,7 @@
 
 Placement. Each actor a stage contributes (one per engine worker, the buffer, the consumer) runs in
 a `StageHost`, a Ray async actor with one CPU and one torch thread. The run's shared state lives in
-a `Conductor` actor (version clock, admission gate, ledger) and the channels in `ChannelHost`
+a `Conductor` actor (`ray_conductor`: version clock, admission gate, ledger) and the channels in `ChannelHost`
 actors (`pipeline.runtime.ray_channel`), so stages reach all of it through the same awaited calls
 as in the local runtime (`pipeline.context`). Only refs and small control messages cross these
 calls; payloads go through the store, which each process opens for itself (the buffer's process
@@ -41,20 +41,16 @@ from typing import Any  # noqa: E402
 import anyio  # noqa: E402
 import msgspec  # noqa: E402
 import ray  # noqa: E402
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential  # noqa: E402
 
-from pipeline.actor import ActorFailed  # noqa: E402
-from pipeline.admission import AdmissionGate  # noqa: E402
-from pipeline.context import LocalClock, LocalLedger, RunContext  # noqa: E402
+from pipeline.context import RunContext  # noqa: E402
 from pipeline.contracts import Placed, StoreOpener, VersionPolicy  # noqa: E402
-from pipeline.events import report_event  # noqa: E402
 from pipeline.faults import as_plan  # noqa: E402
 from pipeline.faults import install as install_faults  # noqa: E402
-from pipeline.ledger import Ledger  # noqa: E402
-from pipeline.refs import Produced, Redo  # noqa: E402
+from pipeline.refs import Redo  # noqa: E402
 from pipeline.runtime import RunReport, share_the_gil  # noqa: E402
 from pipeline.runtime.memory import MemorySettings, watch_memory  # noqa: E402
 from pipeline.runtime.ray_channel import RayChannel  # noqa: E402
+from pipeline.runtime.ray_conductor import Conductor, RemoteClock, RemoteGate, RemoteLedger  # noqa: E402
 from pipeline.runtime.ray_placement import (  # noqa: E402
     PLACEMENT_TIMEOUT_S,
     await_placed,
@@ -63,165 +59,8 @@ from pipeline.runtime.ray_placement import (  # noqa: E402
     resources_of,
     start_ray_helpers,
 )
+from pipeline.runtime.ray_supervision import Supervision  # noqa: E402
 from pipeline.telemetry import RunFolder, configure_logging, get_logger  # noqa: E402
-from pipeline.versions import VersionClock  # noqa: E402
-
-
-@ray.remote(num_cpus=0)
-class Conductor(LocalClock, LocalLedger):
-    """Clock, admission gate and ledger of one run, for every process of it. The clock and ledger
-    calls are the local runtime's (`LocalClock`, `LocalLedger`); what differs is per-worker
-    bookkeeping of admitted units, so a dead producer's slots can be freed."""
-
-    def __init__(self, policy: VersionPolicy, units_per_version: int, max_uses: int, folder: str) -> None:
-        self._args = (policy, units_per_version, max_uses)
-        self.folder = folder  # the ledger's store is its ledger.sqlite
-        self.outstanding: Counter[str] = Counter()  # per producer: admitted units not yet produced
-
-    async def setup(self, resume: bytes | None = None, attempt: int = 0) -> bytes | None:
-        """Build the clock, ledger and gate (anyio primitives need the actor's running event loop): new
-        ones, or the checkpoint's (`resume`: its msgpack `RunState`), reopened as `pipeline.checkpoint`
-        states; then returns the msgpack `OwedWork` (the redo requests the driver queues first)."""
-        from pipeline.checkpoint import RunState, reopen, restore_gate, resumed_ledger
-        from pipeline.runtime.ray_cut import Freezer
-
-        policy, units, max_uses = self._args
-        self.freezer = Freezer()
-        if resume is None:
-            self.clock = VersionClock()
-            self.ledger = Ledger.create(self.folder, max_uses=max_uses)
-            self.gate = AdmissionGate(self.clock, policy, units)
-            return None
-        state = msgspec.msgpack.decode(resume, type=RunState)
-        self.clock = VersionClock(state.version)
-        self.ledger = resumed_ledger(state, self.folder, max_uses)
-        self.gate = AdmissionGate(self.clock, policy, units)
-        restore_gate(state, self.gate)
-        return msgspec.msgpack.encode(reopen(state, attempt, self.ledger))
-
-    # checkpoint cuts (pipeline.runtime.ray_cut): while frozen, the ledger does not change
-    async def freeze(self, lease_s: float) -> bytes:
-        from pipeline.runtime.ray_cut import frozen_run
-
-        gate = self.gate
-        return frozen_run(self.freezer, lease_s, self.clock.version, self.ledger, gate.started, gate.discarded)
-
-    async def thaw(self, token: str) -> bool:
-        return self.freezer.thaw(token)
-
-    # gate
-    async def acquire_many(self, worker: str, max_units: int) -> int:
-        taken = await self.gate.acquire_many(max_units)
-        self.outstanding[worker] += taken
-        return taken
-
-    async def discard(self, units: int) -> None:
-        self.gate.discard(units)
-
-    async def replayed(self, units: int) -> None:
-        self.gate.replayed(units)
-
-    async def worker_died(self, worker: str) -> int:
-        """Free the slots of the units `worker` had admitted but not produced; returns how many."""
-        lost = self.outstanding.pop(worker, 0)
-        if lost:
-            self.gate.discard(lost)
-        return lost
-
-    # ledger
-    async def produced(self, worker: str, groups: list[Produced]) -> None:  # type: ignore[override]
-        await self.freezer.open()
-        await LocalLedger.produced(self, groups)
-        self.outstanding[worker] -= len(groups)
-
-    async def take_source(self, group: str) -> bytes:
-        await self.freezer.open()
-        return await LocalLedger.take_source(self, group)
-
-    async def trained(self, ids: list[str], at_version: int) -> None:
-        await self.freezer.open()
-        await LocalLedger.trained(self, ids, at_version)
-
-    async def finished(self, fate: str, ids: list[str], reason: str) -> None:
-        await self.freezer.open()
-        await LocalLedger.finished(self, fate, ids, reason)
-
-    async def watch_progress(self) -> bytes:
-        """The watchdog's progress, msgspec-encoded: [("version", v), (count, n), ...], as the local runtime's."""
-        return msgspec.msgpack.encode([("version", self.clock.version), *self.ledger.counts().items()])
-
-    async def gate_status(self) -> bytes:
-        """The admission gate's counts and whether it would admit a unit now (`AdmissionGate.status`),
-        msgspec-encoded."""
-        return msgspec.msgpack.encode(self.gate.status())
-
-    async def report(self) -> bytes:
-        """Everything the driver needs at the end, msgspec-encoded."""
-        return msgspec.msgpack.encode(
-            {
-                "version": self.clock.version,
-                "counts": self.ledger.counts(),
-                "reasons": self.ledger.reasons(),
-                "violations": self.ledger.violations(),
-                "ledger_json": self.ledger.to_json(),
-                "gate": {"started": self.gate.started, "discarded": self.gate.discarded, "wait_s": self.gate.wait_s},
-                "frozen_s": round(self.freezer.frozen_s, 3),  # ledger paused for checkpoint cuts, in all
-            }
-        )
-
-
-@dataclass
-class RemoteClock:
-    conductor: Any
-
-    async def current(self) -> int:
-        return await self.conductor.current.remote()
-
-    async def advance_to(self, version: int) -> None:
-        await self.conductor.advance_to.remote(version)
-
-    async def wait_change(self, seen: int) -> int:
-        return await self.conductor.wait_change.remote(seen)
-
-    async def wait_until(self, version: int) -> int:
-        return await self.conductor.wait_until.remote(version)
-
-
-@dataclass
-class RemoteGate:
-    conductor: Any
-    units_per_version: int
-    worker: str
-
-    async def acquire_many(self, max_units: int) -> int:
-        return await self.conductor.acquire_many.remote(self.worker, max_units)
-
-    async def discard(self, units: int) -> None:
-        await self.conductor.discard.remote(units)
-
-    async def replayed(self, units: int) -> None:
-        await self.conductor.replayed.remote(units)
-
-
-@dataclass
-class RemoteLedger:
-    conductor: Any
-    worker: str
-
-    async def produced(self, groups: list[Produced]) -> None:
-        await self.conductor.produced.remote(self.worker, groups)
-
-    async def take_source(self, group: str) -> bytes:
-        return await self.conductor.take_source.remote(group)
-
-    async def trained(self, ids: list[str], at_version: int) -> None:
-        await self.conductor.trained.remote(ids, at_version)
-
-    async def finished(self, fate: str, ids: list[str], reason: str) -> None:
-        await self.conductor.finished.remote(fate, ids, reason)
-
-    async def take_settled(self) -> dict[str, dict[str, list[float]]]:
-        return await self.conductor.take_settled.remote()
 
 
 @dataclass
@@ -266,7 +105,7 @@ class Wiring:
     faults: Any = None  # a pipeline.faults.FaultPlan, bound in each host (process-level faults kill the host)
     checkpoint_every: int = 0  # the consumer checkpoints every this many versions (pipeline.runtime.ray_cut)
     checkpoint_keep: int = 2
-    resume: Any = None  # a pipeline.checkpoint.PortableResume: the consumer continues from that checkpoint
+    resume: Any = None  # a pipeline.resume.PortableResume: the consumer continues from that checkpoint
     placement_timeout_s: float = PLACEMENT_TIMEOUT_S  # helper processes not placed by then fail the run
 
     def context(self, worker: str) -> RunContext:
@@ -399,7 +238,7 @@ class RayRun:
     report: RunReport | None = None  # the conductor's final report, once the run ended (or failed)
 
     async def run(self, pipe: Any, folder: RunFolder, progress: Any, resume: Any = None) -> None:
-        """Run `pipe` in `folder`; `resume` (a `pipeline.checkpoint.Resume`): continue from its checkpoint."""
+        """Run `pipe` in `folder`; `resume` (a `pipeline.resume.Resume`): continue from its checkpoint."""
         started_ray = not ray.is_initialized()
         if started_ray:
             stages = (pipe.producer, pipe.buffer, pipe.consumer)
@@ -478,7 +317,7 @@ class RayRun:
         )
         if resume is None:
             return wiring, None
-        from pipeline.checkpoint import OwedWork
+        from pipeline.resume import OwedWork
 
         reopened = msgspec.msgpack.decode(reopened, type=OwedWork)
         resume.count(reopened)
@@ -538,119 +377,10 @@ class RayRun:
         return dict(zip(hosts, await asyncio.gather(*(h.pid.remote() for h in hosts.values())), strict=True))
 
 
-@dataclass
-class Supervision:
-    """Watches every host of a Ray run until the consumer returns: restarts a dead producer (freeing its
-    admission slots, re-sending it the latest weights), fails the run on any other death, and runs the
-    progress line, a resumed run's feeder and the hang watch beside them."""
-
-    run_: RayRun
-    pipe: Any
-    wiring: Wiring
-    peers: dict[str, list[Any]]
-    progress: Any
-    feeder: Callable[[], Awaitable[None]] | None  # a resumed run's feed_resume
-    failure: list[BaseException] = field(default_factory=list)
-
-    async def run(self) -> None:
-        self.done = anyio.Event()
-        async with anyio.create_task_group() as tg:
-            for i in range(len(self.peers["producer"])):
-                tg.start_soon(self.watch_producer, i)
-            tg.start_soon(self.watch, "buffer-0", False)
-            tg.start_soon(self.watch, "consumer-0", True)
-            tg.start_soon(self.show_progress)
-            if self.feeder is not None:
-                tg.start_soon(self.guard, "resume", self.feeder)
-            if self.run_.watchdog is not None and self.run_.watchdog.enabled:
-                tg.start_soon(self.watch_for_hangs)
-            await self.done.wait()
-            tg.cancel_scope.cancel()
-        if self.failure:
-            raise self.failure[0]
-
-    def fail(self, error: BaseException) -> None:
-        if not self.done.is_set():
-            self.failure.append(error)
-            self.done.set()
-
-    async def watch(self, name: str, ends_run: bool) -> None:
-        await self.guard(name, self.run_._hosts[name].run.remote)
-        if ends_run:
-            self.done.set()
-
-    async def guard(self, name: str, work: Any) -> None:
-        try:
-            await work()
-        except Exception as exc:
-            self.fail(ActorFailed(name, "run", exc))
-
-    async def watch_producer(self, index: int) -> None:
-        name = f"producer-{index}"
-        host, run = self.run_._hosts[name], self.run_
-        while True:
-            try:
-                await host.run.remote()
-                return
-            except ray.exceptions.RayActorError as exc:
-                if self.done.is_set():
-                    return
-                if run.restarts[name] >= run.max_restarts:
-                    return self.fail(ActorFailed(name, "run", exc))
-                await self.restart_producer(name, index, exc)
-            except Exception as exc:  # the actor's own error: the run fails, naming it
-                return self.fail(ActorFailed(name, "run", exc))
-
-    async def restart_producer(self, name: str, index: int, exc: BaseException) -> None:
-        run = self.run_
-        run.restarts[name] += 1
-        freed = await self.wiring.conductor.worker_died.remote(name)
-        report_event(self.wiring.folder, "producer.restarted", host=name, restart=run.restarts[name],
-                     freed_slots=freed, error=str(exc))
-        host = run._hosts[name]
-        await _when_back(host, self.peers)  # Ray restarts the process; rebuild its actor
-        await host.start.remote()
-        await run._hosts["consumer-0"].producer_restarted.remote(index)
-
-    async def show_progress(self) -> None:
-        while True:
-            version = await self.wiring.conductor.current.remote()
-            self.progress.update(
-                version=f"{version}/{self.pipe.steps}",
-                **self.pipe.consumer.progress(RunFolder(self.wiring.folder).latest_metrics()),
-            )
-            await anyio.sleep(0.5)
-
-    async def watch_for_hangs(self) -> None:
-        from pipeline.runtime.ray_watchdog import ray_watchdog
-        from pipeline.watchdog import PipelineHung
-
-        dog = ray_watchdog(
-            self.run_.watchdog, self.wiring.conductor, self.wiring.channels, self.run_._hosts, run=self.pipe.name,
-            folder=RunFolder(self.wiring.folder),
-        )
-        try:
-            await dog.run()
-        except PipelineHung as hung:  # raised as it is, like the local runtime's
-            self.fail(hung)
-
-
-async def _when_back(host: Any, peers: dict[str, list[Any]], timeout_s: float = 120.0) -> None:
-    """Set a restarted host up again, waiting while Ray still reports it as restarting."""
-    async for attempt in AsyncRetrying(
-        retry=retry_if_exception_type(ray.exceptions.ActorUnavailableError),
-        wait=wait_exponential(multiplier=0.1, max=2.0),
-        stop=stop_after_delay(timeout_s),
-        reraise=True,
-    ):
-        with attempt:
-            await host.setup.remote(peers)
-
-
 async def feed_resume(resume: Any, wiring: Wiring) -> None:
-    """A resumed run's `pipeline.checkpoint.ResumeFeeder`, run in the driver: it re-sends the checkpoint's
+    """A resumed run's `pipeline.resume.ResumeFeeder`, run in the driver: it re-sends the checkpoint's
     refs whose payload the store still holds and regenerates the others, through the conductor."""
-    from pipeline.checkpoint import ResumeFeeder
+    from pipeline.resume import ResumeFeeder
 
     ctx = wiring.context("resume")
     ctx.services.store = wiring.store.open(holder=False, faults=None)

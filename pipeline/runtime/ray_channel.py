@@ -53,7 +53,7 @@ import random
 from collections import deque
 from collections.abc import Iterable
 from time import perf_counter
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
 import anyio
 import msgspec
@@ -62,7 +62,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback-only
 
 import ray  # noqa: E402
 
-from pipeline.channel import Channel, ChannelClosed, ChannelStats  # noqa: E402
+from pipeline.channel import Channel, ChannelBase, ChannelClosed, ChannelStats  # noqa: E402
 from pipeline.refs import Ref  # noqa: E402
 
 T = TypeVar("T")
@@ -307,17 +307,15 @@ class ChannelHost:
         return msgspec.msgpack.encode(stats)
 
 
-class RayChannel(Generic[T]):
+class RayChannel(ChannelBase[T]):
     """Proxy on a `ChannelHost`: the surface of `Channel`, from any process (see the module docstring)."""
 
     CLEANUP_TIMEOUT_S = 10.0
-    before_send: Any = None  # fault injection (channel.stall), as on `Channel`: awaited before a send when set
+    _REPR_NOTE = " (last seen)"
 
     def __init__(self, host: Any, name: str, max_items: int, max_bytes: int | None, item_type: type[T]) -> None:
+        super().__init__(name, max_items, max_bytes)
         self._host = host
-        self.name = name
-        self.max_items = max_items
-        self.max_bytes = max_bytes
         self.item_type = item_type
         self._encode = msgspec.msgpack.Encoder().encode
         self._decode_one = msgspec.msgpack.Decoder(item_type).decode
@@ -328,9 +326,6 @@ class RayChannel(Generic[T]):
         self._send_m = host.send
         self._send_many_m = host.send_many
         self._receive_m = host.receive
-        self._depth = 0
-        self._nbytes = 0
-        self._closed = False
 
     @classmethod
     def create(
@@ -357,35 +352,12 @@ class RayChannel(Generic[T]):
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self._host, self.name, self.max_items, self.max_bytes, self.item_type))
 
-    def __repr__(self) -> str:
-        bytes_bound = "" if self.max_bytes is None else f" bytes={self._nbytes}/{self.max_bytes}"
-        state = " closed" if self._closed else ""
-        return f"<RayChannel {self.name!r} items={self._depth}/{self.max_items}{bytes_bound}{state} (last seen)>"
-
     @property
     def host(self) -> Any:
         """The `ChannelHost` actor handle."""
         return self._host
 
-    @property
-    def depth(self) -> int:
-        """Number of items in the channel, as of this proxy's last reply."""
-        return self._depth
-
-    @property
-    def nbytes(self) -> int:
-        """Sum of the sizes of the items in the channel, as of this proxy's last reply."""
-        return self._nbytes
-
-    @property
-    def closed(self) -> bool:
-        """Whether the channel is closed, as far as this proxy knows (its own close, or the last reply)."""
-        return self._closed
-
     # -- plumbing --------------------------------------------------------------------------------
-    def _closed_error(self) -> ChannelClosed:
-        return ChannelClosed(f"channel {self.name!r} is closed")
-
     async def _call(self, method: Any, *args: Any, receive_many: bool | None = None) -> _Reply:
         """One round trip for operation `method(op, *args)`; on cancellation, abandon it (see module doc).
 
@@ -517,12 +489,3 @@ class RayChannel(Generic[T]):
     def kill(self) -> None:
         """Kill the host actor (its items are lost); calls in flight raise `ray.exceptions.RayActorError`."""
         ray.kill(self._host)
-
-    def __aiter__(self) -> RayChannel[T]:
-        return self
-
-    async def __anext__(self) -> T:
-        try:
-            return await self.receive()
-        except anyio.EndOfStream:
-            raise StopAsyncIteration from None

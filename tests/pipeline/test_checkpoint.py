@@ -24,9 +24,10 @@ from buffers.memory import MemoryStore
 from buffers.ref_buffer import RefBuffer
 from pipeline.actor import ActorFailed
 from pipeline.admission import AdmissionGate
-from pipeline.checkpoint import CheckpointError, Resume, in_flight_groups, latest_checkpoint, read_state
+from pipeline.checkpoint import CheckpointError, latest_checkpoint, read_state
 from pipeline.dsl import Pipeline
 from pipeline.ledger import Ledger
+from pipeline.resume import Resume, in_flight_groups
 from policies import MaxStaleness
 from policies.selection import Fifo
 from stages.data.model import make_tiny_model
