@@ -53,7 +53,7 @@ def moe_layout(model_or_config) -> MoELayout | None:
     unless it is in `mlp_only_layers`, when (i + 1) is a multiple of `decoder_sparse_step`."""
     config = getattr(model_or_config, "config", model_or_config)
     config = getattr(config, "text_config", None) or config
-    experts = int(getattr(config, "num_experts", 0) or 0)
+    experts = int(getattr(config, "num_experts", 0) or getattr(config, "num_local_experts", 0) or 0)
     top_k = int(getattr(config, "num_experts_per_tok", 0) or 0)
     if experts <= 0 or top_k <= 0:
         return None
@@ -108,6 +108,10 @@ class RoutingCapture:
         """The latest forward's experts at each row's last position, [rows, moe layers, top_k]."""
         return self.all_positions(rows)[:, -1]
 
+    def last_ids(self, rows: int) -> np.ndarray:
+        """`last_position` on the CPU as the layout's id type (what a completion carries)."""
+        return self.last_position(rows).to("cpu").numpy().astype(self.layout.id_dtype)
+
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
@@ -137,23 +141,34 @@ def router_disagreement(own: torch.Tensor, recorded: torch.Tensor, mask: torch.T
 
 
 def _differing(own: torch.Tensor, recorded: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Per layer, how many masked positions route to another expert set (float [layers])."""
+    """How many masked positions route to another expert set: `own`, `recorded` [*positions, *rest, top_k]
+    and `mask` [*positions] give float [*rest] (rest: the layers, or nothing for one layer)."""
     differ = (own.sort(-1).values != recorded.to(own.device, own.dtype).sort(-1).values).any(-1)
-    return (differ & mask.to(own.device).bool()[..., None]).sum(tuple(range(differ.dim() - 1))).float()
+    where = mask.to(own.device).bool()
+    where = where.reshape(where.shape + (1,) * (differ.dim() - where.dim()))
+    return (differ & where).sum(tuple(range(mask.dim()))).float()
 
 
 class RoutingAgreement:
-    """What `recorded_routing` saw over its forwards: per MoE layer, masked positions whose own top-k set
-    differed from the recorded one, and masked positions in all (a recomputed forward counts twice in
-    both, which keeps the share)."""
+    """What `recorded_routing` saw over its forwards, per MoE layer: masked positions whose expert set
+    differed from the recorded one, as routed (`used`: 0 under replay) and as the model's own router would
+    route them (`own`), and masked positions in all (a recomputed forward counts twice in each, which
+    keeps the shares)."""
 
     def __init__(self, layers: int) -> None:
-        self.differing = torch.zeros(layers)
+        self.used = torch.zeros(layers)
+        self.own = torch.zeros(layers)
         self.positions = 0
 
     def disagreement(self) -> list[float]:
-        """Per MoE layer, the share of masked positions routed otherwise by the model's own top-k."""
-        return (self.differing / max(self.positions, 1)).tolist()
+        """Per MoE layer, the share of masked positions the forward routed to other experts than recorded
+        (the router disagreement metric: replay makes it 0)."""
+        return (self.used / max(self.positions, 1)).tolist()
+
+    def own_disagreement(self) -> list[float]:
+        """Per MoE layer, the share of masked positions whose own top-k differs from the recorded experts
+        (equal to `disagreement` without replay; with it, how far the router has moved from the rollout's)."""
+        return (self.own / max(self.positions, 1)).tolist()
 
 
 @contextmanager
@@ -195,12 +210,15 @@ def _replay_hook(recorded: torch.Tensor, mask: torch.Tensor, layer: int, layout:
             raise ValueError(f"a forward over {own.shape[0]} positions, but the recorded experts cover "
                              f"{recorded.shape[0]} (batch x seq)")
         here, where = recorded.to(own.device), mask.to(own.device)
-        seen.differing[layer] += _differing(own, here, where).cpu()
+        own_differing = _differing(own, here, where).cpu()
+        seen.own[layer] += own_differing
         if layer == 0:
             seen.positions += int(where.sum())
         if not replay:
+            seen.used[layer] += own_differing
             return None
         indices = torch.where(where[:, None], here, own)
+        seen.used[layer] += _differing(indices, here, where).cpu()
         weights = torch.softmax(logits, dim=-1, dtype=torch.float).gather(-1, indices)
         if layout.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
