@@ -118,6 +118,16 @@ class RoutingCapture:
         self._handles = []
 
 
+def inputs_of_tokens(experts: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token recorded experts ([batch, seq, layers, top_k], token t's at column t, as a completion
+    carries them, `mask` true on the tokens that have them) moved to the input positions a replayed forward
+    needs them at: token t's experts route position t - 1, the one whose logits give token t's logprob.
+    The last position gets none (its logits predict nothing the loss reads)."""
+    shifted = torch.cat([experts[:, 1:], torch.zeros_like(experts[:, :1])], 1)
+    where = torch.cat([mask[:, 1:].bool(), torch.zeros_like(mask[:, :1], dtype=torch.bool)], 1)
+    return shifted, where
+
+
 def own_routing(model: torch.nn.Module, **inputs) -> torch.Tensor:
     """The experts `model` itself routes each input position to, [batch, seq, moe layers, top_k] (int64):
     one no-grad forward of `inputs` (input_ids [batch, seq], attention_mask ...)."""
