@@ -83,6 +83,8 @@ class TorchEngine:
         self.stats = {"interrupted": 0, "prefills": 0, "decode_steps": 0}  # forward passes of each kind
         self._adapters = AdapterMerger(name, self.model_path, self.stats)
         self._capture: RoutingCapture | None = None  # an MoE model's router hooks (a dense one has none)
+        # an MoE model's completions carry their tokens' routed experts (the folder's config says before start)
+        self.returns_routed_experts = _folder_is_moe(self.model_path)
         self.gpus = int(str(device).startswith("cuda"))  # what its process asks the runtime for
 
     @property
@@ -93,16 +95,6 @@ class TorchEngine:
     def load(self) -> int:
         """Requests queued or decoding (the rollout sends a new episode to the least loaded engine)."""
         return len(self._queue) + self._running
-
-    @property
-    def returns_routed_experts(self) -> bool:
-        """True for an MoE model: every completion carries its tokens' routed experts (read from the
-        model folder's config before `start`)."""
-        if self._model is not None:
-            return self._capture is not None
-        from transformers import AutoConfig
-
-        return moe_layout(AutoConfig.from_pretrained(self.model_path)) is not None
 
     def attach(self, run: EngineRun) -> None:
         """The run's staleness policy decides which running requests restart on new weights."""
@@ -124,6 +116,7 @@ class TorchEngine:
             self._model = model.to(self.device).eval()
             layout = moe_layout(self._model)
             self._capture = RoutingCapture(self._model, layout) if layout is not None else None
+            self.returns_routed_experts = self._capture is not None
             self._adapters.keep_base(self._model, self._weights_lock)
             with self._lock:
                 staged = self._staged
@@ -347,6 +340,19 @@ class TorchEngine:
             noise = noise[sampling.noise_rows]
         nxt = (probs / noise).argmax(-1)
         return nxt, logp.gather(1, nxt[:, None]).squeeze(1)
+
+
+def _folder_is_moe(folder: Path) -> bool:
+    """Whether the model folder's config describes a mixture of experts (False when it cannot be read:
+    `start` says what is wrong with the folder)."""
+    from transformers import AutoConfig
+
+    if not (folder / "config.json").is_file():  # never a hub id: nothing is downloaded
+        return False
+    try:
+        return moe_layout(AutoConfig.from_pretrained(folder)) is not None
+    except (OSError, ValueError, KeyError):
+        return False
 
 
 def _check_fit(model: torch.nn.Module, version: int, tensors: dict[str, torch.Tensor]) -> None:
