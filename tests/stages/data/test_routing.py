@@ -53,7 +53,8 @@ def _move_router(model, inputs, steps: int = 4) -> None:
     model.train()
     for _ in range(steps):
         logits = model(**inputs).logits[:, :-1]
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), inputs["input_ids"][:, 1:].reshape(-1))
+        targets = inputs["input_ids"][:, 1:]
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
         opt.zero_grad()
         loss.backward()
         opt.step()
