@@ -185,7 +185,7 @@ class RoutingAgreement:
 def recorded_routing(model: torch.nn.Module, experts: torch.Tensor, mask: torch.Tensor,
                      replay: bool = True) -> Iterator[RoutingAgreement]:
     """Within the block, every forward of `model` over [batch, seq] inputs compares its routing with
-    `experts` (recorded, [batch, seq, moe layers, top_k]) at the positions of `mask` ([batch, seq], true
+    `experts` (recorded, [batch, seq, moe layers, top_k], any integer type) at the positions of `mask` ([batch, seq], true
     where experts were recorded) and, when `replay`, routes those positions to the recorded experts (see
     the module docstring). A forward over another number of positions raises ValueError."""
     layout = moe_layout(model)
@@ -196,7 +196,7 @@ def recorded_routing(model: torch.nn.Module, experts: torch.Tensor, mask: torch.
         raise ValueError(f"recorded experts have shape {tuple(experts.shape)}; this model and mask need "
                          f"{(batch, seq, len(layout.layers), layout.top_k)} (batch, seq, moe layers, top_k)")
     flat_mask = mask.reshape(-1).bool()
-    flat = experts.reshape(batch * seq, len(layout.layers), layout.top_k).long()
+    flat = experts.reshape(batch * seq, len(layout.layers), layout.top_k)  # as stored (uint8): int64 per layer
     seen = RoutingAgreement(len(layout.layers))
     hooks = [gate.register_forward_hook(_replay_hook(flat[:, j], flat_mask, j, layout, seen, replay))
              for j, gate in enumerate(routers(model, layout))]
@@ -219,7 +219,7 @@ def _replay_hook(recorded: torch.Tensor, mask: torch.Tensor, layer: int, layout:
         if own.shape[0] != recorded.shape[0]:
             raise ValueError(f"a forward over {own.shape[0]} positions, but the recorded experts cover "
                              f"{recorded.shape[0]} (batch x seq)")
-        here, where = recorded.to(own.device), mask.to(own.device)
+        here, where = recorded.to(own.device, own.dtype), mask.to(own.device)
         own_differing = _differing(own, here, where).cpu()
         seen.own[layer] += own_differing
         if layer == 0:

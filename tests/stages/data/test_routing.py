@@ -93,6 +93,8 @@ def test_replay_of_own_routing_is_bit_identical(model) -> None:
         plain = model(**inputs).logits
         with replay_routing(model, recorded, mask) as seen:
             replayed = model(**inputs).logits
+        with replay_routing(model, recorded.to(torch.uint8), mask):  # as a completion carries them
+            assert torch.equal(model(**inputs).logits, plain)
     assert torch.equal(plain, replayed)
     assert seen.disagreement() == [0.0, 0.0] and seen.own_disagreement() == [0.0, 0.0]
     assert seen.positions == int(mask.sum())
