@@ -31,6 +31,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+# the codec token field that carries each token's routed experts from the producer to the learner:
+# [tokens, moe layers, top_k] (the layout's id type), zeros where `loss_mask` is 0 (prompt, environment tokens)
+ROUTED_EXPERTS_FIELD = "routed_experts"
+
 
 @dataclass(frozen=True)
 class MoELayout:
@@ -185,9 +189,10 @@ class RoutingAgreement:
 def recorded_routing(model: torch.nn.Module, experts: torch.Tensor, mask: torch.Tensor,
                      replay: bool = True) -> Iterator[RoutingAgreement]:
     """Within the block, every forward of `model` over [batch, seq] inputs compares its routing with
-    `experts` (recorded, [batch, seq, moe layers, top_k], any integer type) at the positions of `mask` ([batch, seq], true
-    where experts were recorded) and, when `replay`, routes those positions to the recorded experts (see
-    the module docstring). A forward over another number of positions raises ValueError."""
+    `experts` (recorded, [batch, seq, moe layers, top_k], any integer type) at the positions of `mask`
+    ([batch, seq], true where experts were recorded) and, when `replay`, routes those positions to the
+    recorded experts (see the module docstring). A forward over another number of positions raises
+    ValueError."""
     layout = moe_layout(model)
     if layout is None:
         raise ValueError("routing replay needs a mixture-of-experts model; this one is dense")
