@@ -9,6 +9,10 @@ hold `ADAPTER_KEY`): the engine applies it to its base model, never on top of an
 serves it only once its probe (when it carries one) reproduces the learner's logprobs; an adapter it
 cannot apply raises `EngineError` like any version that does not fit.
 
+An engine on a mixture-of-experts model may also return, for every generated token, the experts it
+was routed to (`Completion.routed_experts`, what the learner's routing replay needs); it says so with
+`returns_routed_experts` (`ReturnsRoutedExperts`; an engine that does not say returns none).
+
 Lifecycle: the rollout stage hands each engine the run's part in it (`attach(EngineRun)`) before
 `start`; `stop` fails whatever is still in flight with `EngineError`. A new engine kind passes
 `tests/contracts/test_engine_contract.py` by adding itself to its `ENGINES` list.

@@ -10,7 +10,9 @@ params (temperature, top-p, stop tokens, max-tokens); every token carries its be
 the tempered distribution, before top-p truncation) and the weight version that computed its logits.
 A single call on an idle engine samples exactly the tokens a plain batched loop over its prompts
 would (same seed, same random draws: see `Sampling`); logprobs agree up to float rounding once some
-of its rows have left the batch.
+of its rows have left the batch. On a mixture-of-experts model every token also carries the experts its
+sampling position was routed to at each MoE layer (`Completion.routed_experts`, recorded by forward hooks
+on the routers, `stages.data.routing.RoutingCapture`); a dense model gets no hook at all.
 
 An adapter version (`stages.weights.adapter`: a LoRA run publishes the adapter alone) is merged into
 the engine's own base weights, W + alpha/r B A for each adapted module, once per version, before it is
