@@ -167,22 +167,39 @@ class RoutingAgreement:
     """What `recorded_routing` saw over its forwards, per MoE layer: masked positions whose expert set
     differed from the recorded one, as routed (`used`: 0 under replay) and as the model's own router would
     route them (`own`), and masked positions in all (a recomputed forward counts twice in each, which
-    keeps the shares)."""
+    keeps the shares). The counts stay on the model's device until a share is asked for: no device sync
+    per layer."""
 
     def __init__(self, layers: int) -> None:
-        self.used = torch.zeros(layers)
-        self.own = torch.zeros(layers)
-        self.positions = 0
+        self.layers = layers
+        self.used: torch.Tensor | None = None  # float [layers], once a forward ran
+        self.own: torch.Tensor | None = None
+        self.positions: int | torch.Tensor = 0
+
+    def add(self, layer: int, own: torch.Tensor, used: torch.Tensor, positions: torch.Tensor | None) -> None:
+        """Count one router's forward (`positions`: the forward's masked positions, given by its first layer)."""
+        if self.used is None or self.own is None:
+            self.used = torch.zeros(self.layers, device=own.device)
+            self.own = torch.zeros(self.layers, device=own.device)
+        self.own[layer] += own
+        self.used[layer] += used
+        if positions is not None:
+            self.positions = self.positions + positions
 
     def disagreement(self) -> list[float]:
         """Per MoE layer, the share of masked positions the forward routed to other experts than recorded
         (the router disagreement metric: replay makes it 0)."""
-        return (self.used / max(self.positions, 1)).tolist()
+        return self._shares(self.used)
 
     def own_disagreement(self) -> list[float]:
         """Per MoE layer, the share of masked positions whose own top-k differs from the recorded experts
         (equal to `disagreement` without replay; with it, how far the router has moved from the rollout's)."""
-        return (self.own / max(self.positions, 1)).tolist()
+        return self._shares(self.own)
+
+    def _shares(self, counts: torch.Tensor | None) -> list[float]:
+        if counts is None:
+            return [0.0] * self.layers
+        return (counts.cpu() / max(int(self.positions), 1)).tolist()
 
 
 @contextmanager
@@ -225,15 +242,12 @@ def _replay_hook(recorded: torch.Tensor, mask: torch.Tensor, layer: int, layout:
             raise ValueError(f"a forward over {own.shape[0]} positions, but the recorded experts cover "
                              f"{recorded.shape[0]} (batch x seq)")
         here, where = recorded.to(own.device, own.dtype), mask.to(own.device)
-        own_differing = _differing(own, here, where).cpu()
-        seen.own[layer] += own_differing
-        if layer == 0:
-            seen.positions += int(where.sum())
+        own_differing = _differing(own, here, where)
+        indices = torch.where(where[:, None], here, own) if replay else own
+        used = _differing(indices, here, where) if replay else own_differing
+        seen.add(layer, own_differing, used, where.sum() if layer == 0 else None)
         if not replay:
-            seen.used[layer] += own_differing
             return None
-        indices = torch.where(where[:, None], here, own)
-        seen.used[layer] += _differing(indices, here, where).cpu()
         weights = torch.softmax(logits, dim=-1, dtype=torch.float).gather(-1, indices)
         if layout.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
