@@ -80,15 +80,47 @@ def make_tiny_model(
     same parameters, but reverse-4's middle answer position fits supervised in 50 steps instead of 200,
     and GRPO (lr 1.5e-3, k = 2) learns reverse-3 and reverse-4 at every seed tried (README "Learning defaults").
     """
-    folder = Path(folder)
     spec = {"hidden_size": hidden_size, "layers": layers, "heads": heads, "kv_heads": kv_heads, "seed": seed}
+    return _make_tiny_folder(Path(folder), spec, _write_tiny_model, overwrite)
+
+
+def make_tiny_moe_model(
+    folder: str | Path,
+    *,
+    hidden_size: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    experts: int = 8,
+    top_k: int = 2,
+    moe_intermediate: int = 64,
+    seed: int = 0,
+    overwrite: bool = False,
+) -> Path:
+    """Create (or reuse) a random-init Qwen3-MoE checkpoint + the tiny tokenizer in `folder`; return its path.
+
+    Every decoder layer is a mixture of `experts` experts of which each token uses `top_k` (gate
+    weights renormalised over them: `norm_topk_prob`), head size 16; made, marked and reused exactly as
+    `make_tiny_model` makes its folder (the marker records `family = "qwen3_moe"`, so a dense tiny
+    folder is never reused as an MoE one). transformers writes the experts per expert
+    (`mlp.experts.{e}.gate_proj.weight`), the format SGLang's loader reads; in memory they are fused.
+    """
+    spec = {"family": "qwen3_moe", "hidden_size": hidden_size, "layers": layers, "heads": heads,
+            "kv_heads": kv_heads, "experts": experts, "top_k": top_k, "moe_intermediate": moe_intermediate,
+            "seed": seed}
+    return _make_tiny_folder(Path(folder), spec, _write_tiny_moe_model, overwrite)
+
+
+def _make_tiny_folder(folder: Path, spec: dict, write, overwrite: bool) -> Path:
+    """`write(staging, spec)` into a staging folder renamed to `folder` (see `make_tiny_model`), or reuse
+    the folder a marker with the same `spec` says is complete."""
     if (folder / MARKER).exists() and not overwrite:
         return _reuse_tiny_model(folder, spec)
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-making-", dir=folder.parent))
     try:
         staging.chmod(0o755)  # mkdtemp's 0700 would hide the model from other users' servers
-        _write_tiny_model(staging, spec)
+        write(staging, spec)
         if overwrite and folder.exists():
             shutil.rmtree(folder)
         try:
@@ -114,32 +146,59 @@ def _reuse_tiny_model(folder: Path, spec: dict) -> Path:
     return folder
 
 
-def _write_tiny_model(folder: Path, spec: dict) -> None:
-    """The tokenizer, config and weights of `spec`, then the marker that says the folder is complete."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
+def _write_tiny_tokenizer(folder: Path) -> dict:
+    """Save the tiny tokenizer into `folder`; the config fields every tiny model shares (vocabulary,
+    positions, tied head, special token ids)."""
     _quiet_transformers()
     tokenizer = tiny_tokenizer()
     tokenizer.save_pretrained(folder)
     vocab_size = 64  # >= len(tokenizer); a multiple of 8 keeps every backend's kernels happy
     assert len(tokenizer) <= vocab_size
+    return {"vocab_size": vocab_size, "max_position_embeddings": 256, "tie_word_embeddings": True,
+            "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id}
+
+
+def _save_random_model(folder: Path, model_class, config, spec: dict) -> None:
+    """`model_class(config)` initialised from `spec`'s seed, saved, then the marker that says the folder is complete."""
+    with torch.random.fork_rng():
+        torch.manual_seed(spec["seed"])
+        model_class(config).save_pretrained(folder)
+    (folder / MARKER).write_text(json.dumps(spec))
+
+
+def _write_tiny_moe_model(folder: Path, spec: dict) -> None:
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        **_write_tiny_tokenizer(folder),
+        hidden_size=spec["hidden_size"],
+        intermediate_size=2 * spec["hidden_size"],  # dense MLP size (unused: every layer is sparse)
+        num_hidden_layers=spec["layers"],
+        num_attention_heads=spec["heads"],
+        num_key_value_heads=spec["kv_heads"],
+        head_dim=spec["hidden_size"] // spec["heads"],
+        num_experts=spec["experts"],
+        num_experts_per_tok=spec["top_k"],
+        moe_intermediate_size=spec["moe_intermediate"],
+        norm_topk_prob=True,
+    )
+    _save_random_model(folder, Qwen3MoeForCausalLM, config, spec)
+
+
+def _write_tiny_model(folder: Path, spec: dict) -> None:
+    """The tokenizer, config and weights of `spec`, then the marker that says the folder is complete."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
     config = Qwen2Config(
-        vocab_size=vocab_size,
+        **_write_tiny_tokenizer(folder),
         hidden_size=spec["hidden_size"],
         intermediate_size=4 * spec["hidden_size"],
         num_hidden_layers=spec["layers"],
         num_attention_heads=spec["heads"],
         num_key_value_heads=spec["kv_heads"],
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
     )
-    with torch.random.fork_rng():
-        torch.manual_seed(spec["seed"])
-        Qwen2ForCausalLM(config).save_pretrained(folder)
-    (folder / MARKER).write_text(json.dumps(spec))
+    _save_random_model(folder, Qwen2ForCausalLM, config, spec)
 
 
 WEIGHT_FILES = (

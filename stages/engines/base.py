@@ -9,6 +9,10 @@ hold `ADAPTER_KEY`): the engine applies it to its base model, never on top of an
 serves it only once its probe (when it carries one) reproduces the learner's logprobs; an adapter it
 cannot apply raises `EngineError` like any version that does not fit.
 
+An engine on a mixture-of-experts model may also return, for every generated token, the experts it
+was routed to (`Completion.routed_experts`, what the learner's routing replay needs); it says so with
+`returns_routed_experts` (`ReturnsRoutedExperts`; an engine that does not say returns none).
+
 Lifecycle: the rollout stage hands each engine the run's part in it (`attach(EngineRun)`) before
 `start`; `stop` fails whatever is still in flight with `EngineError`. A new engine kind passes
 `tests/contracts/test_engine_contract.py` by adding itself to its `ENGINES` list.
@@ -40,6 +44,10 @@ class Completion:
     versions: np.ndarray  # int32, weight version that produced each token
     finish_reason: str = "length"  # "length" | "stop"
     meta: dict = field(default_factory=dict)
+    # an MoE model's routed experts of each generated token, [tokens, moe layers, top_k] (uint8, int16 beyond
+    # 256 experts): row i is the routing of the position whose logits sampled token i (the prompt's last
+    # token for i = 0), at every MoE layer; None from a dense model or an engine that does not return them
+    routed_experts: np.ndarray | None = None
 
 
 class EngineError(RuntimeError):
@@ -60,6 +68,21 @@ class NeedsGPUs(Protocol):
 
     @property
     def gpus(self) -> int: ...
+
+
+@runtime_checkable
+class ReturnsRoutedExperts(Protocol):
+    """An engine that can say whether its completions carry `routed_experts` (routing replay needs them)."""
+
+    @property
+    def returns_routed_experts(self) -> bool:
+        """True when every completion carries its tokens' routed experts (an MoE model it records them for)."""
+        ...
+
+
+def returns_routed_experts(engine: object) -> bool:
+    """Whether `engine`'s completions carry routed experts; False for an engine that does not say."""
+    return isinstance(engine, ReturnsRoutedExperts) and bool(engine.returns_routed_experts)
 
 
 @runtime_checkable

@@ -10,7 +10,9 @@ params (temperature, top-p, stop tokens, max-tokens); every token carries its be
 the tempered distribution, before top-p truncation) and the weight version that computed its logits.
 A single call on an idle engine samples exactly the tokens a plain batched loop over its prompts
 would (same seed, same random draws: see `Sampling`); logprobs agree up to float rounding once some
-of its rows have left the batch.
+of its rows have left the batch. On a mixture-of-experts model every token also carries the experts its
+sampling position was routed to at each MoE layer (`Completion.routed_experts`, recorded by forward hooks
+on the routers, `stages.data.routing.RoutingCapture`); a dense model gets no hook at all.
 
 An adapter version (`stages.weights.adapter`: a LoRA run publishes the adapter alone) is merged into
 the engine's own base weights, W + alpha/r B A for each adapted module, once per version, before it is
@@ -44,6 +46,7 @@ import torch
 from transformers import Qwen2ForCausalLM
 
 from stages.data.model import load_model
+from stages.data.routing import RoutingCapture, moe_layout
 from stages.engines.base import Completion, EngineError, EngineRun, SamplingParams
 from stages.engines.torch_adapter import AdapterMerger
 from stages.engines.torch_batch import Batch, Call, Request, Sampling
@@ -81,6 +84,9 @@ class TorchEngine:
         self.policy = None  # the run's staleness policy (its `interrupt`), from `attach`
         self.stats = {"interrupted": 0, "prefills": 0, "decode_steps": 0}  # forward passes of each kind
         self._adapters = AdapterMerger(name, self.model_path, self.stats)
+        self._capture: RoutingCapture | None = None  # an MoE model's router hooks (a dense one has none)
+        # an MoE model's completions carry their tokens' routed experts (the folder's config says before start)
+        self.returns_routed_experts = _folder_is_moe(self.model_path)
         self.gpus = int(str(device).startswith("cuda"))  # what its process asks the runtime for
 
     @property
@@ -110,6 +116,9 @@ class TorchEngine:
         if self._model is None:
             model = await anyio.to_thread.run_sync(load_model, self.model_path, self.dtype)
             self._model = model.to(self.device).eval()
+            layout = moe_layout(self._model)
+            self._capture = RoutingCapture(self._model, layout) if layout is not None else None
+            self.returns_routed_experts = self._capture is not None
             self._adapters.keep_base(self._model, self._weights_lock)
             with self._lock:
                 staged = self._staged
@@ -123,6 +132,9 @@ class TorchEngine:
         while self._serving:
             await anyio.sleep(0.002)
         self._model = None
+        if self._capture is not None:
+            self._capture.remove()
+            self._capture = None
         self._adapters.keep_base(None, self._weights_lock)
         self._stopping = False
 
@@ -176,7 +188,7 @@ class TorchEngine:
         """Completions of `prompts` (in order), each decoded as a request of the running batch."""
         if self._model is None:
             raise RuntimeError(f"engine {self.name} is not started")
-        call = Call(prompts, params)
+        call = Call(prompts, params, self._capture.layout if self._capture is not None else None)
         call.generator = torch.Generator(device=self.device).manual_seed(self.seed + self._calls * CALL_SEED_STRIDE)
         self._calls += 1  # in call order on the event loop: the same calls get the same streams in every run
         if call.requests:
@@ -210,6 +222,8 @@ class TorchEngine:
         fails every call with a request in the batch or the queue."""
         t0 = time.perf_counter()
         batch = Batch(self._model.device if self._model is not None else torch.device(self.device))
+        if self._capture is not None:
+            self._capture.own_thread()
         try:
             with torch.no_grad():
                 while self._boundary(batch):
@@ -243,8 +257,8 @@ class TorchEngine:
         self._apply_staged()
         if batch.rows:
             self.stats["decode_steps"] += 1
-            out, version = self._forward(**batch.decode_inputs(), use_cache=True, **{_CACHE_KWARG: batch.cache})
-            batch.advance(_cache_of(out), out.logits[:, -1], version)
+            out, version, routes = self._forward(**batch.decode_inputs(), use_cache=True, **{_CACHE_KWARG: batch.cache})
+            batch.advance(_cache_of(out), out.logits[:, -1], version, routes)
         with self._lock:
             new = []
             while self._queue and len(batch.rows) + len(new) < self.max_running:
@@ -265,10 +279,11 @@ class TorchEngine:
         nxt, logp = self._sample(batch.logits, batch.sampling)
         batch.last = nxt
         finished = []
+        routes = batch.routes
         for i, (request, token, lp, version) in enumerate(
             zip(batch.rows, nxt.tolist(), logp.tolist(), batch.versions, strict=True)
         ):
-            if request.append(token, lp, version):
+            if request.append(token, lp, version, None if routes is None else routes[i]):
                 finished.append(i)
         done = [batch.rows[i] for i in finished]
         batch.drop(finished)
@@ -277,14 +292,17 @@ class TorchEngine:
             request.call.complete(request)
 
     def _forward(self, **inputs):
-        """One forward pass under the weights lock; returns its output and the version it ran."""
+        """One forward pass under the weights lock; returns its output, the version it ran and, for an MoE
+        model, the experts each row's last position was routed to ([rows, moe layers, top_k]; else None)."""
         with self._weights_lock:
-            return self._model(**inputs), self._version
+            out = self._model(**inputs)
+            routes = None if self._capture is None else self._capture.last_ids(inputs["input_ids"].shape[0])
+            return out, self._version, routes
 
     def _prefill(self, prompts: list[list[int]]):
         """One forward pass over the prompts, left-padded so every row's next token sits in the last
-        column: the KV cache, the attention mask, each row's next position, the next token's logits
-        and the version that computed them."""
+        column: the KV cache, the attention mask, each row's next position, the next token's logits,
+        the version that computed them and (MoE) the experts of each row's last prompt token."""
         model = self._model
         assert model is not None
         device = model.device
@@ -296,10 +314,10 @@ class TorchEngine:
             mask[i, width - len(p) :] = 1
         ids, mask = ids.to(device), mask.to(device)
         positions = (mask.cumsum(1) - 1).clamp(min=0)
-        out, version = self._forward(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                                     logits_to_keep=1)
+        out, version, routes = self._forward(input_ids=ids, attention_mask=mask, position_ids=positions,
+                                             use_cache=True, logits_to_keep=1)
         next_pos = torch.tensor([len(p) for p in prompts], device=device)
-        return _cache_of(out), mask, next_pos, out.logits[:, -1], version
+        return _cache_of(out), mask, next_pos, out.logits[:, -1], version, routes
 
     def _rows_to_restart(self, batch: Batch) -> list[int]:
         """The rows whose oldest token the policy will not carry over to the staged version."""
@@ -324,6 +342,19 @@ class TorchEngine:
             noise = noise[sampling.noise_rows]
         nxt = (probs / noise).argmax(-1)
         return nxt, logp.gather(1, nxt[:, None]).squeeze(1)
+
+
+def _folder_is_moe(folder: Path) -> bool:
+    """Whether the model folder's config describes a mixture of experts (False when it cannot be read:
+    `start` says what is wrong with the folder)."""
+    from transformers import AutoConfig
+
+    if not (folder / "config.json").is_file():  # never a hub id: nothing is downloaded
+        return False
+    try:
+        return moe_layout(AutoConfig.from_pretrained(folder)) is not None
+    except (OSError, ValueError, KeyError):
+        return False
 
 
 def _check_fit(model: torch.nn.Module, version: int, tensors: dict[str, torch.Tensor]) -> None:

@@ -22,6 +22,7 @@ import anyio.lowlevel
 import numpy as np
 import torch
 
+from stages.data.routing import MoELayout
 from stages.engines.base import Completion, SamplingParams
 
 MIN_TEMPERATURE = 1e-5  # temperature 0 means greedy: the engine floors it here
@@ -29,8 +30,9 @@ MIN_TEMPERATURE = 1e-5  # temperature 0 means greedy: the engine floors it here
 
 @dataclass(eq=False)
 class Request:
-    """One prompt of a call, and what has been sampled for it so far (each token with its logprob
-    and the weight version whose logits it was sampled from)."""
+    """One prompt of a call, and what has been sampled for it so far (each token with its logprob,
+    the weight version whose logits it was sampled from and, for an MoE model, the experts that forward
+    routed the sampling position to: [moe layers, top_k])."""
 
     prompt: list[int]
     params: SamplingParams
@@ -39,17 +41,20 @@ class Request:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    experts: list[np.ndarray] = field(default_factory=list)
 
-    def append(self, token: int, logprob: float, version: int) -> bool:
+    def append(self, token: int, logprob: float, version: int, experts: np.ndarray | None = None) -> bool:
         """Record one sampled token; True when it ends the request (a stop token, or the last allowed)."""
         self.tokens.append(token)
         self.logprobs.append(logprob)
         self.versions.append(version)
+        if experts is not None:
+            self.experts.append(experts)
         return token in self.params.stop_token_ids or len(self.tokens) >= self.params.max_new_tokens
 
     def restart(self) -> None:
         """Forget what was sampled: the request is decoded again from its prompt."""
-        self.tokens, self.logprobs, self.versions = [], [], []
+        self.tokens, self.logprobs, self.versions, self.experts = [], [], [], []
 
     def completion(self) -> Completion:
         stopped = bool(self.tokens) and self.tokens[-1] in self.params.stop_token_ids
@@ -58,15 +63,27 @@ class Request:
             logprobs=np.asarray(self.logprobs, dtype=np.float32),
             versions=np.asarray(self.versions, dtype=np.int32),
             finish_reason="stop" if stopped else "length",
+            routed_experts=self._routed_experts(),
         )
+
+    def _routed_experts(self) -> np.ndarray | None:
+        """[tokens, moe layers, top_k] for an MoE model (its call has a layout), else None."""
+        layout = self.call.layout
+        if layout is None:
+            return None
+        if not self.experts:
+            return np.zeros((0, len(layout.layers), layout.top_k), dtype=layout.id_dtype)
+        return np.stack(self.experts)
 
 
 class Call:
     """One `generate` call, made on an event loop: its requests, their completions (in prompt order)
     and `finished`, set on that loop once every request is done or the call failed. `cancelled` is
-    set by the caller when it stops waiting; the decode thread then drops its requests."""
+    set by the caller when it stops waiting; the decode thread then drops its requests. `layout` is the
+    engine's model's expert layout (None: dense, its completions carry no routed experts)."""
 
-    def __init__(self, prompts: list[list[int]], params: SamplingParams) -> None:
+    def __init__(self, prompts: list[list[int]], params: SamplingParams, layout: MoELayout | None = None) -> None:
+        self.layout = layout
         self.requests = [Request(list(p), params, self, i) for i, p in enumerate(prompts)]
         self.results: list[Completion | None] = [None] * len(prompts)
         self.error: BaseException | None = None
@@ -157,6 +174,7 @@ class Batch:
         self.device = device
         self.rows: list[Request] = []
         self.versions: list[int] = []  # the weight version that computed each row's `logits`
+        self.routes: np.ndarray | None = None  # MoE: the experts of the position that computed `logits`
         self.cache = None  # the model's DynamicCache over all rows
         self.mask = self.next_pos = self.logits = self.last = None
         self._sampling: Sampling | None = None
@@ -172,18 +190,20 @@ class Batch:
         self.mask = torch.cat([self.mask, self.mask.new_ones((len(self.rows), 1))], 1)
         return {"input_ids": self.last[:, None], "attention_mask": self.mask, "position_ids": self.next_pos[:, None]}
 
-    def advance(self, cache, logits: torch.Tensor, version: int) -> None:
+    def advance(self, cache, logits: torch.Tensor, version: int, routes: np.ndarray | None = None) -> None:
         """Take a decode step's output (after `decode_inputs`)."""
-        self.cache, self.logits, self.last = cache, logits, None
+        self.cache, self.logits, self.last, self.routes = cache, logits, None, routes
         self.next_pos = self.next_pos + 1
         self.versions = [version] * len(self.rows)
 
     def merge(self, rows: list[Request], cache, mask: torch.Tensor, next_pos: torch.Tensor,
-              logits: torch.Tensor, version: int) -> None:
+              logits: torch.Tensor, version: int, routes: np.ndarray | None = None) -> None:
         """Add prefilled rows: both caches are left-padded to a common width and stacked."""
         if not self.rows:
-            self.cache, self.mask, self.next_pos, self.logits = cache, mask, next_pos, logits
+            self.cache, self.mask, self.next_pos, self.logits, self.routes = cache, mask, next_pos, logits, routes
         else:
+            if routes is not None:
+                self.routes = np.concatenate([self.routes, routes])
             width = max(self.mask.shape[1], mask.shape[1])
             for mine, theirs in zip(_layers(self.cache), _layers(cache), strict=True):
                 mine.keys = torch.cat([_left_pad(mine.keys, width, 2), _left_pad(theirs.keys, width, 2)])
@@ -205,8 +225,10 @@ class Batch:
         self.versions = [self.versions[i] for i in keep]
         self._sampling = None
         if not keep:
-            self.cache = self.mask = self.next_pos = self.logits = self.last = None
+            self.cache = self.mask = self.next_pos = self.logits = self.last = self.routes = None
             return
+        if self.routes is not None:
+            self.routes = self.routes[keep]
         index = torch.tensor(keep, device=self.device)
         self.mask, self.next_pos, self.logits = self.mask[index], self.next_pos[index], self.logits[index]
         if self.last is not None:
