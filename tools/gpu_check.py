@@ -48,6 +48,7 @@ from stages.engines.torch import TorchEngine  # noqa: E402
 from stages.learner import GRPOLearner  # noqa: E402
 from stages.learner.lora import LoraSpec  # noqa: E402
 from stages.learner.step import PolicyTrainer  # noqa: E402
+from stages.weights.adapter import as_received  # noqa: E402
 from stages.weights.base import new_stats  # noqa: E402
 from stages.weights.sparse import Planner, Slots  # noqa: E402
 
@@ -229,7 +230,7 @@ async def merge_on_engine(folder: Path, device: str, version: int, adapter: dict
     await engine.start()
     try:
         t0 = time.perf_counter()
-        await engine.receive_weights(version, adapter)
+        await engine.receive_weights(version, as_received(adapter))
         sync(device)
         stats = engine.stats
         return {"receive_s": round(time.perf_counter() - t0, 4), "engine_version": engine.version,

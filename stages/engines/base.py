@@ -4,10 +4,12 @@ An engine turns token prompts into completions and reports, for every generated 
 behaviour logprob and the weight version that produced it. It receives new weights through a
 weight transport (`receive_weights`) and promises to apply a version whole or not at all, only
 between decode steps: a completion's tokens each carry the version that really produced them.
-A version is either whole weights or, in a LoRA run, an adapter (`stages.weights.adapter`: the tensors
-hold `ADAPTER_KEY`): the engine applies it to its base model, never on top of an earlier version, and
-serves it only once its probe (when it carries one) reproduces the learner's logprobs; an adapter it
-cannot apply raises `EngineError` like any version that does not fit.
+A version is either whole weights (a dict of named tensors) or, in a LoRA run, an adapter: an
+`AdapterVersion` (`stages.weights.adapter`), its descriptor decoded once where the version was received.
+The version says which it is; the engine never inspects tensor names to tell an adapter. It applies an
+adapter to its base model, never on top of an earlier version, and serves it only once its probe (when
+it carries one) reproduces the learner's logprobs; an adapter it cannot apply raises `EngineError` like
+any version that does not fit.
 
 An engine on a mixture-of-experts model may also return, for every generated token, the experts it
 was routed to (`Completion.routed_experts`, what the learner's routing replay needs); it says so with
@@ -22,11 +24,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 
 from pipeline.contracts import VersionPolicy
+
+if TYPE_CHECKING:
+    import torch
+
+    from stages.weights.adapter import AdapterVersion
 
 
 @dataclass(frozen=True)
@@ -106,6 +113,6 @@ class Engine(Protocol):
 
     async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]: ...
 
-    async def receive_weights(self, version: int, tensors: dict) -> None: ...
+    async def receive_weights(self, version: int, weights: dict[str, torch.Tensor] | AdapterVersion) -> None: ...
 
     async def stop(self) -> None: ...

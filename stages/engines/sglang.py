@@ -14,9 +14,9 @@ a running one by `url`; it speaks HTTP only and never imports sglang.
   staleness policy what each request should do (`interrupt`: continue on the new weights, or
   restart from its prompt), applies, and continues. A version is applied whole or the call raises
   `EngineError`; `version` only moves once the server confirmed the update.
-* **adapters** (`lora=LoraServing(...)`, a LoRA run): the server is launched with LoRA, each adapter
-  version is loaded as `policy-v{N}` and every request runs under the adapter of the version it started
-  under, holding it until it ends; what stays loaded and when an adapter may go:
+* **adapters** (`lora=LoraServing(...)`, a LoRA run): the server is launched with LoRA, each
+  `AdapterVersion` is loaded as `policy-v{N}` and every request runs under the adapter of the version
+  it started under, holding it until it ends; what stays loaded and when an adapter may go:
   `stages.engines.sglang_lora`. No pause, no weight update: the base never changes.
 * **health**: transient HTTP failures are retried (tenacity). If the server this engine launched
   dies, it is restarted, the latest weights are re-applied, and the requests that were in flight
@@ -46,7 +46,7 @@ from stages.engines.base import Completion, EngineError, EngineRun, SamplingPara
 from stages.engines.sglang_lora import LoraServing, ServerAdapters, fit_adapter
 from stages.engines.sglang_server import ServerFailed, SGLangServer, gpu_available
 from stages.engines.sglang_update import UPDATE_PATHS, ServerUpdate
-from stages.weights.adapter import AdapterError, base_fingerprint, unpack_adapter
+from stages.weights.adapter import AdapterVersion, base_fingerprint
 
 MAX_ROUNDS = 8  # generate() gives up on requests aborted (or lost to a dead server) this many times in a row
 PAUSE_MODES = ("in_place", "retract")
@@ -88,8 +88,8 @@ class SGLangEngine:
         self._version = 0
         cpu = self.device == "cpu" or (self.device == "auto" and not gpu_available())
         self.gpus = 0 if cpu or self.url is not None else 1  # the server it launches uses one; an attached one none
-        self._latest: tuple[int, dict[str, torch.Tensor]] | None = None
-        self._held: tuple[int, dict[str, torch.Tensor]] | None = None  # the version the server holds, applied last
+        self._latest: tuple[int, dict[str, torch.Tensor] | AdapterVersion] | None = None
+        self._held: tuple[int, dict[str, torch.Tensor] | AdapterVersion] | None = None  # the server's, applied last
         self._server: SGLangServer | None = None
         self._base_url: str | None = None  # the server's address: `url`, or the launched server's
         self._http: aiohttp.ClientSession | None = None
@@ -282,7 +282,7 @@ class SGLangEngine:
             return submitted
 
     # -- weights -------------------------------------------------------------------------------
-    async def receive_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+    async def receive_weights(self, version: int, tensors: dict[str, torch.Tensor] | AdapterVersion) -> None:
         """Apply `version` whole (see the module docstring); older or equal versions are ignored."""
         if self._latest is not None and version <= self._latest[0]:
             return
@@ -307,20 +307,16 @@ class SGLangEngine:
             else:
                 self._held = (version, tensors)
 
-    def _fit(self, version: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _fit(self, version: int, tensors: dict[str, torch.Tensor] | AdapterVersion) -> dict | AdapterVersion:
         """The tensors to send, checked against the checkpoint's names and shapes before the server
         sees them: a version that does not fit whole is refused here, with the server untouched (an
         adapter: against the checkpoint and what the server was launched to serve)."""
         if self._expected is None:
             self._expected = _checkpoint_shapes(Path(self.model_path))
-        try:
-            adapter = unpack_adapter(tensors)
-        except AdapterError as exc:
-            raise EngineError(f"engine {self.name}: version {version}: {exc}") from None
-        if adapter is not None:
+        if isinstance(tensors, AdapterVersion):
             if self._base is None:
                 self._base = base_fingerprint(self.model_path)
-            fit_adapter(self.name, self.lora, version, *adapter, self._expected, self._base)
+            fit_adapter(self.name, self.lora, version, tensors.spec, tensors.tensors, self._expected, self._base)
             return tensors
         expected, problems = self._expected, []
         for name, shape in expected.items():
@@ -334,13 +330,13 @@ class SGLangEngine:
             raise EngineError(f"engine {self.name}: weights of version {version} do not fit: {'; '.join(problems[:5])}")
         return {n: t for n, t in tensors.items() if n in expected}
 
-    async def _apply(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
-        adapter = unpack_adapter(tensors)
-        if adapter is not None:  # no pause: requests keep their own adapters (stages.engines.sglang_lora)
+    async def _apply(self, version: int, tensors: dict[str, torch.Tensor] | AdapterVersion) -> None:
+        if isinstance(tensors, AdapterVersion):  # no pause: requests keep their own adapters (sglang_lora)
             policy = self.policy
             restart = [rid for rid, oldest in self._inflight.items()
                        if policy is not None and policy.interrupt(oldest, version) == "restart"]
-            await self._adapters.install(version, *adapter, disk=self.update == "disk", restart=restart)
+            await self._adapters.install(version, tensors.spec, tensors.tensors, disk=self.update == "disk",
+                                         restart=restart)
             self._version = version
             self.stats["updates"] += 1
             return

@@ -14,7 +14,7 @@ of its rows have left the batch. On a mixture-of-experts model every token also 
 sampling position was routed to at each MoE layer (`Completion.routed_experts`, recorded by forward hooks
 on the routers, `stages.data.routing.RoutingCapture`); a dense model gets no hook at all.
 
-An adapter version (`stages.weights.adapter`: a LoRA run publishes the adapter alone) is merged into
+An `AdapterVersion` (`stages.weights.adapter`: a LoRA run publishes the adapter alone) is merged into
 the engine's own base weights, W + alpha/r B A for each adapted module, once per version, before it is
 staged: decoding then runs the plain model at full speed (no LoRA matmuls per token), the rest of the
 version is the base's tensors themselves (no copy), and the base is kept untouched for the next merge.
@@ -50,7 +50,7 @@ from stages.data.routing import RoutingCapture, moe_layout
 from stages.engines.base import Completion, EngineError, EngineRun, SamplingParams
 from stages.engines.torch_adapter import AdapterMerger
 from stages.engines.torch_batch import Batch, Call, Request, Sampling
-from stages.weights.adapter import ADAPTER_KEY
+from stages.weights.adapter import AdapterVersion
 
 CALL_SEED_STRIDE = 1_000_003  # call n's stream is seeded with seed + n * stride (call 0: the engine's seed)
 
@@ -72,7 +72,7 @@ class TorchEngine:
         self.seed, self.dtype, self.device, self.max_running = seed, dtype, device, max_running
         self._model: torch.nn.Module | None = None
         self._version = 0
-        self._staged: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._staged: tuple[int, dict[str, torch.Tensor] | AdapterVersion] | None = None
         self._lock = threading.Lock()  # guards _staged, _queue, _serving and _stopping
         self._queue: collections.deque[Request] = collections.deque()  # FIFO, beyond max_running
         self._running = 0  # requests in the batch
@@ -122,7 +122,7 @@ class TorchEngine:
             self._adapters.keep_base(self._model, self._weights_lock)
             with self._lock:
                 staged = self._staged
-            if staged is not None and ADAPTER_KEY in staged[1]:  # an adapter that came before start
+            if staged is not None and isinstance(staged[1], AdapterVersion):  # an adapter that came before start
                 self._stage(staged[0], await anyio.to_thread.run_sync(self._adapters.merge, *staged), replace=True)
 
     async def stop(self) -> None:
@@ -138,13 +138,13 @@ class TorchEngine:
         self._adapters.keep_base(None, self._weights_lock)
         self._stopping = False
 
-    async def receive_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+    async def receive_weights(self, version: int, tensors: dict[str, torch.Tensor] | AdapterVersion) -> None:
         """Take a whole version (the engine may read `tensors` until a newer version replaces it);
         returns once no earlier version's tensors are read (see the module docstring). A version that
         does not fit the model raises EngineError here, before it is staged: the engine and its
         running requests stay on their version."""
         if self._model is not None and version > self._version:
-            if ADAPTER_KEY in tensors:
+            if isinstance(tensors, AdapterVersion):
                 tensors = await anyio.to_thread.run_sync(self._adapters.merge, version, tensors)
             _check_fit(self._model, version, tensors)
         self._stage(version, tensors)
@@ -159,7 +159,7 @@ class TorchEngine:
             else:
                 await anyio.sleep(0.002)  # the running batch applies it after its current decode step
 
-    def _stage(self, version: int, tensors: dict[str, torch.Tensor], replace: bool = False) -> None:
+    def _stage(self, version: int, tensors: dict[str, torch.Tensor] | AdapterVersion, replace: bool = False) -> None:
         """Keep `version` for the next decode-step boundary (any thread; a newer one wins, or this one when
         it `replace`s the staged version by its merged weights)."""
         with self._lock:

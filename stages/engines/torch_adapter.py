@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from stages.engines.base import EngineError
-from stages.weights.adapter import AdapterError, Probe, adapter_pairs, base_fingerprint, merged_weights, unpack_adapter
+from stages.weights.adapter import AdapterError, AdapterVersion, Probe, adapter_pairs, base_fingerprint, merged_weights
 
 
 class AdapterMerger:
@@ -31,20 +31,17 @@ class AdapterMerger:
         # a tied head under its own name too: an adapter may target it (it is then untied, stages.engines.torch)
         self.base = {} if model is None else {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}
 
-    def merge(self, version: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def merge(self, version: int, adapter: AdapterVersion) -> dict[str, torch.Tensor]:
         """The whole version an adapter makes of the base: the merged target weights and the base's own
         tensors for the rest. EngineError when it does not fit the base or fails its probe."""
         t0 = time.perf_counter()
         try:
-            unpacked = unpack_adapter(tensors)
-            if unpacked is None:
-                raise AdapterError("it holds no adapter descriptor")
-            spec, adapter = unpacked
+            spec = adapter.spec
             if self.fingerprint is None:
                 self.fingerprint = base_fingerprint(self.model_path)
             if spec.base != self.fingerprint:
                 raise AdapterError(f"it applies to base {spec.base}, this engine serves {self.fingerprint}")
-            pairs = adapter_pairs(spec, adapter, {n: tuple(t.shape) for n, t in self.base.items()})
+            pairs = adapter_pairs(spec, adapter.tensors, {n: tuple(t.shape) for n, t in self.base.items()})
             weights = {**self.base, **merged_weights(self.base, spec, pairs)}
             if spec.probe is not None:
                 self.check_probe(spec.probe, weights)

@@ -5,8 +5,10 @@ peft's `get_peft_model_state_dict` names them (`base_model.model.<module>.lora_A
 reserved entry, `ADAPTER_KEY`, a uint8 tensor holding the msgpack `AdapterSpec`: rank, alpha, target
 modules, the fingerprint of the base model it applies to, and optionally a `Probe`. The descriptor
 travels inside the version, so every transport moves an adapter exactly like full weights: whole or
-not at all, checksummed, in one version (`stages.weights.base`). An engine tells the two apart by
-that key alone (`unpack_adapter`).
+not at all, checksummed, in one version (`stages.weights.base`). The version declares itself an adapter
+on receipt: the transport's engine side decodes the descriptor once (`as_received`) and hands the
+engine an `AdapterVersion`; an engine tells an adapter from full weights by that type alone, never by
+tensor names, and a descriptor that does not decode is refused like any version that does not check out.
 
 Invariants an engine keeps (`stages.engines.base`): an adapter is applied to the engine's base model
 (the model folder it started from), never on top of an earlier version; one whose base fingerprint,
@@ -25,6 +27,7 @@ import json
 import re
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -90,6 +93,22 @@ def unpack_adapter(tensors: dict[str, torch.Tensor]) -> tuple[AdapterSpec, dict[
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise AdapterError(f"the adapter's descriptor does not decode: {exc}") from None
     return spec, {n: t for n, t in tensors.items() if n != ADAPTER_KEY}
+
+
+@dataclass(frozen=True)
+class AdapterVersion:
+    """A received adapter version: its decoded descriptor and its LoRA tensors (the reserved entry left
+    out). Made once per version on receipt (`as_received`); what an engine gets in place of full weights."""
+
+    spec: AdapterSpec
+    tensors: dict[str, torch.Tensor]
+
+
+def as_received(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | AdapterVersion:
+    """What an engine is handed for a version that arrived as `tensors`: an `AdapterVersion` when it holds
+    the descriptor (decoded here), else `tensors` themselves. AdapterError when the descriptor does not decode."""
+    adapter = unpack_adapter(tensors)
+    return tensors if adapter is None else AdapterVersion(*adapter)
 
 
 def base_weight_name(adapter_name: str) -> tuple[str, str]:

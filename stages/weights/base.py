@@ -5,8 +5,10 @@ for the next decode step); a receiver gets all named tensors of `version` or non
 published are strictly increasing (a publish that raised published nothing). Engines in this
 process are `WeightReceiver`s; engines in another process are an `Asker` (their host's mailboxes,
 `remote_receiver`) and answer each version with an `ApplyReply`; every message is msgpack,
-validated on arrival. A transport declares its engine side (`receiver`) and whether it can push
-from a sharded learner's ranks (`pushes_from_shards`): the learner and the engines never test its name.
+validated on arrival. Engines get each version as received (`stages.weights.adapter.as_received`:
+full weights, or an `AdapterVersion` decoded once on the engine side). A transport declares its
+engine side (`receiver`) and whether it can push from a sharded learner's ranks
+(`pushes_from_shards`): the learner and the engines never test its name.
 
 The byte-moving transports (`disk`, `delta`, `broadcast`, `mooncake_p2p`) share one push loop,
 `PushTransport`, and say only what differs: `receiver` (their engine side, an `EngineReceiver`
@@ -30,14 +32,16 @@ import anyio
 import msgspec
 import torch
 
+from stages.weights.adapter import AdapterError, AdapterVersion, as_received
+
 
 @runtime_checkable
 class WeightReceiver(Protocol):
-    """An engine in the learner's process."""
+    """An engine in the learner's process: it gets each version as received (`as_received`)."""
 
     name: str
 
-    async def receive_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None: ...
+    async def receive_weights(self, version: int, weights: dict[str, torch.Tensor] | AdapterVersion) -> None: ...
 
 
 @runtime_checkable
@@ -167,11 +171,16 @@ class EngineReceiver:
         return msgspec.msgpack.encode(ApplyReply(False, self.version, reason))
 
     async def apply(self, version: int, tensors: dict[str, torch.Tensor]) -> bytes:
-        """Hand the version to every engine; an engine that will not take it (weights that do not
-        fit: its EngineError) keeps its own, and the version is refused."""
+        """Hand the version to every engine, as received (an adapter's descriptor decoded once, here); a
+        descriptor that does not decode, or an engine that will not take it (weights that do not fit: its
+        EngineError), refuses the version, and the engines keep their own."""
+        try:
+            weights = as_received(tensors)
+        except AdapterError as exc:
+            return self.refuse(f"version {version}: {exc}")
         for engine in self.engines:
             try:
-                await engine.receive_weights(version, tensors)
+                await engine.receive_weights(version, weights)
             except Exception as exc:  # noqa: BLE001 - the engine's own error, told to the learner as the reason
                 return self.refuse(f"engine {engine.name} refused version {version}: {exc}")
         self.version = version

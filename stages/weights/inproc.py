@@ -1,4 +1,6 @@
-"""`inproc`: engines in the learner's process get a private copy of each version.
+"""`inproc`: engines in the learner's process get a private copy of each version, as received
+(`as_received`: an adapter's descriptor decoded once); another process's receiver (an `Asker`) gets it
+in band and decodes it there.
 
 A receiver that raises on a version (an engine refusing weights that do not fit) keeps its own
 version; `publish` then raises `WeightPushError` naming it, counted in `stats["refused"]`.
@@ -11,7 +13,8 @@ from typing import Any
 
 import torch
 
-from stages.weights.base import WeightPushError, WeightReceiver, new_stats, require_newer, state_bytes
+from stages.weights.adapter import as_received
+from stages.weights.base import Asker, WeightPushError, WeightReceiver, new_stats, require_newer, state_bytes
 from stages.weights.packed import PackedReceiver, PackedWeightReceiver
 
 
@@ -39,7 +42,7 @@ class InprocTransport:
             # a copy per receiver: the learner keeps training in place while engines decode
             copy = {name: t.detach().clone() for name, t in tensors.items()}
             try:
-                await receiver.receive_weights(version, copy)
+                await receiver.receive_weights(version, copy if isinstance(receiver, Asker) else as_received(copy))
             except Exception as exc:  # noqa: BLE001 - whatever it raised, the version did not reach it
                 self.stats["refused"] += 1
                 raise WeightPushError(f"receiver {receiver.name} refused version {version}: {exc}") from exc

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from stages.weights.adapter import as_received
 from stages.weights.base import EngineReceiver, RemoteReceiver
 from stages.weights.layout import LayoutError, bad_buckets, decode_layout, encode_layout, fill, plan, views
 
@@ -66,12 +67,14 @@ class PackedWeightReceiver(RemoteReceiver):
 
 
 class PackedReceiver(EngineReceiver):
-    """The engine side (mailbox `weights`): unpack, validate, stage on every engine of this process."""
+    """The engine side (mailbox `weights`): unpack, validate, stage on every engine of this process, as
+    received (`as_received`: an adapter's descriptor decoded once; AdapterError when it does not decode)."""
 
     def handlers(self) -> dict[str, Any]:
         return {MAILBOX: self.deliver}
 
     async def deliver(self, header: bytes, blob: np.ndarray) -> None:
         version, tensors = unpack(header, blob)
+        weights = as_received(tensors)
         for engine in self.engines:
-            await engine.receive_weights(version, tensors)
+            await engine.receive_weights(version, weights)

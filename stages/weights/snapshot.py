@@ -4,11 +4,12 @@ late or restarts loads it without the learner's help.
 The learner saves each version (every `snapshot_every` versions) under `{run}/weights/{instance}`
 (instance: the run folder's name, so a later run of the same name on a shared store never picks up
 this one's weights), outside the versioned rollout keys (`{run}/v{version}/...`), so the buffer's
-eviction never touches it. The
-value is one uint8 buffer: an 8-byte little-endian header length, the packed layout (msgpack), then
-the tensors' bytes in checksummed buckets (`stages.weights.packed`). `load_snapshot` validates all
-of it and returns None only when there is no snapshot yet; a damaged one raises
-`WeightPayloadError`, never passes for "no snapshot". Each put replaces the previous value whole.
+eviction never touches it. The value is one uint8 buffer: an 8-byte little-endian header length,
+the packed layout (msgpack), then the tensors' bytes in checksummed buckets (`stages.weights.packed`).
+`load_snapshot` validates all of it and returns the version as received (`as_received`: an adapter's
+descriptor decoded once), or None only when there is no snapshot yet; a damaged one (a descriptor that
+does not decode included) raises `WeightPayloadError`, never passes for "no snapshot". Each put
+replaces the previous value whole.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 
 from buffers.retry import with_retries
 from buffers.store import KeyNotFound, ObjectStore
+from stages.weights.adapter import AdapterError, AdapterVersion, as_received
 from stages.weights.packed import WeightPayloadError, pack, unpack
 
 _HEADER_LEN = 8
@@ -53,10 +55,14 @@ async def save_snapshot(store: ObjectStore, key: str, version: int, tensors: dic
     return payload.nbytes
 
 
-async def load_snapshot(store: ObjectStore, key: str) -> tuple[int, dict[str, torch.Tensor]] | None:
-    """The latest (version, tensors) under `key`, or None when the learner has saved none yet."""
+async def load_snapshot(store: ObjectStore, key: str) -> tuple[int, dict[str, torch.Tensor] | AdapterVersion] | None:
+    """The latest (version, weights as received) under `key`, or None when the learner has saved none yet."""
     try:
         data = await with_retries(lambda: store.get(key))
     except KeyNotFound:
         return None
-    return decode_snapshot(data)
+    version, tensors = decode_snapshot(data)
+    try:
+        return version, as_received(tensors)
+    except AdapterError as exc:
+        raise WeightPayloadError(f"the weight snapshot of version {version}: {exc}") from None

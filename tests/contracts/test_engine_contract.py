@@ -54,6 +54,7 @@ from stages.engines.sglang import SGLangEngine  # noqa: E402
 from stages.engines.sglang_lora import LoraServing  # noqa: E402
 from stages.engines.sglang_server import SGLangUnavailable, sglang_python  # noqa: E402
 from stages.engines.torch import TorchEngine  # noqa: E402
+from stages.weights.adapter import as_received  # noqa: E402
 from tests.helpers.engines import (  # noqa: E402
     assert_produced_by,
     eval_model,
@@ -366,7 +367,7 @@ async def test_an_adapter_version_is_applied_to_the_base(shared: Shared, models,
     for seed in (1, 2):  # a second adapter replaces the first (applied to the base, not on top of it)
         policy = peft_policy(models[0], seed)
         version = engine.version + 1
-        await engine.receive_weights(version, adapter_version(policy, models[0]))
+        await engine.receive_weights(version, as_received(adapter_version(policy, models[0])))
         assert engine.version == version
         greedy = await engine.generate(PROMPTS, GREEDY)
         assert [c.tokens.tolist() for c in greedy] == [greedy_tokens(policy, p, GREEDY.max_new_tokens) for p in PROMPTS]
@@ -383,11 +384,11 @@ async def test_an_adapter_the_engine_does_not_reproduce_is_refused(shared: Share
     await push(engine, refs[0])
     kept = peft_policy(models[0], 3)
     version = engine.version + 1
-    await engine.receive_weights(version, adapter_version(kept, models[0]))
+    await engine.receive_weights(version, as_received(adapter_version(kept, models[0])))
     candidate = adapter_version(peft_policy(models[0], 4), models[0])
     bad = with_probe_shifted(candidate, 0.01) if how == "probe" else for_base(candidate, "other:0123")
     with pytest.raises(EngineError, match=how):
-        await engine.receive_weights(version + 1, bad)
+        await engine.receive_weights(version + 1, as_received(bad))
     assert engine.version == version
     for prompt, c in zip(PROMPTS, await engine.generate(PROMPTS, sampled(5)), strict=True):
         assert (c.versions == version).all()

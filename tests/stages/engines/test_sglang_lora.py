@@ -24,6 +24,7 @@ from stages.engines.sglang_server import SGLangUnavailable, sglang_python
 from stages.learner import GRPOLearner
 from stages.learner.lora import LoraSpec
 from stages.learner.step import PolicyTrainer
+from stages.weights.adapter import as_received
 from tests.helpers.engines import teacher_forced_logprobs
 from tests.helpers.lora import TARGETS, adapter_version, peft_policy
 from tests.stages.learner.test_ranks import groups
@@ -71,7 +72,7 @@ async def served(engine: SGLangEngine) -> set[str]:
 
 async def push(engine: SGLangEngine, policy: torch.nn.Module, model_path, probe: bool = True) -> int:
     version = engine.version + 1
-    await engine.receive_weights(version, adapter_version(policy, model_path, probe))
+    await engine.receive_weights(version, as_received(adapter_version(policy, model_path, probe)))
     return version
 
 
@@ -89,7 +90,7 @@ async def test_each_version_serves_the_learners_adapter(engine: SGLangEngine, mo
     for step in range(3):
         trainer.train(groups(step), 1.0)
         version = engine.version + 1
-        await engine.receive_weights(version, trainer.weights(version))
+        await engine.receive_weights(version, as_received(trainer.weights(version)))
         trainer.model.eval()
         for c in await engine.generate([PROMPT] * 4, SamplingParams(max_new_tokens=12)):
             assert set(c.versions.tolist()) == {version}

@@ -12,6 +12,7 @@ from stages.data.model import load_model, make_tiny_model
 from stages.engines.base import SamplingParams
 from stages.engines.torch import TorchEngine
 from stages.learner.lora import LoraSpec
+from stages.weights.adapter import as_received
 from tests.helpers.engines import assert_produced_by
 from tests.helpers.lora import TARGETS, adapter_version, peft_policy
 
@@ -34,7 +35,7 @@ async def sampled_from(engine: TorchEngine, policy: torch.nn.Module, version: in
 async def test_an_adapter_received_before_start_is_served_from_start(folder) -> None:
     policy = peft_policy(folder, 1)
     engine = TorchEngine(folder, name="late")
-    await engine.receive_weights(3, adapter_version(policy, folder))
+    await engine.receive_weights(3, as_received(adapter_version(policy, folder)))
     await engine.start()
     try:
         await sampled_from(engine, policy, 3)
@@ -50,7 +51,7 @@ async def test_an_adapted_tied_head_is_untied_and_the_next_adapter_starts_from_t
     try:
         for version, seed in ((1, 2), (2, 3)):
             policy = peft_policy(folder, seed, LoraSpec(rank=4, alpha=8.0, target_modules=TARGETS))
-            await engine.receive_weights(version, adapter_version(policy, folder))
+            await engine.receive_weights(version, as_received(adapter_version(policy, folder)))
             await sampled_from(engine, policy, version)
             model = engine._model
             assert model.get_output_embeddings().weight is not model.get_input_embeddings().weight
