@@ -10,7 +10,7 @@ What is real and what is modelled:
 * **Modelled**: the work each stage does, as a `Costs` object (declared from published figures in a
   `[simulate]` table, or measured from a real run with `--calibrate`).
 
-The stage models follow stages/rollout.py, buffers/ref_buffer.py and stages/learner.py step by step:
+The stage models follow stages/rollout/, buffers/ref_buffer.py and stages/learner/ step by step:
 
 * **Engine** (one producer per engine): acquire up to `engine.batch_groups` slots at the gate (waiting
   for a version change or a discarded slot when closed); pay the call's overhead (taking prompts, a
