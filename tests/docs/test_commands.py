@@ -227,7 +227,8 @@ def ran(argv: list[str], expect: int = 0, **kwargs) -> subprocess.CompletedProce
         f"`{shlex.join(argv)}` exited {done.returncode}, not {expect}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     )
     deprecated = project_deprecations_in(done.stderr)
-    assert not deprecated, f"`{shlex.join(argv)}` uses a deprecated path of the project's own:\n" + "\n".join(deprecated)
+    assert not deprecated, f"`{shlex.join(argv)}` set off the project's own DeprecationWarning:\n" + "\n".join(
+        deprecated)
     return done
 
 

@@ -27,8 +27,9 @@ def test_readme_and_docs_home_state_the_package_version() -> None:
 def test_baton_version_prints_it() -> None:
     program = shutil.which("baton")
     assert program, "the `baton` console script is not installed (pip install -e .)"
-    done = subprocess.run([program, "--version"], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
-                          timeout=60, check=True)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # this checkout's code, not the installed one
+    done = subprocess.run([program, "--version"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+                          check=True)
     assert done.stdout == f"baton {baton.__version__}\n"
 
 
