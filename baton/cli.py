@@ -58,17 +58,11 @@ def exit_codes_epilog(codes: tuple[tuple[int, str], ...]) -> str:
 
 
 def version() -> str:
-    """The installed distribution's version (baton-rl), else this source tree's pyproject.toml's."""
-    from importlib import metadata
+    """This source tree's version, `baton.__version__` (pyproject.toml reads the package's from it, so an
+    editable install never prints a stale one)."""
+    from baton import __version__
 
-    try:
-        return metadata.version("baton-rl")
-    except metadata.PackageNotFoundError:
-        import tomllib
-        from pathlib import Path
-
-        pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
-        return tomllib.loads(pyproject.read_text())["project"]["version"]
+    return __version__
 
 
 def add_overrides(parser: argparse.ArgumentParser, help_text: str) -> None:

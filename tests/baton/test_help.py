@@ -9,11 +9,11 @@ import signal
 import subprocess
 import sys
 import tomllib
-from importlib import metadata
 from pathlib import Path
 
 import pytest
 
+import baton
 from baton import cli
 from tests import ROOT
 
@@ -56,15 +56,16 @@ def test_version_prints_the_package_version(capsys: pytest.CaptureFixture[str]) 
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["--version"])
     assert exit_info.value.code == 0
-    assert capsys.readouterr().out == f"baton {metadata.version('baton-rl')}\n"
+    assert capsys.readouterr().out == f"baton {baton.__version__}\n"
 
 
-def test_version_without_package_metadata_is_the_source_tree_pyproject(monkeypatch: pytest.MonkeyPatch) -> None:
-    def not_installed(name: str) -> str:
-        raise metadata.PackageNotFoundError(name)
-
-    monkeypatch.setattr(metadata, "version", not_installed)
-    assert cli.version() == tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+def test_the_version_is_written_in_one_place() -> None:
+    """pyproject.toml reads the package's version from `baton.__version__` and writes none of its own, so
+    the distribution, `baton --version` and the docs (tests/docs/test_version.py) cannot disagree."""
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "version" not in pyproject["project"] and "version" in pyproject["project"]["dynamic"]
+    assert pyproject["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "baton.__version__"}
+    assert cli.version() == baton.__version__
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])

@@ -10,7 +10,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
-PAGES = sorted([ROOT / "README.md", *DOCS.rglob("*.md")])
+PAGES = sorted([ROOT / "README.md", ROOT / "CHANGELOG.md", *DOCS.rglob("*.md")])  # the site shows CHANGELOG.md
 SHAPE_MARK = re.compile(r"<!-- baton check: shape \((?P<why>[^)]+)\) -->\s*$")
 FENCE = re.compile(r"^```(?P<lang>\w*)\n(?P<body>.*?)^```", re.S | re.M)
 

@@ -23,7 +23,9 @@ Each gets the smoke form its kind has in `FORMS` (a command of a kind without on
   steps; `python tools/answer_positions.py probe RUN_DIR | fit ...`: really, small; `python
   tools/gen_reference.py`: `--check` (the bare form would rewrite the committed pages).
 
-Subprocesses get this checkout first on PYTHONPATH, so the console script runs this tree's code.
+Subprocesses get this checkout first on PYTHONPATH, so the console script runs this tree's code, and show
+their DeprecationWarnings: a command that sets one off from the project's own code (a moved module path,
+tests/docs/deprecations.py) fails.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.docs.deprecations import WARNINGS_ENV, project_deprecations_in
 from tests.docs.pages import PAGES, ROOT, blocks, prose
 
 PREFIX = re.compile(r"^(baton\s|python (benchmarks|examples|tools)/)")
@@ -204,9 +207,10 @@ def test_every_documented_command_has_a_smoke_form() -> None:
 
 
 def environment() -> dict[str, str]:
-    """This checkout first on the path: the console script then runs this tree's code, not the installed one."""
+    """This checkout first on the path: the console script then runs this tree's code, not the installed one;
+    DeprecationWarnings shown (`WARNINGS_ENV`), so that `ran` sees the project's."""
     paths = [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "NO_MKDOCS_2_WARNING": "1"}
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "NO_MKDOCS_2_WARNING": "1", **WARNINGS_ENV}
 
 
 def run(argv: list[str], cwd: Path = ROOT, timeout: float = 280) -> subprocess.CompletedProcess:
@@ -222,6 +226,9 @@ def ran(argv: list[str], expect: int = 0, **kwargs) -> subprocess.CompletedProce
     assert done.returncode == expect, (
         f"`{shlex.join(argv)}` exited {done.returncode}, not {expect}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     )
+    deprecated = project_deprecations_in(done.stderr)
+    assert not deprecated, f"`{shlex.join(argv)}` set off the project's own DeprecationWarning:\n" + "\n".join(
+        deprecated)
     return done
 
 

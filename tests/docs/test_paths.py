@@ -1,6 +1,6 @@
 """Every repository path that the docs, the README, and the docstrings and comments of the code cite exists.
 
-Where: the pages (README.md, docs/**/*.md: prose, code spans and code blocks alike); the docstrings and
+Where: the pages (README.md, CHANGELOG.md, docs/**/*.md: prose, code spans and code blocks alike); the docstrings and
 `#` comments of every Python file in the product (baton, stages, buffers, pipeline, policies), benchmarks/,
 tools/, examples/ and tests/ (a string in code is data, not a citation); the `#` comments of configs/,
 the shell tools, .ci/run, pyproject.toml and mkdocs.yml.
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PAGES = ("README.md", "docs")
+PAGES = ("README.md", "CHANGELOG.md", "docs")
 CODE = ("baton", "stages", "buffers", "pipeline", "policies", "benchmarks", "tools", "examples", "tests")
 HASH_COMMENTED = ("configs/*.toml", "tools/**/*.sh", ".ci/run", "pyproject.toml", "mkdocs.yml")
 HASH_COMMENT = re.compile(r"(?:^|\s)#(.*)$", re.M)
