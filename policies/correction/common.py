@@ -8,11 +8,32 @@ Nothing here keeps state or does I/O; every weight and every mask is computed wi
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import field
+from typing import Any
 
 import torch
 
 Stats = dict[str, float]
 Reduce = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (per-token values, mask) -> scalar
+
+
+def setting(default: Any, doc: str) -> Any:
+    """A field of an objective's settings dataclass: its name is the `[correction]` key, `doc` its description
+    in the config reference (baton.sections.correction builds the section from these fields)."""
+    return field(default=default, metadata={"doc": doc})
+
+
+def check_bounds(kind: str, low: float, high: float, example: str) -> None:
+    """The [low, high] weight bounds of a `mis-*` objective keep an on-policy weight (1), naming the keys."""
+    key = kind.replace("-", "_")
+    if not 0 <= low <= 1 <= high:
+        raise ValueError(
+            f"correction.{key}_low and correction.{key}_high must satisfy 0 <= low <= 1 <= high, low < high "
+            f"(an on-policy weight, 1, must be kept), got {low} and {high}; e.g. {example}"
+        )
+    if low == high:
+        raise ValueError(f"correction.{key}_low = {low} equals correction.{key}_high: only weights of exactly 1 "
+                         f"would be kept; widen them, e.g. {example}")
 
 ENTROPY_EDGES: tuple[float, ...] = (0.1, 0.5, 1.5)  # nats; the buckets are [0, 0.1), [0.1, 0.5), [0.5, 1.5), [1.5, inf)
 

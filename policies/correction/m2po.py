@@ -22,6 +22,9 @@ sharpens what is learned. Negative-advantage tokens keep their importance weight
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any, Literal
+
 import torch
 
 from policies.correction.common import (
@@ -30,9 +33,39 @@ from policies.correction.common import (
     against_proximal,
     binding_clip,
     cut_stats,
+    setting,
     token_mean,
     weight_stats,
 )
+
+
+@dataclass(frozen=True)
+class M2POSettings:
+    """What `m2po` reads from [correction]."""
+
+    m2_threshold: float = setting(0.2, (
+        "m2po: the most mean squared log(pi_prox / pi_behav) of the kept tokens (the batch's second moment); the "
+        "largest are left out until it holds (the M2PO paper's 0.04, chosen on long reasoning traces, leaves out "
+        "the tokens the learner is moving on short answers)"))
+    m2_positive: Literal["weighted", "on_policy"] = setting("on_policy", (
+        "m2po: on_policy (the default): a positive-advantage token trains at weight 1 and is never left out (the "
+        "bound acts on the others), so a good sample the learner has since moved away from is not shrunk away; "
+        "weighted (the M2PO paper's): it is weighted and bounded like any"))
+
+    def __post_init__(self) -> None:
+        if not self.m2_threshold > 0:
+            raise ValueError(
+                f"correction.m2_threshold must be > 0 (the kept tokens' mean squared log-weight; 0 would leave out "
+                f"every stale token), got {self.m2_threshold}; the M2PO paper uses 0.04"
+            )
+        if self.m2_positive not in ("weighted", "on_policy"):
+            raise ValueError(
+                f"correction.m2_positive must be 'weighted' or 'on_policy' (positive tokens at weight 1), "
+                f"got {self.m2_positive!r}"
+            )
+
+    def keywords(self) -> dict[str, Any]:
+        return {"threshold": self.m2_threshold, "positive": self.m2_positive}
 
 
 def second_moment_keep(log_ratio: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:

@@ -14,6 +14,9 @@ importance weights) and `decoupled` (AReaL's decoupled PPO).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
 from policies.correction.common import (
@@ -24,10 +27,42 @@ from policies.correction.common import (
     clipped_surrogate,
     cut_stats,
     importance_weights,
+    setting,
     surrogate_stats,
     token_mean,
     weight_stats,
 )
+
+
+@dataclass(frozen=True)
+class TisSettings:
+    """What `tis` reads from [correction]."""
+
+    tis_cap: float = setting(2.0, "tis: importance weights above this are truncated to it")
+
+    def __post_init__(self) -> None:
+        if not self.tis_cap >= 1:
+            raise ValueError(
+                f"correction.tis_cap must be >= 1 (a cap below 1 would shrink on-policy tokens), got {self.tis_cap}"
+            )
+
+    def keywords(self) -> dict[str, Any]:
+        return {"cap": self.tis_cap}
+
+
+@dataclass(frozen=True)
+class DecoupledSettings:
+    """What `decoupled` reads from [correction]."""
+
+    decoupled_cap: float | None = setting(
+        None, "decoupled: tokens whose importance weight exceeds this are left out; unset: none are")
+
+    def __post_init__(self) -> None:
+        if self.decoupled_cap is not None and not self.decoupled_cap >= 1:
+            raise ValueError(f"correction.decoupled_cap must be >= 1 (or unset), got {self.decoupled_cap}")
+
+    def keywords(self) -> dict[str, Any]:
+        return {"cap": self.decoupled_cap}
 
 
 def none(
