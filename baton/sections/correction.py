@@ -25,7 +25,7 @@ KIND_DESCRIPTION = (
 
 
 class CorrectionBase(Section):
-    """Off-policy correction in the learner's loss (policies.correction): which objective, and its settings."""
+    """The [correction] section's `kind` and checks; `CorrectionSpec` adds every objective's settings."""
 
     kind: Literal[("auto", *KINDS)] = Field("auto", description=KIND_DESCRIPTION)  # type: ignore[valid-type]
 
@@ -64,10 +64,12 @@ def setting_fields() -> dict[str, Any]:
     for objective in OBJECTIVES.values():
         hints = typing.get_type_hints(objective.settings)
         for f in dataclasses.fields(objective.settings):
-            fields[f.name] = (hints[f.name], Field(f.default, description=f.metadata["doc"]))
+            fields[f.name] = (hints[f.name], Field(f.default, description=f.metadata["doc"],
+                                                    **f.metadata["bounds"]))
     return fields
 
 
 SETTING_DEFAULTS = {key: default.default for key, (_, default) in setting_fields().items()}
 CorrectionSpec = create_model("CorrectionSpec", __base__=CorrectionBase, __module__=__name__, **setting_fields())
-CorrectionSpec.__doc__ = CorrectionBase.__doc__
+CorrectionSpec.__doc__ = (
+    "Off-policy correction in the learner's loss (policies.correction): which objective, and its settings.")

@@ -151,6 +151,9 @@ class EnginePluginSpec(Sampled, PluginSpec):
     `Class(model, name="<class>-<index>", index=index, **the table's other keys)` (`model`: the model folder,
     a Path; `index`: 0 .. count - 1), and the sampling keys go to the rollout, not to the class."""
 
+    kind: Annotated[str, Field(pattern=r"^[\w.]+:\w+$")] = Field(
+        description="your own engine class as 'package.module:Class', called as Class(model, name=..., index=..., "
+        "**the table's keys other than kind, count and the sampling keys)")
     count: int = Field(1, ge=1, le=64, description="engine workers (each its own producer actor)")
     batch_groups: int = batch_groups_field()
     temperature: float = temperature_field()

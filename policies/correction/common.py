@@ -17,10 +17,11 @@ Stats = dict[str, float]
 Reduce = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (per-token values, mask) -> scalar
 
 
-def setting(default: Any, doc: str) -> Any:
+def setting(default: Any, doc: str, **bounds: float) -> Any:
     """A field of an objective's settings dataclass: its name is the `[correction]` key, `doc` its description
-    in the config reference (baton.sections.correction builds the section from these fields)."""
-    return field(default=default, metadata={"doc": doc})
+    and `bounds` (ge, gt, le, lt) its range in the config reference (baton.sections.correction builds the
+    section from these fields); `__post_init__` checks the range too, for a `Correction` made in code."""
+    return field(default=default, metadata={"doc": doc, "bounds": bounds})
 
 
 def check_bounds(kind: str, low: float, high: float, example: str) -> None:

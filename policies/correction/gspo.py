@@ -41,9 +41,9 @@ class GSPOSettings:
     """What `gspo` reads from [correction]: its own clip range, replacing the learner's."""
 
     gspo_clip_low: float = setting(3e-4, "gspo: the sequence ratio is clipped at 1 - this (replaces "
-                                         "learner.clip_eps; 3e-4 in the GSPO paper)")
+                                         "learner.clip_eps; 3e-4 in the GSPO paper)", gt=0, lt=1)
     gspo_clip_high: float = setting(4e-4, "gspo: the sequence ratio is clipped at 1 + this (replaces "
-                                          "learner.clip_eps_high; 4e-4 in the GSPO paper)")
+                                          "learner.clip_eps_high; 4e-4 in the GSPO paper)", gt=0)
 
     def __post_init__(self) -> None:
         if not (0 < self.gspo_clip_low < 1 and self.gspo_clip_high > 0):

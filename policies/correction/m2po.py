@@ -46,7 +46,7 @@ class M2POSettings:
     m2_threshold: float = setting(0.2, (
         "m2po: the most mean squared log(pi_prox / pi_behav) of the kept tokens (the batch's second moment); the "
         "largest are left out until it holds (the M2PO paper's 0.04, chosen on long reasoning traces, leaves out "
-        "the tokens the learner is moving on short answers)"))
+        "the tokens the learner is moving on short answers)"), gt=0)
     m2_positive: Literal["weighted", "on_policy"] = setting("on_policy", (
         "m2po: on_policy (the default): a positive-advantage token trains at weight 1 and is never left out (the "
         "bound acts on the others), so a good sample the learner has since moved away from is not shrunk away; "

@@ -38,8 +38,8 @@ from policies.correction.common import (
 class MisTokenSettings:
     """What `mis-token` reads from [correction]."""
 
-    mis_token_low: float = setting(0.5, "mis-token: tokens whose weight is below this are left out")
-    mis_token_high: float = setting(2.0, "mis-token: tokens whose weight is above this are left out")
+    mis_token_low: float = setting(0.5, "mis-token: tokens whose weight is below this are left out", ge=0, le=1)
+    mis_token_high: float = setting(2.0, "mis-token: tokens whose weight is above this are left out", ge=1)
 
     def __post_init__(self) -> None:
         check_bounds("mis-token", self.mis_token_low, self.mis_token_high, "mis_token_low = 0.5, mis_token_high = 2.0")
@@ -53,8 +53,8 @@ class MisSeqSettings:
     """What `mis-seq` reads from [correction]."""
 
     mis_seq_low: float = setting(0.9, "mis-seq: rows whose geometric-mean weight (per token, so tighter than a "
-                                      "token's bounds) is below this are left out")
-    mis_seq_high: float = setting(1.1, "mis-seq: rows whose geometric-mean weight is above this are left out")
+                                      "token's bounds) is below this are left out", ge=0, le=1)
+    mis_seq_high: float = setting(1.1, "mis-seq: rows whose geometric-mean weight is above this are left out", ge=1)
 
     def __post_init__(self) -> None:
         check_bounds("mis-seq", self.mis_seq_low, self.mis_seq_high, "mis_seq_low = 0.9, mis_seq_high = 1.1")

@@ -38,7 +38,7 @@ from policies.correction.common import (
 class TisSettings:
     """What `tis` reads from [correction]."""
 
-    tis_cap: float = setting(2.0, "tis: importance weights above this are truncated to it")
+    tis_cap: float = setting(2.0, "tis: importance weights above this are truncated to it", ge=1)
 
     def __post_init__(self) -> None:
         if not self.tis_cap >= 1:
@@ -55,7 +55,7 @@ class DecoupledSettings:
     """What `decoupled` reads from [correction]."""
 
     decoupled_cap: float | None = setting(
-        None, "decoupled: tokens whose importance weight exceeds this are left out; unset: none are")
+        None, "decoupled: tokens whose importance weight exceeds this are left out; unset: none are", ge=1)
 
     def __post_init__(self) -> None:
         if self.decoupled_cap is not None and not self.decoupled_cap >= 1:

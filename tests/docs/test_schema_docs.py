@@ -18,7 +18,8 @@ PLACEHOLDERS = {"key", "KEY", "k", "section.key"}  # how the docs write "a key" 
 
 def schema_models() -> list[type[BaseModel]]:
     return [cls for cls in vars(baton.schema).values()
-            if inspect.isclass(cls) and issubclass(cls, BaseModel) and cls.__module__.startswith(("baton.schema", "baton.sections"))]
+            if inspect.isclass(cls) and issubclass(cls, BaseModel)
+            and cls.__module__.startswith(("baton.schema", "baton.sections"))]
 
 
 def test_every_schema_field_has_a_description() -> None:
