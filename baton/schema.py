@@ -22,48 +22,17 @@ from pydantic import Field, model_validator
 
 from baton import checks
 from baton.config import load_toml, to_toml, validate
-from baton.sections.base import BuildContext, PluginSpec, Section, default_of, kinds
+from baton.sections import data as _data
+from baton.sections import engines as _engines
+from baton.sections import learner as _learner
+from baton.sections import rewards as _rewards
+from baton.sections import rollout as _rollout
+from baton.sections import run as _run
+from baton.sections import stores as _stores
+from baton.sections.base import BuildContext, PluginSpec, Section, default_of
 from baton.sections.correction import CorrectionSpec
-from baton.sections.data import (
-    BUILT_IN_TASKS,
-    AdditionSpec,
-    DatasetTaskSpec,
-    EvalSpec,
-    ModelSpec,
-    ReverseDigitsSpec,
-    TaskSection,
-)
-from baton.sections.engines import EnginePluginSpec, EngineSection, SGLangEngineSpec, TorchEngineSpec
-from baton.sections.learner import (
-    GRPOSpec,
-    LearnerSection,
-    LoraSection,
-    MaxStalenessSpec,
-    ReplaySpec,
-    StalenessSection,
-)
-from baton.sections.rewards import (
-    MODEL_REWARDS,
-    ClassifierSpec,
-    DistillSpec,
-    JudgeSpec,
-    RewardSpec,
-    ScorerSpec,
-    check_shared_tokenizer,
-    is_url,
-    resolve,
-)
-from baton.sections.rollout import EnvironmentSpec, EpisodeSpec, GatewaySpec, RolloutSpec
-from baton.sections.run import (
-    BufferSpec,
-    CheckpointSpec,
-    FaultConfig,
-    RaySpec,
-    SimulateSpec,
-    TelemetrySpec,
-    WatchdogSpec,
-)
-from baton.sections.stores import MemoryStoreSpec, MooncakeStoreSpec, RayStoreSpec, StoreSection
+from baton.sections.rewards import resolve
+from baton.sections.run import SimulateSpec
 from baton.sections.weights import WeightsSpec
 from pipeline.dsl import Pipeline
 from pipeline.faults import FAULT_KINDS
@@ -84,41 +53,44 @@ class RunConfig(Section):
     runtime: Literal["local", "ray"] = Field(default_of(Pipeline, "runtime"),
         description="local: every actor a task in one event loop; ray: every actor a Ray actor in its own process")
     run_root: str = Field(default_of(Pipeline, "run_root"), description="where run folders are made")
-    model: ModelSpec = Field(ModelSpec(), description="[model]: the model folder engines and learner load")
-    task: TaskSection = Field(ReverseDigitsSpec(),  # type: ignore[valid-type]
+    model: _data.ModelSpec = Field(_data.ModelSpec(), description="[model]: the model folder engines and learner load")
+    task: _data.TaskSection = Field(_data.ReverseDigitsSpec(),  # type: ignore[valid-type]
         description="[task]: where prompts and answers come from")
-    reward: RewardSpec | None = Field(None, description="[reward]: the reward function; unset: the task's own "
+    reward: _rewards.RewardSpec | None = Field(None, description="[reward]: the reward function; unset: the task's own "
                                       "(a dataset task: exact_match)")
-    distill: DistillSpec | None = Field(None, description="[distill]: on-policy distillation from a teacher model; "
-                                        "unset: none")
-    eval: EvalSpec = Field(EvalSpec(), description="[eval]: evaluation during training; off unless eval.every is set")
-    engine: EngineSection = Field(TorchEngineSpec(),  # type: ignore[valid-type]
+    distill: _rewards.DistillSpec | None = Field(None, description="[distill]: on-policy distillation from a teacher "
+                                                 "model; unset: none")
+    eval: _data.EvalSpec = Field(_data.EvalSpec(), description="[eval]: evaluation during training; off unless "
+                                 "eval.every is set")
+    engine: _engines.EngineSection = Field(_engines.TorchEngineSpec(),  # type: ignore[valid-type]
         description="[engine]: the inference engines the producer generates on")
-    rollout: RolloutSpec = Field(RolloutSpec(),
+    rollout: _rollout.RolloutSpec = Field(_rollout.RolloutSpec(),
         description="[rollout]: the producer's group size and engine-call timeout")
-    environment: EnvironmentSpec | None = Field(None, description="[environment]: multi-turn episodes; unset: "
+    environment: _rollout.EnvironmentSpec | None = Field(None, description="[environment]: multi-turn episodes; unset: "
                                                 "single-turn")
-    episode: EpisodeSpec = Field(EpisodeSpec(), description="[episode]: per-episode limits, whatever the environment")
-    gateway: GatewaySpec | None = Field(None, description="[gateway]: train agents that speak the OpenAI API")
-    store: StoreSection = Field(MemoryStoreSpec(),  # type: ignore[valid-type]
+    episode: _rollout.EpisodeSpec = Field(_rollout.EpisodeSpec(), description="[episode]: per-episode limits, "
+                                          "whatever the environment")
+    gateway: _rollout.GatewaySpec | None = Field(None, description="[gateway]: train agents that speak the OpenAI API")
+    store: _stores.StoreSection = Field(_stores.MemoryStoreSpec(),  # type: ignore[valid-type]
         description="[store]: where rollout payloads live (refs travel through the channels)")
-    buffer: BufferSpec = Field(BufferSpec(),
+    buffer: _run.BufferSpec = Field(_run.BufferSpec(),
         description="[buffer]: the bounds of the buffer stage and of the channels around it")
-    learner: LearnerSection = Field(GRPOSpec(),  # type: ignore[valid-type]
+    learner: _learner.LearnerSection = Field(_learner.GRPOSpec(),  # type: ignore[valid-type]
         description="[learner]: the consumer: loss, optimizer and device")
-    staleness: StalenessSection = Field(MaxStalenessSpec(),  # type: ignore[valid-type]
+    staleness: _learner.StalenessSection = Field(_learner.MaxStalenessSpec(),  # type: ignore[valid-type]
         description="[staleness]: what may be generated and trained, from weight versions")
     correction: CorrectionSpec = Field(CorrectionSpec(), description="[correction]: off-policy correction in the loss")
-    replay: ReplaySpec = Field(ReplaySpec(),
+    replay: _learner.ReplaySpec = Field(_learner.ReplaySpec(),
         description="[replay]: which groups each step trains on, and how often one may be")
     weights: WeightsSpec = Field(WeightsSpec(), description="[weights]: how each new version reaches the engines")
-    telemetry: TelemetrySpec = Field(TelemetrySpec(),
+    telemetry: _run.TelemetrySpec = Field(_run.TelemetrySpec(),
         description="[telemetry]: logs, the progress line and metric sinks")
-    ray: RaySpec = Field(RaySpec(), description="[ray]: which Ray cluster runtime = 'ray' uses")
-    checkpoint: CheckpointSpec = Field(CheckpointSpec(),
+    ray: _run.RaySpec = Field(_run.RaySpec(), description="[ray]: which Ray cluster runtime = 'ray' uses")
+    checkpoint: _run.CheckpointSpec = Field(_run.CheckpointSpec(),
         description="[checkpoint]: checkpoints for `baton run --resume`")
-    watchdog: WatchdogSpec = Field(WatchdogSpec(), description="[watchdog]: hang diagnosis")
-    faults: list[FaultConfig] = Field(default_factory=list, description="[[faults]]: injected faults (pipeline.faults)")
+    watchdog: _run.WatchdogSpec = Field(_run.WatchdogSpec(), description="[watchdog]: hang diagnosis")
+    faults: list[_run.FaultConfig] = Field(default_factory=list, description="[[faults]]: injected faults "
+                                           "(pipeline.faults)")
     simulate: SimulateSpec | None = Field(None, description="[simulate]: cluster shape and declared costs for "
                                           "`baton simulate` (baton.simulate); `baton run` ignores it")
 
@@ -130,8 +102,9 @@ class RunConfig(Section):
 
     def build_context(self, model: Path | None = None, index: int = 0) -> BuildContext:
         """What a section's `make` may read of the rest of this config."""
-        k = self.staleness.k if isinstance(self.staleness, MaxStalenessSpec) else default_of(MaxStaleness, "k")
-        lora = self.learner.lora if isinstance(self.learner, GRPOSpec) else None
+        staleness = self.staleness
+        k = staleness.k if isinstance(staleness, _learner.MaxStalenessSpec) else default_of(MaxStaleness, "k")
+        lora = self.learner.lora if isinstance(self.learner, _learner.GRPOSpec) else None
         return BuildContext(seed=self.seed, dtype=self.model.dtype, k=k, runtime=self.runtime, name=self.name,
                             model=model, index=index, lora=lora.spec() if lora is not None else None)
 
@@ -148,13 +121,14 @@ class RunConfig(Section):
     @property
     def learner_ranks(self) -> int:
         """The learner's world size (a plug-in learner: one)."""
-        return self.learner.world_size if isinstance(self.learner, GRPOSpec) else 1
+        return self.learner.world_size if isinstance(self.learner, _learner.GRPOSpec) else 1
 
     def pipeline_shape(self) -> Any:
         """The numbers that decide staleness (a `policies.bounds.PipelineShape`); None for plug-in parts."""
         from policies.bounds import PipelineShape
 
-        if not isinstance(self.staleness, MaxStalenessSpec) or not isinstance(self.learner, GRPOSpec):
+        if not isinstance(self.staleness, _learner.MaxStalenessSpec) or not isinstance(self.learner,
+                                                                                      _learner.GRPOSpec):
             return None
         return PipelineShape(
             k=self.staleness.k, groups_per_step=self.learner.groups_per_step, engines=self.engine_count,
@@ -175,14 +149,14 @@ class RunConfig(Section):
             return None
         groups = live_groups(shape)
         samples = groups * self.rollout.group_size
-        new_tokens = self.task.max_new_tokens if isinstance(self.task, BUILT_IN_TASKS) else None
+        new_tokens = self.task.max_new_tokens if isinstance(self.task, _data.BUILT_IN_TASKS) else None
         per_token = samples * EpisodeTokens.ROW_BYTES_PER_TOKEN
         line = (f"staleness window (k = {shape.k}, {shape.admission} admission): up to {groups} groups, {samples} "
                 f"samples, live at once; in the store that is {per_token / 2**10:,.1f} KiB per token of a sample")
         if new_tokens:
             line += f", {per_token * new_tokens / 2**20:,.2f} MiB for completions of {new_tokens} tokens plus prompts"
         learner = self.learner
-        if isinstance(learner, GRPOSpec) and shape.k > 0:
+        if isinstance(learner, _learner.GRPOSpec) and shape.k > 0:
             factor = staleness_lr_factor(shape.k, learner.lr_tuned_staleness, learner.lr_staleness_power,
                                          learner.lr_staleness_floor)
             line += (f"; a step on groups {shape.k} versions old trains at {factor:.2f} x lr "
@@ -198,14 +172,5 @@ def load_run_config(path: str | Path, overrides: Sequence[str] = ()) -> RunConfi
     return validate(RunConfig, load_toml(path, overrides), source=str(path))
 
 
-BUILT_IN_ENGINES = (TorchEngineSpec, SGLangEngineSpec)  # engines whose sections the schema knows
-__all__ = [
-    "BUILT_IN_ENGINES", "BUILT_IN_TASKS", "FAULT_KINDS", "MODEL_REWARDS", "AdditionSpec", "BufferSpec",
-    "BuildContext", "CheckpointSpec", "ClassifierSpec", "CorrectionSpec", "DatasetTaskSpec", "DistillSpec",
-    "EnginePluginSpec", "EnvironmentSpec", "EpisodeSpec", "EvalSpec", "FaultConfig", "GRPOSpec", "GatewaySpec",
-    "JudgeSpec", "LoraSection", "MaxStalenessSpec", "MemoryStoreSpec", "ModelSpec", "MooncakeStoreSpec",
-    "PluginSpec", "RaySpec", "RayStoreSpec", "ReplaySpec", "ReverseDigitsSpec", "RewardSpec", "RolloutSpec",
-    "RunConfig", "SGLangEngineSpec", "ScorerSpec", "Section", "SimulateSpec", "TelemetrySpec", "TorchEngineSpec",
-    "WatchdogSpec", "WeightsSpec", "check_shared_tokenizer", "default_of", "is_url", "kinds", "load_run_config",
-    "resolve",
-]
+__all__ = ["FAULT_KINDS", "BuildContext", "CorrectionSpec", "PluginSpec", "RunConfig", "SimulateSpec", "WeightsSpec",
+           "default_of", "load_run_config", "resolve"]

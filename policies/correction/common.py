@@ -7,9 +7,11 @@ Nothing here keeps state or does I/O; every weight and every mask is computed wi
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from collections.abc import Callable
-from dataclasses import field
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import torch
 
@@ -17,11 +19,50 @@ Stats = dict[str, float]
 Reduce = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (per-token values, mask) -> scalar
 
 
-def setting(default: Any, doc: str, **bounds: float) -> Any:
-    """A field of an objective's settings dataclass: its name is the `[correction]` key, `doc` its description
-    and `bounds` (ge, gt, le, lt) its range in the config reference (baton.sections.correction builds the
-    section from these fields); `__post_init__` checks the range too, for a `Correction` made in code."""
-    return field(default=default, metadata={"doc": doc, "bounds": bounds})
+def setting(default: Any, doc: str, arg: str, why: str = "", **bounds: float) -> Any:
+    """A field of an objective's settings: its name is the `[correction]` key, `doc` its description, `arg`
+    the keyword of the objective's function it feeds, `bounds` (ge, gt, le, lt) its range (`why`: said
+    when it is out of it); baton.sections.correction builds the config section from these fields."""
+    return field(default=default, metadata={"doc": doc, "arg": arg, "why": why, "bounds": bounds})
+
+
+BOUND_TEXT = {"ge": (">=", lambda v, b: v >= b), "gt": (">", lambda v, b: v > b), "le": ("<=", lambda v, b: v <= b),
+              "lt": ("<", lambda v, b: v < b)}
+
+
+def range_text(bounds: dict[str, float]) -> str:
+    """`be >= 1`, or `lie in (0, 1)` for a range bounded on both sides."""
+    low = next(((b, v) for b, v in bounds.items() if b in ("ge", "gt")), None)
+    high = next(((b, v) for b, v in bounds.items() if b in ("le", "lt")), None)
+    if low and high:
+        return f"lie in {'[(' [low[0] == 'gt']}{low[1]}, {high[1]}{'])' [high[0] == 'lt']}"
+    return " and ".join(f"be {BOUND_TEXT[b][0]} {limit}" for b, limit in bounds.items())
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Base of an objective's settings (a frozen dataclass of `setting` fields): `check()` (the objective's
+    own checks across fields) and then every field's range and choices are checked when one is made, each
+    error naming its key; `keywords()` are the objective function's keywords."""
+
+    def check(self) -> None:
+        """Checks across fields, run first (none by default)."""
+
+    def __post_init__(self) -> None:
+        self.check()
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            value, key = getattr(self, f.name), f"correction.{f.name}"
+            choices = typing.get_args(hints[f.name]) if typing.get_origin(hints[f.name]) is Literal else ()
+            if choices and value not in choices:
+                raise ValueError(f"{key} must be {' or '.join(map(repr, choices))}, got {value!r}")
+            bounds = f.metadata["bounds"]
+            if value is not None and not all(BOUND_TEXT[b][1](value, limit) for b, limit in bounds.items()):
+                why = f"; {f.metadata['why']}" if f.metadata["why"] else ""
+                raise ValueError(f"{key} must {range_text(bounds)} (got {value}){why}")
+
+    def keywords(self) -> dict[str, Any]:
+        return {f.metadata["arg"]: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
 def check_bounds(kind: str, low: float, high: float, example: str) -> None:

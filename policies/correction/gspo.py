@@ -16,12 +16,12 @@ sequence objective; per-token advantages broadcast against the row's ratio.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from policies.correction.common import (
     Reduce,
+    Settings,
     Stats,
     binding_clip,
     cut_stats,
@@ -37,23 +37,13 @@ from policies.correction.common import (
 
 
 @dataclass(frozen=True)
-class GSPOSettings:
+class GSPOSettings(Settings):
     """What `gspo` reads from [correction]: its own clip range, replacing the learner's."""
 
-    gspo_clip_low: float = setting(3e-4, "gspo: the sequence ratio is clipped at 1 - this (replaces "
-                                         "learner.clip_eps; 3e-4 in the GSPO paper)", gt=0, lt=1)
+    gspo_clip_low: float = setting(3e-4, "gspo: the sequence ratio is clipped at 1 - this (replaces learner.clip_eps; "
+                                         "3e-4 in the GSPO paper)", "clip_eps", gt=0, lt=1)
     gspo_clip_high: float = setting(4e-4, "gspo: the sequence ratio is clipped at 1 + this (replaces "
-                                          "learner.clip_eps_high; 4e-4 in the GSPO paper)", gt=0)
-
-    def __post_init__(self) -> None:
-        if not (0 < self.gspo_clip_low < 1 and self.gspo_clip_high > 0):
-            raise ValueError(
-                f"correction.gspo_clip_low must lie in (0, 1) and correction.gspo_clip_high be > 0, got "
-                f"{self.gspo_clip_low} and {self.gspo_clip_high}; the GSPO paper uses 3e-4 and 4e-4"
-            )
-
-    def keywords(self) -> dict[str, Any]:
-        return {"clip_eps": self.gspo_clip_low, "clip_high": self.gspo_clip_high}
+                                          "learner.clip_eps_high; 4e-4 in the GSPO paper)", "clip_high", gt=0)
 
 
 def gspo(

@@ -15,12 +15,12 @@ denominator.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from policies.correction.common import (
     Reduce,
+    Settings,
     Stats,
     against_proximal,
     binding_clip,
@@ -35,32 +35,28 @@ from policies.correction.common import (
 
 
 @dataclass(frozen=True)
-class MisTokenSettings:
+class MisTokenSettings(Settings):
     """What `mis-token` reads from [correction]."""
 
-    mis_token_low: float = setting(0.5, "mis-token: tokens whose weight is below this are left out", ge=0, le=1)
-    mis_token_high: float = setting(2.0, "mis-token: tokens whose weight is above this are left out", ge=1)
+    mis_token_low: float = setting(0.5, "mis-token: tokens whose weight is below this are left out", "low", ge=0,
+                                   le=1)
+    mis_token_high: float = setting(2.0, "mis-token: tokens whose weight is above this are left out", "high", ge=1)
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
         check_bounds("mis-token", self.mis_token_low, self.mis_token_high, "mis_token_low = 0.5, mis_token_high = 2.0")
-
-    def keywords(self) -> dict[str, Any]:
-        return {"low": self.mis_token_low, "high": self.mis_token_high}
 
 
 @dataclass(frozen=True)
-class MisSeqSettings:
+class MisSeqSettings(Settings):
     """What `mis-seq` reads from [correction]."""
 
     mis_seq_low: float = setting(0.9, "mis-seq: rows whose geometric-mean weight (per token, so tighter than a "
-                                      "token's bounds) is below this are left out", ge=0, le=1)
-    mis_seq_high: float = setting(1.1, "mis-seq: rows whose geometric-mean weight is above this are left out", ge=1)
+                                      "token's bounds) is below this are left out", "low", ge=0, le=1)
+    mis_seq_high: float = setting(1.1, "mis-seq: rows whose geometric-mean weight is above this are left out",
+                                  "high", ge=1)
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
         check_bounds("mis-seq", self.mis_seq_low, self.mis_seq_high, "mis_seq_low = 0.9, mis_seq_high = 1.1")
-
-    def keywords(self) -> dict[str, Any]:
-        return {"low": self.mis_seq_low, "high": self.mis_seq_high}
 
 
 def _masked_loss(

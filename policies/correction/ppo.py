@@ -15,12 +15,12 @@ importance weights) and `decoupled` (AReaL's decoupled PPO).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from policies.correction.common import (
     Reduce,
+    Settings,
     Stats,
     against_proximal,
     binding_clip,
@@ -35,34 +35,19 @@ from policies.correction.common import (
 
 
 @dataclass(frozen=True)
-class TisSettings:
+class TisSettings(Settings):
     """What `tis` reads from [correction]."""
 
-    tis_cap: float = setting(2.0, "tis: importance weights above this are truncated to it", ge=1)
-
-    def __post_init__(self) -> None:
-        if not self.tis_cap >= 1:
-            raise ValueError(
-                f"correction.tis_cap must be >= 1 (a cap below 1 would shrink on-policy tokens), got {self.tis_cap}"
-            )
-
-    def keywords(self) -> dict[str, Any]:
-        return {"cap": self.tis_cap}
+    tis_cap: float = setting(2.0, "tis: importance weights above this are truncated to it", "cap", ge=1,
+                             why="a cap below 1 would shrink on-policy tokens")
 
 
 @dataclass(frozen=True)
-class DecoupledSettings:
+class DecoupledSettings(Settings):
     """What `decoupled` reads from [correction]."""
 
     decoupled_cap: float | None = setting(
-        None, "decoupled: tokens whose importance weight exceeds this are left out; unset: none are", ge=1)
-
-    def __post_init__(self) -> None:
-        if self.decoupled_cap is not None and not self.decoupled_cap >= 1:
-            raise ValueError(f"correction.decoupled_cap must be >= 1 (or unset), got {self.decoupled_cap}")
-
-    def keywords(self) -> dict[str, Any]:
-        return {"cap": self.decoupled_cap}
+        None, "decoupled: tokens whose importance weight exceeds this are left out; unset: none are", "cap", ge=1)
 
 
 def none(
