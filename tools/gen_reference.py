@@ -208,7 +208,8 @@ def section_lines(model: type[BaseModel], kind_default: str | None = None) -> li
 def kind_section(title: str, members: list[type[BaseModel]]) -> list[str]:
     from baton.schema import PluginSpec
 
-    built_in = [m for m in members if m is not PluginSpec]
+    built_in = [m for m in members if not issubclass(m, PluginSpec)]
+    plugin = next(m for m in members if issubclass(m, PluginSpec))
     default = built_in[0].model_fields["kind"].default
     names = ", ".join(f'`"{m.model_fields["kind"].default}"`' for m in built_in)
     lines = [f"`kind` picks one of: {names} (default `\"{default}\"`), or your own class as "
@@ -217,9 +218,10 @@ def kind_section(title: str, members: list[type[BaseModel]]) -> list[str]:
         kind = member.model_fields["kind"].default
         lines += [f"### {title} kind = \"{kind}\"", ""]
         lines += section_lines(member, "(the default)" if kind == default else "required")
-    lines += [f"### {title} kind = \"package.module:Class\"", "",
-              f"{PluginSpec.model_fields['kind'].description}.", ""]
-    return lines
+    lines += [f"### {title} kind = \"package.module:Class\"", ""]
+    if plugin is PluginSpec:
+        return lines + [f"{PluginSpec.model_fields['kind'].description}.", ""]
+    return lines + section_lines(plugin)
 
 
 def extra_lines(name: str) -> list[str]:

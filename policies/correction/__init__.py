@@ -25,6 +25,9 @@ DAPO's clip-higher).
 | `mis-seq` | mis | its row's geometric-mean weight inside [low, high]; outside, the row is left out |
 | `gspo` | gspo | a sequence-level ratio and clip, its row's geometric-mean weight |
 
+Each objective's module also holds its settings: a frozen dataclass whose fields are its `[correction]` keys
+(with defaults, descriptions and their own checks); `registry.OBJECTIVES` maps each kind to both, once.
+
 Promises, for every objective:
 * the importance weight never carries a gradient: only `logprobs` does, and a left-out token gets none;
   a left-out token stays in the aggregation's denominator, so leaving tokens out never inflates the rest;
@@ -54,10 +57,19 @@ from policies.correction.gspo import gspo
 from policies.correction.m2po import m2po, second_moment_keep
 from policies.correction.mis import mis_seq, mis_token
 from policies.correction.ppo import decoupled, none, tis
-from policies.correction.registry import KIND_OF_SETTING, KINDS, OBJECTIVES, Correction, CorrectionKind, auto_kind
+from policies.correction.registry import (
+    KIND_OF_SETTING,
+    KINDS,
+    OBJECTIVES,
+    Correction,
+    CorrectionKind,
+    Objective,
+    auto_kind,
+)
 
 __all__ = [
-    "ENTROPY_EDGES", "KINDS", "KIND_OF_SETTING", "OBJECTIVES", "Correction", "CorrectionKind", "Reduce", "Stats",
+    "ENTROPY_EDGES", "KINDS", "KIND_OF_SETTING", "OBJECTIVES", "Correction", "CorrectionKind", "Objective", "Reduce",
+    "Stats",
     "auto_kind", "clipped_surrogate", "decoupled", "entropy_buckets", "gspo", "importance_weights", "m2po", "mis_seq",
     "mis_token", "none", "second_moment_keep", "tis",
 ]

@@ -1,32 +1,51 @@
-"""The learner's choice of objective: `Correction(kind, settings...)`, and the registry that maps each kind to
-its function and the settings it reads."""
+"""The learner's choice of objective: `Correction(kind, settings...)`, and the registry, ONE entry per
+objective, mapping its kind to its function and its settings dataclass (both in the objective's own
+module). The `[correction]` keys are the settings' field names (baton.sections.correction builds the
+section from them); adding an objective is its module plus one line here."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any
 
 import torch
 
 from policies.correction.common import Reduce, Stats, token_mean
-from policies.correction.gspo import gspo
-from policies.correction.m2po import m2po
-from policies.correction.mis import mis_seq, mis_token
-from policies.correction.ppo import decoupled, none, tis
+from policies.correction.gspo import GSPOSettings, gspo
+from policies.correction.m2po import M2POSettings, m2po
+from policies.correction.mis import MisSeqSettings, MisTokenSettings, mis_seq, mis_token
+from policies.correction.ppo import DecoupledSettings, TisSettings, decoupled, none, tis
 
-CorrectionKind = Literal["none", "tis", "decoupled", "m2po", "mis-token", "mis-seq", "gspo"]
-KINDS: tuple[str, ...] = get_args(CorrectionKind)
 
-# kind -> (its function, the settings it reads from a Correction); `gspo` brings its own clip range
-OBJECTIVES: dict[str, tuple[Callable[..., tuple[torch.Tensor, Stats]], Callable[[Any], dict[str, Any]]]] = {
-    "tis": (tis, lambda c: {"cap": c.tis_cap}),
-    "decoupled": (decoupled, lambda c: {"cap": c.decoupled_cap}),
-    "m2po": (m2po, lambda c: {"threshold": c.m2_threshold, "positive": c.m2_positive}),
-    "mis-token": (mis_token, lambda c: {"low": c.mis_token_low, "high": c.mis_token_high}),
-    "mis-seq": (mis_seq, lambda c: {"low": c.mis_seq_low, "high": c.mis_seq_high}),
-    "gspo": (gspo, lambda c: {"clip_eps": c.gspo_clip_low, "clip_high": c.gspo_clip_high}),
+@dataclass(frozen=True)
+class Objective:
+    """One off-policy objective: its loss function and its settings (a frozen dataclass with defaults, whose
+    fields are its `[correction]` keys, validated in `__post_init__` and turned into the function's keywords
+    by `keywords()`)."""
+
+    loss: Callable[..., tuple[torch.Tensor, Stats]]
+    settings: type[Any]
+
+
+# kind -> its objective; `none` (PPO-clip against the behaviour policy) has no settings and no proximal policy
+OBJECTIVES: dict[str, Objective] = {
+    "tis": Objective(tis, TisSettings),
+    "decoupled": Objective(decoupled, DecoupledSettings),
+    "m2po": Objective(m2po, M2POSettings),
+    "mis-token": Objective(mis_token, MisTokenSettings),
+    "mis-seq": Objective(mis_seq, MisSeqSettings),
+    "gspo": Objective(gspo, GSPOSettings),
 }
+KINDS: tuple[str, ...] = ("none", *OBJECTIVES)
+CorrectionKind = str  # one of KINDS
+
+# the settings that only one kind reads: each settings field -> its kind
+KIND_OF_SETTING: dict[str, str] = {
+    f.name: kind for kind, objective in OBJECTIVES.items() for f in dataclasses.fields(objective.settings)
+}
+
 
 def auto_kind(k: int) -> str:
     """The objective the config's `auto` picks for bound k: `none` up to k = 2, where it learns as well as any
@@ -37,65 +56,31 @@ def auto_kind(k: int) -> str:
     return "none" if k <= 2 else "m2po"
 
 
-# the settings that only one kind reads
-KIND_OF_SETTING: dict[str, str] = {
-    "tis_cap": "tis", "decoupled_cap": "decoupled", "m2_threshold": "m2po", "m2_positive": "m2po",
-    "mis_token_low": "mis-token", "mis_token_high": "mis-token", "mis_seq_low": "mis-seq", "mis_seq_high": "mis-seq",
-    "gspo_clip_low": "gspo", "gspo_clip_high": "gspo",
-}
-
-
-def _check_bounds(kind: str, low: float, high: float, example: str) -> None:
-    key = kind.replace("-", "_")
-    if not 0 <= low <= 1 <= high or low == high:
-        raise ValueError(
-            f"correction.{key}_low and correction.{key}_high must satisfy 0 <= low <= 1 <= high, low < high "
-            f"(an on-policy weight, 1, must be kept), got {low} and {high}; e.g. {example}"
-        )
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Correction:
-    """The learner's choice of correction: `Correction("tis", tis_cap=2.0)`, `Correction("m2po")`."""
+    """The learner's choice of correction: `Correction("tis", tis_cap=2.0)`, `Correction("m2po")`. Takes the
+    settings of every objective by their keys (each validated by its own settings class, whatever the kind)
+    and reads them as attributes (`Correction().m2_threshold`); only the kind's own reach its loss."""
 
-    kind: CorrectionKind = "none"
-    tis_cap: float = 2.0  # tis: weights above it are truncated to it
-    decoupled_cap: float | None = None  # decoupled: tokens whose weight exceeds it are left out; None: keep all
-    m2_threshold: float = 0.2  # m2po: most mean squared log-weight of the kept tokens (the paper: 0.04)
-    m2_positive: Literal["weighted", "on_policy"] = "on_policy"  # m2po: good tokens at weight 1; "weighted": paper
-    mis_token_low: float = 0.5  # mis-token: tokens whose weight lies outside [low, high] are left out
-    mis_token_high: float = 2.0
-    mis_seq_low: float = 0.9  # mis-seq: rows whose geometric-mean weight lies outside [low, high] are left out
-    mis_seq_high: float = 1.1
-    gspo_clip_low: float = 3e-4  # gspo: the sequence ratio's clip range [1 - low, 1 + high]
-    gspo_clip_high: float = 4e-4
+    kind: str
+    settings: tuple[Any, ...]  # one settings instance per objective, in OBJECTIVES' order
 
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"correction.kind must be one of {', '.join(map(repr, KINDS))}, got {self.kind!r}")
-        if not self.tis_cap >= 1:
-            raise ValueError(
-                f"correction.tis_cap must be >= 1 (a cap below 1 would shrink on-policy tokens), got {self.tis_cap}"
-            )
-        if self.decoupled_cap is not None and not self.decoupled_cap >= 1:
-            raise ValueError(f"correction.decoupled_cap must be >= 1 (or unset), got {self.decoupled_cap}")
-        if not self.m2_threshold > 0:
-            raise ValueError(
-                f"correction.m2_threshold must be > 0 (the kept tokens' mean squared log-weight; 0 would leave out "
-                f"every stale token), got {self.m2_threshold}; the M2PO paper uses 0.04"
-            )
-        if self.m2_positive not in ("weighted", "on_policy"):
-            raise ValueError(
-                f"correction.m2_positive must be 'weighted' or 'on_policy' (positive tokens at weight 1), "
-                f"got {self.m2_positive!r}"
-            )
-        _check_bounds("mis-token", self.mis_token_low, self.mis_token_high, "0.5 and 2.0")
-        _check_bounds("mis-seq", self.mis_seq_low, self.mis_seq_high, "0.9 and 1.1")
-        if not (0 < self.gspo_clip_low < 1 and self.gspo_clip_high > 0):
-            raise ValueError(
-                f"correction.gspo_clip_low must lie in (0, 1) and correction.gspo_clip_high be > 0, got "
-                f"{self.gspo_clip_low} and {self.gspo_clip_high}; the GSPO paper uses 3e-4 and 4e-4"
-            )
+    def __init__(self, kind: str = "none", **settings: Any) -> None:
+        if kind not in KINDS:
+            raise ValueError(f"correction.kind must be one of {', '.join(map(repr, KINDS))}, got {kind!r}")
+        unknown = sorted(set(settings) - KIND_OF_SETTING.keys())
+        if unknown:
+            raise TypeError(f"Correction got unknown setting(s) {unknown}; known: {sorted(KIND_OF_SETTING)}")
+        made = tuple(objective.settings(**{k: v for k, v in settings.items() if KIND_OF_SETTING[k] == name})
+                     for name, objective in OBJECTIVES.items())
+        object.__setattr__(self, "kind", kind)
+        object.__setattr__(self, "settings", made)
+
+    def __getattr__(self, name: str) -> Any:
+        for made in self.__dict__.get("settings", ()):
+            if name in made.__dataclass_fields__:
+                return getattr(made, name)
+        raise AttributeError(name)
 
     @property
     def needs_proximal(self) -> bool:
@@ -123,5 +108,7 @@ class Correction:
             raise ValueError(
                 f"correction {self.kind!r} needs the proximal logprobs (the learner's, at the step's start)"
             )
-        objective, settings = OBJECTIVES[self.kind]
-        return objective(logprobs, behaviour_logprobs, proximal_logprobs, advantages, mask, **(shared | settings(self)))
+        objective = OBJECTIVES[self.kind]
+        own = self.settings[list(OBJECTIVES).index(self.kind)]
+        return objective.loss(logprobs, behaviour_logprobs, proximal_logprobs, advantages, mask,
+                              **(shared | own.keywords()))

@@ -87,3 +87,30 @@ def test_a_missing_file_names_the_path_it_tried(tmp_path: Path, workdir: Path) -
     assert proc.returncode == 2 and proc.stdout == ""
     assert f"no file {workdir / 'rewards' / 'theirs.py'}" in proc.stderr, proc.stderr
     assert f"the working directory {workdir}" in proc.stderr
+
+
+class RecordingEngine:
+    """A user's engine, outside the package: records how `baton` built it (the calling convention of a
+    plug-in engine: `Class(model, name=..., index=..., **the table's other keys)`)."""
+
+    def __init__(self, model: Path, *, name: str, index: int, flavour: str = "plain") -> None:
+        self.model, self.name, self.index, self.flavour = model, name, index, flavour
+
+
+def test_a_plugin_engine_is_built_like_the_built_ins(tmp_path: Path) -> None:
+    """`count` workers, each given the model folder and its index; the sampling keys reach the rollout,
+    not the class; the table's other keys reach the class."""
+    from baton.builder import make_rollout
+    from baton.config import validate
+    from baton.schema import RunConfig
+
+    engine = {"kind": f"{__name__}:RecordingEngine", "count": 2, "batch_groups": 3, "temperature": 0.7,
+              "top_p": 0.9, "flavour": "spicy"}
+    cfg = validate(RunConfig, {"model": {"path": str(tmp_path / "tiny")}, "engine": engine})
+    assert cfg.engine_count == 2 and cfg.engine_sampling() == {"batch_groups": 3, "temperature": 0.7, "top_p": 0.9}
+    model = cfg.model.make()
+    rollout = make_rollout(cfg, model)
+    assert [type(e).__name__ for e in rollout.engines] == ["RecordingEngine", "RecordingEngine"]
+    assert [(e.model, e.index, e.name, e.flavour) for e in rollout.engines] == [
+        (model, 0, "recordingengine-0", "spicy"), (model, 1, "recordingengine-1", "spicy")]
+    assert (rollout.batch_groups, rollout.temperature, rollout.top_p) == (3, 0.7, 0.9)

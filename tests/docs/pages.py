@@ -90,5 +90,6 @@ def key_exists(dotted: str) -> bool:
     members = section_models().get(section)
     if not members:
         return False
-    return any(key in m.model_fields or m.model_config.get("extra") == "allow" and m.__name__ != "PluginSpec"
+    return any(key in m.model_fields
+               or m.model_config.get("extra") == "allow" and not m.__name__.endswith("PluginSpec")
                for m in members)

@@ -3,12 +3,15 @@ schema fails here until the docs follow."""
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import pkgutil
 import re
 
 from pydantic import BaseModel
 
 import baton.schema
+import baton.sections
 from tests.docs.pages import PAGES, ROOT, blocks, code_spans, key_exists, section_models
 from tests.docs.test_metrics_page import event_kinds
 
@@ -17,8 +20,10 @@ PLACEHOLDERS = {"key", "KEY", "k", "section.key"}  # how the docs write "a key" 
 
 
 def schema_models() -> list[type[BaseModel]]:
-    return [cls for cls in vars(baton.schema).values()
-            if inspect.isclass(cls) and issubclass(cls, BaseModel) and cls.__module__ == "baton.schema"]
+    modules = [baton.schema, *(importlib.import_module(f"baton.sections.{m.name}")
+                               for m in pkgutil.iter_modules(baton.sections.__path__))]
+    return list({cls for module in modules for cls in vars(module).values() if inspect.isclass(cls)
+                 and issubclass(cls, BaseModel) and cls.__module__.startswith(("baton.schema", "baton.sections"))})
 
 
 def test_every_schema_field_has_a_description() -> None:

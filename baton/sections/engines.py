@@ -1,0 +1,169 @@
+"""[engine]: the inference engines the producer generates on. Every kind, built-in or `"pkg.mod:Class"`,
+takes `count` (engine workers, engine i made with index i) and the sampling keys the rollout reads
+(`batch_groups`, `temperature`, `top_p`); its `make(ctx)` is the engine of index `ctx.index`."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, ValidationInfo, field_validator, model_validator
+
+from baton.config import resolve
+from baton.sections.base import BuildContext, PluginSpec, Section, default_of, kinds
+from stages.engines.sglang import SGLangEngine
+from stages.engines.sglang_lora import LoraServing
+from stages.engines.torch import TorchEngine
+from stages.rollout import Rollout
+
+
+def batch_groups_field() -> Any:
+    return Field(default_of(Rollout, "batch_groups"), ge=1, description="groups generated per engine call")
+
+
+def temperature_field() -> Any:
+    return Field(default_of(Rollout, "temperature"), gt=0,
+                 description="sampling temperature; the learner computes its logprobs at the same temperature")
+
+
+def top_p_field() -> Any:
+    return Field(default_of(Rollout, "top_p"), gt=0, le=1, description="nucleus sampling: draw from the smallest "
+                 "set of tokens whose probability reaches this; 1: all")
+
+
+class Sampled:
+    """The keys of an engine section the rollout reads, the same for every kind: `count`, `batch_groups`,
+    `temperature`, `top_p` (declared by each section class, in its own key order)."""
+
+    def sampling(self) -> dict[str, Any]:
+        keys = ("batch_groups", "temperature", "top_p")
+        return {key: getattr(self, key) for key in keys}
+
+
+class TorchEngineSpec(Sampled, Section):
+    kind: Literal["torch"] = Field("torch",
+        description="the in-process torch engine (continuous batching between decode steps)")
+    count: int = Field(1, ge=1, le=16, description="engine workers (each its own producer actor)")
+    batch_groups: int = batch_groups_field()
+    temperature: float = temperature_field()
+    top_p: float = top_p_field()
+
+    def make(self, ctx: BuildContext) -> TorchEngine:
+        assert ctx.model is not None
+        return TorchEngine(ctx.model, name=f"torch-{ctx.index}", seed=ctx.seed + ctx.index, dtype=ctx.dtype)
+
+
+class SGLangEngineSpec(Sampled, Section):
+    """SGLang servers: launched on 127.0.0.1 (CPU flags when no GPU), or attached by `urls`."""
+
+    kind: Literal["sglang"] = Field("sglang",
+        description="SGLang HTTP servers (launched per engine, or attached by `urls`)")
+    count: int = Field(1, ge=1, le=64, description="servers (each its own producer actor)")
+    urls: list[Annotated[str, Field(pattern=r"^https?://[\w.-]+:\d+/?$")]] = Field(
+        default_factory=list, description="attach to running servers instead of launching (one per engine)"
+    )
+    python: str | None = Field(
+        None, description="interpreter with sglang (default: $BATON_SGLANG_PYTHON, then .venv-sglang)"
+    )
+    batch_groups: int = batch_groups_field()
+    temperature: float = temperature_field()
+    top_p: float = top_p_field()
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(default_of(SGLangEngine, "dtype"),
+        description="the server's weights; when this key is not set, model.dtype is used (auto: the checkpoint's)")
+    device: Literal["auto", "cpu", "cuda"] = Field(default_of(SGLangEngine, "device"),
+        description="auto: cuda when a GPU is visible, else cpu (the server then gets the CPU flags)")
+    threads: int = Field(default_of(SGLangEngine, "threads"), ge=1, description="torch threads per server process "
+                         "on CPU")
+    max_total_tokens: int = Field(default_of(SGLangEngine, "max_total_tokens"), ge=256, description="KV-cache "
+                                  "tokens per server")
+    extra_args: list[str] = Field(default_factory=list, description="more sglang.launch_server flags, verbatim")
+    update: Literal["tensor", "distributed", "disk"] = Field(
+        default_of(SGLangEngine, "update"),
+        description="how weights enter the server: update_weights_from_{tensor,distributed,disk}",
+    )
+    pause_mode: Literal["in_place", "retract"] = Field(
+        default_of(SGLangEngine, "pause_mode"),
+        description="how in-flight requests pause for a weight update (keep or recompute their KV)",
+    )
+    max_restarts: int = Field(default_of(SGLangEngine, "max_restarts"), ge=0, description="restarts of a dead server "
+                              "before the run fails")
+    base_gpu_id: int = Field(0, ge=0, description="device = 'cuda': engine i runs on GPU base_gpu_id + i")
+    max_lora_rank: int | None = Field(None, ge=1, description="with learner.lora: the server's --max-lora-rank "
+                                      "(default: learner.lora.rank); it refuses adapters of a larger rank")
+    max_loaded_loras: int | None = Field(None, ge=2, description="with learner.lora: adapters a server holds at once "
+                                         "(default and least: staleness.k + 2, the versions a live request may "
+                                         "still use plus the one loading)")
+
+    def lora_rank_limit(self) -> int | None:
+        """The largest adapter rank the server takes: `max_lora_rank`, or a --max-lora-rank in `extra_args`."""
+        if self.max_lora_rank is not None:
+            return self.max_lora_rank
+        args = list(self.extra_args)
+        if "--max-lora-rank" in args and args.index("--max-lora-rank") + 1 < len(args):
+            return int(args[args.index("--max-lora-rank") + 1])
+        return None
+
+    def lora_serving(self, ctx: BuildContext) -> LoraServing | None:
+        """With learner.lora, what each server is launched to serve: the adapters' rank (or the server's limit),
+        their target modules, and room for the staleness window (k + 2 unless max_loaded_loras says more)."""
+        if ctx.lora is None:
+            return None
+        return LoraServing(max_rank=self.lora_rank_limit() or ctx.lora.rank,
+                           target_modules=tuple(ctx.lora.target_modules), max_loaded=self.max_loaded_loras or ctx.k + 2)
+
+    def make(self, ctx: BuildContext) -> SGLangEngine:
+        assert ctx.model is not None
+        index = ctx.index
+        return SGLangEngine(
+            ctx.model, name=f"sglang-{index}", url=self.urls[index] if self.urls else None, python=self.python,
+            dtype=self.dtype if "dtype" in self.model_fields_set else ctx.dtype, device=self.device,
+            threads=self.threads, max_total_tokens=self.max_total_tokens,
+            extra_args=tuple(self.extra_args), update=self.update, pause_mode=self.pause_mode,
+            max_restarts=self.max_restarts, lora=self.lora_serving(ctx),
+            # locally every engine sees every GPU; on Ray each process sees the one Ray gave it
+            gpu_id=self.base_gpu_id + index if self.device == "cuda" and ctx.runtime == "local" else None,
+        )
+
+    @model_validator(mode="after")
+    def _check(self) -> SGLangEngineSpec:
+        if self.urls and len(self.urls) != self.count:
+            if "count" in self.model_fields_set:
+                raise ValueError(f"engine.urls has {len(self.urls)} entries but engine.count = {self.count}; "
+                                 "give one url per engine or drop engine.count")
+            self.count = len(self.urls)
+        return self
+
+    @field_validator("python")
+    @classmethod
+    def _server_environment(cls, python: str | None, info: ValidationInfo) -> str | None:
+        """Launching needs an interpreter with sglang; say how to make one before anything starts."""
+        if not info.data.get("urls"):
+            from stages.engines.sglang_server import SGLangUnavailable, sglang_python
+
+            try:
+                sglang_python(python)
+            except SGLangUnavailable as exc:
+                raise ValueError(f"cannot launch an SGLang server: {exc}") from None
+        return python
+
+
+class EnginePluginSpec(Sampled, PluginSpec):
+    """`kind = "pkg.mod:Class"`: your engine, built like the built-ins: `count` workers, each made as
+    `Class(model, name="<class>-<index>", index=index, **the table's other keys)` (`model`: the model folder,
+    a Path; `index`: 0 .. count - 1), and the sampling keys go to the rollout, not to the class."""
+
+    kind: Annotated[str, Field(pattern=r"^[\w.]+:\w+$")] = Field(
+        description="your own engine class as 'package.module:Class', called as Class(model, name=..., index=..., "
+        "**the table's keys other than kind, count and the sampling keys)")
+    count: int = Field(1, ge=1, le=64, description="engine workers (each its own producer actor)")
+    batch_groups: int = batch_groups_field()
+    temperature: float = temperature_field()
+    top_p: float = top_p_field()
+
+    def make(self, ctx: BuildContext, **_: Any) -> Any:
+        assert ctx.model is not None
+        cls = resolve(self.kind)
+        return cls(ctx.model, name=f"{cls.__name__.lower()}-{ctx.index}", index=ctx.index, **self.plugin_keys())
+
+
+# the engine kinds: registering one (a section above with its `make`) is adding it here
+EngineSection = kinds(TorchEngineSpec, SGLangEngineSpec, plugin=EnginePluginSpec)

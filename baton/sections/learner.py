@@ -1,0 +1,177 @@
+"""The consumer and what it trains on: [learner] (GRPO, LoRA), [staleness] and [replay]."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
+
+from baton.sections.base import BuildContext, Section, default_of, kinds
+from policies.selection import Selection, make_selection
+from policies.staleness import MaxStaleness
+from stages.learner import GRPOLearner
+from stages.learner.lora import LoraSpec
+from stages.learner.losses import AGGREGATIONS, ENTROPY_SCOPES, LR_DECAYS
+
+
+class LoraSection(Section):
+    """[learner] lora: train LoRA adapters on a frozen base and publish only them (stages.learner.lora)."""
+
+    rank: int = Field(default_of(LoraSpec, "rank"), ge=1, description="the adapters' rank")
+    alpha: float = Field(default_of(LoraSpec, "alpha"), gt=0, description="the adapters' output is scaled by "
+                         "alpha / rank")
+    dropout: float = Field(default_of(LoraSpec, "dropout"), ge=0, lt=1, description="dropout on the adapters' "
+                           "input, in training only")
+    target_modules: list[str] = Field(default_factory=lambda: list(default_of(LoraSpec, "target_modules")),
+                                      min_length=1, description="decoder linear modules to adapt, by the last part "
+                                      "of their names (checked against the model)")
+    check_every: int = Field(default_of(LoraSpec, "check_every"), ge=0, description="versions between checks "
+                             "that each engine's logprobs of a fixed sequence equal the learner's (refused "
+                             "otherwise); 0: never")
+    check_tolerance: float = Field(default_of(LoraSpec, "check_tolerance"), gt=0, description="most a checked "
+                                   "logprob may differ, relative beyond 1 in size (bfloat16 engines: about 0.05)")
+
+    def spec(self) -> LoraSpec:
+        return LoraSpec(**{**self.model_dump(), "target_modules": tuple(self.target_modules)})
+
+
+class GRPOSpec(Section):
+    kind: Literal["grpo"] = Field("grpo",
+        description="GRPO: group-normalised advantages and a PPO-clip loss (the built-in learner)")
+    lr: float = Field(default_of(GRPOLearner, "lr"), gt=0,
+        description="AdamW learning rate, before warmup, decay and the staleness factor")
+    groups_per_step: int = Field(default_of(GRPOLearner, "groups_per_step"), ge=1,
+        description="new groups trained per learner step; each step makes one new version")
+    clip_eps: float = Field(default_of(GRPOLearner, "clip_eps"), gt=0, description="PPO clip: ratio >= 1 - clip_eps "
+                            "(and <= 1 + clip_eps unless clip_eps_high is set)")
+    clip_eps_high: float | None = Field(default_of(GRPOLearner, "clip_eps_high"), gt=0, description="PPO clip, high "
+                                        "side: ratio <= 1 + clip_eps_high (DAPO clip-higher); unset: clip_eps")
+    loss_agg_mode: Literal[AGGREGATIONS] = Field(  # type: ignore[valid-type]
+        default_of(GRPOLearner, "loss_agg_mode"), description="token-mean (DAPO), seq-mean-token-mean (GRPO) or "
+        "seq-mean-token-sum-norm (Dr. GRPO: token sums / loss_max_tokens)")
+    loss_max_tokens: int | None = Field(default_of(GRPOLearner, "loss_max_tokens"), ge=1, description="Dr. GRPO's "
+                                        "constant divisor; unset: the batch's padded width")
+    norm_adv_by_std: bool = Field(default_of(GRPOLearner, "norm_adv_by_std"), description="false: advantages are "
+                                  "r - group mean, not divided by the group's std (Dr. GRPO)")
+    entropy_coef: float = Field(default_of(GRPOLearner, "entropy_coef"), ge=0, description="entropy bonus")
+    entropy_scope: Literal[ENTROPY_SCOPES] = Field(  # type: ignore[valid-type]
+        default_of(GRPOLearner, "entropy_scope"), description='"all" rows, or "zero-variance": only the rows of '
+        "groups whose rewards are all equal (no signal)")
+    entropy_cap: Annotated[float, Field(gt=0)] | Literal["auto", "off", "initial"] = Field("auto", description=
+        "each token's entropy counts in the bonus only up to this (nats): a token above it gets no push, so the "
+        'bonus cannot drive the policy towards uniform where rewards are flat; "initial": the policy\'s mean '
+        'token entropy on its first step (kept in checkpoints); "off": uncapped; "auto" (the default): off up '
+        'to staleness.k = 2, "initial" above (resolved when the config loads)')
+    kl_coef: float = Field(default_of(GRPOLearner, "kl_coef"), ge=0, description="k3 KL penalty to the initial "
+                           "weights (0: off, and no reference model is kept)")
+    lr_warmup_steps: int = Field(default_of(GRPOLearner, "lr_warmup_steps"), ge=0, description="versions of linear "
+                                 "warmup")
+    lr_decay: Literal[LR_DECAYS] = Field(default_of(GRPOLearner, "lr_decay"),  # type: ignore[valid-type]
+                                         description="after warmup: constant, or linear / cosine decay to "
+                                         "min_lr_ratio x lr at the last version")
+    min_lr_ratio: float = Field(default_of(GRPOLearner, "min_lr_ratio"), ge=0, le=1,
+        description="the decay's floor: lr_decay ends at this x lr")
+    lr_tuned_staleness: float = Field(default_of(GRPOLearner, "lr_tuned_staleness"), ge=0, description="the "
+                                      "staleness lr was chosen at: a staler step trains at lr x ((this + 1) / (its "
+                                      "mean staleness + 1)) ** lr_staleness_power")
+    lr_staleness_power: float = Field(default_of(GRPOLearner, "lr_staleness_power"), ge=0, description="0: the "
+                                      "same lr at every staleness")
+    lr_staleness_floor: float = Field(default_of(GRPOLearner, "lr_staleness_floor"), ge=0, le=1, description="the "
+                                      "cut never takes a step's lr below this x lr (0: no floor)")
+    warn_entropy_below: float = Field(default_of(GRPOLearner, "warn_entropy_below"), ge=0, description="a "
+                                      "learner.entropy_collapse event when the entropy falls below this ...")
+    warn_reward_below: float = Field(default_of(GRPOLearner, "warn_reward_below"), description="... while the "
+                                     "trailing mean reward is below this")
+    warn_window: int = Field(default_of(GRPOLearner, "warn_window"), ge=1, description="versions in that trailing "
+                             "mean")
+    max_grad_norm: float = Field(default_of(GRPOLearner, "max_grad_norm"), gt=0,
+        description="gradients are clipped to this global norm before each optimizer step")
+    weight_decay: float = Field(default_of(GRPOLearner, "weight_decay"), ge=0, description="AdamW weight decay")
+    adam_betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = Field(
+        default_of(GRPOLearner, "adam_betas"), description="AdamW's decay rates of its gradient mean (momentum) "
+        "and of its squared gradient, each in [0, 1)")
+    epochs: int = Field(default_of(GRPOLearner, "epochs"), ge=1, description="optimizer passes over each step's "
+                        "batch (PPO epochs)")
+    device: str = Field(default_of(GRPOLearner, "device"), pattern=r"^(auto|cpu|cuda(:\d+)?)$",
+                        description='"auto": cuda when a GPU is visible')
+    world_size: int = Field(default_of(GRPOLearner, "world_size"), ge=1, description="learner ranks: processes, "
+                            "one device each (a GPU each on CUDA), the model sharded over them with FSDP2; 1: one "
+                            "process, the whole model")
+    micro_batch_tokens: int | None = Field(default_of(GRPOLearner, "micro_batch_tokens"), ge=1, description="padded "
+                                           "tokens per forward/backward pass: each rank's rows are cut into micro-"
+                                           "batches within it and their gradients accumulated; unset: one pass")
+    activation_checkpointing: bool = Field(default_of(GRPOLearner, "activation_checkpointing"), description="recompute "
+                                           "activations in backward: less memory, about a third more compute")
+    rank_timeout_s: float = Field(default_of(GRPOLearner, "rank_timeout_s"), gt=0, description="a collective of "
+                                  "the learner's ranks not answered in this long fails the run")
+    lora: LoraSection | None = Field(None, description="[learner] lora = { rank, alpha, dropout, target_modules }: "
+                                     "LoRA adapters on a frozen base, each version publishing the adapter alone; "
+                                     "unset: full fine-tuning")
+
+    def make(self, ctx: BuildContext, **wiring: Any) -> GRPOLearner:
+        """The learner on the model folder; `wiring`: what other sections decide (the transport, the
+        correction, the selection, the engine's temperature, ...), composed by baton.builder."""
+        assert ctx.model is not None
+        return GRPOLearner(
+            ctx.model, **self.model_dump(exclude={"kind", "lora", "entropy_cap"}),  # the others are GRPOLearner's
+            lora=self.lora.spec() if self.lora is not None else None,
+            entropy_cap=None if self.entropy_cap == "off" else self.entropy_cap,  # "auto" is resolved at load
+            **wiring,
+        )
+
+
+class MaxStalenessSpec(Section):
+    kind: Literal["max-staleness"] = Field("max-staleness",
+        description="the built-in staleness policy: a bound k on how many versions old a trained token may be")
+    k: int | None = Field(None, ge=0, description="default: MaxStaleness's k in async mode, 0 in sync mode")
+    on_stale: Literal["drop", "requeue"] = Field(default_of(MaxStaleness, "on_stale"),
+        description="a group older than k at the learner: 'drop' it, or 'requeue' its prompt to be generated again")
+    max_span: int | None = Field(
+        default_of(MaxStaleness, "max_span"), ge=1,
+        description="most weight versions one sample may span; longer ones restart on the new weights",
+    )
+    admission: Literal["pace", "eager"] = Field(
+        default_of(MaxStaleness, "admission"),
+        description='"pace": producers wait rather than start work that would be too stale to train; '
+        '"eager": they start work as fast as the channels take it, and what turns too stale is refused',
+    )
+    lead: int | None = Field(
+        default_of(MaxStaleness, "lead"), ge=0,
+        description="with admission = 'pace': most versions producers run ahead of the learner (0..k); "
+        "unset: k, or k - (replay.max_reuse - 1) with replays, so a group arrives with room to be trained again",
+    )
+
+    def make(self, ctx: BuildContext) -> MaxStaleness:
+        return MaxStaleness(**self.model_dump(exclude={"kind"}))  # the spec mirrors the class, key for key
+
+
+LearnerSection = kinds(GRPOSpec)  # the learner kinds
+StalenessSection = kinds(MaxStalenessSpec)  # the staleness kinds
+
+
+class ReplaySpec(Section):
+    """Which groups each learner step trains on, and how often one may be (policies.selection)."""
+
+    max_reuse: int = Field(default_of(Selection, "max_reuse"), ge=1, description="most learner steps one group is "
+                           "trained in (only while within k)")
+    selection: Literal["fifo", "freshest", "uniform"] = Field(
+        default_of(GRPOLearner, "selection").kind,
+        description="fifo: in arrival order; freshest: newest version first; uniform: at random (seeded)"
+    )
+    ride_along: bool = Field(
+        default_of(GRPOLearner, "replays_ride_along"),
+        description="with max_reuse > 1: a step trains groups_per_step new groups plus its replays (true), or "
+        "replays take new groups' places (false); true keeps the staleness check's bound as without reuse"
+    )
+    drop_zero_signal: bool = Field(
+        default_of(Selection, "drop_zero_signal"),
+        description="filter groups whose rewards are all equal before they cost a step (DAPO dynamic sampling)"
+    )
+    max_filtered_batches: int = Field(
+        default_of(Selection, "max_filtered_batches"), ge=1,
+        description="a step that filters more than this many times groups_per_step groups fails the run"
+    )
+
+    def make(self, ctx: BuildContext) -> Selection:
+        return make_selection(self.selection, max_reuse=self.max_reuse, drop_zero_signal=self.drop_zero_signal,
+                              max_filtered_batches=self.max_filtered_batches, seed=ctx.seed)

@@ -1,0 +1,54 @@
+"""[weights]: how each new version reaches the engines (independent of `store`, the rollout data)."""
+
+from __future__ import annotations
+
+from pydantic import ByteSize, Field, field_validator
+
+from baton.sections.base import BuildContext, Section, default_of
+from stages.learner import GRPOLearner
+from stages.weights import TRANSPORTS, make_transport, transport_class, transport_options
+from stages.weights.base import WeightTransport
+from stages.weights.mooncake_p2p import MooncakeP2PTransport
+
+
+class WeightsSpec(Section):
+    """How each new version reaches the engines; independent of `store` (rollout data)."""
+
+    transport: str = Field(default_of(GRPOLearner, "weights"), description="how new versions reach the engines, "
+                           f"independent of the store: {', '.join(TRANSPORTS)} (which needs runtime = 'ray'), or "
+                           "a plug-in's 'pkg.module:Class' (stages.weights)")
+    protocol: str = Field(default_of(MooncakeP2PTransport, "protocol"),
+                          description='mooncake_p2p: TransferEngine protocol, "tcp" or "rdma"')
+    device: str = Field(default_of(MooncakeP2PTransport, "device"),
+                        description="mooncake_p2p: RDMA device names (empty for tcp)")
+    bucket_bytes: ByteSize | None = Field(None, description="bytes per checksummed bucket (mooncake_p2p, delta); "
+                                          "default: the transport's own")
+    pace: ByteSize | None = Field(default_of(MooncakeP2PTransport, "pace_bytes_per_s"),
+                                  description="mooncake_p2p: push at most this many bytes per second")
+    retries: int | None = Field(None, ge=0, description="re-sends of a refused version before the run fails "
+                                "(mooncake_p2p, disk, delta, broadcast); default: the transport's own")
+    root: str | None = Field(None, description="disk: folder every engine can read (default: a temporary one)")
+    sparse: bool = Field(default_of(MooncakeP2PTransport, "sparse"), description="mooncake_p2p: send each version "
+                         "as element-level deltas against what the engine holds (transport = 'delta' always does)")
+    snapshot_every: int = Field(
+        default_of(GRPOLearner, "snapshot_every"), ge=0,
+        description="keep every n-th version in the store for engines that (re)start; 0: never",
+    )
+
+    @field_validator("transport")
+    @classmethod
+    def _transport_resolves(cls, transport: str) -> str:
+        transport_class(transport)  # a built-in's name or an importable plug-in (ValueError naming the known)
+        return transport
+
+    def make(self, ctx: BuildContext) -> WeightTransport | str:
+        """The transport (a built-in or a plug-in's path) with the config keys its constructor takes, those set
+        (unset: its own default), or its name when it gets none (the learner makes it then)."""
+        values = {"protocol": self.protocol, "device": self.device,
+                  "bucket_bytes": int(self.bucket_bytes) if self.bucket_bytes else None,
+                  "pace_bytes_per_s": float(self.pace) if self.pace else None, "retries": self.retries,
+                  "root": self.root, "sparse": self.sparse,
+                  # the learner trains in float32; engines holding another dtype get (and are diffed in) theirs
+                  "engine_dtype": ctx.dtype if ctx.dtype != "float32" else None}
+        options = {key: values[key] for key in transport_options(self.transport) if values.get(key) is not None}
+        return make_transport(self.transport, **options) if options else self.transport
