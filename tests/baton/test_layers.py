@@ -70,9 +70,7 @@ MAX_CLASS_METHODS = 20
 # What exceeds a budget today, by name (a module's path, or `path::Class`), with its size then (lines, or
 # methods). An entry may only shrink: the check fails when a listed one grows past its size here, and when
 # it is within budget (then its entry goes). Nothing else may exceed a budget.
-OVER_BUDGET: dict[str, int] = {
-    "baton/schema.py": 1357,
-}
+OVER_BUDGET: dict[str, int] = {}  # empty since baton/schema.py (1,357 lines) became baton/sections/
 
 
 def _measured(root: Path) -> dict[str, tuple[int, str]]:
