@@ -171,3 +171,23 @@ def test_a_dense_step_reports_no_router_metric(dense_folder):
     trainer.schedule(0)
     metrics = trainer.train([batch])
     assert not any(k.startswith(("router", "logprob_gap")) for k in metrics)
+
+
+@pytest.mark.slow
+def test_two_ranks_replay_and_report_as_one(moe_folder, generated):
+    """FSDP2 over two real ranks: the same steps, the same router metrics (summed over ranks in the totals'
+    one collective), the same weights; a rank may train no group of a step."""
+    from tests.helpers.learner_ranks import ranked_trainer
+
+    spec = GRPOLearner(moe_folder, device="cpu", lr=1e-2, routing_replay="rollout", micro_batch_tokens=24)
+    one = PolicyTrainer(spec, 100)
+    one.schedule(0)
+    with ranked_trainer(spec) as two:
+        for step in range(3):
+            batches = generated if step != 1 else generated[:1]  # one group: rank 1 runs empty passes
+            a, b = one.train(batches, 0.0), two.train(batches, 0.0)
+            for key in ("loss", "router_disagreement", "router_drift", "logprob_gap"):
+                assert a[key] == pytest.approx(b[key], abs=1e-5), key
+        assert b["router_disagreement"] == 0.0 and b["router_drift"] > 0
+        single, sharded = one.weights(), two.weights()
+        assert max(float((single[k] - sharded[k]).abs().max()) for k in single) <= 1e-5
