@@ -16,8 +16,9 @@ Invariants a decoder checks (a violation raises a `CodecError`, never returns da
 * the header checksum matches and the header padding is zero, so every header byte is covered;
 * descriptors are consistent: one `offsets` field (int64, rows + 1 long), token fields with
   `shape[0] == tokens` (1-D, or per-token arrays with trailing dims: typed-ragged, e.g. an MoE
-  token's routed experts [tokens, layers, top_k]), row fields with `shape[0] == rows`, dtypes in the allow-list, `nbytes ==
-  prod(shape) * itemsize`, 64-aligned ascending non-overlapping ranges ending at `body_nbytes`;
+  token's routed experts [tokens, layers, top_k]), row fields with `shape[0] == rows`, dtypes in
+  the allow-list, `nbytes == prod(shape) * itemsize`, 64-aligned ascending non-overlapping ranges
+  ending at `body_nbytes`;
 * `checksum == xxh3_64(body)` (when `verify=True`), and offsets start at 0, never decrease and
   end at `tokens`.
 

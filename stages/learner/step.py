@@ -41,8 +41,8 @@ import torch
 
 from buffers.codec import RolloutBatch
 from policies.balance import micro_batches
-from stages.learner import sharding
 from stages.data.routing import ROUTED_EXPERTS_FIELD, inputs_of_tokens, moe_layout
+from stages.learner import sharding
 from stages.learner.lora import AdapterPublisher
 from stages.learner.losses import (
     aggregate,
@@ -320,7 +320,7 @@ class PolicyTrainer:
         forward is), or with LoRA the base's (the adapter switched off for this forward)."""
         with torch.no_grad():
             if self.reference is not None:
-                with routed_forward(self.reference, routing, self.spec.routing_replay == "rollout"):
+                with routed_forward(self.reference, routing if self.spec.routing_replay == "rollout" else None, True):
                     return self.reference(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
             with self.model.disable_adapter():
                 return self.model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()

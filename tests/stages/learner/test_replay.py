@@ -8,11 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import anyio
 import numpy as np
 import pytest
 import torch
-
-import anyio
 
 from buffers.codec import RolloutBatch, decode, encode
 from stages.data.model import make_tiny_model, make_tiny_moe_model
