@@ -70,7 +70,9 @@ class RolloutBatch:
     Invariants (checked at construction, ValueError naming the field otherwise):
     * `offsets` is int64 of shape (rows + 1,), starts at 0 and never decreases; row i's tokens
       are `[offsets[i]:offsets[i + 1]]` of every token field;
-    * every token field is 1-D with `offsets[-1]` elements; every row field has `shape[0] == rows`;
+    * every token field has `shape[0] == offsets[-1]` (one entry per token: 1-D, or with trailing dims
+      for a per-token array such as an MoE token's routed experts, [tokens, layers, top_k]); every row
+      field has `shape[0] == rows`;
     * field names are non-empty, unique across token and row fields, and not "offsets";
     * every dtype is in `ALLOWED_DTYPES` (any byte order; encoded little-endian);
     * meta values are str, int (int64 range), float or bool.
@@ -100,8 +102,9 @@ class RolloutBatch:
         token_fields = {n: _check_array(n, a, "token field") for n, a in dict(self.token_fields).items()}
         row_fields = {n: _check_array(n, a, "row field") for n, a in dict(self.row_fields).items()}
         for name, arr in token_fields.items():
-            if arr.shape != (tokens,):
-                raise ValueError(f"token field {name!r}: expected shape ({tokens},), got {arr.shape}")
+            if arr.ndim < 1 or arr.shape[0] != tokens:
+                raise ValueError(f"token field {name!r}: expected shape ({tokens}, ...) (one entry per token), "
+                                 f"got {arr.shape}")
         for name, arr in row_fields.items():
             if arr.ndim < 1 or arr.shape[0] != rows:
                 raise ValueError(f"row field {name!r}: expected shape ({rows}, ...), got {arr.shape}")
@@ -120,15 +123,17 @@ class RolloutBatch:
         row_fields: Mapping[str, np.ndarray] | None = None,
         meta: Mapping[str, MetaValue] | None = None,
     ) -> RolloutBatch:
-        """Build a batch from per-row token arrays (every row has the same field names)."""
+        """Build a batch from per-row token arrays (every row has the same field names; each array's first
+        dimension is the row's tokens, its trailing ones the same in every row)."""
         names = list(rows[0]) if rows else []
         lengths = np.zeros(len(rows) + 1, dtype=np.int64)
         for i, row in enumerate(rows):
             if list(row) != names:
                 raise ValueError(f"row {i}: fields {list(row)} differ from row 0's {names}")
-            row_lengths = {np.shape(v)[0] if np.ndim(v) == 1 else -1 for v in row.values()}
+            row_lengths = {np.shape(v)[0] if np.ndim(v) >= 1 else -1 for v in row.values()}
             if len(row_lengths) > 1 or -1 in row_lengths:
-                raise ValueError(f"row {i}: token fields must be 1-D of one length, got {dict(row)!r}")
+                raise ValueError(f"row {i}: token fields must have one length (their first dimension), "
+                                 f"got {dict(row)!r}")
             lengths[i + 1] = row_lengths.pop() if row_lengths else 0
         token_fields = {name: np.concatenate([np.asarray(row[name]) for row in rows]) for name in names}
         return cls(np.cumsum(lengths), token_fields, dict(row_fields or {}), dict(meta or {}))

@@ -14,9 +14,11 @@ Invariants a decoder checks (a violation raises a `CodecError`, never returns da
 * the payload is exactly `body_start + body_nbytes` bytes long (shorter: `TruncatedPayload`);
 * magic and `format_version` are known (else `ForeignPayload`);
 * the header checksum matches and the header padding is zero, so every header byte is covered;
-* descriptors are consistent: one `offsets` field (int64, rows + 1 long), token fields 1-D of
-  `tokens` elements, row fields with `shape[0] == rows`, dtypes in the allow-list, `nbytes ==
-  prod(shape) * itemsize`, 64-aligned ascending non-overlapping ranges ending at `body_nbytes`;
+* descriptors are consistent: one `offsets` field (int64, rows + 1 long), token fields with
+  `shape[0] == tokens` (1-D, or per-token arrays with trailing dims: typed-ragged, e.g. an MoE
+  token's routed experts [tokens, layers, top_k]), row fields with `shape[0] == rows`, dtypes in
+  the allow-list, `nbytes == prod(shape) * itemsize`, 64-aligned ascending non-overlapping ranges
+  ending at `body_nbytes`;
 * `checksum == xxh3_64(body)` (when `verify=True`), and offsets start at 0, never decrease and
   end at `tokens`.
 
@@ -284,17 +286,14 @@ def _check_descriptors(header: Header) -> None:
         end = d.offset + d.nbytes
         if d.kind == "offsets":
             offsets_fields += 1
-            expected: tuple[int, ...] | None = (header.rows + 1,)
             if d.dtype != "<i8":
                 raise CorruptPayload(f"{where}: expected offsets dtype '<i8', found {d.dtype!r}")
-        elif d.kind == "token":
-            expected = (header.tokens,)
-        else:
-            expected = None
-            if len(d.shape) < 1 or d.shape[0] != header.rows:
-                raise CorruptPayload(f"{where}: expected shape ({header.rows}, ...), found {d.shape}")
-        if expected is not None and d.shape != expected:
-            raise CorruptPayload(f"{where}: expected shape {expected}, found {d.shape}")
+            if d.shape != (header.rows + 1,):
+                raise CorruptPayload(f"{where}: expected shape {(header.rows + 1,)}, found {d.shape}")
+            continue
+        leading = header.tokens if d.kind == "token" else header.rows  # typed-ragged: trailing dims are free
+        if len(d.shape) < 1 or d.shape[0] != leading:
+            raise CorruptPayload(f"{where}: expected shape ({leading}, ...), found {d.shape}")
     if offsets_fields != 1:
         raise CorruptPayload(f"expected exactly one offsets field, found {offsets_fields}")
     if end != header.body_nbytes:

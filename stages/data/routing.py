@@ -27,6 +27,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -50,6 +51,11 @@ class MoELayout:
         """The smallest integer type that holds every expert id (uint8 up to 256 experts)."""
         return np.uint8 if self.experts <= 256 else np.int16
 
+    @property
+    def bytes_per_token(self) -> int:
+        """What a token's routed experts cost in a rollout payload (the `ROUTED_EXPERTS_FIELD` column)."""
+        return len(self.layers) * self.top_k * np.dtype(self.id_dtype).itemsize
+
 
 def moe_layout(model_or_config) -> MoELayout | None:
     """The expert layout of a model or its config (a transformers model, a `PretrainedConfig`); None when
@@ -67,6 +73,19 @@ def moe_layout(model_or_config) -> MoELayout | None:
     if not layers:
         return None
     return MoELayout(layers, experts, top_k, bool(getattr(config, "norm_topk_prob", False)))
+
+
+def folder_moe_layout(folder: str | Path) -> MoELayout | None:
+    """The expert layout of the model in a local folder, from its config.json alone (no weights read); None
+    for a dense model, or a folder without a readable config (the model checks say what is wrong with it)."""
+    from transformers import AutoConfig
+
+    if not (Path(folder) / "config.json").is_file():  # never a hub id: nothing is downloaded
+        return None
+    try:
+        return moe_layout(AutoConfig.from_pretrained(folder))
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def routers(model: torch.nn.Module, layout: MoELayout) -> list[torch.nn.Module]:

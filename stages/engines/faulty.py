@@ -24,7 +24,7 @@ import anyio
 
 from pipeline.faults import FaultPlan, InjectedFault
 from pipeline.telemetry import get_logger
-from stages.engines.base import Completion, Engine, EngineError, EngineRun, SamplingParams
+from stages.engines.base import Completion, Engine, EngineError, EngineRun, SamplingParams, returns_routed_experts
 
 
 class EngineCrashed(EngineError, InjectedFault):
@@ -76,6 +76,11 @@ class FaultyEngine:
     @property
     def load(self) -> int:
         return self.engine.load
+
+    @property
+    def returns_routed_experts(self) -> bool:
+        """The wrapped engine's answer (`stages.engines.base.returns_routed_experts`)."""
+        return returns_routed_experts(self.engine)
 
     def attach(self, run: EngineRun) -> None:
         self.engine.attach(run)

@@ -52,8 +52,10 @@ class Choice:
 
 
 def _cut(completion: Completion, k: int) -> Completion:
+    """`completion`'s first k tokens (cut at a stop string), with their logprobs, versions and routed experts."""
+    experts = completion.routed_experts
     return Completion(completion.tokens[:k], completion.logprobs[:k], completion.versions[:k], "stop",
-                      dict(completion.meta))
+                      dict(completion.meta), None if experts is None else experts[:k])
 
 
 class TurnServer:

@@ -33,6 +33,7 @@ from stages.learner.losses import (
     LrDecay,
 )
 from stages.learner.ranks import uses_cuda
+from stages.learner.replay import ROUTING_REPLAYS, RoutingReplay
 from stages.weights import make_transport
 from stages.weights.base import WeightTransport
 from stages.weights.faulty import with_weight_faults
@@ -85,6 +86,11 @@ class GRPOLearner:
     micro_batch_tokens: int | None = None  # padded tokens per forward/backward pass (gradient accumulation)
     activation_checkpointing: bool = False  # recompute activations in backward: less memory, ~1/3 more compute
     rank_timeout_s: float = 300.0  # a collective no rank answers for this long fails the run
+    # mixture-of-experts routing replay (R3): "rollout" routes each generated token, in the learner's forwards
+    # (policy, proximal, reference), to the experts the engine recorded for it, gate weights from the current
+    # router over them; "off": the learner's own routing. Router metrics are reported either way, whenever the
+    # groups carry experts (stages.learner.replay); "rollout" needs an MoE model and an engine that returns them
+    routing_replay: RoutingReplay = "off"
     lora: LoraSpec | None = None  # train LoRA adapters on a frozen base and publish only them (stages.learner.lora)
     correction: Correction = Correction()  # off-policy correction of the loss (policies.correction)
     selection: Selection = Fifo()  # which groups a step trains on, reuse, zero-signal filter (policies.selection)
@@ -125,6 +131,9 @@ class GRPOLearner:
             raise ValueError(f"learner.clip_eps_high must be > 0, got {self.clip_eps_high}")
         if self.distill_coef < 0:
             raise ValueError(f"distill.coef must be >= 0, got {self.distill_coef}")
+        if self.routing_replay not in ROUTING_REPLAYS:
+            raise ValueError(f"learner.routing_replay must be one of {', '.join(ROUTING_REPLAYS)}, "
+                             f"got {self.routing_replay!r}")
         if self.distill_mode not in DISTILL_MODES:
             raise ValueError(f"distill.mode must be one of {', '.join(DISTILL_MODES)}, got {self.distill_mode!r}")
 

@@ -14,6 +14,12 @@ A step on a list of decoded groups (`RolloutBatch`es):
    at the scheduled learning rate scaled for the batch's mean staleness (`staleness_lr_factor`); the
    scheduler steps once a version.
 
+On a mixture-of-experts model whose groups carry the experts their engine routed each token to (the codec
+field `routed_experts`), each micro-batch's forward and backward compare the learner's routing with the
+recorded one, and with `routing_replay = "rollout"` route the generated tokens to the recorded experts
+(`stages.learner.replay`); the step then reports the router metrics and `logprob_gap` (the mean |behaviour -
+proximal| logprob over trained tokens). A dense model's step is unchanged.
+
 Invariant: a step on N ranks is the step on one rank. Each rank trains whole groups (its share, split
 by tokens: `stages.learner.ranks`), and every aggregation divides by the step's global count
 (`StepPlan`: trained tokens or rows over all ranks, the longest row), so the ranks' gradients sum to
@@ -35,6 +41,7 @@ import torch
 
 from buffers.codec import RolloutBatch
 from policies.balance import micro_batches
+from stages.data.routing import ROUTED_EXPERTS_FIELD, inputs_of_tokens, moe_layout
 from stages.learner import sharding
 from stages.learner.lora import AdapterPublisher
 from stages.learner.losses import (
@@ -49,6 +56,13 @@ from stages.learner.losses import (
     token_entropy,
     zero_variance_fraction,
 )
+from stages.learner.replay import (
+    check_routing_replay,
+    fold_layer_shares,
+    layer_shares,
+    routed_forward,
+    routed_tensors,
+)
 from stages.learner.state import read_learner_state, write_learner_state
 
 TEACHER_FIELD = "teacher_logprobs"  # the token field the producer's teacher writes (stages.scorers.teacher)
@@ -62,6 +76,7 @@ class StepPlan(msgspec.Struct, frozen=True):
     rows: float  # rows with a trained token, over every rank
     width: int  # loss positions of the longest row over every rank (its tokens minus one)
     micro_batches: int = 1  # forward/backward passes each rank runs per epoch
+    routed: bool = False  # every group carries routed experts: every rank reports the router metrics
 
 
 def episode_metrics(batches: list[RolloutBatch]) -> dict[str, float]:
@@ -164,8 +179,10 @@ def plan_step(shares: list[list[RolloutBatch]], mean_staleness: float, max_token
     lengths = [row_lengths(share) for share in shares]
     width = max((n for per_rank in lengths for n in per_rank), default=2) - 1
     passes = max((len(micro_batches(per_rank, max_tokens)) for per_rank in lengths), default=1)
+    groups = [b for share in shares for b in share]
+    routed = bool(groups) and all(ROUTED_EXPERTS_FIELD in b.token_fields for b in groups)
     return StepPlan(mean_staleness, float(sum(trained)), float(sum(n > 0 for n in trained)), max(width, 1),
-                    max(passes, 1))
+                    max(passes, 1), routed)
 
 
 class PolicyTrainer:
@@ -179,6 +196,9 @@ class PolicyTrainer:
         self.device = sharding.pick_device(spec.device, world_size)
         self.model = sharding.load_policy(spec.model_path, self.device, world_size, spec.activation_checkpointing,
                                           self.sharded, spec.lora)
+        if spec.routing_replay != "off":  # replay on a dense model fails here, naming the setting
+            check_routing_replay(spec.model_path, spec.routing_replay, engine_returns_experts=True)
+        self.routing_layers = len(layout.layers) if (layout := moe_layout(self.model)) is not None else 0
         trained = [p for p in self.model.parameters() if p.requires_grad]  # with LoRA: the adapter's only
         self.optimizer = torch.optim.AdamW(trained, lr=spec.lr, betas=tuple(spec.adam_betas),
                                            weight_decay=spec.weight_decay)
@@ -239,7 +259,7 @@ class PolicyTrainer:
         for group in opt.param_groups:  # the scheduler sets each step's lr afresh, so this lasts one step
             group["lr"] *= lr_scale
         lr = opt.param_groups[0]["lr"]
-        rows = _Rows.of(batches, spec, self.device)
+        rows = _Rows.of(batches, spec, plan.routed or spec.routing_replay == "rollout")
         chunks = _padded(micro_batches(rows.lengths, spec.micro_batch_tokens), plan.micro_batches)
         proximal: list[torch.Tensor | None] = [None] * len(chunks)
         for _ in range(spec.epochs):  # PPO epochs: later passes see ratios move away from 1, and clip
@@ -250,7 +270,7 @@ class PolicyTrainer:
             grad_norm = sharding.clip_grad_norm(self.model, spec.max_grad_norm)
             opt.step()
         self.scheduler.step()
-        info = totals.result(plan.tokens, self.world_size)
+        info = fold_layer_shares(totals.result(plan.tokens, self.world_size))
         info["lr"], info["lr_staleness_factor"] = lr, round(lr_scale, 4)
         info["grad_norm"] = round(grad_norm, 4)
         if self.spec.entropy_cap == "initial" and self.entropy_cap is None and info.get("entropy", 0.0) > 0:
@@ -269,32 +289,39 @@ class PolicyTrainer:
         reduce = partial(aggregate, mode=spec.loss_agg_mode, max_tokens=spec.loss_max_tokens or plan.width,
                          denominator=plan.tokens if spec.loss_agg_mode == "token-mean" else plan.rows)
         m = mask[:, 1:]
-        logits = self.model(input_ids=ids, attention_mask=attn).logits[:, :-1].float() / spec.temperature
-        logp_all = torch.log_softmax(logits, -1)
-        logp = logp_all.gather(2, ids[:, 1:, None]).squeeze(-1)
-        proximal = logp.detach() if proximal is None else proximal  # the weights at the step's start
-        entropy = token_entropy(logp_all if spec.entropy_coef > 0 else logp_all.detach())
-        loss, info = spec.correction.loss(logp, old[:, 1:], proximal, adv, m, spec.clip_eps, spec.clip_eps_high,
-                                          reduce, entropy=entropy)
-        if spec.entropy_coef > 0:
-            loss = loss - spec.entropy_coef * reduce(entropy_bonus_term(entropy, self.entropy_cap) * bonus, m)
-        if spec.kl_coef > 0:
-            ref_logits = self._reference_logits(ids, attn)
-            reference = torch.log_softmax(ref_logits / spec.temperature, -1).gather(2, ids[:, 1:, None]).squeeze(-1)
-            per_token = kl_k3(logp, reference)
-            loss = loss + spec.kl_coef * reduce(per_token, m)
-            info["kl_ref"] = float((per_token.detach() * m).sum() / m.sum().clamp(min=1))
-        (loss * self.world_size).backward()  # FSDP2 averages the ranks' gradients; they must sum
+        routing, replay = rows.routing(chunk, self.device), spec.routing_replay == "rollout"
+        with routed_forward(self.model, routing, replay) as seen:  # through backward: a recompute replays too
+            logits = self.model(input_ids=ids, attention_mask=attn).logits[:, :-1].float() / spec.temperature
+            logp_all = torch.log_softmax(logits, -1)
+            logp = logp_all.gather(2, ids[:, 1:, None]).squeeze(-1)
+            proximal = logp.detach() if proximal is None else proximal  # the weights at the step's start
+            entropy = token_entropy(logp_all if spec.entropy_coef > 0 else logp_all.detach())
+            loss, info = spec.correction.loss(logp, old[:, 1:], proximal, adv, m, spec.clip_eps, spec.clip_eps_high,
+                                              reduce, entropy=entropy)
+            if spec.entropy_coef > 0:
+                loss = loss - spec.entropy_coef * reduce(entropy_bonus_term(entropy, self.entropy_cap) * bonus, m)
+            if spec.kl_coef > 0:
+                ref_logits = self._reference_logits(ids, attn, routing)
+                reference = torch.log_softmax(ref_logits / spec.temperature, -1).gather(2, ids[:, 1:, None])
+                per_token = kl_k3(logp, reference.squeeze(-1))
+                loss = loss + spec.kl_coef * reduce(per_token, m)
+                info["kl_ref"] = float((per_token.detach() * m).sum() / m.sum().clamp(min=1))
+            (loss * self.world_size).backward()  # FSDP2 averages the ranks' gradients; they must sum
         info["entropy"] = float((entropy.detach() * m).sum() / m.sum().clamp(min=1))
+        if plan.routed:  # every rank adds the same keys: the totals are summed over ranks in one collective
+            info |= layer_shares(seen, self.routing_layers)
+            info["logprob_gap"] = float(((proximal - old[:, 1:]).abs() * m).sum() / m.sum().clamp(min=1))
         totals.add(float(loss.detach()), info, float(m.sum()))
         return proximal
 
-    def _reference_logits(self, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """The initial weights' logits for the KL penalty: the reference model's, or with LoRA the base's
-        (the adapter switched off for this forward)."""
+    def _reference_logits(self, ids: torch.Tensor, attn: torch.Tensor,
+                          routing: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """The initial weights' logits for the KL penalty: the reference model's (routed as the policy's
+        forward is), or with LoRA the base's (the adapter switched off for this forward)."""
         with torch.no_grad():
             if self.reference is not None:
-                return self.reference(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+                with routed_forward(self.reference, routing if self.spec.routing_replay == "rollout" else None, True):
+                    return self.reference(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
             with self.model.disable_adapter():
                 return self.model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
 
@@ -302,13 +329,15 @@ class PolicyTrainer:
 class _Rows:
     """One rank's rows of a step as tensors, and the advantage and entropy-bonus weight of each row."""
 
-    def __init__(self, ids, old, mask, attn, rewards, group_index, adv, bonus) -> None:
+    def __init__(self, ids, old, mask, attn, rewards, group_index, adv, bonus, experts=None) -> None:
         self.ids, self.old, self.mask, self.attn = ids, old, mask, attn
         self.rewards, self.group_index, self.adv, self.bonus = rewards, group_index, adv, bonus
+        self.experts = experts  # the recorded experts and where, [rows, T, moe layers, top_k] and [rows, T]
         self.lengths = [int(n) for n in attn.sum(-1)]
 
     @classmethod
-    def of(cls, batches: list[RolloutBatch], spec: Any, device: torch.device) -> _Rows:
+    def of(cls, batches: list[RolloutBatch], spec: Any, routed: bool) -> _Rows:
+        """The rows of `batches`, with their recorded experts when `routed` (every group must carry them)."""
         if not batches:  # a rank without groups this step: one masked dummy row keeps the collectives in step
             z = torch.zeros((0, 2))
             return cls(z.long(), z, z, z.long(), torch.zeros(0), torch.zeros(0, dtype=torch.long),
@@ -320,7 +349,8 @@ class _Rows:
             adv = distill_advantages(adv, old, teacher, mask, spec.distill_coef, spec.distill_mode,
                                      group_index if spec.distill_baseline else None)
         bonus = entropy_bonus_rows(rewards, group_index, spec.entropy_scope)[:, None]
-        return cls(ids, old, mask, attn, rewards, group_index, adv, bonus)
+        experts = routed_tensors(batches, ids.shape[1]) if routed else None
+        return cls(ids, old, mask, attn, rewards, group_index, adv, bonus, experts)
 
     def take(self, chunk: list[int], device: torch.device) -> tuple[torch.Tensor, ...]:
         """The rows `chunk`, cut to their longest row, on `device` (empty: one masked dummy row)."""
@@ -332,6 +362,15 @@ class _Rows:
         cut = (t[index, :width] for t in (self.ids, self.old, self.mask, self.attn))
         adv = self.adv[index, :width] if self.adv.shape[1] > 1 else self.adv[index]  # per token with distillation
         return tuple(t.to(device) for t in (*cut, adv, self.bonus[index]))
+
+    def routing(self, chunk: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The recorded experts of the rows `chunk` at the input positions a replayed forward routes (as
+        `take` cuts them), or None: no experts, or an empty pass."""
+        if self.experts is None or not chunk:
+            return None
+        index, width = torch.tensor(chunk), max(self.lengths[i] for i in chunk)
+        experts, where = (t[index, :width].to(device) for t in self.experts)
+        return inputs_of_tokens(experts, where)
 
 
 def _padded(chunks: list[list[int]], passes: int) -> list[list[int]]:

@@ -48,9 +48,10 @@ def batches(draw: st.DrawFn, max_rows: int = 6, max_row_len: int = 5) -> Rollout
     rows, tokens = len(lengths), int(offsets[-1])
     names = draw(st.lists(NAMES, max_size=5, unique=True))
     n_token = draw(st.integers(0, len(names)))
-    token_fields = {
-        name: draw(hnp.arrays(draw(st.sampled_from(ALLOWED_DTYPES)), (tokens,))) for name in names[:n_token]
-    }
+    token_fields = {}
+    for name in names[:n_token]:  # one entry per token: 1-D, or typed-ragged with trailing dims
+        shape = draw(st.sampled_from([(tokens,), (tokens, draw(st.integers(0, 3)), draw(st.integers(1, 2)))]))
+        token_fields[name] = draw(hnp.arrays(draw(st.sampled_from(ALLOWED_DTYPES)), shape))
     row_fields = {}
     for name in names[n_token:]:
         shape = draw(st.sampled_from([(rows,), (rows, draw(st.integers(0, 3)))]))
@@ -207,7 +208,9 @@ def test_disallowed_dtype_is_rejected_at_encode() -> None:
     ("kwargs", "match"),
     [
         ({"token_fields": {"tokens": np.zeros(4, np.int32)}}, "token field 'tokens'.*shape"),
-        ({"token_fields": {"tokens": np.zeros((3, 1), np.int32)}}, "token field 'tokens'.*shape"),
+        ({"token_fields": {"tokens": np.zeros((2, 1), np.int32)}}, "token field 'tokens'.*shape"),
+        ({"token_fields": {"experts": np.zeros((4, 2, 2), np.uint8)}}, r"token field 'experts'.*\(3, \.\.\.\)"),
+        ({"token_fields": {"experts": np.array(1, np.uint8)}}, "token field 'experts'.*shape"),
         ({"row_fields": {"rewards": np.zeros(3, np.float32)}}, "row field 'rewards'.*shape"),
         ({"row_fields": {"rewards": np.float32(1.0)}}, "row field 'rewards'"),
         ({"row_fields": {"rewards": [1.0, 2.0]}}, "row field 'rewards'.*numpy array"),
@@ -329,3 +332,56 @@ def test_to_torch_shares_memory_without_warning(dtype: np.dtype) -> None:
     assert tensor.data_ptr() == arr.ctypes.data
     assert tensor.tolist() == arr.tolist()
     assert writable.tolist() == [1, 2]
+
+
+def _reheadered(payload: memoryview, header: codec.Header) -> bytes:
+    """`payload`'s body under another header (preamble, checksum and padding made consistent)."""
+    body = bytes(payload[body_start(payload) :])
+    header_bytes = msgspec.msgpack.encode(header)
+    start = codec._align(16 + len(header_bytes))
+    preamble = struct.pack("<4sIQ", MAGIC, len(header_bytes), xxhash.xxh3_64_intdigest(header_bytes))
+    return preamble + header_bytes + bytes(start - 16 - len(header_bytes)) + body
+
+
+def test_per_token_arrays_round_trip_zero_copy() -> None:
+    """A typed-ragged token field, [tokens, layers, top_k] uint8 (an MoE token's routed experts), travels
+    like a 1-D one: checksummed, decoded as read-only views of the payload, sliced per row."""
+    rng = np.random.default_rng(0)
+    rows = [{"tokens": np.arange(n, dtype=np.int32), "experts": rng.integers(0, 8, (n, 2, 2), dtype=np.uint8)}
+            for n in (3, 0, 5)]
+    batch = RolloutBatch.from_rows(rows, row_fields={"rewards": np.zeros(3, np.float32)})
+    assert batch.token_fields["experts"].shape == (8, 2, 2)
+    buf = bytearray(encode(batch))
+    decoded = decode(buf)
+    assert_same_batch(decoded, batch)
+    experts = decoded.token_fields["experts"]
+    assert not experts.flags.writeable and np.shares_memory(experts, np.frombuffer(buf, np.uint8))
+    for i, row in enumerate(rows):
+        assert np.array_equal(decoded.row(i)["experts"], row["experts"])
+    assert [d.shape for d in peek(buf).fields if d.name == "experts"] == [(8, 2, 2)]
+    with pytest.raises(ValueError, match="row 1.*one length"):
+        RolloutBatch.from_rows([rows[0], {"tokens": np.zeros(2, np.int32), "experts": np.zeros((3, 2, 2), np.uint8)}])
+
+
+def test_per_token_field_with_a_wrong_leading_dim_is_corrupt() -> None:
+    batch = RolloutBatch(np.array([0, 4]), {"experts": np.zeros((4, 2, 2), np.uint8)})
+    payload = encode(batch)
+    header = peek(payload)
+    forged = tuple(msgspec.structs.replace(d, shape=(8, 2, 1)) if d.name == "experts" else d for d in header.fields)
+    with pytest.raises(CorruptPayload, match=r"field 'experts': expected shape \(4, \.\.\.\), found \(8, 2, 1\)"):
+        decode(_reheadered(payload, msgspec.structs.replace(header, fields=forged)))
+    scalar = tuple(msgspec.structs.replace(d, shape=(), nbytes=1) if d.name == "experts" else d for d in header.fields)
+    with pytest.raises(CorruptPayload, match="field 'experts'"):
+        decode(_reheadered(payload, msgspec.structs.replace(header, fields=scalar)))
+
+
+def test_one_dimensional_payloads_are_unchanged() -> None:
+    """Per-token arrays changed no byte of a batch without them (payloads written before still decode)."""
+    rows = [{"tokens": np.array([5, 6, 7], np.int32), "logprobs": np.array([0, -0.5, -0.25], np.float32),
+             "loss_mask": np.array([0, 1, 1], np.uint8)},
+            {"tokens": np.array([8], np.int32), "logprobs": np.array([-1.0], np.float32),
+             "loss_mask": np.array([1], np.uint8)}]
+    batch = RolloutBatch.from_rows(rows, row_fields={"rewards": np.array([1.0, 0.0], np.float32)}, meta={"group": "g1"})
+    payload = encode(batch)
+    assert (len(payload), xxhash.xxh3_64_hexdigest(bytes(payload))) == (712, "83670102adfce002")
+    assert_same_batch(decode(payload), batch)

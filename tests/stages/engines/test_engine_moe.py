@@ -99,3 +99,12 @@ async def test_a_dense_model_returns_no_experts_and_installs_no_hook(tmp_path) -
         assert all(c.routed_experts is None for c in out)
     finally:
         await engine.stop()
+
+
+def test_the_fault_wrapper_says_what_its_engine_returns(moe_folder, tmp_path) -> None:
+    from pipeline.faults import FaultPlan, FaultSpec
+    from stages.engines.faulty import FaultyEngine
+
+    plan = FaultPlan([FaultSpec("engine.crash", at=(3,))])
+    assert returns_routed_experts(FaultyEngine(TorchEngine(moe_folder, seed=3), plan))
+    assert not returns_routed_experts(FaultyEngine(TorchEngine(make_tiny_model(tmp_path / "dense"), seed=3), plan))

@@ -155,6 +155,51 @@ async def test_a_feedback_episode_through_the_plain_renderer_keeps_its_tokens_al
     assert episode.version_span() == (0, 1)
 
 
+
+@dataclass
+class RoutedCompletion(Completion):  # an MoE engine's: each token's routed experts too
+    routed_experts: np.ndarray | None = None
+
+
+def routed(ids: list[int], version: int, first_expert: int) -> RoutedCompletion:
+    experts = (first_expert + np.arange(len(ids) * 2 * 2)).reshape(len(ids), 2, 2).astype(np.uint8)
+    return RoutedCompletion(*vars(emitted(ids, version)).values(), experts)
+
+
+def test_routed_experts_ride_along_for_model_tokens_only():
+    """Prompt and environment tokens carry zero experts, model tokens theirs, in one [ids, layers, k] column;
+    a dense episode has no such column."""
+    episode = EpisodeTokens([1, 2, 3])
+    first, second = routed([4, 5], 0, 1), routed([8], 1, 100)
+    episode.add_model(first)
+    episode.add_env([6, 7])
+    episode.add_model(second)
+    row = episode.row()
+    experts = row["routed_experts"]
+    assert experts.shape == (8, 2, 2) and experts.dtype == np.uint8
+    mask = row["loss_mask"].astype(bool)
+    assert np.array_equal(experts[mask], np.concatenate([first.routed_experts, second.routed_experts]))
+    assert not experts[~mask].any()
+    dense = EpisodeTokens([1, 2, 3])
+    dense.add_model(emitted([4, 5], 0))
+    assert list(dense.row()) == ["tokens", "logprobs", "loss_mask", "token_versions"]
+
+
+def test_routed_experts_must_fit_their_turn_and_episode():
+    episode = EpisodeTokens([1])
+    with pytest.raises(ValueError, match="routed experts: 2 tokens"):
+        episode.add_model(RoutedCompletion(*vars(emitted([4, 5], 0)).values(), np.zeros((1, 2, 2), np.uint8)))
+    episode.add_model(routed([4, 5], 0, 0))
+    with pytest.raises(ValueError, match="without routed experts"):
+        episode.add_model(emitted([6], 0))
+    with pytest.raises(ValueError, match="after"):
+        episode.add_model(RoutedCompletion(*vars(emitted([6], 0)).values(), np.zeros((1, 3, 2), np.uint8)))
+    dense = EpisodeTokens([1])
+    dense.add_model(emitted([4], 0))
+    with pytest.raises(ValueError, match="other turns have none"):
+        dense.add_model(routed([5], 0, 0))
+
+
 # -- the calculator -----------------------------------------------------------------------------------
 
 

@@ -587,3 +587,16 @@ async def test_engine_host_routes_sticky_per_episode_and_new_episodes_to_the_lea
     third = await host.open(wait=False)
     await host.generate(third.id, [4], params)
     assert len(idle.prompts) == 3 and busy.prompts == [[4]] and third.group == first.group + 1
+
+
+def test_a_completion_cut_at_a_stop_string_keeps_its_tokens_routed_experts():
+    from stages.gateway.turns import _cut
+
+    experts = np.arange(5 * 2 * 2, dtype=np.uint8).reshape(5, 2, 2)
+    whole = Completion(np.arange(5, dtype=np.int32), np.full(5, -0.5, np.float32), np.zeros(5, np.int32),
+                       "length", {}, experts)
+    cut = _cut(whole, 3)
+    assert cut.tokens.tolist() == [0, 1, 2] and np.array_equal(cut.routed_experts, experts[:3])
+    assert cut.finish_reason == "stop"
+    dense = Completion(np.arange(5, dtype=np.int32), np.full(5, -0.5, np.float32), np.zeros(5, np.int32))
+    assert _cut(dense, 2).routed_experts is None
