@@ -145,6 +145,14 @@ async def _show_progress(pipe: Any, ctx: RunContext, clock: VersionClock, progre
         await anyio.sleep(0.25)
 
 
+def _check_names(actors: Sequence[Actor], until: Sequence[str]) -> None:
+    names = [a.name for a in actors]
+    if len(set(names)) != len(names):
+        raise ValueError(f"actor names must be unique, got {names}")
+    if missing := set(until) - set(names):
+        raise ValueError(f"until names unknown actors: {sorted(missing)}")
+
+
 async def run_actors(actors: Sequence[Actor], until: Sequence[str],
                      on_failure: Callable[[ActorFailed], None] | None = None) -> None:
     """Start all actors, run them until every actor named in `until` has returned, then stop all.
@@ -153,13 +161,7 @@ async def run_actors(actors: Sequence[Actor], until: Sequence[str],
     and every started actor is stopped either way; `on_failure` hears of the first failure before any
     actor is stopped (so a stop can tell a crash from an interrupt).
     """
-    names = [a.name for a in actors]
-    if len(set(names)) != len(names):
-        raise ValueError(f"actor names must be unique, got {names}")
-    missing = set(until) - set(names)
-    if missing:
-        raise ValueError(f"until names unknown actors: {sorted(missing)}")
-
+    _check_names(actors, until)
     started: list[Actor] = []
     failure: list[ActorFailed] = []
 
@@ -168,6 +170,7 @@ async def run_actors(actors: Sequence[Actor], until: Sequence[str],
             on_failure(err)
         failure.append(err)
         return err
+
     try:
         for actor in actors:
             try:
