@@ -37,6 +37,7 @@ import time
 
 from baton import export_command, ledger_command, watch_command
 from baton.config import ConfigError
+from buffers.mooncake_master import READ_LEASE_MS
 
 INTERRUPTED = (130, "interrupted by Ctrl-C or SIGTERM")
 EXIT_CODES: dict[str, tuple[tuple[int, str], ...]] = {  # each command's, listed by its --help
@@ -103,7 +104,8 @@ def _parser() -> argparse.ArgumentParser:
     export_command.add_parser(sub)
     m = _command(sub, "mooncake-master", "run a mooncake_master on 127.0.0.1 (prints its address)")
     m.add_argument("--port", type=int, default=None, help="RPC port (default: a free one)")
-    m.add_argument("--lease-ttl-ms", type=int, default=500, help="read lease before a key can be removed")
+    m.add_argument("--lease-ttl-ms", type=int, default=READ_LEASE_MS, help="a read's lease: a read that "
+                   "outlasts it is read again, a key read less than it ago cannot be removed")
     return parser
 
 
@@ -144,7 +146,9 @@ def run_mooncake_master(port: int | None, lease_ttl_ms: int) -> int:
 
 def run_fault_matrix(config: str, kinds: str | None, seeds: int, overrides: list[str]) -> int:
     """`baton faults`: each fault kind x seed on `config`; the table, then one JSON line of totals."""
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from pipeline.process import prepare_process
+
+    prepare_process()  # before torch loads: the fault matrix's runs are set up as `baton run`'s are
     from baton import fault_matrix
     from baton.schema import load_run_config
     from pipeline.telemetry import configure_logging
@@ -211,7 +215,9 @@ def run_or_check(args: argparse.Namespace) -> int:
             print(f"baton: {window}", file=sys.stderr)
         return 0
 
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from pipeline.process import prepare_process
+
+    prepare_process()  # before torch loads; `Pipeline.run()` calls it again, as it does for the DSL
     from baton.builder import build_pipeline
     from pipeline.actor import ActorFailed
     from pipeline.checkpoint import CheckpointError
@@ -251,7 +257,8 @@ def _resume_hint(run_dir) -> None:
     checkpoint = latest_checkpoint(run_dir) if run_dir is not None else None
     if checkpoint is not None:
         print(f"baton: {run_dir} holds a checkpoint of version {read_state(checkpoint).version}; "
-              f"continue the run with: baton run --resume {run_dir}", file=sys.stderr)
+              f"continue the run with: baton run --resume {run_dir}, or export its model with: "
+              f"baton export {run_dir} OUT", file=sys.stderr)
 
 
 SIGTERM_GRACE_S = 30.0  # a scheduler's usual grace before SIGKILL; a clean stop takes 2-9 s here

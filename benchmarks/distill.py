@@ -76,9 +76,9 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 
 def make_teacher(root: Path, steps: int, digits: int) -> tuple[Path, dict]:
-    """Seed 0's RL run, its checkpoint of version `steps` exported with `baton export` (a run's last version
-    is not checkpointed: it runs one more); the run's own time to target."""
-    summary = run(root, "teacher", 0, steps + 1, digits, checkpoint={"every": steps})
+    """Seed 0's RL run of `steps` versions, its last version (checkpointed at the run's end) exported with
+    `baton export`; the run's own time to target."""
+    summary = run(root, "teacher", 0, steps, digits, checkpoint={"every": steps})
     folder = root / "teacher"
     code = cli.main(["export", summary["run_dir"], str(folder)])
     if code != 0:

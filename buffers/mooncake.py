@@ -13,6 +13,10 @@
   does not lose the data. With fewer segments than replicas, Mooncake stores fewer copies.
 * **Errors.** Every negative return code becomes a typed exception naming the code and the key;
   `get` never returns an empty or short result as data.
+* **Read leases.** The master leases each key a read takes for its `default_kv_lease_ttl` and fails a
+  transfer that outlasts it (-707). The masters baton starts lease for `READ_LEASE_MS` (2 s: a 64 MiB part
+  on a loaded machine), and a key whose lease expired anyway is read again alone under a fresh lease, the
+  other parts of the object kept (`LEASE_RETRIES` tries): a slow machine makes a read slower, not failed.
 * **Segment ownership.** `segment_bytes > 0` mounts that much memory into the pool from this
   process (the buffer stage); `segment_bytes = 0` makes a pure client (producers, learner).
 """
@@ -31,9 +35,10 @@ from functools import partial
 
 import anyio
 import numpy as np
+from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 from typing_extensions import Buffer
 
-from buffers.mooncake_master import MooncakeMaster, require_mooncake
+from buffers.mooncake_master import READ_LEASE_MS, MooncakeMaster, require_mooncake
 from buffers.pool import BufferPool
 from buffers.retry import retry_while
 from buffers.store import KeyNotFound, StoreError, StoreFull
@@ -45,6 +50,7 @@ INLINE_BYTES = 2 << 20
 # a put whose transfer could not be submitted (-800) with one replica is tried again for this long: on a
 # loaded machine a first connection to a holder can fail to submit; a holder that is gone still fails
 TRANSFER_RETRY_S = 2.0
+LEASE_RETRIES = 5  # tries of one key whose read outlasted its lease, each under a fresh lease
 
 
 class MooncakeError(StoreError):
@@ -117,21 +123,15 @@ class MooncakeSettings:
     replicas: int = 1
     failover_s: float = 15.0  # with replicas > 1: how long a get retries a dead holder (> master client_ttl)
     full_wait_s: float = 60.0  # how long a put waits for space in a full store before raising
-    read_lease_s: float = 0.5  # the master's read lease (default_kv_lease_ttl; ours: 500 ms), see `remove`
+    # the master's read lease (default_kv_lease_ttl; the masters baton starts: READ_LEASE_MS), see `remove`
+    read_lease_s: float = READ_LEASE_MS / 1000
 
     def resolved(self) -> MooncakeSettings:
-        return MooncakeSettings(
+        return dataclasses.replace(
+            self,
             master_server_address=self.master_server_address or os.environ.get("MOONCAKE_MASTER_ADDR", ""),
             protocol=self.protocol or os.environ.get("MOONCAKE_PROTOCOL", "tcp"),
             device=self.device or os.environ.get("MOONCAKE_DEVICE", ""),
-            local_hostname=self.local_hostname,
-            metadata_server=self.metadata_server,
-            global_segment_size=self.global_segment_size,
-            local_buffer_size=self.local_buffer_size,
-            chunk_bytes=self.chunk_bytes,
-            replicas=self.replicas,
-            failover_s=self.failover_s,
-            full_wait_s=self.full_wait_s,
         )
 
 
@@ -202,7 +202,8 @@ class MooncakeStore:
         """The value of `key`. `size_hint` (a Ref's nbytes) saves the size lookup and is checked: a
         value of another size raises MooncakeTransferFailed.
 
-        A read whose lease expired mid-transfer (-707) is retried. With replicas > 1, a get that hits
+        A key whose lease expired mid-transfer (-707) is read again alone (`_read`); should that keep
+        failing, the whole read is retried for up to `failover_s`. With replicas > 1, a get that hits
         a dead holder is retried until the master drops that replica (its client_ttl), then served
         from a surviving copy; with one replica that failure is raised at once."""
         get = partial(self._call, self._get, key, size_hint, nbytes=size_hint or 0)
@@ -302,16 +303,32 @@ class MooncakeStore:
         return size
 
     def _read(self, keys: list[str], buf: np.ndarray, sizes: list[int], exact: bool = True) -> list[int]:
-        """Read each key into its slice of `buf`; with exact=False a slice may be larger than the value."""
+        """Read each key into its slice of `buf`; with exact=False a slice may be larger than the value. A key
+        whose read outlasted its lease (-707) is read again alone, the others kept (`_read_again`)."""
         offsets = np.cumsum([0, *sizes[:-1]])
         ptrs = [buf.ctypes.data + int(o) for o in offsets]
-        got = self._client.batch_get_into(keys, ptrs, sizes)
+        got = list(self._client.batch_get_into(keys, ptrs, sizes))
+        for i, n in enumerate(got):
+            if n == MooncakeLeaseExpired.code:
+                got[i] = self._read_again(keys[i], ptrs[i], sizes[i])
         for k, n, want in zip(keys, got, sizes, strict=True):
             if n < 0:
                 raise error_for(k, n, "get")
             if exact and n != want:
                 raise MooncakeTransferFailed(k, op=f"get (read {n} of {want} bytes)")
         return got
+
+    def _read_again(self, key: str, ptr: int, size: int) -> int:
+        """Read `key` alone into `ptr`, each try under a fresh lease, up to `LEASE_RETRIES` tries while its
+        lease expires mid-transfer; the bytes read (or another error's code, for `_read` to raise)."""
+        retrying = Retrying(stop=stop_after_attempt(LEASE_RETRIES), wait=wait_exponential(0.05, max=0.5),
+                            retry=retry_if_exception_type(MooncakeLeaseExpired), reraise=True)
+        for attempt in retrying:
+            with attempt:
+                (n,) = self._client.batch_get_into([key], [ptr], [size])
+                if n == MooncakeLeaseExpired.code:
+                    raise MooncakeLeaseExpired(key, op=f"get (read alone, {attempt.retry_state.attempt_number} tries)")
+        return n
 
     def _get(self, key: str, size_hint: int | None = None) -> memoryview:
         size = size_hint if size_hint else self._size(key)

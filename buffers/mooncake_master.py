@@ -17,6 +17,12 @@ from pathlib import Path
 from pipeline.lifetime import die_with_parent
 from pipeline.net import free_port
 
+# The read lease of the masters baton starts (`default_kv_lease_ttl`; mooncake_master's own default is 10 s):
+# a read whose transfer outlasts it fails (-707), and a key read less than it ago cannot be removed. 2 s
+# covers a 64 MiB part (`MooncakeSettings.chunk_bytes`) on a loaded machine, where 500 ms did not (a 128 MiB
+# cross-process read with two busy loops on two cores), and delays only frees, which run in the background.
+READ_LEASE_MS = 2000
+
 
 class MooncakeUnavailable(ImportError):
     """The mooncake wheel or a system library it needs is missing."""
@@ -57,7 +63,7 @@ class MooncakeMaster:
         self,
         port: int | None = None,
         *,
-        lease_ttl_ms: int = 500,
+        lease_ttl_ms: int = READ_LEASE_MS,
         client_ttl_s: int = 10,
         log_path: str | Path | None = None,
         extra_flags: tuple[str, ...] = (),

@@ -1,6 +1,7 @@
 """Checkpoint and resume: a run that crashes continues from its last checkpoint, losing nothing uncounted.
 
-What a checkpoint holds (every `every` versions, written by the consumer between two steps):
+What a checkpoint holds (every `every` versions, and the run's last version whenever the run ends: at its
+step count, on Ctrl-C / SIGTERM, when an actor fails; written by the consumer between two steps):
 
 * `run_state.msgpack` (msgspec, no pickle): the version, the ledger's records in flight, counts, redo
   sources and redos in progress and its store's position, the admission gate's counts, and every
@@ -272,7 +273,8 @@ class Checkpointer:
         self.log = get_logger("checkpoint").bind(run=run)
 
     def due(self, version: int) -> bool:
-        """Is a checkpoint due now that `version` was reached (never at 0, never at the run's end)?"""
+        """Is a checkpoint due now that `version` was reached (never at 0; the run's end is the consumer's
+        to checkpoint, once, however the run ends)?"""
         return 0 < version < self.steps and version % self.every == 0
 
     async def save(self, version: int, consumer: CheckpointingConsumer) -> Path | None:
@@ -383,6 +385,13 @@ def complete_checkpoints(run_dir: str | Path) -> dict[int, Path]:
     return {_version_of(p): p for p in ordered}
 
 
+def checkpoint_summary(run_dir: str | Path) -> dict[str, Any] | None:
+    """{"version", "path"} of the run folder's latest complete checkpoint (what `baton export` and `--resume`
+    take by default), or None."""
+    path = latest_checkpoint(run_dir)
+    return None if path is None else {"version": _version_of(path), "path": str(path)}
+
+
 def read_state(checkpoint: Path) -> RunState:
     """The run state of a complete checkpoint folder."""
     if not _is_complete(checkpoint):
@@ -398,6 +407,6 @@ def read_state(checkpoint: Path) -> RunState:
 
 __all__ = [
     "CheckpointError", "Checkpointer", "CheckpointingConsumer", "CutFailed", "GateCounts", "HeldRef", "LocalCut",
-    "RefHolder", "RunCut", "RunState", "complete_checkpoints", "latest_checkpoint", "owed_sources",
-    "python_random_state", "random_state", "read_state", "redo_requests",
+    "RefHolder", "RunCut", "RunState", "checkpoint_summary", "complete_checkpoints", "latest_checkpoint",
+    "owed_sources", "python_random_state", "random_state", "read_state", "redo_requests",
 ]

@@ -100,6 +100,7 @@ class RunContext:
     checkpoint: Any = None  # a pipeline.checkpoint.Checkpointer where the run checkpoints (the consumer's process)
     resume: Any = None  # a pipeline.resume.Resume (Ray: its PortableResume) when the run continues from one
     activity: Activity = field(default_factory=Activity)  # each actor's last event, for the watchdog
+    failure: BaseException | None = None  # the actor failure ending the run (set by the local runtime, before stops)
 
     def note(self, actor: str, event: str) -> None:
         """Record `actor`'s latest event (what a hang report shows, with its age). Cheap; never awaits."""

@@ -12,8 +12,11 @@ What the pipeline guarantees, whatever the stages are:
 * every item's fate lands in the ledger; at the end the run folder holds `config.toml`,
   `metrics.jsonl`, `ledger.json` and `report.png`, and `run()` returns the summary;
 * with `checkpoint_every = N` the consumer writes a checkpoint every N versions into the run folder,
-  and `resume(run_dir)` continues that run from its latest one (pipeline.checkpoint states the rule:
-  the resumed run is the checkpoint's run; nothing in flight is lost uncounted);
+  and one of its last version when the run ends (at `steps`, on Ctrl-C / SIGTERM, when an actor fails;
+  the summary's `checkpoint` names it), and `resume(run_dir)` continues that run from its latest one
+  (pipeline.checkpoint states the rule: the resumed run is the checkpoint's run; nothing in flight is
+  lost uncounted; a finished run resumes only to a higher `steps`);
+* `run()` prepares this process as `baton run` does (`pipeline.process.prepare_process`);
 * with `watchdog` set, a run that stops making progress is reported (which stage waits on what) and
   then failed with `PipelineHung` (pipeline.watchdog).
 
@@ -34,10 +37,12 @@ from typing import Any
 import anyio
 
 from pipeline.actor import Actor
+from pipeline.checkpoint import checkpoint_summary
 from pipeline.context import RunContext
 from pipeline.contracts import Buffer, Consumer, Producer, VersionPolicy
 from pipeline.events import EventCounts
 from pipeline.faults import FaultPlan, FaultSpec
+from pipeline.process import prepare_process
 from pipeline.reasons import by_kind
 from pipeline.resume import Resume
 from pipeline.runtime import RunReport, Runtime
@@ -80,12 +85,14 @@ class Pipeline:
 
     def run(self) -> dict[str, Any]:
         """Run to completion on the chosen runtime and return the summary."""
+        prepare_process()
         return anyio.run(self.arun)
 
     def resume(self, run_dir: str | Path) -> dict[str, Any]:
         """Continue the run in `run_dir` from its latest checkpoint (this pipeline must be the one that
         made it: same name, same stages) to `steps`, in the same folder; returns the summary, whose
         `resume` entry says what was rolled back, re-used and regenerated (pipeline.checkpoint)."""
+        prepare_process()
         return anyio.run(self.arun, run_dir)
 
     async def arun(self, resume_from: str | Path | None = None) -> dict[str, Any]:
@@ -165,6 +172,7 @@ class Pipeline:
             **report.extra,
             **({"events": events} if (events := EventCounts(folder.path).update()) else {}),
             **({"resume": resume.summary()} if resume is not None else {}),
+            **({"checkpoint": kept} if (kept := checkpoint_summary(folder.path)) else {}),  # the run's last one
         }
         folder.write_json("summary.json", summary)
         folder.close()

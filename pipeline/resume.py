@@ -76,6 +76,16 @@ def resumed_ledger(state: RunState, run_dir: str | Path, max_uses: int) -> Ledge
         raise CheckpointError(f"the run's ledger cannot be resumed: {exc}") from None
 
 
+def _nothing_to_do(run_dir: Path, state: RunState, steps: int) -> str:
+    """Why a resume to `steps` has nothing to train: the run already holds that version (a finished run's
+    last checkpoint is its step count), or a later one."""
+    where = f"--resume {str(run_dir)!r}: the latest checkpoint is version {state.version}"
+    more = f"to train on, resume with more steps (baton run --resume {run_dir} --set steps=N, N > {state.version})"
+    if steps == state.version:
+        return f"{where}, the run's step count {steps}: the run is finished, there is nothing to resume; {more}"
+    return f"{where}, past the step count {steps} asked for; a resume never trains backwards: {more}"
+
+
 def _trainings_after(run_dir: Path, state: RunState) -> int | None:
     """Trainings the crashed attempt recorded after the checkpoint (its store's rows past the checkpoint's
     position); None when the checkpoint has no position (format 1) or the run folder no store."""
@@ -163,6 +173,8 @@ class Resume:
         state = read_state(checkpoint)
         if state.run != run:
             raise CheckpointError(f"checkpoint {checkpoint} belongs to run {state.run!r}, not {run!r}")
+        if steps <= state.version:
+            raise CheckpointError(_nothing_to_do(run_dir, state, steps))
         if state.steps != steps:
             get_logger("checkpoint").info("resuming with a new step count", was=state.steps, now=steps)
         attempts = run_dir / "attempts"

@@ -128,7 +128,7 @@ class LocalRun:
         async with anyio.create_task_group() as tg:
             tg.start_soon(_show_progress, pipe, ctx, clock, progress)
             try:
-                await run_actors(actors, until=until)
+                await run_actors(actors, until=until, on_failure=lambda exc: setattr(ctx, "failure", exc))
             except ActorFailed as exc:
                 return exc
             finally:
@@ -145,28 +145,38 @@ async def _show_progress(pipe: Any, ctx: RunContext, clock: VersionClock, progre
         await anyio.sleep(0.25)
 
 
-async def run_actors(actors: Sequence[Actor], until: Sequence[str]) -> None:
-    """Start all actors, run them until every actor named in `until` has returned, then stop all.
-
-    Raises ActorFailed (cause chained) if any start() or run() raises. Other actors are cancelled
-    and every started actor is stopped either way.
-    """
+def _check_names(actors: Sequence[Actor], until: Sequence[str]) -> None:
     names = [a.name for a in actors]
     if len(set(names)) != len(names):
         raise ValueError(f"actor names must be unique, got {names}")
-    missing = set(until) - set(names)
-    if missing:
+    if missing := set(until) - set(names):
         raise ValueError(f"until names unknown actors: {sorted(missing)}")
 
+
+async def run_actors(actors: Sequence[Actor], until: Sequence[str],
+                     on_failure: Callable[[ActorFailed], None] | None = None) -> None:
+    """Start all actors, run them until every actor named in `until` has returned, then stop all.
+
+    Raises ActorFailed (cause chained) if any start() or run() raises. Other actors are cancelled
+    and every started actor is stopped either way; `on_failure` hears of the first failure before any
+    actor is stopped (so a stop can tell a crash from an interrupt).
+    """
+    _check_names(actors, until)
     started: list[Actor] = []
     failure: list[ActorFailed] = []
+
+    def failed(err: ActorFailed) -> ActorFailed:
+        if not failure and on_failure is not None:
+            on_failure(err)
+        failure.append(err)
+        return err
+
     try:
         for actor in actors:
             try:
                 await actor.start()
             except Exception as exc:
-                failure.append(ActorFailed(actor.name, "start", exc))
-                raise failure[-1] from exc
+                raise failed(ActorFailed(actor.name, "start", exc)) from exc
             started.append(actor)
 
         pending = set(until)
@@ -181,7 +191,7 @@ async def run_actors(actors: Sequence[Actor], until: Sequence[str]) -> None:
                 except Exception as exc:
                     err = ActorFailed(actor.name, "run", exc)
                     err.__cause__ = exc
-                    failure.append(err)
+                    failed(err)
                     tg.cancel_scope.cancel()
                     return
                 pending.discard(actor.name)

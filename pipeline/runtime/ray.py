@@ -119,6 +119,9 @@ class Wiring:
         )
 
 
+RUN_UNWIND_S = 10.0  # a host's stop waits this long for its cancelled run to unwind (the driver waits 15 s)
+
+
 @ray.remote(num_cpus=1, max_concurrency=64)
 class StageHost:
     """One actor of a stage, in this process. `role` is producer | buffer | consumer."""
@@ -184,7 +187,8 @@ class StageHost:
 
     async def stop(self) -> None:
         if self._run_task is not None and not self._run_task.done():
-            self._run_task.cancel()
+            self._run_task.cancel()  # then let it unwind, so the actor stops from where its run left off
+            await asyncio.wait([self._run_task], timeout=RUN_UNWIND_S)
         if self._memory is not None:
             self._memory.close()
         await self.actor.stop()

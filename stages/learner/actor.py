@@ -9,7 +9,12 @@ Each version:
    only then marks the groups trained (at the version they were trained at). A group with uses left
    (`max_reuse`) goes back into the window; a payload is freed only after its group's last use;
 4. every `checkpoint.every` versions, a checkpoint (pipeline.checkpoint): the run's state plus this
-   learner's model, optimizer and RNG states (stages.learner.state) and the refs it holds. A resumed
+   learner's model, optimizer and RNG states (stages.learner.state) and the refs it holds. The run's
+   last version is checkpointed too when the run ends (`_keep_final`): at its step count, and when it is
+   stopped (Ctrl-C, SIGTERM, the watchdog's stop of a hung run; an actor's crash is not an end but a crash,
+   resumed from the latest checkpoint) with the weights between two versions; a step
+   that finished computing when the stop came is completed first (clock and ledger, not published: the
+   engines stop), so the checkpoint holds exactly the weights the learner had. A resumed
    learner starts from those, publishes the checkpoint's weights to the engines before any
    generation, and takes back the reusable groups of its window whose payloads still exist. Every
    `checkpoint.export_every` versions the checkpoint is also exported as a Hugging Face folder, in a
@@ -39,6 +44,7 @@ from pipeline.checkpoint import CheckpointError
 from pipeline.context import RunContext
 from pipeline.events import EventCounts
 from pipeline.refs import HeldRef
+from pipeline.watchdog import PipelineHung
 from policies.staleness import staleness
 from stages.learner.bias import step_outcomes
 from stages.learner.collector import BatchCollector
@@ -68,6 +74,10 @@ class LearnerActor(BaseActor):
         self._events = EventCounts(ctx.folder.path)  # run events (pipeline.events) so far, for the metrics
         self.exports = ExportsAsRunGoes(spec.export_every, spec.model_path, ctx.folder.path, ctx)
         self._export_tasks: anyio.abc.TaskGroup | None = None  # the exports running (made in `run`)
+        self._kept = 0  # the version of this run's latest checkpoint (the resumed one's, or 0)
+        self._trained_to = 0  # the version the trainer's weights are at (ahead of `_version` mid-step)
+        self._pending: tuple[list, list] | None = None  # (refs, taken) of the step in progress
+        self._running = False  # `run` has not returned yet (its task may still be unwinding)
 
     @property
     def store(self) -> Any:
@@ -77,13 +87,14 @@ class LearnerActor(BaseActor):
         self.trainer = trainer = await self._make_trainer()
         version, resume = 0, self.ctx.resume
         if resume is not None:
-            version = await self._call(trainer.read_state, resume.consumer_dir)
+            version = self._kept = await self._call(trainer.read_state, resume.consumer_dir)
             if version != resume.version:
                 raise CheckpointError(f"checkpoint {resume.checkpoint}: learner state of version {version}, "
                                       f"run state of version {resume.version}")
             kept = await self.collector.restore(resume.reusable, version)
             self.log.info("learner restored", version=version, checkpoint=str(resume.checkpoint), reusable_groups=kept)
         await self._call(trainer.schedule, version)
+        self._trained_to = version
         # every engine starts from exactly the learner's weights of the run's first version (0 or the checkpoint's)
         await self._publish(version)
         if resume is not None and self.snapshot_every and self._published is not None:  # replaces a rolled-back one
@@ -149,19 +160,66 @@ class LearnerActor(BaseActor):
         )
 
     async def stop(self) -> None:
-        await self.transport.close()
-        if self.ranks is not None:
-            await anyio.to_thread.run_sync(self.ranks.close)
+        try:
+            await self._keep_on_stop()
+        finally:
+            await self.transport.close()
+            if self.ranks is not None:
+                await anyio.to_thread.run_sync(self.ranks.close)
 
     async def run(self) -> None:
-        async with anyio.create_task_group() as watch:
-            if self.ranks is not None:
-                watch.start_soon(self._watch_ranks)
-            async with anyio.create_task_group() as frees:  # payloads freed and checkpoints exported meanwhile
-                self.collector.frees = self._export_tasks = frees
-                await self._train()
+        self._running = True
+        try:
+            async with anyio.create_task_group() as watch:
+                if self.ranks is not None:
+                    watch.start_soon(self._watch_ranks)
+                async with anyio.create_task_group() as frees:  # payloads freed and checkpoints exported meanwhile
+                    self.collector.frees = self._export_tasks = frees
+                    await self._train()
+                watch.cancel_scope.cancel()
+        finally:
             self.collector.frees = self._export_tasks = None
-            watch.cancel_scope.cancel()
+            self._running = False
+
+    async def _keep_on_stop(self) -> None:
+        """A run stopped before its step count (Ctrl-C, SIGTERM, the watchdog's stop of a hung run; not an
+        actor's crash, which resumes from the latest checkpoint as a killed process would): checkpoint the
+        learner's last version (`_keep_final`). A step whose compute finished is completed first, without
+        publishing; weights caught mid-step (a rank's collective abandoned), a dead rank, or a `run` still
+        unwinding leave the latest checkpoint as it is. Never raises: the run is stopping anyway."""
+        failure = self.ctx.failure  # a crash resumes from the latest checkpoint, as a killed process would
+        if failure is not None and not isinstance(failure.__cause__, PipelineHung):
+            return
+        if self._running or self.trainer is None or self.ctx.checkpoint is None:
+            return
+        try:
+            if self.ranks is not None:
+                self.ranks.check()  # a dead rank would fail the checkpoint's collectives
+            if self._pending is not None:
+                if self._trained_to != self._version + 1:
+                    return  # the weights are mid-step
+                refs, taken = self._pending
+                await self._advance(self._trained_to, refs)
+                self._pending = None
+                await self.collector.release(taken, self._version - 1)
+            if (written := await self._keep_final()) is not None:
+                self.log.info("final version kept on stop", version=self._version, checkpoint=str(written))
+        except Exception as exc:  # noqa: BLE001 - the run's own error (if any) is what it reports
+            self.log.warning("the final version could not be checkpointed on stop", version=self._version,
+                             error=f"{type(exc).__name__}: {exc}")
+
+    async def _keep_final(self) -> Path | None:
+        """Checkpoint the learner's version unless it is checkpointed already (the run's end: a checkpoint
+        `baton export` and `--resume` find). Returns the checkpoint, or None."""
+        if self.ctx.checkpoint is None or self._version <= self._kept:
+            return None
+        return await self._checkpoint(self._version, export=False)
+
+    def _train_step(self, batches: list, stale: float, version: int) -> dict:
+        """The trainer's step from `version` (in a worker thread); records that the weights moved on."""
+        stats = self.trainer.train(batches, stale)
+        self._trained_to = version + 1
+        return stats
 
     async def _train(self) -> None:
         ctx, collector = self.ctx, self.collector
@@ -175,16 +233,18 @@ class LearnerActor(BaseActor):
             refs, batches = [t.item[0] for t in taken], [t.item[1] for t in taken]
             t0 = time.perf_counter()
             stale = [staleness(version, r.version) for r in refs]
+            self._pending = (refs, taken)
             async with anyio.create_task_group() as tg:
                 if version + 1 < ctx.steps:  # fetch the next step's groups while this one computes
                     tg.start_soon(collector.prefetch, version)
-                stats = await self._call(self.trainer.train, batches, float(np.mean(stale)))
+                stats = await self._call(self._train_step, batches, float(np.mean(stale)), version)
                 tg.cancel_scope.cancel()  # a prefetch still waiting for groups must not hold up the version
             step_s = time.perf_counter() - t0
             push_s, pushed = await self._publish(version + 1)
             await self._advance(version + 1, refs)
-            settled = await ctx.ledger.take_settled()  # trained now, and dropped since the last step
+            self._pending = None  # the release's window update happens at once, before its first await
             await collector.release(taken, version)
+            settled = await ctx.ledger.take_settled()  # trained now, and dropped since the last step
             trained_samples += sum(r.rows for r in refs)
             load_s, loads = collector.take_load_counts()
             ctx.folder.log_metrics({
@@ -210,8 +270,11 @@ class LearnerActor(BaseActor):
             })
             self._watch_collapse(version + 1, stats["reward"], stats["entropy"])
             last, version = time.perf_counter(), version + 1
-            await self._checkpoint_if_due(version)
-        if self.exports.every:  # the last version has no checkpoint: it is exported from the live weights
+            ctx.note(self.name, f"trained version {version}")
+            if ctx.checkpoint is not None and ctx.checkpoint.due(version):
+                await self._checkpoint(version)
+        await self._keep_final()  # the run's end is checkpointed (and `baton export` finds it)
+        if self.exports.every:  # the last version is exported from the live weights
             await self.exports.last(await self._call(self.trainer.weights), version)
 
     async def _advance(self, version: int, refs: list) -> None:
@@ -225,22 +288,25 @@ class LearnerActor(BaseActor):
         await ctx.ledger.trained([i for ref in refs for i in ref.item_ids], at_version=version - 1)
         self._version = version
 
-    async def _checkpoint_if_due(self, version: int) -> None:
+    async def _checkpoint(self, version: int, export: bool = True) -> Path | None:
+        """Write the checkpoint of `version` (and start its export when due and `export`); None if skipped."""
         ctx = self.ctx
-        ctx.note(self.name, f"trained version {version}")
-        if ctx.checkpoint is not None and ctx.checkpoint.due(version):
-            if self.exports.running():
-                ctx.note(self.name, f"waiting for the last export to finish before checkpointing version {version}")
-                await self.exports.wait()
-            try:  # every rank writes its shards: a rank that dies meanwhile fails the collective
-                written = await ctx.checkpoint.save(version, self)
-            except RuntimeError as exc:
-                if self.ranks is None:
-                    raise
-                await self._rank_failed(exc)
-            ctx.note(self.name, f"checkpoint of version {version} {'written' if written else 'skipped'}")
-            if written is not None and self._export_tasks is not None:
+        assert ctx.checkpoint is not None
+        if self.exports.running():
+            ctx.note(self.name, f"waiting for the last export to finish before checkpointing version {version}")
+            await self.exports.wait()
+        try:  # every rank writes its shards: a rank that dies meanwhile fails the collective
+            written = await ctx.checkpoint.save(version, self)
+        except RuntimeError as exc:
+            if self.ranks is None:
+                raise
+            await self._rank_failed(exc)
+        ctx.note(self.name, f"checkpoint of version {version} {'written' if written else 'skipped'}")
+        if written is not None:
+            self._kept = version
+            if export and self._export_tasks is not None:
                 self.exports.after_checkpoint(self._export_tasks, written, version)
+        return written
 
     async def _publish(self, version: int) -> tuple[float, dict[str, float]]:
         """Publish `version`'s weights: the seconds it took and the transport's counters for it. Refusals

@@ -360,3 +360,60 @@ async def test_size_hint_skips_the_lookup_and_is_checked(holder) -> None:
     for wrong in (1000, 400_000):  # a ref that disagrees with the store is an error, not data
         with pytest.raises(MooncakeTransferFailed, match=f"the value has 300000 bytes, the ref says {wrong}"):
             await holder.get("sh/v00000000/g/0", size_hint=wrong)
+
+
+def busy_loops(n: int) -> list[subprocess.Popen]:
+    """`n` processes spinning a core each (this test's own CPU hog; kill them by pid)."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+
+
+@pytest.mark.slow
+async def test_a_large_read_across_processes_passes_with_every_core_busy() -> None:
+    """Every core saturated by busy loops: the 128 MiB cross-process round trip (a pure client puts, this
+    process holds and reads; then the reverse) passes on a master started as baton starts one (its read lease
+    `READ_LEASE_MS`), where a 500 ms lease once failed it with LEASE_EXPIRED."""
+    size = 128 << 20
+    hogs = busy_loops(max(2, os.cpu_count() or 2))
+    try:
+        with MooncakeMaster() as master:
+            store = MooncakeStore(MooncakeSettings(master_server_address=master.address, global_segment_size=512 << 20))
+            try:
+                assert peer(master.address, 0, "put", "hog/v00000000/p/0", str(size), timeout=300) == [
+                    ["put", "hog/v00000000/p/0", size]]
+                assert await store.get("hog/v00000000/p/0") == memoryview(payload(size))
+                await store.put("hog/v00000000/h/0", payload(size))
+                assert peer(master.address, 0, "get", "hog/v00000000/h/0", str(size), timeout=300) == [
+                    ["get", "hog/v00000000/h/0", True]]
+            finally:
+                await store.close()
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+
+
+async def test_a_part_whose_lease_expired_is_read_again_alone(holder, monkeypatch) -> None:
+    """A chunked value whose second part's read outlasts its lease (-707): that part alone is read again,
+    under a fresh lease; the first part is not read twice, and the value comes back whole."""
+    data = payload((130 << 20) + 5)
+    await holder.put("le/v00000000/g/0", data)
+    asked = []
+
+    class Expiring:
+        """The real client, but the parts' batch (after the manifest's read) says the second part's lease expired."""
+
+        def __init__(self, client) -> None:
+            self.client = client
+
+        def __getattr__(self, name: str):
+            return getattr(self.client, name)
+
+        def batch_get_into(self, keys, ptrs, sizes):
+            asked.append(list(keys))
+            got = list(self.client.batch_get_into(keys, ptrs, sizes))
+            return [got[0], mooncake.MooncakeLeaseExpired.code, *got[2:]] if len(asked) == 2 else got
+
+    monkeypatch.setattr(holder, "_client", Expiring(holder._client))
+    assert await holder.get("le/v00000000/g/0") == memoryview(data)
+    assert asked[1:] == [[f"le/v00000000/g/0#p{i:04d}" for i in range(3)], ["le/v00000000/g/0#p0001"]]
+    await holder.remove("le/v00000000/g/0")

@@ -9,12 +9,12 @@ Each gets the smoke form its kind has in `FORMS` (a command of a kind without on
   directory; a config that needs the math example's model and data (`# needs: ... make_math_example.py`)
   gets the one the documented `make_math_example.py` command made; one on SGLang is skipped, with the
   reason, where no SGLang server environment exists.
-- `baton run --resume RUN_DIR`: resumes a 6-version quickstart run from its checkpoint of version 4.
+- `baton run --resume RUN_DIR`: resumes a finished 6-version quickstart run from its end (version 6) to 8.
 - `baton check ...`: as documented, expecting the exit code the docs show (2 for an invalid example).
 - `baton faults ...`: the documented line with one fault kind (`engine.crash`) and one seed.
 - `baton simulate ...`: the documented line with `--steps 20`; `--calibrate` reads a real quickstart run.
 - `baton watch RUN_DIR`, `baton ledger RUN_DIR`: on a finished quickstart run.
-- `baton export RUN_DIR OUT`: that run's latest checkpoint (version 4), into a new folder.
+- `baton export RUN_DIR OUT`: that run's latest checkpoint (its last version, 6), into a new folder.
 - `baton mooncake-master`: started on a free port, its address read, stopped with SIGTERM (exit 0).
 - `python benchmarks/...`: `--help` (each runs for minutes; their figures are in docs/results).
 - `python examples/math_dsl.py`: really, 2 versions; `python examples/openai_agent.py`: `--help` (it needs a
@@ -153,7 +153,7 @@ def cases() -> list[Documented]:
 
 FORMS = {
     "baton run": "steps=2, a temporary run folder",
-    "baton run --resume": "resumes a 6-version run from its checkpoint of version 4",
+    "baton run --resume": "resumes a finished 6-version run from its end (version 6) to 8",
     "baton check": "as documented",
     "baton faults": "one fault kind, one seed",
     "baton simulate": "--steps 20",
@@ -300,9 +300,10 @@ def smoke_baton(command: Documented, request) -> None:
         needs_sglang(argv)
         ran(with_made_example(argv, request.getfixturevalue("math_example")) + SMOKE_SETS + runs)
     elif command.key == "baton run --resume":
-        resumable = quickstart(work, "resumable")
-        done = ran(substitute(argv, {"RUN_DIR": str(resumable)}) + ["--set", "telemetry.progress=false"])
-        assert summary_of(done)["resume"]["from_version"] == 4
+        resumable = quickstart(work, "resumable")  # finished: its last version (6) is checkpointed; train on to 8
+        done = ran(substitute(argv, {"RUN_DIR": str(resumable)}) + ["--set", "telemetry.progress=false",
+                                                                     "--set", "steps=8"])
+        assert summary_of(done)["resume"]["from_version"] == 6
     elif command.key == "baton check":
         ran(argv, expect=command.expect)
     elif command.key == "baton faults":
@@ -322,7 +323,7 @@ def smoke_baton(command: Documented, request) -> None:
     elif command.key == "baton export":
         out = work / f"export-{uuid.uuid4().hex[:8]}"
         done = ran(substitute(argv, {"RUN_DIR": str(request.getfixturevalue("finished_run")), "OUT": str(out)}))
-        assert summary_of(done)["version"] == 4 and (out / "config.json").is_file()
+        assert summary_of(done)["version"] == 6 and (out / "config.json").is_file()
     elif command.key == "baton mooncake-master":
         smoke_mooncake_master(argv)
 
