@@ -98,8 +98,8 @@ def make_faults(cfg: RunConfig) -> list[FaultSpec] | None:
 
 
 def build_pipeline(cfg: RunConfig) -> Pipeline:
-    """The Pipeline this config describes. Seeds torch with the run's seed before any model is made."""
-    torch.set_num_threads(1)
+    """The Pipeline this config describes. Seeds torch with the run's seed before any model is made (the
+    process itself is prepared by `Pipeline.run`: pipeline.process, the same for the DSL and the CLI)."""
     torch.manual_seed(cfg.seed)
     model = cfg.model.make()
     buffer = make_buffer(cfg)

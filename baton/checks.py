@@ -11,9 +11,10 @@ from typing import TYPE_CHECKING
 
 from pydantic import ByteSize
 
+from baton.config import resolve
 from baton.sections.base import default_of
 from baton.sections.data import DatasetTaskSpec
-from baton.sections.engines import SGLangEngineSpec
+from baton.sections.engines import SGLangEngineSpec, TorchEngineSpec
 from baton.sections.learner import GRPOSpec, MaxStalenessSpec
 from baton.sections.rewards import MODEL_REWARDS, check_shared_tokenizer, is_url
 from baton.sections.stores import MemoryStoreSpec, MooncakeStoreSpec
@@ -21,6 +22,7 @@ from policies.staleness import MaxStaleness, reuse_lead
 from stages.data.model import check_model_folder, linear_module_names
 from stages.learner.lora import check_targets
 from stages.learner.losses import auto_entropy_cap
+from stages.learner.replay import check_routing_replay
 
 if TYPE_CHECKING:
     from baton.schema import RunConfig
@@ -29,7 +31,7 @@ if TYPE_CHECKING:
 def check_all(cfg: RunConfig) -> None:
     """Every check, in this order (mode_sets_k first: the others read the k it resolves)."""
     for check in (mode_sets_k, learner_ranks_fit, lora_fits, episodes_from_one_place, own_model_fits,
-                  model_rewards_load, distillation_fits, faults_fit, staleness_holds):
+                  model_rewards_load, distillation_fits, faults_fit, routing_replay_fits, staleness_holds):
         check(cfg)
 
 
@@ -131,6 +133,24 @@ def own_model_fits(cfg: RunConfig) -> None:
             raise ValueError(f"model.path: {exc}") from None
     if cfg.eval.every and isinstance(cfg.task, DatasetTaskSpec) and cfg.task.eval_path is None:
         raise ValueError("eval.every is set, but the dataset task has no task.eval_path to evaluate")
+
+
+def routing_replay_fits(cfg: RunConfig) -> None:
+    """learner.routing_replay = 'rollout' needs a mixture-of-experts model (one `create` makes with
+    model.experts, or a folder whose config has routed experts) and an engine that returns the experts it
+    routed to: the torch engine does on an MoE model; SGLang's server does not yet; a plug-in says so by a
+    class attribute `returns_routed_experts = True`."""
+    replay = getattr(cfg.learner, "routing_replay", "off")
+    if replay == "off":
+        return
+    if cfg.model.create and not cfg.model.experts:
+        raise ValueError("learner.routing_replay = 'rollout' replays routed experts, but model.experts = 0 makes a "
+                         "dense model: set model.experts (e.g. 8), or learner.routing_replay = 'off'")
+    engine = cfg.engine
+    returns = isinstance(engine, TorchEngineSpec) or (
+        not isinstance(engine, SGLangEngineSpec) and getattr(resolve(engine.kind), "returns_routed_experts", False))
+    # a model `create` makes is an MoE (checked above) made when the run starts: no folder to read yet
+    check_routing_replay(None if cfg.model.create else cfg.model.path, replay, engine_returns_experts=returns)
 
 
 def model_rewards_load(cfg: RunConfig) -> None:

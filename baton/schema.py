@@ -139,6 +139,17 @@ class RunConfig(Section):
             corrected=self.correction.kind != "none", lead=self.staleness.lead,
         )
 
+    def expert_bytes_per_token(self) -> int:
+        """What each token's routed experts add to a rollout payload (0 for a dense model)."""
+        from stages.data.routing import MoELayout, folder_moe_layout
+
+        model = self.model
+        if model.create:
+            return MoELayout(tuple(range(model.layers)), model.experts, model.top_k, True).bytes_per_token \
+                if model.experts else 0
+        layout = folder_moe_layout(model.path)
+        return layout.bytes_per_token if layout is not None else 0
+
     def window_report(self) -> str | None:
         """What the staleness window holds at most, in groups, samples and store bytes (`baton check`)."""
         from policies.bounds import live_groups
@@ -150,9 +161,11 @@ class RunConfig(Section):
         groups = live_groups(shape)
         samples = groups * self.rollout.group_size
         new_tokens = self.task.max_new_tokens if isinstance(self.task, _data.BUILT_IN_TASKS) else None
-        per_token = samples * EpisodeTokens.ROW_BYTES_PER_TOKEN
+        experts = self.expert_bytes_per_token()
+        per_token = samples * (EpisodeTokens.ROW_BYTES_PER_TOKEN + experts)
         line = (f"staleness window (k = {shape.k}, {shape.admission} admission): up to {groups} groups, {samples} "
-                f"samples, live at once; in the store that is {per_token / 2**10:,.1f} KiB per token of a sample")
+                f"samples, live at once; in the store that is {per_token / 2**10:,.1f} KiB per token of a sample"
+                + (f" (routed experts: {experts} B of each token's)" if experts else ""))
         if new_tokens:
             line += f", {per_token * new_tokens / 2**20:,.2f} MiB for completions of {new_tokens} tokens plus prompts"
         learner = self.learner

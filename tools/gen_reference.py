@@ -3,7 +3,7 @@
     python tools/gen_reference.py           # docs/reference/config.md and docs/reference/cli.md
     python tools/gen_reference.py --check   # exit 1 (naming the file) when a committed one differs
 
-The config reference comes from `baton/schema.py` (RunConfig and its sections: every key with its type,
+The config reference comes from `baton/sections/` (RunConfig's sections: every key with its type,
 default and description, each kind of a `kind` section on its own), the CLI reference from the parser
 `baton.cli` builds (every subcommand, argument and help text, the epilogs, the exit codes). Neither is
 edited by hand: change the schema's `Field(description=...)` or the parser's help, then run this.
@@ -57,7 +57,7 @@ description says what that means). Sizes (`bytes`) take an integer or a string s
 A section with a `kind` key also takes `kind = "package.module:Class"`: your own class, called with the
 section's other keys as keyword arguments.
 
-This page is generated from `baton/schema.py` by `python tools/gen_reference.py`.
+This page is generated from `baton/sections/` by `python tools/gen_reference.py`.
 """
 
 CLI_INTRO = """\

@@ -10,7 +10,7 @@ from pydantic import Field, model_validator
 from baton.config import ConfigError
 from baton.sections.base import BuildContext, Section, default_of, kinds
 from stages.data.datasets import DatasetTask
-from stages.data.model import DTYPES, make_tiny_model
+from stages.data.model import DTYPES, make_tiny_model, make_tiny_moe_model
 from stages.data.tasks import Addition, ReverseDigits
 from stages.rollout.evaluation import Evaluation
 
@@ -31,6 +31,10 @@ class ModelSpec(Section):
         description="with `create`: the tiny model's key/value heads (heads / kv_heads query heads share one)")
     seed: int = Field(default_of(make_tiny_model, "seed"), description="seed of the random init (independent of "
                       "the run's seed)")
+    experts: int = Field(0, ge=0, description="with `create`: 0 makes a dense Qwen2; more makes a Qwen3-MoE whose "
+                         "every decoder layer routes each token to `top_k` of this many experts")
+    top_k: int = Field(default_of(make_tiny_moe_model, "top_k"), ge=1, description="with `create` and `experts`: "
+                       "experts per token")
     dtype: Literal[tuple(DTYPES)] = Field("float32", description="the engines' weights (the learner trains in "  # type: ignore[valid-type]
                                           "float32)")
 
@@ -38,6 +42,9 @@ class ModelSpec(Section):
         """The model folder: a tiny random-init model made there when `create` (reused when present)."""
         if not self.create:
             return Path(self.path)
+        if self.experts:
+            return make_tiny_moe_model(self.path, hidden_size=self.hidden_size, layers=self.layers, heads=self.heads,
+                                       kv_heads=self.kv_heads, experts=self.experts, top_k=self.top_k, seed=self.seed)
         return make_tiny_model(self.path, hidden_size=self.hidden_size, layers=self.layers, heads=self.heads,
                                kv_heads=self.kv_heads, seed=self.seed)
 

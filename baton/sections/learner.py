@@ -11,6 +11,7 @@ from policies.selection import Selection, make_selection
 from policies.staleness import MaxStaleness
 from stages.learner import GRPOLearner
 from stages.learner.lora import LoraSpec
+from stages.learner.replay import ROUTING_REPLAYS
 from stages.learner.losses import AGGREGATIONS, ENTROPY_SCOPES, LR_DECAYS
 
 
@@ -104,6 +105,10 @@ class GRPOSpec(Section):
                                            "activations in backward: less memory, about a third more compute")
     rank_timeout_s: float = Field(default_of(GRPOLearner, "rank_timeout_s"), gt=0, description="a collective of "
                                   "the learner's ranks not answered in this long fails the run")
+    routing_replay: Literal[ROUTING_REPLAYS] = Field(  # type: ignore[valid-type]
+        default_of(GRPOLearner, "routing_replay"), description="mixture-of-experts models: 'rollout' runs the "
+        "learner's forwards through the experts the engine routed each generated token to (gate weights from the "
+        "learner's own router over them), 'off' lets its router choose; router_disagreement is reported either way")
     lora: LoraSection | None = Field(None, description="[learner] lora = { rank, alpha, dropout, target_modules }: "
                                      "LoRA adapters on a frozen base, each version publishing the adapter alone; "
                                      "unset: full fine-tuning")

@@ -30,15 +30,16 @@ ROUTING_REPLAYS: tuple[str, ...] = ("off", "rollout")
 LAYER_SHARE = "router_share/"  # a micro-batch's per-layer shares: "router_share/{used|own}/{layer}"
 
 
-def check_routing_replay(model_path: str | Path, replay: str, engine_returns_experts: bool) -> None:
+def check_routing_replay(model_path: str | Path | None, replay: str, engine_returns_experts: bool) -> None:
     """ValueError naming `learner.routing_replay` and the fix unless the setting can work: a known value, and
     with "rollout" a mixture-of-experts model (its folder's config) and an engine that returns the experts it
-    routed each token to (`stages.engines.base.returns_routed_experts`). Reads the config only."""
+    routed each token to (`stages.engines.base.returns_routed_experts`). Reads the config only; `model_path`
+    None: a model known to be an MoE that is not made yet."""
     if replay not in ROUTING_REPLAYS:
         raise ValueError(f"learner.routing_replay must be one of {', '.join(ROUTING_REPLAYS)}, got {replay!r}")
     if replay == "off":
         return
-    if folder_moe_layout(model_path) is None:
+    if model_path is not None and folder_moe_layout(model_path) is None:
         raise ValueError(f"learner.routing_replay = 'rollout' replays the experts each token was routed to, but "
                          f"the model in {str(model_path)!r} is dense (its config has no routed experts): set "
                          "learner.routing_replay = 'off', or train a mixture-of-experts model")
