@@ -6,7 +6,9 @@ discarded, units_per_version)` says so. It re-evaluates whenever the version clo
 unit is discarded. A unit the consumer takes *again* (replay: one result consumed more than once)
 counts as started (`replayed`): it fills a slot a new unit would have filled, so the units a version
 consumes stay `units_per_version` whether they are new or replayed, and producers do not run ahead of
-a consumer that replays. The gate holds no data; its counts are what a checkpoint needs to restore it.
+a consumer that replays. With `last_version` (the run's step count) nothing is admitted once the clock
+reaches it: work started then could never be consumed, so a finished run leaves none half-made. The gate
+holds no data; its counts are what a checkpoint needs to restore it.
 """
 
 from __future__ import annotations
@@ -23,18 +25,22 @@ class AdmissionPolicy(Protocol):
 
 
 class AdmissionGate:
-    def __init__(self, clock: VersionClock, policy: AdmissionPolicy, units_per_version: int) -> None:
+    def __init__(self, clock: VersionClock, policy: AdmissionPolicy, units_per_version: int,
+                 last_version: int | None = None) -> None:
         if units_per_version < 1:
             raise ValueError(f"units_per_version must be >= 1, got {units_per_version}")
         self.clock = clock
         self.policy = policy
         self.units_per_version = units_per_version
+        self.last_version = last_version
         self.started = 0
         self.discarded = 0
         self._discard_event = anyio.Event()
         self.wait_s = 0.0
 
     def _open(self) -> bool:
+        if self.last_version is not None and self.clock.version >= self.last_version:
+            return False
         return self.policy.admit(self.clock.version, self.started, self.discarded, self.units_per_version)
 
     def try_acquire(self) -> bool:

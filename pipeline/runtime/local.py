@@ -46,7 +46,7 @@ class LocalRun:
             ledger = resume.ledger(pipe.max_uses)
         else:
             ledger = Ledger.create(folder.path, max_uses=pipe.max_uses)
-        gate = AdmissionGate(clock, pipe.staleness, pipe.consumer.units_per_version)
+        gate = AdmissionGate(clock, pipe.staleness, pipe.consumer.units_per_version, last_version=pipe.steps)
         if resume is not None:
             resume.restore_gate(gate)
         ctx = self._context(pipe, folder, clock, ledger, gate, resume)

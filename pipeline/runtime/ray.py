@@ -301,7 +301,7 @@ class RayRun:
         """The conductor (from the checkpoint when resuming), the channel actors and the wiring every host
         gets; a resumed run's owed work is queued before any producer runs."""
         self._conductor = Conductor.remote(
-            pipe.staleness, pipe.consumer.units_per_version, pipe.max_uses, str(folder.path)
+            pipe.staleness, pipe.consumer.units_per_version, pipe.max_uses, str(folder.path), pipe.steps
         )
         reopened = await self._conductor.setup.remote(
             _STATE_ENCODER.encode(resume.state) if resume is not None else None,

@@ -28,8 +28,9 @@ class Conductor(LocalClock, LocalLedger):
     calls are the local runtime's (`LocalClock`, `LocalLedger`); what differs is per-worker
     bookkeeping of admitted units, so a dead producer's slots can be freed."""
 
-    def __init__(self, policy: VersionPolicy, units_per_version: int, max_uses: int, folder: str) -> None:
-        self._args = (policy, units_per_version, max_uses)
+    def __init__(self, policy: VersionPolicy, units_per_version: int, max_uses: int, folder: str,
+                 steps: int | None = None) -> None:
+        self._args = (policy, units_per_version, max_uses, steps)
         self.folder = folder  # the ledger's store is its ledger.sqlite
         self.outstanding: Counter[str] = Counter()  # per producer: admitted units not yet produced
 
@@ -41,17 +42,17 @@ class Conductor(LocalClock, LocalLedger):
         from pipeline.resume import reopen, restore_gate, resumed_ledger
         from pipeline.runtime.ray_cut import Freezer
 
-        policy, units, max_uses = self._args
+        policy, units, max_uses, steps = self._args
         self.freezer = Freezer()
         if resume is None:
             self.clock = VersionClock()
             self.ledger = Ledger.create(self.folder, max_uses=max_uses)
-            self.gate = AdmissionGate(self.clock, policy, units)
+            self.gate = AdmissionGate(self.clock, policy, units, last_version=steps)
             return None
         state = msgspec.msgpack.decode(resume, type=RunState)
         self.clock = VersionClock(state.version)
         self.ledger = resumed_ledger(state, self.folder, max_uses)
-        self.gate = AdmissionGate(self.clock, policy, units)
+        self.gate = AdmissionGate(self.clock, policy, units, last_version=steps)
         restore_gate(state, self.gate)
         return msgspec.msgpack.encode(reopen(state, attempt, self.ledger))
 

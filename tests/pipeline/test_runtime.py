@@ -361,3 +361,15 @@ async def test_many_producers_never_exceed_limit() -> None:
             tg.cancel_scope.cancel()
     assert max(live_max) <= (clock.version + k + 1) * b
     assert gate.started == (clock.version + k + 1) * b
+
+
+async def test_gate_admits_nothing_once_the_clock_reaches_the_last_version() -> None:
+    """Work started at the run's last version could never be consumed: the gate closes there, whatever the
+    policy says (a sync run that ends leaves no group produced and untrained)."""
+    clock = VersionClock()
+    gate = AdmissionGate(clock, MaxStaleness(k=0), units_per_version=2, last_version=1)
+    assert gate.try_acquire() and gate.try_acquire() and not gate.try_acquire()
+    clock.advance()
+    assert clock.version == 1 and not gate.try_acquire() and not gate.status()["admits_now"]
+    open_ended = AdmissionGate(clock, MaxStaleness(k=0), units_per_version=2)
+    assert open_ended.try_acquire()
