@@ -16,7 +16,11 @@ A run passes when, from its ledger.json, metrics.jsonl and faults.jsonl:
   flight at the end fit the admission window ((k + 1) x groups_per_step groups; more would mean refs
   vanished without a fate);
 * every trained sample is within the staleness bound;
-* the mean reward of the run's last quarter beats its first quarter by `REWARD_MARGIN`.
+* the mean reward of the run's last quarter beats its first quarter by `REWARD_MARGIN`;
+* with routing replay on (a mixture-of-experts model, `[learner] routing_replay = "rollout"`), every step
+  reports `router_disagreement` 0: the groups a fault made the run regenerate or re-send were replayed
+  with their own recorded experts (`baton faults configs/quickstart-moe.toml` runs the matrix on the MoE
+  quickstart).
 """
 
 from __future__ import annotations
@@ -75,6 +79,7 @@ class RunOutcome:
     reinjected_groups: int = 0  # learner.crash: checkpointed in-flight groups trained from the store after the resume
     runtime: str = "local"
     restarts: int = 0  # processes the Ray runtime restarted
+    router_disagreement: float | None = None  # an MoE run with routing replay: the most over its steps (0 expected)
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -82,7 +87,8 @@ class RunOutcome:
         return self.status == "passed"
 
 
-def judge(outcome: RunOutcome, run_dir: Path, steps: int, window_groups: int | None, max_uses: int = 1) -> RunOutcome:
+def judge(outcome: RunOutcome, run_dir: Path, steps: int, window_groups: int | None, max_uses: int = 1,
+          replay: bool = False) -> RunOutcome:
     """Fill `outcome` from the run folder and decide its status (see the module docstring)."""
     outcome.run_dir = str(run_dir)
     problems = outcome.problems
@@ -126,6 +132,8 @@ def judge(outcome: RunOutcome, run_dir: Path, steps: int, window_groups: int | N
                             f"(needs +{REWARD_MARGIN})")
     else:
         problems.append("no learner step recorded")
+    if replay:
+        _judge_replay(outcome, metrics)
     events = read_events(run_dir)
     fired = [e for e in events if e["event"] == "fired" and e["kind"] == outcome.kind]
     outcome.fired = len(fired)
@@ -137,6 +145,17 @@ def judge(outcome: RunOutcome, run_dir: Path, steps: int, window_groups: int | N
     outcome.regenerated_groups = sum(e.get("groups", 0) for e in events if e["event"] == "regenerated")
     outcome.status = "failed" if problems else "passed"
     return outcome
+
+
+def _judge_replay(outcome: RunOutcome, metrics: list[dict[str, Any]]) -> None:
+    """With routing replay on, every step must have routed every generated token as its engine did."""
+    shares = [m["router_disagreement"] for m in metrics if "router_disagreement" in m]
+    if metrics and len(shares) < len(metrics):
+        outcome.problems.append(f"routing replay is on but {len(metrics) - len(shares)} steps report no "
+                                "router_disagreement (a batch without its experts?)")
+    outcome.router_disagreement = max(shares, default=None)
+    if outcome.router_disagreement:
+        outcome.problems.append(f"routing replay is on but router_disagreement reached {outcome.router_disagreement}")
 
 
 def recovery_seconds(events: list[dict[str, Any]], kind: str) -> float | None:
@@ -243,7 +262,7 @@ def run_one(
         if run_dir is None:
             outcome.problems.append("no run folder")
             return outcome
-        return judge(outcome, run_dir, cfg.steps, window)
+        return judge(outcome, run_dir, cfg.steps, window, replay=getattr(cfg.learner, "routing_replay", "off") == "rollout")
 
 
 def _learner_crashed(run_dir: Path | None) -> bool:
@@ -305,6 +324,9 @@ def rows(outcomes: Sequence[RunOutcome]) -> list[dict[str, Any]]:
             "fired": sum(o.fired for o in runs),
             "lost+redone / regen groups": f"{sum(o.lost for o in runs)} / {sum(o.regenerated_groups for o in runs)}",
         })
+        shares = [o.router_disagreement for o in runs if o.router_disagreement is not None]
+        if shares:  # an MoE run with routing replay
+            table[-1]["router disagreement"] = f"{max(shares):g}"
     return table
 
 
@@ -328,10 +350,11 @@ def render(outcomes: Sequence[RunOutcome]) -> str:
 
     table = Table(title="fault matrix")
     data = rows(outcomes)
-    for column in (data[0] if data else {"fault": ""}):
+    columns = list(dict.fromkeys(key for row in data for key in row)) or ["fault"]
+    for column in columns:
         table.add_column(column, justify="left" if column == "fault" else "right")
     for row in data:
-        table.add_row(*(str(v) for v in row.values()))
+        table.add_row(*(str(row.get(column, "-")) for column in columns))
     console = Console(width=160, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
     console.print(table)
     failed = [o for o in outcomes if not o.passed]

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The device check, run whenever a session is lent a GPU (tools/gpu_check.py says what it measures):
 # baton's TorchEngine and GRPO learner step on CUDA in bf16 on a random-init Qwen2-0.5B-shaped model,
-# sparse weight deltas at that size, and mooncake registering CUDA memory when it is there.
+# sparse weight deltas at that size, mooncake registering CUDA memory when it is there, and a Qwen3-MoE
+# learner step with routing replay off and on (`--rows moe` runs that row alone).
 #
 # The device image has torch, transformers and safetensors but not msgspec, structlog, tenacity, peft
 # or accelerate: they travel as wheels in .whl/ (ignored by git). Once, here, in the repo's root:

@@ -20,9 +20,15 @@ learner step and sparse weight deltas on a random-init model of real size, on CU
   which sends from host memory): when `mooncake` imports there (it is not installed on the device
   image; carry the slimmed CUDA wheel, see tools/gpu-check.sh), two TransferEngines on loopback TCP:
   the learner's packed bf16 weights in CUDA memory written to a host buffer and to another CUDA buffer
-  in 32 MiB buckets with `batch_transfer_sync_write`, verified byte for byte (GB/s).
+  in 32 MiB buckets with `batch_transfer_sync_write`, verified byte for byte (GB/s);
+- MoE: a random-init Qwen3-MoE (`MOE_SHAPES`: hidden 1024, 8 layers, 32 experts top-4, ~0.4B parameters;
+  `--shape tiny`: the tiny MoE) whose "engine" is a bf16 copy of it: one forward records each completion
+  token's logprob and experts (`RoutingCapture`), as the torch engine does, and the GRPO learner (fp32
+  master weights under bf16 autocast) steps on those rows with `routing_replay` "off" then "rollout"
+  (s per step, peak memory, router disagreement and the engine-vs-learner logprob gap of the first step,
+  at the engine's weights). Expert parallelism needs more than one device: not here.
 Prints one JSON object as its last line (and writes it to `--out`/gpu-check.json). `--shape tiny
---device cpu` is the CPU run of the same code that CI's machine can do.
+--device cpu` is the CPU run of the same code that CI's machine can do; `--rows moe` runs the MoE row alone.
 """
 
 from __future__ import annotations
@@ -42,7 +48,8 @@ from safetensors.torch import load_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from buffers.codec import RolloutBatch  # noqa: E402
-from stages.data.model import make_tiny_model  # noqa: E402
+from stages.data.model import make_tiny_model, make_tiny_moe_model  # noqa: E402
+from stages.data.routing import ROUTED_EXPERTS_FIELD, RoutingCapture, moe_layout  # noqa: E402
 from stages.engines.base import SamplingParams  # noqa: E402
 from stages.engines.torch import TorchEngine  # noqa: E402
 from stages.learner import GRPOLearner  # noqa: E402
@@ -58,6 +65,12 @@ SHAPES = {  # Qwen2-0.5B's config (random weights), and a tiny one for the CPU r
     "tiny": dict(vocab_size=1024, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512),
 }
+
+MOE_SHAPES = {  # a Qwen3-MoE that fits one H100 many times over and steps in seconds; the tiny MoE on the CPU
+    "qwen2-0.5b": dict(hidden_size=1024, layers=8, heads=16, kv_heads=4, experts=32, top_k=4, moe_intermediate=512),
+    "tiny": dict(),  # make_tiny_moe_model's defaults: hidden 64, 2 layers, 8 experts top-2
+}
+ROWS = ("engine", "learner", "sharded", "lora", "mooncake", "moe")
 
 
 def make_model(folder: Path, shape: str) -> Path:
@@ -277,6 +290,70 @@ def check_mooncake_cuda(folder: Path, device: str) -> dict:
     return out
 
 
+def engine_rows(folder: Path, device: str, batch: int, prompt: int, completion: int) -> list[RolloutBatch]:
+    """Groups of 8 rows of random ids scored by a bf16 copy of the model as the torch engine scores what it
+    generates: each completion token's logprob, and its experts (the routing of the position whose logits
+    sampled it, zeros on prompt tokens), in the codec's `routed_experts` field."""
+    from transformers import AutoModelForCausalLM
+
+    engine = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(device).eval()
+    layout = moe_layout(engine)
+    vocab = engine.config.vocab_size
+    ids = torch.from_numpy(np.random.default_rng(2).integers(4, vocab, size=(batch, prompt + completion))).to(device)
+    capture = RoutingCapture(engine, layout)
+    with torch.no_grad():
+        logits = engine(input_ids=ids).logits.float()
+    routed = capture.all_positions(batch).to("cpu").numpy().astype(layout.id_dtype)  # [rows, seq, layers, k]
+    capture.remove()
+    logp = torch.log_softmax(logits[:, :-1], -1).gather(2, ids[:, 1:, None]).squeeze(-1).to("cpu").numpy()
+    ids, rows = ids.to("cpu").numpy().astype(np.int32), []
+    for r in range(batch):
+        experts = np.zeros_like(routed[r])
+        experts[prompt:] = routed[r, prompt - 1 : -1]  # token t was sampled from position t - 1's logits
+        rows.append({"tokens": ids[r], "logprobs": np.r_[np.zeros(prompt), logp[r, prompt - 1 :]].astype(np.float32),
+                     "loss_mask": np.r_[np.zeros(prompt), np.ones(completion)].astype(np.uint8),
+                     "token_versions": np.r_[np.full(prompt, -1), np.zeros(completion)].astype(np.int32),
+                     ROUTED_EXPERTS_FIELD: experts})
+    del engine
+    rng, batches = np.random.default_rng(3), []
+    for start in range(0, batch, 8):
+        part = rows[start : start + 8]
+        fields = {"rewards": rng.random(len(part)).astype(np.float32),
+                  "prompt_lens": np.full(len(part), prompt, np.int32),
+                  "versions": np.zeros((len(part), 2), np.int32), "turns": np.ones(len(part), np.int32)}
+        batches.append(RolloutBatch.from_rows(part, row_fields=fields, meta={}))
+    return batches
+
+
+def check_moe(folder: Path, device: str, shape: str, batch: int, steps: int) -> dict:
+    """The MoE row: the learner's bf16-autocast steps on engine-scored rows, routing replay off then on."""
+    spec = MOE_SHAPES[shape]
+    folder = make_tiny_moe_model(folder, **spec, overwrite=True)
+    params = sum(t.numel() for t in load_file(folder / "model.safetensors").values())
+    out: dict = {"shape": {**spec, "params": params}, "rows_per_step": max(batch // 8, 1) * 8}
+    batches = engine_rows(folder, device, out["rows_per_step"], prompt=64, completion=128)
+    for replay in ("off", "rollout"):
+        learner = GRPOLearner(model_path=folder, lr=1e-6, device=device, routing_replay=replay)
+        trainer = PolicyTrainer(learner, steps=1 << 30)
+        trainer.schedule(0)
+        if device.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats()
+        row: dict = {"step_s": []}
+        for step in range(steps):
+            t0 = time.perf_counter()
+            with torch.autocast(device_type=trainer.device.type, dtype=torch.bfloat16):
+                info = trainer.train(batches)
+            sync(device)
+            row["step_s"].append(round(time.perf_counter() - t0, 4))
+            if step == 0:  # at the engine's weights: what the numerics alone make differ
+                row |= {k: round(info[k], 6) for k in ("router_disagreement", "router_drift", "logprob_gap")}
+        if device.startswith("cuda"):
+            row["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        out[f"replay_{replay}"] = row
+        del trainer, learner
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2-0.5b")
@@ -285,18 +362,29 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--steps", type=int, default=3, help="learner steps per learning rate")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated rows to run, of {','.join(ROWS)}")
     a = parser.parse_args()
+    rows = set(a.rows.split(","))
+    if rows - set(ROWS):
+        parser.error(f"--rows: {', '.join(sorted(rows - set(ROWS)))} unknown; the rows are {', '.join(ROWS)}")
     torch.set_num_threads(1 if a.device == "cpu" else 8)
     result = {"shape": a.shape, "device": a.device, "torch": torch.__version__,
               "gpu": torch.cuda.get_device_name() if a.device.startswith("cuda") else None}
     with tempfile.TemporaryDirectory() as tmp:
-        folder = make_model(Path(tmp) / "model", a.shape)
+        folder = make_model(Path(tmp) / "model", a.shape) if rows - {"moe"} else Path(tmp) / "model"
         vocab = SHAPES[a.shape]["vocab_size"]
-        result["engine"] = asyncio.run(check_engine(folder, a.device, a.batch, a.new_tokens, vocab))
-        result.update(check_learner_and_deltas(folder, a.device, a.batch, vocab, a.steps))
-        result["sharded_learner"] = check_sharded_learner(folder, a.device, a.batch, vocab, a.steps)
-        result["lora"] = check_lora(folder, a.device, a.batch, vocab, a.steps)
-        result["mooncake_cuda"] = check_mooncake_cuda(folder, a.device)
+        if "engine" in rows:
+            result["engine"] = asyncio.run(check_engine(folder, a.device, a.batch, a.new_tokens, vocab))
+        if "learner" in rows:
+            result.update(check_learner_and_deltas(folder, a.device, a.batch, vocab, a.steps))
+        if "sharded" in rows:
+            result["sharded_learner"] = check_sharded_learner(folder, a.device, a.batch, vocab, a.steps)
+        if "lora" in rows:
+            result["lora"] = check_lora(folder, a.device, a.batch, vocab, a.steps)
+        if "mooncake" in rows:
+            result["mooncake_cuda"] = check_mooncake_cuda(folder, a.device)
+        if "moe" in rows:
+            result["moe"] = check_moe(Path(tmp) / "moe", a.device, a.shape, a.batch, a.steps)
     line = json.dumps(result)
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)

@@ -139,6 +139,12 @@ class SimulateSpec(Section):
     own 1/N at once (the time / N), with another transport rank 0 first gathers the other ranks' parts
     (`+ weight_bytes * (N - 1) / N / shard_bytes_per_s`). Store put/get per group:
     `store_latency_s + bytes / store_bytes_per_s`.
+
+    From parameter counts instead (an MoE above all): with `params` (every expert counted) `weight_bytes`
+    defaults to `params * param_bytes`, so the push and FSDP's traffic follow the TOTAL parameters, while
+    compute follows the ACTIVE ones (`active_params`: the dense parts plus top_k / experts of the expert
+    parameters; default `params`): `train_flops_per_s / (6 * active_params)` replaces train_tokens_per_s
+    and `decode_flops_per_s / (2 * active_params)` replaces decode_tokens_per_s, each when set.
     """
 
     engines: int | None = Field(None, ge=1, description="engines (producers); default: engine.count")
@@ -169,6 +175,15 @@ class SimulateSpec(Section):
     store_latency_s: float = Field(1e-4, ge=0, description="fixed cost of one store put or get")
     hop_s: float | None = Field(None, ge=0, description="per cross-process channel call; default 1 ms on ray")
     zero_signal_fraction: float = Field(0.0, ge=0, lt=1, description="groups whose rewards are all equal")
+    params: float | None = Field(None, gt=0, description="the model's TOTAL parameters (every expert of an MoE "
+                                 "counted): weight_bytes defaults to params x param_bytes (push, FSDP traffic)")
+    active_params: float | None = Field(None, gt=0, description="parameters one token computes with (an MoE: the dense "
+                                        "parts + top_k / experts of the expert parameters); default: params")
+    param_bytes: float = Field(2.0, gt=0, description="bytes per pushed parameter with params (2: bf16)")
+    train_flops_per_s: float | None = Field(None, gt=0, description="one learner replica's achieved FLOP/s; with "
+                                            "params: train_tokens_per_s = it / (6 x active_params)")
+    decode_flops_per_s: float | None = Field(None, gt=0, description="one engine's achieved decode FLOP/s at batch; "
+                                             "with params: decode_tokens_per_s = it / (2 x active_params)")
 
     @model_validator(mode="after")
     def _lengths_fit(self) -> SimulateSpec:
@@ -177,4 +192,17 @@ class SimulateSpec(Section):
                 f"simulate.response_tokens_mean = {self.response_tokens_mean:g} is above simulate.max_response_tokens"
                 f" = {self.max_response_tokens}; lower the mean or raise max_response_tokens"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _params_fit(self) -> SimulateSpec:
+        flops = self.train_flops_per_s is not None or self.decode_flops_per_s is not None
+        if (self.active_params is not None or flops) and self.params is None:
+            raise ValueError("simulate.active_params and the *_flops_per_s keys need simulate.params (the total)")
+        if self.active_params is not None and self.active_params > self.params:  # type: ignore[operator]
+            raise ValueError(f"simulate.active_params = {self.active_params:g} is above simulate.params = "
+                             f"{self.params:g}; active parameters are a part of the total")
+        if self.active_params is not None and not flops:
+            raise ValueError("simulate.active_params changes nothing without simulate.train_flops_per_s or "
+                             "decode_flops_per_s (compute follows active parameters through them)")
         return self

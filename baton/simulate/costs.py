@@ -65,6 +65,12 @@ class DeclaredCosts:
         self.hop_s = s.hop_s if s.hop_s is not None else (RAY_HOP_S if self.runtime == "ray" else 0.0)
         self.engine_load_s = s.engine_load_s
         self._push_bps = s.push_bytes_per_s or PUSH_BYTES_PER_S.get(self.transport, PUSH_BYTES_PER_S["mooncake_p2p"])
+        # an MoE's compute follows its active parameters, its weights (push, FSDP traffic) the total
+        active = s.active_params or s.params
+        self.weight_bytes = int(s.params * s.param_bytes) if s.params and "weight_bytes" not in s.model_fields_set \
+            else int(s.weight_bytes)
+        self.decode_tokens_per_s = s.decode_flops_per_s / (2 * active) if s.decode_flops_per_s else s.decode_tokens_per_s
+        self.train_tokens_per_s = s.train_flops_per_s / (6 * active) if s.train_flops_per_s else s.train_tokens_per_s
         # lognormal with the declared mean: mu = ln(mean) - sigma^2 / 2
         self._mu = math.log(s.response_tokens_mean) - s.response_tokens_sigma**2 / 2
 
@@ -75,7 +81,7 @@ class DeclaredCosts:
         lengths = np.clip(np.rint(drawn), 1, s.max_response_tokens)
         response = float(lengths.sum())
         longest = float(lengths.max())
-        generate = max(response / s.decode_tokens_per_s, longest / s.sequence_tokens_per_s)
+        generate = max(response / self.decode_tokens_per_s, longest / s.sequence_tokens_per_s)
         tokens = (lengths.sum(axis=1) + s.prompt_tokens * self.group_size).astype(int).tolist()
         nbytes = [t * CODEC_BYTES_PER_TOKEN for t in tokens]
         put = sum(s.store_latency_s + b / s.store_bytes_per_s for b in nbytes)
@@ -86,16 +92,16 @@ class DeclaredCosts:
 
     def _sharded_bytes(self) -> float:
         """Bytes of the weights a rank gets from (or sends to) the other ranks, once."""
-        return int(self.spec.weight_bytes) * (self.ranks - 1) / self.ranks
+        return self.weight_bytes * (self.ranks - 1) / self.ranks
 
     def step_s(self, rng: random.Random, tokens: int) -> float:
         s = self.spec
-        return s.step_overhead_s + tokens / (s.train_tokens_per_s * self.ranks) + \
+        return s.step_overhead_s + tokens / (self.train_tokens_per_s * self.ranks) + \
             3 * self._sharded_bytes() / s.shard_bytes_per_s
 
     def push_s(self, rng: random.Random, engines: int = 1) -> float:
         s = self.spec
-        sent = int(s.weight_bytes) * (engines if s.push_per_engine else 1) / self._push_bps
+        sent = self.weight_bytes * (engines if s.push_per_engine else 1) / self._push_bps
         if self.transport == "mooncake_p2p":  # every rank writes its own part at once
             return s.push_latency_s + sent / self.ranks
         return s.push_latency_s + self._sharded_bytes() / s.shard_bytes_per_s + sent

@@ -329,3 +329,40 @@ def test_learner_ranks_divide_the_step_and_push_from_their_shards() -> None:
     assert four.push_s(rng) == pytest.approx(one.push_s(rng) / 4)
     gather = DeclaredCosts(spec, 8, "disk", "ray", ranks=4)
     assert gather.push_s(rng) == pytest.approx(4.0 * 0.75 + one.push_s(rng))
+
+
+def test_an_moe_computes_with_its_active_parameters_and_pushes_all_of_them() -> None:
+    """An MoE with 1/8 of its parameters active: a step and a generation cost 1/8 of the dense model's
+    compute, the weight push and FSDP's traffic (total parameters) stay the same."""
+    import random
+
+    from baton.schema import SimulateSpec
+    from baton.simulate.costs import DeclaredCosts
+
+    shape = dict(params=8e9, train_flops_per_s=6e13, decode_flops_per_s=2e13, push_bytes_per_s=1e9,
+                 shard_bytes_per_s=1e9)
+    dense, moe = (DeclaredCosts(SimulateSpec(**shape, active_params=a), 8, "disk", "ray", ranks=2)
+                  for a in (8e9, 1e9))
+    rng = random.Random(0)
+    assert dense.weight_bytes == moe.weight_bytes == 16e9  # bf16, every expert pushed
+    assert moe.push_s(rng) == dense.push_s(rng)
+    assert moe.train_tokens_per_s == pytest.approx(8 * dense.train_tokens_per_s)
+    assert moe.decode_tokens_per_s == pytest.approx(8 * dense.decode_tokens_per_s)
+    fsdp = 3 * 16e9 * 0.5 / 1e9  # gathers and scatters follow the total
+    assert moe.step_s(rng, 10_000) - fsdp == pytest.approx((dense.step_s(rng, 10_000) - fsdp) / 8)
+    assert moe.step_s(rng, 10_000) < dense.step_s(rng, 10_000)
+    assert DeclaredCosts(SimulateSpec(**shape, weight_bytes="1GB"), 8, "disk", "ray").weight_bytes == 1e9
+
+
+@pytest.mark.parametrize("keys, message", [
+    (dict(active_params=1e9, train_flops_per_s=1e15), "need simulate.params"),
+    (dict(params=1e9, active_params=2e9, train_flops_per_s=1e15), "above simulate.params"),
+    (dict(params=8e9, active_params=1e9), "changes nothing"),
+])
+def test_moe_parameter_keys_that_cannot_work_are_refused(keys, message) -> None:
+    from pydantic import ValidationError
+
+    from baton.schema import SimulateSpec
+
+    with pytest.raises(ValidationError, match=message):
+        SimulateSpec(**keys)

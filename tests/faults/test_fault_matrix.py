@@ -7,6 +7,10 @@ one seed each: holder crash and learner crash in `-m long` (engine crash there t
 faults` command on Ray), the other two in `-m nightly`, with seeds 1 and 2 of the local matrix (with seed 0:
 the 3-seed matrix).
 
+The MoE row (`configs/quickstart-moe.toml`: a tiny Qwen3-MoE with routing replay, memory store), engine.crash
+and store.get_fail, one seed each, 80 steps: 55-65 s a run here (2 shared cores), over the ~30 s a
+default-suite test may take, so in `-m nightly`.
+
 Every run asserts: the fault fired, the run finished, no sample trained twice, none lost uncounted,
 every trained sample within the staleness bound, and the last quarter's reward above the first's;
 then what the fault's own recovery path left as evidence (lost and redone, regenerated, survived).
@@ -99,3 +103,21 @@ def test_process_level_faults_on_ray(kind: str, tmp_path: Path, model_path: str)
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     outcome = run(kind, 0, tmp_path / "ray", model_path, "runtime='ray'")
     check(outcome)
+
+
+MOE_CONFIG = str(ROOT / "configs" / "quickstart-moe.toml")
+
+
+@pytest.mark.nightly
+@pytest.mark.parametrize("kind", ["engine.crash", "store.get_fail"])
+def test_an_moe_run_with_routing_replay_keeps_a_clean_ledger(kind: str, tmp_path: Path) -> None:
+    """The MoE quickstart with routing replay under a fault: the ledger's invariants hold, and every step
+    replays the experts its groups were generated with (a regenerated or redone group records its own), so
+    router_disagreement stays 0 on every step."""
+    from baton.config import load_toml
+
+    base = load_toml(MOE_CONFIG, [f"model.path='{tmp_path / 'moe'}'", "steps=80", "telemetry.log_level='warning'"])
+    assert base["learner"]["routing_replay"] == "rollout"
+    outcome = run_one(MOE_CONFIG, kind, 0, tmp_path / "runs", base=base)
+    check(outcome)
+    assert outcome.router_disagreement == 0.0

@@ -313,3 +313,31 @@ def test_the_master_target_restarts_on_the_same_port_and_stops_by_pid(tmp_path: 
         target.stop()
         master.stop()
     assert not Path(f"/proc/{new_pid}").exists() or "Z" in Path(f"/proc/{new_pid}/stat").read_text().split()[2]
+
+
+def test_with_routing_replay_every_step_must_route_as_its_engine_did(tmp_path: Path) -> None:
+    """An MoE run with routing replay passes only when every step reports router_disagreement 0."""
+    fired = [{"t": 1.0, "event": "fired", "kind": "engine.crash", "scope": ""},
+             {"t": 1.5, "event": "recovered", "kind": "engine.crash", "scope": ""}]
+    records = [rec(0, "g0", (0, 0), [1], "trained")]
+
+    def outcome(name: str, shares: list[float | None], replay: bool = True) -> RunOutcome:
+        folder = write_run(tmp_path / name, records, [0.0, 0.0, 0.1, 0.2], fired, 4)
+        (folder / "metrics.jsonl").write_text("".join(
+            json.dumps({"version": i + 1, "reward": r, **({"router_disagreement": d} if d is not None else {})}) + "\n"
+            for i, (r, d) in enumerate(zip([0.0, 0.0, 0.1, 0.2], shares, strict=True))))
+        return judge(RunOutcome("engine.crash", 0), folder, 4, None, replay=replay)
+
+    clean = outcome("clean", [0.0] * 4)
+    assert clean.passed and clean.router_disagreement == 0.0, clean.problems
+    drifted = outcome("drifted", [0.0, 0.25, 0.0, 0.0])
+    assert not drifted.passed and drifted.router_disagreement == 0.25
+    assert any("router_disagreement reached 0.25" in p for p in drifted.problems)
+    bare = outcome("bare", [0.0, None, 0.0, 0.0])
+    assert any("1 steps report no router_disagreement" in p for p in bare.problems)
+    dense = outcome("dense", [None] * 4, replay=False)
+    assert dense.passed and dense.router_disagreement is None
+    from baton.fault_matrix import render, rows
+
+    assert rows([clean])[0]["router disagreement"] == "0" and "router disagreement" not in rows([dense])[0]
+    assert "router disagreement" in render([dense, clean])  # a row without the column shows "-"
