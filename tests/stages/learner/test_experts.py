@@ -2,7 +2,8 @@
 (this process rank 0, one spawned rank: one group serves the module) whose experts are split between them,
 tokens sent to their experts' ranks by all-to-all. With routing replay on, their steps on groups the torch
 engine generated equal one rank's (weights gathered after the steps); each rank holds about half of the
-experts' parameters and AdamW state; a checkpoint they write loads into one rank exactly and back."""
+experts' parameters and AdamW state; a checkpoint they write loads into one rank exactly and back; a push from
+the shards (mooncake_p2p) lands every rank's own experts in the engine."""
 
 from __future__ import annotations
 
@@ -121,3 +122,31 @@ def test_checkpoints_load_between_expert_parallel_and_one_rank(spec, generated, 
     one.write_state(tmp_path / "one", version=4)
     assert two_ranks.read_state(tmp_path / "one") == 4
     assert max_diff(one.weights(), two_ranks.weights()) == 0.0
+
+
+@pytest.mark.slow
+def test_every_rank_pushes_its_own_experts_into_the_engine(spec, generated, two_ranks) -> None:
+    """mooncake_p2p from the shards: each rank writes its own experts' rows (their placement is FSDP2's
+    Shard(0)); the engine ends up with exactly the learner's weights, no rank having gathered them."""
+    import anyio
+
+    from stages.engines.torch import TorchEngine
+    from stages.weights.mooncake_p2p import MooncakeP2PTransport
+
+    async def scenario() -> None:
+        engine = TorchEngine(spec.model_path)
+        await engine.start()
+        transport = MooncakeP2PTransport(bucket_bytes=1 << 16)
+        transport.subscribe(engine)
+        try:
+            two_ranks.train(generated, 0.0)
+            await transport.publish_shards(1, two_ranks)
+            assert engine.version == 1 and transport.stats["copied"] == 0
+            learner = two_ranks.weights()
+            live = {n: p.detach() for n, p in engine._model.named_parameters()}
+            assert all(torch.equal(live[n], learner[n]) for n in live), "the engine holds the learner's weights"
+        finally:
+            await transport.close()
+            await engine.stop()
+
+    anyio.run(scenario)
