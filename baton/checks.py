@@ -20,6 +20,8 @@ from baton.sections.rewards import MODEL_REWARDS, check_shared_tokenizer, is_url
 from baton.sections.stores import MemoryStoreSpec, MooncakeStoreSpec
 from policies.staleness import MaxStaleness, reuse_lead
 from stages.data.model import check_model_folder, linear_module_names
+from stages.data.routing import folder_moe_layout
+from stages.learner.experts import check_expert_parallel
 from stages.learner.lora import check_targets
 from stages.learner.losses import auto_entropy_cap
 from stages.learner.replay import check_routing_replay
@@ -31,7 +33,8 @@ if TYPE_CHECKING:
 def check_all(cfg: RunConfig) -> None:
     """Every check, in this order (mode_sets_k first: the others read the k it resolves)."""
     for check in (mode_sets_k, learner_ranks_fit, lora_fits, episodes_from_one_place, own_model_fits,
-                  model_rewards_load, distillation_fits, faults_fit, routing_replay_fits, staleness_holds):
+                  model_rewards_load, distillation_fits, faults_fit, expert_parallel_fits, routing_replay_fits,
+                  staleness_holds):
         check(cfg)
 
 
@@ -133,6 +136,24 @@ def own_model_fits(cfg: RunConfig) -> None:
             raise ValueError(f"model.path: {exc}") from None
     if cfg.eval.every and isinstance(cfg.task, DatasetTaskSpec) and cfg.task.eval_path is None:
         raise ValueError("eval.every is set, but the dataset task has no task.eval_path to evaluate")
+
+
+def expert_parallel_fits(cfg: RunConfig) -> None:
+    """learner.expert_parallel > 1 needs a mixture-of-experts model whose expert count it divides (`[model]
+    experts` for a model `create` makes, else the folder's config) and equals learner.world_size (every rank
+    one shard of the experts); LoRA's adapters are not sharded by experts yet."""
+    degree = getattr(cfg.learner, "expert_parallel", 1)
+    if degree == 1:
+        return
+    if cfg.learner.lora is not None:
+        raise ValueError(f"learner.expert_parallel = {degree} and [learner] lora do not go together yet: set "
+                         "learner.expert_parallel = 1 to train LoRA adapters")
+    if cfg.model.create:
+        experts = cfg.model.experts
+    else:
+        layout = folder_moe_layout(cfg.model.path)
+        experts = layout.experts if layout is not None else 0
+    check_expert_parallel(degree, experts, cfg.learner.world_size)
 
 
 def routing_replay_fits(cfg: RunConfig) -> None:

@@ -105,6 +105,10 @@ class GRPOSpec(Section):
                                            "activations in backward: less memory, about a third more compute")
     rank_timeout_s: float = Field(default_of(GRPOLearner, "rank_timeout_s"), gt=0, description="a collective of "
                                   "the learner's ranks not answered in this long fails the run")
+    expert_parallel: int = Field(default_of(GRPOLearner, "expert_parallel"), ge=1, description="mixture-of-experts "
+                                 "models: ranks the experts are sharded over, each token sent to its experts' ranks "
+                                 "and back; must divide the experts and equal learner.world_size (1: no expert "
+                                 "parallelism, FSDP2 shards the experts as any weight)")
     routing_replay: Literal[ROUTING_REPLAYS] = Field(  # type: ignore[valid-type]
         default_of(GRPOLearner, "routing_replay"), description="mixture-of-experts models: 'rollout' runs the "
         "learner's forwards through the experts the engine routed each generated token to (gate weights from the "

@@ -32,10 +32,11 @@ def pick_device(device: str, world_size: int = 1) -> torch.device:
 
 def load_policy(folder: str | Path, device: torch.device, world_size: int = 1,
                 activation_checkpointing: bool = False, shard: bool | None = None,
-                lora: LoraSpec | None = None) -> torch.nn.Module:
+                lora: LoraSpec | None = None, expert_parallel: int = 1) -> torch.nn.Module:
     """The model in `folder`, in fp32, on `device`; with `lora`, wrapped with peft adapters (its base
     frozen) before anything else; sharded over the ranks with FSDP2 when `world_size` > 1 (or `shard`: a
-    group of one, as the GPU check runs FSDP2 on its one GPU)."""
+    group of one, as the GPU check runs FSDP2 on its one GPU). With `expert_parallel` > 1 each rank keeps
+    only its share of every MoE layer's experts (`stages.learner.experts`) and FSDP2 shards the rest."""
     model = load_model(folder)
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -50,9 +51,14 @@ def load_policy(folder: str | Path, device: torch.device, world_size: int = 1,
     mesh = init_device_mesh(device.type, (world_size,))
     mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" \
         else MixedPrecisionPolicy()
+    experts: set[torch.nn.Parameter] = set()
+    if expert_parallel > 1:
+        from stages.learner.experts import shard_experts
+
+        experts = set(shard_experts(model.to(device), mesh, expert_parallel))
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh, mp_policy=mixed)
-    fully_shard(model, mesh=mesh, mp_policy=mixed)
+        fully_shard(layer, mesh=mesh, mp_policy=mixed, ignored_params=experts or None)
+    fully_shard(model, mesh=mesh, mp_policy=mixed, ignored_params=experts or None)
     return model.to(device) if device.type == "cuda" else model
 
 

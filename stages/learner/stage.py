@@ -86,6 +86,7 @@ class GRPOLearner:
     micro_batch_tokens: int | None = None  # padded tokens per forward/backward pass (gradient accumulation)
     activation_checkpointing: bool = False  # recompute activations in backward: less memory, ~1/3 more compute
     rank_timeout_s: float = 300.0  # a collective no rank answers for this long fails the run
+    expert_parallel: int = 1  # MoE: experts sharded over this many ranks, tokens sent to them (stages.learner.experts)
     # mixture-of-experts routing replay (R3): "rollout" routes each generated token, in the learner's forwards
     # (policy, proximal, reference), to the experts the engine recorded for it, gate weights from the current
     # router over them; "off": the learner's own routing. Router metrics are reported either way, whenever the
@@ -125,6 +126,8 @@ class GRPOLearner:
             raise ValueError(f"checkpoint.export_every must be >= 0 (0: never), got {self.export_every}")
         if self.world_size < 1:
             raise ValueError(f"learner.world_size must be >= 1, got {self.world_size}")
+        if self.expert_parallel < 1:
+            raise ValueError(f"learner.expert_parallel must be >= 1, got {self.expert_parallel}")
         if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
             raise ValueError(f"learner.micro_batch_tokens must be >= 1 (or unset), got {self.micro_batch_tokens}")
         if self.clip_eps_high is not None and self.clip_eps_high <= 0:

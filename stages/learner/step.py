@@ -195,7 +195,7 @@ class PolicyTrainer:
         self.sharded = world_size > 1 if shard is None else shard
         self.device = sharding.pick_device(spec.device, world_size)
         self.model = sharding.load_policy(spec.model_path, self.device, world_size, spec.activation_checkpointing,
-                                          self.sharded, spec.lora)
+                                          self.sharded, spec.lora, spec.expert_parallel)
         if spec.routing_replay != "off":  # replay on a dense model fails here, naming the setting
             check_routing_replay(spec.model_path, spec.routing_replay, engine_returns_experts=True)
         self.routing_layers = len(layout.layers) if (layout := moe_layout(self.model)) is not None else 0
@@ -206,8 +206,8 @@ class PolicyTrainer:
         self.reference: torch.nn.Module | None = None  # the initial weights, for the KL penalty (kl_coef > 0)
         # the model folder holds the initial weights, also on resume; with LoRA they are the frozen base itself
         if spec.kl_coef > 0 and spec.lora is None:
-            self.reference = sharding.load_policy(spec.model_path, self.device, world_size,
-                                                    shard=self.sharded).requires_grad_(False)
+            self.reference = sharding.load_policy(spec.model_path, self.device, world_size, shard=self.sharded,
+                                                  expert_parallel=spec.expert_parallel).requires_grad_(False)
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         # the bonus's cap in nats; with "initial" None until the first step has measured the policy's entropy
         self.entropy_cap: float | None = None if spec.entropy_cap == "initial" else spec.entropy_cap

@@ -50,6 +50,23 @@ def test_replay_on_a_dense_model_is_refused(tmp_path: Path) -> None:
     assert "learner.routing_replay = 'rollout'" in message and "is dense" in message
 
 
+def test_an_expert_parallel_degree_that_does_not_fit_is_refused(tmp_path: Path) -> None:
+    assert "learner.expert_parallel = 3 must divide the model's 8 experts" in refused(
+        config(tmp_path, world_size=1, expert_parallel=3))
+    assert "learner.expert_parallel = 2 must equal learner.world_size = 1" in refused(
+        config(tmp_path, expert_parallel=2))
+    data = config(tmp_path, world_size=2, expert_parallel=2, routing_replay="off")
+    data["model"]["experts"] = 0
+    assert "learner.expert_parallel = 2 shards the experts" in refused(data)
+    dense = make_tiny_model(tmp_path / "dense")
+    data["model"] = {"path": str(dense), "create": False}
+    assert "the model is dense" in refused(data)
+    lora = config(tmp_path, world_size=2, expert_parallel=2, lora={"rank": 4})
+    assert "learner.expert_parallel = 2 and [learner] lora" in refused(lora)
+    cfg = validate(RunConfig, config(tmp_path, world_size=2, expert_parallel=2))
+    assert make_part("learner", cfg, model=cfg.model.make()).expert_parallel == 2
+
+
 def test_replay_with_an_engine_that_returns_no_experts_is_refused(tmp_path: Path) -> None:
     data = config(tmp_path)
     data["engine"] = {"kind": "tests.baton.test_moe_config:NoExperts"}
