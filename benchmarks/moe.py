@@ -1,7 +1,7 @@
 """Mixture-of-experts rows of issue 50, on the tiny random-init Qwen3-MoE (8 experts, top-2, 2 layers; made
 on first use, nothing downloaded), on CPU:
 
-    python benchmarks/moe.py [--quick] [--seeds 0 1 2] [--routing-steps 60] [--push-steps 5]
+    python benchmarks/moe.py [--quick] [--seeds 0 1 2] [--routing-steps 60] [--push-steps 5] [--push-lr 4e-4]
                              [--learn-steps 1500] [--budget-s 400] [--skip routing push learning]
 
 routing   configs/quickstart-moe.toml (`baton run`, the builder, each run its own process) at k = 0 (sync mode)
@@ -10,7 +10,7 @@ routing   configs/quickstart-moe.toml (`baton run`, the builder, each run its ow
           (share of (token, layer) pairs whose learner top-k differs from the rollout's) and logprob_gap
           (engine vs learner, per token). Expected, reported and not asserted: with replay at k = 0 a
           disagreement of 0 and a gap <= 1e-5.
-push      the tiny MoE trained in process by AdamW (lr 4e-4, weight decay 0, the quickstart learner's settings)
+push      the tiny MoE trained in process by AdamW (`--push-lr` 4e-4, weight decay 0: the quickstart learner's)
           on one short sequence per step (few tokens: top-2 of 8 experts leaves some experts without any
           gradient), `--push-steps` steps; per step the bytes of the version against the one before, packed as
           the engine holds it (bf16, and fp32), as `stages.weights.sparse.diff` sends it: full, element-sparse
@@ -120,7 +120,7 @@ def learning_row(root: Path, seed: int, replay: str, a: argparse.Namespace) -> d
 # ---------------------------------------------------------------- push bytes after real AdamW steps
 
 
-def push_rows(steps: int) -> list[dict]:
+def push_rows(steps: int, lr: float = 4e-4) -> list[dict]:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -130,7 +130,7 @@ def push_rows(steps: int) -> list[dict]:
     with_root = load_run_config(ROOT / CONFIG).model
     path = type(with_root)(**{**with_root.model_dump(), "path": str(ROOT / with_root.path)}).make()  # the quickstart's model
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, experts_implementation="eager")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=4e-4, betas=(0.9, 0.999), weight_decay=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=0.0)
     g = torch.Generator().manual_seed(0)
     before, rows = clone_state(model), []
     for step in range(1, steps + 1):
@@ -140,7 +140,7 @@ def push_rows(steps: int) -> list[dict]:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         after = clone_state(model)
-        row = {"row": "push", "step": step, **idle_changed(idle, before, after)}
+        row = {"row": "push", "lr": lr, "step": step, **idle_changed(idle, before, after)}
         for dtype in (torch.bfloat16, torch.float32):
             row |= {f"{k}_{str(dtype).removeprefix('torch.')}": v for k, v in push_bytes(before, after, dtype).items()}
         rows.append(row)
@@ -245,6 +245,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--routing-steps", type=int, default=60)
     parser.add_argument("--push-steps", type=int, default=5)
+    parser.add_argument("--push-lr", type=float, default=4e-4, help="AdamW's for the push rows (the quickstart's)")
     parser.add_argument("--learn-steps", type=int, default=1500)
     parser.add_argument("--budget-s", type=float, default=400.0, help="wall seconds per learning run")
     parser.add_argument("--target", type=float, default=0.8)
@@ -255,7 +256,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="moe-bench-") as tmp:
         root = Path(tmp)
         if "push" not in a.skip:
-            rows += push_rows(1 if a.quick else a.push_steps)
+            rows += push_rows(1 if a.quick else a.push_steps, a.push_lr)
         cells = [(0, "rollout")] if a.quick else [(k, r) for k in (0, 8) for r in ("off", "rollout")]
         if "routing" not in a.skip:
             for k, replay in cells:
