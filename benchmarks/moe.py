@@ -8,7 +8,8 @@ routing   configs/quickstart-moe.toml (`baton run`, the builder, each run its ow
           and k = 8, `learner.routing_replay` "off" and "rollout", the torch engine in fp32, for
           `--routing-steps` versions: the mean and max over versions of metrics.jsonl's router_disagreement
           (share of (token, layer) pairs whose learner top-k differs from the rollout's) and logprob_gap
-          (engine vs learner, per token). Expected, reported and not asserted: with replay at k = 0 a
+          (engine vs learner, per token), and router_drift (the learner's own top-k against the rollout's:
+          what replay overrides). Expected, reported and not asserted: with replay at k = 0 a
           disagreement of 0 and a gap <= 1e-5.
 push      the tiny MoE trained in process by AdamW (`--push-lr` 4e-4, weight decay 0: the quickstart learner's)
           on one short sequence per step (few tokens: top-2 of 8 experts leaves some experts without any
@@ -84,6 +85,7 @@ def routing_row(root: Path, k: int, replay: str, steps: int) -> dict:
     return {"row": "routing", "k": k, "replay": replay, "versions": len(got),
             "router_disagreement_mean": statistics.fmean(disagreement), "router_disagreement_max": max(disagreement),
             "logprob_gap_mean": statistics.fmean(gap), "logprob_gap_max": max(gap),
+            "router_drift_mean": statistics.fmean(r.get("router_drift", 0.0) for r in got),
             "staleness_mean": statistics.fmean(r.get("staleness_mean", 0.0) for r in got)}
 
 
