@@ -123,3 +123,32 @@ def test_a_damaged_experts_part_is_refused(damage: str) -> None:
     with pytest.raises(LayoutError):
         slots.rebuild(0, new_layout, patch, payload)
     assert slots.holds == [-1, -1]
+
+
+@pytest.mark.anyio
+async def test_delta_transport_skips_unchanged_experts_and_the_engine_holds_the_exact_version() -> None:
+    from stages.weights.base import LocalAsker
+    from stages.weights.delta import DeltaReceiver, DeltaTransport
+
+    class Sink:
+        name = "sink"
+
+        async def receive_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+            self.version, self.tensors = version, tensors
+
+    g = torch.Generator().manual_seed(3)
+    transports, sinks = {}, {}
+    for experts_on in (True, False):
+        transports[experts_on], sinks[experts_on] = DeltaTransport(engine_dtype="bfloat16", bucket_bytes=1 << 20), Sink()
+        transports[experts_on].planner.experts = experts_on
+        transports[experts_on].subscribe(LocalAsker(DeltaReceiver([sinks[experts_on]]), "engine-0"))
+    state = moe_state(g, experts=8, hidden=32, inner=24, dtype=torch.float32)
+    for version in (1, 2, 3):
+        for experts_on, transport in transports.items():
+            await transport.publish(version, state)
+            sink = sinks[experts_on]
+            assert sink.version == version
+            assert all(torch.equal(sink.tensors[n], t.to(torch.bfloat16)) for n, t in state.items())
+        state = step(state, g, moved=[version], share=0.5)
+    on, off = transports[True].stats, transports[False].stats
+    assert on["refused"] == off["refused"] == 0 and on["bytes"] < off["bytes"]
