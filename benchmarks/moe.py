@@ -20,7 +20,7 @@ push      the tiny MoE trained in process by AdamW (`--push-lr` 4e-4, weight dec
           gradient in the step, and how many of those still changed (Adam's moments move an expert that had
           gradients before, even at weight decay 0).
 learning  configs/quickstart-moe.toml at k = 8, replay "rollout" against "off", at each of `--seeds`: versions to
-          a trailing (`--window` 20) mean train reward of 0.8; a run stops 20 versions past it, at
+          a trailing (`--window` 20) mean train reward of 0.8; a run stops `--after` (20) versions past it, at
           `--learn-steps`, or at `--budget-s` (then not reached). The lowest trailing reward after the peak says
           whether a run collapsed.
 
@@ -94,7 +94,7 @@ def trailing(rewards: list[float], window: int) -> list[float]:
 
 
 def learning_row(root: Path, seed: int, replay: str, a: argparse.Namespace) -> dict:
-    """Versions to a trailing reward of `a.target` at k = 8; the run is stopped 20 versions after it."""
+    """Versions to a trailing reward of `a.target` at k = 8; the run is stopped `a.after` versions after it."""
     name, started = f"learn-s{seed}-{replay}", time.perf_counter()
     proc, log = start_run(root, name, 8, replay, a.learn_steps, seed)
     reached = None
@@ -102,7 +102,7 @@ def learning_row(root: Path, seed: int, replay: str, a: argparse.Namespace) -> d
         time.sleep(1.0)
         values = trailing([r["reward"] for r in records(root, name)], a.window)
         reached = next((i for i, v in enumerate(values) if i + 1 >= a.window and v >= a.target), None)
-        if (reached is not None and len(values) > reached + 20) or time.perf_counter() - started > a.budget_s:
+        if (reached is not None and len(values) > reached + a.after) or time.perf_counter() - started > a.budget_s:
             proc.terminate()
             proc.wait(60)
     got = records(root, name)
@@ -252,6 +252,7 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=400.0, help="wall seconds per learning run")
     parser.add_argument("--target", type=float, default=0.8)
     parser.add_argument("--window", type=int, default=20)
+    parser.add_argument("--after", type=int, default=20, help="versions a learning run goes on past the target")
     parser.add_argument("--skip", nargs="*", default=[], choices=["routing", "push", "learning"])
     a = parser.parse_args()
     rows: list[dict] = []
