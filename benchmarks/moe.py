@@ -130,7 +130,8 @@ def push_rows(steps: int, lr: float = 4e-4) -> list[dict]:
 
     torch.manual_seed(0)
     with_root = load_run_config(ROOT / CONFIG).model
-    path = type(with_root)(**{**with_root.model_dump(), "path": str(ROOT / with_root.path)}).make()  # the quickstart's model
+    # the quickstart's model folder, made as its config makes it
+    path = type(with_root)(**{**with_root.model_dump(), "path": str(ROOT / with_root.path)}).make()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, experts_implementation="eager")
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=0.0)
     g = torch.Generator().manual_seed(0)
@@ -209,7 +210,8 @@ def push_bytes(before: dict, after: dict, dtype) -> dict:
         assert np.array_equal(rebuilt[: layout.total], new[: layout.total]), "a patch did not rebuild bit-exact"
         out[key] = sum(p.nbytes for p in pieces)
         out[f"{key}_forms"] = sorted({p.inner or p.form for p in patch.parts} | {p.form for p in patch.parts})
-    out["changed_bytes_frac"] = round(int(np.count_nonzero(base[: layout.total] != new[: layout.total])) / layout.total, 5)
+    moved = int(np.count_nonzero(base[: layout.total] != new[: layout.total]))
+    out["changed_bytes_frac"] = round(moved / layout.total, 5)
     return out
 
 
@@ -221,7 +223,8 @@ def ratios(rows: list[dict]) -> dict:
     push = [r for r in rows if r["row"] == "push"]
     for d in ("bfloat16", "float32"):
         if push:
-            full, element, expert = (sum(r[f"{k}_{d}"] for r in push) for k in ("full", "element_sparse", "expert_sparse"))
+            kinds = ("full", "element_sparse", "expert_sparse")
+            full, element, expert = (sum(r[f"{k}_{d}"] for r in push) for k in kinds)
             short = "bf16" if d == "bfloat16" else "fp32"
             out[f"expert_sparse_vs_element_sparse_{short}"] = round(expert / element, 4)
             out[f"element_sparse_vs_full_{short}"] = round(element / full, 4)

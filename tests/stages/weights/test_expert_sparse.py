@@ -89,7 +89,8 @@ def test_unchanged_experts_cost_one_bit_each() -> None:
     assert np.unpackbits(pieces[0], count=8).tolist() == [0, 0, 1, 0, 0, 1, 0, 0]
     sent, element_sent = sum(p.nbytes for p in pieces), sum(p.nbytes for p in element_pieces)
     values = part.changed * 2
-    assert sent - values <= 1 + (element_sent - values) / 4 and np.array_equal(rebuild(new_layout, base, patch, pieces), target)
+    assert sent - values <= 1 + (element_sent - values) / 4
+    assert np.array_equal(rebuild(new_layout, base, patch, pieces), target)
 
 
 def test_blocks_are_one_per_expert_and_one_per_other_tensor() -> None:
@@ -139,7 +140,8 @@ async def test_delta_transport_skips_unchanged_experts_and_the_engine_holds_the_
     g = torch.Generator().manual_seed(3)
     transports, sinks = {}, {}
     for experts_on in (True, False):
-        transports[experts_on], sinks[experts_on] = DeltaTransport(engine_dtype="bfloat16", bucket_bytes=1 << 20), Sink()
+        transports[experts_on] = DeltaTransport(engine_dtype="bfloat16", bucket_bytes=1 << 20)
+        sinks[experts_on] = Sink()
         transports[experts_on].planner.experts = experts_on
         transports[experts_on].subscribe(LocalAsker(DeltaReceiver([sinks[experts_on]]), "engine-0"))
     state = moe_state(g, experts=8, hidden=32, inner=24, dtype=torch.float32)
