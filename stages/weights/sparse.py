@@ -9,7 +9,13 @@ behind) or the live one, which the receiver copies over first (a local copy cost
 second step's changes on the wire). `diff` picks per bucket the cheapest of three forms: `index`
 (the changed elements' positions as byte gaps, then their new values), `bitmask` (one bit per
 element, then the new values) or `full` (the bucket's bytes); an element is one word of the
-bucket's narrowest dtype (a bf16 value in a bf16 bucket).
+bucket's narrowest dtype (a bf16 value in a bf16 bucket). A bucket holding fused expert tensors
+([E, ...] under an `experts` module: `is_fused_experts`) has a fourth, expert-sparse form,
+`experts`: one bit per block (each expert of a fused tensor, each other tensor: `expert_blocks`,
+computed by both sides from the layout), set for the blocks with any changed element, then the
+moved blocks' elements, concatenated, in the cheapest of the three forms (`Part.inner`); unchanged
+experts cost one bit. Every form is only chosen when it is the cheapest, so a patch with it is
+never larger than one without (`diff(..., experts=False)`).
 
 Receiver side, `Slots` holds two packed receive slots and the version each holds. `rebuild`
 applies a `Patch` only onto exactly its base, then verifies every bucket's xxh3 checksum against
@@ -29,9 +35,10 @@ import numpy as np
 import torch
 
 from stages.weights.base import ApplyReply
-from stages.weights.layout import DTYPES, Bucket, Layout, LayoutError, bad_buckets, checksum, plan
+from stages.weights.layout import DTYPES, Bucket, Layout, LayoutError, TensorEntry, bad_buckets, checksum, plan
 
 INDEX, BITMASK, FULL = "index", "bitmask", "full"
+EXPERTS = "experts"  # one bit per expert block (`expert_blocks`), then the moved blocks' elements in `inner` form
 _WORDS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 KEEP = 3  # versions a learner keeps packed: the new one and the two a receiver's slots may hold
 
@@ -44,6 +51,7 @@ class Part(msgspec.Struct, frozen=True):
     offset: int
     nbytes: int
     changed: int  # elements that differ from the base (all of them for a `full` part without a base)
+    inner: str = ""  # an `experts` part: the form of its moved blocks' elements (index, bitmask or full)
 
 
 class Patch(msgspec.Struct, frozen=True):
@@ -117,42 +125,90 @@ def _gaps(where: np.ndarray) -> tuple[np.ndarray, int]:
     return gaps, int(skips.sum())
 
 
-def _encode(base: np.ndarray, new: np.ndarray, word: Any) -> tuple[str, list[np.ndarray], int]:
-    """The cheapest form of one bucket's change: (form, payload pieces, elements changed)."""
-    b, n = base.view(word), new.view(word)
-    mask = b != n
+def _element_forms(mask: np.ndarray, values: np.ndarray) -> dict[str, tuple[int, Any]]:
+    """Each element form's (bytes, builder of its payload pieces) for the elements `mask` marks
+    changed among `values` (the new words); the builders run only for the form chosen."""
     where = np.flatnonzero(mask)
-    changed, size = where.size, np.dtype(word).itemsize
+    changed, size = where.size, values.dtype.itemsize
     gaps, skips = _gaps(where)
-    costs = {INDEX: changed + skips + changed * size, BITMASK: -(-n.size // 8) + changed * size, FULL: new.nbytes}
-    form = min(costs, key=costs.__getitem__)
-    if form == FULL:
-        return FULL, [new], changed
-    if form == INDEX:
+
+    def index() -> list[np.ndarray]:
         head = np.full(changed + skips, 255, dtype=np.uint8)
         head[np.cumsum(gaps // 255 + 1) - 1] = gaps % 255
-    else:
-        head = np.packbits(mask)
-    return form, [head, n[where].view(np.uint8)], changed
+        return [head, values[where].view(np.uint8)]
+
+    return {
+        INDEX: (changed + skips + changed * size, index),
+        BITMASK: (-(-values.size // 8) + changed * size, lambda: [np.packbits(mask), values[where].view(np.uint8)]),
+        FULL: (values.nbytes, lambda: [values.view(np.uint8)]),
+    }
+
+
+def _encode(base: np.ndarray, new: np.ndarray, word: Any, bounds: np.ndarray | None) -> tuple[Part, list[np.ndarray]]:
+    """The cheapest form of one bucket's change (a Part without bucket or offset yet) and its payload
+    pieces. `bounds`: the bucket's expert blocks (`expert_blocks`), None when it holds no fused experts."""
+    b, n = base.view(word), new.view(word)
+    mask = b != n
+    changed = int(np.count_nonzero(mask))
+    forms = _element_forms(mask, n)
+    form, (nbytes, build) = min(forms.items(), key=lambda f: f[1][0])
+    if bounds is not None:
+        moved = _moved_blocks(mask, bounds)
+        keep = np.repeat(moved, np.diff(bounds))
+        head = np.packbits(moved)
+        inner, (inner_bytes, inner_build) = min(_element_forms(mask[keep], n[keep]).items(), key=lambda f: f[1][0])
+        if head.nbytes + inner_bytes < nbytes:
+            pieces = [head, *inner_build()]
+            return Part(0, EXPERTS, 0, sum(p.nbytes for p in pieces), changed, inner), pieces
+    return Part(0, form, 0, nbytes, changed), build()
+
+
+def _moved_blocks(mask: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    """One bool per block: whether any of its elements changed (an empty block never has)."""
+    running = np.concatenate([[0], np.cumsum(mask, dtype=np.int64)])
+    return running[bounds[1:]] > running[bounds[:-1]]
+
+
+def is_fused_experts(entry: TensorEntry) -> bool:
+    """A fused expert tensor: [E, ...] (3 dims or more) with the experts along dim 0, under an
+    `experts` module (transformers' `mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj`)."""
+    return len(entry.shape) >= 3 and entry.shape[0] > 0 and "experts" in entry.name.split(".")
+
+
+def expert_blocks(layout: Layout, bucket: Bucket, word: Any) -> np.ndarray | None:
+    """The bucket cut into blocks, as word boundaries from 0 to its size: one block per expert of
+    each fused expert tensor, one per other tensor, each alignment gap joined to the block before.
+    Both sides compute it from the layout alone. None when the bucket holds no fused experts."""
+    tensors = layout.tensors[bucket.first : bucket.first + bucket.count]
+    if not any(is_fused_experts(e) for e in tensors):
+        return None
+    size, starts = np.dtype(word).itemsize, []
+    for e in tensors:
+        first, experts = (e.offset - bucket.offset) // size, e.shape[0] if is_fused_experts(e) else 1
+        starts += [first + i * (e.nbytes // size // experts) for i in range(experts)]
+    starts[0] = 0
+    return np.array([*starts, bucket.nbytes // size], dtype=np.int64)
 
 
 def diff(
-    layout: Layout, new: np.ndarray, base: np.ndarray | None, base_version: int = -1, source: int = -1
+    layout: Layout, new: np.ndarray, base: np.ndarray | None, base_version: int = -1, source: int = -1,
+    experts: bool = True,
 ) -> tuple[Patch, list[np.ndarray]]:
     """A patch from `base` (packed version `base_version`, held in slot `source`; None: no base,
-    every bucket full) to `new`, with its payload pieces in order (at the parts' `offset`s)."""
+    every bucket full) to `new`, with its payload pieces in order (at the parts' `offset`s).
+    `experts`: a bucket with fused expert tensors may skip its unchanged experts (`EXPERTS`)."""
     parts, pieces, offset = [], [], 0
     for i, bucket in enumerate(layout.buckets):
         span = slice(bucket.offset, bucket.offset + bucket.nbytes)
         word = word_of(layout, bucket)
         if base is None:
-            form, chunks, changed = FULL, [new[span]], bucket.nbytes // np.dtype(word).itemsize
+            part, chunks = Part(i, FULL, 0, bucket.nbytes, bucket.nbytes // np.dtype(word).itemsize), [new[span]]
         else:
-            form, chunks, changed = _encode(base[span], new[span], word)
-        nbytes = sum(c.nbytes for c in chunks)
-        parts.append(Part(i, form, offset, nbytes, changed))
+            bounds = expert_blocks(layout, bucket, word) if experts else None
+            part, chunks = _encode(base[span], new[span], word, bounds)
+        parts.append(msgspec.structs.replace(part, bucket=i, offset=offset))
         pieces += chunks
-        offset += nbytes
+        offset += part.nbytes
     return Patch(base_version if base is not None else -1, source, tuple(parts)), pieces
 
 
@@ -162,33 +218,50 @@ def count(stats: dict[str, float], layout: Layout, patch: Patch) -> None:
     stats["changed"] += sum(p.changed for p in patch.parts)
     stats["full_bytes"] += layout.total
     for p in patch.parts:
-        stats[f"buckets_{p.form}"] += 1
+        stats[f"buckets_{p.inner or p.form}"] += 1  # an expert-sparse bucket counts as its inner form
 
 
-def _apply(span: np.ndarray, part: Part, payload: np.ndarray, word: Any) -> None:
+def _apply(span: np.ndarray, part: Part, payload: np.ndarray, word: Any, bounds: np.ndarray | None) -> None:
     data = payload[part.offset : part.offset + part.nbytes]
     if data.nbytes != part.nbytes:
         raise LayoutError(f"the payload of bucket {part.bucket} is cut short")
     target = span.view(word)
-    size = np.dtype(word).itemsize
-    if part.form == FULL:
-        if part.nbytes != span.nbytes:
-            raise LayoutError(f"a full bucket {part.bucket} of {part.nbytes} bytes for {span.nbytes}")
-        span[:] = data
+    if part.form != EXPERTS:
+        _apply_elements(target, part.form, data, part.changed, part.bucket)
         return
-    head = part.nbytes - part.changed * size if part.form == INDEX else -(-target.size // 8)
-    if part.form not in (INDEX, BITMASK) or head < 0 or head + part.changed * size != part.nbytes:
-        raise LayoutError(f"bucket {part.bucket}: a {part.form!r} part of {part.nbytes} bytes")
-    values = data[head:].view(word)
-    if part.form == INDEX:
+    if bounds is None or part.inner == EXPERTS:
+        raise LayoutError(f"bucket {part.bucket}: an experts part for a bucket without fused experts")
+    head = -(-(bounds.size - 1) // 8)
+    if head > data.nbytes:
+        raise LayoutError(f"bucket {part.bucket}: an experts part of {part.nbytes} bytes")
+    moved = np.unpackbits(data[:head], count=bounds.size - 1).view(bool)
+    keep = np.repeat(moved, np.diff(bounds))
+    blocks = target[keep]  # a copy: the moved blocks' elements, rebuilt, then written back
+    _apply_elements(blocks, part.inner, data[head:], part.changed, part.bucket)
+    target[keep] = blocks
+
+
+def _apply_elements(target: np.ndarray, form: str, data: np.ndarray, changed: int, bucket: int) -> None:
+    """Rebuild `target` (words) from one element form's payload `data`; LayoutError if it does not fit."""
+    size = target.dtype.itemsize
+    if form == FULL:
+        if data.nbytes != target.nbytes:
+            raise LayoutError(f"a full bucket {bucket} of {data.nbytes} bytes for {target.nbytes}")
+        target[:] = data.view(target.dtype)
+        return
+    head = data.nbytes - changed * size if form == INDEX else -(-target.size // 8)
+    if form not in (INDEX, BITMASK) or head < 0 or head + changed * size != data.nbytes:
+        raise LayoutError(f"bucket {bucket}: a {form!r} part of {data.nbytes} bytes")
+    values = data[head:].view(target.dtype)
+    if form == INDEX:
         gaps = data[:head]
         where = np.cumsum(gaps, dtype=np.int64)[gaps != 255]
-        if where.size != part.changed or (part.changed and int(where[-1]) >= target.size):
-            raise LayoutError(f"bucket {part.bucket}: element indices that do not fit it")
+        if where.size != changed or (changed and int(where[-1]) >= target.size):
+            raise LayoutError(f"bucket {bucket}: element indices that do not fit it")
     else:
         where = np.unpackbits(data[:head], count=target.size).view(bool)
-        if int(np.count_nonzero(where)) != part.changed:
-            raise LayoutError(f"bucket {part.bucket}: the bitmask does not mark {part.changed} elements")
+        if int(np.count_nonzero(where)) != changed:
+            raise LayoutError(f"bucket {bucket}: the bitmask does not mark {changed} elements")
     target[where] = values
 
 
@@ -222,8 +295,9 @@ class Slots:
             for part in patch.parts:
                 if not 0 <= part.bucket < len(layout.buckets) or (patch.base == -1 and part.form != FULL):
                     raise LayoutError(f"bad part {part}")
-                b = layout.buckets[part.bucket]
-                _apply(data[b.offset : b.offset + b.nbytes], part, payload, word_of(layout, b))
+                b, word = layout.buckets[part.bucket], word_of(layout, layout.buckets[part.bucket])
+                bounds = expert_blocks(layout, b, word) if part.form == EXPERTS else None
+                _apply(data[b.offset : b.offset + b.nbytes], part, payload, word, bounds)
         if bad := bad_buckets(buffer, layout):
             raise LayoutError(f"buckets {bad} of version {layout.version} fail their checksum")
         self.holds[slot] = layout.version
@@ -260,9 +334,9 @@ class Planner:
     from what the receiver's slots hold (`holds`, as its last reply said) to the staged version.
     Counts into `stats` (the keys of `base.STATS`) what each send changed and why one went whole."""
 
-    def __init__(self, dtype: str | None, stats: dict[str, float]) -> None:
+    def __init__(self, dtype: str | None, stats: dict[str, float], experts: bool = True) -> None:
         self.dtype = getattr(torch, dtype.removeprefix("torch.")) if dtype else None
-        self.versions, self.stats, self.staged = Versions(), stats, -1
+        self.versions, self.stats, self.staged, self.experts = Versions(), stats, -1, experts
         self._patches: dict[tuple[int, int], tuple[Patch, list[np.ndarray]]] = {}
 
     def stage(self, version: int, tensors: dict[str, torch.Tensor], bucket_bytes: int) -> np.ndarray:
@@ -286,7 +360,7 @@ class Planner:
             self.stats["fallback_refused" if refused else "fallback_lost" if lost else "fallback_new"] += 1
         if base not in self._patches:
             found = self.versions.get(base[0]) if base[0] >= 0 else None
-            self._patches[base] = diff(layout, new, found, *base)
+            self._patches[base] = diff(layout, new, found, *base, experts=self.experts)
         patch, pieces = self._patches[base]
         count(self.stats, layout, patch)
         return patch, pieces
