@@ -20,6 +20,10 @@
 #                      dies at start-up. The .pth imports this module at interpreter start; the first time a
 #                      process imports `sglang.srt.lora` on a machine without CUDA, it makes those calls
 #                      return ordinary memory. Nothing else changes, and nothing at all on a GPU.
+#   baton_cpu_routing.py  imported by baton_cpu_lora: `--enable-return-routed-experts` (an MoE model's server,
+#                      stages/engines/sglang.py) allocates its capture buffer with cudaHostRegister
+#                      (`_cuda_host_register`, sglang/srt/mem_cache/pool_host/common.py), which kills the
+#                      scheduler without CUDA; without CUDA that registration becomes a no-op.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
