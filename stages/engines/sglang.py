@@ -46,7 +46,7 @@ from stages.engines.base import Completion, EngineError, EngineRun, SamplingPara
 from stages.data.routing import folder_moe_layout
 from stages.engines.sglang_lora import LoraServing, ServerAdapters, fit_adapter
 from stages.engines.sglang_moe import completion_routes, decode_routes, per_expert_tensors
-from stages.engines.sglang_probe import PushMismatch, WeightProbe
+from stages.engines.sglang_probe import PushMismatch, WeightProbe, checkpoint_shapes, folder_tensors, untied_head
 from stages.engines.sglang_server import ServerFailed, SGLangServer, gpu_available
 from stages.engines.sglang_update import UPDATE_PATHS, ServerUpdate
 from stages.weights.adapter import AdapterVersion, base_fingerprint
@@ -107,6 +107,7 @@ class SGLangEngine:
         self._layout = folder_moe_layout(self.model_path)  # an MoE model's: its completions carry routed experts
         self.returns_routed_experts = self._layout is not None
         self._probe: WeightProbe | None = None
+        self._untied_head = self._layout is not None and untied_head(Path(self.model_path))
         self._base: str | None = None  # the model folder's fingerprint (stages.weights.adapter), once an adapter came
         self._rids = itertools.count()
         self._last_abort = ""
@@ -179,6 +180,8 @@ class SGLangEngine:
             if self._latest is not None:  # weights that arrived before start
                 await self._apply(*self._latest)
                 self._held = self._latest
+            elif self.probe_tolerance is not None or self._untied_head:
+                await self._check_folder()
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self.stop()
@@ -336,7 +339,7 @@ class SGLangEngine:
         sees them: a version that does not fit whole is refused here, with the server untouched (an
         adapter: against the checkpoint and what the server was launched to serve)."""
         if self._expected is None:
-            self._expected = _checkpoint_shapes(Path(self.model_path))
+            self._expected = checkpoint_shapes(Path(self.model_path))
         if isinstance(tensors, AdapterVersion):
             if self._base is None:
                 self._base = base_fingerprint(self.model_path)
@@ -353,7 +356,8 @@ class SGLangEngine:
         problems += [f"{n} is not in the model" for n in extra]
         if problems:
             raise EngineError(f"engine {self.name}: weights of version {version} do not fit: {'; '.join(problems[:5])}")
-        return {n: t for n, t in tensors.items() if n in expected}
+        head = self._untied_head and "lm_head.weight" in tensors  # a tied head SGLang's model keeps apart (MoE)
+        return {n: t for n, t in tensors.items() if n in expected or (head and n == "lm_head.weight")}
 
     async def _apply(self, version: int, tensors: dict[str, torch.Tensor] | AdapterVersion) -> None:
         if isinstance(tensors, AdapterVersion):  # no pause: requests keep their own adapters (sglang_lora)
@@ -396,6 +400,17 @@ class SGLangEngine:
         await self._adapters.base_replaced()
         if flush_cache:  # KV computed by older weights must not serve new requests' prefixes
             await self._call("POST", "/flush_cache", {}, check=False)
+
+    async def _check_folder(self) -> None:
+        """Version 0 is checked like any other (the probe against the folder's own weights); an MoE folder with
+        a tied head is pushed first: SGLang's MoE models keep lm_head apart and load none from such a folder."""
+        tensors = await anyio.to_thread.run_sync(folder_tensors, Path(self.model_path))
+        if self._untied_head:
+            fitted = self._fit(0, tensors)
+            await self._update(0, fitted)
+            self._latest = self._held = (0, fitted)  # what a restarted server, or a refused version, gets back
+        else:
+            await self._check_landed(0, tensors)
 
     async def _check_landed(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         """The server's probe logprobs equal the version's (sglang_probe); else the server gets back what it
@@ -477,16 +492,3 @@ class SGLangEngine:
                 self._held = self._latest
             self.stats["restart_s"] = round(time.perf_counter() - t0, 2)
 
-
-def _checkpoint_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
-    """Every tensor name and shape in the checkpoint's safetensors files (headers only)."""
-    from safetensors import safe_open
-
-    shapes: dict[str, tuple[int, ...]] = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():
-                shapes[name] = tuple(f.get_slice(name).get_shape())
-    if not shapes:
-        raise EngineError(f"no *.safetensors weights in {folder}")
-    return shapes

@@ -84,3 +84,37 @@ class WeightProbe:
             raise PushMismatch(f"version {version} is not what the server computes: its probe logprobs differ from "
                                f"the version's weights by {diff:.3g} (tolerance {expected.tolerance:g})")
         return diff
+
+
+def checkpoint_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor name and shape in the checkpoint's safetensors files (headers only)."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    if not shapes:
+        raise EngineError(f"no *.safetensors weights in {folder}")
+    return shapes
+
+
+def folder_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """The checkpoint's own weights (version 0), a tied head included as `lm_head.weight`."""
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(file))
+    if untied_head(folder):
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    return tensors
+
+
+def untied_head(folder: Path) -> bool:
+    """The folder ties the head to the embedding and stores no `lm_head.weight`."""
+    import json
+
+    config = json.loads((folder / "config.json").read_text())
+    return bool(config.get("tie_word_embeddings")) and "lm_head.weight" not in checkpoint_shapes(folder)
