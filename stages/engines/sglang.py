@@ -42,8 +42,8 @@ import torch
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from pipeline.events import report_event
-from stages.engines.base import Completion, EngineError, EngineRun, SamplingParams
 from stages.data.routing import folder_moe_layout
+from stages.engines.base import Completion, EngineError, EngineRun, SamplingParams
 from stages.engines.sglang_lora import LoraServing, ServerAdapters, fit_adapter
 from stages.engines.sglang_moe import completion_routes, decode_routes, per_expert_tensors
 from stages.engines.sglang_probe import PushMismatch, WeightProbe, checkpoint_shapes, folder_tensors, untied_head

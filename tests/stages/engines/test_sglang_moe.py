@@ -152,7 +152,7 @@ async def test_a_short_moe_run_with_routing_replay_on_sglang(engine, model_path,
     data = load_toml("configs/quickstart-moe.toml")
     data.update(steps=10, run_root=str(tmp_path))
     data["engine"] = {"kind": "sglang", "urls": [engine.base_url], "batch_groups": 16, "dtype": "float32"}
-    data["model"]["path"] = str(model_path)
+    data["model"].update(path=str(model_path), heads=4, kv_heads=2)  # make_tiny_moe_model's defaults
     data["telemetry"] = {"progress": False}
     summary = await build_pipeline(RunConfig.model_validate(data)).arun()
     print(json.dumps(summary))
