@@ -107,7 +107,7 @@ class SGLangEngine:
         self._layout = folder_moe_layout(self.model_path)  # an MoE model's: its completions carry routed experts
         self.returns_routed_experts = self._layout is not None
         self._probe: WeightProbe | None = None
-        self._untied_head = self._layout is not None and untied_head(Path(self.model_path))
+        self._untied_head = self._layout is not None and untied_head(Path(self.model_path))  # (an MoE has config)
         self._base: str | None = None  # the model folder's fingerprint (stages.weights.adapter), once an adapter came
         self._rids = itertools.count()
         self._last_abort = ""
@@ -404,7 +404,10 @@ class SGLangEngine:
     async def _check_folder(self) -> None:
         """Version 0 is checked like any other (the probe against the folder's own weights); an MoE folder with
         a tied head is pushed first: SGLang's MoE models keep lm_head apart and load none from such a folder."""
-        tensors = await anyio.to_thread.run_sync(folder_tensors, Path(self.model_path))
+        folder = Path(self.model_path)
+        if not (folder / "config.json").is_file() or not any(folder.glob("*.safetensors")):
+            return  # no weights here to check the server against
+        tensors = await anyio.to_thread.run_sync(folder_tensors, folder)
         if self._untied_head:
             fitted = self._fit(0, tensors)
             await self._update(0, fitted)
