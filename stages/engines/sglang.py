@@ -13,7 +13,10 @@ a running one by `url`; it speaks HTTP only and never imports sglang.
   generation (`pause_mode = "in_place"` keeps their KV cache, `"retract"` recomputes it), asks the
   staleness policy what each request should do (`interrupt`: continue on the new weights, or
   restart from its prompt), applies, and continues. A version is applied whole or the call raises
-  `EngineError`; `version` only moves once the server confirmed the update.
+  `EngineError`; `version` only moves once the server confirmed the update and its logprobs on a probe
+  equal the version's (`sglang_probe`; the folder's own weights are checked at start too); fused expert
+  tensors go out under the per-expert names SGLang's loader takes (`sglang_moe`). An MoE model's server
+  returns routed experts: each completion carries them, aligned as the torch engine's (`sglang_moe`).
 * **adapters** (`lora=LoraServing(...)`, a LoRA run): the server is launched with LoRA, each
   `AdapterVersion` is loaded as `policy-v{N}` and every request runs under the adapter of the version
   it started under, holding it until it ends; what stays loaded and when an adapter may go:
@@ -45,8 +48,8 @@ from pipeline.events import report_event
 from stages.data.routing import folder_moe_layout
 from stages.engines.base import Completion, EngineError, EngineRun, SamplingParams
 from stages.engines.sglang_lora import LoraServing, ServerAdapters, fit_adapter
-from stages.engines.sglang_moe import completion_routes, decode_routes, per_expert_tensors
-from stages.engines.sglang_probe import PushMismatch, WeightProbe, checkpoint_shapes, folder_tensors, untied_head
+from stages.engines.sglang_moe import per_expert_tensors, served_routes
+from stages.engines.sglang_probe import PushMismatch, WeightProbe, checkpoint_shapes, folder_version, untied_head
 from stages.engines.sglang_server import ServerFailed, SGLangServer, gpu_available
 from stages.engines.sglang_update import UPDATE_PATHS, ServerUpdate
 from stages.weights.adapter import AdapterVersion, base_fingerprint
@@ -180,8 +183,16 @@ class SGLangEngine:
             if self._latest is not None:  # weights that arrived before start
                 await self._apply(*self._latest)
                 self._held = self._latest
-            elif self.probe_tolerance is not None or self._untied_head:
-                await self._check_folder()
+            elif (self.probe_tolerance is not None or self._untied_head) and (
+                    tensors := await anyio.to_thread.run_sync(folder_version, Path(self.model_path))) is not None:
+                # version 0 is checked like any other; a tied MoE head is pushed first (SGLang's MoE models
+                # keep lm_head apart and load none from such a folder)
+                if self._untied_head:
+                    fitted = self._fit(0, tensors)
+                    await self._update(0, fitted)
+                    self._latest = self._held = (0, fitted)  # what a restarted server or a refused version gets
+                elif self.probe_tolerance is not None:
+                    await self._check_landed(0, tensors)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self.stop()
@@ -281,32 +292,15 @@ class SGLangEngine:
         versions = np.full(len(tokens), submitted, dtype=np.int32)
         whole = [{"version": meta.get("weight_version"), "start": 0, "end": len(tokens)}]
         for span in (meta.get("weight_versions") or whole) if spans else ():
-            versions[span["start"] : span["end"]] = self._parse_version(span["version"], submitted)
+            versions[span["start"] : span["end"]] = _version_of(span["version"], submitted)
         stopped = finish == "stop" and len(tokens) > 0 and int(tokens[-1]) in params.stop_token_ids
         served = {"rid": meta.get("id"), "prompt_tokens": int(meta.get("prompt_tokens") or 0),
                   "cached_tokens": int(meta.get("cached_tokens") or 0)}  # the server's prefix cache served these
-        return Completion(tokens, logprobs, versions, "stop" if stopped else "length", served,
-                          self._routes(meta, len(tokens)))
-
-    def _routes(self, meta: dict, generated: int) -> np.ndarray | None:
-        """An MoE model's routed experts of each generated token (`sglang_moe.completion_routes`); None: dense."""
-        if self._layout is None:
-            return None
-        if not meta.get("routed_experts"):
-            raise EngineError(f"engine {self.name}: the server returned no routed experts (an attached server "
-                              "needs --enable-return-routed-experts)")
-        try:
-            return completion_routes(decode_routes(meta["routed_experts"], self._layout),
-                                     int(meta["prompt_tokens"]), generated)
+        try:  # an MoE model's routed experts of each generated token (sglang_moe)
+            routes = None if self._layout is None else served_routes(meta, self._layout, len(tokens))
         except ValueError as exc:
             raise EngineError(f"engine {self.name}: routed experts: {exc}") from None
-
-    def _parse_version(self, tag: Any, submitted: int) -> int:
-        """Our tags are str(version); the server's initial "default" is the weights it loaded."""
-        try:
-            return int(tag)
-        except (TypeError, ValueError):
-            return submitted
+        return Completion(tokens, logprobs, versions, "stop" if stopped else "length", served, routes)
 
     # -- weights -------------------------------------------------------------------------------
     async def receive_weights(self, version: int, tensors: dict[str, torch.Tensor] | AdapterVersion) -> None:
@@ -401,20 +395,6 @@ class SGLangEngine:
         if flush_cache:  # KV computed by older weights must not serve new requests' prefixes
             await self._call("POST", "/flush_cache", {}, check=False)
 
-    async def _check_folder(self) -> None:
-        """Version 0 is checked like any other (the probe against the folder's own weights); an MoE folder with
-        a tied head is pushed first: SGLang's MoE models keep lm_head apart and load none from such a folder."""
-        folder = Path(self.model_path)
-        if not (folder / "config.json").is_file() or not any(folder.glob("*.safetensors")):
-            return  # no weights here to check the server against
-        tensors = await anyio.to_thread.run_sync(folder_tensors, folder)
-        if self._untied_head:
-            fitted = self._fit(0, tensors)
-            await self._update(0, fitted)
-            self._latest = self._held = (0, fitted)  # what a restarted server, or a refused version, gets back
-        else:
-            await self._check_landed(0, tensors)
-
     async def _check_landed(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         """The server's probe logprobs equal the version's (sglang_probe); else the server gets back what it
         held before (the last version applied, or its model folder) and the version is refused."""
@@ -432,8 +412,8 @@ class SGLangEngine:
                 await self._updater.apply(self._held[0], self._held[1], self.update)
             else:  # the folder it started from
                 await self._call("POST", "/begin_weight_update", {})
-                await self._call("POST", "/update_weights_from_disk", {
-                    "model_path": str(self.model_path), "flush_cache": True, "weight_version": str(self._version)})
+                await self._call("POST", "/update_weights_from_disk", {"model_path": str(self.model_path),
+                                 "flush_cache": True, "weight_version": str(self._version)})
                 await self._call("POST", "/end_weight_update", {})
             raise PushMismatch(f"engine {self.name}: {exc}") from None
 
@@ -495,3 +475,10 @@ class SGLangEngine:
                 self._held = self._latest
             self.stats["restart_s"] = round(time.perf_counter() - t0, 2)
 
+
+def _version_of(tag: Any, submitted: int) -> int:
+    """Our tags are str(version); the server's initial "default" is the weights it loaded."""
+    try:
+        return int(tag)
+    except (TypeError, ValueError):
+        return submitted

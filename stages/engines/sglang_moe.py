@@ -110,3 +110,12 @@ def completion_routes(routes: np.ndarray, prompt_tokens: int, generated: int) ->
         raise ValueError(f"{routes.shape[0]} routed positions for {prompt_tokens} prompt and {generated} "
                          f"generated tokens (need {start + generated})")
     return np.ascontiguousarray(routes[start : start + generated])
+
+
+def served_routes(meta: dict, layout: MoELayout, generated: int) -> np.ndarray:
+    """The routed experts of a `/generate` answer's `meta_info`, one row per generated token
+    (`completion_routes`); ValueError when the server sent none (an attached server needs
+    --enable-return-routed-experts) or they do not fit."""
+    if not meta.get("routed_experts"):
+        raise ValueError("the server returned none (a server needs --enable-return-routed-experts)")
+    return completion_routes(decode_routes(meta["routed_experts"], layout), int(meta["prompt_tokens"]), generated)

@@ -100,10 +100,13 @@ def checkpoint_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def folder_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    """The checkpoint's own weights (version 0), a tied head included as `lm_head.weight`."""
+def folder_version(folder: Path) -> dict[str, torch.Tensor] | None:
+    """The checkpoint's own weights (version 0), a tied head included as `lm_head.weight`; None for a folder
+    with no config or weights (nothing to check a server against)."""
     from safetensors.torch import load_file
 
+    if not (folder / "config.json").is_file() or not any(folder.glob("*.safetensors")):
+        return None
     tensors: dict[str, torch.Tensor] = {}
     for file in sorted(folder.glob("*.safetensors")):
         tensors.update(load_file(file))
