@@ -67,7 +67,7 @@ class WeightProbe:
             from transformers import AutoModelForCausalLM
 
             kwargs = {"experts_implementation": "eager"} if getattr(self._config, "num_experts", 0) else {}
-            self._model = AutoModelForCausalLM.from_config(self._config, torch_dtype=torch.float32,
+            self._model = AutoModelForCausalLM.from_config(self._config, dtype=torch.float32,
                                                            attn_implementation="eager", **kwargs).eval()
         return self._model
 

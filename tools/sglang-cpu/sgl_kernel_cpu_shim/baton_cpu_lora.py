@@ -59,4 +59,4 @@ class _PatchOnLoraImport(importlib.abc.MetaPathFinder):
 if not any(isinstance(finder, _PatchOnLoraImport) for finder in sys.meta_path):
     sys.meta_path.insert(0, _PatchOnLoraImport())
 
-import baton_cpu_routing  # noqa: E402,F401 - the routed-experts capture's pin, armed by the same .pth line
+import baton_cpu_moe  # noqa: E402,F401 - the MoE patches (routed-experts pin, shared-expert gate), same .pth line
