@@ -25,7 +25,6 @@ import importlib.machinery
 import sys
 
 
-
 def _unpinned(buffer, registration_granularity_bytes=None) -> None:
     """No host registration without CUDA: the buffer stays ordinary CPU memory."""
 
