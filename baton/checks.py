@@ -159,8 +159,8 @@ def expert_parallel_fits(cfg: RunConfig) -> None:
 def routing_replay_fits(cfg: RunConfig) -> None:
     """learner.routing_replay = 'rollout' needs a mixture-of-experts model (one `create` makes with
     model.experts, or a folder whose config has routed experts) and an engine that returns the experts it
-    routed to: the torch engine does on an MoE model; SGLang's server does not yet; a plug-in says so by a
-    class attribute `returns_routed_experts = True`."""
+    routed to: the torch engine and SGLang's server do on an MoE model; a plug-in says so by a class attribute
+    `returns_routed_experts = True`."""
     replay = getattr(cfg.learner, "routing_replay", "off")
     if replay == "off":
         return
@@ -168,8 +168,8 @@ def routing_replay_fits(cfg: RunConfig) -> None:
         raise ValueError("learner.routing_replay = 'rollout' replays routed experts, but model.experts = 0 makes a "
                          "dense model: set model.experts (e.g. 8), or learner.routing_replay = 'off'")
     engine = cfg.engine
-    returns = isinstance(engine, TorchEngineSpec) or (
-        not isinstance(engine, SGLangEngineSpec) and getattr(resolve(engine.kind), "returns_routed_experts", False))
+    returns = isinstance(engine, TorchEngineSpec | SGLangEngineSpec) or getattr(
+        resolve(engine.kind), "returns_routed_experts", False)
     # a model `create` makes is an MoE (checked above) made when the run starts: no folder to read yet
     check_routing_replay(None if cfg.model.create else cfg.model.path, replay, engine_returns_experts=returns)
 

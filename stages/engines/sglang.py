@@ -13,7 +13,10 @@ a running one by `url`; it speaks HTTP only and never imports sglang.
   generation (`pause_mode = "in_place"` keeps their KV cache, `"retract"` recomputes it), asks the
   staleness policy what each request should do (`interrupt`: continue on the new weights, or
   restart from its prompt), applies, and continues. A version is applied whole or the call raises
-  `EngineError`; `version` only moves once the server confirmed the update.
+  `EngineError`; `version` only moves once the server confirmed the update and its logprobs on a probe
+  equal the version's (`sglang_probe`; the folder's own weights are checked at start too); fused expert
+  tensors go out under the per-expert names SGLang's loader takes (`sglang_moe`). An MoE model's server
+  returns routed experts: each completion carries them, aligned as the torch engine's (`sglang_moe`).
 * **adapters** (`lora=LoraServing(...)`, a LoRA run): the server is launched with LoRA, each
   `AdapterVersion` is loaded as `policy-v{N}` and every request runs under the adapter of the version
   it started under, holding it until it ends; what stays loaded and when an adapter may go:
@@ -42,8 +45,11 @@ import torch
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from pipeline.events import report_event
+from stages.data.routing import folder_moe_layout
 from stages.engines.base import Completion, EngineError, EngineRun, SamplingParams
 from stages.engines.sglang_lora import LoraServing, ServerAdapters, fit_adapter
+from stages.engines.sglang_moe import per_expert_tensors, served_routes
+from stages.engines.sglang_probe import PushMismatch, WeightProbe, checkpoint_shapes, folder_version, untied_head
 from stages.engines.sglang_server import ServerFailed, SGLangServer, gpu_available
 from stages.engines.sglang_update import UPDATE_PATHS, ServerUpdate
 from stages.weights.adapter import AdapterVersion, base_fingerprint
@@ -76,6 +82,8 @@ class SGLangEngine:
     max_restarts: int = 3
     lora: LoraServing | None = None  # serve LoRA adapters (a LoRA run's versions): stages.engines.sglang_lora
     request_timeout_s: float = 600.0
+    # each full-weight version is checked by the server's logprobs on a probe (sglang_probe); None: not checked
+    probe_tolerance: float | None = 1e-5
     log_dir: str | Path | None = None  # the server's log and engine events go here (`attach`: the run folder)
     policy: Any = None  # the run's staleness policy (its `interrupt`), from `attach`
     stats: dict = field(default_factory=lambda: {"restarts": 0, "regenerated": 0, "interrupted": 0, "updates": 0})
@@ -99,6 +107,10 @@ class SGLangEngine:
         self._updater = ServerUpdate(self.name, Path(self.model_path), self._call)
         self._adapters = ServerAdapters(self.name, self.lora, self._call, self.stats)
         self._expected: dict[str, tuple[int, ...]] | None = None
+        self._layout = folder_moe_layout(self.model_path)  # an MoE model's: its completions carry routed experts
+        self.returns_routed_experts = self._layout is not None
+        self._probe: WeightProbe | None = None
+        self._untied_head = self._layout is not None and untied_head(Path(self.model_path))  # (an MoE has config)
         self._base: str | None = None  # the model folder's fingerprint (stages.weights.adapter), once an adapter came
         self._rids = itertools.count()
         self._last_abort = ""
@@ -150,6 +162,7 @@ class SGLangEngine:
         if self.url is None:
             log_dir = Path(self.log_dir) if self.log_dir else Path(tempfile.gettempdir())
             lora = self.lora.launch_args(cpu=self.gpus == 0) if self.lora is not None else ()
+            lora += ("--enable-return-routed-experts",) if self._layout is not None else ()
             self._server = SGLangServer(
                 self.model_path, python=self.python, port=self.port, dtype=self.dtype, device=self.device,
                 threads=self.threads, max_total_tokens=self.max_total_tokens,
@@ -170,6 +183,16 @@ class SGLangEngine:
             if self._latest is not None:  # weights that arrived before start
                 await self._apply(*self._latest)
                 self._held = self._latest
+            elif (self.probe_tolerance is not None or self._untied_head) and (
+                    tensors := await anyio.to_thread.run_sync(folder_version, Path(self.model_path))) is not None:
+                # version 0 is checked like any other; a tied MoE head is pushed first (SGLang's MoE models
+                # keep lm_head apart and load none from such a folder)
+                if self._untied_head:
+                    fitted = self._fit(0, tensors)
+                    await self._update(0, fitted)
+                    self._latest = self._held = (0, fitted)  # what a restarted server or a refused version gets
+                elif self.probe_tolerance is not None:
+                    await self._check_landed(0, tensors)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self.stop()
@@ -233,6 +256,7 @@ class SGLangEngine:
             # prompt's KV computed by older weights must never serve a newer version's request
             "extra_key": f"v{submitted}",
             **({"lora_path": adapter[0]} if adapter is not None else {}),
+            **({"return_routed_experts": True} if self._layout is not None else {}),
         }
         for rid in rids:
             self._inflight[rid] = submitted
@@ -268,18 +292,15 @@ class SGLangEngine:
         versions = np.full(len(tokens), submitted, dtype=np.int32)
         whole = [{"version": meta.get("weight_version"), "start": 0, "end": len(tokens)}]
         for span in (meta.get("weight_versions") or whole) if spans else ():
-            versions[span["start"] : span["end"]] = self._parse_version(span["version"], submitted)
+            versions[span["start"] : span["end"]] = _version_of(span["version"], submitted)
         stopped = finish == "stop" and len(tokens) > 0 and int(tokens[-1]) in params.stop_token_ids
         served = {"rid": meta.get("id"), "prompt_tokens": int(meta.get("prompt_tokens") or 0),
                   "cached_tokens": int(meta.get("cached_tokens") or 0)}  # the server's prefix cache served these
-        return Completion(tokens, logprobs, versions, "stop" if stopped else "length", served)
-
-    def _parse_version(self, tag: Any, submitted: int) -> int:
-        """Our tags are str(version); the server's initial "default" is the weights it loaded."""
-        try:
-            return int(tag)
-        except (TypeError, ValueError):
-            return submitted
+        try:  # an MoE model's routed experts of each generated token (sglang_moe)
+            routes = None if self._layout is None else served_routes(meta, self._layout, len(tokens))
+        except ValueError as exc:
+            raise EngineError(f"engine {self.name}: routed experts: {exc}") from None
+        return Completion(tokens, logprobs, versions, "stop" if stopped else "length", served, routes)
 
     # -- weights -------------------------------------------------------------------------------
     async def receive_weights(self, version: int, tensors: dict[str, torch.Tensor] | AdapterVersion) -> None:
@@ -312,12 +333,13 @@ class SGLangEngine:
         sees them: a version that does not fit whole is refused here, with the server untouched (an
         adapter: against the checkpoint and what the server was launched to serve)."""
         if self._expected is None:
-            self._expected = _checkpoint_shapes(Path(self.model_path))
+            self._expected = checkpoint_shapes(Path(self.model_path))
         if isinstance(tensors, AdapterVersion):
             if self._base is None:
                 self._base = base_fingerprint(self.model_path)
             fit_adapter(self.name, self.lora, version, tensors.spec, tensors.tensors, self._expected, self._base)
             return tensors
+        tensors = per_expert_tensors(tensors)  # fused experts: SGLang's loader skips them (sglang_moe)
         expected, problems = self._expected, []
         for name, shape in expected.items():
             if name not in tensors:
@@ -328,7 +350,8 @@ class SGLangEngine:
         problems += [f"{n} is not in the model" for n in extra]
         if problems:
             raise EngineError(f"engine {self.name}: weights of version {version} do not fit: {'; '.join(problems[:5])}")
-        return {n: t for n, t in tensors.items() if n in expected}
+        head = self._untied_head and "lm_head.weight" in tensors  # a tied head SGLang's model keeps apart (MoE)
+        return {n: t for n, t in tensors.items() if n in expected or (head and n == "lm_head.weight")}
 
     async def _apply(self, version: int, tensors: dict[str, torch.Tensor] | AdapterVersion) -> None:
         if isinstance(tensors, AdapterVersion):  # no pause: requests keep their own adapters (sglang_lora)
@@ -350,17 +373,49 @@ class SGLangEngine:
                 if self.policy is not None and self.policy.interrupt(oldest, version) == "restart":
                     await self._call("POST", "/abort_request", {"rid": rid})
                     self.stats["interrupted"] += 1
-            await self._update(version, tensors, flush_cache=False)
+            held = self._version
+            await self._update(version, tensors, flush_cache=False, probe=False)
         finally:
             await self._call("POST", "/continue_generation", {})
+        if self.probe_tolerance is not None:  # a paused server answers no probe: checked once requests go on
+            try:
+                await self._check_landed(version, tensors)
+            except PushMismatch:
+                self._version = held
+                raise
 
-    async def _update(self, version: int, tensors: dict[str, torch.Tensor], flush_cache: bool = True) -> None:
+    async def _update(self, version: int, tensors: dict[str, torch.Tensor], flush_cache: bool = True,
+                      probe: bool = True) -> None:
         await self._updater.apply(version, tensors, self.update)
+        if probe and self.probe_tolerance is not None:
+            await self._check_landed(version, tensors)
         self._version = version
         self.stats["updates"] += 1
         await self._adapters.base_replaced()
         if flush_cache:  # KV computed by older weights must not serve new requests' prefixes
             await self._call("POST", "/flush_cache", {}, check=False)
+
+    async def _check_landed(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        """The server's probe logprobs equal the version's (sglang_probe); else the server gets back what it
+        held before (the last version applied, or its model folder) and the version is refused."""
+        if self._probe is None:
+            self._probe = WeightProbe(self.model_path)
+        tolerance = self.probe_tolerance if self.dtype == "float32" else max(self.probe_tolerance, 5e-2)
+        expected = await anyio.to_thread.run_sync(self._probe.expected, tensors, tolerance)
+        answer = await self._call("POST", "/generate", self._probe.request(version))
+        try:
+            self.stats["probe_gap"] = self._probe.check(version, expected, answer)
+        except PushMismatch as exc:
+            self.stats["pushes_refused"] = self.stats.get("pushes_refused", 0) + 1
+            report_event(self.log_dir, "engine.push_mismatch", engine=self.name, version=version, error=str(exc))
+            if self._held is not None and not isinstance(self._held[1], AdapterVersion):
+                await self._updater.apply(self._held[0], self._held[1], self.update)
+            else:  # the folder it started from
+                await self._call("POST", "/begin_weight_update", {})
+                await self._call("POST", "/update_weights_from_disk", {"model_path": str(self.model_path),
+                                 "flush_cache": True, "weight_version": str(self._version)})
+                await self._call("POST", "/end_weight_update", {})
+            raise PushMismatch(f"engine {self.name}: {exc}") from None
 
     # -- HTTP and recovery ---------------------------------------------------------------------
     async def _call(self, method: str, path: str, body: dict | None = None, check: bool = True) -> Any:
@@ -421,15 +476,9 @@ class SGLangEngine:
             self.stats["restart_s"] = round(time.perf_counter() - t0, 2)
 
 
-def _checkpoint_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
-    """Every tensor name and shape in the checkpoint's safetensors files (headers only)."""
-    from safetensors import safe_open
-
-    shapes: dict[str, tuple[int, ...]] = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():
-                shapes[name] = tuple(f.get_slice(name).get_shape())
-    if not shapes:
-        raise EngineError(f"no *.safetensors weights in {folder}")
-    return shapes
+def _version_of(tag: Any, submitted: int) -> int:
+    """Our tags are str(version); the server's initial "default" is the weights it loaded."""
+    try:
+        return int(tag)
+    except (TypeError, ValueError):
+        return submitted

@@ -117,10 +117,10 @@ class ServerUpdate:
         folder.mkdir(parents=True, exist_ok=True)
         shutil.copy(Path(self.model_path) / "config.json", folder / "config.json")
         unique, seen = {}, set()
-        for n, t in tensors.items():  # tied weights (lm_head = embed_tokens) are stored once
-            if t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
-                unique[n] = t.detach().cpu().contiguous()
+        for n, t in tensors.items():  # tied weights share storage, which safetensors refuses: copies
+            t = t.detach().cpu().contiguous()
+            unique[n] = t.clone() if t.data_ptr() in seen else t
+            seen.add(t.data_ptr())
         save_file(unique, folder / "model.safetensors")
         for old in self.weights_dir.iterdir():
             if old != folder and old.name < folder.name:

@@ -20,6 +20,11 @@
 #                      dies at start-up. The .pth imports this module at interpreter start; the first time a
 #                      process imports `sglang.srt.lora` on a machine without CUDA, it makes those calls
 #                      return ordinary memory. Nothing else changes, and nothing at all on a GPU.
+#   baton_cpu_moe.py   imported by baton_cpu_lora, MoE servers on CPU: `--enable-return-routed-experts` allocates
+#                      its capture buffer with cudaHostRegister (`_cuda_host_register` in
+#                      sglang/srt/mem_cache/pool_host/common.py), which kills the scheduler without CUDA: it
+#                      becomes a no-op; Qwen2-MoE's shared-expert gate (`fused_gate_sigmoid_mul[_add]`) is a
+#                      Triton kernel with no CPU driver: it becomes the same arithmetic in torch. Nothing on a GPU.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)

@@ -58,3 +58,5 @@ class _PatchOnLoraImport(importlib.abc.MetaPathFinder):
 
 if not any(isinstance(finder, _PatchOnLoraImport) for finder in sys.meta_path):
     sys.meta_path.insert(0, _PatchOnLoraImport())
+
+import baton_cpu_moe  # noqa: E402,F401 - the MoE patches (routed-experts pin, shared-expert gate), same .pth line
