@@ -151,9 +151,10 @@ def test_export_every_is_a_multiple_of_every() -> None:
 @pytest.mark.long  # CI time: in the long suite
 def test_a_run_exports_as_it_goes_and_its_latest_checkpoint_round_trips(tmp_path: Path) -> None:
     """The quickstart for 7 versions with a checkpoint every 3, exported every 3: exports of 3 and 6, and of the
-    last version, 7, from the learner's own weights (it has no checkpoint); `baton export` of the latest
-    checkpoint (a real process) equals the run's own export, holds the checkpoint's weights, and generates
-    the torch engine's greedy completions at version 6."""
+    last version, 7, which the finished run also keeps as its final checkpoint; `baton export` of the
+    finished run (a real process) writes that last version: it equals the run's own export of 7, holds the
+    checkpoint's weights, differs from version 6's, and generates the torch engine's greedy completions at
+    version 7."""
     summary = baton_run(tmp_path, "quickstart.toml", "steps=7", "checkpoint.every=3", "checkpoint.export_every=3")
     run_dir, model = Path(summary["run_dir"]), tmp_path / "model"
     assert sorted(p.name for p in (run_dir / "exports").iterdir()) == ["v00000003", "v00000006", "v00000007"]
@@ -163,21 +164,21 @@ def test_a_run_exports_as_it_goes_and_its_latest_checkpoint_round_trips(tmp_path
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert line["version"] == 6 and line["out"] == str(tmp_path / "out")
+    assert line["version"] == 7 and line["out"] == str(tmp_path / "out")
 
     weights = checkpoint_weights(latest_checkpoint(run_dir), model)
     exported = exported_weights(tmp_path / "out")
     assert exported.keys() == weights.keys() and all(torch.equal(exported[n], weights[n]) for n in weights)
-    own = exported_weights(run_dir / "exports" / "v00000006")
+    own = exported_weights(run_dir / "exports" / "v00000007")
     assert all(torch.equal(own[n], weights[n]) for n in weights)
     initial = exported_weights(model)
-    assert not all(torch.equal(initial[n], weights[n]) for n in weights), "six versions trained"
-    last = exported_weights(run_dir / "exports" / "v00000007")
-    assert last.keys() == weights.keys() and not all(torch.equal(last[n], weights[n]) for n in weights)
+    assert not all(torch.equal(initial[n], weights[n]) for n in weights), "seven versions trained"
+    before = exported_weights(run_dir / "exports" / "v00000006")
+    assert before.keys() == weights.keys() and not all(torch.equal(before[n], weights[n]) for n in weights)
 
     from transformers import AutoTokenizer
 
     assert AutoTokenizer.from_pretrained(tmp_path / "out").chat_template, "the chat template came along"
     prompts, completions = transformers_greedy(tmp_path / "out")
     assert prompts == rollout_prompts(model)
-    assert completions == engine_greedy(model, weights, 6)
+    assert completions == engine_greedy(model, weights, 7)
