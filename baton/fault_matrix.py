@@ -262,7 +262,8 @@ def run_one(
         if run_dir is None:
             outcome.problems.append("no run folder")
             return outcome
-        return judge(outcome, run_dir, cfg.steps, window, replay=getattr(cfg.learner, "routing_replay", "off") == "rollout")
+        replay = getattr(cfg.learner, "routing_replay", "off") == "rollout"
+        return judge(outcome, run_dir, cfg.steps, window, replay=replay)
 
 
 def _learner_crashed(run_dir: Path | None) -> bool:

@@ -11,8 +11,8 @@ from policies.selection import Selection, make_selection
 from policies.staleness import MaxStaleness
 from stages.learner import GRPOLearner
 from stages.learner.lora import LoraSpec
-from stages.learner.replay import ROUTING_REPLAYS
 from stages.learner.losses import AGGREGATIONS, ENTROPY_SCOPES, LR_DECAYS
+from stages.learner.replay import ROUTING_REPLAYS
 
 
 class LoraSection(Section):

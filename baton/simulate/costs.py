@@ -69,7 +69,8 @@ class DeclaredCosts:
         active = s.active_params or s.params
         self.weight_bytes = int(s.params * s.param_bytes) if s.params and "weight_bytes" not in s.model_fields_set \
             else int(s.weight_bytes)
-        self.decode_tokens_per_s = s.decode_flops_per_s / (2 * active) if s.decode_flops_per_s else s.decode_tokens_per_s
+        self.decode_tokens_per_s = (s.decode_flops_per_s / (2 * active) if s.decode_flops_per_s
+                                    else s.decode_tokens_per_s)
         self.train_tokens_per_s = s.train_flops_per_s / (6 * active) if s.train_flops_per_s else s.train_tokens_per_s
         # lognormal with the declared mean: mu = ln(mean) - sigma^2 / 2
         self._mu = math.log(s.response_tokens_mean) - s.response_tokens_sigma**2 / 2
