@@ -4,6 +4,7 @@ and weights that make every next token equally likely."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from stages.data.model import load_model
@@ -54,3 +55,20 @@ def assert_produced_by(model: torch.nn.Module, prompt: list[int], completion, no
     assert torch.allclose(got, teacher_forced_logprobs(model, prompt, completion.tokens), atol=1e-4)
     if not_by is not None:
         assert not torch.allclose(got, teacher_forced_logprobs(not_by, prompt, completion.tokens), atol=1e-2)
+
+
+def _sglang_missing() -> str:
+    """Why no SGLang server can be launched here ('' when one can: tools/sglang-cpu/install.sh made its venv)."""
+    from stages.engines.sglang_server import SGLangUnavailable, sglang_python
+
+    try:
+        sglang_python()
+    except SGLangUnavailable as exc:
+        return str(exc)
+    return ""
+
+
+SGLANG_MISSING = _sglang_missing()
+# the marks of a module that launches a real SGLang server: in the long suite, skipped without the venv
+SGLANG_SERVER_MODULE = [pytest.mark.anyio, pytest.mark.sglang, pytest.mark.long,
+                        pytest.mark.skipif(bool(SGLANG_MISSING), reason=SGLANG_MISSING)]

@@ -22,17 +22,10 @@ from policies import MaxStaleness
 from stages.data.model import load_model, load_tokenizer, make_tiny_model
 from stages.engines.base import EngineError, SamplingParams
 from stages.engines.sglang import SGLangEngine
-from stages.engines.sglang_server import SGLangUnavailable, sglang_python
-
-try:
-    sglang_python()
-    _MISSING = ""
-except SGLangUnavailable as exc:
-    _MISSING = str(exc)
+from tests.helpers.engines import SGLANG_SERVER_MODULE
 
 # a real server per module: in the long suite (tests/contracts/test_engine_contract.py keeps one in the suite)
-pytestmark = [pytest.mark.anyio, pytest.mark.sglang, pytest.mark.long,
-              pytest.mark.skipif(bool(_MISSING), reason=_MISSING)]
+pytestmark = SGLANG_SERVER_MODULE
 
 
 @pytest.fixture(scope="module")

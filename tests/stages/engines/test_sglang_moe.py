@@ -24,16 +24,10 @@ from stages.data.routing import own_routing
 from stages.engines.base import SamplingParams, returns_routed_experts
 from stages.engines.sglang import SGLangEngine
 from stages.engines.sglang_probe import PushMismatch
-from stages.engines.sglang_server import REPO, SGLangUnavailable, gpu_available, sglang_python
+from stages.engines.sglang_server import REPO, gpu_available, sglang_python
+from tests.helpers.engines import SGLANG_SERVER_MODULE
 
-try:
-    sglang_python()
-    _MISSING = ""
-except SGLangUnavailable as exc:
-    _MISSING = str(exc)
-
-pytestmark = [pytest.mark.anyio, pytest.mark.sglang, pytest.mark.long,
-              pytest.mark.skipif(bool(_MISSING), reason=_MISSING)]
+pytestmark = SGLANG_SERVER_MODULE
 SHIM = REPO / "tools" / "sglang-cpu" / "sgl_kernel_cpu_shim"
 
 

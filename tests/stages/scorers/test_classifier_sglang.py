@@ -24,19 +24,12 @@ from stages import GRPOLearner, Rollout, TorchEngine
 from stages.data.model import make_tiny_model
 from stages.data.rewards import Sample
 from stages.data.tasks import ReverseDigits
-from stages.engines.sglang_server import SGLangUnavailable, sglang_python
 from stages.scorers import ClassifierReward, ComposedReward, ServerSettings
+from tests.helpers.engines import SGLANG_SERVER_MODULE
 from tests.helpers.ledger_checks import check_ledger
 from tests.helpers.scorers import make_tiny_classifier
 
-try:
-    sglang_python()
-    _MISSING = ""
-except SGLangUnavailable as exc:
-    _MISSING = str(exc)
-
-pytestmark = [pytest.mark.anyio, pytest.mark.sglang, pytest.mark.long,
-              pytest.mark.skipif(bool(_MISSING), reason=_MISSING)]
+pytestmark = SGLANG_SERVER_MODULE
 
 # float32 on both sides; what is left is the order of float sums in two attention and matmul implementations
 # (SGLang's torch_native backend over a flat token batch, transformers' sdpa over [1, T]): 3e-8 measured on

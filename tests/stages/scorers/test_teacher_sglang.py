@@ -15,19 +15,12 @@ import torch
 
 from stages.data.model import load_model, make_tiny_model
 from stages.data.rewards import Sample
-from stages.engines.sglang_server import SGLangUnavailable, sglang_python
 from stages.scorers import Distillation, JudgeReward, ServerSettings, SGLangTeacher
+from tests.helpers.engines import SGLANG_SERVER_MODULE
 from tests.helpers.scorers import multi_turn_row, reference_logprobs
 from tests.stages.scorers.test_teacher import ROWS
 
-try:
-    sglang_python()
-    _MISSING = ""
-except SGLangUnavailable as exc:
-    _MISSING = str(exc)
-
-pytestmark = [pytest.mark.anyio, pytest.mark.sglang, pytest.mark.long,
-              pytest.mark.skipif(bool(_MISSING), reason=_MISSING)]
+pytestmark = SGLANG_SERVER_MODULE
 
 # float32 on both sides, two implementations of the same forward (SGLang's torch_native attention over a flat
 # token batch, transformers' over [1, T]): 4.8e-7 measured on these rows (2026-12-03)
