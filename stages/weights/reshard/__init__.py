@@ -6,6 +6,9 @@ engine rank's layout, so that every learner rank writes its own bytes and no ran
 * `EngineLayout` (`engine`): the tensors each engine rank holds, assembled from boxes of learner
   parameters (`full`: today's whole tensors; `tensor_parallel`: SGLang's TP layout with fused
   `qkv_proj` / `gate_up_proj`), and `receive_layout`, its receive buffer as a `layout.Layout`.
+* `ExpertLayout`, `expert_parallel_source` (`experts`): a mixture-of-experts model's fused experts on
+  the learner (whole, `Shard(0)`, or `ep` blocks of experts) and on the engine (TP-sharded,
+  EP-sharded or both; stacked [E, ...] tensors or per-expert names), for `full` and `tensor_parallel`.
 * `plan` / `check_plan` (`plan`): the `Piece`s (one contiguous write each) and their invariants.
 * `make_buckets`, `sender_checksum`, `receiver_checksum`, `bad_buckets` (`buckets`): checksummed
   groups of one rank's pieces for one engine rank, verified by the receiver before it applies anything.
@@ -48,11 +51,19 @@ from stages.weights.reshard.engine import (
     receive_layout,
     vocab_rows,
 )
+from stages.weights.reshard.experts import (
+    ExpertLayout,
+    expert_name,
+    expert_parallel_source,
+    expert_source_boxes,
+    is_expert,
+)
 from stages.weights.reshard.placement import PlacementError, SourcePlacement
 from stages.weights.reshard.plan import Piece, bytes_per_rank, check_plan, padding_ranges, plan
 
 __all__ = [
-    "Box", "BucketCheck", "EngineLayout", "EngineTensor", "Piece", "PieceBucket", "PlacementError", "Segment",
+    "Box", "BucketCheck", "EngineLayout", "ExpertLayout", "expert_name", "expert_parallel_source",
+    "expert_source_boxes", "is_expert", "EngineTensor", "Piece", "PieceBucket", "PlacementError", "Segment",
     "SourcePlacement", "TPConfig", "bad_buckets", "byte_offsets", "bytes_per_rank", "check_plan", "make_buckets",
     "materialise", "padding_ranges", "piece_bytes", "plan", "receive_layout", "receiver_checksum", "sender_checksum",
     "unverified_bytes", "vocab_rows", "with_checksum", "write_piece",

@@ -44,8 +44,25 @@ def inside(box: Box, shape: Sequence[int]) -> bool:
     return contains(whole(shape), box)
 
 
+def same_extents(source: Box, target: Box) -> bool:
+    """`source` and `target` hold the same elements in the same order: equal extents, except that the
+    longer one may have leading dimensions of extent 1 the other lacks (one expert of a stacked
+    [experts, ...] parameter is a tensor of its own on an engine that takes experts one by one)."""
+    lead = len(source) - len(target)
+    longer, shorter = (source, target) if lead >= 0 else (target, source)
+    dims = extents(longer)
+    return all(n == 1 for n in dims[: abs(lead)]) and dims[abs(lead):] == extents(shorter)
+
+
 def move(box: Box, source: Box, target: Box) -> Box:
-    """`box`, a region of `source`, carried to the same place in `target` (boxes of equal extents)."""
+    """`box`, a region of `source`, carried to the same place in `target` (`same_extents`: leading
+    unit dimensions that one of them lacks are dropped from, or taken from `target` into, the result)."""
+    lead = len(source) - len(target)
+    if lead > 0:
+        box, source = box[lead:], source[lead:]
+    elif lead < 0:
+        box, target = target[:-lead] + box, target
+        source = target[:-lead] + source
     return tuple((a - s + t, b - s + t) for (a, b), (s, _), (t, _) in zip(box, source, target, strict=True))
 
 

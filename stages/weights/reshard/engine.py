@@ -34,13 +34,15 @@ import torch
 
 from stages.weights.layout import Layout
 from stages.weights.layout import plan as plan_layout
-from stages.weights.reshard.boxes import Box, extents, inside, intersect, volume, whole
+from stages.weights.reshard.boxes import Box, extents, inside, intersect, same_extents, volume, whole
+from stages.weights.reshard.experts import ROUTERS, ExpertLayout, expert_tensors, is_expert
 from stages.weights.reshard.placement import PlacementError, itemsize
 
 
 @dataclass(frozen=True)
 class Segment:
-    """Box `src_box` of learner parameter `src_name` lands at `dst_box` of an engine tensor (equal extents)."""
+    """Box `src_box` of learner parameter `src_name` lands at `dst_box` of an engine tensor (`same_extents`: one
+    expert of a stacked parameter may land in a tensor without its leading expert dimension)."""
 
     src_name: str
     src_box: Box
@@ -60,7 +62,7 @@ class EngineTensor:
     def __post_init__(self) -> None:
         itemsize(self.dtype)
         for i, s in enumerate(self.segments):
-            if extents(s.src_box) != extents(s.dst_box) or not inside(s.dst_box, self.shape):
+            if not same_extents(s.src_box, s.dst_box) or not inside(s.dst_box, self.shape):
                 raise PlacementError(f"engine tensor {self.name!r}: segment {s} does not fit {self.shape}")
             for other in self.segments[:i]:
                 if volume(intersect(s.dst_box, other.dst_box)):
@@ -100,24 +102,39 @@ class EngineLayout:
     ranks: tuple[tuple[EngineTensor, ...], ...]
 
     @classmethod
-    def full(cls, shapes: Mapping[str, Sequence[int]], dtype: str | Mapping[str, str] = "torch.bfloat16"
-             ) -> EngineLayout:
-        """One rank holding every parameter whole, under its own name."""
-        tensors = []
-        for name, shape in shapes.items():
-            box = whole(shape)
-            tensors.append(EngineTensor(name, tuple(shape), _dtype(dtype, name), (Segment(name, box, box),)))
-        return cls((tuple(tensors),))
+    def full(cls, shapes: Mapping[str, Sequence[int]], dtype: str | Mapping[str, str] = "torch.bfloat16",
+             experts: ExpertLayout | None = None) -> EngineLayout:
+        """One rank holding every parameter whole, under its own name; with `experts`, `experts.ep` ranks
+        holding every dense parameter whole and the experts as `experts` says (`reshard.experts`: blocks
+        of whole experts, stacked or per expert)."""
+        ranks = []
+        for rank in range(experts.ep if experts else 1):
+            tensors = []
+            for name, shape in shapes.items():
+                if experts is not None and is_expert(name):
+                    tensors += _expert_tensors(name, shape, experts, experts.ep, rank, _dtype(dtype, name))
+                    continue
+                box = whole(shape)
+                tensors.append(EngineTensor(name, tuple(shape), _dtype(dtype, name), (Segment(name, box, box),)))
+            ranks.append(tuple(tensors))
+        return cls(tuple(ranks))
 
     @classmethod
     def tensor_parallel(cls, shapes: Mapping[str, Sequence[int]], tp: int, config: TPConfig,
-                        dtype: str | Mapping[str, str] = "torch.bfloat16") -> EngineLayout:
-        """The layout of an SGLang engine of `tp` ranks (see the module docstring)."""
+                        dtype: str | Mapping[str, str] = "torch.bfloat16",
+                        experts: ExpertLayout | None = None) -> EngineLayout:
+        """The layout of an SGLang engine of `tp` ranks (see the module docstring); its experts as
+        `experts` says (default: TP-sharded experts, stacked under the learner's names)."""
         _check_heads(tp, config)
+        experts = experts or ExpertLayout()
         ranks = []
         for rank in range(tp):
             tensors: dict[str, EngineTensor] = {}
             for name in shapes:
+                if is_expert(name):
+                    tensors |= {t.name: t for t in _expert_tensors(name, shapes[name], experts, tp, rank,
+                                                                     _dtype(dtype, name))}
+                    continue
                 made = _tp_tensor(name, shapes, tp, rank, config)
                 if made is not None and made[0] not in tensors:
                     dst_name, shape, segments = made
@@ -134,6 +151,12 @@ class EngineLayout:
             if t.name == name:
                 return t
         raise PlacementError(f"engine rank {rank} has no tensor {name!r}")
+
+
+def _expert_tensors(name: str, shape: Sequence[int], experts: ExpertLayout, ranks: int, rank: int,
+                    dtype: str) -> list[EngineTensor]:
+    return [EngineTensor(dst, shape, dtype, tuple(Segment(name, src, box) for src, box in segments))
+            for dst, shape, segments in expert_tensors(name, shape, experts, ranks, rank)]
 
 
 def _dtype(dtype: str | Mapping[str, str], name: str) -> str:
@@ -230,7 +253,7 @@ def _tp_tensor(name: str, shapes: Mapping, tp: int, rank: int, c: TPConfig) -> M
         start, stop, per = vocab_rows(shape[0], tp, rank, c.vocab_padding)
         segments = (Segment(name, _rows(shape, start, stop), _rows(shape, 0, stop - start)),) if stop > start else ()
         return name, (per, *shape[1:]), segments
-    if _ROW.search(name) or _NORM.search(name):
+    if _ROW.search(name) or _NORM.search(name) or ROUTERS.search(name):
         return name, shape, (Segment(name, whole(shape), whole(shape)),)
     raise PlacementError(f"no tensor-parallel rule for learner parameter {name!r} (known: q/k/v/gate/up/o/down_proj, "
                          "embed_tokens, lm_head, *norm); push this model with EngineLayout.full")
