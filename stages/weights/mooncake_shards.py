@@ -1,16 +1,17 @@
 """`mooncake_p2p` from a sharded learner: every rank writes its own rows into the engines' receive slots.
 
 No rank gathers the model. The transfer plan (`stages.weights.reshard`), made once per run from the
-parameters' global shapes, says which bytes of which parameter each learner rank holds (FSDP2's
-`Shard(0)` rows) and where they go in an engine's receive slot (the whole tensors today's receivers
-hold, at the offsets of `receive_layout`). Per version and engine, rank 0's transport says hello and
-picks the free slot as for one rank; then every rank writes its pieces with its own TransferEngine,
-straight from its registered shard memory (or through one bucket of staging when the engines hold
-another dtype), and checksums each of its buckets (xxh3 over the bytes it wrote, in order); rank 0
-commits the version with every rank's checks. The receiver verifies every check against the slot,
-and that the checks cover every byte of the version exactly once, before it applies anything: a
-byte corrupted in flight, or a rank's write that never landed, refuses the whole version and the
-engines stay on theirs.
+parameters' global shapes and placements, says which bytes of which parameter each learner rank holds
+(read off its DTensor: FSDP2's `Shard(0)` rows, an expert-parallel layer's block of experts, a
+replicated parameter held whole by every rank: `shard_dim`) and where they go in an engine's receive
+slot (the whole tensors today's receivers hold, at the offsets of `receive_layout`). Per version and
+engine, rank 0's transport says hello and picks the free slot as for one rank; then every rank writes
+its pieces with its own TransferEngine, straight from its registered shard memory (or through one bucket
+of staging when the engines hold another dtype), and checksums each of its buckets (xxh3 over the bytes
+it wrote, in order); rank 0 commits the version with every rank's checks. The receiver verifies every
+check against the slot, and that the checks cover every byte of the version exactly once, before it
+applies anything: a byte corrupted in flight, or a rank's write that never landed, refuses the whole
+version and the engines stay on theirs.
 
 `ShardWriter` is one rank's side; `ShardSource` is what the transport needs of the learner's ranks
 (rank 0's `stages.learner.ranks.RankedTrainer` implements it).
@@ -80,6 +81,26 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def shard_dim(name: str, tensor: torch.Tensor, world_size: int) -> int | None:
+    """The placement of one learner parameter as the plan takes it (`SourcePlacement.from_placements`): d
+    for a DTensor placed `Shard(d)` on the learner's 1-D mesh (FSDP2's rows, or `stages.learner.experts`'
+    blocks of experts), None for one every rank holds whole (`Replicate()`, or a plain tensor)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not isinstance(tensor, DTensor):
+        return None
+    placements = tuple(tensor.placements)
+    if tensor.device_mesh.ndim != 1 or tensor.device_mesh.size() != world_size:
+        raise PlacementError(f"learner parameter {name!r} lies on a mesh of shape {tuple(tensor.device_mesh.shape)}; "
+                             f"a push from the shards takes one dimension of all {world_size} ranks")
+    if isinstance(placements[0], Shard):
+        return placements[0].dim
+    if isinstance(placements[0], Replicate):
+        return None
+    raise PlacementError(f"learner parameter {name!r} is placed {placements[0]}; a push from the shards takes "
+                         "Shard(d) or Replicate()")
+
+
 class ShardWriter:
     """One learner rank's writes (see the module docstring). `params`: the model's named parameters
     (DTensors when sharded); their storage stays put across steps, so it is registered once."""
@@ -89,13 +110,14 @@ class ShardWriter:
         first = next(iter(params.values()))
         self.dtype = f"torch.{settings.engine_dtype}" if settings.engine_dtype else str(first.dtype)
         shapes = {name: tuple(p.shape) for name, p in params.items()}
-        self.source = SourcePlacement.fsdp_dim0(shapes, world_size, self.dtype)
+        placements = {name: shard_dim(name, p, world_size) for name, p in params.items()}
+        self.source = SourcePlacement.from_placements(shapes, world_size, placements, self.dtype)
         engine = EngineLayout.full(shapes, self.dtype)
         self.layout = receive_layout(engine, 0, 0, settings.bucket_bytes)
-        for name, p in params.items():  # the plan's FSDP2 rows are this rank's own, or nothing would fit
+        for name, p in params.items():  # the plan's boxes are this rank's own, or nothing would fit
             if tuple(_local(p).shape) != self.source.local_shape(rank, name):
                 raise PlacementError(f"learner rank {rank} holds {name!r} as {tuple(_local(p).shape)}, not the "
-                                     f"rows {self.source.local_shape(rank, name)} FSDP2's Shard(0) gives it")
+                                     f"{self.source.local_shape(rank, name)} its placement gives it")
         pieces = plan(self.source, engine, byte_offsets(self.layout))
         self.buckets = [b for b in make_buckets(pieces, settings.bucket_bytes) if b.src_rank == rank]
         self.te = transfer_engine(settings.protocol, settings.device)
