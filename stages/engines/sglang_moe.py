@@ -10,7 +10,9 @@ Expert weights come in two layouts:
 
 `per_expert_tensors` and `fused_tensors` convert between them, exact inverses of each other (views, no
 arithmetic), and leave every other tensor as it is. SGLang's loader silently skips the fused names while
-answering "Success" (the experts stay stale), so an engine sends per-expert names always.
+answering "Success" (the experts stay stale), so an engine sends per-expert names always. The names and
+patterns are the transfer plan's (`stages.weights.reshard.experts`), whose per-expert engine layout
+names exactly these tensors.
 
 Routed experts: SGLang returns, per request, base64 int32 [prompt + generated - 1, layers, top_k]: row j is
 the routing of position j (the last token is never forwarded). `completion_routes` keeps the rows whose
@@ -20,15 +22,13 @@ logits sampled each generated token (row i = position prompt - 1 + i), the torch
 from __future__ import annotations
 
 import base64
-import re
 
 import numpy as np
 import torch
 
 from stages.data.routing import MoELayout
-
-FUSED = re.compile(r"^(?P<prefix>.+\.mlp\.experts)\.(?P<part>gate_up_proj|down_proj)$")
-PER_EXPERT = re.compile(r"^(?P<prefix>.+\.mlp\.experts)\.(?P<e>\d+)\.(?P<part>gate_proj|up_proj|down_proj)\.weight$")
+from stages.weights.reshard.experts import FUSED_EXPERTS as FUSED
+from stages.weights.reshard.experts import PER_EXPERT, expert_name
 
 
 def per_expert_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -49,11 +49,11 @@ def per_expert_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tens
                 raise ValueError(f"{name} has {tensor.shape[1]} rows per expert: gate and up rows do not split")
             gate, up = tensor.chunk(2, dim=1)
             for e in range(tensor.shape[0]):
-                out[f"{prefix}.{e}.gate_proj.weight"] = gate[e]
-                out[f"{prefix}.{e}.up_proj.weight"] = up[e]
+                out[expert_name(prefix, e, "gate_proj")] = gate[e]
+                out[expert_name(prefix, e, "up_proj")] = up[e]
         else:
             for e in range(tensor.shape[0]):
-                out[f"{prefix}.{e}.down_proj.weight"] = tensor[e]
+                out[expert_name(prefix, e, "down_proj")] = tensor[e]
     return out
 
 
