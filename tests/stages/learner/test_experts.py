@@ -85,13 +85,15 @@ def test_two_expert_parallel_ranks_step_as_one(spec, generated, two_ranks) -> No
 
 
 def expert_state_bytes(trainer) -> int:
-    """This rank's bytes of expert parameters and their AdamW state."""
+    """This rank's bytes of expert parameters, their gradients and their AdamW state (benchmarks/moe.py's
+    figure too)."""
     def local(t: torch.Tensor) -> torch.Tensor:
         return t.to_local() if hasattr(t, "to_local") else t
 
     params = [p for n, p in trainer.model.named_parameters() if ".experts." in n]
+    grads = [p.grad for p in params if p.grad is not None]
     state = [v for p in params for v in trainer.optimizer.state[p].values() if torch.is_tensor(v) and v.dim() > 0]
-    return sum(local(t).numel() * local(t).element_size() for t in (*params, *state))
+    return sum(local(t).numel() * local(t).element_size() for t in (*params, *grads, *state))
 
 
 @pytest.mark.slow
