@@ -44,7 +44,9 @@ def moe_folder(tmp_path_factory) -> Path:
 def spec(moe_folder) -> GRPOLearner:
     # lr 1e-3: AdamW's first step moves a weight by lr x g / (|g| + eps), so float-order noise in gradients near
     # eps shows as up to ~2e-3 x lr in the weights (FSDP2 alone: 6e-6, experts sent by all-to-all: 1.9e-5 at 1e-2)
-    return GRPOLearner(moe_folder, device="cpu", lr=1e-3, routing_replay="rollout", micro_batch_tokens=24)
+    # a load-balancing term: the dense router's loss is computed on each rank's own tokens, summed as the rest
+    return GRPOLearner(moe_folder, device="cpu", lr=1e-3, routing_replay="rollout", micro_batch_tokens=24,
+                       load_balance_coef=0.01)
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +76,7 @@ def test_two_expert_parallel_ranks_step_as_one(spec, generated, two_ranks) -> No
     for step in range(STEPS):
         batches = generated if step != 1 else generated[:1]  # one group: rank 1 sends and runs empty passes
         a, b = one.train(batches, 0.0), two_ranks.train(batches, 0.0)
-        for key in ("loss", "grad_norm", "router_disagreement", "logprob_gap"):
+        for key in ("loss", "grad_norm", "router_disagreement", "logprob_gap", "load_balance_loss"):
             assert a[key] == pytest.approx(b[key], abs=1e-5), key
     assert b["router_disagreement"] == 0.0
     experts = [m for m in two_ranks.model.modules() if isinstance(m, ShardedExperts)]
