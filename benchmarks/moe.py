@@ -2,7 +2,8 @@
 on first use, nothing downloaded), on CPU:
 
     python benchmarks/moe.py [--quick] [--seeds 0 1 2] [--routing-steps 60] [--push-steps 5] [--push-lr 4e-4]
-                             [--learn-steps 1500] [--budget-s 400] [--skip routing push learning]
+                             [--learn-steps 1500] [--budget-s 400] [--ep-steps 5] [--ep-lr 1e-3]
+                             [--skip routing push learning expert_parallel]
 
 routing   configs/quickstart-moe.toml (`baton run`, the builder, each run its own process) at k = 0 (sync mode)
           and k = 8, `learner.routing_replay` "off" and "rollout", the torch engine in fp32, for
@@ -23,16 +24,23 @@ learning  configs/quickstart-moe.toml at k = 8, replay "rollout" against "off", 
           a trailing (`--window` 20) mean train reward of 0.8; a run stops `--after` (20) versions past it, at
           `--learn-steps`, or at `--budget-s` (then not reached). The lowest trailing reward after the peak says
           whether a run collapsed.
+expert_parallel
+          the learner at `learner.expert_parallel = 2` (two gloo ranks on loopback, spawned as the tests spawn
+          them: FSDP2 dense parts, each rank half of every layer's experts, tokens sent by all-to-all) against
+          one process, `--ep-steps` AdamW steps (`--ep-lr`) on the same torch-engine groups with routing replay:
+          the largest absolute difference of any weight after the steps (goal <= 1e-5), and the bytes rank 0
+          holds of the experts' parameters + gradients + AdamW state, and of the whole model's, against one
+          process's (goal for the experts <= 0.55). Step seconds are reported, not a goal (2 shared cores).
 
-Not here: the expert-parallel rows (a step at expert-parallel degree 2 against 1 rank, expert state bytes per
-rank); the expert-parallel learner is built separately, and this benchmark prints nothing for them until it
-exists. `--quick` is a smoke form: one push step and one 4-version routing run (k = 0, replay on).
+`--quick` is a smoke form: one push step, two expert-parallel steps and one 4-version routing run (k = 0,
+replay on).
 
 Last stdout line: one JSON object with "rows" and "ratios": expert_sparse_vs_element_sparse_bf16 and _fp32 (bytes,
 summed over steps; goal <= 1), element_sparse_vs_full_bf16 / _fp32, expert_sparse_vs_full_bf16 / _fp32;
 router_disagreement_k{0,8}_{off,rollout} and logprob_gap_k{...} (means); with the learning rows
 versions_replay_on_vs_off_k8 (worst seed on over worst seed off; None where a side did not reach the target at
-every seed) and reached_on / reached_off (fractions).
+every seed) and reached_on / reached_off (fractions); with the expert-parallel rows ep2_vs_1_max_weight_diff,
+expert_state_per_rank_vs_one, model_state_per_rank_vs_one and ep2_step_s_vs_one.
 """
 
 from __future__ import annotations
@@ -122,16 +130,20 @@ def learning_row(root: Path, seed: int, replay: str, a: argparse.Namespace) -> d
 # ---------------------------------------------------------------- push bytes after real AdamW steps
 
 
+def quickstart_model() -> Path:
+    """The quickstart's model folder, made as its config makes it."""
+    from baton.schema import load_run_config
+
+    with_root = load_run_config(ROOT / CONFIG).model
+    return Path(type(with_root)(**{**with_root.model_dump(), "path": str(ROOT / with_root.path)}).make())
+
+
 def push_rows(steps: int, lr: float = 4e-4) -> list[dict]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from baton.schema import load_run_config
-
     torch.manual_seed(0)
-    with_root = load_run_config(ROOT / CONFIG).model
-    # the quickstart's model folder, made as its config makes it
-    path = type(with_root)(**{**with_root.model_dump(), "path": str(ROOT / with_root.path)}).make()
+    path = quickstart_model()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, experts_implementation="eager")
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=0.0)
     g = torch.Generator().manual_seed(0)
@@ -215,6 +227,61 @@ def push_bytes(before: dict, after: dict, dtype) -> dict:
     return out
 
 
+# ---------------------------------------------------------------- the expert-parallel learner against one rank
+
+
+def expert_parallel_rows(steps: int, lr: float) -> list[dict]:
+    """`steps` optimizer steps of the learner at `learner.expert_parallel = 2` (two spawned gloo ranks on
+    loopback: FSDP2 dense parts, each rank half of every layer's experts, tokens by all-to-all; started as the
+    tests start them, `tests.helpers.learner_ranks.ranked_trainer`) against one process, on the same groups
+    the torch engine generated (routing replay "rollout", fp32, micro-batches of 24 tokens; every other step one
+    group only, so rank 1 runs empty passes): per step the loss and grad norm of both, then the largest
+    absolute difference of every weight, and the bytes rank 0 holds (expert parameters + gradients + AdamW
+    state; the whole model's) against one process's."""
+    from dataclasses import replace
+
+    from sharded_learner import state_bytes
+
+    from stages.learner import GRPOLearner
+    from stages.learner.step import PolicyTrainer
+    from tests.helpers.learner_ranks import ranked_trainer
+    from tests.stages.learner.test_experts import expert_state_bytes, max_diff
+    from tests.stages.learner.test_replay import _generated_groups
+
+    folder = quickstart_model()
+    spec = GRPOLearner(folder, device="cpu", lr=lr, routing_replay="rollout", micro_batch_tokens=24)
+    generated = _generated_groups(folder)
+    one = PolicyTrainer(spec, 100)
+    one.schedule(0)
+    initial = {k: v.clone() for k, v in one.weights().items()}
+    rows, seconds = [], {"one": 0.0, "ep2": 0.0}
+    with ranked_trainer(replace(spec, expert_parallel=2)) as two:
+        for step in range(1, steps + 1):
+            batches = generated if step % 2 else generated[:1]
+            started = time.perf_counter()
+            a = one.train(batches, 0.0)
+            seconds["one"] += time.perf_counter() - started
+            started = time.perf_counter()
+            b = two.train(batches, 0.0)
+            seconds["ep2"] += time.perf_counter() - started
+            row = {"row": "expert_parallel_step", "step": step, "groups": len(batches)}
+            row |= {f"{k}_{side}": m[k] for k in ("loss", "grad_norm", "router_disagreement")
+                    for side, m in (("one", a), ("ep2", b))}
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+        single, sharded = one.weights(), two.weights()
+        per_rank = {"experts": expert_state_bytes(two.trainer), "model": state_bytes(two.trainer)}
+    reference = {"experts": expert_state_bytes(one), "model": state_bytes(one)}
+    worst = max(single, key=lambda k: float((single[k] - sharded[k]).abs().max()))
+    rows.append({"row": "expert_parallel", "degree": 2, "steps": steps, "lr": lr,
+                 "max_weight_diff": max_diff(single, sharded), "worst_tensor": worst,
+                 "max_weight_moved": max_diff(single, initial),
+                 "expert_state_bytes_rank0": per_rank["experts"], "expert_state_bytes_one": reference["experts"],
+                 "model_state_bytes_rank0": per_rank["model"], "model_state_bytes_one": reference["model"],
+                 "step_s_one": round(seconds["one"] / steps, 3), "step_s_ep2": round(seconds["ep2"] / steps, 3)})
+    return rows
+
+
 # ---------------------------------------------------------------- summary
 
 
@@ -233,6 +300,12 @@ def ratios(rows: list[dict]) -> dict:
         if r["row"] == "routing" and "error" not in r:
             out[f"router_disagreement_k{r['k']}_{r['replay']}"] = round(r["router_disagreement_mean"], 6)
             out[f"logprob_gap_k{r['k']}_{r['replay']}"] = float(f"{r['logprob_gap_mean']:.3g}")
+    for r in rows:
+        if r["row"] == "expert_parallel":
+            out["ep2_vs_1_max_weight_diff"] = float(f"{r['max_weight_diff']:.3g}")
+            out["expert_state_per_rank_vs_one"] = round(r["expert_state_bytes_rank0"] / r["expert_state_bytes_one"], 4)
+            out["model_state_per_rank_vs_one"] = round(r["model_state_bytes_rank0"] / r["model_state_bytes_one"], 4)
+            out["ep2_step_s_vs_one"] = round(r["step_s_ep2"] / r["step_s_one"], 3)
     learn = {side: [r for r in rows if r["row"] == "learning" and r["replay"] == side] for side in ("rollout", "off")}
     if learn["rollout"] and learn["off"]:
         worst = {s: max((r["versions_to_target"] for r in rs), default=None) if all(r.get("reached") for r in rs)
@@ -256,13 +329,19 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=0.8)
     parser.add_argument("--window", type=int, default=20)
     parser.add_argument("--after", type=int, default=20, help="versions a learning run goes on past the target")
-    parser.add_argument("--skip", nargs="*", default=[], choices=["routing", "push", "learning"])
+    parser.add_argument("--ep-steps", type=int, default=5, help="optimizer steps of the expert-parallel rows")
+    parser.add_argument("--ep-lr", type=float, default=1e-3, help="AdamW's for the expert-parallel rows")
+    parser.add_argument("--skip", nargs="*", default=[],
+                        choices=["routing", "push", "learning", "expert_parallel"])
     a = parser.parse_args()
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="moe-bench-") as tmp:
         root = Path(tmp)
         if "push" not in a.skip:
             rows += push_rows(1 if a.quick else a.push_steps, a.push_lr)
+        if "expert_parallel" not in a.skip:
+            rows += expert_parallel_rows(2 if a.quick else a.ep_steps, a.ep_lr)
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
         cells = [(0, "rollout")] if a.quick else [(k, r) for k in (0, 8) for r in ("off", "rollout")]
         if "routing" not in a.skip:
             for k, replay in cells:

@@ -113,6 +113,10 @@ class GRPOSpec(Section):
         default_of(GRPOLearner, "routing_replay"), description="mixture-of-experts models: 'rollout' runs the "
         "learner's forwards through the experts the engine routed each generated token to (gate weights from the "
         "learner's own router over them), 'off' lets its router choose; router_disagreement is reported either way")
+    load_balance_coef: float = Field(default_of(GRPOLearner, "load_balance_coef"), ge=0, description="mixture-"
+                                     "of-experts models: the loss adds this x the load-balancing loss of the "
+                                     "learner's router (transformers' own for the architecture, over the rows' real "
+                                     "tokens); load_balance_loss is reported either way (0: not added)")
     lora: LoraSection | None = Field(None, description="[learner] lora = { rank, alpha, dropout, target_modules }: "
                                      "LoRA adapters on a frozen base, each version publishing the adapter alone; "
                                      "unset: full fine-tuning")

@@ -92,6 +92,9 @@ class GRPOLearner:
     # router over them; "off": the learner's own routing. Router metrics are reported either way, whenever the
     # groups carry experts (stages.learner.replay); "rollout" needs an MoE model and an engine that returns them
     routing_replay: RoutingReplay = "off"
+    # mixture-of-experts models: the policy loss plus this x transformers' load-balancing loss of the current
+    # router over the rows' real tokens; reported as load_balance_loss whatever the coefficient (0: not added)
+    load_balance_coef: float = 0.0
     lora: LoraSpec | None = None  # train LoRA adapters on a frozen base and publish only them (stages.learner.lora)
     correction: Correction = Correction()  # off-policy correction of the loss (policies.correction)
     selection: Selection = Fifo()  # which groups a step trains on, reuse, zero-signal filter (policies.selection)
@@ -137,6 +140,9 @@ class GRPOLearner:
         if self.routing_replay not in ROUTING_REPLAYS:
             raise ValueError(f"learner.routing_replay must be one of {', '.join(ROUTING_REPLAYS)}, "
                              f"got {self.routing_replay!r}")
+        if self.load_balance_coef < 0:
+            raise ValueError(f"learner.load_balance_coef must be >= 0 (0: reported, not added to the loss), "
+                             f"got {self.load_balance_coef}")
         if self.distill_mode not in DISTILL_MODES:
             raise ValueError(f"distill.mode must be one of {', '.join(DISTILL_MODES)}, got {self.distill_mode!r}")
 

@@ -199,6 +199,11 @@ class PolicyTrainer:
         if spec.routing_replay != "off":  # replay on a dense model fails here, naming the setting
             check_routing_replay(spec.model_path, spec.routing_replay, engine_returns_experts=True)
         self.routing_layers = len(layout.layers) if (layout := moe_layout(self.model)) is not None else 0
+        self.balanced = self.routing_layers > 0 and hasattr(self.model.config, "output_router_logits")
+        if spec.load_balance_coef > 0 and not self.balanced:
+            raise ValueError(f"learner.load_balance_coef = {spec.load_balance_coef} weighs a mixture-of-experts "
+                             f"model's load-balancing loss, but the model in {str(spec.model_path)!r} has no "
+                             "router whose logits transformers returns: set learner.load_balance_coef = 0")
         trained = [p for p in self.model.parameters() if p.requires_grad]  # with LoRA: the adapter's only
         self.optimizer = torch.optim.AdamW(trained, lr=spec.lr, betas=tuple(spec.adam_betas),
                                            weight_decay=spec.weight_decay)
@@ -291,7 +296,8 @@ class PolicyTrainer:
         m = mask[:, 1:]
         routing, replay = rows.routing(chunk, self.device), spec.routing_replay == "rollout"
         with routed_forward(self.model, routing, replay) as seen:  # through backward: a recompute replays too
-            logits = self.model(input_ids=ids, attention_mask=attn).logits[:, :-1].float() / spec.temperature
+            logits, balance = self._forward(ids, attn)
+            logits = logits[:, :-1].float() / spec.temperature
             logp_all = torch.log_softmax(logits, -1)
             logp = logp_all.gather(2, ids[:, 1:, None]).squeeze(-1)
             proximal = logp.detach() if proximal is None else proximal  # the weights at the step's start
@@ -306,6 +312,10 @@ class PolicyTrainer:
                 per_token = kl_k3(logp, reference.squeeze(-1))
                 loss = loss + spec.kl_coef * reduce(per_token, m)
                 info["kl_ref"] = float((per_token.detach() * m).sum() / m.sum().clamp(min=1))
+            if balance is not None:  # weighted by the micro-batch's share of the step's trained tokens, as reported
+                if spec.load_balance_coef > 0:
+                    loss = loss + spec.load_balance_coef * balance * (m.sum() / max(plan.tokens, 1.0))
+                info["load_balance_loss"] = float(balance.detach())
             (loss * self.world_size).backward()  # FSDP2 averages the ranks' gradients; they must sum
         info["entropy"] = float((entropy.detach() * m).sum() / m.sum().clamp(min=1))
         if plan.routed:  # every rank adds the same keys: the totals are summed over ranks in one collective
@@ -313,6 +323,20 @@ class PolicyTrainer:
             info["logprob_gap"] = float(((proximal - old[:, 1:]).abs() * m).sum() / m.sum().clamp(min=1))
         totals.add(float(loss.detach()), info, float(m.sum()))
         return proximal
+
+    def _forward(self, ids: torch.Tensor, attn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The policy's logits [rows, T, vocab] and, for a mixture-of-experts model, transformers' own
+        load-balancing loss of its architecture (`load_balancing_loss_func`, the model's `aux_loss`) over this
+        forward's router logits (the current router's, also under replay) at the rows' real tokens (`attn`);
+        None for a dense model."""
+        if not self.balanced:
+            return self.model(input_ids=ids, attention_mask=attn).logits, None
+        out = self.model(input_ids=ids, attention_mask=attn, output_router_logits=True)
+        balance = getattr(out, "aux_loss", None)
+        if balance is None and self.spec.load_balance_coef > 0:
+            raise ValueError(f"learner.load_balance_coef = {self.spec.load_balance_coef}, but this model's forward "
+                             "returns no load-balancing loss: set learner.load_balance_coef = 0")
+        return out.logits, balance
 
     def _reference_logits(self, ids: torch.Tensor, attn: torch.Tensor,
                           routing: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:

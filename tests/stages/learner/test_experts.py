@@ -44,7 +44,9 @@ def moe_folder(tmp_path_factory) -> Path:
 def spec(moe_folder) -> GRPOLearner:
     # lr 1e-3: AdamW's first step moves a weight by lr x g / (|g| + eps), so float-order noise in gradients near
     # eps shows as up to ~2e-3 x lr in the weights (FSDP2 alone: 6e-6, experts sent by all-to-all: 1.9e-5 at 1e-2)
-    return GRPOLearner(moe_folder, device="cpu", lr=1e-3, routing_replay="rollout", micro_batch_tokens=24)
+    # a load-balancing term: the dense router's loss is computed on each rank's own tokens, summed as the rest
+    return GRPOLearner(moe_folder, device="cpu", lr=1e-3, routing_replay="rollout", micro_batch_tokens=24,
+                       load_balance_coef=0.01)
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +76,7 @@ def test_two_expert_parallel_ranks_step_as_one(spec, generated, two_ranks) -> No
     for step in range(STEPS):
         batches = generated if step != 1 else generated[:1]  # one group: rank 1 sends and runs empty passes
         a, b = one.train(batches, 0.0), two_ranks.train(batches, 0.0)
-        for key in ("loss", "grad_norm", "router_disagreement", "logprob_gap"):
+        for key in ("loss", "grad_norm", "router_disagreement", "logprob_gap", "load_balance_loss"):
             assert a[key] == pytest.approx(b[key], abs=1e-5), key
     assert b["router_disagreement"] == 0.0
     experts = [m for m in two_ranks.model.modules() if isinstance(m, ShardedExperts)]
@@ -85,13 +87,15 @@ def test_two_expert_parallel_ranks_step_as_one(spec, generated, two_ranks) -> No
 
 
 def expert_state_bytes(trainer) -> int:
-    """This rank's bytes of expert parameters and their AdamW state."""
+    """This rank's bytes of expert parameters, their gradients and their AdamW state (benchmarks/moe.py's
+    figure too)."""
     def local(t: torch.Tensor) -> torch.Tensor:
         return t.to_local() if hasattr(t, "to_local") else t
 
     params = [p for n, p in trainer.model.named_parameters() if ".experts." in n]
+    grads = [p.grad for p in params if p.grad is not None]
     state = [v for p in params for v in trainer.optimizer.state[p].values() if torch.is_tensor(v) and v.dim() > 0]
-    return sum(local(t).numel() * local(t).element_size() for t in (*params, *state))
+    return sum(local(t).numel() * local(t).element_size() for t in (*params, *grads, *state))
 
 
 @pytest.mark.slow
