@@ -34,7 +34,7 @@ def check_all(cfg: RunConfig) -> None:
     """Every check, in this order (mode_sets_k first: the others read the k it resolves)."""
     for check in (mode_sets_k, learner_ranks_fit, lora_fits, episodes_from_one_place, own_model_fits,
                   model_rewards_load, distillation_fits, faults_fit, expert_parallel_fits, routing_replay_fits,
-                  staleness_holds):
+                  load_balance_fits, staleness_holds):
         check(cfg)
 
 
@@ -154,6 +154,18 @@ def expert_parallel_fits(cfg: RunConfig) -> None:
         layout = folder_moe_layout(cfg.model.path)
         experts = layout.experts if layout is not None else 0
     check_expert_parallel(degree, experts, cfg.learner.world_size)
+
+
+def load_balance_fits(cfg: RunConfig) -> None:
+    """learner.load_balance_coef > 0 weighs a router's load-balancing loss: it needs a mixture-of-experts model
+    (one `create` makes with model.experts, or a folder whose config has routed experts)."""
+    coef = getattr(cfg.learner, "load_balance_coef", 0.0)
+    if coef <= 0:
+        return
+    dense = not cfg.model.experts if cfg.model.create else folder_moe_layout(cfg.model.path) is None
+    if dense:
+        raise ValueError(f"learner.load_balance_coef = {coef} weighs a mixture-of-experts router's load-balancing "
+                         "loss, but the model is dense: set model.experts (e.g. 8) or learner.load_balance_coef = 0")
 
 
 def routing_replay_fits(cfg: RunConfig) -> None:

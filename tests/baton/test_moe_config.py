@@ -88,3 +88,12 @@ class NoExperts:
 
 class WithExperts:
     returns_routed_experts = True
+
+
+def test_a_load_balancing_loss_on_a_dense_model_is_refused(tmp_path: Path) -> None:
+    data = config(tmp_path, load_balance_coef=0.01, routing_replay="off")
+    assert validate(RunConfig, data).learner.load_balance_coef == 0.01  # an MoE: fine
+    data["model"]["experts"] = 0
+    assert "learner.load_balance_coef = 0.01 weighs" in refused(data)
+    data["model"] = {"path": str(make_tiny_model(tmp_path / "dense")), "create": False}
+    assert "but the model is dense" in refused(data)
