@@ -97,7 +97,7 @@ class Pipeline:
 
     async def arun(self, resume_from: str | Path | None = None) -> dict[str, Any]:
         self._validate()
-        resume = Resume.open(resume_from, self.name, self.steps) if resume_from is not None else None
+        resume = Resume.open(resume_from, self.name, self.steps, self.config_text) if resume_from is not None else None
         folder = resume.folder if resume is not None else self._new_folder()
         self.run_dir = folder.path
         runtime = self._runtime()

@@ -16,8 +16,9 @@ Names: rank r is `learner-rank-{r}` (`rank_name`) everywhere: rank 0 is the lear
 follower's helper process is named by its rank, in the start-up log, errors and reports alike.
 
 Failure: a follower that exits is seen by `RankGroup.check` (the learner actor polls it) and ends
-the run at once with `LearnerRankFailed`, naming the rank and its exit code (and the signal that killed it); a collective that a dead
-rank never joins fails after `timeout_s` at the latest. Followers die with rank 0 (`die_with_parent`).
+the run at once with `LearnerRankFailed`, naming the rank and its exit code (and the signal that
+killed it); a collective that a dead rank never joins fails after `timeout_s` at the latest.
+Followers die with rank 0 (`die_with_parent`).
 """
 
 from __future__ import annotations

@@ -70,6 +70,9 @@ def test_a_finished_run_keeps_its_last_version_and_the_dsl_runs_like_the_cli(tmp
     resumed = json.loads(more.stdout.strip().splitlines()[-1])
     assert resumed["resume"]["from_version"] == 12 and resumed["resume"]["rolled_back_versions"] == 0
     assert resumed["version"] == 14 and resumed["checkpoint"]["version"] == 14
+    assert resumed["resume"]["changed"] == {"steps": [12, 14]}  # what it runs with is the folder's config now
+    assert "steps = 14\n" in (run_dir / "config.toml").read_text()
+    assert "steps = 12\n" in (run_dir / "attempts" / "1" / "config.toml").read_text()
 
     dsl = subprocess.run([sys.executable, str(PROBE), str(tmp_path / "dsl"), str(model), "2"], capture_output=True,
                          text=True, cwd=tmp_path, timeout=600, env=env_without_threads(dsl_probe))
