@@ -247,12 +247,14 @@ class Resume:
         resumed.rolled_back_versions = max((r.get("version", 0) for r in old), default=state.version) - state.version
         resumed.rolled_back_trainings = _trainings_after(run_dir, state)
         resumed.log = get_logger("checkpoint").bind(run=run)
-        resumed.log.info(
-            "resuming", checkpoint=str(checkpoint), version=state.version, attempt=attempt,
-            rolled_back_versions=resumed.rolled_back_versions,
-            **({"changed": resumed.changed} if resumed.changed else {}),
-        )
         return resumed
+
+    def log_start(self) -> None:
+        """Log what this resume continues from and what changed (once the run's log is open)."""
+        self.log.info(
+            "resuming", checkpoint=str(self.checkpoint), version=self.version, attempt=self.attempt,
+            rolled_back_versions=self.rolled_back_versions, **({"changed": self.changed} if self.changed else {}),
+        )
 
     @property
     def version(self) -> int:
