@@ -126,7 +126,11 @@ def detach_run_log(fd: int) -> None:
 
 @contextmanager
 def run_log(folder: Path | str) -> Iterator[Path]:
-    """Events also go to `folder/run.log` inside the block (two runs at once in one process: the newer's)."""
+    """Events also go to `folder/run.log` inside the block (two runs at once in one process: the newer's).
+    A process whose logging nothing configured yet (a Python DSL run) gets `configure_logging`'s defaults
+    first: structlog's own would print to stdout, and not to the run's log."""
+    if not structlog.is_configured():
+        configure_logging()
     fd = attach_run_log(folder)
     try:
         yield Path(folder) / RUN_LOG_FILE

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import structlog
 
 from pipeline.logs import configure_logging, get_logger, run_log
 from pipeline.telemetry import announce_run, link_latest
@@ -17,6 +18,15 @@ from pipeline.telemetry import announce_run, link_latest
 def _default_logging():
     yield
     configure_logging("console", "info")
+
+
+def test_a_run_in_a_process_that_configured_no_logging_logs_to_stderr_and_its_run_log(tmp_path: Path, capsys) -> None:
+    structlog.reset_defaults()  # as a fresh Python DSL process: structlog's own defaults print to stdout
+    with run_log(tmp_path):
+        get_logger("pipeline").info("run starting")
+    captured = capsys.readouterr()
+    assert "run starting" in captured.err and captured.out == ""
+    assert "run starting" in (tmp_path / "run.log").read_text()
 
 
 def log_a_run(folder: Path) -> None:
