@@ -3,9 +3,11 @@
     summary = resume_run("runs/quickstart-20261129-153340")            # the run's own config.toml
     summary = resume_run(run_dir, overrides=["steps=480"])            # ... with keys changed
 
-The run folder's `config.toml` (the resolved config the run started with) builds the same pipeline,
+The run folder's `config.toml` (the resolved config the run last ran with) builds the same pipeline,
 which then continues from the folder's latest checkpoint (pipeline.checkpoint states what that keeps,
-re-uses, regenerates and rolls back). The summary's `resume` entry reports it.
+re-uses, regenerates and rolls back). The resumed run's own resolved config (overrides applied) becomes
+the folder's `config.toml`, the one before kept as `attempts/<n>/config.toml`; the summary's `resume`
+entry reports what was resumed, and under `changed` the keys that differ from the attempt before.
 """
 
 from __future__ import annotations

@@ -10,7 +10,9 @@ What the pipeline guarantees, whatever the stages are:
   `ready`: buffer -> consumer) and a `feedback` channel (consumer -> producer) for work to redo;
 * producers start work only through the AdmissionGate, which reads the staleness policy;
 * every item's fate lands in the ledger; at the end the run folder holds `config.toml`,
-  `metrics.jsonl`, `ledger.json` and `report.png`, and `run()` returns the summary;
+  `metrics.jsonl`, `ledger.json`, `run.log` and `report.png`, and `run()` returns the summary;
+* a run's first lines on stderr name its folder and the `baton watch` command to follow it, and
+  `<run_root>/latest` links to it (`pipeline.telemetry.announce_run`);
 * with `checkpoint_every = N` the consumer writes a checkpoint every N versions into the run folder,
   and one of its last version when the run ends (at `steps`, on Ctrl-C / SIGTERM, when an actor fails;
   the summary's `checkpoint` names it), and `resume(run_dir)` continues that run from its latest one
@@ -42,12 +44,13 @@ from pipeline.context import RunContext
 from pipeline.contracts import Buffer, Consumer, Producer, VersionPolicy
 from pipeline.events import EventCounts
 from pipeline.faults import FaultPlan, FaultSpec
+from pipeline.logs import run_log
 from pipeline.process import prepare_process
 from pipeline.reasons import by_kind
 from pipeline.resume import Resume
 from pipeline.runtime import RunReport, Runtime
 from pipeline.sinks import metric_sinks
-from pipeline.telemetry import Panel, Progress, RunFolder, get_logger, render_report
+from pipeline.telemetry import Panel, Progress, RunFolder, announce_run, get_logger, render_report
 from pipeline.watchdog import WatchdogSettings
 
 RUNTIMES = ("local", "ray")
@@ -97,22 +100,26 @@ class Pipeline:
 
     async def arun(self, resume_from: str | Path | None = None) -> dict[str, Any]:
         self._validate()
-        resume = Resume.open(resume_from, self.name, self.steps) if resume_from is not None else None
+        resume = Resume.open(resume_from, self.name, self.steps, self.config_text) if resume_from is not None else None
         folder = resume.folder if resume is not None else self._new_folder()
         self.run_dir = folder.path
+        announce_run(folder.path)  # the first lines: where the run is, how to follow it; `latest` points at it
         runtime = self._runtime()
         config = tomllib.loads(self.config_text or "")
-        async with metric_sinks(folder.path, self.sinks, run_name=self.name, config=config) as sinks:
-            try:
-                with Progress(self.name, enabled=self.progress) as progress:
-                    await runtime.run(self, folder, progress, resume)
-            finally:  # a failed run's ledger.json too: it is what a resume reports against
-                records = self._write_outputs(folder, runtime.report)
-            summary = self._summary(folder, records, runtime.report, resume)
-            sinks.finish(summary)
-        get_logger("pipeline").bind(run=self.name).info(
-            "run finished", **{k: summary[k] for k in ("version", "wall_s", "samples_per_s")}
-        )
+        with run_log(folder.path):  # every event also in run.log, routine ones only there (pipeline.logs)
+            if resume is not None:
+                resume.log_start()
+            async with metric_sinks(folder.path, self.sinks, run_name=self.name, config=config) as sinks:
+                try:
+                    with Progress(self.name, enabled=self.progress) as progress:
+                        await runtime.run(self, folder, progress, resume)
+                finally:  # a failed run's ledger.json too: it is what a resume reports against
+                    records = self._write_outputs(folder, runtime.report)
+                summary = self._summary(folder, records, runtime.report, resume)
+                sinks.finish(summary)
+            get_logger("pipeline").bind(run=self.name).info(
+                "run finished", **{k: summary[k] for k in ("version", "wall_s", "samples_per_s")}
+            )
         return summary
 
     def _validate(self) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import tomllib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,12 +79,83 @@ def resumed_ledger(state: RunState, run_dir: str | Path, max_uses: int) -> Ledge
 
 def _nothing_to_do(run_dir: Path, state: RunState, steps: int) -> str:
     """Why a resume to `steps` has nothing to train: the run already holds that version (a finished run's
-    last checkpoint is its step count), or a later one."""
+    last checkpoint is its step count), or a later one. Names the key (`steps`) and the checkpoint's version."""
     where = f"--resume {str(run_dir)!r}: the latest checkpoint is version {state.version}"
     more = f"to train on, resume with more steps (baton run --resume {run_dir} --set steps=N, N > {state.version})"
     if steps == state.version:
-        return f"{where}, the run's step count {steps}: the run is finished, there is nothing to resume; {more}"
-    return f"{where}, past the step count {steps} asked for; a resume never trains backwards: {more}"
+        return f"{where}, and steps = {steps}: the run is finished, there is nothing to resume; {more}"
+    return (f"{where}, above steps = {steps}: a resume never trains backwards, and a run stops at steps "
+            f"(resuming would train nothing); {more}")
+
+
+CONFIG_FILE = "config.toml"
+
+
+def _checkpoint_to_resume(run_dir: Path, run: str, steps: int) -> tuple[Path, RunState]:
+    """`run_dir`'s latest checkpoint and its state, when a run named `run` can resume from it to `steps`;
+    else CheckpointError saying why and what to change."""
+    if not run_dir.is_dir():
+        raise CheckpointError(f"--resume {str(run_dir)!r}: no such run folder")
+    checkpoint = latest_checkpoint(run_dir)
+    if checkpoint is None:
+        raise CheckpointError(
+            f"--resume {str(run_dir)!r}: the run folder holds no complete checkpoint; runs checkpoint only "
+            "with checkpoint.every > 0 (and after that many versions)"
+        )
+    state = read_state(checkpoint)
+    if state.run != run:
+        raise CheckpointError(f"checkpoint {checkpoint} belongs to run {state.run!r}, not {run!r}")
+    if steps <= state.version:
+        raise CheckpointError(_nothing_to_do(run_dir, state, steps))
+    return checkpoint, state
+
+
+def _archive_attempt(run_dir: Path) -> tuple[int, list[dict]]:
+    """Move the last attempt's outputs (`ATTEMPT_FILES`, rotated metrics) to `attempts/{n}/`, n counting
+    from 1; returns n and that attempt's metric records."""
+    attempts = run_dir / "attempts"
+    attempt = 1 + sum(1 for p in attempts.iterdir() if p.is_dir()) if attempts.is_dir() else 1
+    archive = attempts / str(attempt)
+    archive.mkdir(parents=True)
+    for name in ATTEMPT_FILES:
+        if (run_dir / name).exists():
+            os.replace(run_dir / name, archive / name)
+    for part in metric_parts(run_dir):  # a long run's rotated metrics (pipeline.telemetry)
+        os.replace(part, archive / part.name)
+    return attempt, RunFolder(archive).read_metrics()
+
+
+def _write_config(run_dir: Path, attempt: int, config_text: str | None) -> dict[str, list[Any]]:
+    """Make `config_text` the run folder's config.toml, keeping the one it replaces as
+    `attempts/{attempt}/config.toml` (what that attempt ran with); returns the keys that changed
+    (`config_changes`). None: the folder's config.toml stays (a DSL pipeline built without one)."""
+    current = run_dir / CONFIG_FILE
+    if config_text is None:
+        return {}
+    was = current.read_text(encoding="utf-8") if current.is_file() else None
+    folder = RunFolder(run_dir)
+    if was is not None:
+        folder.write_text(Path("attempts") / str(attempt) / CONFIG_FILE, was)
+    folder.write_text(CONFIG_FILE, config_text)
+    return config_changes(was, config_text) if was is not None else {}
+
+
+def config_changes(was: str, now: str) -> dict[str, list[Any]]:
+    """{dotted key: [was, now]} for every key whose value differs between two TOML texts (a key only in
+    one of them: None on the other side), in sorted key order."""
+    before, after = _flat(tomllib.loads(was)), _flat(tomllib.loads(now))
+    return {k: [before.get(k), after.get(k)] for k in sorted(before.keys() | after.keys())
+            if before.get(k) != after.get(k)}
+
+
+def _flat(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in table.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def _trainings_after(run_dir: Path, state: RunState) -> int | None:
@@ -155,50 +227,34 @@ class Resume:
     regenerated: int = 0
     redone: int = 0  # redo requests sent again (waiting ones, and redos being produced)
     owed: int = 0  # prompts admitted but not produced at the checkpoint, sent to the producer
+    changed: dict[str, list[Any]] = field(default_factory=dict)  # {config key: [was, now]} (`config_changes`)
     log: Any = field(default=None, repr=False)
 
     @classmethod
-    def open(cls, run_dir: str | Path, run: str, steps: int) -> Resume:
+    def open(cls, run_dir: str | Path, run: str, steps: int, config_text: str | None = None) -> Resume:
         """Load `run_dir`'s latest checkpoint, move the crashed attempt's outputs to `attempts/{n}/`
-        and keep the metric records up to the checkpoint's version in `metrics.jsonl`."""
+        and keep the metric records up to the checkpoint's version in `metrics.jsonl`. `config_text`
+        (the resolved config the resumed run runs with) becomes the folder's `config.toml`, the one it
+        replaces kept as `attempts/{n}/config.toml`, so a later plain resume runs with what this one did."""
         run_dir = Path(run_dir)
-        if not run_dir.is_dir():
-            raise CheckpointError(f"--resume {str(run_dir)!r}: no such run folder")
-        checkpoint = latest_checkpoint(run_dir)
-        if checkpoint is None:
-            raise CheckpointError(
-                f"--resume {str(run_dir)!r}: the run folder holds no complete checkpoint; runs checkpoint only "
-                "with checkpoint.every > 0 (and after that many versions)"
-            )
-        state = read_state(checkpoint)
-        if state.run != run:
-            raise CheckpointError(f"checkpoint {checkpoint} belongs to run {state.run!r}, not {run!r}")
-        if steps <= state.version:
-            raise CheckpointError(_nothing_to_do(run_dir, state, steps))
-        if state.steps != steps:
-            get_logger("checkpoint").info("resuming with a new step count", was=state.steps, now=steps)
-        attempts = run_dir / "attempts"
-        attempt = 1 + sum(1 for p in attempts.iterdir() if p.is_dir()) if attempts.is_dir() else 1
-        archive = attempts / str(attempt)
-        archive.mkdir(parents=True)
-        for name in ATTEMPT_FILES:
-            if (run_dir / name).exists():
-                os.replace(run_dir / name, archive / name)
-        for part in metric_parts(run_dir):  # a long run's rotated metrics (pipeline.telemetry)
-            os.replace(part, archive / part.name)
+        checkpoint, state = _checkpoint_to_resume(run_dir, run, steps)
+        attempt, old = _archive_attempt(run_dir)
         folder = RunFolder(run_dir)
-        old = RunFolder(archive).read_metrics()
         kept = [r for r in old if r.get("version", 0) <= state.version]
         folder.write_text(METRICS_FILE, "".join(json.dumps(r) + "\n" for r in kept))
         resumed = cls(folder=folder, checkpoint=checkpoint, state=state, attempt=attempt)
+        resumed.changed = _write_config(run_dir, attempt, config_text)
         resumed.rolled_back_versions = max((r.get("version", 0) for r in old), default=state.version) - state.version
         resumed.rolled_back_trainings = _trainings_after(run_dir, state)
         resumed.log = get_logger("checkpoint").bind(run=run)
-        resumed.log.info(
-            "resuming", checkpoint=str(checkpoint), version=state.version, attempt=attempt,
-            rolled_back_versions=resumed.rolled_back_versions,
-        )
         return resumed
+
+    def log_start(self) -> None:
+        """Log what this resume continues from and what changed (once the run's log is open)."""
+        self.log.info(
+            "resuming", checkpoint=str(self.checkpoint), version=self.version, attempt=self.attempt,
+            rolled_back_versions=self.rolled_back_versions, **({"changed": self.changed} if self.changed else {}),
+        )
 
     @property
     def version(self) -> int:
@@ -258,7 +314,7 @@ class Resume:
             "from_version": self.state.version, "attempt": self.attempt, "checkpoint": self.checkpoint.name,
             "rolled_back_versions": self.rolled_back_versions, "rolled_back_trainings": self.rolled_back_trainings,
             "reinjected_groups": self.reinjected, "regenerated_groups": self.regenerated, "redo_requests": self.redone,
-            "owed_prompts": self.owed,
+            "owed_prompts": self.owed, **({"changed": self.changed} if self.changed else {}),
         }
 
 

@@ -1,8 +1,11 @@
-"""Observability: structured logs on stderr, a run folder, a one-line live status (the PNG report: `pipeline.report`).
+"""Observability: a run folder, a one-line live status, the run's first lines (the structured logs:
+`pipeline.logs`, re-exported here; the PNG report: `pipeline.report`).
 
 Invariants:
 - Nothing here writes to stdout (it is reserved for the caller's final JSON line): logs and the
   status line go to whatever `sys.stderr` is when they are written.
+- `<run root>/latest` is a symlink to the newest run started (or resumed) under that root, replaced
+  atomically (made beside it, then renamed over it), so it always names a whole run folder.
 - A run folder is created fresh (never reused) and files in it are replaced atomically, so a reader
   sees either the old or the new content of a file, never a partial one. `metrics.jsonl` is append-
   only, one JSON object per line, flushed after each record.
@@ -19,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import json
-import logging
 import math
 import os
 import shutil
@@ -31,17 +33,18 @@ from collections.abc import Callable, Mapping
 from datetime import datetime
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any, Literal
+from typing import IO, Any
 
 import msgspec
-import structlog
 
+from pipeline.logs import RUN_LOG_FILE, configure_logging, get_logger  # re-exported from here
 from pipeline.report import Panel, render_report, sliding_rate  # the report's names, re-exported from here
 
 __all__ = [
     "Panel",
     "Progress",
     "RunFolder",
+    "announce_run",
     "configure_logging",
     "format_value",
     "report_failure",
@@ -92,53 +95,6 @@ def _jsonable(obj: Any) -> Any:
 
 def _json_dumps(obj: Any, **kwargs: Any) -> str:
     return json.dumps(obj, default=_jsonable, **kwargs)
-
-
-# ---------------------------------------------------------------------------------------------- logs
-
-
-class _StderrLogger:
-    """Writes each rendered event as one line to the current `sys.stderr`."""
-
-    def msg(self, message: str) -> None:
-        print(message, file=sys.stderr, flush=True)
-
-    log = debug = info = warn = warning = error = critical = exception = fatal = msg
-
-
-def _stderr_logger_factory(*_args: Any) -> _StderrLogger:
-    return _StderrLogger()
-
-
-def configure_logging(fmt: Literal["console", "json"] = "console", level: str = "info") -> None:
-    """Send structlog events at `level` or above to stderr, timestamped, as console text or JSON lines."""
-    level_no = logging.getLevelNamesMapping().get(level.upper())
-    if level_no is None:
-        raise ValueError(f"unknown log level {level!r}")
-    processors: list[structlog.typing.Processor] = [
-        structlog.contextvars.merge_contextvars,
-        structlog.processors.add_log_level,
-        structlog.processors.TimeStamper(fmt="iso"),
-        structlog.processors.StackInfoRenderer(),
-    ]
-    if fmt == "console":
-        processors.append(structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty()))
-    elif fmt == "json":
-        processors.append(structlog.processors.format_exc_info)
-        processors.append(structlog.processors.JSONRenderer())
-    else:
-        raise ValueError(f"unknown log format {fmt!r} (expected 'console' or 'json')")
-    structlog.configure(
-        processors=processors,
-        wrapper_class=structlog.make_filtering_bound_logger(level_no),
-        logger_factory=_stderr_logger_factory,
-        cache_logger_on_first_use=False,
-    )
-
-
-def get_logger(name: str) -> Any:
-    """A structlog logger whose events carry `logger=name`; follows later `configure_logging` calls."""
-    return structlog.get_logger().bind(logger=name)
 
 
 # ----------------------------------------------------------------------------------------- run folder
@@ -292,6 +248,33 @@ class RunFolder:
 
     def __repr__(self) -> str:
         return f"RunFolder({str(self.path)!r})"
+
+
+LATEST_LINK = "latest"
+
+
+def link_latest(run_dir: Path) -> Path | None:
+    """Point `run_dir`'s parent's `latest` at `run_dir` (a relative symlink, replaced atomically); returns
+    the link, or None where this platform or file system makes no symlink, or `latest` is not one."""
+    link = run_dir.parent / LATEST_LINK
+    if link.exists() and not link.is_symlink():
+        return None  # a folder or file of the user's own: left alone
+    tmp = run_dir.parent / f".{LATEST_LINK}.{uuid.uuid4().hex}"
+    try:
+        os.symlink(run_dir.name, tmp, target_is_directory=True)
+        os.replace(tmp, link)
+    except (OSError, NotImplementedError):
+        tmp.unlink(missing_ok=True)
+        return None
+    return link
+
+
+def announce_run(run_dir: Path) -> None:
+    """The run's first lines on stderr: its folder, how to follow it, where its log is; and `latest` set."""
+    latest = link_latest(run_dir)
+    print(f"baton: run folder {run_dir}" + (f" (also {latest})" if latest else ""), file=sys.stderr, flush=True)
+    print(f"baton: follow it with: baton watch {run_dir}  (its log: {run_dir / RUN_LOG_FILE})", file=sys.stderr,
+          flush=True)
 
 
 # -------------------------------------------------------------------------------------------- failure

@@ -46,6 +46,7 @@ from pipeline.context import RunContext  # noqa: E402
 from pipeline.contracts import Placed, StoreOpener, VersionPolicy  # noqa: E402
 from pipeline.faults import as_plan  # noqa: E402
 from pipeline.faults import install as install_faults  # noqa: E402
+from pipeline.logs import attach_run_log  # noqa: E402
 from pipeline.refs import Redo  # noqa: E402
 from pipeline.runtime import RunReport, share_the_gil  # noqa: E402
 from pipeline.runtime.memory import MemorySettings, watch_memory  # noqa: E402
@@ -133,6 +134,8 @@ class StageHost:
         torch.set_num_threads(1)
         share_the_gil()
         configure_logging(wiring.log_format)
+        with contextlib.suppress(OSError):  # a node without the run folder: its events stay in Ray's logs only
+            attach_run_log(wiring.folder)  # this host's events in the run's run.log too (it serves this run only)
         self.stage, self.role, self.index, self.wiring = stage, role, index, wiring
         self.name = f"{role}-{index}"
         self.actor: Any = None

@@ -109,7 +109,7 @@ class LearnerActor(BaseActor):
         services = self.ctx.services
         self.ranks = RankGroup(spec, steps, services.start_helpers, services.address)
         self.ranks.spawn()  # from the event loop's thread: local followers die with this process
-        self.log.info("learner ranks started", world_size=spec.world_size, ranks=[h.name for h in self.ranks.helpers])
+        self.log.info("learner ranks started", world_size=spec.world_size, ranks=self.ranks.names)
         await self._call(self.ranks.join)
         trainer = await self._call(PolicyTrainer, spec, steps, spec.world_size)
         return RankedTrainer(trainer, self.ranks)

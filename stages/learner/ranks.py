@@ -12,13 +12,18 @@ bytes (a path, or msgpack); a step sends every rank its share of the groups as c
 (`buffers.codec`) and the `StepPlan` every rank must agree on. A step's groups are split across ranks
 by tokens (`policies.balance.balance_groups`: whole groups, the most tokens first to the least loaded rank).
 
+Names: rank r is `learner-rank-{r}` (`rank_name`) everywhere: rank 0 is the learner actor's process, a
+follower's helper process is named by its rank, in the start-up log, errors and reports alike.
+
 Failure: a follower that exits is seen by `RankGroup.check` (the learner actor polls it) and ends
-the run at once with `LearnerRankFailed`, naming the rank and its exit code; a collective that a dead
-rank never joins fails after `timeout_s` at the latest. Followers die with rank 0 (`die_with_parent`).
+the run at once with `LearnerRankFailed`, naming the rank and its exit code (and the signal that
+killed it); a collective that a dead rank never joins fails after `timeout_s` at the latest.
+Followers die with rank 0 (`die_with_parent`).
 """
 
 from __future__ import annotations
 
+import signal
 import struct
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -44,6 +49,21 @@ STEP, WEIGHTS, SAVE, LOAD, SCHEDULE, PUSH, STOP = range(7)
 
 class LearnerRankFailed(RuntimeError):
     """A rank of the learner died or left its group; the message names the rank and how."""
+
+
+def rank_name(rank: int) -> str:
+    """The one name of learner rank `rank` (0: the learner actor's own process)."""
+    return f"learner-rank-{rank}"
+
+
+def how_it_ended(code: int) -> str:
+    """An exit code as said to a user: `code -9 (killed by SIGKILL)` for a signal, else `code N`."""
+    if code < 0:
+        try:
+            return f"code {code} (killed by {signal.Signals(-code).name})"
+        except ValueError:
+            pass
+    return f"code {code}"
 
 
 def _pack(batches: list[RolloutBatch]) -> bytes:
@@ -210,6 +230,13 @@ class RankGroup:
                 for rank in range(1, self.world_size)]
         needs = Resources(cpus=1, gpus=1 if uses_cuda(self.spec.device) else 0)
         self.helpers = self.start_helpers("learner-rank", follow, args, needs)
+        for rank, helper in enumerate(self.helpers, start=1):  # the starter counts from 0, the ranks from 1
+            helper.name = rank_name(rank)
+
+    @property
+    def names(self) -> list[str]:
+        """Every rank's name, rank 0 (this process) first."""
+        return [rank_name(rank) for rank in range(self.world_size)]
 
     def join(self) -> None:
         """Join the group as rank 0 (blocks until every follower joined)."""
@@ -221,8 +248,8 @@ class RankGroup:
         for rank, helper in enumerate(self.helpers, start=1):
             code = helper.exitcode()
             if code is not None and not self.stopping:
-                raise LearnerRankFailed(f"learner rank {rank} ({helper.name}) exited with code {code}; the "
-                                        "learner's other ranks cannot step without it")
+                raise LearnerRankFailed(f"learner rank {rank} ({helper.name}) exited with {how_it_ended(code)}; "
+                                        "the learner's other ranks cannot step without it")
 
     def close(self) -> None:
         """Tell the followers to stop, leave the group, and end any follower that does not exit."""

@@ -1,7 +1,9 @@
-"""How a run ends, as a user meets it. Its last version is kept as a checkpoint that `baton export` writes by
-default: at its step count (the export equals the learner's own last weights, which the run exports itself
-with `export_every`), for a `baton run` stopped by SIGTERM, and for a run the watchdog stops; a finished run's
-resume to the same step count says there is nothing to do, and to more steps trains on from its end. And the
+"""How a run starts and ends, as a user meets it. Its first lines name its folder and the `baton watch`
+command, `latest` beside it links to it, and its checkpoint lines go to its run.log, not the terminal. Its
+last version is kept as a checkpoint that `baton export` writes by default: at its step count (the export
+equals the learner's own last weights, which the run exports itself with `export_every`), for a `baton run`
+stopped by SIGTERM, and for a run the watchdog stops; a finished run's resume to the same step count says
+there is nothing to do, and to more steps trains on from its end, with its config.toml saying so. And the
 Python DSL's `Pipeline.run()` prepares its process as `baton run` does (one intra-op torch thread, seen from
 a stage's worker thread). Slow: real quickstart runs of a dozen versions."""
 
@@ -44,6 +46,17 @@ def baton(*args: str, env: dict | None = None, sets: tuple[str, ...] = ()) -> su
                           cwd=ROOT, timeout=600, env=env)
 
 
+def first_screen(stderr: str, run_dir: Path, checkpoints: int) -> None:
+    """A run's first lines name its folder and how to follow it; `latest` beside it resolves to it; its
+    checkpoint lines are in its run.log (`checkpoints` of them by now), not on the terminal."""
+    lines = stderr.splitlines()
+    assert lines[0] == f"baton: run folder {run_dir} (also {run_dir.parent / 'latest'})", stderr[-3000:]
+    assert lines[1].startswith(f"baton: follow it with: baton watch {run_dir}  (its log: {run_dir / 'run.log'})")
+    assert (run_dir.parent / "latest").resolve() == run_dir.resolve()
+    assert "checkpoint written" not in stderr and "run finished" in stderr
+    assert (run_dir / "run.log").read_text().count("checkpoint written") == checkpoints
+
+
 def test_a_finished_run_keeps_its_last_version_and_the_dsl_runs_like_the_cli(tmp_path: Path, capsys) -> None:
     model = tmp_path / "model"
     cli_probe, dsl_probe = tmp_path / "cli-threads.json", tmp_path / "dsl-threads.json"
@@ -55,6 +68,7 @@ def test_a_finished_run_keeps_its_last_version_and_the_dsl_runs_like_the_cli(tmp
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     run_dir = Path(summary["run_dir"])
     assert summary["checkpoint"]["version"] == 12 and Path(summary["checkpoint"]["path"]).is_dir()
+    first_screen(proc.stderr, run_dir, checkpoints=3)  # versions 5, 10 and the last, 12
 
     assert cli.main(["export", str(run_dir), str(tmp_path / "out"), "--model", str(model)]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["version"] == 12
@@ -70,6 +84,10 @@ def test_a_finished_run_keeps_its_last_version_and_the_dsl_runs_like_the_cli(tmp
     resumed = json.loads(more.stdout.strip().splitlines()[-1])
     assert resumed["resume"]["from_version"] == 12 and resumed["resume"]["rolled_back_versions"] == 0
     assert resumed["version"] == 14 and resumed["checkpoint"]["version"] == 14
+    assert resumed["resume"]["changed"] == {"steps": [12, 14]}  # what it runs with is the folder's config now
+    assert "steps = 14\n" in (run_dir / "config.toml").read_text()
+    assert "steps = 12\n" in (run_dir / "attempts" / "1" / "config.toml").read_text()
+    first_screen(more.stderr, run_dir, checkpoints=4)  # a resume announces itself alike; its log goes on
 
     dsl = subprocess.run([sys.executable, str(PROBE), str(tmp_path / "dsl"), str(model), "2"], capture_output=True,
                          text=True, cwd=tmp_path, timeout=600, env=env_without_threads(dsl_probe))

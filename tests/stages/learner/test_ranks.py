@@ -162,11 +162,13 @@ def test_every_rank_pushes_its_own_rows_into_the_engine(spec: GRPOLearner, two_r
 
 
 def test_a_killed_rank_fails_the_learner(spec: GRPOLearner, two_ranks: RankedTrainer) -> None:
-    """Last in this module: it ends the shared group's rank 1."""
+    """Last in this module: it ends the shared group's rank 1, named by its rank wherever it is named."""
     follower = two_ranks.group.helpers[0]
+    assert two_ranks.group.names == ["learner-rank-0", "learner-rank-1"] and follower.name == "learner-rank-1"
     os.kill(follower.pid, signal.SIGKILL)
     deadline = time.monotonic() + 10
     while follower.exitcode() is None and time.monotonic() < deadline:
         time.sleep(0.05)
-    with pytest.raises(LearnerRankFailed, match=r"learner rank 1 \(learner-rank-0\) exited with code -9"):
+    killed = r"learner rank 1 \(learner-rank-1\) exited with code -9 \(killed by SIGKILL\)"
+    with pytest.raises(LearnerRankFailed, match=killed):
         two_ranks.group.check()
