@@ -31,6 +31,10 @@ class LoraSection(Section):
                              "otherwise); 0: never")
     check_tolerance: float = Field(default_of(LoraSpec, "check_tolerance"), gt=0, description="most a checked "
                                    "logprob may differ, relative beyond 1 in size (bfloat16 engines: about 0.05)")
+    target_experts: bool = Field(default_of(LoraSpec, "target_experts"), description="mixture-of-experts models: "
+                                 "adapt the fused experts too (each expert its own rank-r factors; peft's "
+                                 "target_parameters), not only target_modules (the attention by default, never the "
+                                 "router); needs dropout = 0 and the torch engine")
 
     def spec(self) -> LoraSpec:
         return LoraSpec(**{**self.model_dump(), "target_modules": tuple(self.target_modules)})
@@ -113,7 +117,8 @@ class GRPOSpec(Section):
         default_of(GRPOLearner, "routing_replay"), description="mixture-of-experts models: 'rollout' runs the "
         "learner's forwards through the experts the engine routed each generated token to (gate weights from the "
         "learner's own router over them), 'off' lets its router choose; router_disagreement is reported either way")
-    lora: LoraSection | None = Field(None, description="[learner] lora = { rank, alpha, dropout, target_modules }: "
+    lora: LoraSection | None = Field(None, description="[learner] lora = { rank, alpha, dropout, target_modules, "
+                                     "target_experts }: "
                                      "LoRA adapters on a frozen base, each version publishing the adapter alone; "
                                      "unset: full fine-tuning")
 
