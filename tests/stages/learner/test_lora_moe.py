@@ -144,3 +144,31 @@ def test_target_experts_is_refused_where_it_cannot_work(tmp_path: Path) -> None:
     dense = make_tiny_model(tmp_path / "dense")
     with pytest.raises(ValueError, match=r"learner\.lora\.target_experts = true, but the model has no fused experts"):
         PolicyTrainer(GRPOLearner(dense, device="cpu", lora=LoraSpec(target_experts=True)), 10)
+
+
+def test_a_run_with_expert_adapters_replays_routing_and_every_version_lands(folder: Path, tmp_path: Path) -> None:
+    """The real pipeline (torch engine, memory store, GRPO learner with routing replay) for a few versions:
+    every version is an adapter the engine merged after its probe matched, none refused; the learner routes
+    every trained token as the engine did."""
+    from buffers.memory import MemoryStore
+    from buffers.ref_buffer import RefBuffer
+    from pipeline.dsl import Pipeline
+    from pipeline.telemetry import RunFolder
+    from policies import MaxStaleness
+    from stages.data.tasks import ReverseDigits
+    from stages.engines.torch import TorchEngine
+    from stages.rollout import Rollout
+
+    engine = TorchEngine(folder)
+    summary = Pipeline(
+        name="moe-lora", steps=3, run_root=tmp_path, progress=False,
+        producer=Rollout(ReverseDigits(digits=2), [engine], tokenizer=folder, group_size=4, batch_groups=2),
+        buffer=RefBuffer(MemoryStore()),
+        consumer=GRPOLearner(folder, groups_per_step=2, lr=1e-2, routing_replay="rollout",
+                             lora=LoraSpec(rank=4, alpha=8.0, target_experts=True)),
+        staleness=MaxStaleness(k=1),
+    ).run()
+    assert summary["ledger_balanced"] and summary["version"] == 3
+    assert engine.stats["adapters_merged"] >= 3 and engine.stats["adapters_refused"] == 0
+    records = [r for r in RunFolder(summary["run_dir"]).read_metrics() if "router_disagreement" in r]
+    assert len(records) == 3 and all(r["router_disagreement"] == 0.0 for r in records)
