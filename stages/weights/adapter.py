@@ -4,6 +4,12 @@ A LoRA learner publishes each version as the adapter alone: the `lora_A` / `lora
 peft's `get_peft_model_state_dict` names them (`base_model.model.<module>.lora_A.weight`), plus one
 reserved entry, `ADAPTER_KEY`, a uint8 tensor holding the msgpack `AdapterSpec`: rank, alpha, target
 modules and target parameters, the fingerprint of the base model it applies to, and optionally a `Probe`.
+The descriptor travels inside the version, so every transport moves an adapter exactly like full
+weights: whole or not at all, checksummed, in one version (`stages.weights.base`). The version
+declares itself an adapter on receipt: the transport's engine side decodes the descriptor once
+(`as_received`) and hands the engine an `AdapterVersion`; an engine tells an adapter from full weights
+by that type alone, never by tensor names, and a descriptor that does not decode is refused like any
+version that does not check out.
 
 Parameter targets (peft's `target_parameters`: a mixture-of-experts model's fused expert tensors
 `mlp.experts.gate_up_proj` [E, out, in] and `mlp.experts.down_proj`) travel under the parameter's own
@@ -11,12 +17,7 @@ name, `base_model.model.<parameter>.lora_A.weight` with A [E * r, in] and B [out
 factors are A's rows e*r..e*r+r and B's columns e, e+E, ...: peft's layout), so every name says which
 weight it adapts. peft itself names them by how it nests its wrappers on the experts module (the first
 target parameter innermost: `experts.base_layer.lora_A`, the last `experts.lora_A`); `from_peft_names`
-and `to_peft_names` convert, and a PEFT folder is written with peft's names. The descriptor
-travels inside the version, so every transport moves an adapter exactly like full weights: whole or
-not at all, checksummed, in one version (`stages.weights.base`). The version declares itself an adapter
-on receipt: the transport's engine side decodes the descriptor once (`as_received`) and hands the
-engine an `AdapterVersion`; an engine tells an adapter from full weights by that type alone, never by
-tensor names, and a descriptor that does not decode is refused like any version that does not check out.
+and `to_peft_names` convert, and a PEFT folder is written with peft's names.
 
 Invariants an engine keeps (`stages.engines.base`): an adapter is applied to the engine's base model
 (the model folder it started from), never on top of an earlier version; one whose base fingerprint,
