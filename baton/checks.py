@@ -96,6 +96,9 @@ def lora_fits(cfg: RunConfig) -> None:
     if lora is None:
         return
     check_targets(lora.target_modules, linear_module_names(cfg.model.path))
+    lora.spec()  # its own checks (target_experts with dropout)
+    if lora.target_experts:
+        lora_experts_fit(cfg)
     if not isinstance(cfg.engine, SGLangEngineSpec):
         return
     engine, k = cfg.engine, cfg.staleness.k if isinstance(cfg.staleness, MaxStalenessSpec) else None
@@ -111,6 +114,23 @@ def lora_fits(cfg: RunConfig) -> None:
         raise ValueError("engine.update = 'distributed' moves full weights only; SGLang loads LoRA adapters from "
                          "tensors or a folder: with learner.lora set engine.update = 'tensor' (same host) or "
                          "'disk' (a folder the server reads)")
+
+
+def lora_experts_fit(cfg: RunConfig) -> None:
+    """learner.lora.target_experts needs a mixture-of-experts model (one `create` makes with model.experts,
+    or a folder whose config has routed experts) and an engine that applies adapters on the experts: the
+    torch engine merges them; SGLang's MoE LoRA (0.5.x) runs on CUDA kernels only and takes per-expert adapter
+    names, so a server is not sent one."""
+    dense = not cfg.model.experts if cfg.model.create else folder_moe_layout(cfg.model.path) is None
+    if dense:
+        where = "model.experts = 0 makes a dense model" if cfg.model.create else \
+            f"model.path = {cfg.model.path!r} is not a mixture of experts"
+        raise ValueError(f"learner.lora.target_experts = true adapts a mixture of experts' experts, but {where}: set "
+                         "learner.lora.target_experts = false (the adapter then targets target_modules)")
+    if isinstance(cfg.engine, SGLangEngineSpec):
+        raise ValueError("learner.lora.target_experts = true: SGLang does not serve adapters on the experts here (its "
+                         "MoE LoRA needs CUDA kernels and per-expert adapters); set learner.lora.target_experts = "
+                         "false (attention adapters serve on SGLang), or use engine.kind = 'torch'")
 
 
 def episodes_from_one_place(cfg: RunConfig) -> None:

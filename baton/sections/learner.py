@@ -31,6 +31,10 @@ class LoraSection(Section):
                              "otherwise); 0: never")
     check_tolerance: float = Field(default_of(LoraSpec, "check_tolerance"), gt=0, description="most a checked "
                                    "logprob may differ, relative beyond 1 in size (bfloat16 engines: about 0.05)")
+    target_experts: bool = Field(default_of(LoraSpec, "target_experts"), description="mixture-of-experts models: "
+                                 "adapt the fused experts too (each expert its own rank-r factors; peft's "
+                                 "target_parameters), not only target_modules (the attention by default, never the "
+                                 "router); needs dropout = 0 and the torch engine")
 
     def spec(self) -> LoraSpec:
         return LoraSpec(**{**self.model_dump(), "target_modules": tuple(self.target_modules)})
@@ -117,7 +121,8 @@ class GRPOSpec(Section):
                                      "of-experts models: the loss adds this x the load-balancing loss of the "
                                      "learner's router (transformers' own for the architecture, over the rows' real "
                                      "tokens); load_balance_loss is reported either way (0: not added)")
-    lora: LoraSection | None = Field(None, description="[learner] lora = { rank, alpha, dropout, target_modules }: "
+    lora: LoraSection | None = Field(None, description="[learner] lora = { rank, alpha, dropout, target_modules, "
+                                     "target_experts }: "
                                      "LoRA adapters on a frozen base, each version publishing the adapter alone; "
                                      "unset: full fine-tuning")
 

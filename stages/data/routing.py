@@ -90,7 +90,9 @@ def folder_moe_layout(folder: str | Path) -> MoELayout | None:
 
 def routers(model: torch.nn.Module, layout: MoELayout) -> list[torch.nn.Module]:
     """The router module of each MoE layer of `layout`, in order (ValueError when the model keeps its
-    routers elsewhere than the Qwen MoE families do)."""
+    routers elsewhere than the Qwen MoE families do). A peft model's are its base model's (LoRA never wraps them)."""
+    if hasattr(model, "get_base_model"):  # a peft PeftModel
+        model = model.get_base_model()
     base = getattr(model, "model", model)
     try:
         found = [base.layers[i].mlp.gate for i in layout.layers]

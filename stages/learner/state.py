@@ -174,12 +174,13 @@ def _model_state(model: torch.nn.Module, lora: LoraSpec | None) -> dict[str, tor
 def _check_same_adapter(folder: Path, written: LoraSpec | None, wanted: LoraSpec | None) -> None:
     """A checkpoint resumes only into a learner of its own kind: full weights, or the same adapter shape."""
     def shape(lora: LoraSpec | None) -> tuple | None:
-        return None if lora is None else (lora.rank, float(lora.alpha), tuple(lora.target_modules))
+        return None if lora is None else (lora.rank, float(lora.alpha), tuple(lora.target_modules), lora.target_experts)
 
     if shape(written) != shape(wanted):
         def say(lora: LoraSpec | None) -> str:
             return "full weights" if lora is None else (f"a LoRA adapter (rank {lora.rank}, alpha {lora.alpha}, "
-                                                        f"target_modules {list(lora.target_modules)})")
+                                                        f"target_modules {list(lora.target_modules)}, "
+                                                        f"target_experts {lora.target_experts})")
         raise ValueError(f"checkpoint {folder} holds {say(written)}, but learner.lora asks for {say(wanted)}; resume "
                          "with the [learner] lora settings the run was started with")
 

@@ -3,12 +3,21 @@
 A LoRA learner publishes each version as the adapter alone: the `lora_A` / `lora_B` weights, named as
 peft's `get_peft_model_state_dict` names them (`base_model.model.<module>.lora_A.weight`), plus one
 reserved entry, `ADAPTER_KEY`, a uint8 tensor holding the msgpack `AdapterSpec`: rank, alpha, target
-modules, the fingerprint of the base model it applies to, and optionally a `Probe`. The descriptor
-travels inside the version, so every transport moves an adapter exactly like full weights: whole or
-not at all, checksummed, in one version (`stages.weights.base`). The version declares itself an adapter
-on receipt: the transport's engine side decodes the descriptor once (`as_received`) and hands the
-engine an `AdapterVersion`; an engine tells an adapter from full weights by that type alone, never by
-tensor names, and a descriptor that does not decode is refused like any version that does not check out.
+modules and target parameters, the fingerprint of the base model it applies to, and optionally a `Probe`.
+The descriptor travels inside the version, so every transport moves an adapter exactly like full
+weights: whole or not at all, checksummed, in one version (`stages.weights.base`). The version
+declares itself an adapter on receipt: the transport's engine side decodes the descriptor once
+(`as_received`) and hands the engine an `AdapterVersion`; an engine tells an adapter from full weights
+by that type alone, never by tensor names, and a descriptor that does not decode is refused like any
+version that does not check out.
+
+Parameter targets (peft's `target_parameters`: a mixture-of-experts model's fused expert tensors
+`mlp.experts.gate_up_proj` [E, out, in] and `mlp.experts.down_proj`) travel under the parameter's own
+name, `base_model.model.<parameter>.lora_A.weight` with A [E * r, in] and B [out, E * r] (expert e's
+factors are A's rows e*r..e*r+r and B's columns e, e+E, ...: peft's layout), so every name says which
+weight it adapts. peft itself names them by how it nests its wrappers on the experts module (the first
+target parameter innermost: `experts.base_layer.lora_A`, the last `experts.lora_A`); `from_peft_names`
+and `to_peft_names` convert, and a PEFT folder is written with peft's names.
 
 Invariants an engine keeps (`stages.engines.base`): an adapter is applied to the engine's base model
 (the model folder it started from), never on top of an earlier version; one whose base fingerprint,
@@ -68,10 +77,17 @@ class AdapterSpec(msgspec.Struct, frozen=True):
     target_modules: tuple[str, ...]
     base: str  # `base_fingerprint` of the model folder the adapter applies to
     probe: Probe | None = None
+    # peft's target_parameters, in the order their module registers them (e.g. "mlp.experts.gate_up_proj",
+    # "mlp.experts.down_proj"): weights of 3 dimensions [experts, out, in], each expert its own rank-r factors
+    target_parameters: tuple[str, ...] = ()
 
     @property
     def scaling(self) -> float:
         return self.alpha / self.rank
+
+    def parameter_target(self, module: str) -> str | None:
+        """The target parameter `module` (a dotted path, e.g. `model.layers.0.mlp.experts.down_proj`) names, or None."""
+        return next((t for t in self.target_parameters if module == t or module.endswith(f".{t}")), None)
 
 
 def pack_adapter(spec: AdapterSpec, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -111,38 +127,54 @@ def as_received(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | A
     return tensors if adapter is None else AdapterVersion(*adapter)
 
 
-def base_weight_name(adapter_name: str) -> tuple[str, str]:
-    """(`<module>.weight`, "A" or "B") for a peft adapter tensor name; AdapterError for any other name."""
+def base_weight_name(adapter_name: str, spec: AdapterSpec | None = None) -> tuple[str, str]:
+    """(the base weight an adapter tensor adapts, "A" or "B"): `<module>.weight`, or for a parameter target of
+    `spec` the parameter itself. AdapterError for any other name."""
     match = _NAME.match(adapter_name)
     if match is None:
         raise AdapterError(f"{adapter_name!r} is not a LoRA weight (expected {PEFT_PREFIX}<module>.lora_A.weight "
                            "or .lora_B.weight)")
-    return f"{match['module']}.weight", match["part"]
+    module = match["module"]
+    if spec is not None and spec.parameter_target(module) is not None:
+        return module, match["part"]
+    return f"{module}.weight", match["part"]
+
+
+def _expected_shapes(spec: AdapterSpec, weight: str, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]] | str:
+    """{"A": shape, "B": shape} the factors of `weight` (of `shape`) must have, or what does not fit."""
+    if spec.parameter_target(weight) is not None:
+        if len(shape) != 3:
+            return f"{weight} has shape {shape}; a target parameter must be [experts, out, in]"
+        experts, out, fan_in = shape
+        return {"A": (experts * spec.rank, fan_in), "B": (out, experts * spec.rank)}
+    leaf = weight.rsplit(".", 2)[-2]
+    if leaf not in spec.target_modules:
+        return f"{weight}: {leaf} is not among the adapter's target modules {list(spec.target_modules)}"
+    out, fan_in = shape
+    return {"A": (spec.rank, fan_in), "B": (out, spec.rank)}
 
 
 def adapter_pairs(spec: AdapterSpec, tensors: dict[str, torch.Tensor],
                   shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Base weight name -> (A, B) for every adapted module, checked against the base's weight `shapes`:
-    each module a target, A of shape [rank, in] and B [out, rank] for a base weight [out, in], both
-    present. AdapterError naming what does not fit."""
+    """Base weight name -> (A, B) for every adapted weight, checked against the base's weight `shapes`:
+    each a target, A of shape [rank, in] and B [out, rank] for a base weight [out, in] (for a target
+    parameter [E, out, in]: A [E * rank, in], B [out, E * rank]), both present. AdapterError naming what
+    does not fit."""
     parts: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors.items():
-        weight, part = base_weight_name(name)
+        weight, part = base_weight_name(name, spec)
         parts.setdefault(weight, {})[part] = tensor
     if "lm_head.weight" not in shapes and "model.embed_tokens.weight" in shapes:  # a tied head: the embedding's
         shapes = {**shapes, "lm_head.weight": shapes["model.embed_tokens.weight"]}
     problems = []
     for weight, ab in parts.items():
-        leaf = weight.rsplit(".", 2)[-2]
-        if weight not in shapes:
-            problems.append(f"{weight} is not a weight of the base model")
-        elif leaf not in spec.target_modules:
-            problems.append(f"{weight}: {leaf} is not among the adapter's target modules {list(spec.target_modules)}")
+        want = _expected_shapes(spec, weight, tuple(shapes[weight])) if weight in shapes else \
+            f"{weight} is not a weight of the base model"
+        if isinstance(want, str):
+            problems.append(want)
         elif set(ab) != {"A", "B"}:
             problems.append(f"{weight} has no lora_{'B' if 'A' in ab else 'A'}")
         else:
-            out, fan_in = shapes[weight]
-            want = {"A": (spec.rank, fan_in), "B": (out, spec.rank)}
             problems += [f"{weight} lora_{p} has shape {tuple(ab[p].shape)}, expected {want[p]}"
                          for p in "AB" if tuple(ab[p].shape) != want[p]]
     if not parts:
@@ -152,15 +184,69 @@ def adapter_pairs(spec: AdapterSpec, tensors: dict[str, torch.Tensor],
     return {weight: (ab["A"], ab["B"]) for weight, ab in parts.items()}
 
 
+def expert_delta(a: torch.Tensor, b: torch.Tensor, experts: int, scaling: float) -> torch.Tensor:
+    """(alpha / r) B_e A_e for every expert e of a target parameter, [E, out, in] in float32 (peft's
+    `ParamWrapper.get_delta_weight` for a [experts, out, in] parameter)."""
+    a = a.float().reshape(experts, -1, a.shape[-1])  # [E, r, in]
+    b = b.float().reshape(b.shape[0], -1, experts)  # [out, r, E]
+    return torch.einsum("ore,eri->eoi", b, a) * scaling
+
+
 def merged_weights(base: dict[str, torch.Tensor], spec: AdapterSpec,
                    pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Each adapted weight merged as peft merges it, W + (alpha / r) B A, computed in float32 and returned
-    in W's dtype and device (new tensors; `base` is left as it is)."""
+    """Each adapted weight merged as peft merges it, W + (alpha / r) B A (per expert for a target parameter),
+    computed in float32 and returned in W's dtype and device (new tensors; `base` is left as it is)."""
     out = {}
     for weight, (a, b) in pairs.items():
         w = base[weight]
-        delta = (b.to(w.device, torch.float32) @ a.to(w.device, torch.float32)) * spec.scaling
+        a, b = a.to(w.device), b.to(w.device)
+        delta = expert_delta(a, b, w.shape[0], spec.scaling) if w.dim() == 3 else (b.float() @ a.float()) * spec.scaling
         out[weight] = (w.float() + delta).to(w.dtype)
+    return out
+
+
+def _wrapped_on(spec: AdapterSpec, module: str) -> list[str]:
+    """The target parameters peft wraps on `module` (a dotted path), in its module's registration order."""
+    return [t for t in spec.target_parameters if f".{module}".endswith(f".{t.rpartition('.')[0]}")]
+
+
+def from_peft_names(spec: AdapterSpec, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`tensors` named as peft names them, renamed to this module's names (see the module docstring): a
+    parameter target's `<experts>(.base_layer)*k.lora_A.weight` becomes `<experts>.<parameter>.lora_A.weight`
+    (peft wraps the first of n parameters innermost, so k base layers name parameter n - 1 - k)."""
+    if not spec.target_parameters:
+        return dict(tensors)
+    out = {}
+    for name, tensor in tensors.items():
+        match = _NAME.match(name)
+        module = match["module"] if match is not None else ""
+        depth = 0
+        while module.endswith(".base_layer"):
+            module, depth = module[: -len(".base_layer")], depth + 1
+        wrapped = _wrapped_on(spec, module) if match is not None else []
+        if not wrapped:
+            out[name] = tensor
+            continue
+        if depth >= len(wrapped):
+            raise AdapterError(f"{name!r}: {depth} base layers, but {module} wraps only {wrapped}")
+        parameter = wrapped[len(wrapped) - 1 - depth].rpartition(".")[2]
+        out[f"{PEFT_PREFIX}{module}.{parameter}.lora_{match['part']}.weight"] = tensor
+    return out
+
+
+def to_peft_names(spec: AdapterSpec, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of `from_peft_names`: the names a PEFT folder holds."""
+    out = {}
+    for name, tensor in tensors.items():
+        match = _NAME.match(name)
+        target = spec.parameter_target(match["module"]) if match is not None else None
+        if target is None:
+            out[name] = tensor
+            continue
+        module = match["module"].rpartition(".")[0]
+        wrapped = _wrapped_on(spec, module)
+        depth = len(wrapped) - 1 - wrapped.index(target)
+        out[f"{PEFT_PREFIX}{module}{'.base_layer' * depth}.lora_{match['part']}.weight"] = tensor
     return out
 
 
@@ -203,19 +289,21 @@ def peft_config(spec: AdapterSpec, base_path: str | Path | None = None) -> dict:
         "target_modules": list(spec.target_modules), "lora_dropout": 0.0, "bias": "none",
         "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "modules_to_save": None,
         "base_model_name_or_path": str(base_path) if base_path is not None else None, "inference_mode": True,
+        **({"target_parameters": list(spec.target_parameters)} if spec.target_parameters else {}),
     }
 
 
 def write_peft_folder(folder: str | Path, spec: AdapterSpec, tensors: dict[str, torch.Tensor],
                       base_path: str | Path | None = None) -> Path:
-    """The adapter as a PEFT folder (`adapter_config.json`, `adapter_model.safetensors`), written into a
-    temporary sibling and renamed into place: a reader sees the whole adapter or no folder."""
+    """The adapter as a PEFT folder (`adapter_config.json`, `adapter_model.safetensors`, peft's names), written
+    into a temporary sibling and renamed into place: a reader sees the whole adapter or no folder."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
-    save_file({n: t.detach().cpu().contiguous() for n, t in tensors.items() if n != ADAPTER_KEY},
+    named = to_peft_names(spec, {n: t for n, t in tensors.items() if n != ADAPTER_KEY})
+    save_file({n: t.detach().cpu().contiguous() for n, t in named.items()},
               staging / "adapter_model.safetensors")
     (staging / "adapter_config.json").write_text(json.dumps(peft_config(spec, base_path), indent=1))
     shutil.rmtree(folder, ignore_errors=True)
