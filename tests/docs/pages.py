@@ -59,21 +59,11 @@ def code_spans(page: Path) -> list[str]:
 
 def section_models() -> dict[str, list[Any]]:
     """RunConfig's tables by name, each with the section classes it may hold (several for a `kind`)."""
-    from typing import Annotated, Union, get_args, get_origin
-
-    from pydantic import BaseModel
-
+    from baton.config import section_classes
     from baton.schema import RunConfig
 
-    def models(tp: Any) -> list[Any]:
-        origin, args = get_origin(tp), get_args(tp)
-        if origin is Annotated:
-            return models(args[0])
-        if origin is Union or origin is list or type(tp).__name__ == "UnionType":
-            return [m for a in args for m in models(a)]
-        return [tp] if isinstance(tp, type) and issubclass(tp, BaseModel) else []
-
-    return {name: found for name, field in RunConfig.model_fields.items() if (found := models(field.annotation))}
+    fields = RunConfig.model_fields.items()
+    return {name: found for name, field in fields if (found := section_classes(field.annotation))}
 
 
 def key_exists(dotted: str) -> bool:

@@ -73,3 +73,14 @@ def test_the_check_mode_names_a_stale_reference(tmp_path: Path, monkeypatch, cap
     (tmp_path / "cli.md").write_text(generator.render_cli())
     assert generator.main(["--check"]) == 1
     assert "config.md differs from the code" in capsys.readouterr().err
+
+
+def test_the_dsl_reference_renders_the_docstrings(site: Path) -> None:
+    """mkdocstrings ran: the page shows each class's signature and docstring, no `:::` line left raw."""
+    from stages.rollout.stage import Rollout
+
+    page = html.unescape(re.sub(r"<[^>]+>", "", (site / "reference" / "dsl" / "index.html").read_text()))
+    assert ":::" not in page
+    assert "groups_per_step" in page and "on_stale" in page  # GRPOLearner's and MaxStaleness's arguments
+    first_line = " ".join((Rollout.__doc__ or "").split("\n")[0].split())
+    assert first_line and first_line.split(":")[0] in " ".join(page.split())

@@ -1,0 +1,84 @@
+"""A config error says what the user can do: which kind a key belongs to and how to switch kinds, the
+nearest key to a misspelled one, and a table's name once, not its prefixes over again."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from baton.config import ConfigError, kind_of, load_toml, section_classes, validate
+from baton.schema import RunConfig
+from baton.sections import data
+
+ROOT = Path(__file__).resolve().parents[2]
+QUICKSTART = ROOT / "configs" / "quickstart.toml"
+
+
+def problems(*overrides: str) -> list[str]:
+    """The lines of the ConfigError the quickstart with `overrides` raises."""
+    with pytest.raises(ConfigError) as caught:
+        validate(RunConfig, load_toml(QUICKSTART, overrides), source="quickstart")
+    return [line.strip() for line in str(caught.value).splitlines()[1:]]
+
+
+def test_a_key_of_another_kind_names_its_kind_and_how_to_switch() -> None:
+    lines = problems('task.kind="dataset"')
+    digits = next(line for line in lines if "'task.digits'" in line)
+    assert "'digits' belongs to task.kind = \"reverse-digits\", not \"dataset\"" in digits
+    assert "edit a copy of the config's [task] table" in digits
+    assert "--set task='{kind = \"dataset\", path = ..., ...}'" in digits  # the kind's required keys
+    assert "missing key 'task.path' (kind \"dataset\" needs it)" in " ".join(lines)
+
+
+def test_the_whole_table_set_the_message_suggests_switches_the_kind(tmp_path: Path) -> None:
+    rows = tmp_path / "train.jsonl"
+    rows.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    table = f'task={{kind = "dataset", path = "{rows}", prompt_field = "prompt"}}'
+    config = validate(RunConfig, load_toml(QUICKSTART, [table]))
+    assert isinstance(config.task, data.DatasetTaskSpec) and config.task.path == str(rows)
+
+
+def test_a_key_two_kinds_share_names_both() -> None:
+    lines = problems('task.kind="addition"')
+    assert any("'digits' belongs to task.kind = \"reverse-digits\", not \"addition\"" in line for line in lines)
+
+
+@pytest.mark.parametrize(("override", "nearest"), [
+    ("learner.lrr=1e-3", "learner.lr"),
+    ("stepz=3", "steps"),
+    ("learner.lora.rnk=4", "learner.lora.rank"),  # a nested table's keys
+    ('reward={function = "exact_match", classifer = {model = "m"}}', "reward.classifier"),
+])
+def test_a_misspelled_key_gets_the_nearest_one(override: str, nearest: str) -> None:
+    (line,) = [line for line in problems(override) if line.startswith("unknown key")]
+    assert f"did you mean {nearest!r}? (or remove it)" in line
+
+
+def test_a_key_with_nothing_near_says_to_remove_it() -> None:
+    (line,) = problems("zzzzzz=1")
+    assert line == "unknown key 'zzzzzz' (remove it, or check its spelling)"
+
+
+def test_a_table_check_names_the_table_once() -> None:
+    (line,) = problems('reward={weights = {foo = 1.0}}')
+    assert line.startswith("reward: unknown reward 'foo'"), line
+    assert "{...}" not in line and "reward: reward" not in line
+
+
+def test_a_kind_table_check_names_the_table_not_the_kind_tag() -> None:
+    (line,) = problems('task={kind = "dataset", path = "x"}')  # was "task.dataset = {...}: give exactly ..."
+    assert line == "task: give exactly one of task.prompt_field (text) and task.messages_field (chat messages)"
+
+
+def test_every_kind_union_of_the_schema_is_seen_as_one() -> None:
+    """The walk that finds a key's table sees each `kind` section as its kinds (the switch hint needs them)."""
+    task = section_classes(RunConfig.model_fields["task"].annotation)
+    assert {kind_of(m) for m in task} >= {"reverse-digits", "addition", "dataset"}
+    assert section_classes(RunConfig.model_fields["faults"].annotation)  # an array of tables
+    assert section_classes(RunConfig.model_fields["steps"].annotation) == []
+
+
+def test_the_quickstart_itself_is_valid() -> None:
+    assert validate(RunConfig, tomllib.loads(QUICKSTART.read_text())).task.kind == "reverse-digits"
