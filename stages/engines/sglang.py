@@ -49,7 +49,14 @@ from stages.data.routing import folder_moe_layout
 from stages.engines.base import Completion, EngineError, EngineRun, SamplingParams
 from stages.engines.sglang_lora import LoraServing, ServerAdapters, fit_adapter
 from stages.engines.sglang_moe import per_expert_tensors, served_routes
-from stages.engines.sglang_probe import PushMismatch, WeightProbe, checkpoint_shapes, folder_version, untied_head
+from stages.engines.sglang_probe import (
+    PushMismatch,
+    WeightProbe,
+    checkpoint_shapes,
+    dtype_tolerance,
+    folder_version,
+    untied_head,
+)
 from stages.engines.sglang_server import ServerFailed, SGLangServer, gpu_available
 from stages.engines.sglang_update import UPDATE_PATHS, ServerUpdate
 from stages.weights.adapter import AdapterVersion, base_fingerprint
@@ -82,7 +89,8 @@ class SGLangEngine:
     max_restarts: int = 3
     lora: LoraServing | None = None  # serve LoRA adapters (a LoRA run's versions): stages.engines.sglang_lora
     request_timeout_s: float = 600.0
-    # each full-weight version is checked by the server's logprobs on a probe (sglang_probe); None: not checked
+    # each full-weight version is checked by the server's logprobs on a probe (sglang_probe): the bound in float32
+    # (lower precisions get at least sglang_probe.LOW_PRECISION_TOLERANCE); None: not checked
     probe_tolerance: float | None = 1e-5
     log_dir: str | Path | None = None  # the server's log and engine events go here (`attach`: the run folder)
     policy: Any = None  # the run's staleness policy (its `interrupt`), from `attach`
@@ -110,9 +118,7 @@ class SGLangEngine:
         self._layout = folder_moe_layout(self.model_path)  # an MoE model's: its completions carry routed experts
         self.returns_routed_experts = self._layout is not None
         self._probe: WeightProbe | None = None
-        # probed: an MoE's pushes (SGLang's loader skips expert names it does not take, answering success); a
-        # dense model's start probe differed by 0.23 on configs/sglang-cpu.toml, not yet understood
-        self._probing = self.probe_tolerance is not None and self._layout is not None
+        self._probing = self.probe_tolerance is not None  # every full-weight version, dense or MoE (sglang_probe)
         self._untied_head = self._layout is not None and untied_head(Path(self.model_path))  # (an MoE has config)
         self._base: str | None = None  # the model folder's fingerprint (stages.weights.adapter), once an adapter came
         self._rids = itertools.count()
@@ -188,9 +194,10 @@ class SGLangEngine:
                 self._held = self._latest
             elif (self._probing or self._untied_head) and (
                     tensors := await anyio.to_thread.run_sync(folder_version, Path(self.model_path))) is not None:
-                # version 0 is checked like any other; a tied MoE head is pushed first (SGLang's MoE models
-                # keep lm_head apart and load none from such a folder)
-                if self._untied_head:
+                # version 0 is checked like any other. Pushed first: a tied MoE head (SGLang's MoE models keep
+                # lm_head apart and load none from such a folder), and to a server attached by url, which may
+                # hold any version of an earlier run (the cause of a start probe 0.23 off: docs/guides/sglang.md)
+                if self._untied_head or self.url is not None:
                     fitted = self._fit(0, tensors)
                     await self._update(0, fitted)
                     self._latest = self._held = (0, fitted)  # what a restarted server or a refused version gets
@@ -403,11 +410,13 @@ class SGLangEngine:
         held before (the last version applied, or its model folder) and the version is refused."""
         if self._probe is None:
             self._probe = WeightProbe(self.model_path)
-        tolerance = self.probe_tolerance if self.dtype == "float32" else max(self.probe_tolerance, 5e-2)
+        tolerance = dtype_tolerance(self.probe_tolerance, self.dtype)
         expected = await anyio.to_thread.run_sync(self._probe.expected, tensors, tolerance)
         answer = await self._call("POST", "/generate", self._probe.request(version))
+        self.stats["probes"] = self.stats.get("probes", 0) + 1
         try:
-            self.stats["probe_gap"] = self._probe.check(version, expected, answer)
+            gap = self.stats["probe_gap"] = self._probe.check(version, expected, answer)
+            self.stats["probe_gap_max"] = max(gap, self.stats.get("probe_gap_max", 0.0))  # over the engine's life
         except PushMismatch as exc:
             self.stats["pushes_refused"] = self.stats.get("pushes_refused", 0) + 1
             report_event(self.log_dir, "engine.push_mismatch", engine=self.name, version=version, error=str(exc))

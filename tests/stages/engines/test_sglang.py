@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import anyio
 import numpy as np
@@ -74,6 +75,13 @@ def perturbed(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=gen) * 0.05)
     return {n: t.detach().clone() for n, t in model.state_dict().items()}
+
+
+def run_probes(run_dir) -> dict:
+    """The run's engine probe counters, from its generation records: the most pushes applied and probes made
+    seen in any record, and the largest probe gap."""
+    records = [json.loads(line) for line in (Path(run_dir) / "generation.jsonl").read_text().splitlines()]
+    return {key: max(r.get(f"engine/{key}", 0) for r in records) for key in ("updates", "probes", "probe_gap_max")}
 
 
 async def model_info(engine: SGLangEngine) -> dict:
@@ -218,7 +226,9 @@ async def test_pause_update_continue_records_each_tokens_version(engine, model_p
 
 
 async def test_sglang_run_learns(engine, tmp_path):
-    """The quickstart on SGLang (the module's server, attached by url), short: reward rises."""
+    """The quickstart on SGLang (the module's server, attached by url), short: reward rises, and every push
+    lands, checked by the server's logprobs on the probe. The attached server holds the module's last version,
+    not the folder's weights: the run's engine pushes its version 0 first (its start probe was 0.23 off)."""
     from baton.builder import build_pipeline
     from baton.config import load_toml
     from baton.schema import RunConfig
@@ -229,8 +239,11 @@ async def test_sglang_run_learns(engine, tmp_path):
     data["model"]["path"] = str(engine.model_path)
     data["telemetry"] = {"progress": False}
     summary = await build_pipeline(RunConfig.model_validate(data)).arun()
-    print(json.dumps(summary))
+    probes = run_probes(summary["run_dir"])
+    print(json.dumps(summary), probes)
     assert summary["ledger_balanced"] and summary["version"] == 80
+    # each probe follows its push; the last push's probe may come after the last record
+    assert probes["probes"] >= probes["updates"] - 1 >= 10 and probes["probe_gap_max"] <= 1e-5
     assert summary["max_staleness_trained"] <= summary["staleness_bound"]
     # From 0.02, 80 versions end near 0.57, or (1 run in 3, measured 2026-12-01) at 0.24-0.25 after a
     # 30-version plateau near 0.15; engines whose weights never changed would stay near 0.02.

@@ -25,7 +25,9 @@ from stages.engines.base import SamplingParams, returns_routed_experts
 from stages.engines.sglang import SGLangEngine
 from stages.engines.sglang_probe import PushMismatch
 from stages.engines.sglang_server import REPO, gpu_available, sglang_python
-from tests.helpers.engines import SGLANG_SERVER_MODULE
+from stages.engines.torch import TorchEngine
+from tests.helpers.engines import GREEDY, SGLANG_SERVER_MODULE
+from tests.stages.engines.test_sglang import run_probes
 
 pytestmark = SGLANG_SERVER_MODULE
 SHIM = REPO / "tools" / "sglang-cpu" / "sgl_kernel_cpu_shim"
@@ -134,6 +136,24 @@ async def test_routed_experts_equal_the_torch_models_for_the_same_weights(engine
         total += own.shape[0] * own.shape[1]
     print(f"routed experts: {same}/{total} (token, layer) top-k sets equal torch's, {ordered} in the same order")
     assert same == total
+    # the torch engine on the same weights, greedy: the same tokens, and the same experts for each
+    torch_engine = TorchEngine(model_path, seed=0)
+    await torch_engine.start()
+    try:
+        await torch_engine.receive_weights(engine.version, moved(load_model(model_path), seed=21))
+        greedy = SamplingParams(max_new_tokens=12, temperature=GREEDY)
+        pairs = zip(await engine.generate(prompts, greedy), await torch_engine.generate(prompts, greedy), strict=True)
+    finally:
+        await torch_engine.stop()
+    compared = 0
+    for served, own in pairs:
+        m = min(len(served.tokens), len(own.tokens))
+        differ = np.flatnonzero(served.tokens[:m] != own.tokens[:m])
+        n = int(differ[0]) + 1 if differ.size else m  # rows up to the first differing token share their context
+        assert np.array_equal(np.sort(served.routed_experts[:n], -1), np.sort(own.routed_experts[:n], -1))
+        compared += n
+    print(f"routed experts: {compared} greedy tokens' experts equal the torch engine's on the same weights")
+    assert compared >= 24  # the engines agree on most greedy tokens (their logits differ by ~1e-7)
 
 
 async def test_a_short_moe_run_with_routing_replay_on_sglang(engine, model_path, tmp_path):
@@ -149,8 +169,11 @@ async def test_a_short_moe_run_with_routing_replay_on_sglang(engine, model_path,
     data["model"].update(path=str(model_path), heads=4, kv_heads=2)  # make_tiny_moe_model's defaults
     data["telemetry"] = {"progress": False}
     summary = await build_pipeline(RunConfig.model_validate(data)).arun()
-    print(json.dumps(summary))
+    probes = run_probes(summary["run_dir"])
+    print(json.dumps(summary), probes)
     assert summary["ledger_balanced"] and summary["version"] == 10
+    # every push checked by the server's logprobs (the last one's probe may come after the last record)
+    assert probes["probes"] >= probes["updates"] - 1 >= 5 and probes["probe_gap_max"] <= 1e-5
     records = [r for r in RunFolder(summary["run_dir"]).read_metrics() if "router_disagreement" in r]
     assert len(records) == 10 and all(r["router_disagreement"] == 0.0 for r in records)
     info = await engine._call("GET", "/get_model_info")

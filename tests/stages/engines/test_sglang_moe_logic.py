@@ -120,3 +120,21 @@ def test_the_probe_reference_is_the_models_own_forward_for_fused_and_per_expert_
         logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1).gather(1, ids[0, 1:, None])[:, 0]
     assert fused.difference(split.logprobs) == 0.0
     assert fused.difference(logp.tolist()) <= 1e-6
+
+
+def test_a_dense_tied_folders_probe_reference_is_its_own_forward_and_low_precision_gets_the_wider_bound(
+        tmp_path) -> None:
+    """The start probe of a dense model (tied head, stored once) is the folder's own forward: what a server
+    that loaded the folder computes. float32 keeps the engine's bound; bfloat16 gets the measured one."""
+    from stages.data.model import load_model, make_tiny_model
+    from stages.engines.sglang_probe import LOW_PRECISION_TOLERANCE, WeightProbe, dtype_tolerance, folder_version
+
+    folder = make_tiny_model(tmp_path / "dense")
+    model = load_model(folder).eval()
+    probe = WeightProbe(folder)
+    expected = probe.expected(folder_version(folder), 1e-5)
+    ids = torch.tensor([probe.tokens])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1], -1).gather(1, ids[0, 1:, None])[:, 0]
+    assert expected.difference(logp.tolist()) <= 1e-6
+    assert (dtype_tolerance(1e-5, "float32"), dtype_tolerance(1e-5, "bfloat16")) == (1e-5, LOW_PRECISION_TOLERANCE)
