@@ -38,6 +38,7 @@ from typing import Any
 
 import anyio
 import httpx
+import numpy as np
 import torch
 
 from pipeline.events import report_event
@@ -223,6 +224,25 @@ class VLLMEngine:
             self._inflight.pop(rid, None)
         return completion_of(answer, submitted, params, self.name)
 
+    @property
+    def requests(self) -> tuple[str, ...]:
+        """The ids of the requests in flight (what `abort` takes)."""
+        return tuple(self._inflight)
+
+    async def abort(self, rids: list[str] | tuple[str, ...]) -> None:
+        """Abort requests in flight by their ids (`requests`); each is generated again from its prompt."""
+        if rids:
+            await self._call("POST", ABORT, {"request_ids": [internal_id(rid) for rid in rids]})
+
+    async def prompt_logprobs(self, tokens: list[int]) -> np.ndarray:
+        """The server's teacher-forced logprob of each token of `tokens` after the first (float32, len - 1):
+        its forward on the weights it holds, to compare with the learner's (`/v1/completions`,
+        `prompt_logprobs`)."""
+        body = {"prompt": [int(t) for t in tokens], "max_tokens": 1, "prompt_logprobs": 0, "temperature": 0.0}
+        answer = await self._call("POST", "/v1/completions", body)
+        rows = answer["choices"][0]["prompt_logprobs"][1:]
+        return np.array([row[str(t)]["logprob"] for row, t in zip(rows, tokens[1:], strict=True)], dtype=np.float32)
+
     # -- weights -------------------------------------------------------------------------------
     async def receive_weights(self, version: int, tensors: dict[str, torch.Tensor] | AdapterVersion) -> None:
         """Apply `version` whole (see the module docstring); older or equal versions are ignored."""
@@ -274,7 +294,7 @@ class VLLMEngine:
             restart = [rid for rid, oldest in self._inflight.items()
                        if self.policy is not None and self.policy.interrupt(oldest, version) == "restart"]
             if restart:
-                await self._call("POST", ABORT, {"request_ids": [internal_id(rid) for rid in restart]})
+                await self.abort(restart)
                 self.stats["interrupted"] += len(restart)
             await self._push(version, tensors)
         finally:
@@ -282,18 +302,25 @@ class VLLMEngine:
                 await self._call("POST", "/resume", check=False)
 
     async def _push(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
-        """Push `version` through vLLM's update protocol; on a failure, a launched server is restarted on what it
-        held before (a failed update leaves it unable to serve) and EngineError is raised."""
+        """Push `version` through vLLM's update protocol (`vllm_update.push_weights`). A version the server refused
+        before its update began leaves it on its weights: EngineError. A failure inside the update (the error
+        says `restart_server`, or the connection broke) may leave its layers empty: a launched server is
+        restarted on what it held before (counted), then EngineError; an attached one cannot be."""
         assert self._http is not None and self._base_url is not None
         try:
             await push_weights(self._http, self._base_url, version, tensors)
         except NotImplementedError:
             raise
         except Exception as exc:
+            broken = getattr(exc, "restart_server", False) or isinstance(exc, httpx.TransportError | ServerGone)
+            if not broken:
+                raise EngineError(f"engine {self.name}: version {version} refused: {exc}") from None
             if self._server is None:
                 raise EngineError(f"engine {self.name}: the server failed version {version} ({exc}); it cannot "
                                   f"serve until restarted with its weights") from None
             await self._restart(f"a failed push of version {version}: {exc}")
+            if self._held is not None:
+                await self._push(*self._held)
             raise EngineError(f"engine {self.name}: version {version} refused: {exc}") from None
         self._version, self._held = version, (version, tensors)
         self.stats["updates"] += 1
@@ -356,5 +383,5 @@ class VLLMEngine:
         except ServerFailed as exc:
             raise EngineError(f"engine {self.name}: restart failed: {exc}") from None
         self._base_url = self._server.url  # a new port when another process took the old one meanwhile
-        self._version, self._held = 0, None
+        self._version = 0  # its checkpoint, until what it held is pushed again
         self.stats["restart_s"] = round(time.perf_counter() - t0, 2)

@@ -102,6 +102,7 @@ class VLLMServer(ServerProcess):
         env.update(VLLM_SERVER_DEV_MODE="1", VLLM_HOST_IP=self.host, VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_gib),
                    OMP_NUM_THREADS=str(self.threads), VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
         env.update(transfer_flags()[1])
-        # the server's own venv must not see this project's site-packages through PYTHONPATH
-        env.pop("PYTHONPATH", None)
+        # the server's own venv must not see this project's site-packages through PYTHONPATH; it sees this
+        # checkout's server-side modules (the transfer backend), whatever .pth its venv has
+        env["PYTHONPATH"] = str(REPO / "tools" / "vllm-cpu")
         return env

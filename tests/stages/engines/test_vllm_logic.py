@@ -80,7 +80,7 @@ def test_the_server_is_launched_on_loopback_with_the_rl_routes(tmp_path: Path) -
     assert command[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     assert command[command.index("--host") + 1] == "127.0.0.1" and "--enable-scale-out" in command
     assert command[command.index("--api-key") + 1] == "secret"
-    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_HOST_IP"] == "127.0.0.1" and "PYTHONPATH" not in env
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_HOST_IP"] == "127.0.0.1" and env["PYTHONPATH"].endswith("tools/vllm-cpu")
 
 
 def test_the_section_makes_an_attached_engine_with_its_token(tmp_path: Path) -> None:
