@@ -169,8 +169,8 @@ class VLLMEngineSpec(Sampled, Section):
     top_p: float = top_p_field()
     dtype: Literal["float32", "bfloat16", "auto"] = Field(default_of(VLLMEngine, "dtype"),
         description="the server's weights; when this key is not set, model.dtype is used (auto: the checkpoint's)")
-    max_model_len: int = Field(default_of(VLLMEngine, "max_model_len"), ge=64, description="longest prompt plus "
-                               "completion a server takes")
+    max_model_len: int | None = Field(default_of(VLLMEngine, "max_model_len"), ge=64, description="longest prompt "
+                                      "plus completion a server takes (default: the model's max_position_embeddings)")
     kv_cache_gib: int = Field(default_of(VLLMEngine, "kv_cache_gib"), ge=1, description="KV cache per server on CPU "
                               "(VLLM_CPU_KVCACHE_SPACE), GiB")
     threads: int = Field(default_of(VLLMEngine, "threads"), ge=1, description="OMP threads of each server on CPU")

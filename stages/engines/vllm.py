@@ -75,7 +75,7 @@ class VLLMEngine:
     python: str | None = None
     port: int | None = None
     dtype: str = "float32"
-    max_model_len: int = 1024
+    max_model_len: int | None = None  # None: the model's (its max_position_embeddings)
     kv_cache_gib: int = 1
     threads: int = 1
     extra_args: tuple[str, ...] = ()

