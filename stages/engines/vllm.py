@@ -114,10 +114,6 @@ class VLLMEngine:
         return len(self._inflight)
 
     @property
-    def base_url(self) -> str | None:
-        return self._base_url
-
-    @property
     def server(self) -> VLLMServer | None:
         """The server this engine launched (None when attached by url)."""
         return self._server
@@ -224,15 +220,13 @@ class VLLMEngine:
             self._inflight.pop(rid, None)
         return completion_of(answer, submitted, params, self.name)
 
-    @property
-    def requests(self) -> tuple[str, ...]:
-        """The ids of the requests in flight (what `abort` takes)."""
-        return tuple(self._inflight)
-
-    async def abort(self, rids: list[str] | tuple[str, ...]) -> None:
-        """Abort requests in flight by their ids (`requests`); each is generated again from its prompt."""
+    async def abort(self, rids: list[str] | None = None) -> int:
+        """Abort requests in flight by their ids (None: all of them); each is generated again from its prompt.
+        Returns how many were asked to abort."""
+        rids = list(self._inflight) if rids is None else rids
         if rids:
             await self._call("POST", ABORT, {"request_ids": [internal_id(rid) for rid in rids]})
+        return len(rids)
 
     async def prompt_logprobs(self, tokens: list[int]) -> np.ndarray:
         """The server's teacher-forced logprob of each token of `tokens` after the first (float32, len - 1):
@@ -251,7 +245,9 @@ class VLLMEngine:
         if isinstance(tensors, AdapterVersion):
             raise EngineError(f"engine {self.name}: LoRA adapter versions are not served by the vLLM engine yet; "
                               "use engine.kind = 'sglang' or 'torch' with learner.lora")
-        tensors = self._fit(version, tensors)
+        if self._expected is None:
+            self._expected = checkpoint_shapes(Path(self.model_path))
+        tensors = fit_version(self.name, self._expected, version, tensors)
         self._latest = (version, tensors)
         if self._http is None:
             return  # pushed at start
@@ -269,23 +265,6 @@ class VLLMEngine:
                 if self._latest[0] == version:  # refused: a restarted server gets what this one held
                     self._latest = self._held
                 raise
-
-    def _fit(self, version: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The checkpoint's tensors of `version`: a version that does not fit whole (a wrong shape, a missing or
-        unknown tensor) is refused here, the server untouched; a tied head the checkpoint does not store is
-        left out."""
-        if self._expected is None:
-            self._expected = checkpoint_shapes(Path(self.model_path))
-        problems = []
-        for name, shape in self._expected.items():
-            if name not in tensors:
-                problems.append(f"{name} missing")
-            elif tuple(tensors[name].shape) != shape:
-                problems.append(f"{name} has shape {tuple(tensors[name].shape)}, the model {shape}")
-        problems += [f"{n} is not in the model" for n in tensors if n not in self._expected and n != "lm_head.weight"]
-        if problems:
-            raise EngineError(f"engine {self.name}: weights of version {version} do not fit: {'; '.join(problems[:5])}")
-        return {n: t for n, t in tensors.items() if n in self._expected}
 
     async def _apply(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         """Pause (keep), abort what the policy restarts, push, resume; a failed push restarts our server."""
@@ -385,3 +364,20 @@ class VLLMEngine:
         self._base_url = self._server.url  # a new port when another process took the old one meanwhile
         self._version = 0  # its checkpoint, until what it held is pushed again
         self.stats["restart_s"] = round(time.perf_counter() - t0, 2)
+
+
+def fit_version(engine: str, expected: dict[str, tuple[int, ...]], version: int,
+                tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors of `version` (names and shapes `expected`): a version that does not fit whole (a
+    wrong shape, a missing or unknown tensor) raises EngineError naming them, before any server sees it; a tied
+    head the checkpoint does not store is left out."""
+    problems = []
+    for name, shape in expected.items():
+        if name not in tensors:
+            problems.append(f"{name} missing")
+        elif tuple(tensors[name].shape) != shape:
+            problems.append(f"{name} has shape {tuple(tensors[name].shape)}, the model {shape}")
+    problems += [f"{n} is not in the model" for n in tensors if n not in expected and n != "lm_head.weight"]
+    if problems:
+        raise EngineError(f"engine {engine}: weights of version {version} do not fit: {'; '.join(problems[:5])}")
+    return {n: t for n, t in tensors.items() if n in expected}
