@@ -210,7 +210,7 @@ class VLLMEngine:
         submitted = self._version
         self._inflight[rid] = submitted
         try:
-            answer = await self._call("POST", GENERATE, generate_body(rid, prompt, params))
+            answer = await self._call("POST", GENERATE, generate_body(rid, prompt, params, submitted))
         except ServerGone:
             if self._stopping:
                 raise EngineError(f"engine {self.name} stopped") from None

@@ -24,14 +24,17 @@ ABORT = "/abort_requests"
 ID_PREFIX = "generate-tokens-"
 
 
-def generate_body(rid: str, prompt: list[int], params: SamplingParams) -> dict[str, Any]:
-    """The `/inference/v1/generate` request for one prompt."""
+def generate_body(rid: str, prompt: list[int], params: SamplingParams, version: int = 0) -> dict[str, Any]:
+    """The `/inference/v1/generate` request for one prompt, submitted under weight `version`: its `cache_salt`
+    keeps prefix-cache entries to requests of one version (a prompt's KV computed by older weights must never
+    serve a newer version's request)."""
     if not prompt:
         raise EngineError("vLLM's /inference/v1/generate takes no empty prompt: give each prompt one token at least")
     return {
         "request_id": rid,
         "token_ids": [int(t) for t in prompt],
         "output_mode": "tokens",
+        "cache_salt": f"v{version}",
         "sampling_params": {
             "max_tokens": params.max_new_tokens,
             "temperature": params.temperature,

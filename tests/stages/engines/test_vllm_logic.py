@@ -41,6 +41,7 @@ def test_the_request_carries_token_ids_stop_tokens_and_asks_for_the_sampled_logp
     assert generate_body("r", [1], SamplingParams(max_new_tokens=3))["sampling_params"]["ignore_eos"] is True
     with pytest.raises(EngineError, match="empty prompt"):
         generate_body("r", [], SamplingParams(max_new_tokens=3))
+    assert generate_body("r", [1], SamplingParams(max_new_tokens=3), version=4)["cache_salt"] == "v4"
     assert internal_id("r1") == "generate-tokens-r1"  # what /abort_requests takes; the bare id aborts nothing
 
 
