@@ -62,55 +62,59 @@ async def test_logprobs_of_a_fixed_sequence_equal_the_transformers_forward(engin
     assert gap <= 1e-5
 
 
+async def while_running(engine: VLLMEngine, prompts: list[list[int]], action, settle: float) -> list:
+    """Generate `prompts` (LONG), awaiting `action()` once they are in flight and have run `settle` s."""
+    async def act() -> None:
+        while engine.load < len(prompts):
+            await anyio.sleep(0.002)
+        await anyio.sleep(settle)
+        await action()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(act)
+        return await engine.generate(prompts, LONG)
+
+
+SETTLES = (0.2, 0.05, 0.01, 0.0)  # tried in turn while the action came after the requests had ended
+
+
 async def test_every_token_carries_the_version_that_produced_it(engine: VLLMEngine, model: Path) -> None:
     base = eval_model(model)
     flat = uniform_weights(base)  # every token equally likely: -log(V) under it
-    version = engine.version + 1
-
-    async def push_once_running() -> None:
-        while not engine.load:
-            await anyio.sleep(0.01)
-        await anyio.sleep(0.3)
-        await engine.receive_weights(version, flat)
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(push_once_running)
-        (c,) = await engine.generate([[1, 4, 5, 16]], LONG)
-    v = c.versions.tolist()
-    switch = v.index(version) if version in v else len(v)
-    assert engine.version == version and v == [version - 1] * switch + [version] * (len(v) - switch)
-    assert 0 < switch < len(v), "the push came after the request had ended"
+    for settle in SETTLES:
+        version = engine.version + 1
+        (c,) = await while_running(engine, [[1, 4, 5, 16]], lambda v=version: engine.receive_weights(v, flat), settle)
+        v = c.versions.tolist()
+        if version in v:
+            break
+        await engine.receive_weights(version + 1, {n: t.detach().clone() for n, t in base.state_dict().items()})
+    switch = v.index(version)
+    assert engine.version == version and 0 < switch and v == [version - 1] * switch + [version] * (len(v) - switch)
     assert np.allclose(c.logprobs[switch + 1 :], -np.log(base.config.vocab_size), atol=1e-4)
 
 
 async def test_an_aborted_request_is_generated_again_from_its_prompt(engine: VLLMEngine) -> None:
-    before = engine.stats["regenerated"]
+    for settle in SETTLES:
+        before, asked = engine.stats["regenerated"], []
 
-    async def abort_once_running() -> None:
-        while not engine.load:
-            await anyio.sleep(0.01)
-        await anyio.sleep(0.3)
-        assert await engine.abort() == 1
+        async def abort(asked: list = asked) -> None:
+            asked.append(await engine.abort())
 
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(abort_once_running)
-        (c,) = await engine.generate([[1, 9, 3, 7]], LONG)
-    assert engine.stats["regenerated"] == before + 1  # the server's own id aborted it (a bare id aborts nothing)
+        (c,) = await while_running(engine, [[1, 9, 3, 7]], abort, settle)
+        if asked == [1]:
+            break
+    # the server's own id aborted it (a bare id answers {"aborted": 1} and aborts nothing)
+    assert asked == [1] and engine.stats["regenerated"] == before + 1
     assert len(c.tokens) == LONG.max_new_tokens
 
 
 async def test_a_killed_server_is_restarted_and_its_requests_generated_again(engine: VLLMEngine) -> None:
     version, old_pid = engine.version, engine.server.pid
 
-    async def kill_once_running() -> None:
-        while not engine.load:
-            await anyio.sleep(0.01)
-        await anyio.sleep(0.3)
+    async def kill() -> None:
         engine.server.kill()
 
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(kill_once_running)
-        out = await engine.generate([[1, 4, 5, 16], [1, 6, 16]], LONG)
+    out = await while_running(engine, [[1, 4, 5, 16], [1, 6, 16]], kill, 0.0)
     assert engine.stats["restarts"] == 1 and engine.server.pid != old_pid and engine.server.alive()
     assert engine.version == version  # the weights it held were pushed again
     assert all(len(c.tokens) == LONG.max_new_tokens and (c.versions == version).all() for c in out)
