@@ -198,28 +198,28 @@ class VLLMEngine:
         if self._http is None:
             raise RuntimeError(f"engine {self.name} is not started")
         results: list[Completion | None] = [None] * len(prompts)
+
+        async def generate_into(i: int) -> None:  # from the prompt again while aborted or its server died
+            for round_ in range(MAX_ROUNDS):
+                if round_:
+                    self.stats["regenerated"] += 1
+                if (completion := await self._generate_once(prompts[i], params)) is not None:
+                    results[i] = completion
+                    return
+            raise EngineError(f"engine {self.name}: a request was aborted {MAX_ROUNDS} times in a row; not trying "
+                              "again")
+
         with anyio.CancelScope() as scope:
             self._scopes.add(scope)
             try:
                 async with anyio.create_task_group() as tg:
-                    for i, prompt in enumerate(prompts):
-                        tg.start_soon(self._generate_into, results, i, prompt, params)
+                    for i in range(len(prompts)):
+                        tg.start_soon(generate_into, i)
             finally:
                 self._scopes.discard(scope)
         if scope.cancel_called:
             raise EngineError(f"engine {self.name} stopped with {len(prompts)} requests in flight")
         return results  # type: ignore[return-value]
-
-    async def _generate_into(self, results: list, i: int, prompt: list[int], params: SamplingParams) -> None:
-        """Generate `prompt` into `results[i]`, from the prompt again while it is aborted or its server died."""
-        for round_ in range(MAX_ROUNDS):
-            if round_:
-                self.stats["regenerated"] += 1
-            completion = await self._generate_once(prompt, params)
-            if completion is not None:
-                results[i] = completion
-                return
-        raise EngineError(f"engine {self.name}: a request was aborted {MAX_ROUNDS} times in a row; not trying again")
 
     async def _generate_once(self, prompt: list[int], params: SamplingParams) -> Completion | None:
         rid = f"{self.name}-{uuid.uuid4().hex[:8]}-{next(self._rids)}"
