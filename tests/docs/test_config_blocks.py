@@ -112,7 +112,7 @@ def test_the_shape_check_catches_what_baton_check_would() -> None:
             "store": {"kind": "mooncake", "global_segment_size": "2GiB"},
             "environment": {"kind": "my_pkg:Env", "anything": 1}, "faults": [{"kind": "engine.crash", "at": [2]}]}
     assert shape_problems(good) == []
-    bad = {"stepz": 3, "learner": {"lrr": 1e-3, "lr": -1}, "engine": {"kind": "vllm"},
+    bad = {"stepz": 3, "learner": {"lrr": 1e-3, "lr": -1}, "engine": {"kind": "tgi"},
            "store": {"kind": "mooncake", "global_segment_size": "lots"}, "staleness": {"on_stale": "later"},
            "faults": [{"kind": "disk.full"}], "task": {"kind": "my.pkg:Task", "whatever": True}}
     assert [p.split(":")[0].split(" =")[0] for p in shape_problems(bad)] == [

