@@ -54,6 +54,17 @@ class TorchEngineSpec(Sampled, Section):
         return TorchEngine(ctx.model, name=f"torch-{ctx.index}", seed=ctx.seed + ctx.index, dtype=ctx.dtype)
 
 
+ProbeTolerance = Annotated[float, Field(gt=0)] | Literal["off"]
+
+
+def probe_tolerance_field(engine: type) -> Any:
+    """`engine.probe_tolerance`: every pushed version is checked by what the server computes (its probe logprobs
+    against a float32 forward of the version's tensors on CPU: a second copy of the model in host memory)."""
+    return Field(default_of(engine, "probe_tolerance"), description="the largest probe logprob gap a pushed version "
+                 "may show in float32 (at least 0.1 in lower precisions); 'off': not checked (a model too large to "
+                 "hold twice in host memory)")
+
+
 class SGLangEngineSpec(Sampled, Section):
     """SGLang servers: launched on 127.0.0.1 (CPU flags when no GPU), or attached by `urls`."""
 
@@ -88,6 +99,7 @@ class SGLangEngineSpec(Sampled, Section):
     )
     max_restarts: int = Field(default_of(SGLangEngine, "max_restarts"), ge=0, description="restarts of a dead server "
                               "before the run fails")
+    probe_tolerance: ProbeTolerance = probe_tolerance_field(SGLangEngine)
     base_gpu_id: int = Field(0, ge=0, description="device = 'cuda': engine i runs on GPU base_gpu_id + i")
     max_lora_rank: int | None = Field(None, ge=1, description="with learner.lora: the server's --max-lora-rank "
                                       "(default: learner.lora.rank); it refuses adapters of a larger rank")
@@ -121,6 +133,7 @@ class SGLangEngineSpec(Sampled, Section):
             threads=self.threads, max_total_tokens=self.max_total_tokens,
             extra_args=tuple(self.extra_args), update=self.update, pause_mode=self.pause_mode,
             max_restarts=self.max_restarts, lora=self.lora_serving(ctx),
+            probe_tolerance=None if self.probe_tolerance == "off" else self.probe_tolerance,
             # locally every engine sees every GPU; on Ray each process sees the one Ray gave it
             gpu_id=self.base_gpu_id + index if self.device == "cuda" and ctx.runtime == "local" else None,
         )
@@ -177,6 +190,7 @@ class VLLMEngineSpec(Sampled, Section):
     extra_args: list[str] = Field(default_factory=list, description="more vllm api_server flags, verbatim")
     max_restarts: int = Field(default_of(VLLMEngine, "max_restarts"), ge=0, description="restarts of a dead server "
                               "(or one that failed a push) before the run fails")
+    probe_tolerance: ProbeTolerance = probe_tolerance_field(VLLMEngine)
 
     def make(self, ctx: BuildContext) -> VLLMEngine:
         assert ctx.model is not None
@@ -187,6 +201,7 @@ class VLLMEngineSpec(Sampled, Section):
             python=self.python, dtype=self.dtype if "dtype" in self.model_fields_set else ctx.dtype,
             max_model_len=self.max_model_len, kv_cache_gib=self.kv_cache_gib, threads=self.threads,
             extra_args=tuple(self.extra_args), max_restarts=self.max_restarts,
+            probe_tolerance=None if self.probe_tolerance == "off" else self.probe_tolerance,
         )
 
     @model_validator(mode="after")

@@ -43,21 +43,15 @@ import torch
 
 from pipeline.events import report_event
 from stages.engines.base import Completion, EngineError, EngineRun, SamplingParams
-from stages.engines.sglang_probe import checkpoint_shapes
+from stages.engines.sglang_probe import PushMismatch, WeightProbe, checkpoint_shapes, dtype_tolerance
 from stages.engines.vllm_protocol import ABORT, GENERATE, completion_of, generate_body, internal_id
 from stages.engines.vllm_server import ServerFailed, VLLMServer, head_dim_problem
+from stages.engines.vllm_update import push_weights
 from stages.weights.adapter import AdapterVersion
 
 MAX_ROUNDS = 8  # a request aborted (or lost to a dead server) this many times in a row fails the call
 CONNECT_GRACE_S = 30.0  # how long a refused connection is retried before the server counts as gone
 
-try:
-    from stages.engines.vllm_update import push_weights
-except ImportError:  # the transfer backend's client is merged separately
-    async def push_weights(client: httpx.AsyncClient, base_url: str, version: int,
-                           tensors: dict[str, torch.Tensor]) -> None:
-        raise NotImplementedError("stages.engines.vllm_update.push_weights is not in this tree yet: "
-                                  "the vLLM engine cannot push weights without it")
 
 
 class ServerGone(EngineError):
@@ -80,6 +74,9 @@ class VLLMEngine:
     threads: int = 1
     extra_args: tuple[str, ...] = ()
     max_restarts: int = 3
+    # each pushed version is checked by the server's probe logprobs against a float32 forward of its tensors
+    # (sglang_probe.WeightProbe), never by the update's status alone; None: not checked
+    probe_tolerance: float | None = 1e-5
     request_timeout_s: float = 600.0
     log_dir: str | Path | None = None
     policy: Any = None  # the run's staleness policy (its `interrupt`), from `attach`
@@ -100,6 +97,7 @@ class VLLMEngine:
         self._update_lock: anyio.Lock | None = None
         self._restart_lock: anyio.Lock | None = None
         self._expected: dict[str, tuple[int, ...]] | None = None
+        self._probe: WeightProbe | None = None
         self._rids = itertools.count()
         self._stopping = False
 
@@ -304,8 +302,6 @@ class VLLMEngine:
         assert self._http is not None and self._base_url is not None
         try:
             await push_weights(self._http, self._base_url, version, tensors)
-        except NotImplementedError:
-            raise
         except Exception as exc:
             broken = getattr(exc, "restart_server", False) or isinstance(exc, httpx.TransportError | ServerGone)
             if not broken:
@@ -317,8 +313,16 @@ class VLLMEngine:
             if self._held is not None:
                 await self._push(*self._held)
             raise EngineError(f"engine {self.name}: version {version} refused: {exc}") from None
-        self._version, self._held = version, (version, tensors)
+        previous, (self._version, self._held) = self._held, (version, (version, tensors))
         self.stats["updates"] += 1
+        if self.probe_tolerance is not None:
+            try:
+                await landed_check(self, version, tensors)
+            except PushMismatch:
+                if previous is not None:  # the server gets back what it held, and the version is refused
+                    await push_weights(self._http, self._base_url, *previous)
+                    self._version, self._held = previous[0], previous
+                raise
 
     # -- HTTP and recovery ---------------------------------------------------------------------
     async def _call(self, method: str, path: str, body: dict | None = None, params: dict | None = None,
@@ -397,3 +401,22 @@ def fit_version(engine: str, expected: dict[str, tuple[int, ...]], version: int,
     if problems:
         raise EngineError(f"engine {engine}: weights of version {version} do not fit: {'; '.join(problems[:5])}")
     return {n: t for n, t in tensors.items() if n in expected}
+
+
+async def landed_check(engine: VLLMEngine, version: int, tensors: dict[str, torch.Tensor]) -> float:
+    """The largest gap between the server's probe logprobs and a float32 forward of `tensors`
+    (`sglang_probe.WeightProbe`, the engine's dtype bound); `PushMismatch` beyond it. Counted in the engine's stats
+    (`probes`, `probe_gap_max`)."""
+    if engine._probe is None:
+        engine._probe = WeightProbe(engine.model_path)
+    tolerance = dtype_tolerance(engine.probe_tolerance, engine.dtype)
+    expected = await anyio.to_thread.run_sync(engine._probe.expected, tensors, tolerance)
+    served = await engine.prompt_logprobs(list(expected.tokens))
+    gap = expected.difference([float(x) for x in served])
+    engine.stats["probes"] = engine.stats.get("probes", 0) + 1
+    engine.stats["probe_gap_max"] = max(gap, engine.stats.get("probe_gap_max", 0.0))
+    if gap > expected.tolerance:
+        raise PushMismatch(f"engine {engine.name}: version {version} is not what the server computes: its probe "
+                           f"logprobs differ from the version's weights by {gap:.3g} "
+                           f"(tolerance {expected.tolerance:g})")
+    return gap

