@@ -15,6 +15,10 @@ never imports vllm. The same contract as `SGLangEngine` (`tests/contracts/test_e
   requests in flight keep their KV cache and go on under the new weights (two spans), or, where the run's
   staleness policy says "restart", are aborted and generated again from their prompt. A push the server fails
   restarts a launched server on the version it held (counted); `version` moves only once the push succeeded.
+  After `/resume` the version is checked by what the server computes (`landed_check`: its prompt logprobs of a
+  probe against a float32 forward of the tensors sent, `probe_tolerance`; a paused server would not answer the
+  probe): a version that did not land as sent is pushed back to what the server held and refused
+  (`PushMismatch`); tokens sampled in the moment between resume and the probe's answer carry its number.
 * **health**: transient connection failures are retried for 30 s; if the server this engine launched dies, it
   is restarted, the latest weights are pushed again, the requests in flight are generated again from their
   prompts; `stats["restarts"]` counts it (event `engine.restarted`). One that cannot be brought back, or an
@@ -280,8 +284,11 @@ class VLLMEngine:
                     self._latest = self._held
                 raise
 
-    async def _apply(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
-        """Pause (keep), abort what the policy restarts, push, resume; a failed push restarts our server."""
+    async def _apply(self, version: int, tensors: dict[str, torch.Tensor], probe: bool = True) -> None:
+        """Pause (keep), abort what the policy restarts, push, resume, then check the version by the server's probe
+        logprobs (`landed_check`: a paused server schedules no request, the probe's included); a failed push
+        restarts our server, a version that did not land as sent gives the server back what it held."""
+        held = self._held
         await self._call("POST", "/pause", params={"mode": "keep"})
         try:
             restart = [rid for rid, oldest in self._inflight.items()
@@ -293,6 +300,13 @@ class VLLMEngine:
         finally:
             if self._http is not None and (self._server is None or self._server.alive()):
                 await self._call("POST", "/resume", check=False)
+        if probe and self.probe_tolerance is not None:
+            try:
+                await landed_check(self, version, tensors)
+            except PushMismatch:
+                if held is not None:
+                    await self._apply(*held, probe=False)
+                raise
 
     async def _push(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         """Push `version` through vLLM's update protocol (`vllm_update.push_weights`). A version the server refused
@@ -313,16 +327,8 @@ class VLLMEngine:
             if self._held is not None:
                 await self._push(*self._held)
             raise EngineError(f"engine {self.name}: version {version} refused: {exc}") from None
-        previous, (self._version, self._held) = self._held, (version, (version, tensors))
+        self._version, self._held = version, (version, tensors)
         self.stats["updates"] += 1
-        if self.probe_tolerance is not None:
-            try:
-                await landed_check(self, version, tensors)
-            except PushMismatch:
-                if previous is not None:  # the server gets back what it held, and the version is refused
-                    await push_weights(self._http, self._base_url, *previous)
-                    self._version, self._held = previous[0], previous
-                raise
 
     # -- HTTP and recovery ---------------------------------------------------------------------
     async def _call(self, method: str, path: str, body: dict | None = None, params: dict | None = None,
