@@ -33,7 +33,7 @@ def test_ratios_compare_bytes_summed_over_steps_and_need_every_seed() -> None:
     assert (ratios["reached_on"], ratios["reached_off"]) == (1.0, 0.5)  # k = 8 only: k = 2's rows apart
     assert (ratios["reached_k2_on"], ratios["versions_k2_on_worst"]) == (1.0, 280)
     assert ratios["router_disagreement_k0_rollout"] == 0.0
-    assert not any("expert_parallel" in key or "ep" in key.split("_") for key in ratios)  # no expert-parallel rows, no figures for them
+    assert not any("expert_parallel" in key or "ep" in key.split("_") for key in ratios)  # no EP rows: no EP figures
 
 
 @pytest.mark.long
