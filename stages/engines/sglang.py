@@ -47,6 +47,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, w
 from pipeline.events import report_event
 from stages.data.routing import folder_moe_layout
 from stages.engines.base import Completion, EngineError, EngineRun, SamplingParams
+from stages.engines.server_engine import ServerEngine
 from stages.engines.sglang_lora import LoraServing, ServerAdapters, fit_adapter
 from stages.engines.sglang_moe import per_expert_tensors, served_routes
 from stages.engines.sglang_probe import (
@@ -70,7 +71,7 @@ class ServerGone(EngineError):
 
 
 @dataclass
-class SGLangEngine:
+class SGLangEngine(ServerEngine):
     """`SGLangEngine(model_path)` launches a CPU/GPU server; `SGLangEngine(model_path, url=...)` attaches."""
 
     model_path: str | Path
@@ -126,15 +127,6 @@ class SGLangEngine:
         self._stopping = False  # `stop` began: requests in flight fail with EngineError, nothing restarts
 
     # -- lifecycle -----------------------------------------------------------------------------
-    @property
-    def version(self) -> int:
-        return self._version
-
-    @property
-    def load(self) -> int:
-        """Requests this engine has in flight on its server."""
-        return len(self._inflight)
-
     def attach(self, run: EngineRun) -> None:
         """The run's staleness policy answers for requests in flight; the server logs to the run folder."""
         self.policy = run.policy
@@ -145,21 +137,6 @@ class SGLangEngine:
     def base_url(self) -> str | None:
         """Where the server answers (once started)."""
         return self._base_url
-
-    @property
-    def server(self) -> SGLangServer | None:
-        """The server this engine launched (None when attached by url)."""
-        return self._server
-
-    def __getstate__(self) -> dict:
-        """Only an unstarted engine moves to another process (the Ray runtime builds it there)."""
-        if self._http is not None:
-            raise RuntimeError(f"engine {self.name} is started; only an unstarted engine can move to another process")
-        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self.__post_init__()
 
     async def start(self) -> None:
         if self._http is not None:

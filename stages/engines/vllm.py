@@ -47,6 +47,7 @@ import torch
 
 from pipeline.events import report_event
 from stages.engines.base import Completion, EngineError, EngineRun, SamplingParams
+from stages.engines.server_engine import ServerEngine
 from stages.engines.sglang_probe import PushMismatch, WeightProbe, checkpoint_shapes, dtype_tolerance
 from stages.engines.vllm_protocol import ABORT, GENERATE, completion_of, generate_body, internal_id
 from stages.engines.vllm_server import ServerFailed, VLLMServer, head_dim_problem
@@ -57,13 +58,12 @@ MAX_ROUNDS = 8  # a request aborted (or lost to a dead server) this many times i
 CONNECT_GRACE_S = 30.0  # how long a refused connection is retried before the server counts as gone
 
 
-
 class ServerGone(EngineError):
     """The server stopped answering (connection refused or reset)."""
 
 
 @dataclass
-class VLLMEngine:
+class VLLMEngine(ServerEngine):
     """`VLLMEngine(model_path)` launches a CPU server; `VLLMEngine(model_path, url=..., token=...)` attaches."""
 
     model_path: str | Path
@@ -106,34 +106,11 @@ class VLLMEngine:
         self._stopping = False
 
     # -- lifecycle -----------------------------------------------------------------------------
-    @property
-    def version(self) -> int:
-        return self._version
-
-    @property
-    def load(self) -> int:
-        """Requests this engine has in flight on its server."""
-        return len(self._inflight)
-
-    @property
-    def server(self) -> VLLMServer | None:
-        """The server this engine launched (None when attached by url)."""
-        return self._server
 
     def attach(self, run: EngineRun) -> None:
         self.policy = run.policy
         if run.log_dir is not None:
             self.log_dir = run.log_dir
-
-    def __getstate__(self) -> dict:
-        """Only an unstarted engine moves to another process (the Ray runtime builds it there)."""
-        if self._http is not None:
-            raise RuntimeError(f"engine {self.name} is started; only an unstarted engine can move to another process")
-        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self.__post_init__()
 
     async def start(self) -> None:
         if self._http is not None:
