@@ -7,8 +7,8 @@ Each gets the smoke form its kind has in `FORMS` (a command of a kind without on
 
 - `baton run CONFIG [--set ...]`: the documented line with `--set steps=2` and a run folder in a temporary
   directory; a config that needs the math example's model and data (`# needs: ... make_math_example.py`)
-  gets the one the documented `make_math_example.py` command made; one on SGLang is skipped, with the
-  reason, where no SGLang server environment exists.
+  gets the one the documented `make_math_example.py` command made; one on SGLang or vLLM is skipped, with
+  the reason, where that server's environment does not exist.
 - `baton run --resume RUN_DIR`: resumes a finished 6-version quickstart run from its end (version 6) to 8.
 - `baton check ...`: as documented, expecting the exit code the docs show (2 for an invalid example).
 - `baton faults ...`: the documented line with one fault kind (`engine.crash`) and one seed.
@@ -260,7 +260,8 @@ def finished_run(work: Path) -> Path:
     return quickstart(work, "finished")
 
 
-def needs_sglang(argv: list[str]) -> None:
+def needs_server_environment(argv: list[str]) -> None:
+    """A command on SGLang or vLLM is skipped, with the reason, where that server's environment is missing."""
     config = next((a for a in argv if a.endswith(".toml")), None)
     text = " ".join(argv) + ((ROOT / config).read_text() if config else "")
     if re.search(r"""kind\s*=\s*['"]*sglang""", text):
@@ -270,6 +271,13 @@ def needs_sglang(argv: list[str]) -> None:
             sglang_python()
         except SGLangUnavailable as exc:
             pytest.skip(f"no SGLang server environment: {exc}")
+    if re.search(r"""kind\s*=\s*['"]*vllm""", text):
+        from stages.engines.vllm_server import VLLMUnavailable, vllm_python
+
+        try:
+            vllm_python()
+        except VLLMUnavailable as exc:
+            pytest.skip(str(exc))  # it names what is missing
 
 
 def with_made_example(argv: list[str], example: Path) -> list[str]:
@@ -297,7 +305,7 @@ def smoke_baton(command: Documented, request) -> None:
     argv, work = command.argv, request.getfixturevalue("work")
     runs = ["--set", f"run_root={json.dumps(str(work / 'runs'))}"]
     if command.key == "baton run":
-        needs_sglang(argv)
+        needs_server_environment(argv)
         ran(with_made_example(argv, request.getfixturevalue("math_example")) + SMOKE_SETS + runs)
     elif command.key == "baton run --resume":
         resumable = quickstart(work, "resumable")  # finished: its last version (6) is checkpointed; train on to 8
