@@ -6,7 +6,9 @@ run once with that one fault planned (the config's own `[[faults]]` entry of tha
 `mooncake_master` per run (so store.master_restart has a master to restart) and, for
 store.holder_crash, a second segment-holder process with `store.replicas = 2`. A learner.crash run
 checkpoints every 4 versions and is continued from its last checkpoint (`Pipeline.resume`); on the
-Ray runtime the fault SIGKILLs the learner's process, locally it raises in the learner.
+Ray runtime the fault SIGKILLs the learner's process, locally it raises in the learner. A
+learner.rank_crash run has a learner of two ranks, checkpoints every 4 versions, and SIGKILLs rank 1:
+the learner restarts its rank group within the run (`learner.max_restarts = 1`), nothing is resumed.
 
 A run passes when, from its ledger.json, metrics.jsonl and faults.jsonl:
 * the fault fired at least once, its boundary recovered after each firing, and the run finished
@@ -51,6 +53,7 @@ DEFAULT_SCHEDULES: dict[str, dict[str, Any]] = {
     "weights.push_fail": {"at": [3]},
     "learner.crash": {"at": [12]},  # the version it dies at
     "channel.stall": {"at": [3], "delay_s": 2.0},
+    "learner.rank_crash": {"at": [12]},  # rank 1 of a two-rank learner is SIGKILLed after this version
 }
 MOONCAKE_ONLY = ("store.master_restart", "store.holder_crash")
 
@@ -79,6 +82,7 @@ class RunOutcome:
     reinjected_groups: int = 0  # learner.crash: checkpointed in-flight groups trained from the store after the resume
     runtime: str = "local"
     restarts: int = 0  # processes the Ray runtime restarted
+    learner_restarts: int = 0  # learner.rank_crash: restarts of the learner's rank group within the run
     router_disagreement: float | None = None  # an MoE run with routing replay: the most over its steps (0 expected)
     problems: list[str] = field(default_factory=list)
 
@@ -100,6 +104,7 @@ def judge(outcome: RunOutcome, run_dir: Path, steps: int, window_groups: int | N
     outcome.finished = summary.get("version") == steps
     outcome.restarts = sum(summary.get("restarts", {}).values())
     outcome.reinjected_groups = summary.get("resume", {}).get("reinjected_groups", 0)
+    outcome.learner_restarts = len(summary.get("learner_restarts", []))
     if not outcome.finished:
         problems.append(f"did not finish (version {summary.get('version')} of {steps})")
     outcome.trained_twice = sum(len(r["trained_at"]) > max_uses for r in records)
@@ -227,8 +232,10 @@ def run_one(
     run_overrides = [f"seed={seed}", f"name='{name}'", f"run_root='{root}'", "telemetry.progress=false"]
     runtime = data.get("runtime", "local")
     outcome.runtime = runtime
-    if kind == "learner.crash":
-        run_overrides.append("checkpoint.every=4")  # resume rolls back at most 3 versions
+    if kind in ("learner.crash", "learner.rank_crash"):
+        run_overrides.append("checkpoint.every=4")  # a resume or a restart rolls back at most 3 versions
+    if kind == "learner.rank_crash":
+        run_overrides += ["learner.world_size=2", "learner.max_restarts=1"]  # healed within the run
     log = get_logger("faults").bind(kind=kind, seed=seed)
     segment = 256 << 20
     with infrastructure(kind, mooncake, root / f"{name}.infra", segment) as (targets, infra):

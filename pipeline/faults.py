@@ -15,6 +15,8 @@ and the channels' `before_send` here); this module decides *when* (generic, no R
     store.get_fail, store.corrupt     per get                         buffers.faulty
     weights.push_fail                 per publish attempt             stages.weights.faulty
     learner.crash                     at the learner versions in `at` CrashingClock (here)
+    learner.rank_crash                after the learner versions in `at`: its last rank is SIGKILLed
+                                      (world_size > 1; healed by a restart)   stages.learner.ranks
     channel.stall                     per send, per channel           stall_hook (here; local and Ray channels)
 
 Invariants of a schedule:
@@ -48,6 +50,7 @@ from pipeline.channel import Channel
 FAULT_KINDS: tuple[str, ...] = (
     "engine.crash", "engine.hang", "store.put_fail", "store.get_fail", "store.corrupt",
     "store.master_restart", "store.holder_crash", "weights.push_fail", "learner.crash", "channel.stall",
+    "learner.rank_crash",
 )
 EVENTS_FILE = "faults.jsonl"
 

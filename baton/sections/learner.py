@@ -109,6 +109,10 @@ class GRPOSpec(Section):
                                            "activations in backward: less memory, about a third more compute")
     rank_timeout_s: float = Field(default_of(GRPOLearner, "rank_timeout_s"), gt=0, description="a collective of "
                                   "the learner's ranks not answered in this long fails the run")
+    max_restarts: int = Field(default_of(GRPOLearner, "max_restarts"), ge=0, description="world_size > 1: a "
+                              "learner rank that dies (or a collective that fails) restarts the rank group within "
+                              "the run from the latest checkpoint, at most this many times; 0: the run fails with "
+                              "LearnerRankFailed (resume it with baton run --resume)")
     expert_parallel: int = Field(default_of(GRPOLearner, "expert_parallel"), ge=1, description="mixture-of-experts "
                                  "models: ranks the experts are sharded over, each token sent to its experts' ranks "
                                  "and back; must divide the experts and equal learner.world_size (1: no expert "

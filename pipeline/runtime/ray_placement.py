@@ -14,6 +14,7 @@ after `timeout_s`. A helper is owned by the host that started it, so it ends wit
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -85,10 +86,11 @@ class HelperHost:
 
 
 class ActorHelper:
-    """A helper on Ray: its actor and the call that runs it (done: it ended)."""
+    """A helper on Ray: its actor, the call that runs it (done: it ended) and the placement group it was
+    placed in (removed on `stop`, so helpers started again, as a restarted learner group's, are placed)."""
 
-    def __init__(self, name: str, actor: Any, call: Any) -> None:
-        self.name, self.actor, self.call = name, actor, call
+    def __init__(self, name: str, actor: Any, call: Any, group: Any = None) -> None:
+        self.name, self.actor, self.call, self.group = name, actor, call, group
 
     def exitcode(self) -> int | None:
         ready, _ = ray.wait([self.call], timeout=0)
@@ -103,6 +105,9 @@ class ActorHelper:
     def stop(self, timeout_s: float) -> None:
         ray.wait([self.call], timeout=timeout_s)
         ray.kill(self.actor)
+        if self.group is not None:
+            with contextlib.suppress(Exception):  # its group's other helpers removed it already
+                remove_placement_group(self.group)
 
 
 def start_ray_helpers(name: str, fn: Callable[..., None], args: Sequence[tuple], resources: Resources,
@@ -121,5 +126,5 @@ def start_ray_helpers(name: str, fn: Callable[..., None], args: Sequence[tuple],
         strategy = PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=i)
         actor = HelperHost.options(num_cpus=resources.cpus, num_gpus=resources.gpus, scheduling_strategy=strategy,
                                    name=None).remote()
-        helpers.append(ActorHelper(f"{name}-{i}", actor, actor.run.remote(fn, arguments)))
+        helpers.append(ActorHelper(f"{name}-{i}", actor, actor.run.remote(fn, arguments), group))
     return helpers

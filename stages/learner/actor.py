@@ -31,7 +31,6 @@ forward), `zero_var_frac` (groups whose rewards are all equal), `clip_frac_low` 
 from __future__ import annotations
 
 import time
-from collections import deque
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -40,9 +39,10 @@ import numpy as np
 
 from pipeline.actor import BaseActor
 from pipeline.channel import Channel
-from pipeline.checkpoint import CheckpointError
+from pipeline.checkpoint import CONSUMER_DIR, CheckpointError, latest_checkpoint
 from pipeline.context import RunContext
 from pipeline.events import EventCounts
+from pipeline.faults import plan_of
 from pipeline.refs import HeldRef
 from pipeline.watchdog import PipelineHung
 from policies.staleness import staleness
@@ -50,6 +50,8 @@ from stages.learner.bias import step_outcomes
 from stages.learner.collector import BatchCollector
 from stages.learner.export import ExportsAsRunGoes
 from stages.learner.ranks import LearnerRankFailed, RankedTrainer, RankGroup
+from stages.learner.report import CollapseWatch
+from stages.learner.restart import Restarts, ThreadsInFlight, rank_failure
 from stages.learner.step import PolicyTrainer
 from stages.weights.base import WeightTransport
 from stages.weights.snapshot import save_snapshot, snapshot_key
@@ -68,8 +70,11 @@ class LearnerActor(BaseActor):
         self.trainer: PolicyTrainer | RankedTrainer | None = None  # made in `start` (loading takes a while)
         self.ranks: RankGroup | None = None  # the other ranks, when world_size > 1 (stages.learner.ranks)
         self._published: dict | None = None  # the weights of the version published last (its snapshot's)
-        self._rewards: deque[float] = deque(maxlen=spec.warn_window)  # trailing step rewards
-        self._warned = False  # the entropy-collapse event is reported once per run
+        self.collapse = CollapseWatch(spec, ctx)  # the learner.entropy_collapse event (once per run)
+        self.restarts = Restarts(spec.max_restarts, ctx)  # the rank group restarting itself (restart.py)
+        self._threads = ThreadsInFlight()  # rank 0's calls in worker threads (a restart waits for them)
+        plan = plan_of(ctx)
+        self._rank_crash = plan.schedule("learner.rank_crash") if plan is not None else None  # a planned fault
         self._version = 0  # the version this learner's weights are at (kept by _train)
         self._events = EventCounts(ctx.folder.path)  # run events (pipeline.events) so far, for the metrics
         self.exports = ExportsAsRunGoes(spec.export_every, spec.model_path, ctx.folder.path, ctx)
@@ -84,35 +89,42 @@ class LearnerActor(BaseActor):
         return self.ctx.services.store
 
     async def start(self) -> None:
-        self.trainer = trainer = await self._make_trainer()
-        version, resume = 0, self.ctx.resume
+        resume = self.ctx.resume
+        version = await self._begin(resume.consumer_dir if resume is not None else None)
         if resume is not None:
-            version = self._kept = await self._call(trainer.read_state, resume.consumer_dir)
+            self._kept = version
             if version != resume.version:
                 raise CheckpointError(f"checkpoint {resume.checkpoint}: learner state of version {version}, "
                                       f"run state of version {resume.version}")
             kept = await self.collector.restore(resume.reusable, version)
             self.log.info("learner restored", version=version, checkpoint=str(resume.checkpoint), reusable_groups=kept)
-        await self._call(trainer.schedule, version)
-        self._trained_to = version
         # every engine starts from exactly the learner's weights of the run's first version (0 or the checkpoint's)
         await self._publish(version)
         if resume is not None and self.snapshot_every and self._published is not None:  # replaces a rolled-back one
             await save_snapshot(self.store, snapshot_key(self.ctx.run, self.ctx.folder.path.name), version,
                                 self._published)
 
-    async def _make_trainer(self) -> PolicyTrainer | RankedTrainer:
-        """The trainer: this process alone, or rank 0 of `world_size` ranks (their processes started here)."""
+    async def _begin(self, state: Path | None, at: int | None = None) -> int:
+        """Make the trainer (this process alone, or rank 0 of `world_size` ranks, their processes started
+        here), load the learner state in `state` (a checkpoint's consumer folder; None: the model's initial
+        weights) and schedule it at version `at` (None: the state's). Returns the state's version (0 for
+        none). The one way the learner (re)starts: at the run's start, on `--resume`, and on a restart."""
         spec, steps = self.spec, self.ctx.steps
         if spec.world_size == 1:
-            return await anyio.to_thread.run_sync(PolicyTrainer, spec, steps)
-        services = self.ctx.services
-        self.ranks = RankGroup(spec, steps, services.start_helpers, services.address)
-        self.ranks.spawn()  # from the event loop's thread: local followers die with this process
-        self.log.info("learner ranks started", world_size=spec.world_size, ranks=self.ranks.names)
-        await self._call(self.ranks.join)
-        trainer = await self._call(PolicyTrainer, spec, steps, spec.world_size)
-        return RankedTrainer(trainer, self.ranks)
+            self.trainer = await anyio.to_thread.run_sync(PolicyTrainer, spec, steps)
+        else:
+            services = self.ctx.services
+            self.ranks = RankGroup(spec, steps, services.start_helpers, services.address)
+            self.ranks.crash = self._rank_crash
+            self.ranks.spawn()  # from the event loop's thread: local followers die with this process
+            self.log.info("learner ranks started", world_size=spec.world_size, ranks=self.ranks.names)
+            await self._call(self.ranks.join)
+            self.trainer = RankedTrainer(await self._call(PolicyTrainer, spec, steps, spec.world_size), self.ranks)
+        version = 0 if state is None else await self._call(self.trainer.read_state, state)
+        at = version if at is None else at
+        await self._call(self.trainer.schedule, at)
+        self._trained_to = at
+        return version
 
     async def _call(self, fn: Any, *args: Any) -> Any:
         """`fn(*args)` in a worker thread. With several ranks it may block in a collective a dead rank never
@@ -121,7 +133,7 @@ class LearnerActor(BaseActor):
         if self.ranks is None:
             return await anyio.to_thread.run_sync(fn, *args)
         try:
-            return await anyio.to_thread.run_sync(fn, *args, abandon_on_cancel=True)
+            return await anyio.to_thread.run_sync(self._threads.wrap(fn), *args, abandon_on_cancel=True)
         except RuntimeError as exc:  # torch.distributed's errors (DistBackendError is one)
             await self._rank_failed(exc)
 
@@ -135,12 +147,6 @@ class LearnerActor(BaseActor):
                 await anyio.sleep(0.1)
         world = self.spec.world_size
         raise LearnerRankFailed(f"a collective of the learner's {world} ranks failed: {exc}") from exc
-
-    async def _watch_ranks(self) -> None:
-        """Fail the learner as soon as one of its other ranks has exited (`LearnerRankFailed`)."""
-        while self.ranks is not None:
-            self.ranks.check()
-            await anyio.sleep(0.25)
 
     def held_refs(self) -> list[HeldRef]:
         """The refs this learner holds between steps (what a checkpoint records of it)."""
@@ -168,18 +174,56 @@ class LearnerActor(BaseActor):
                 await anyio.to_thread.run_sync(self.ranks.close)
 
     async def run(self) -> None:
+        """Train to the run's step count; a failed rank group restarts while `max_restarts` allow (restart.py)."""
         self._running = True
+        try:
+            while True:
+                try:
+                    await self._run_once()
+                    return
+                except BaseException as exc:  # noqa: BLE001 - only a rank group's failure is healed, the rest re-raised
+                    failure = rank_failure(exc)
+                    if failure is None:
+                        raise
+                    self.restarts.begin(failure)  # re-raises it once max_restarts are spent
+                    await self._restart(failure)
+        finally:
+            self._running = False
+
+    async def _run_once(self) -> None:
+        """Train until the step count, the rank group watched (its failure: `LearnerRankFailed`)."""
         try:
             async with anyio.create_task_group() as watch:
                 if self.ranks is not None:
-                    watch.start_soon(self._watch_ranks)
+                    watch.start_soon(self.ranks.watch)
                 async with anyio.create_task_group() as frees:  # payloads freed and checkpoints exported meanwhile
                     self.collector.frees = self._export_tasks = frees
                     await self._train()
                 watch.cancel_scope.cancel()
         finally:
             self.collector.frees = self._export_tasks = None
-            self._running = False
+
+    async def _restart(self, failure: LearnerRankFailed) -> None:
+        """A new rank group from the latest checkpoint, the clock where it is (restart.py's rule): the step in
+        progress goes back into the window, rank 0's threads leave the old group, the followers end, the new
+        group loads the checkpoint (`_begin`, as `--resume` does) at the current version."""
+        at, old = self._version, self.ranks
+        self.log.warning("learner rank group failed; restarting it", error=str(failure), version=at,
+                         restart=self.restarts.done, max_restarts=self.restarts.max_restarts)
+        if self._pending is not None:
+            self.collector.untake(self._pending[1])
+            self._pending = None
+        if not await self._threads.settle(self.spec.rank_timeout_s):
+            self.log.warning("a learner thread is still in the old group's collective; restarting beside it")
+        self.trainer, self.ranks = None, None
+        if old is not None:
+            await anyio.to_thread.run_sync(old.close)
+        checkpoint = latest_checkpoint(self.ctx.folder.path) if self.ctx.checkpoint is not None else None
+        restored = await self._begin(checkpoint / CONSUMER_DIR if checkpoint is not None else None, at)
+        cost = self.restarts.report(failure, restored, at, checkpoint.name if checkpoint is not None else "")
+        self.log.info("learner rank group restarted", **cost)
+        if self._rank_crash is not None:
+            self._rank_crash.recovered(f"rank group restarted from version {restored} at version {at}")
 
     async def _keep_on_stop(self) -> None:
         """A run stopped before its step count (Ctrl-C, SIGTERM, the watchdog's stop of a hung run; not an
@@ -241,9 +285,13 @@ class LearnerActor(BaseActor):
                 tg.cancel_scope.cancel()  # a prefetch still waiting for groups must not hold up the version
             step_s = time.perf_counter() - t0
             push_s, pushed = await self._publish(version + 1)
-            await self._advance(version + 1, refs)
-            self._pending = None  # the release's window update happens at once, before its first await
-            await collector.release(taken, version)
+            with anyio.CancelScope(shield=True):  # a published version is completed, even by a failing rank group
+                await self._advance(version + 1, refs)
+                self._pending = None  # the release's window update happens at once, before its first await
+                await collector.release(taken, version)
+            self.restarts.trained(version + 1, sum(r.rows for r in refs))
+            if self.ranks is not None:
+                self.ranks.crash_if_planned(version + 1)
             settled = await ctx.ledger.take_settled()  # trained now, and dropped since the last step
             trained_samples += sum(r.rows for r in refs)
             load_s, loads = collector.take_load_counts()
@@ -268,7 +316,7 @@ class LearnerActor(BaseActor):
                 **stats,
                 **{f"events/{kind}": n for kind, n in self._events.update().items()},  # pipeline.events
             })
-            self._watch_collapse(version + 1, stats["reward"], stats["entropy"])
+            self.collapse.see(version + 1, stats["reward"], stats["entropy"])
             last, version = time.perf_counter(), version + 1
             ctx.note(self.name, f"trained version {version}")
             if ctx.checkpoint is not None and ctx.checkpoint.due(version):
@@ -304,6 +352,7 @@ class LearnerActor(BaseActor):
         ctx.note(self.name, f"checkpoint of version {version} {'written' if written else 'skipped'}")
         if written is not None:
             self._kept = version
+            self.restarts.kept(version)
             if export and self._export_tasks is not None:
                 self.exports.after_checkpoint(self._export_tasks, written, version)
         return written
@@ -319,20 +368,10 @@ class LearnerActor(BaseActor):
             await self.transport.publish_shards(version, self.trainer)
         else:
             self._published = await self._call(self.trainer.weights, version)
-            await self.transport.publish(version, self._published)
+            with anyio.CancelScope(shield=True):  # gathered whole: the version reaches the engines or fails
+                await self.transport.publish(version, self._published)
         counted = {k: round(v - before.get(k, 0), 4) for k, v in self.transport.stats.items()}
         for key in ("refused", "unreachable"):
             if counted.get(key):
                 self.ctx.event(f"weights.{key}", count=int(counted[key]), version=version)
         return time.perf_counter() - started, counted
-
-    def _watch_collapse(self, version: int, reward: float, entropy: float) -> None:
-        """Report `learner.entropy_collapse` (once) when entropy is below its floor while the trailing
-        reward is still low: the policy stopped exploring before it learned the task."""
-        spec = self.spec
-        self._rewards.append(reward)
-        trailing = float(np.mean(self._rewards))
-        if not self._warned and entropy < spec.warn_entropy_below and trailing < spec.warn_reward_below:
-            self._warned = True
-            self.ctx.event("learner.entropy_collapse", version=version, entropy=round(entropy, 4),
-                           trailing_reward=round(trailing, 4))

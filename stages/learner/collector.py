@@ -110,6 +110,12 @@ class BatchCollector:
         for ref, _ in self.window.returned(taken, version):
             await free(self.ctx, ref, self.store, self.frees)
 
+    def untake(self, taken: list[Taken[Group]]) -> None:
+        """Put back groups taken for a step that was never trained (its rank group died): each re-enters the
+        window with the use count and version it had, to be judged and taken again at the next version."""
+        for t in taken:
+            self.window.add(t.item, t.candidate.version, uses=t.candidate.uses)
+
     def counted(self) -> int:
         """Groups in the window that count towards `groups_per_step`: all, or with replays riding along, the
         ones never trained."""

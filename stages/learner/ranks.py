@@ -15,10 +15,11 @@ by tokens (`policies.balance.balance_groups`: whole groups, the most tokens firs
 Names: rank r is `learner-rank-{r}` (`rank_name`) everywhere: rank 0 is the learner actor's process, a
 follower's helper process is named by its rank, in the start-up log, errors and reports alike.
 
-Failure: a follower that exits is seen by `RankGroup.check` (the learner actor polls it) and ends
-the run at once with `LearnerRankFailed`, naming the rank and its exit code (and the signal that
-killed it); a collective that a dead rank never joins fails after `timeout_s` at the latest.
-Followers die with rank 0 (`die_with_parent`).
+Failure: a follower that exits is seen by `RankGroup.check` (the learner actor polls it, `watch`) and
+raises `LearnerRankFailed`, naming the rank and its exit code (and the signal that killed it); a
+collective that a dead rank never joins fails after `timeout_s` at the latest. The learner actor then
+restarts the whole group from the latest checkpoint while `[learner] max_restarts` allow
+(`stages.learner.restart`), else the run ends with it. Followers die with rank 0 (`die_with_parent`).
 """
 
 from __future__ import annotations
@@ -30,12 +31,14 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import anyio
 import msgspec
 import torch
 import torch.distributed as dist
 
 from buffers.codec import RolloutBatch, decode, encode
 from pipeline.contracts import Helper, HelperStarter, Resources
+from pipeline.faults import Schedule
 from pipeline.net import free_port
 from pipeline.runtime.local import start_local_helpers
 from policies.balance import balance_groups
@@ -222,6 +225,7 @@ class RankGroup:
         self.helpers: list[Helper] = []
         self.channel: Channel | None = None
         self.stopping = False
+        self.crash: Schedule | None = None  # the planned fault learner.rank_crash (pipeline.faults), if any
 
     def spawn(self) -> None:
         """Start the followers (locally: from the event loop's thread, so they die with this process)."""
@@ -250,6 +254,18 @@ class RankGroup:
             if code is not None and not self.stopping:
                 raise LearnerRankFailed(f"learner rank {rank} ({helper.name}) exited with {how_it_ended(code)}; "
                                         "the learner's other ranks cannot step without it")
+
+    def crash_if_planned(self, version: int) -> None:
+        """The fault learner.rank_crash: SIGKILL (locally; Ray: kill) the last rank once `version` is trained
+        when the plan says so; the watch then sees it exit, as any rank's death."""
+        if self.crash is not None and self.helpers and self.crash.hit(occurrence=version):
+            self.helpers[-1].stop(timeout_s=0)
+
+    async def watch(self) -> None:
+        """Raise `LearnerRankFailed` as soon as a follower has exited (polled every quarter second)."""
+        while True:
+            self.check()
+            await anyio.sleep(0.25)
 
     def close(self) -> None:
         """Tell the followers to stop, leave the group, and end any follower that does not exit."""

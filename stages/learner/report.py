@@ -3,12 +3,14 @@ and the report's panels, all from its metric records and the run folder (`stages
 
 from __future__ import annotations
 
-from collections import Counter
+import json
+from collections import Counter, deque
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from pipeline.events import EVENTS_FILE
 from pipeline.telemetry import Panel, sliding_rate
 from stages.learner.bias import outcome_panels, run_outcomes
 from stages.learner.timeline import timeline_panel
@@ -29,7 +31,40 @@ def summary(records: list[dict], run_dir: Path | None = None) -> dict[str, Any]:
         "max_staleness_trained": max((r["staleness_max"] for r in records), default=None),
         "outcomes": run_outcomes(records),
         **({"eval": {"first": evaluations[0], "last": evaluations[-1]}} if evaluations else {}),
+        "learner_restarts": learner_restarts(run_dir),
     }
+
+
+def learner_restarts(run_dir: Path | None) -> list[dict[str, Any]]:
+    """Every restart of the learner's rank group in the run (`stages.learner.restart`), in order: its cause,
+    the checkpoint's version, the version it happened at, the versions and trainings rolled back, its seconds."""
+    path = Path(run_dir) / EVENTS_FILE if run_dir is not None else None
+    if path is None or not path.is_file():
+        return []
+    events = (json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip())
+    keep = ("restart", "cause", "checkpoint", "restored_version", "at_version", "rolled_back_versions",
+            "rolled_back_trainings", "seconds")
+    return [{k: e.get(k) for k in keep} for e in events if e.get("kind") == "learner.restart"]
+
+
+class CollapseWatch:
+    """Reports `learner.entropy_collapse` (once per run) when entropy is below `warn_entropy_below` while the
+    trailing mean reward (last `warn_window` versions) is still below `warn_reward_below`: the policy stopped
+    exploring before it learned the task."""
+
+    def __init__(self, spec: Any, ctx: Any) -> None:
+        self.spec, self.ctx = spec, ctx
+        self.rewards: deque[float] = deque(maxlen=spec.warn_window)
+        self.warned = False
+
+    def see(self, version: int, reward: float, entropy: float) -> None:
+        spec = self.spec
+        self.rewards.append(reward)
+        trailing = float(np.mean(self.rewards))
+        if not self.warned and entropy < spec.warn_entropy_below and trailing < spec.warn_reward_below:
+            self.warned = True
+            self.ctx.event("learner.entropy_collapse", version=version, entropy=round(entropy, 4),
+                           trailing_reward=round(trailing, 4))
 
 
 def progress(last: dict | None) -> dict[str, Any]:

@@ -86,6 +86,9 @@ class GRPOLearner:
     micro_batch_tokens: int | None = None  # padded tokens per forward/backward pass (gradient accumulation)
     activation_checkpointing: bool = False  # recompute activations in backward: less memory, ~1/3 more compute
     rank_timeout_s: float = 300.0  # a collective no rank answers for this long fails the run
+    # a rank that dies (or a collective that fails) restarts the whole group from the latest checkpoint, within
+    # the run, at most this many times (stages.learner.restart); 0: the run fails with LearnerRankFailed
+    max_restarts: int = 2
     expert_parallel: int = 1  # MoE: experts sharded over this many ranks, tokens sent to them (stages.learner.experts)
     # mixture-of-experts routing replay (R3): "rollout" routes each generated token, in the learner's forwards
     # (policy, proximal, reference), to the experts the engine recorded for it, gate weights from the current
@@ -129,6 +132,9 @@ class GRPOLearner:
             raise ValueError(f"checkpoint.export_every must be >= 0 (0: never), got {self.export_every}")
         if self.world_size < 1:
             raise ValueError(f"learner.world_size must be >= 1, got {self.world_size}")
+        if self.max_restarts < 0:
+            raise ValueError(f"learner.max_restarts must be >= 0 (0: a dead rank fails the run), "
+                             f"got {self.max_restarts}")
         if self.expert_parallel < 1:
             raise ValueError(f"learner.expert_parallel must be >= 1, got {self.expert_parallel}")
         if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
