@@ -233,7 +233,7 @@ def run_one(
     runtime = data.get("runtime", "local")
     outcome.runtime = runtime
     if kind in ("learner.crash", "learner.rank_crash"):
-        run_overrides.append("checkpoint.every=4")  # a resume or a restart rolls back at most 3 versions
+        run_overrides.append("checkpoint.every=4")  # rolled back: at most 3 (resume), 4 (restart)
     if kind == "learner.rank_crash":
         run_overrides += ["learner.world_size=2", "learner.max_restarts=1"]  # healed within the run
     log = get_logger("faults").bind(kind=kind, seed=seed)

@@ -38,7 +38,8 @@ class FaultConfig(Section):
 
     kind: Literal[FAULT_KINDS] = Field(description="the injection point, e.g. 'store.get_fail'")  # type: ignore[valid-type]
     at: list[Annotated[int, Field(ge=1)]] = Field(
-        default_factory=list, description="occurrences (1-based) at which it fires; learner.crash: learner versions"
+        default_factory=list,
+        description="occurrences (1-based) at which it fires; learner.crash, learner.rank_crash: learner versions",
     )
     probability: float = Field(default_of(FaultSpec, "probability"), ge=0, le=1,
                                description="instead of `at`: the chance it fires at each occurrence")

@@ -113,5 +113,5 @@ class Restarts:
             "seconds": round(time.perf_counter() - self._started, 3),
         }
         self._trained = {}
-        self.ctx.event(RESTART_EVENT, **fields)
+        self.ctx.event("learner.restart", **fields)  # RESTART_EVENT
         return fields
