@@ -24,7 +24,7 @@ from tests.helpers.runs import baton_run
 STEPS = 240  # as tests/e2e/test_e2e.py: reverse-2's reward is ~0.4 at v200 at the quickstart's lr
 
 
-@pytest.mark.nightly  # CI's long suite runs two ranks on Ray and a killed local rank's resume
+@pytest.mark.nightly  # CI's long suite runs two ranks on Ray and a killed local rank's resume and restart
 def test_two_ranks_learn_the_quickstart(tmp_path: Path) -> None:
     s = baton_run(tmp_path, "quickstart.toml", f"steps={STEPS}", "learner.world_size=2")
     assert s["version"] == STEPS and s["ledger_balanced"]
