@@ -25,6 +25,7 @@ from stages.weights import engine_mailboxes  # noqa: E402
 from stages.weights.base import WeightPushError  # noqa: E402
 from tests.contracts.test_transport_contract import TRANSPORTS, TransportCase, case_id, every_send  # noqa: E402
 from tests.helpers.engines import VLLM_SERVER_MODULE  # noqa: E402
+from tests.helpers.learner_ranks import ranked_trainer  # noqa: E402
 from tests.helpers.p2p_peer import learner_version  # noqa: E402
 
 pytestmark = [*VLLM_SERVER_MODULE, pytest.mark.timeout(900)]
@@ -117,3 +118,36 @@ async def test_bytes_damaged_in_flight_never_reach_the_vllm_server(case, server,
         assert engine.version == held and engine.stats["updates"] == updates  # the server was not even asked
     finally:
         await transport.close()
+
+
+async def test_every_learner_rank_pushes_its_shard_into_the_vllm_server(server, model) -> None:
+    """mooncake_p2p from FSDP shards: each of two ranks writes its own rows (no rank gathers the model); the
+    version lands whole in the server. A rank's bytes damaged in flight refuse the whole version: the server is
+    not asked, and serves the version it had."""
+    from stages.learner import GRPOLearner
+    from stages.weights.mooncake_p2p import MooncakeP2PTransport
+    from tests.stages.learner.test_ranks import groups
+
+    engine = engine_for(server, TransportCase("mooncake_p2p"))
+    with ranked_trainer(GRPOLearner(model, lr=1e-2, device="cpu", micro_batch_tokens=24)) as two_ranks:
+        transport = MooncakeP2PTransport(bucket_bytes=1 << 16)
+        transport.subscribe(engine)
+        try:
+            two_ranks.train(groups(20), 0.0)
+            version, probes = engine.version + 1, engine.stats.get("probes", 0)
+            await transport.publish_shards(version, two_ranks)
+            lands(engine, version, probes)
+            assert transport.stats["copied"] == 0, "written from the ranks' own shards"
+
+            def damage(layout, attempt):  # the last bytes of the first tensor of two rows or more: rank 1's
+                entry = next(e for e in layout.tensors if e.shape[0] >= 2)
+                return entry.offset + entry.nbytes - 8, b"\xff" * 8
+
+            transport.damage = damage
+            updates = engine.stats["updates"]
+            two_ranks.train(groups(21), 0.0)
+            with pytest.raises(WeightPushError, match="learner ranks \\[1\\] fail their checksum"):
+                await transport.publish_shards(version + 1, two_ranks)
+            assert engine.version == version and engine.stats["updates"] == updates
+        finally:
+            await transport.close()
