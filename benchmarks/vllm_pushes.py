@@ -69,7 +69,7 @@ def make_engine(kind: str, folder: Path, logs: Path):
 
 async def push_seconds(kind: str, folder: Path, tmp: Path, args) -> dict[str, float]:
     """Median publish seconds per transport into one `kind` engine (its server started once)."""
-    base = load_model(folder).state_dict()
+    base = dict(load_model(folder).named_parameters())  # a tied head is no parameter of its own: it stays tied
     engine = make_engine(kind, folder, tmp / f"logs-{kind}")
     await engine.start()
     figures, version = {}, 0

@@ -125,10 +125,11 @@ async def test_a_killed_server_is_restarted_and_its_requests_generated_again(eng
 
 
 def nudged(model: Path, seed: int, every: int = 7) -> dict[str, torch.Tensor]:
-    """The checkpoint with every `every`-th element of each float tensor moved (seeded): a sparse step."""
+    """The checkpoint with every `every`-th element of each parameter moved (seeded): a sparse step (a tied head
+    stays tied: it is no parameter of its own)."""
     g = torch.Generator().manual_seed(seed)
     out = {}
-    for n, t in eval_model(model).state_dict().items():
+    for n, t in eval_model(model).named_parameters():
         t = t.detach().clone()
         t.view(-1)[::every] += 0.01 * torch.randn(t.view(-1)[::every].shape, generator=g)
         out[n] = t
