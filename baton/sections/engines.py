@@ -191,6 +191,9 @@ class VLLMEngineSpec(Sampled, Section):
     max_restarts: int = Field(default_of(VLLMEngine, "max_restarts"), ge=0, description="restarts of a dead server "
                               "(or one that failed a push) before the run fails")
     probe_tolerance: ProbeTolerance = probe_tolerance_field(VLLMEngine)
+    push: Literal["full", "delta"] = Field(default_of(VLLMEngine, "push"), description="how each version goes "
+                                           "into the server: whole, or as a sparse delta against the version it "
+                                           "kept (one more copy of the weights in the server and in the engine)")
 
     def make(self, ctx: BuildContext) -> VLLMEngine:
         assert ctx.model is not None
@@ -201,7 +204,7 @@ class VLLMEngineSpec(Sampled, Section):
             python=self.python, dtype=self.dtype if "dtype" in self.model_fields_set else ctx.dtype,
             max_model_len=self.max_model_len, kv_cache_gib=self.kv_cache_gib, threads=self.threads,
             extra_args=tuple(self.extra_args), max_restarts=self.max_restarts,
-            probe_tolerance=None if self.probe_tolerance == "off" else self.probe_tolerance,
+            probe_tolerance=None if self.probe_tolerance == "off" else self.probe_tolerance, push=self.push,
         )
 
     @model_validator(mode="after")

@@ -49,6 +49,7 @@ from pipeline.events import report_event
 from stages.engines.base import Completion, EngineError, EngineRun, SamplingParams
 from stages.engines.server_engine import ServerEngine
 from stages.engines.sglang_probe import PushMismatch, WeightProbe, checkpoint_shapes, dtype_tolerance
+from stages.engines.vllm_delta import PushedBase, push_delta
 from stages.engines.vllm_protocol import ABORT, GENERATE, completion_of, generate_body, internal_id
 from stages.engines.vllm_server import ServerFailed, VLLMServer, head_dim_problem
 from stages.engines.vllm_update import push_weights
@@ -78,19 +79,27 @@ class VLLMEngine(ServerEngine):
     threads: int = 1
     extra_args: tuple[str, ...] = ()
     max_restarts: int = 3
+    # "delta": each version goes to the server as a sparse delta against the one it kept (`vllm_delta`; the server
+    # keeps one more copy of the weights, this engine one); a server that keeps none gets the whole version
+    push: str = "full"
     # each pushed version is checked by the server's probe logprobs against a float32 forward of its tensors
     # (sglang_probe.WeightProbe), never by the update's status alone; None: not checked
     probe_tolerance: float | None = 1e-5
     request_timeout_s: float = 600.0
     log_dir: str | Path | None = None
     policy: Any = None  # the run's staleness policy (its `interrupt`), from `attach`
-    stats: dict = field(default_factory=lambda: {"restarts": 0, "regenerated": 0, "interrupted": 0, "updates": 0})
+    stats: dict = field(default_factory=lambda: {"restarts": 0, "regenerated": 0, "interrupted": 0, "updates": 0,
+                                                 "delta_pushes": 0, "delta_fallbacks": 0, "push_bytes": 0})
 
     returns_routed_experts = False  # vLLM on CPU cannot return them (no Model Runner V2 without Triton)
     gpus = 0  # the CPU build: the server it launches uses no GPU
 
     def __post_init__(self) -> None:
+        if self.push not in ("full", "delta"):
+            raise ValueError(f"engine.push = {self.push!r}: use 'full' (whole versions) or 'delta' (sparse deltas "
+                             "against the version the server kept)")
         self._version = 0
+        self._base: PushedBase | None = None  # push "delta": what the server kept (None: it keeps nothing)
         self._latest: tuple[int, dict[str, torch.Tensor]] | None = None  # what a restarted server is given
         self._held: tuple[int, dict[str, torch.Tensor]] | None = None  # what the server holds, pushed last
         self._server: VLLMServer | None = None
@@ -292,7 +301,7 @@ class VLLMEngine(ServerEngine):
         restarted on what it held before (counted), then EngineError; an attached one cannot be."""
         assert self._http is not None and self._base_url is not None
         try:
-            await push_weights(self._http, self._base_url, version, tensors)
+            await self._send(version, tensors)
         except Exception as exc:
             broken = getattr(exc, "restart_server", False) or isinstance(exc, httpx.TransportError | ServerGone)
             if not broken:
@@ -306,6 +315,24 @@ class VLLMEngine(ServerEngine):
             raise EngineError(f"engine {self.name}: version {version} refused: {exc}") from None
         self._version, self._held = version, (version, tensors)
         self.stats["updates"] += 1
+
+    async def _send(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        """One push: a delta against what the server kept where `push` is "delta" and it keeps one (counted:
+        `delta_pushes`; a server that no longer keeps it is sent the whole version: `delta_fallbacks`), else the
+        whole version. `push_bytes` counts the bytes written for the server."""
+        assert self._http is not None and self._base_url is not None
+        delta = self.push == "delta"
+        figures = None
+        if delta and self._base is not None:
+            base, self._base = self._base, None  # until this push lands, nothing is known to be kept
+            figures = await push_delta(self._http, self._base_url, version, tensors, base)
+            self.stats["delta_pushes" if figures is not None else "delta_fallbacks"] += 1
+        if figures is None:
+            self._base = None
+            await push_weights(self._http, self._base_url, version, tensors, keep=delta)
+        self.stats["push_bytes"] += figures["bytes"] if figures else sum(t.nbytes for t in tensors.values())
+        if delta:
+            self._base = await anyio.to_thread.run_sync(PushedBase.of, version, tensors)
 
     # -- HTTP and recovery ---------------------------------------------------------------------
     async def _call(self, method: str, path: str, body: dict | None = None, params: dict | None = None,
@@ -365,7 +392,7 @@ class VLLMEngine(ServerEngine):
         except ServerFailed as exc:
             raise EngineError(f"engine {self.name}: restart failed: {exc}") from None
         self._base_url = self._server.url  # a new port when another process took the old one meanwhile
-        self._version = 0  # its checkpoint, until what it held is pushed again
+        self._version, self._base = 0, None  # its checkpoint, until what it held is pushed again; nothing kept
         self.stats["restart_s"] = round(time.perf_counter() - t0, 2)
 
 

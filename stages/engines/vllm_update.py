@@ -14,6 +14,9 @@ baton's own transfer backend ("baton_shm", `tools/vllm-cpu/baton_vllm/`, loaded 
    so it raises `UpdateFailed`, which tells the engine to restart the server (and catch it up);
 4. removes the file, whatever happened.
 
+`stages.engines.vllm_delta.push_delta` sends a version as a sparse delta against the one the server kept
+(pushed with `keep`) instead, through the same steps; the server rebuilds it and verifies the result.
+
 The engine pauses the server around a push when it wants exact version spans (`/pause?mode=keep`):
 the update itself is one worker call, so no decode step ever sees half a version, but a step between
 `/update_weights` and `/finish_weight_update` would run the new weights under the old tag.
@@ -87,8 +90,35 @@ def _digest(algorithm: str, chunks) -> str:
     return h.hexdigest()
 
 
-def _as_bytes(t: torch.Tensor) -> np.ndarray:
+def as_bytes(t: torch.Tensor) -> np.ndarray:
+    """The tensor's bytes (a view where it is contiguous on the CPU)."""
     return t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
+
+
+def header_of(version: int, tensors: dict[str, torch.Tensor], layout, checksum: str = CHECKSUM) -> dict:
+    """The header of `version` placed by `layout` (`stages.weights.layout.plan`): every bucket's digest of its
+    tensors' bytes, as `baton_vllm.version_file` verifies them."""
+    buckets = []
+    for b in layout.buckets:
+        entries = layout.tensors[b.first : b.first + b.count]
+        buckets.append([b.offset, b.nbytes, b.first, b.count,
+                        _digest(checksum, (as_bytes(tensors[e.name]) for e in entries))])
+    return {"format": FORMAT, "version": version, "total": layout.total, "checksum": checksum,
+            "tensors": [[e.name, e.dtype, list(e.shape), e.offset, e.nbytes] for e in layout.tensors],
+            "buckets": buckets}
+
+
+def write_file(path: str | Path, header: dict, pieces: list[np.ndarray]) -> Path:
+    """MAGIC, the header's length, the msgpack header, zero padding to 64 bytes, then `pieces` in order."""
+    encoded = msgspec.msgpack.encode(header)
+    start = -(-(16 + len(encoded)) // ALIGN) * ALIGN
+    path = Path(path)
+    with open(path, "wb") as f:
+        f.write(MAGIC + len(encoded).to_bytes(8, "little") + encoded)
+        f.write(b"\0" * (start - 16 - len(encoded)))
+        for piece in pieces:
+            f.write(piece.tobytes())
+    return path
 
 
 def write_version_file(path: str | Path, version: int, tensors: dict[str, torch.Tensor],
@@ -97,28 +127,12 @@ def write_version_file(path: str | Path, version: int, tensors: dict[str, torch.
     MAGIC, the header's length, the msgpack header (placement from `stages.weights.layout.plan`, every
     bucket's digest), zero padding to 64 bytes, then the tensors' bytes at their planned offsets."""
     layout = plan(version, tensors, bucket_bytes)
-    buckets = []
-    for b in layout.buckets:
-        entries = layout.tensors[b.first : b.first + b.count]
-        buckets.append([b.offset, b.nbytes, b.first, b.count,
-                        _digest(checksum, (_as_bytes(tensors[e.name]) for e in entries))])
-    header = msgspec.msgpack.encode({
-        "format": FORMAT, "version": version, "total": layout.total, "checksum": checksum,
-        "tensors": [[e.name, e.dtype, list(e.shape), e.offset, e.nbytes] for e in layout.tensors],
-        "buckets": buckets,
-    })
-    start = -(-(16 + len(header)) // ALIGN) * ALIGN
-    path = Path(path)
-    with open(path, "wb") as f:
-        f.write(MAGIC + len(header).to_bytes(8, "little") + header)
-        f.write(b"\0" * (start - 16 - len(header)))
-        end = 0
-        for e in layout.tensors:  # alignment gaps are zeros; each tensor at its offset
-            f.write(b"\0" * (e.offset - end))
-            f.write(_as_bytes(tensors[e.name]).tobytes())
-            end = e.offset + e.nbytes
-        f.write(b"\0" * (layout.total - end))
-    return path
+    pieces, end = [], 0
+    for e in layout.tensors:  # alignment gaps are zeros; each tensor at its offset
+        pieces += [np.zeros(e.offset - end, dtype=np.uint8), as_bytes(tensors[e.name])]
+        end = e.offset + e.nbytes
+    pieces.append(np.zeros(layout.total - end, dtype=np.uint8))
+    return write_file(path, header_of(version, tensors, layout, checksum), pieces)
 
 
 def version_path(version: int, folder: Path = SHM) -> Path:
@@ -128,22 +142,28 @@ def version_path(version: int, folder: Path = SHM) -> Path:
 
 
 async def push_weights(client: httpx.AsyncClient, base_url: str, version: int,
-                       tensors: dict[str, torch.Tensor], checksum: str = CHECKSUM) -> None:
+                       tensors: dict[str, torch.Tensor], checksum: str = CHECKSUM, keep: bool = False) -> None:
     """Put `version` into the server whole, tagged str(version) (see the module docstring);
-    `VersionRefused` or `UpdateFailed` when it did not land."""
+    `VersionRefused` or `UpdateFailed` when it did not land. `keep`: the server keeps it as the base of the
+    next delta (`stages.engines.vllm_delta`)."""
     import anyio
 
     path = version_path(version)
-    base = base_url.rstrip("/")
     try:
         await anyio.to_thread.run_sync(write_version_file, path, version, tensors, checksum)
-        await _post(client, f"{base}/init_weight_transfer_engine",
-                    {"init_info": {"path": str(path), "version": version}}, VersionRefused, version)
-        await _post(client, f"{base}/start_weight_update", {}, UpdateFailed, version)
-        await _post(client, f"{base}/update_weights", {"update_info": {"version": version}}, UpdateFailed, version)
-        await _post(client, f"{base}/finish_weight_update", {"weight_version": str(version)}, UpdateFailed, version)
+        await push_file(client, base_url, version, path, keep)
     finally:
         path.unlink(missing_ok=True)
+
+
+async def push_file(client: httpx.AsyncClient, base_url: str, version: int, path: Path, keep: bool) -> None:
+    """Steps 2 and 3 of the module docstring for a version file already written at `path`."""
+    base = base_url.rstrip("/")
+    await _post(client, f"{base}/init_weight_transfer_engine",
+                {"init_info": {"path": str(path), "version": version, "keep": keep}}, VersionRefused, version)
+    await _post(client, f"{base}/start_weight_update", {}, UpdateFailed, version)
+    await _post(client, f"{base}/update_weights", {"update_info": {"version": version}}, UpdateFailed, version)
+    await _post(client, f"{base}/finish_weight_update", {"weight_version": str(version)}, UpdateFailed, version)
 
 
 async def _post(client: httpx.AsyncClient, url: str, body: dict, error: type[VllmPushError], version: int) -> None:

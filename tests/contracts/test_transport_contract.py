@@ -5,7 +5,8 @@ an engine process registers, reached through `remote_receiver` as the learner re
 processes) and engine processes (`tests/helpers/p2p_peer.py`).
 
 A new transport passes by adding a `TransportCase` to `TRANSPORTS`: its name (or path), its options, which
-receivers it reaches, and (if it moves bytes) how to damage them in flight.
+receivers it reaches, and (if it moves bytes) how to damage them in flight. The cases that reach engines in
+the receiving process run against a real vLLM server too (`test_transport_contract_vllm.py`).
 
 The contract (`stages.weights.base`):
 - made by name, a `WeightTransport` with the common `stats`;

@@ -15,8 +15,10 @@ import pytest
 import torch
 
 from stages.data.model import make_tiny_model
-from stages.engines.base import SamplingParams
-from stages.engines.vllm import VLLMEngine
+from stages.engines import vllm_update
+from stages.engines.base import EngineError, SamplingParams
+from stages.engines.vllm import VLLMEngine, landed_check
+from stages.engines.vllm_delta import PushedBase
 from tests.helpers.engines import VLLM_SERVER_MODULE, eval_model, uniform_weights
 
 pytestmark = VLLM_SERVER_MODULE
@@ -120,6 +122,68 @@ async def test_a_killed_server_is_restarted_and_its_requests_generated_again(eng
     assert all(len(c.tokens) == LONG.max_new_tokens and (c.versions == version).all() for c in out)
     events = [json.loads(line) for line in (Path(engine.log_dir) / "events.jsonl").read_text().splitlines()]
     assert any(e.get("kind") == "engine.restarted" for e in events), events
+
+
+def nudged(model: Path, seed: int, every: int = 7) -> dict[str, torch.Tensor]:
+    """The checkpoint with every `every`-th element of each parameter moved (seeded): a sparse step (a tied head
+    stays tied: it is no parameter of its own)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for n, t in eval_model(model).named_parameters():
+        t = t.detach().clone()
+        t.view(-1)[::every] += 0.01 * torch.randn(t.view(-1)[::every].shape, generator=g)
+        out[n] = t
+    return out
+
+
+async def test_versions_go_in_as_deltas_and_a_gap_falls_back_to_the_whole_version(engine: VLLMEngine,
+                                                                                   model: Path) -> None:
+    engine.push = "delta"
+    try:
+        first = engine.version + 1
+        before = dict(engine.stats)
+        for version in (first, first + 1, first + 2):  # whole (the server keeps it), then two deltas
+            await engine.receive_weights(version, nudged(model, version))
+        assert engine.stats["delta_pushes"] - before["delta_pushes"] >= 2
+        sent = engine.stats["push_bytes"] - before["push_bytes"]
+        whole = sum(t.nbytes for t in nudged(model, 0).values())
+        assert sent < 3 * whole * 0.6  # the deltas carried about a seventh of each version
+        stale = PushedBase.of(first, nudged(model, first))  # as if the server kept a version it no longer has
+        engine._base = stale
+        await engine.receive_weights(first + 3, nudged(model, first + 3))
+        assert engine.stats["delta_fallbacks"] == before["delta_fallbacks"] + 1 and engine.version == first + 3
+        assert engine.stats["probe_gap_max"] <= 1e-5  # every version checked by what the server computes
+    finally:
+        engine.push = "full"
+
+
+@pytest.mark.timeout(600)  # a restart on a loaded 2-core machine: up to ~2.5 min
+async def test_a_server_that_fails_an_update_is_restarted_and_caught_up(engine: VLLMEngine, model: Path,
+                                                                        monkeypatch) -> None:
+    held, tensors = engine.version + 1, nudged(model, 50)
+    await engine.receive_weights(held, tensors)
+    restarts = engine.stats["restarts"]
+    real, damaged = vllm_update.push_file, []
+
+    async def fails_inside(client, base_url, version, path, keep):  # once: staged, started, then an update not its
+        if damaged:
+            return await real(client, base_url, version, path, keep)
+        damaged.append(version)
+        post = vllm_update._post
+        await post(client, f"{base_url}/init_weight_transfer_engine",
+                   {"init_info": {"path": str(path), "version": version, "keep": keep}}, vllm_update.VersionRefused,
+                   version)
+        await post(client, f"{base_url}/start_weight_update", {}, vllm_update.UpdateFailed, version)
+        await post(client, f"{base_url}/update_weights", {"update_info": {"version": version + 999}},
+                   vllm_update.UpdateFailed, version)
+
+    monkeypatch.setattr(vllm_update, "push_file", fails_inside)
+    with pytest.raises(EngineError, match=f"version {held + 1} refused"):
+        await engine.receive_weights(held + 1, nudged(model, 51))
+    assert damaged == [held + 1] and engine.stats["restarts"] == restarts + 1 and engine.version == held
+    assert await landed_check(engine, held, tensors) <= 1e-5  # the restarted server serves what it held
+    await engine.receive_weights(held + 2, nudged(model, 52))  # and takes the next version
+    assert engine.version == held + 2
 
 
 def _group(process: psutil.Process) -> int | None:

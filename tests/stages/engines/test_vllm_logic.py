@@ -96,6 +96,9 @@ def test_the_section_makes_an_attached_engine_with_its_token(tmp_path: Path) -> 
     engine = spec.make(ctx)
     assert isinstance(engine, VLLMEngine) and engine.url == ATTACHED[0] and engine.token == "s3cret"
     assert engine.max_model_len == 256 and not returns_routed_experts(engine)
+    assert engine.push == "full" and VLLMEngineSpec(urls=ATTACHED, push="delta").make(ctx).push == "delta"
+    with pytest.raises(ValueError, match="engine.push = 'sparse': use 'full'.*or 'delta'"):
+        VLLMEngine(tmp_path, push="sparse")
     with pytest.raises(ValueError, match="engine.token_file"):
         VLLMEngineSpec(urls=ATTACHED, token_file=str(tmp_path / "none"))
     with pytest.raises(ValueError, match="engine.python = '/nonexistent/python' does not exist.*vllm-cpu/install.sh"):

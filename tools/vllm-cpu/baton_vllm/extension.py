@@ -4,10 +4,14 @@ baton_vllm.extension.BatonWorkerExtension --weight-transfer-config '{"backend": 
 
 A push through vLLM's native protocol (stages.engines.vllm_update drives it):
 
-- `/init_weight_transfer_engine {"init_info": {"path": P, "version": N}}` reads the version file P
-  (baton_vllm.version_file) into the worker's private memory and verifies every bucket's checksum. A
-  damaged, partial or mislabelled version fails HERE, before any layer is touched: the server keeps
-  serving its old weights exactly, and the client calls the version refused.
+- `/init_weight_transfer_engine {"init_info": {"path": P, "version": N, "keep": K}}` reads the version
+  file P (baton_vllm.version_file) into the worker's private memory and verifies every bucket's
+  checksum. A damaged, partial or mislabelled version fails HERE, before any layer is touched: the
+  server keeps serving its old weights exactly, and the client calls the version refused. P may be a
+  delta against the version the server kept (baton_vllm.version_delta): it is rebuilt from a copy of
+  that version, then verified the same way; a delta against a version the server does not keep is
+  refused with `WHOLE_NEEDED` in the error (the client then sends the whole version). With K true the
+  applied version is kept (one more copy of the weights in the worker) as the next delta's base.
 - `/start_weight_update` only checks that a verified version is staged.
 - `/update_weights {"update_info": {"version": N}}` applies the staged version in ONE worker call:
   vLLM's layerwise reload (initialize, `model.load_weights`, finalize: the calls its nccl backend
@@ -40,7 +44,8 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-from baton_vllm.version_file import read_version
+from baton_vllm.version_delta import Held
+from baton_vllm.version_file import read_kept
 
 BACKEND = "baton_shm"
 
@@ -51,6 +56,7 @@ class BatonShmInitInfo(WeightTransferInitInfo):
 
     path: str
     version: int
+    keep: bool = False  # keep the applied version as the base of the next delta
 
 
 @dataclass
@@ -61,7 +67,8 @@ class BatonShmUpdateInfo(WeightTransferUpdateInfo):
 
 
 class BatonShmEngine(WeightTransferEngine[BatonShmInitInfo, BatonShmUpdateInfo]):
-    """See the module docstring. `staged` is (version, verified tensors) between init and update."""
+    """See the module docstring. `staged` is (version, verified tensors, what to keep) between init and update;
+    `held` the version applied last when it was pushed with `keep` (None otherwise, and after a failed update)."""
 
     init_info_cls = BatonShmInitInfo
     update_info_cls = BatonShmUpdateInfo
@@ -69,11 +76,13 @@ class BatonShmEngine(WeightTransferEngine[BatonShmInitInfo, BatonShmUpdateInfo])
 
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
-        self.staged: tuple[int, dict[str, torch.Tensor]] | None = None
+        self.staged: tuple[int, dict[str, torch.Tensor], Held | None] | None = None
+        self.held: Held | None = None
 
     def init_transfer_engine(self, init_info: BatonShmInitInfo) -> None:
         self.staged = None  # a refused version never leaves an older one staged
-        self.staged = (init_info.version, read_version(init_info.path, init_info.version))
+        tensors, held = read_kept(init_info.path, init_info.version, self.held)
+        self.staged = (init_info.version, tensors, held if init_info.keep else None)
 
     def start_weight_update(self) -> None:
         if self.staged is None:
@@ -95,17 +104,18 @@ class BatonShmEngine(WeightTransferEngine[BatonShmInitInfo, BatonShmUpdateInfo])
         if self.staged is None or self.staged[0] != update_info.version:
             raise RuntimeError(f"baton_shm: version {update_info.version} is not the staged one "
                                f"({None if self.staged is None else self.staged[0]})")
-        _, tensors = self.staged
-        self.staged = None
+        _, tensors, keep = self.staged
+        self.staged, self.held = None, None  # a failed update leaves no base: the next push is whole
         with torch.no_grad():
             initialize_layerwise_reload(self.model)
             with disable_mtp_completeness_check():
                 self.model.load_weights(iter(tensors.items()))
             finalize_layerwise_reload(self.model, self.model_config)
             repair_cpu_prepack(self.model)
+        self.held = keep
 
     def shutdown(self) -> None:
-        self.staged = None
+        self.staged, self.held = None, None
 
 
 def repair_cpu_prepack(model: torch.nn.Module) -> dict[str, int]:

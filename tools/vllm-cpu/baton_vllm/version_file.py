@@ -16,7 +16,9 @@ in order, as hex). Placement and bucketing are baton's `stages.weights.layout.pl
 or format, a version other than the one asked for, a file shorter than its header says (a partial
 write), an entry outside the data or inconsistent with its shape, a tensor in no bucket, or a bucket
 whose digest does not match. The file is read into private memory before it is verified, so a file
-rewritten afterwards cannot change what was checked.
+rewritten afterwards cannot change what was checked. `read_kept(path, version, held)` also reads a
+delta against the version the server holds (`baton_vllm.version_delta`: rebuilt from it, then verified
+the same way) and returns the result as the next `Held`.
 """
 
 from __future__ import annotations
@@ -78,7 +80,11 @@ def _read_header(raw: np.ndarray, path: Path) -> tuple[dict, int]:
     return header, data_offset(size)
 
 
-def _check_entries(header: dict) -> list[tuple[str, torch.dtype, tuple[int, ...], int, int]]:
+Entry = tuple[str, torch.dtype, tuple[int, ...], int, int]  # name, dtype, shape, offset, nbytes in the data
+
+
+def check_entries(header: dict) -> list[Entry]:
+    """The header's tensor entries, each inside the data and of its shape's size (VersionFileError if not)."""
     total, entries = int(header["total"]), []
     for name, dtype_name, shape, offset, nbytes in header["tensors"]:
         dtype = DTYPES.get(dtype_name)
@@ -89,10 +95,10 @@ def _check_entries(header: dict) -> list[tuple[str, torch.dtype, tuple[int, ...]
     return entries
 
 
-def verify(header: dict, data: np.ndarray) -> list[tuple[str, torch.dtype, tuple[int, ...], int, int]]:
+def verify(header: dict, data: np.ndarray) -> list[Entry]:
     """The header's entries, once every tensor lies in exactly one bucket (in order) whose digest
     matches `data`; raises VersionFileError naming the first bad bucket otherwise."""
-    entries, covered = _check_entries(header), 0
+    entries, covered = check_entries(header), 0
     for i, (offset, nbytes, first, count, expected) in enumerate(header["buckets"]):
         if first != covered or count < 1 or first + count > len(entries):
             raise VersionFileError(f"bucket {i} does not continue at tensor {covered}")
@@ -111,6 +117,14 @@ def verify(header: dict, data: np.ndarray) -> list[tuple[str, torch.dtype, tuple
 
 def read_version(path: str | Path, version: int) -> dict[str, torch.Tensor]:
     """The named tensors of `version` from `path`, verified whole (see the module docstring)."""
+    return read_kept(path, version, None)[0]
+
+
+def read_kept(path: str | Path, version: int, held) -> tuple[dict[str, torch.Tensor], object]:
+    """The named tensors of `version` from `path` (a whole version, or a delta against `held`, the
+    `version_delta.Held` the server kept), verified whole, and the `Held` they make."""
+    from baton_vllm.version_delta import Held, rebuild
+
     path = Path(path)
     try:
         raw = np.fromfile(path, dtype=np.uint8)  # private memory: what is checked is what is applied
@@ -120,15 +134,20 @@ def read_version(path: str | Path, version: int) -> dict[str, torch.Tensor]:
     if header.get("version") != version:
         raise VersionFileError(f"{path} holds version {header.get('version')}, not {version}")
     try:
-        total = int(header["total"])
-        if len(raw) < start + total:
-            raise VersionFileError(f"{path} is partial: {max(len(raw) - start, 0)} of {total} data bytes")
-        data = raw[start : start + total]
+        size = int(header["patch_total"] if "base" in header else header["total"])
+        if len(raw) < start + size:
+            raise VersionFileError(f"{path} is partial: {max(len(raw) - start, 0)} of {size} data bytes")
+        data = raw[start : start + size]
+        if "base" in header:
+            data = rebuild(header, data, held)
+        if len(data) != int(header["total"]):
+            raise VersionFileError(f"{path}: {len(data)} data bytes, its header says {header['total']}")
         entries = verify(header, data)
     except VersionFileError:
         raise
     except (KeyError, TypeError, ValueError) as exc:  # a header of the wrong shape
         raise VersionFileError(f"{path}: malformed header ({type(exc).__name__}: {exc})") from None
     base = torch.from_numpy(data)
-    return {name: base[offset : offset + nbytes].view(dtype).view(shape)
-            for name, dtype, shape, offset, nbytes in entries}
+    tensors = {name: base[offset : offset + nbytes].view(dtype).view(shape)
+               for name, dtype, shape, offset, nbytes in entries}
+    return tensors, Held(version, entries, data)
