@@ -275,6 +275,10 @@ def faults_fit(cfg: RunConfig) -> None:
             "fault store.master_restart with runtime = 'ray' needs a master the faults runner owns: run it with "
             "`baton faults CONFIG`, or use runtime = 'local' (which restarts its own store.master = 'auto')"
         )
+    elastic = [k for k in kinds if k in ("engine.join", "engine.leave", "engine.join_in_push")]
+    if elastic and cfg.rollout.max_engines is None:
+        raise ValueError(f"fault {elastic[0]} grows or shrinks the run's engines, which needs rollout.max_engines; set "
+                         f"rollout.max_engines = {cfg.engine_count + 1} or remove the fault")
     if "store.holder_crash" in kinds and cfg.store.replicas < 2:
         raise ValueError(
             f"fault store.holder_crash is survived with store.replicas = 2, but store.replicas = "

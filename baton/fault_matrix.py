@@ -51,7 +51,13 @@ DEFAULT_SCHEDULES: dict[str, dict[str, Any]] = {
     "weights.push_fail": {"at": [3]},
     "learner.crash": {"at": [12]},  # the version it dies at
     "channel.stall": {"at": [3], "delay_s": 2.0},
+    "engine.join": {"at": [5]},  # a second engine joins at version 5 (the run may grow to 2: ELASTIC)
+    "engine.leave": {"at": [5]},  # one of the two engines leaves at version 5, draining what it holds
+    "engine.join_in_push": {"at": [5]},  # a second engine joins while version 5 is pushed
 }
+# the elastic kinds run with room for a second engine; a leave starts with two
+ELASTIC = {"engine.join": ["rollout.max_engines=2"], "engine.leave": ["rollout.max_engines=2", "engine.count=2"],
+           "engine.join_in_push": ["rollout.max_engines=2"]}
 MOONCAKE_ONLY = ("store.master_restart", "store.holder_crash")
 
 
@@ -229,6 +235,7 @@ def run_one(
     outcome.runtime = runtime
     if kind == "learner.crash":
         run_overrides.append("checkpoint.every=4")  # resume rolls back at most 3 versions
+    run_overrides.extend(ELASTIC.get(kind, []))
     log = get_logger("faults").bind(kind=kind, seed=seed)
     segment = 256 << 20
     with infrastructure(kind, mooncake, root / f"{name}.infra", segment) as (targets, infra):

@@ -65,7 +65,7 @@ async def pass_fence(engine: Engine, ctx: Any, store: Any, key: str, timeout_s: 
         # behind the clock, or a push ahead of it (its snapshot is stored before the clock moves): wait
         if anyio.current_time() - started > timeout_s:
             raise FenceError(f"engine {engine.name} reached version {engine.version}, not the run's {current}, "
-                             f"within {timeout_s} s (rollout.engine_sync_s); it is given no work")
+                             f"within {timeout_s} s (the rollout's engine_sync_s); it is given no work")
         with anyio.move_on_after(0.05):
             await ctx.clock.wait_change(current)
 
