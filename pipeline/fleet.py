@@ -77,11 +77,14 @@ class Fleet:
             self._next_index += 1
         while self.target > target:
             live = [w for w in reversed(self.workers) if w.name not in self.leaving]
-            if len(live) > target:
-                self.leaving.add(live[0].name)
-                self._group.start_soon(self._retire, live[0])
-            else:
+            if len(live) <= target:
                 self._excess += 1
+                continue
+            if not isinstance(live[0], Retiring):
+                raise FleetError(f"worker {live[0].name} cannot leave a running run (it is not Retiring, e.g. a "
+                                 f"gateway worker); the fleet stays at {self.target}")
+            self.leaving.add(live[0].name)
+            self._group.start_soon(self._retire, live[0])
         if wait:
             await self.settled()
         return self.status()
@@ -111,6 +114,11 @@ class Fleet:
         try:
             worker = self.stage.join(self.ctx, self.outbox, index)
             await worker.start()
+        except anyio.get_cancelled_exc_class():  # the run ends while it starts: what it started is stopped
+            if worker is not None:
+                with anyio.CancelScope(shield=True):
+                    await worker.stop()
+            raise
         except Exception as exc:  # noqa: BLE001 - the run goes on without it; the event says why
             self.joining -= 1
             self._signal()
@@ -137,8 +145,7 @@ class Fleet:
 
     async def _retire(self, worker: Actor) -> None:
         started = anyio.current_time()
-        if not isinstance(worker, Retiring):
-            raise FleetError(f"worker {worker.name} cannot leave a running run (it is not Retiring)")
+        assert isinstance(worker, Retiring)  # scale() chose it as one
         await worker.retire()
         self.workers[:] = [w for w in self.workers if w is not worker]  # in place: checkpoint cuts read this list
         self._joined = [w for w in self._joined if w is not worker]

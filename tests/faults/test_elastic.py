@@ -2,7 +2,7 @@
 pipeline: torch engines, the GRPO learner, the memory store, in one process (local runtime).
 
 One run (at most three engines) grows from one engine to two at version 3 (`engine.join`), shrinks back
-after version 5 once the joiner has episodes in flight (`Pipeline.ascale`, the DSL's call), grows again
+after version 5 once the joiner has episodes in flight (`Pipeline.scale`, the DSL's call), grows again
 while version 8 is being pushed (`engine.join_in_push`), to three at version 10 (`engine.join`), and
 back to two at version 12 (`engine.leave`). The engines are slowed down (`DELAY_S` a call) so that a
 leave finds work in flight. Judged from
@@ -64,7 +64,7 @@ def recording(engine: TorchEngine) -> RecordingEngine:
 
 class LeaveWhileBusy:
     """After version 5, once the newest worker has episodes in flight, shrink the run to one worker through
-    the DSL's own call (`Pipeline.ascale`): a leave that must drain."""
+    the DSL's own call (`Pipeline.scale`, from another thread): a leave that must drain."""
 
     name = "test:leave"
 
@@ -82,7 +82,7 @@ class LeaveWhileBusy:
             if len(fleet.workers) > 1 and worker.room.free < worker.settings.batch_groups * worker.settings.group_size:
                 break
             await anyio.sleep(0.002)
-        status = await self.pipe.ascale(1)
+        status = await anyio.to_thread.run_sync(self.pipe.scale, 1)  # as a user's own thread would call it
         assert status["live"] == 1 and status["leaving"] == 0
 
     async def stop(self) -> None:
