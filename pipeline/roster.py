@@ -34,6 +34,12 @@ class Roster:
     def __len__(self) -> int:
         return len(self._members)
 
+    def __eq__(self, other: object) -> bool:
+        """Rosters with the same members, in order, are equal (whoever watches them)."""
+        return isinstance(other, Roster) and self._members == other._members
+
+    __hash__ = None  # type: ignore[assignment]  # mutable
+
     def add(self, member: Any) -> None:
         """A member joins: every watcher hears of it now."""
         self._members.append(member)
