@@ -9,6 +9,7 @@ temperature) is wired here.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -74,8 +75,8 @@ def make_distillation(cfg: RunConfig) -> Distillation | None:
 
 
 def make_rollout(cfg: RunConfig, model: Path) -> Rollout:
-    """The producer: the task and `engine.count` engines (any kind: indices 0 .. count - 1) and the engine
-    section's sampling keys."""
+    """The producer: the task and `engine.count` engines (any kind: indices 0 .. count - 1), the engine
+    section's sampling keys, and how to make engine `index` of an elastic run (`[rollout] max_engines`)."""
     ctx = cfg.build_context(model)
     task = cfg.task.make(ctx)
     engines = [make_part("engine", cfg, model=model, index=i) for i in range(cfg.engine_count)]
@@ -86,7 +87,13 @@ def make_rollout(cfg: RunConfig, model: Path) -> Rollout:
                    environment=environment.kind if environment else None,
                    environment_options=environment.options() if environment else {},
                    gateway=cfg.gateway.make() if cfg.gateway else None,
-                   teacher=make_distillation(cfg), transport=cfg.weights.transport, **cfg.engine_sampling())
+                   teacher=make_distillation(cfg), transport=cfg.weights.transport,
+                   engine_factory=functools.partial(_engine, cfg, model), **cfg.engine_sampling())
+
+
+def _engine(cfg: RunConfig, model: Path, index: int) -> Any:
+    """Engine `index` of the config (an elastic run's joiner: `Rollout.engine_factory`)."""
+    return make_part("engine", cfg, model=model, index=index)
 
 
 def make_buffer(cfg: RunConfig) -> RefBuffer:
@@ -114,6 +121,7 @@ def build_pipeline(cfg: RunConfig) -> Pipeline:
         ray_placement_timeout_s=cfg.ray.placement_timeout_s,
         checkpoint_every=cfg.checkpoint.every, checkpoint_keep=cfg.checkpoint.keep,
         watchdog=cfg.watchdog.make(), faults=make_faults(cfg), config_text=cfg.resolved_toml(),
+        max_workers=cfg.rollout.max_engines,
     )
 
 

@@ -35,7 +35,7 @@ def check_all(cfg: RunConfig) -> None:
     """Every check, in this order (mode_sets_k first: the others read the k it resolves)."""
     for check in (mode_sets_k, learner_ranks_fit, lora_fits, episodes_from_one_place, own_model_fits,
                   model_rewards_load, distillation_fits, faults_fit, expert_parallel_fits, routing_replay_fits,
-                  load_balance_fits, staleness_holds):
+                  load_balance_fits, elastic_fits, staleness_holds):
         check(cfg)
 
 
@@ -144,6 +144,23 @@ def episodes_from_one_place(cfg: RunConfig) -> None:
     if cfg.runtime == "ray":
         raise ValueError("[gateway] runs with runtime = 'local' for now (one gateway in front of the run's "
                          "engines); set runtime = 'local' or remove [gateway]")
+
+
+def elastic_fits(cfg: RunConfig) -> None:
+    """`[rollout] max_engines` (engines that join and leave while the run goes on): at least engine.count,
+    on the local runtime, not in gateway mode (docs/guides/elastic.md)."""
+    most = cfg.rollout.max_engines
+    if most is None:
+        return
+    if most < cfg.engine_count:
+        raise ValueError(f"rollout.max_engines = {most} is below engine.count = {cfg.engine_count}; raise it to at "
+                         f"least {cfg.engine_count}, or remove it for a fixed fleet")
+    if cfg.runtime != "local":
+        raise ValueError("rollout.max_engines (engines that join and leave) runs on runtime = 'local' for now; set "
+                         "runtime = 'local' or remove rollout.max_engines")
+    if cfg.gateway is not None:
+        raise ValueError("rollout.max_engines does not combine with [gateway] (its gateway lives on the first "
+                         "worker); remove one of them")
 
 
 def own_model_fits(cfg: RunConfig) -> None:
@@ -258,6 +275,10 @@ def faults_fit(cfg: RunConfig) -> None:
             "fault store.master_restart with runtime = 'ray' needs a master the faults runner owns: run it with "
             "`baton faults CONFIG`, or use runtime = 'local' (which restarts its own store.master = 'auto')"
         )
+    elastic = [k for k in kinds if k in ("engine.join", "engine.leave", "engine.join_in_push")]
+    if elastic and cfg.rollout.max_engines is None:
+        raise ValueError(f"fault {elastic[0]} grows or shrinks the run's engines, which needs rollout.max_engines; set "
+                         f"rollout.max_engines = {cfg.engine_count + 1} or remove the fault")
     if "store.holder_crash" in kinds and cfg.store.replicas < 2:
         raise ValueError(
             f"fault store.holder_crash is survived with store.replicas = 2, but store.replicas = "

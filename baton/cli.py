@@ -13,6 +13,8 @@
                                                exit 1 when any run breaks an invariant
     baton watch RUN_DIR                        follow a run's progress from its folder, then its summary
     baton ledger RUN_DIR [--export F] [--id ID] the ledger's totals and invariants (exit 1 on a broken one)
+    baton scale RUN_DIR [--engines N] [--wait S] grow or shrink a running run's engines (rollout.max_engines);
+                                               one JSON line: the fleet's status
     baton export RUN_DIR OUT [--version V] [--dtype D] [--max-shard-size S]
                                                a checkpoint's model as a Hugging Face folder (the latest
                                                checkpoint by default); one JSON line
@@ -35,7 +37,7 @@ import sys
 import threading
 import time
 
-from baton import export_command, ledger_command, watch_command
+from baton import export_command, ledger_command, scale_command, watch_command
 from baton.config import ConfigError
 from buffers.mooncake_master import READ_LEASE_MS
 
@@ -102,6 +104,7 @@ def _parser() -> argparse.ArgumentParser:
     watch_command.add_parser(sub)
     ledger_command.add_parser(sub)
     export_command.add_parser(sub)
+    scale_command.add_parser(sub)
     m = _command(sub, "mooncake-master", "run a mooncake_master on 127.0.0.1 (prints its address)")
     m.add_argument("--port", type=int, default=None, help="RPC port (default: a free one)")
     m.add_argument("--lease-ttl-ms", type=int, default=READ_LEASE_MS, help="a read's lease: a read that "
@@ -185,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         "watch": lambda: watch_command.run(args),
         "ledger": lambda: ledger_command.run(args),
         "export": lambda: export_command.run(args),
+        "scale": lambda: scale_command.run(args),
     }
     if args.command not in ("run", "mooncake-master") and threading.current_thread() is threading.main_thread():
         _take_ctrl_c_back()

@@ -54,7 +54,13 @@ DEFAULT_SCHEDULES: dict[str, dict[str, Any]] = {
     "learner.crash": {"at": [12]},  # the version it dies at
     "channel.stall": {"at": [3], "delay_s": 2.0},
     "learner.rank_crash": {"at": [12]},  # rank 1 of a two-rank learner is SIGKILLed after this version
+    "engine.join": {"at": [5]},  # a second engine joins at version 5 (the run may grow to 2: ELASTIC)
+    "engine.leave": {"at": [5]},  # one of the two engines leaves at version 5, draining what it holds
+    "engine.join_in_push": {"at": [5]},  # a second engine joins while version 5 is pushed
 }
+# the elastic kinds run with room for a second engine; a leave starts with two
+ELASTIC = {"engine.join": ["rollout.max_engines=2"], "engine.leave": ["rollout.max_engines=2", "engine.count=2"],
+           "engine.join_in_push": ["rollout.max_engines=2"]}
 MOONCAKE_ONLY = ("store.master_restart", "store.holder_crash")
 
 
@@ -236,6 +242,7 @@ def run_one(
         run_overrides.append("checkpoint.every=4")  # rolled back: at most 3 (resume), 4 (restart)
     if kind == "learner.rank_crash":
         run_overrides += ["learner.world_size=2", "learner.max_restarts=1"]  # healed within the run
+    run_overrides.extend(ELASTIC.get(kind, []))
     log = get_logger("faults").bind(kind=kind, seed=seed)
     segment = 256 << 20
     with infrastructure(kind, mooncake, root / f"{name}.infra", segment) as (targets, infra):

@@ -131,7 +131,8 @@ class RunConfig(Section):
                                                                                       _learner.GRPOSpec):
             return None
         return PipelineShape(
-            k=self.staleness.k, groups_per_step=self.learner.groups_per_step, engines=self.engine_count,
+            k=self.staleness.k, groups_per_step=self.learner.groups_per_step,
+            engines=max(self.engine_count, self.rollout.max_engines or 0),  # an elastic run's most engines
             batch_groups=self.engine_sampling().get("batch_groups", 1), produced_channel=self.buffer.produced_channel,
             buffer_refs=self.buffer.max_refs, ready_channel=self.buffer.ready_channel,
             admission=self.staleness.admission, max_reuse=self.replay.max_reuse, epochs=self.learner.epochs,

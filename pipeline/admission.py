@@ -8,7 +8,8 @@ counts as started (`replayed`): it fills a slot a new unit would have filled, so
 consumes stay `units_per_version` whether they are new or replayed, and producers do not run ahead of
 a consumer that replays. With `last_version` (the run's step count) nothing is admitted once the clock
 reaches it: work started then could never be consumed, so a finished run leaves none half-made. The gate
-holds no data; its counts are what a checkpoint needs to restore it.
+holds no data; its counts are what a checkpoint needs to restore it. An `acquire` that is cancelled
+(a producer retired while it waited) took no unit: a unit is counted only where no await follows it.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ class AdmissionGate:
     async def acquire(self) -> None:
         """Wait until the policy allows one more unit, then count it as started."""
         if self.try_acquire():
-            await anyio.lowlevel.checkpoint()
+            with anyio.CancelScope(shield=True):  # the unit is taken: a cancel here would leak its slot
+                await anyio.lowlevel.checkpoint()
             return
         t0 = anyio.current_time()
         while not self.try_acquire():

@@ -10,7 +10,8 @@ What the run offers each stage, through its `RunContext` (`pipeline.context`):
 What a stage offers the run:
   `Stage` (every stage), `Producer` (how many workers, each its own process on Ray), `Buffer` (opens
   the run's object store), `Consumer` (ends the run, summarises it), `Placed` (what each of its
-  processes needs: CPUs, GPUs), and, per actor, `RefHolder`, `CheckpointedProducer`,
+  processes needs: CPUs, GPUs), `Scalable` (a producer that makes another worker while the run goes
+  on), and, per actor, `Retiring` (a worker that drains and leaves), `RefHolder`, `CheckpointedProducer`,
   `CheckpointingConsumer` for checkpoint cuts.
 A stage may start helper processes of its own (a sharded learner's other ranks) through
 `Services.start_helpers`: the runtime places them (local: this host; Ray: a placement group).
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from pipeline.refs import HeldRef, Produced
+from pipeline.roster import Roster
 
 if TYPE_CHECKING:  # annotations only
     from pipeline.actor import Actor
@@ -144,12 +146,14 @@ class Services:
     store: Any = None  # this process's buffers.store.ObjectStore, opened by the runtime
     faults: FaultPlan | None = None  # the bound fault plan (pipeline.faults); None: no fault planned
     producers: list[Peer] = field(default_factory=list)  # producer processes (Ray runtime); empty locally
-    weight_receivers: list[Any] = field(default_factory=list)  # engines living in this process
+    # engines living in this process; they come and go in an elastic run (the learner watches it)
+    weight_receivers: Roster = field(default_factory=Roster)
     mailboxes: dict[str, Mailbox] = field(default_factory=dict)  # handlers other processes reach by name
     status: list[Callable[[], str]] = field(default_factory=list)  # one-line states for hang reports
     on_producer_restart: Callable[[int], Awaitable[None]] | None = None  # a restarted producer process catches up
     start_helpers: HelperStarter | None = None  # the runtime's way to start a stage's helper processes
     address: str = "127.0.0.1"  # where helper processes reach this process (a rendezvous host)
+    fleet: Any = None  # the producer's live workers where the run may grow and shrink (pipeline.fleet.Fleet)
 
 
 # -- what a stage offers the run ---------------------------------------------------------------------
@@ -168,6 +172,26 @@ class Producer(Stage, Protocol):
 
     @property
     def workers(self) -> int: ...
+
+
+@runtime_checkable
+class Scalable(Producer, Protocol):
+    """A producer whose workers may join while the run goes on (`pipeline.fleet`)."""
+
+    def join(self, ctx: RunContext, outbox: Any, index: int) -> Actor:
+        """A new worker numbered `index` (never used before in this run), built like the others; the fleet
+        starts it (its `start` returns once it may be given work) and runs it."""
+        ...
+
+
+@runtime_checkable
+class Retiring(Protocol):
+    """A producer worker that can leave a running run without losing what it holds."""
+
+    async def retire(self) -> None:
+        """Take no new work; return once the work it took is finished and sent on (its `run` returns too).
+        Its `stop` then releases what it holds; nothing it admitted is left without a fate."""
+        ...
 
 
 class StoreOpener(Protocol):
@@ -255,6 +279,7 @@ class CheckpointingConsumer(RefHolder, Protocol):
 
 __all__ = [
     "Buffer", "CheckpointedProducer", "CheckpointingConsumer", "Clock", "Consumer", "Gate", "Helper", "HelperStarter",
-    "LedgerClient", "Mailbox", "Peer", "Placed", "Producer", "RefHolder", "Resources", "Services", "Stage",
+    "LedgerClient", "Mailbox", "Peer", "Placed", "Producer", "RefHolder", "Resources", "Retiring", "Scalable",
+    "Services", "Stage",
     "StoreOpener", "VersionPolicy",
 ]

@@ -20,7 +20,11 @@ What the pipeline guarantees, whatever the stages are:
   lost uncounted; a finished run resumes only to a higher `steps`);
 * `run()` prepares this process as `baton run` does (`pipeline.process.prepare_process`);
 * with `watchdog` set, a run that stops making progress is reported (which stage waits on what) and
-  then failed with `PipelineHung` (pipeline.watchdog).
+  then failed with `PipelineHung` (pipeline.watchdog);
+* with `max_workers = N` (local runtime) the producer's workers may grow to N and shrink to 1 while
+  the run goes on (`pipeline.fleet`): `scale(n)` from another thread, `await ascale(n)` from the run's
+  own event loop, or `baton scale RUN_DIR --engines n` through the control endpoint the run serves
+  (`pipeline.control`).
 
 This module knows stages only through `pipeline.contracts` (Producer, Buffer, Consumer): it has no
 idea what a model, a reward or a gradient is. `arun` reads as the whole story: validate, open the run
@@ -80,7 +84,10 @@ class Pipeline:
     watchdog: WatchdogSettings | None = None  # hang diagnosis; None: off
     faults: FaultPlan | list[FaultSpec] | None = None  # injected faults (pipeline.faults); None: none, no hooks
     sinks: list[str] = field(default_factory=lambda: ["jsonl"])  # where metrics go (pipeline.sinks)
+    max_workers: int | None = None  # the producer may grow to this many workers while it runs; None: fixed
     run_dir: Path | None = field(default=None, init=False)  # the folder of the latest run (set as it starts)
+    _live_runtime: Any = field(default=None, init=False, repr=False)  # the runtime while it runs (scale() asks it)
+    _loop_token: Any = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         # a consumer that trains on an item more than once says so; the ledger must allow it
@@ -90,6 +97,27 @@ class Pipeline:
         """Run to completion on the chosen runtime and return the summary."""
         prepare_process()
         return anyio.run(self.arun)
+
+    def scale(self, workers: int, wait: bool = True) -> dict[str, Any]:
+        """Grow or shrink the running run's producer to `workers` (from another thread than the run's: the
+        run's own loop awaits `ascale`); with `wait`, return once the joins and leaves have settled. Returns
+        the fleet's status (`pipeline.fleet.Fleet.status`)."""
+        fleet, token = self._running_fleet()
+        return anyio.from_thread.run(fleet.scale, workers, wait, token=token)
+
+    async def ascale(self, workers: int, wait: bool = True) -> dict[str, Any]:
+        """`scale`, awaited in the run's own event loop (a hook's actor, say)."""
+        fleet, _ = self._running_fleet()
+        return await fleet.scale(workers, wait)
+
+    def _running_fleet(self) -> tuple[Any, Any]:
+        from pipeline.fleet import FleetError
+
+        fleet = getattr(self._live_runtime, "fleet", None)
+        if fleet is None:
+            raise FleetError("scale() needs a running pipeline made with max_workers = N (local runtime); "
+                             "this one is not running or cannot grow")
+        return fleet, self._loop_token
 
     def resume(self, run_dir: str | Path) -> dict[str, Any]:
         """Continue the run in `run_dir` from its latest checkpoint (this pipeline must be the one that
@@ -105,6 +133,7 @@ class Pipeline:
         self.run_dir = folder.path
         announce_run(folder.path)  # the first lines: where the run is, how to follow it; `latest` points at it
         runtime = self._runtime()
+        self._live_runtime, self._loop_token = runtime, anyio.lowlevel.current_token()
         config = tomllib.loads(self.config_text or "")
         with run_log(folder.path):  # every event also in run.log, routine ones only there (pipeline.logs)
             if resume is not None:
@@ -129,6 +158,12 @@ class Pipeline:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
         if self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 0 (0: off), got {self.checkpoint_every}")
+        if self.max_workers is not None and self.max_workers < self.producer.workers:
+            raise ValueError(f"max_workers = {self.max_workers} is below the producer's {self.producer.workers} "
+                             "workers; raise it, or unset it for a fixed fleet")
+        if self.max_workers and self.runtime != "local":
+            raise ValueError("max_workers (a fleet that grows and shrinks) runs on the local runtime only; use "
+                             "runtime='local' or unset max_workers")
 
     def _new_folder(self) -> RunFolder:
         folder = RunFolder.create(self.run_root, self.name)

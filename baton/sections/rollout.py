@@ -22,6 +22,8 @@ class RolloutSpec(Section):
         description="an engine call not answered within this is an error and its groups are generated "
         "again; unset: wait (required by the engine.hang fault)"
     )
+    max_engines: int | None = Field(None, ge=1, le=64, description="engines the run may grow to while it runs "
+        "(`baton scale RUN_DIR --engines N`, docs/guides/elastic.md; local runtime); unset: a fixed engine.count")
 
 
 class EpisodeSpec(Section):

@@ -21,9 +21,11 @@ from pipeline.admission import AdmissionGate
 from pipeline.channel import Channel
 from pipeline.checkpoint import Checkpointer, LocalCut
 from pipeline.context import LocalClock, LocalGate, LocalLedger, RunContext
-from pipeline.contracts import Helper, RefHolder, Resources
+from pipeline.contracts import Helper, RefHolder, Resources, Scalable
+from pipeline.control import ControlServer
 from pipeline.faults import as_plan
 from pipeline.faults import install as install_faults
+from pipeline.fleet import Fleet, FleetError, scale_faults
 from pipeline.ledger import Ledger
 from pipeline.lifetime import die_with_parent
 from pipeline.resume import Resume
@@ -38,6 +40,7 @@ class LocalRun:
     """Runs one Pipeline in this process (`Pipeline(runtime="local")`)."""
 
     report: RunReport | None = None
+    fleet: Fleet | None = None  # the producer's live workers while an elastic run runs (Pipeline.scale)
 
     async def run(self, pipe: Any, folder: RunFolder, progress: Progress, resume: Resume | None) -> None:
         share_the_gil()
@@ -58,6 +61,7 @@ class LocalRun:
             try:
                 failure = await self._run(pipe, ctx, clock, actors, until, progress)
             finally:
+                self.fleet = None
                 for channel in ctx.channels.values():
                     channel.close()
                 self.report = RunReport(clock.version, ledger.counts(), ledger.balanced(), ledger.to_json(),
@@ -105,11 +109,14 @@ class LocalRun:
             extra.extend(hook(ctx) or ())
         buffers = list(pipe.buffer.actors(ctx, produced, ready))  # first: the others use its store
         producers = list(pipe.producer.actors(ctx, None, produced))
+        self.fleet = fleet = _fleet(pipe, ctx, produced, producers)  # before the consumer's actors: they read it
         consumers = list(pipe.consumer.actors(ctx, ready, None))
         if ctx.checkpoint is not None:  # refs producers are sending and the buffer's index are checkpointed too
-            ctx.checkpoint.cut.holders = [a for a in (*producers, *buffers) if isinstance(a, RefHolder)]
+            ctx.checkpoint.cut.holders = LiveHolders(fleet.workers if fleet is not None else producers, buffers)
         if resume is not None:
             extra.append(resume.feeder(ctx, produced, ledger))
+        if fleet is not None:
+            extra.extend(a for a in (fleet, ControlServer(fleet, ctx.folder.path), scale_faults(ctx, fleet)) if a)
         actors = [*producers, *buffers, *consumers, *extra]
         if pipe.watchdog is not None and pipe.watchdog.enabled:
             actors.append(Watchdog(
@@ -134,6 +141,28 @@ class LocalRun:
             finally:
                 tg.cancel_scope.cancel()
         return None
+
+
+def _fleet(pipe: Any, ctx: RunContext, outbox: Channel, producers: list[Actor]) -> Fleet | None:
+    """The run's fleet (`pipeline.fleet`) where it may grow (`max_workers`), else None."""
+    if not pipe.max_workers:
+        return None
+    if not isinstance(pipe.producer, Scalable):
+        raise FleetError(f"max_workers = {pipe.max_workers}, but the producer {type(pipe.producer).__name__} cannot "
+                         "make workers while the run goes on (it is not pipeline.contracts.Scalable); unset it")
+    ctx.services.fleet = Fleet(pipe.producer, ctx, outbox, producers, pipe.max_workers)
+    return ctx.services.fleet
+
+
+class LiveHolders:
+    """The ref holders a checkpoint cut asks: the producer's workers live now (`workers`, a fleet's list,
+    read at each cut), then the buffer's actors."""
+
+    def __init__(self, workers: list[Actor], buffers: list[Actor]) -> None:
+        self._owner, self._buffers = workers, buffers
+
+    def __iter__(self) -> Any:
+        return (a for a in (*self._owner, *self._buffers) if isinstance(a, RefHolder))
 
 
 async def _show_progress(pipe: Any, ctx: RunContext, clock: VersionClock, progress: Progress) -> None:

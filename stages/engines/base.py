@@ -93,6 +93,16 @@ def returns_routed_experts(engine: object) -> bool:
 
 
 @runtime_checkable
+class ChecksumsWeights(Protocol):
+    """An engine that can prove which weights it generates with (a joining engine's version fence)."""
+
+    def weights_checksums(self, weights: dict[str, torch.Tensor]) -> tuple[int, int]:
+        """(its live weights', `weights`' each in the dtype it holds that tensor in) checksums
+        (`stages.weights.layout.state_checksum`) under `weights`' names: equal when it holds exactly them."""
+        ...
+
+
+@runtime_checkable
 class Engine(Protocol):
     name: str
     stats: dict[str, float]  # the engine's own counters (each generation record carries them)

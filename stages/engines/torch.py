@@ -51,6 +51,7 @@ from stages.engines.base import Completion, EngineError, EngineRun, SamplingPara
 from stages.engines.torch_adapter import AdapterMerger
 from stages.engines.torch_batch import Batch, Call, Request, Sampling
 from stages.weights.adapter import AdapterVersion
+from stages.weights.layout import state_checksum
 
 CALL_SEED_STRIDE = 1_000_003  # call n's stream is seeded with seed + n * stride (call 0: the engine's seed)
 
@@ -159,6 +160,19 @@ class TorchEngine:
             else:
                 await anyio.sleep(0.002)  # the running batch applies it after its current decode step
 
+    def weights_checksums(self, weights: dict[str, torch.Tensor]) -> tuple[int, int]:
+        """(its live weights', `weights`' cast to its own dtypes) checksums under `weights`' names (a tied
+        head is its embedding); a version fence compares them (`stages.engines.base.ChecksumsWeights`)."""
+        if self._model is None:
+            raise EngineError(f"engine {self.name} is not started: it holds no weights to check")
+        with self._weights_lock:
+            live = self._model.state_dict(keep_vars=False)
+            mine = {n: live[n] for n in weights if n in live}
+            theirs = {n: t.to(dtype=live[n].dtype, device="cpu") for n, t in weights.items() if n in live}
+            if len(mine) != len(weights):
+                return state_checksum(mine), state_checksum(weights)  # names it lacks: never equal
+            return state_checksum(mine), state_checksum(theirs)
+
     def _stage(self, version: int, tensors: dict[str, torch.Tensor] | AdapterVersion, replace: bool = False) -> None:
         """Keep `version` for the next decode-step boundary (any thread; a newer one wins, or this one when
         it `replace`s the staged version by its merged weights)."""
@@ -245,7 +259,9 @@ class TorchEngine:
         if self._stopping or self._model is None:
             raise EngineError(f"engine {self.name} stopped")
         batch.drop([i for i, r in enumerate(batch.rows) if r.call.dropped])
-        restart = self._rows_to_restart(batch)
+        with self._lock:
+            staged = self._staged[0] if self._staged is not None else None
+        restart = _rows_to_restart(batch, staged, self._version, self.policy)
         if restart:
             self.stats["interrupted"] += len(restart)
             requests = [batch.rows[i] for i in restart]
@@ -319,14 +335,6 @@ class TorchEngine:
         next_pos = torch.tensor([len(p) for p in prompts], device=device)
         return _cache_of(out), mask, next_pos, out.logits[:, -1], version, routes
 
-    def _rows_to_restart(self, batch: Batch) -> list[int]:
-        """The rows whose oldest token the policy will not carry over to the staged version."""
-        with self._lock:
-            staged = self._staged[0] if self._staged is not None else None
-        if staged is None or staged <= self._version or self.policy is None:
-            return []
-        return [i for i, r in enumerate(batch.rows) if self.policy.interrupt(r.versions[0], staged) == "restart"]
-
     def _sample(self, logits: torch.Tensor, sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
         """One token per row at its own temperature and top-p, and its logprob (tempered, before top-p)."""
         logp = torch.log_softmax(logits.float() / sampling.temperature, -1)
@@ -342,6 +350,13 @@ class TorchEngine:
             noise = noise[sampling.noise_rows]
         nxt = (probs / noise).argmax(-1)
         return nxt, logp.gather(1, nxt[:, None]).squeeze(1)
+
+
+def _rows_to_restart(batch: Batch, staged: int | None, version: int, policy) -> list[int]:
+    """The rows whose oldest token the policy will not carry over to the staged version."""
+    if staged is None or staged <= version or policy is None:
+        return []
+    return [i for i, r in enumerate(batch.rows) if policy.interrupt(r.versions[0], staged) == "restart"]
 
 
 def _folder_is_moe(folder: Path) -> bool:

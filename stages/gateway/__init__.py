@@ -6,8 +6,9 @@ prompt, generation, record), `transcript` (does a request extend what was record
 (OpenAI request structs), `responses` (OpenAI response bodies), `errors` (OpenAI-shaped errors).
 """
 
+from pipeline.net import make_token_file
 from stages.gateway.episodes import Limits
 from stages.gateway.host import EngineHost, Host, OpenedEpisode, OverBudget
-from stages.gateway.server import Gateway, make_token_file
+from stages.gateway.server import Gateway
 
 __all__ = ["EngineHost", "Gateway", "Host", "Limits", "OpenedEpisode", "OverBudget", "make_token_file"]

@@ -26,11 +26,8 @@ import contextlib
 import hmac
 import logging
 import math
-import os
-import secrets
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -216,18 +213,6 @@ class Gateway:
         elif episode_id not in self.book.ended:
             raise ApiError(404, f"no episode {episode_id!r}", "episode_not_found")
         return _json({"id": episode_id, "status": self.book.ended[episode_id]})
-
-
-def make_token_file(path: str | Path) -> str:
-    """A new random bearer token, written to `path` readable by its owner only (0600); returns it."""
-    token = secrets.token_urlsafe(32)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as out:
-        out.write(token + "\n")
-    os.chmod(path, 0o600)  # an existing file keeps its mode through O_CREAT
-    return token
 
 
 def _sample(episode: Episode) -> dict[str, Any]:

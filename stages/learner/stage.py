@@ -174,17 +174,19 @@ class GRPOLearner:
         processes (Ray runtime) through their mailboxes."""
         assert inbox is not None
         transport = make_transport(self.weights) if isinstance(self.weights, str) else self.weights
-        transport = with_weight_faults(transport, plan_of(ctx))  # itself unless weights.push_fail is planned
-        for receiver in ctx.services.weight_receivers:  # engines in this process
-            transport.subscribe(receiver)
+        transport = with_weight_faults(transport, plan_of(ctx), services=ctx.services)  # itself unless planned
+        # engines in this process: those there now, and each that joins later (an elastic run); one that
+        # leaves is unsubscribed before it stops
+        ctx.services.weight_receivers.watch(transport.subscribe)
         peers = ctx.services.producers
         remote = [transport.remote_receiver(peer, f"producer-{i}") for i, peer in enumerate(peers)]
         for receiver in remote:  # engines in other processes (Ray runtime)
             transport.subscribe(receiver)
         # a restarted producer process catches up from the latest version at once
         ctx.services.on_producer_restart = lambda index: remote[index].resend()
-        # snapshots serve engine processes that (re)start; engines in this process never need one
-        snapshot_every = self.snapshot_every if remote else 0
+        # snapshots serve engine processes that (re)start and engines that join an elastic run (their fence);
+        # engines that started with this process never need one
+        snapshot_every = self.snapshot_every if remote or ctx.services.fleet is not None else 0
         actor = LearnerActor(self, ctx, inbox, transport, snapshot_every)
         ctx.add_status(actor.status)
         return [actor]

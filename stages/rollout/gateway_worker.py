@@ -31,12 +31,13 @@ import msgspec
 
 from buffers.store import StoreError
 from pipeline import plugins
+from pipeline.net import make_token_file
 from stages.data.tasks import Prompt
 from stages.engines.base import Completion, EngineError, SamplingParams
 from stages.environments.render import renderer_for
 from stages.gateway.episodes import Limits
 from stages.gateway.host import OpenedEpisode, OverBudget
-from stages.gateway.server import Gateway, make_token_file
+from stages.gateway.server import Gateway
 from stages.rollout.episode import Episode, EpisodeFailed
 from stages.rollout.prompts import encode_prompt
 from stages.rollout.worker import ProducerWorker

@@ -91,6 +91,7 @@ class GroupOutbox:
         self.ctx, self.outbox = ctx, outbox  # the run's ledger and gate, through its context
         self._on_recording, self.engine, self.group_size = on_recording, engine, group_size
         self._queue: list[Finished] = []
+        self._flushing = 0  # flushes in progress (their groups recorded, perhaps not yet sent)
         self._ready = anyio.Event()
         self._last_ready = 0.0  # when the previous batch was ready (anyio time)
         self.recording: list[tuple[str, bytes]] = []
@@ -107,11 +108,28 @@ class GroupOutbox:
             self._ready = anyio.Event()
             await self.flush()
 
+    async def drain(self) -> None:
+        """Return once every group put so far is recorded and sent: what is queued is flushed, a flush in
+        progress (its groups recorded, maybe not yet sent) is waited for. A leaving worker calls it before
+        it stops its outbox, which may then be cancelled without leaving a group half-sent."""
+        while self._queue or self._flushing:
+            if self._queue:
+                await self.flush()
+            else:
+                await anyio.sleep(0.005)
+
     async def flush(self) -> None:
         """Record and send every group finished so far (one ledger call, one channel send)."""
         batch, self._queue = self._queue, []
         if not batch:
             return
+        self._flushing += 1
+        try:
+            await self._record_and_send(batch)
+        finally:
+            self._flushing -= 1
+
+    async def _record_and_send(self, batch: list[Finished]) -> None:
         t0 = anyio.current_time()
         records = [r for f in batch for r in f.records]
         self.recording = [(r.group, r.source) for r in records]

@@ -9,6 +9,7 @@ in the run's store and a Ref sent downstream (docs/architecture.md, "One sample,
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,8 @@ class Rollout:
     teacher: Distillation | None = None  # on-policy distillation: teacher logprobs of every group's tokens
     transport: str | None = None  # the learner's weight transport: a plug-in's engine side is registered here too
     engine_sync_s: float = 30.0  # at most this long a new group waits for its engine to reach the admitting version
+    # an engine for worker `index` of an elastic run (`join`); the config's builder sets it; None: none can join
+    engine_factory: Callable[[int], Engine] | None = None
     stats: RolloutStats = field(default_factory=RolloutStats, init=False)  # its workers' counts in this process
 
     def __post_init__(self) -> None:
@@ -143,21 +146,40 @@ class Rollout:
             raise FaultPlanError("fault engine.hang needs rollout.request_timeout_s (e.g. 30) to turn a hang into "
                                  "an error; set it, or remove the fault")
         # engine faults wrap only what the worker calls; weight receivers keep the engine itself
-        workers = [self.worker(with_engine_faults(engine, plan), ctx.services.store, ctx, outbox, self._task_of(i), i)
-                   for i, engine in enumerate(self.engines)]
+        workers = [self.worker(with_engine_faults(engine, plan), ctx.services.store, ctx, outbox, self._task_of(i), i,
+                               receiver=engine) for i, engine in enumerate(self.engines)]
         if self.gateway is not None:
             workers[0].host = RolloutHost(workers, self.group_size, self.stop_token_ids)
         return workers
 
+    def join(self, ctx: RunContext, outbox: Channel, index: int) -> RolloutWorker:
+        """Worker `index` on a new engine (`engine_factory(index)`) joining the running run
+        (`pipeline.contracts.Scalable`): its `start` subscribes the engine to the learner's pushes and
+        passes the version fence before it takes a prompt (`stages.rollout.fence`). A dataset task gives
+        it the shard of worker `index % engines` (a shard then has two readers, each its own stream)."""
+        if self.engine_factory is None:
+            raise ValueError("an engine cannot join: rollout.engine_factory is not set (the config's builder sets "
+                             "it; in the DSL pass engine_factory=lambda index: TorchEngine(model, name=...))")
+        if self.gateway is not None:
+            raise ValueError("an engine cannot join a gateway-mode run (its gateway lives on worker 0); "
+                             "unset max_workers ([rollout] max_engines)")
+        engine = self.engine_factory(index)
+        engine.attach(EngineRun(policy=ctx.policy, log_dir=ctx.folder.path))
+        worker = self.worker(with_engine_faults(engine, plan_of(ctx)), ctx.services.store, ctx, outbox,
+                             self._task_of(index % len(self.engines)), index, receiver=engine, joins=True)
+        assert isinstance(worker, RolloutWorker)
+        return worker
+
     def worker(self, engine: Engine, store: ObjectStore, ctx: RunContext, outbox: Channel, task: Task | None = None,
-               index: int = 0) -> RolloutWorker | GatewayWorker:
-        """Worker `index` on `engine` (of `task`: default, the whole task), given what it uses of this stage."""
+               index: int = 0, **joining: Any) -> RolloutWorker | GatewayWorker:
+        """Worker `index` on `engine` (of `task`: default, the whole task), given what it uses of this stage;
+        `joining`: the worker's `receiver` (the engine behind a fault wrapper) and whether it `joins`."""
         settings = WorkerSettings(self.group_size, self.batch_groups, self.max_regenerations, self.engine_sync_s,
                                   self.request_timeout_s)
         parts = (settings, self.task if task is None else task, self.scoring, self.stats, engine, store, ctx, outbox)
         if self.gateway is not None:
-            return GatewayWorker(*parts, index, gateway=self.gateway)
-        return RolloutWorker(*parts, index, episode_setup=self.episode_setup, evaluation=self.evaluation)
+            return GatewayWorker(*parts, index, gateway=self.gateway, **joining)
+        return RolloutWorker(*parts, index, episode_setup=self.episode_setup, evaluation=self.evaluation, **joining)
 
     def _task_of(self, worker: int) -> Task:
         """Worker `worker`'s task: its own shard of a dataset (workers may live in other processes),

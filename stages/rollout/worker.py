@@ -17,6 +17,12 @@ its groups come from is its subclass's loop: `RolloutWorker` (here) generates th
 A group is recorded in the ledger as produced only once its payload is stored. An episode whose engine
 fails, or whose tokens grew too old to continue, starts again from its sample (counted); one whose
 environment fails is recorded as dropped with its reason; the run goes on.
+
+In an elastic run (`pipeline.fleet`) a worker may join while the run goes on (`joins`): its `start` ends
+only once its engine passed the version fence (`stages.rollout.fence`), so it takes no prompt before; and
+a `RolloutWorker` may leave (`retire`): it stops asking the gate, lets the groups it admitted finish and
+reach the outbox, sends them on, and only then does its `run` return; `stop` then unsubscribes its engine
+from the learner's pushes and stops it.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from stages.rollout.episode import (
     run_single_turns,
 )
 from stages.rollout.evaluation import EvalSetup, Evaluation, Evaluator
+from stages.rollout.fence import Fenced, pass_fence
 from stages.rollout.groups import GroupMaker, Scoring
 from stages.rollout.outbox import GroupOutbox
 from stages.rollout.prompts import PromptStream
@@ -95,9 +102,15 @@ class ProducerWorker(BaseActor):
     own (a dataset's shard); `stats` is its stage's, shared by the stage's workers in this process."""
 
     def __init__(self, settings: WorkerSettings, task: Task, scoring: Scoring, stats: RolloutStats, engine: Engine,
-                 store: ObjectStore, ctx: RunContext, outbox: Channel, index: int = 0) -> None:
+                 store: ObjectStore, ctx: RunContext, outbox: Channel, index: int = 0, *,
+                 receiver: Engine | None = None, joins: bool = False) -> None:
         self.settings, self.task, self.scoring, self.stats = settings, task, scoring, stats
         self.engine, self.store, self.ctx = engine, store, ctx
+        # the engine itself (`engine` may be its fault wrapper): what takes the learner's weights
+        self.receiver = receiver if receiver is not None else engine
+        self.joins = joins  # it joins a running run: its engine passes the version fence in `start`
+        self.fenced: Fenced | None = None  # how it passed (None: it did not join, or has not passed yet)
+        self._stopped = False
         self.index = index  # the first worker (index 0) runs the evaluations
         self.name = f"rollout:{engine.name}"
         self.rng = ctx.rng(self.name)
@@ -111,10 +124,14 @@ class ProducerWorker(BaseActor):
         resume = self.ctx.resume
         if resume is not None and (state := resume.rng_state(self.name)) is not None:
             self.prompts.restore(state)  # the prompt stream goes on from the checkpoint
+        started = anyio.current_time()
         async with anyio.create_task_group() as tg:  # model scorers start beside the engine (shared per process)
             tg.start_soon(self.engine.start)
             for scorer in self.scoring.scorers:
                 tg.start_soon(scorer.start, self.ctx.folder.path)
+        if self.joins:
+            await self._join(anyio.current_time() - started)
+            return
         # an engine that starts late (or restarts) catches up from the learner's latest snapshot
         snapshot = await load_snapshot(self.store, snapshot_key(self.ctx.run, self.ctx.folder.path.name))
         # never newer than the clock: a snapshot a crashed attempt wrote after the checkpoint was rolled back
@@ -122,7 +139,23 @@ class ProducerWorker(BaseActor):
             await self.engine.receive_weights(*snapshot)
             self.log.info("weights from snapshot", version=snapshot[0])
 
+    async def _join(self, load_s: float) -> None:
+        """Subscribe the engine to the learner's pushes, then pass the version fence (an event says what it
+        cost); a FenceError leaves the worker without work (the fleet stops it)."""
+        self.ctx.services.weight_receivers.add(self.receiver)
+        key = snapshot_key(self.ctx.run, self.ctx.folder.path.name)
+        self.fenced = await pass_fence(self.receiver, self.ctx, self.store, key, self.settings.engine_sync_s)
+        self.ctx.event("engine.joined", engine=self.engine.name, version=self.fenced.version,
+                       fence_s=self.fenced.seconds, load_s=round(load_s, 3), source=self.fenced.source,
+                       checksum=self.fenced.checksum)
+
     async def stop(self) -> None:
+        """Unsubscribe the engine from the learner's pushes, stop it and the scorers (once; a leaving worker
+        is stopped by the fleet, then again by the run as it ends)."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self.ctx.services.weight_receivers.remove(self.receiver)
         await self.engine.stop()
         for scorer in self.scoring.scorers:
             await scorer.stop()
@@ -163,6 +196,9 @@ class RolloutWorker(ProducerWorker):
                  **named: Any) -> None:
         super().__init__(*parts, **named)
         self.episode_setup, self.evaluation = episode_setup, evaluation
+        self._retiring = False
+        self._waiting: anyio.CancelScope | None = None  # its wait for room and admission (a retire cancels it)
+        self._drained = anyio.Event()
 
     @functools.cached_property
     def setup(self) -> EpisodeSetup:
@@ -177,22 +213,48 @@ class RolloutWorker(ProducerWorker):
         return Evaluator(self.evaluation, self.engine, self.ctx, self.maker.score, setup)
 
     async def run(self) -> None:
-        group_size = self.settings.group_size
+        """Admit and generate groups until retired; then every admitted group is finished and sent on."""
         async with anyio.create_task_group() as tg:
             tg.start_soon(self.groups.run)
-            while True:
-                if self.evaluator is not None:
-                    await self.evaluator.run_if_due()
-                await self.room.wait_for(group_size)  # meanwhile the last note says what is generating
-                self.ctx.note(self.name, "waiting at the admission gate")
-                t_gate = anyio.current_time()
-                n = await self.ctx.gate.acquire_many(self.room.free // group_size)
-                admitted_at = await self.ctx.clock.current()
-                gate_s = anyio.current_time() - t_gate
-                for prompt in await self.prompts.next(n):
-                    tg.start_soon(self._group, self._admit(prompt), prompt, admitted_at, gate_s)
-                self.ctx.note(self.name, f"generating {n} groups ({n * group_size} episodes) on engine "
-                              f"{self.engine.name} at version {self.engine.version}")
+            async with anyio.create_task_group() as groups:
+                while not self._retiring:
+                    if self.evaluator is not None:
+                        await self.evaluator.run_if_due()
+                    await self._admit_next(groups)
+            await self.groups.drain()  # every group it admitted is recorded and sent: its outbox may stop
+            tg.cancel_scope.cancel()
+        self._drained.set()
+
+    async def retire(self) -> None:
+        """Take no new groups; return once those admitted are finished and sent on (`run` returns too)."""
+        self._retiring = True
+        started, episodes = anyio.current_time(), self.settings.batch_groups * self.settings.group_size - self.room.free
+        if self._waiting is not None:
+            self._waiting.cancel()  # a cancelled wait at the gate took no unit (pipeline.admission)
+        await self._drained.wait()
+        self.ctx.event("engine.left", engine=self.engine.name, version=self.engine.version,
+                       episodes_drained=episodes, drain_s=round(anyio.current_time() - started, 3))
+
+    async def _admit_next(self, groups: anyio.abc.TaskGroup) -> None:
+        """Wait for room and the gate (unless retired meanwhile), then start the groups admitted."""
+        group_size = self.settings.group_size
+        n, t_gate = 0, anyio.current_time()
+        with anyio.CancelScope() as self._waiting:
+            if self._retiring:
+                self._waiting.cancel()
+            await self.room.wait_for(group_size)  # meanwhile the last note says what is generating
+            self.ctx.note(self.name, "waiting at the admission gate")
+            t_gate = anyio.current_time()
+            n = await self.ctx.gate.acquire_many(self.room.free // group_size)
+        self._waiting = None
+        if n == 0:  # retired while it waited: it took nothing
+            return
+        admitted_at = await self.ctx.clock.current()
+        gate_s = anyio.current_time() - t_gate
+        for prompt in await self.prompts.next(n):
+            groups.start_soon(self._group, self._admit(prompt), prompt, admitted_at, gate_s)
+        self.ctx.note(self.name, f"generating {n} groups ({n * group_size} episodes) on engine "
+                      f"{self.engine.name} at version {self.engine.version}")
 
     async def produce(self, prompts: list[Prompt]) -> None:
         """Run the groups of `prompts` (admitted already) through to the ledger and downstream; returns

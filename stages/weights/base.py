@@ -25,6 +25,7 @@ the others. """
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -63,7 +64,10 @@ class WeightTransport(Protocol):
     receiver: type[EngineReceiver]  # its engine side: the mailboxes an engine process registers for it
     pushes_from_shards: bool  # it has `publish_shards` (stages.weights.mooncake_shards): every learner rank writes
 
-    def subscribe(self, receiver: WeightReceiver | Asker) -> None: ...
+    def subscribe(self, receiver: WeightReceiver | Asker) -> Callable[[], None]:
+        """Send every later version to `receiver` too; returns its unsubscribe: once called, no version is
+        sent to it any more (a push in progress may still reach it; an engine leaving is still up then)."""
+        ...
 
     def remote_receiver(self, peer: Any, name: str) -> Any:
         """A receiver to subscribe for the engines of another process, reached through `peer`
@@ -238,11 +242,19 @@ class PushTransport:
     async def send(self, target: Any, attempt: int) -> tuple[bytes | None, int]:
         raise NotImplementedError
 
-    def subscribe(self, receiver: WeightReceiver | Asker) -> None:
-        """An `Asker` (another process, a `remote_receiver`) or an engine in this process."""
+    def subscribe(self, receiver: WeightReceiver | Asker) -> Callable[[], None]:
+        """An `Asker` (another process, a `remote_receiver`) or an engine in this process; returns its
+        unsubscribe (the target is dropped and its session forgotten)."""
         if not isinstance(receiver, Asker):
             receiver = LocalAsker(self.engine_receiver([receiver]), receiver.name)
-        self._targets.append(self.target_type(receiver))
+        target = self.target_type(receiver)
+        self._targets.append(target)
+
+        def unsubscribe() -> None:
+            self._targets = [t for t in self._targets if t is not target]
+            target.forget()
+
+        return unsubscribe
 
     def remote_receiver(self, peer: Any, name: str) -> RemoteReceiver:
         return RemoteReceiver(peer, name, self)
@@ -253,7 +265,7 @@ class PushTransport:
         async with self._busy:
             await self.stage(version, tensors)
             self._staged = version
-            for target in self._targets:
+            for target in list(self._targets):  # a receiver may join or leave while a version goes out
                 await self._deliver(target, self.retries + 1)
         self._published = version
         self.stats["versions"] += 1

@@ -21,23 +21,13 @@ from typing import Any
 import anyio
 import msgspec
 import torch
-import xxhash
 
 from pipeline.net import free_port
 from stages.weights.base import ApplyReply, EngineReceiver, LinkBroken, PushTransport, Target, state_bytes
 from stages.weights.groups import pair_group
-from stages.weights.layout import DTYPES
+from stages.weights.layout import DTYPES, state_checksum
 
 JOIN, RECEIVE = "weights.broadcast.join", "weights.broadcast.receive"
-
-
-def state_checksum(tensors: dict[str, torch.Tensor]) -> int:
-    """xxh3 of every tensor's name and bytes, in sorted-name order."""
-    h = xxhash.xxh3_64()
-    for name in sorted(tensors):
-        h.update(name.encode())
-        h.update(tensors[name].detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
-    return h.intdigest()
 
 
 class Join(msgspec.Struct, frozen=True):

@@ -1,5 +1,10 @@
-"""The weight-push boundary's fault hook: `FaultyTransport` wraps the learner's transport when a run
-plans `weights.push_fail` (otherwise the learner uses the transport itself).
+"""The weight-push boundary's fault hooks: `FaultyTransport` wraps the learner's transport when a run
+plans `weights.push_fail`, `JoinInPush` when it plans `engine.join_in_push` (otherwise the learner uses
+the transport itself).
+
+engine.join_in_push: at each scheduled version the publish asks the run's fleet for one more worker and
+goes on only once the joining engine is subscribed, so the version goes out while the joiner's fence is
+under way (`stages.rollout.fence` must neither miss the version nor take it for a mismatch).
 
 At each scheduled occurrence (counted per `publish` attempt) the push is refused with
 `InjectedPushError`, a `WeightPushError`, before the transport sends anything, so no receiver holds
@@ -11,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import anyio
 import torch
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
@@ -50,10 +56,41 @@ class FaultyTransport:
         self.schedule.recovered(f"version {version} delivered")
 
 
-def with_weight_faults(transport: Any, plan: FaultPlan | None, retries: int = 2) -> Any:
-    """`transport` wrapped in a FaultyTransport when `plan` has weights.push_fail, else itself."""
+class JoinInPush:
+    """`transport` whose scheduled publishes start with a join (see the module docstring)."""
+
+    def __init__(self, transport: WeightTransport, schedule: Schedule, fleet: Any, receivers: Any,
+                 subscribed_s: float = 60.0) -> None:
+        self.transport, self.schedule, self.fleet, self.receivers = transport, schedule, fleet, receivers
+        self.subscribed_s = subscribed_s
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.transport, name)
+
+    async def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        fired = self.schedule.hit(occurrence=version)
+        if fired:
+            before = len(self.receivers)
+            await self.fleet.scale(min(self.fleet.max_workers, self.fleet.target + 1))
+            with anyio.move_on_after(self.subscribed_s):
+                while len(self.receivers) <= before:
+                    await anyio.sleep(0.002)
+        await self.transport.publish(version, tensors)
+        if fired:
+            self.schedule.recovered(f"version {version} delivered to {len(self.receivers)} engines")
+
+
+def with_weight_faults(transport: Any, plan: FaultPlan | None, retries: int = 2, services: Any = None) -> Any:
+    """`transport` wrapped in a FaultyTransport when `plan` has weights.push_fail, and in a JoinInPush when it
+    has engine.join_in_push (and the run has a fleet, in `services`); else itself."""
     schedule = plan.schedule("weights.push_fail") if plan is not None else None
-    return transport if schedule is None else FaultyTransport(transport, schedule, retries)
+    if schedule is not None:
+        transport = FaultyTransport(transport, schedule, retries)
+    joins = plan.schedule("engine.join_in_push") if plan is not None else None
+    fleet = getattr(services, "fleet", None)
+    if joins is not None and fleet is not None:
+        transport = JoinInPush(transport, joins, fleet, services.weight_receivers)
+    return transport
 
 
-__all__ = ["FaultyTransport", "InjectedPushError", "with_weight_faults"]
+__all__ = ["FaultyTransport", "InjectedPushError", "JoinInPush", "with_weight_faults"]

@@ -9,6 +9,7 @@ version; `publish` then raises `WeightPushError` naming it, counted in `stats["r
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,8 +29,13 @@ class InprocTransport:
         self._last = -1
         self.stats = new_stats()
 
-    def subscribe(self, receiver: WeightReceiver) -> None:
+    def subscribe(self, receiver: WeightReceiver) -> Callable[[], None]:
         self._receivers.append(receiver)
+
+        def unsubscribe() -> None:
+            self._receivers = [r for r in self._receivers if r is not receiver]
+
+        return unsubscribe
 
     def remote_receiver(self, peer: Any, name: str) -> PackedWeightReceiver:
         """Engines in another process get each version packed and checksummed through `peer`."""
@@ -38,7 +44,7 @@ class InprocTransport:
     async def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         require_newer(version, self._last)
         started = time.perf_counter()
-        for receiver in self._receivers:
+        for receiver in list(self._receivers):  # a receiver may join or leave while a version goes out
             # a copy per receiver: the learner keeps training in place while engines decode
             copy = {name: t.detach().clone() for name, t in tensors.items()}
             try:

@@ -167,3 +167,13 @@ def decode_layout(data: bytes) -> Layout:
     if covered != len(layout.tensors):
         raise LayoutError(f"tensors {covered}.. are in no bucket: they would be applied unverified")
     return layout
+
+
+def state_checksum(tensors: dict[str, torch.Tensor]) -> int:
+    """xxh3 of every tensor's name and bytes, in sorted-name order: one number for a whole version (the
+    broadcast transport's announce, an engine's proof that it holds a version)."""
+    h = xxhash.xxh3_64()
+    for name in sorted(tensors):
+        h.update(name.encode())
+        h.update(tensors[name].detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
+    return h.intdigest()

@@ -299,7 +299,7 @@ class MooncakeP2PTransport(PushTransport):
         return answer, nbytes
 
     async def close(self) -> None:
-        for target in self._targets:
+        for target in list(self._targets):
             if isinstance(target.asker, LocalAsker):
                 target.asker.receiver.close()
         if self._te is not None:

@@ -16,6 +16,8 @@ Each gets the smoke form its kind has in `FORMS` (a command of a kind without on
 - `baton watch RUN_DIR`, `baton ledger RUN_DIR`: on a finished quickstart run.
 - `baton export RUN_DIR OUT`: that run's latest checkpoint (its last version, 6), into a new folder.
 - `baton mooncake-master`: started on a free port, its address read, stopped with SIGTERM (exit 0).
+- `baton scale RUN_DIR --engines N`: on a quickstart run started with `rollout.max_engines = 2`, once it
+  serves its control endpoint; the fleet must reach 2 live engines; the run is then stopped (SIGTERM).
 - `python benchmarks/...`: `--help` (each runs for minutes; their figures are in docs/results).
 - `python examples/math_dsl.py`: really, 2 versions; `python examples/openai_agent.py`: `--help` (it needs a
   run serving the gateway; `configs/agent-gateway.toml` runs it in process).
@@ -161,6 +163,7 @@ FORMS = {
     "baton ledger": "a finished run",
     "baton export": "the latest checkpoint of a finished run, into a new folder",
     "baton mooncake-master": "started, its address read, stopped by SIGTERM",
+    "baton scale": "a running quickstart that may grow to 2 engines: scaled to 2, waited for, then stopped",
     "examples/math_dsl.py": "2 versions",
     "examples/openai_agent.py": "--help",
     "tools/make_math_example.py": "really; warm-ups of 2 steps",
@@ -182,6 +185,7 @@ DEFAULTS = {  # the line a kind runs when its smoke form does not follow the doc
     "baton export": "baton export RUN_DIR OUT",
     "baton run --resume": "baton run --resume RUN_DIR",
     "baton mooncake-master": "baton mooncake-master",
+    "baton scale": "baton scale RUN_DIR --engines 2 --wait 120",
     "tools/answer_positions.py probe": "python tools/answer_positions.py probe RUN_DIR",
     "tools/answer_positions.py fit": "python tools/answer_positions.py fit",
     "tools/gen_reference.py": "python tools/gen_reference.py --check",
@@ -334,6 +338,28 @@ def smoke_baton(command: Documented, request) -> None:
         assert summary_of(done)["version"] == 6 and (out / "config.json").is_file()
     elif command.key == "baton mooncake-master":
         smoke_mooncake_master(argv)
+    elif command.key == "baton scale":
+        smoke_scale(argv, work)
+
+
+def smoke_scale(argv: list[str], work: Path) -> None:
+    """A quickstart that may grow to 2 engines, running; the documented line once it serves its control
+    endpoint (control.json); then the run is stopped by SIGTERM."""
+    root = work / f"elastic-{uuid.uuid4().hex[:8]}"
+    running = subprocess.Popen(
+        [shutil.which("baton"), "run", "configs/quickstart.toml", "--set", "rollout.max_engines=2", "--set",
+         f"run_root={json.dumps(str(root))}", "--set", "telemetry.progress=false"], cwd=ROOT, env=environment(),
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(root.glob("*/control.json")) and time.monotonic() < deadline and running.poll() is None:
+            time.sleep(0.2)
+        run_dir = next(iter(root.glob("*/control.json"))).parent
+        done = ran(substitute(argv, {"RUN_DIR": str(run_dir)}))
+        assert json.loads(done.stdout.strip().splitlines()[-1])["live"] == 2
+    finally:
+        running.send_signal(signal.SIGTERM)
+        running.wait(timeout=120)
 
 
 def smoke_mooncake_master(argv: list[str]) -> None:

@@ -7,6 +7,9 @@ one seed each: holder crash and learner crash in `-m long` (engine crash there t
 faults` command on Ray), the other two in `-m nightly`, with seeds 1 and 2 of the local matrix (with seed 0:
 the 3-seed matrix).
 
+The elastic rows (an engine joins, leaves, joins during a push) run nightly here; one short run of all
+three is in the default suite (tests/faults/test_elastic.py).
+
 The MoE row (`configs/quickstart-moe.toml`: a tiny Qwen3-MoE with routing replay, memory store), engine.crash
 and store.get_fail, one seed each, 80 steps: 55-65 s a run here (2 shared cores), over the ~30 s a
 default-suite test may take, so in `-m nightly`.
@@ -18,6 +21,7 @@ then what the fault's own recovery path left as evidence (lost and redone, regen
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from pathlib import Path
@@ -25,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from baton.fault_matrix import RunOutcome, run_one
+from baton.fault_matrix import ELASTIC, RunOutcome, run_one
 from pipeline.faults import FAULT_KINDS
 
 torch.set_num_threads(1)
@@ -75,6 +79,13 @@ def check(outcome: RunOutcome) -> None:
         assert outcome.learner_restarts == 1 and not outcome.resumed, "healed within the run, not resumed"
     if kind == "engine.hang":
         assert outcome.recovery_s >= 5.0, "recovered by the 5 s request timeout, not by the hang ending"
+    if kind in ELASTIC:
+        events = [json.loads(line) for line in (Path(outcome.run_dir) / "events.jsonl").read_text().splitlines()]
+        assert any(e["kind"] == ("fleet.left" if kind == "engine.leave" else "engine.joined") for e in events)
+
+
+# an engine that joins or leaves (ELASTIC): one short combined run in the default suite
+# (tests/faults/test_elastic.py), the matrix's own 40-step runs of each nightly
 
 
 # learner.rank_crash runs a learner of two ranks (two more processes on 2 cores): in -m nightly; CI's long suite
@@ -83,8 +94,8 @@ TWO_RANKS = ("learner.rank_crash",)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", [pytest.param(kind, marks=pytest.mark.nightly) if kind in TWO_RANKS else kind
-                                  for kind in FAULT_KINDS])
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.nightly) if k in TWO_RANKS or k in ELASTIC
+                                  else k for k in FAULT_KINDS])
 def test_each_fault_on_mooncake_local(kind: str, tmp_path: Path, model_path: str) -> None:
     check(run(kind, 0, tmp_path, model_path))
 
