@@ -54,9 +54,9 @@ SERVERS = ("vllm", "sglang")  # run in this order, one at a time; the torch engi
 MODEL = "runs/models/tiny-qwen2-hd32"  # configs/vllm-cpu.toml's model
 LEARN_CONFIG = "configs/vllm-cpu.toml"
 LEARN_ENGINES = {  # engine -> the [engine] table its quickstart run uses (the rest of LEARN_CONFIG unchanged)
-    "torch": "engine={kind='torch', batch_groups=16}",
-    "sglang": "engine={kind='sglang', count=1, batch_groups=16, dtype='float32', threads=1}",
     "vllm": None,  # the config's own
+    "sglang": "engine={kind='sglang', count=1, batch_groups=16, dtype='float32', threads=1}",
+    "torch": "engine={kind='torch', batch_groups=16}",
 }
 
 
