@@ -46,7 +46,7 @@ def check_routing_replay(model_path: str | Path | None, replay: str, engine_retu
     if not engine_returns_experts:
         raise ValueError("learner.routing_replay = 'rollout' needs the experts the engine routed each token to, "
                          "and this engine cannot return them: set learner.routing_replay = 'off', or use an "
-                         "engine that returns routed experts (engine.kind = 'torch')")
+                         "engine that returns routed experts (engine.kind = 'torch' or 'sglang')")
 
 
 def routed_tensors(batches: list[RolloutBatch], width: int) -> tuple[torch.Tensor, torch.Tensor]:
