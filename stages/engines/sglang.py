@@ -386,7 +386,7 @@ class SGLangEngine(ServerEngine):
         """The server's probe logprobs equal the version's (sglang_probe); else the server gets back what it
         held before (the last version applied, or its model folder) and the version is refused."""
         if self._probe is None:
-            self._probe = WeightProbe(self.model_path)
+            self._probe = WeightProbe(self.model_path, self.dtype)
         tolerance = dtype_tolerance(self.probe_tolerance, self.dtype)
         expected = await anyio.to_thread.run_sync(self._probe.expected, tensors, tolerance)
         answer = await self._call("POST", "/generate", self._probe.request(version))

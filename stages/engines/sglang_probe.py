@@ -4,15 +4,16 @@ A server's "Success" does not say its weights changed: SGLang's loader skips nam
 (a fused expert tensor, for one) and still answers 200. So after each full-weight version lands, the
 engine asks the server for its teacher-forced logprobs of a fixed token sequence (the probe, as a LoRA
 adapter's landed check does: `stages.engines.sglang_lora`) and compares them with what the same weights
-give in a float32 torch forward of the model folder's architecture, run here on CPU with the tensors the
-engine was handed. They must agree within `tolerance`, relative beyond 1 (`stages.weights.adapter.Probe`'s
+give in a torch forward of the model folder's architecture in the server's precision, run here on CPU with the
+tensors the engine was handed (a bfloat16 server against a bfloat16 forward: on the tiny MoE a float32 forward
+differed from vLLM's bfloat16 server by up to 0.092 after a push, a bfloat16 one by 0.0075). They must agree within `tolerance`, relative beyond 1 (`stages.weights.adapter.Probe`'s
 measure); else the version is refused (`PushMismatch`).
 
 Every full-weight version is probed, dense or mixture-of-experts, and the folder's own weights at start
 (version 0). In float32 the server and the reference agree to 1e-7 (the bound is 1e-5); in bfloat16 the bound
 is `LOW_PRECISION_TOLERANCE`, measured. The reference model is built once per engine from the folder's config
 (no weights read) and gets each version's tensors by `load_state_dict`, fused or per-expert names alike. It
-costs one float32 CPU copy of the model and a CPU forward of PROBE_LENGTH tokens per version: meant for models
+costs one CPU copy of the model and a CPU forward of PROBE_LENGTH tokens per version: meant for models
 that fit in host memory twice; set the engine's `probe_tolerance = None` for a large one. (The learner could
 compute the expected logprobs instead, as a LoRA learner does for its adapters; for full weights that would
 put a forward per version inside the learner's training loop, collective under FSDP and in the learner's own
@@ -49,7 +50,8 @@ class PushMismatch(EngineError):
 class WeightProbe:
     """The probe's tokens and the reference logprobs of a version (see the module docstring)."""
 
-    def __init__(self, model_path: str | Path) -> None:
+    def __init__(self, model_path: str | Path, dtype: str = "float32") -> None:
+        """`dtype`: the server's precision; the reference forward runs in it ('auto' and 'float32': float32)."""
         from transformers import AutoConfig
 
         self.model_path = Path(model_path)
@@ -58,10 +60,12 @@ class WeightProbe:
         # a fixed sequence spread over the vocabulary (the same for every version and every run)
         self.tokens = tuple((1 + 7919 * i) % vocab for i in range(PROBE_LENGTH))
         self._config = config
+        self._dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float16 if dtype == "float16" else torch.float32
         self._model: torch.nn.Module | None = None
 
     def expected(self, tensors: dict[str, torch.Tensor], tolerance: float) -> Probe:
-        """The probe with the logprobs `tensors` give (a float32 forward on CPU), to be met within `tolerance`."""
+        """The probe with the logprobs `tensors` give (a forward on CPU in the server's precision), to be met within
+        `tolerance`."""
         model = self._reference()
         own = model.state_dict()
         given = {n: t for n, t in fused_tensors(dict(tensors)).items() if n in own}
@@ -69,7 +73,7 @@ class WeightProbe:
         if missing:
             raise PushMismatch(f"the version has no {missing[:3]}: the probe cannot check it")
         with torch.no_grad():
-            model.load_state_dict({n: t.detach().to("cpu", torch.float32) for n, t in given.items()}, strict=False)
+            model.load_state_dict({n: t.detach().to("cpu", self._dtype) for n, t in given.items()}, strict=False)
             if getattr(self._config, "tie_word_embeddings", False):
                 model.tie_weights()
             ids = torch.tensor([self.tokens])
@@ -82,7 +86,7 @@ class WeightProbe:
             from transformers import AutoModelForCausalLM
 
             kwargs = {"experts_implementation": "eager"} if getattr(self._config, "num_experts", 0) else {}
-            self._model = AutoModelForCausalLM.from_config(self._config, dtype=torch.float32,
+            self._model = AutoModelForCausalLM.from_config(self._config, dtype=self._dtype,
                                                            attn_implementation="eager", **kwargs).eval()
         return self._model
 

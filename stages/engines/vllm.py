@@ -16,7 +16,7 @@ never imports vllm. The same contract as `SGLangEngine` (`tests/contracts/test_e
   staleness policy says "restart", are aborted and generated again from their prompt. A push the server fails
   restarts a launched server on the version it held (counted); `version` moves only once the push succeeded.
   After `/resume` the version is checked by what the server computes (`landed_check`: its prompt logprobs of a
-  probe against a float32 forward of the tensors sent, `probe_tolerance`; a paused server would not answer the
+  probe against a forward of the tensors sent in its precision, `probe_tolerance`; a paused server would not answer the
   probe): a version that did not land as sent is pushed back to what the server held and refused
   (`PushMismatch`); tokens sampled in the moment between resume and the probe's answer carry its number.
 * **health**: transient connection failures are retried for 30 s; if the server this engine launched dies, it
@@ -82,7 +82,7 @@ class VLLMEngine(ServerEngine):
     # "delta": each version goes to the server as a sparse delta against the one it kept (`vllm_delta`; the server
     # keeps one more copy of the weights, this engine one); a server that keeps none gets the whole version
     push: str = "full"
-    # each pushed version is checked by the server's probe logprobs against a float32 forward of its tensors
+    # each pushed version is checked by the server's probe logprobs against a forward of its tensors in its precision
     # (sglang_probe.WeightProbe), never by the update's status alone; None: not checked
     probe_tolerance: float | None = 1e-5
     request_timeout_s: float = 600.0
@@ -414,11 +414,11 @@ def fit_version(engine: str, expected: dict[str, tuple[int, ...]], version: int,
 
 
 async def landed_check(engine: VLLMEngine, version: int, tensors: dict[str, torch.Tensor]) -> float:
-    """The largest gap between the server's probe logprobs and a float32 forward of `tensors`
+    """The largest gap between the server's probe logprobs and a forward of `tensors` in the server's precision
     (`sglang_probe.WeightProbe`, the engine's dtype bound); `PushMismatch` beyond it. Counted in the engine's stats
     (`probes`, `probe_gap_max`)."""
     if engine._probe is None:
-        engine._probe = WeightProbe(engine.model_path)
+        engine._probe = WeightProbe(engine.model_path, engine.dtype)
     tolerance = dtype_tolerance(engine.probe_tolerance, engine.dtype)
     expected = await anyio.to_thread.run_sync(engine._probe.expected, tensors, tolerance)
     served = await engine.prompt_logprobs(list(expected.tokens))
