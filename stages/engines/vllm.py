@@ -36,6 +36,7 @@ import os
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -104,6 +105,8 @@ class VLLMEngine(ServerEngine):
         self._probe: WeightProbe | None = None
         self._rids = itertools.count()
         self._stopping = False
+        self._damage: Callable[[Path], None] | None = None  # the next push's file damage (a fault), once
+        self._restarting = False  # a restart is under way (see `_restart`)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -292,7 +295,8 @@ class VLLMEngine(ServerEngine):
         restarted on what it held before (counted), then EngineError; an attached one cannot be."""
         assert self._http is not None and self._base_url is not None
         try:
-            await push_weights(self._http, self._base_url, version, tensors)
+            damage, self._damage = self._damage, None
+            await push_weights(self._http, self._base_url, version, tensors, damage=damage)
         except Exception as exc:
             broken = getattr(exc, "restart_server", False) or isinstance(exc, httpx.TransportError | ServerGone)
             if not broken:
@@ -306,6 +310,16 @@ class VLLMEngine(ServerEngine):
             raise EngineError(f"engine {self.name}: version {version} refused: {exc}") from None
         self._version, self._held = version, (version, tensors)
         self.stats["updates"] += 1
+
+    def damage_next_push(self, damage: Callable[[Path], None]) -> None:
+        """Damage the next version file pushed (`damage(path)` once it is written; the `engine.push_refused`
+        fault): the server refuses it before its update starts and keeps serving what it held."""
+        self._damage = damage
+
+    @property
+    def updating(self) -> bool:
+        """Whether a version is being pushed now (paused, pushed, resumed, probed)."""
+        return self._update_lock is not None and self._update_lock.locked()
 
     # -- HTTP and recovery ---------------------------------------------------------------------
     async def _call(self, method: str, path: str, body: dict | None = None, params: dict | None = None,
@@ -341,6 +355,7 @@ class VLLMEngine(ServerEngine):
         async with self._restart_lock:
             if self._server is None:
                 raise EngineError(f"engine {self.name}: server {self._base_url} is gone (not baton's to restart)")
+            await self._restarted_elsewhere()
             if self._server.alive():
                 try:
                     await self._call("GET", "/health")
@@ -351,8 +366,28 @@ class VLLMEngine(ServerEngine):
             if self._latest is not None:
                 await self._push(*self._latest)
 
+    async def _restarted_elsewhere(self) -> bool:
+        """Wait while another caller restarts the server (a failed push restarts it outside the restart lock);
+        True when one did."""
+        waited = False
+        while self._restarting:
+            waited = True
+            await anyio.sleep(0.1)
+        return waited
+
     async def _restart(self, why: str) -> None:
-        """Stop our server and start it again on its checkpoint (counted: `stats["restarts"]`)."""
+        """Stop our server and start it again on its checkpoint (counted: `stats["restarts"]`). One restart at a
+        time: a caller that finds one under way waits for it instead of stopping the server it is starting."""
+        assert self._server is not None
+        if await self._restarted_elsewhere() and self._server.alive():
+            return
+        self._restarting = True
+        try:
+            await self._restart_now(why)
+        finally:
+            self._restarting = False
+
+    async def _restart_now(self, why: str) -> None:
         assert self._server is not None
         if self.stats["restarts"] >= self.max_restarts:
             raise EngineError(f"engine {self.name}: server needs a restart ({why}) after {self.max_restarts}")
