@@ -45,6 +45,7 @@ import anyio
 import httpx
 import numpy as np
 import torch
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_fixed
 
 from pipeline.events import report_event
 from stages.engines.base import Completion, EngineError, EngineRun, SamplingParams
@@ -57,6 +58,7 @@ from stages.weights.adapter import AdapterVersion
 
 MAX_ROUNDS = 8  # a request aborted (or lost to a dead server) this many times in a row fails the call
 CONNECT_GRACE_S = 30.0  # how long a refused connection is retried before the server counts as gone
+RESUME_TRIES = 3  # attempts at /resume after a push while the server lives (see `_resume`)
 
 
 class ServerGone(EngineError):
@@ -258,6 +260,11 @@ class VLLMEngine(ServerEngine):
             except ServerGone:
                 if self._server is None:
                     raise  # attached by url: nothing here can bring it back
+                if self._server.alive():  # a dropped connection, not a dead server: the version did not land
+                    if self._latest[0] == version:
+                        self._latest = self._held
+                    raise EngineError(f"engine {self.name}: version {version} did not land (the connection "
+                                      "dropped)") from None
                 # our server died: the next request restarts it and pushes the latest version
             except EngineError:
                 if self._latest[0] == version:  # refused: a restarted server gets what this one held
@@ -278,8 +285,7 @@ class VLLMEngine(ServerEngine):
                 self.stats["interrupted"] += len(restart)
             await self._push(version, tensors)
         finally:
-            if self._http is not None and (self._server is None or self._server.alive()):
-                await self._call("POST", "/resume", check=False)
+            await self._resume()
         if probe and self.probe_tolerance is not None:
             try:
                 await landed_check(self, version, tensors)
@@ -287,6 +293,17 @@ class VLLMEngine(ServerEngine):
                 if held is not None:
                     await self._apply(*held, probe=False)
                 raise
+
+    async def _resume(self) -> None:
+        """Resume a paused server (its requests wait until then). A call the server dropped is tried again (a server
+        closes its connection after an update route fails, and the next call may take that connection from the
+        pool); a dead server is left to the restart."""
+        async for attempt in AsyncRetrying(stop=stop_after_attempt(RESUME_TRIES), wait=wait_fixed(0.1), reraise=True,
+                                           retry=retry_if_exception_type(ServerGone)):
+            with attempt:
+                if self._http is None or (self._server is not None and not self._server.alive()):
+                    return
+                await self._call("POST", "/resume", check=False)
 
     async def _push(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         """Push `version` through vLLM's update protocol (`vllm_update.push_weights`). A version the server refused
