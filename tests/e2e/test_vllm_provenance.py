@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -34,16 +33,18 @@ SHORT = ("steps=10", "task.digits=12", "engine.batch_groups=8", "learner.groups_
 Key = tuple[tuple[int, ...], tuple[int, ...]]  # (prompt, completion tokens)
 
 
-@dataclass
-class ReportingVLLM(VLLMEngine):
-    """The vLLM engine, keeping each completion's reported token versions by (prompt, tokens)."""
+class Reporting:
+    """An engine that keeps each completion's reported token versions by (prompt, tokens); the rest is the engine's."""
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    def __init__(self, engine) -> None:
+        self.engine = engine
         self.reported: dict[Key, list[tuple[int, ...]]] = defaultdict(list)
 
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
+
     async def generate(self, prompts, params):
-        out = await super().generate(prompts, params)
+        out = await self.engine.generate(prompts, params)
         for prompt, completion in zip(prompts, out, strict=True):
             key = (tuple(map(int, prompt)), tuple(map(int, completion.tokens)))
             self.reported[key].append(tuple(map(int, completion.versions)))
@@ -78,9 +79,8 @@ def test_every_samples_versions_are_the_engines_and_the_ledgers(tmp_path: Path) 
 
     raw = load_toml(CONFIG, [f"model.path='{tmp_path / 'hd32'}'", f"run_root='{tmp_path / 'runs'}'", *SHORT])
     pipe = build_pipeline(validate(RunConfig, raw, source=CONFIG))
-    built = pipe.producer.engines[0]
-    engine = ReportingVLLM(**{f.name: getattr(built, f.name) for f in fields(built)})
-    pipe.producer.engines[0] = engine
+    assert isinstance(pipe.producer.engines[0], VLLMEngine)
+    engine = pipe.producer.engines[0] = Reporting(pipe.producer.engines[0])
     store = pipe.buffer.store = StoredGroups()
     summary = pipe.run()
     assert summary["version"] == 10 and summary["ledger_balanced"]
