@@ -23,6 +23,11 @@ A run passes when, from its ledger.json, metrics.jsonl and faults.jsonl:
   reports `router_disagreement` 0: the groups a fault made the run regenerate or re-send were replayed
   with their own recorded experts (`baton faults configs/quickstart-moe.toml` runs the matrix on the MoE
   quickstart).
+
+The faults on an engine's own inference server (`engine.server_kill`, `engine.server_kill_push`,
+`engine.push_refused`; `engine.kind = "vllm"`, skipped on other configs) are judged the same way, and also
+count the servers their engine restarted and the pushes it refused (run events); `run_together` plans several
+kinds in one run, so such rows share one server process (`baton faults` runs one kind per run).
 """
 
 from __future__ import annotations
@@ -38,7 +43,8 @@ from typing import Any
 
 from baton.config import apply_override, load_toml, validate
 from pipeline.actor import ActorFailed, innermost
-from pipeline.faults import FAULT_KINDS, FaultPlan, LearnerCrashed, read_events
+from pipeline.events import EventCounts
+from pipeline.faults import FAULT_KINDS, SERVER_FAULT_KINDS, FaultPlan, LearnerCrashed, read_events
 from pipeline.telemetry import RunFolder, get_logger
 
 REWARD_MARGIN = 0.02  # last-quarter mean reward minus first-quarter mean, at least
@@ -51,6 +57,9 @@ DEFAULT_SCHEDULES: dict[str, dict[str, Any]] = {
     "store.master_restart": {"at": [20]},
     "store.holder_crash": {"at": [20]},
     "weights.push_fail": {"at": [3]},
+    "engine.server_kill": {"at": [3]},  # the engine's 3rd generate call
+    "engine.server_kill_push": {"at": [5]},  # the 5th version pushed to the engine
+    "engine.push_refused": {"at": [9]},
     "learner.crash": {"at": [12]},  # the version it dies at
     "channel.stall": {"at": [3], "delay_s": 2.0},
     "learner.rank_crash": {"at": [12]},  # rank 1 of a two-rank learner is SIGKILLed after this version
@@ -89,6 +98,8 @@ class RunOutcome:
     runtime: str = "local"
     restarts: int = 0  # processes the Ray runtime restarted
     learner_restarts: int = 0  # learner.rank_crash: restarts of the learner's rank group within the run
+    engine_restarts: int = 0  # inference servers their engine restarted (run events `engine.restarted`)
+    pushes_refused: int = 0  # weight pushes an engine refused and the transport sent again (`weights.refused`)
     router_disagreement: float | None = None  # an MoE run with routing replay: the most over its steps (0 expected)
     problems: list[str] = field(default_factory=list)
 
@@ -145,17 +156,26 @@ def judge(outcome: RunOutcome, run_dir: Path, steps: int, window_groups: int | N
         problems.append("no learner step recorded")
     if replay:
         _judge_replay(outcome, metrics)
+    _judge_fault(outcome, run_dir)
+    outcome.status = "failed" if problems else "passed"
+    return outcome
+
+
+def _judge_fault(outcome: RunOutcome, run_dir: Path) -> None:
+    """The fault's own evidence: it fired, each firing recovered (how long it took), the groups generated again,
+    and the run events that count recoveries (engine restarts, refused pushes)."""
     events = read_events(run_dir)
     fired = [e for e in events if e["event"] == "fired" and e["kind"] == outcome.kind]
     outcome.fired = len(fired)
     if not fired:
-        problems.append(f"{outcome.kind} never fired (schedule beyond the run?)")
+        outcome.problems.append(f"{outcome.kind} never fired (schedule beyond the run?)")
     outcome.recovery_s = recovery_seconds(events, outcome.kind)
     if outcome.recovery_s == math.inf:
-        problems.append(f"{outcome.kind} fired but its boundary never recovered")
+        outcome.problems.append(f"{outcome.kind} fired but its boundary never recovered")
     outcome.regenerated_groups = sum(e.get("groups", 0) for e in events if e["event"] == "regenerated")
-    outcome.status = "failed" if problems else "passed"
-    return outcome
+    counts = EventCounts(run_dir).update()
+    outcome.engine_restarts = counts.get("engine.restarted", 0)
+    outcome.pushes_refused = counts.get("weights.refused", 0)
 
 
 def _judge_replay(outcome: RunOutcome, metrics: list[dict[str, Any]]) -> None:
@@ -185,7 +205,9 @@ def recovery_seconds(events: list[dict[str, Any]], kind: str) -> float | None:
 
 
 @contextlib.contextmanager
-def infrastructure(kind: str, mooncake: bool, workdir: Path, segment_bytes: int) -> Iterator[tuple[dict, list]]:
+def infrastructure(
+    kinds: Sequence[str], mooncake: bool, workdir: Path, segment_bytes: int
+) -> Iterator[tuple[dict, list]]:
     """(fault targets, config overrides) for one run: a fresh master (and, for store.holder_crash and
     learner.crash, a second segment holder with `store.replicas = 2`: the copies the holder keeps outlive
     the run's own processes), all stopped by pid when the block ends."""
@@ -204,7 +226,7 @@ def infrastructure(kind: str, mooncake: bool, workdir: Path, segment_bytes: int)
     try:
         targets: dict[str, Any] = {"master": restarter}
         overrides = [f"store.master='{master.address}'"]
-        if kind in ("store.holder_crash", "learner.crash"):
+        if any(kind in ("store.holder_crash", "learner.crash") for kind in kinds):
             holder = start_holder(master.address, segment_bytes, log_path=workdir / "holder.log")
             targets["holder"] = HolderByPid(holder.pid)
             overrides.append("store.replicas=2")
@@ -222,62 +244,92 @@ def run_one(
     config: str, kind: str, seed: int, root: Path, overrides: Sequence[str] = (), base: dict | None = None
 ) -> RunOutcome:
     """One run of `config` with fault `kind` planned, judged (see the module docstring)."""
-    from baton.builder import build_pipeline, make_faults
+    return run_together(config, [kind], seed, root, overrides, base)[0]
+
+
+def run_together(
+    config: str, kinds: Sequence[str], seed: int, root: Path, overrides: Sequence[str] = (), base: dict | None = None
+) -> list[RunOutcome]:
+    """One run of `config` with every fault of `kinds` planned, each on its own schedule, judged once per kind:
+    the rows that need a costly part (a vLLM server, ~1 min to start here) share one run of it."""
     from baton.schema import RunConfig
 
     data = base if base is not None else load_toml(config, overrides)
     own = {f["kind"]: f for f in data.get("faults", [])}
-    spec = {"kind": kind, **DEFAULT_SCHEDULES[kind], **own.get(kind, {}), "seed": seed}
+    specs = [{"kind": kind, **DEFAULT_SCHEDULES[kind], **own.get(kind, {}), "seed": seed} for kind in kinds]
     mooncake = data.get("store", {}).get("kind") == "mooncake"
-    outcome = RunOutcome(kind, seed)
-    if kind in MOONCAKE_ONLY and not mooncake:
-        outcome.status = "skipped"
-        outcome.problems.append("needs store.kind = 'mooncake'")
-        return outcome
-    name = f"{data.get('name', 'baton')}-{kind}-s{seed}"
+    outcomes = [RunOutcome(kind, seed, runtime=data.get("runtime", "local")) for kind in kinds]
+    if reason := unsupported(kinds, data):
+        for outcome in outcomes:
+            outcome.status = "skipped"
+            outcome.problems.append(reason)
+        return outcomes
+    name = f"{data.get('name', 'baton')}-{'-'.join(kinds)}-s{seed}"
     run_overrides = [f"seed={seed}", f"name='{name}'", f"run_root='{root}'", "telemetry.progress=false"]
-    runtime = data.get("runtime", "local")
-    outcome.runtime = runtime
-    if kind in ("learner.crash", "learner.rank_crash"):
+    if any(kind in ("learner.crash", "learner.rank_crash") for kind in kinds):
         run_overrides.append("checkpoint.every=4")  # rolled back: at most 3 (resume), 4 (restart)
-    if kind == "learner.rank_crash":
+    if "learner.rank_crash" in kinds:
         run_overrides += ["learner.world_size=2", "learner.max_restarts=1"]  # healed within the run
-    run_overrides.extend(ELASTIC.get(kind, []))
-    log = get_logger("faults").bind(kind=kind, seed=seed)
-    segment = 256 << 20
-    with infrastructure(kind, mooncake, root / f"{name}.infra", segment) as (targets, infra):
+    for kind in kinds:
+        run_overrides.extend(ELASTIC.get(kind, []))
+    with infrastructure(kinds, mooncake, root / f"{name}.infra", 256 << 20) as (targets, infra):
         raw = json.loads(json.dumps(data))  # a deep copy: each run gets its own overrides
         for item in (*run_overrides, *infra):
             apply_override(raw, item)
-        raw["faults"] = [spec]
+        raw["faults"] = specs
         cfg = validate(RunConfig, raw, source=config)
-        plan = FaultPlan(make_faults(cfg), targets=targets)
-        pipe = build_pipeline(cfg)
-        pipe.faults = plan
-        try:
-            pipe.run()
-        except ActorFailed as exc:
-            run_dir = _latest(root, name)
-            if not (isinstance(innermost(exc.__cause__ or exc), LearnerCrashed) or _learner_crashed(run_dir)):
-                outcome.problems.append(str(exc))
-            else:
-                log.info("learner crashed as planned; resuming", run_dir=str(run_dir))
-                resumed = build_pipeline(cfg)
-                resumed.faults = plan
-                try:
-                    resumed.resume(run_dir)
-                    outcome.resumed = True
-                except Exception as resume_exc:  # judged below: the run did not finish
-                    outcome.problems.append(f"resume failed: {type(resume_exc).__name__}: {resume_exc}")
-        except Exception as exc:  # the run could not even run: recorded, and the matrix goes on
-            outcome.problems.append(f"{type(exc).__name__}: {exc}")
-        window = _window_groups(cfg)
+        problems, resumed = _run_planned(cfg, targets, root, name)
         run_dir = _latest(root, name)
+        for outcome in outcomes:
+            outcome.problems.extend(problems)
+            outcome.resumed = resumed
+            if run_dir is None:
+                outcome.problems.append("no run folder")
         if run_dir is None:
-            outcome.problems.append("no run folder")
-            return outcome
+            return outcomes
         replay = getattr(cfg.learner, "routing_replay", "off") == "rollout"
-        return judge(outcome, run_dir, cfg.steps, window, replay=replay)
+        return [judge(o, run_dir, cfg.steps, _window_groups(cfg), replay=replay) for o in outcomes]
+
+
+def _run_planned(cfg: Any, targets: dict, root: Path, name: str) -> tuple[list[str], bool]:
+    """Run `cfg` with its faults (a learner.crash run resumed from its checkpoint): what went wrong, as text,
+    and whether it was resumed."""
+    from baton.builder import build_pipeline, make_faults
+
+    plan = FaultPlan(make_faults(cfg), targets=targets)
+    log = get_logger("faults").bind(run=name)
+    problems: list[str] = []
+    resumed_ok = False
+    pipe = build_pipeline(cfg)
+    pipe.faults = plan
+    try:
+        pipe.run()
+    except ActorFailed as exc:
+        run_dir = _latest(root, name)
+        if not (isinstance(innermost(exc.__cause__ or exc), LearnerCrashed) or _learner_crashed(run_dir)):
+            problems.append(str(exc))
+        else:
+            log.info("learner crashed as planned; resuming", run_dir=str(run_dir))
+            resumed = build_pipeline(cfg)
+            resumed.faults = plan
+            try:
+                resumed.resume(run_dir)
+                resumed_ok = True
+            except Exception as resume_exc:  # judged below: the run did not finish
+                problems.append(f"resume failed: {type(resume_exc).__name__}: {resume_exc}")
+    except Exception as exc:  # the run could not even run: recorded, and the matrix goes on
+        problems.append(f"{type(exc).__name__}: {exc}")
+    return problems, resumed_ok
+
+
+def unsupported(kinds: Sequence[str], data: dict) -> str:
+    """Why `config` (as loaded) cannot run these fault kinds ('' when it can)."""
+    if any(k in MOONCAKE_ONLY for k in kinds) and data.get("store", {}).get("kind") != "mooncake":
+        return "needs store.kind = 'mooncake'"
+    engine = data.get("engine", {})
+    if any(k in SERVER_FAULT_KINDS for k in kinds) and (engine.get("kind") != "vllm" or engine.get("urls")):
+        return "needs engine.kind = 'vllm' with servers baton launches (no engine.urls)"
+    return ""
 
 
 def _learner_crashed(run_dir: Path | None) -> bool:
@@ -339,6 +391,9 @@ def rows(outcomes: Sequence[RunOutcome]) -> list[dict[str, Any]]:
             "fired": sum(o.fired for o in runs),
             "lost+redone / regen groups": f"{sum(o.lost for o in runs)} / {sum(o.regenerated_groups for o in runs)}",
         })
+        if any(o.engine_restarts or o.pushes_refused for o in runs):  # a fault on an engine's own server
+            table[-1]["server restarts / refused pushes"] = (f"{sum(o.engine_restarts for o in runs)} / "
+                                                             f"{sum(o.pushes_refused for o in runs)}")
         shares = [o.router_disagreement for o in runs if o.router_disagreement is not None]
         if shares:  # an MoE run with routing replay
             table[-1]["router disagreement"] = f"{max(shares):g}"
@@ -399,4 +454,5 @@ def main(config: str, kinds: str | None, seeds: int, overrides: Sequence[str]) -
     return 0 if summary["passed"] == summary["runs"] else 1
 
 
-__all__ = ["DEFAULT_SCHEDULES", "RunOutcome", "judge", "main", "recovery_seconds", "run_matrix", "run_one", "totals"]
+__all__ = ["DEFAULT_SCHEDULES", "RunOutcome", "judge", "main", "recovery_seconds", "run_matrix", "run_one",
+           "run_together", "totals", "unsupported"]

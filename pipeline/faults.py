@@ -11,6 +11,8 @@ engine and weight wrappers in `stages.engines.faulty` / `stages.weights.faulty`,
 and the channels' `before_send` here); this module decides *when* (generic, no RL in it):
 
     engine.crash, engine.hang         per engine `generate` call      stages.engines.faulty
+    engine.server_kill                per engine `generate` call      stages.engines.faulty_server
+    engine.server_kill_push, engine.push_refused  per version pushed  stages.engines.faulty_server
     store.put_fail, store.master_restart, store.holder_crash  per put  buffers.faulty
     store.get_fail, store.corrupt     per get                         buffers.faulty
     weights.push_fail                 per publish attempt             stages.weights.faulty
@@ -54,7 +56,10 @@ FAULT_KINDS: tuple[str, ...] = (
     "store.master_restart", "store.holder_crash", "weights.push_fail", "learner.crash", "channel.stall",
     "learner.rank_crash",
     "engine.join", "engine.leave", "engine.join_in_push",  # an elastic run's fleet (pipeline.fleet)
+    "engine.server_kill", "engine.server_kill_push", "engine.push_refused",
 )
+# the kinds that act on an inference server the engine launched (SIGKILL by pid, a damaged version file)
+SERVER_FAULT_KINDS: tuple[str, ...] = ("engine.server_kill", "engine.server_kill_push", "engine.push_refused")
 EVENTS_FILE = "faults.jsonl"
 
 
@@ -125,11 +130,11 @@ class Schedule:
         self.plan.record("fired", self.spec.kind, self.scope, occurrence=n)
         return True
 
-    def recovered(self, detail: str = "") -> None:
-        """The boundary succeeded again after a firing: record it once per firing."""
+    def recovered(self, detail: str = "", **fields: Any) -> None:
+        """The boundary succeeded again after a firing: record it once per firing (with `fields`, its evidence)."""
         if self._pending:
             self._pending = False
-            self.plan.record("recovered", self.spec.kind, self.scope, detail=detail)
+            self.plan.record("recovered", self.spec.kind, self.scope, detail=detail, **fields)
 
 
 @dataclass
@@ -297,6 +302,6 @@ def plan_of(ctx: Any) -> FaultPlan | None:
 
 
 __all__ = [
-    "EVENTS_FILE", "FAULT_KINDS", "CrashingClock", "FaultPlan", "FaultPlanError", "FaultSpec", "InjectedFault",
-    "LearnerCrashed", "Schedule", "as_plan", "install", "plan_of", "read_events", "stall_hook",
+    "EVENTS_FILE", "FAULT_KINDS", "SERVER_FAULT_KINDS", "CrashingClock", "FaultPlan", "FaultPlanError", "FaultSpec",
+    "InjectedFault", "LearnerCrashed", "Schedule", "as_plan", "install", "plan_of", "read_events", "stall_hook",
 ]

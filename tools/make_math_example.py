@@ -323,12 +323,13 @@ def _train(model, data: list[tuple[list[int], list[int]]], shared: int, steps: i
 
 
 def make_math_example(out: str | Path, seed: int = 0, tool_warmup_steps: int = 0,
-                      answer_warmup_steps: int = 0) -> tuple[Path, Path]:
+                      answer_warmup_steps: int = 0, heads: int = 4, kv_heads: int = 2) -> tuple[Path, Path]:
     """OUT/model and OUT/data/{train,eval}.jsonl; returns (model folder, data folder). With
     `answer_warmup_steps`, the model is warm-started on direct answers (`answer_warmup`); with
-    `tool_warmup_steps`, then on calculator transcripts (`tool_warmup`)."""
+    `tool_warmup_steps`, then on calculator transcripts (`tool_warmup`). `heads` / `kv_heads` over the hidden
+    size 96 (3 / 1: head size 32, what vLLM's CPU attention takes)."""
     out = Path(out)
-    model = make_qwen_like_model(out / "model", seed=seed)
+    model = make_qwen_like_model(out / "model", seed=seed, heads=heads, kv_heads=kv_heads)
     make_math_data(out / "data", seed=seed)
     if answer_warmup_steps:
         seconds = answer_warmup(model, answer_warmup_steps, eval_path=out / "data" / "eval.jsonl")
@@ -347,8 +348,12 @@ def main(argv: list[str] | None = None) -> None:
                         help="fine-tune on calculator tool-call transcripts for STEPS steps (0: none)")
     parser.add_argument("--answer-warmup", type=int, default=0, metavar="STEPS",
                         help="fine-tune on direct answers to fresh problems, STEPS steps of 16 (0: none; 300: ~58 %%)")
+    parser.add_argument("--heads", type=int, default=4, help="attention heads over hidden size 96 (3: head size 32, "
+                        "for vLLM on CPU)")
+    parser.add_argument("--kv-heads", type=int, default=2, help="key/value heads (must divide --heads)")
     args = parser.parse_args(argv)
-    model, data = make_math_example(args.out, args.seed, args.tool_warmup, args.answer_warmup)
+    model, data = make_math_example(args.out, args.seed, args.tool_warmup, args.answer_warmup, args.heads,
+                                    args.kv_heads)
     print(f"model: {model}\ndata:  {data}/train.jsonl, {data}/eval.jsonl")
 
 

@@ -26,7 +26,7 @@ class WeightsSpec(Section):
     pace: ByteSize | None = Field(default_of(MooncakeP2PTransport, "pace_bytes_per_s"),
                                   description="mooncake_p2p: push at most this many bytes per second")
     retries: int | None = Field(None, ge=0, description="re-sends of a refused version before the run fails "
-                                "(mooncake_p2p, disk, delta, broadcast); default: the transport's own")
+                                "(inproc, mooncake_p2p, disk, delta, broadcast); default: the transport's own")
     root: str | None = Field(None, description="disk: folder every engine can read (default: a temporary one)")
     sparse: bool = Field(default_of(MooncakeP2PTransport, "sparse"), description="mooncake_p2p: send each version "
                          "as element-level deltas against what the engine holds (transport = 'delta' always does)")

@@ -12,6 +12,10 @@
 The schedule counts `generate` calls per engine (scope = the engine's name). A crash is recorded as
 recovered at the engine's next call that answers; a hang at the first answer to a call made after
 the hung call was given up (other calls run on meanwhile: episodes have no batch barrier).
+
+The faults on an engine's own inference server (`engine.server_kill`, `engine.server_kill_push`,
+`engine.push_refused`: a SIGKILL by pid mid-generate or mid-push, a damaged version) are
+`stages.engines.faulty_server`'s, applied here around `generate` and `receive_weights`.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import anyio
 from pipeline.faults import FaultPlan, InjectedFault
 from pipeline.telemetry import get_logger
 from stages.engines.base import Completion, Engine, EngineError, EngineRun, SamplingParams, returns_routed_experts
+from stages.engines.faulty_server import server_faults
 
 
 class EngineCrashed(EngineError, InjectedFault):
@@ -47,6 +52,7 @@ class FaultyEngine:
         self._hang_abandoned_at = 0.0
         self._hung: anyio.Event | None = None  # set while the engine hangs
         self._kill_process = plan.isolated
+        self._server_faults = server_faults(engine, plan)
         self.log = get_logger("faults").bind(boundary="engine", engine=engine.name)
 
     async def _hang_up(self, hung: anyio.Event) -> None:
@@ -92,9 +98,17 @@ class FaultyEngine:
         await self.engine.stop()
 
     async def receive_weights(self, version: int, tensors: dict) -> None:
-        await self.engine.receive_weights(version, tensors)
+        if self._server_faults is None:
+            await self.engine.receive_weights(version, tensors)
+        else:
+            await self._server_faults.receive_weights(lambda: self.engine.receive_weights(version, tensors), version)
 
     async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        if self._server_faults is not None:
+            return await self._server_faults.generate(lambda: self._generate(prompts, params))
+        return await self._generate(prompts, params)
+
+    async def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         started = anyio.current_time()
         if self._hang is not None and self._hang.hit():
             self.log.warning("injected fault: engine hangs", seconds=self._hang.spec.delay_s)

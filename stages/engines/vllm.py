@@ -36,6 +36,7 @@ import os
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,7 @@ import anyio
 import httpx
 import numpy as np
 import torch
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_fixed
 
 from pipeline.events import report_event
 from stages.engines.base import Completion, EngineError, EngineRun, SamplingParams
@@ -57,6 +59,7 @@ from stages.weights.adapter import AdapterVersion
 
 MAX_ROUNDS = 8  # a request aborted (or lost to a dead server) this many times in a row fails the call
 CONNECT_GRACE_S = 30.0  # how long a refused connection is retried before the server counts as gone
+RESUME_TRIES = 3  # attempts at /resume after a push while the server lives (see `_resume`)
 
 
 class ServerGone(EngineError):
@@ -113,6 +116,8 @@ class VLLMEngine(ServerEngine):
         self._probe: WeightProbe | None = None
         self._rids = itertools.count()
         self._stopping = False
+        self._damage: Callable[[Path], None] | None = None  # the next push's file damage (a fault), once
+        self._restarting = False  # a restart is under way (see `_restart`)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -264,6 +269,11 @@ class VLLMEngine(ServerEngine):
             except ServerGone:
                 if self._server is None:
                     raise  # attached by url: nothing here can bring it back
+                if self._server.alive():  # a dropped connection, not a dead server: the version did not land
+                    if self._latest[0] == version:
+                        self._latest = self._held
+                    raise EngineError(f"engine {self.name}: version {version} did not land (the connection "
+                                      "dropped)") from None
                 # our server died: the next request restarts it and pushes the latest version
             except EngineError:
                 if self._latest[0] == version:  # refused: a restarted server gets what this one held
@@ -284,8 +294,7 @@ class VLLMEngine(ServerEngine):
                 self.stats["interrupted"] += len(restart)
             await self._push(version, tensors)
         finally:
-            if self._http is not None and (self._server is None or self._server.alive()):
-                await self._call("POST", "/resume", check=False)
+            await self._resume()
         if probe and self.probe_tolerance is not None:
             try:
                 await landed_check(self, version, tensors)
@@ -294,6 +303,17 @@ class VLLMEngine(ServerEngine):
                     await self._apply(*held, probe=False)
                 raise
 
+    async def _resume(self) -> None:
+        """Resume a paused server (its requests wait until then). A call the server dropped is tried again (a server
+        closes its connection after an update route fails, and the next call may take that connection from the
+        pool); a dead server is left to the restart."""
+        async for attempt in AsyncRetrying(stop=stop_after_attempt(RESUME_TRIES), wait=wait_fixed(0.1), reraise=True,
+                                           retry=retry_if_exception_type(ServerGone)):
+            with attempt:
+                if self._http is None or (self._server is not None and not self._server.alive()):
+                    return
+                await self._call("POST", "/resume", check=False)
+
     async def _push(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         """Push `version` through vLLM's update protocol (`vllm_update.push_weights`). A version the server refused
         before its update began leaves it on its weights: EngineError. A failure inside the update (the error
@@ -301,7 +321,8 @@ class VLLMEngine(ServerEngine):
         restarted on what it held before (counted), then EngineError; an attached one cannot be."""
         assert self._http is not None and self._base_url is not None
         try:
-            await self._send(version, tensors)
+            damage, self._damage = self._damage, None
+            await send_version(self, version, tensors, damage)
         except Exception as exc:
             broken = getattr(exc, "restart_server", False) or isinstance(exc, httpx.TransportError | ServerGone)
             if not broken:
@@ -316,23 +337,15 @@ class VLLMEngine(ServerEngine):
         self._version, self._held = version, (version, tensors)
         self.stats["updates"] += 1
 
-    async def _send(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
-        """One push: a delta against what the server kept where `push` is "delta" and it keeps one (counted:
-        `delta_pushes`; a server that no longer keeps it is sent the whole version: `delta_fallbacks`), else the
-        whole version. `push_bytes` counts the bytes written for the server."""
-        assert self._http is not None and self._base_url is not None
-        delta = self.push == "delta"
-        figures = None
-        if delta and self._base is not None:
-            base, self._base = self._base, None  # until this push lands, nothing is known to be kept
-            figures = await push_delta(self._http, self._base_url, version, tensors, base)
-            self.stats["delta_pushes" if figures is not None else "delta_fallbacks"] += 1
-        if figures is None:
-            self._base = None
-            await push_weights(self._http, self._base_url, version, tensors, keep=delta)
-        self.stats["push_bytes"] += figures["bytes"] if figures else sum(t.nbytes for t in tensors.values())
-        if delta:
-            self._base = await anyio.to_thread.run_sync(PushedBase.of, version, tensors)
+    def damage_next_push(self, damage: Callable[[Path], None]) -> None:
+        """Damage the next version file pushed (`damage(path)` once it is written; the `engine.push_refused`
+        fault): the server refuses it before its update starts and keeps serving what it held."""
+        self._damage = damage
+
+    @property
+    def updating(self) -> bool:
+        """Whether a version is being pushed now (paused, pushed, resumed, probed)."""
+        return self._update_lock is not None and self._update_lock.locked()
 
     # -- HTTP and recovery ---------------------------------------------------------------------
     async def _call(self, method: str, path: str, body: dict | None = None, params: dict | None = None,
@@ -368,6 +381,7 @@ class VLLMEngine(ServerEngine):
         async with self._restart_lock:
             if self._server is None:
                 raise EngineError(f"engine {self.name}: server {self._base_url} is gone (not baton's to restart)")
+            await self._restarted_elsewhere()
             if self._server.alive():
                 try:
                     await self._call("GET", "/health")
@@ -378,8 +392,28 @@ class VLLMEngine(ServerEngine):
             if self._latest is not None:
                 await self._push(*self._latest)
 
+    async def _restarted_elsewhere(self) -> bool:
+        """Wait while another caller restarts the server (a failed push restarts it outside the restart lock);
+        True when one did."""
+        waited = False
+        while self._restarting:
+            waited = True
+            await anyio.sleep(0.1)
+        return waited
+
     async def _restart(self, why: str) -> None:
-        """Stop our server and start it again on its checkpoint (counted: `stats["restarts"]`)."""
+        """Stop our server and start it again on its checkpoint (counted: `stats["restarts"]`). One restart at a
+        time: a caller that finds one under way waits for it instead of stopping the server it is starting."""
+        assert self._server is not None
+        if await self._restarted_elsewhere() and self._server.alive():
+            return
+        self._restarting = True
+        try:
+            await self._restart_now(why)
+        finally:
+            self._restarting = False
+
+    async def _restart_now(self, why: str) -> None:
         assert self._server is not None
         if self.stats["restarts"] >= self.max_restarts:
             raise EngineError(f"engine {self.name}: server needs a restart ({why}) after {self.max_restarts}")
@@ -430,3 +464,24 @@ async def landed_check(engine: VLLMEngine, version: int, tensors: dict[str, torc
                            f"logprobs differ from the version's weights by {gap:.3g} "
                            f"(tolerance {expected.tolerance:g})")
     return gap
+
+
+async def send_version(engine: VLLMEngine, version: int, tensors: dict[str, torch.Tensor],
+                       damage: Callable[[Path], None] | None = None) -> None:
+    """One push into `engine`'s server: a delta against what the server kept where `push` is "delta" and it
+    keeps one (counted: `delta_pushes`; a server that no longer keeps it is sent the whole version:
+    `delta_fallbacks`), else the whole version. `push_bytes` counts the bytes written for the server; `damage`: the push_refused fault's
+    hook, on a whole version."""
+    assert engine._http is not None and engine._base_url is not None
+    delta = engine.push == "delta"
+    figures = None
+    if delta and engine._base is not None and damage is None:
+        base, engine._base = engine._base, None  # until this push lands, nothing is known to be kept
+        figures = await push_delta(engine._http, engine._base_url, version, tensors, base)
+        engine.stats["delta_pushes" if figures is not None else "delta_fallbacks"] += 1
+    if figures is None:
+        engine._base = None
+        await push_weights(engine._http, engine._base_url, version, tensors, keep=delta, damage=damage)
+    engine.stats["push_bytes"] += figures["bytes"] if figures else sum(t.nbytes for t in tensors.values())
+    if delta:
+        engine._base = await anyio.to_thread.run_sync(PushedBase.of, version, tensors)

@@ -36,6 +36,7 @@ import json
 import os
 import tempfile
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -142,15 +143,19 @@ def version_path(version: int, folder: Path = SHM) -> Path:
 
 
 async def push_weights(client: httpx.AsyncClient, base_url: str, version: int,
-                       tensors: dict[str, torch.Tensor], checksum: str = CHECKSUM, keep: bool = False) -> None:
+                       tensors: dict[str, torch.Tensor], checksum: str = CHECKSUM, keep: bool = False,
+                       damage: Callable[[Path], None] | None = None) -> None:
     """Put `version` into the server whole, tagged str(version) (see the module docstring);
     `VersionRefused` or `UpdateFailed` when it did not land. `keep`: the server keeps it as the base of the
-    next delta (`stages.engines.vllm_delta`)."""
+    next delta (`stages.engines.vllm_delta`). `damage`, given the written file before the server reads it, is
+    the `engine.push_refused` fault's hook (`damage_file`)."""
     import anyio
 
     path = version_path(version)
     try:
         await anyio.to_thread.run_sync(write_version_file, path, version, tensors, checksum)
+        if damage is not None:
+            damage(path)
         await push_file(client, base_url, version, path, keep)
     finally:
         path.unlink(missing_ok=True)
@@ -164,6 +169,18 @@ async def push_file(client: httpx.AsyncClient, base_url: str, version: int, path
     await _post(client, f"{base}/start_weight_update", {}, UpdateFailed, version)
     await _post(client, f"{base}/update_weights", {"update_info": {"version": version}}, UpdateFailed, version)
     await _post(client, f"{base}/finish_weight_update", {"weight_version": str(version)}, UpdateFailed, version)
+
+
+def damage_file(path: Path) -> None:
+    """Flip the first byte of the first tensor in a written version file (at the data's offset 0, so its
+    bucket's checksum fails on the server)."""
+    with open(path, "r+b") as f:
+        head = f.read(16)
+        start = -(-(16 + int.from_bytes(head[8:16], "little")) // ALIGN) * ALIGN
+        f.seek(start)
+        byte = f.read(1)
+        f.seek(start)
+        f.write(bytes([byte[0] ^ 0xFF]))
 
 
 async def _post(client: httpx.AsyncClient, url: str, body: dict, error: type[VllmPushError], version: int) -> None:
@@ -206,4 +223,4 @@ async def check_landed(client: httpx.AsyncClient, base_url: str, model: str, ver
 
 
 __all__ = ["SERVER_FLAGS", "SERVER_ENV", "VersionRefused", "UpdateFailed", "VllmPushError", "WeightProbe",
-           "push_weights", "check_landed", "write_version_file"]
+           "push_weights", "check_landed", "write_version_file", "damage_file"]

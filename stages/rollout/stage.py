@@ -137,17 +137,21 @@ class Rollout:
     def actors(self, ctx: RunContext, inbox: Channel | None, outbox: Channel | None) -> list[RolloutWorker]:
         """One worker per engine of this process; in gateway mode the first hosts the process's gateway."""
         assert outbox is not None
-        ctx.services.weight_receivers.extend(self.engines)
-        ctx.services.mailboxes.update(engine_mailboxes(self.engines, self.transport))  # weights from other processes
         for engine in self.engines:
             engine.attach(EngineRun(policy=ctx.policy, log_dir=ctx.folder.path))
         plan = plan_of(ctx)
         if plan is not None and plan.planned("engine.hang") and self.limits.request_timeout_s is None:
             raise FaultPlanError("fault engine.hang needs rollout.request_timeout_s (e.g. 30) to turn a hang into "
                                  "an error; set it, or remove the fault")
-        # engine faults wrap only what the worker calls; weight receivers keep the engine itself
-        workers = [self.worker(with_engine_faults(engine, plan), ctx.services.store, ctx, outbox, self._task_of(i), i,
-                               receiver=engine) for i, engine in enumerate(self.engines)]
+        wrapped = [with_engine_faults(engine, plan) for engine in self.engines]
+        # engine faults wrap what the worker calls; weight receivers keep the engine itself unless a fault acts on
+        # the pushes (engine.server_kill_push, engine.push_refused)
+        pushes = plan is not None and plan.planned("engine.server_kill_push", "engine.push_refused")
+        receivers = wrapped if pushes else self.engines
+        ctx.services.weight_receivers.extend(receivers)
+        ctx.services.mailboxes.update(engine_mailboxes(receivers, self.transport))  # weights from other processes
+        workers = [self.worker(engine, ctx.services.store, ctx, outbox, self._task_of(i), i, receiver=receivers[i])
+                   for i, engine in enumerate(wrapped)]
         if self.gateway is not None:
             workers[0].host = RolloutHost(workers, self.group_size, self.stop_token_ids)
         return workers

@@ -30,11 +30,12 @@ import pytest
 import torch
 
 from baton.fault_matrix import ELASTIC, RunOutcome, run_one
-from pipeline.faults import FAULT_KINDS
+from pipeline.faults import FAULT_KINDS, SERVER_FAULT_KINDS
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "configs" / "faults.toml")
+TORCH_KINDS = [k for k in FAULT_KINDS if k not in SERVER_FAULT_KINDS]  # the vLLM rows: test_fault_matrix_vllm.py
 PROCESS_LEVEL = ("engine.crash", "store.holder_crash", "store.master_restart", "learner.crash")
 
 
@@ -95,14 +96,14 @@ TWO_RANKS = ("learner.rank_crash",)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.nightly) if k in TWO_RANKS or k in ELASTIC
-                                  else k for k in FAULT_KINDS])
+                                  else k for k in TORCH_KINDS])
 def test_each_fault_on_mooncake_local(kind: str, tmp_path: Path, model_path: str) -> None:
     check(run(kind, 0, tmp_path, model_path))
 
 
 @pytest.mark.nightly
 @pytest.mark.parametrize("seed", [1, 2])  # seed 0 runs in the default suite; `baton faults --seeds N` runs more
-@pytest.mark.parametrize("kind", FAULT_KINDS)
+@pytest.mark.parametrize("kind", TORCH_KINDS)
 def test_each_fault_on_mooncake_local_more_seeds(kind: str, seed: int, tmp_path: Path, model_path: str) -> None:
     check(run(kind, seed, tmp_path, model_path))
 

@@ -172,6 +172,35 @@ async def test_a_refused_push_is_retried_and_then_surfaced_never_reported_done()
     assert receiver.versions == [], "nothing was delivered, and the push did not claim it was"
 
 
+async def test_an_engine_refusal_is_counted_and_the_version_sent_again() -> None:
+    class RefusesOnce(Receiver):
+        async def receive_weights(self, version: int, tensors: dict) -> None:
+            if not self.refused:
+                self.refused = True
+                raise RuntimeError("version file damaged: checksum")
+            await super().receive_weights(version, tensors)
+
+    receiver = RefusesOnce()
+    receiver.refused = False
+    transport = InprocTransport()
+    transport.subscribe(receiver)
+    await transport.publish(1, {"w": torch.ones(3)})
+    assert receiver.versions == [1] and transport.stats["refused"] == 1
+
+
+def test_server_faults_need_an_engine_that_launched_its_server() -> None:
+    from stages.engines.vllm import VLLMEngine
+
+    attached = VLLMEngine("model", url="http://127.0.0.1:9")
+    with pytest.raises(FaultPlanError, match="engine.kind = 'vllm', no engine.urls.*attached by url"):
+        with_engine_faults(attached, FaultPlan([FaultSpec("engine.server_kill", at=(1,))]))
+    in_process = SimpleNamespace(name="torch-0")
+    with pytest.raises(FaultPlanError, match=r"engine.push_refused needs .*\(engine.kind = 'vllm'\)"):
+        with_engine_faults(in_process, FaultPlan([FaultSpec("engine.push_refused", at=(1,))]))
+    launched = VLLMEngine("model")  # unstarted: nothing is launched until start
+    assert with_engine_faults(launched, FaultPlan([FaultSpec("engine.server_kill_push", at=(1,))])) is not launched
+
+
 async def test_engine_crash_raises_a_typed_engine_error_after_the_work_is_lost() -> None:
     class Engine:
         name, version = "e", 0

@@ -114,3 +114,27 @@ def test_routing_replay_with_vllm_is_refused_at_check(tmp_path: Path) -> None:
         validate(RunConfig, data)
     data["learner"]["routing_replay"] = "off"
     assert validate(RunConfig, data).engine.kind == "vllm"
+
+
+def test_a_resume_on_a_connection_the_server_dropped_is_sent_again() -> None:
+    """After a failed update route the server closes its connection; the /resume that follows may take it from the
+    pool and see it dropped. The engine sends /resume again, so a refused push never leaves the server paused."""
+    import anyio
+    import httpx
+
+    calls: list[str] = []
+
+    def server(request: httpx.Request) -> httpx.Response:
+        calls.append(request.url.path)
+        if len(calls) == 1:
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+        return httpx.Response(200, json={})
+
+    async def resume() -> None:
+        engine = VLLMEngine("model", url="http://127.0.0.1:9")
+        engine._http, engine._base_url = httpx.AsyncClient(transport=httpx.MockTransport(server)), engine.url
+        await engine._resume()
+        await engine._http.aclose()
+
+    anyio.run(resume)
+    assert calls == ["/resume", "/resume"]

@@ -26,6 +26,7 @@ from stages.environments.render import ChatRenderer
 from stages.environments.tool_env import ToolError, tool_message
 from stages.rollout import Rollout
 from stages.rollout.episode import EpisodeLimits
+from tests.helpers.engines import VLLM_MISSING
 from tests.helpers.ledger_checks import check_ledger
 from tests.helpers.workers import Recorder, worker_for
 from tools.make_math_example import make_math_data, make_qwen_like_model, tool_warmup
@@ -198,6 +199,32 @@ def test_baton_check_accepts_agent_tools_toml(example: Path) -> None:
     proc = baton("check", str(TOOLS), *paths(example))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert 'kind = "calculator"' in proc.stdout and "max_tokens = 1280" in proc.stdout
+
+
+@pytest.fixture(scope="module")
+def vllm_example(tmp_path_factory) -> Path:
+    """The example shaped for vLLM's CPU attention: 3 heads over hidden size 96 (head size 32)."""
+    out = tmp_path_factory.mktemp("math-tools-vllm")
+    tool_warmup(make_qwen_like_model(out / "model", heads=3, kv_heads=1))
+    make_math_data(out / "data", train=32, eval=4)
+    return out
+
+
+@pytest.mark.long  # a real vLLM server: ~1-3 min to start on 2 shared cores
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(bool(VLLM_MISSING), reason=VLLM_MISSING)
+def test_baton_run_agent_tools_toml_on_vllm(vllm_example: Path) -> None:
+    """The config with `--set engine.kind='vllm'`: multi-turn tool episodes on a vLLM server, a clean ledger."""
+    proc = baton("run", str(TOOLS), *paths(vllm_example), "--set", "steps=3", "--set", "engine.kind='vllm'")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["version"] == 3 and summary["ledger_balanced"]
+    check_ledger(Path(summary["run_dir"]), bound=2)
+    metrics = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    print("vllm tool runs:", [(m.get("turns_mean"), m.get("episode/tool_calls")) for m in metrics])
+    assert max(m["turns_mean"] for m in metrics) > 1, "episodes went on after a tool reply"
 
 
 @pytest.mark.long  # a slow integration run: in the long suite

@@ -23,6 +23,7 @@ from stages.environments.base import Tool, ToolCall
 from stages.environments.render import ChatRenderer
 from stages.environments.tool_calls import render_tool_calls
 from stages.gateway import EngineHost, Gateway, Limits, make_token_file
+from tests.helpers.engines import SGLANG_MISSING, VLLM_MISSING
 from tools.make_math_example import make_qwen_like_model
 
 pytestmark = pytest.mark.anyio
@@ -148,18 +149,22 @@ async def test_recorded_ids_are_the_engines_ids(model, tokenizer):
     await two_recorded_turns(model, tokenizer)
 
 
-@pytest.mark.sglang
 @pytest.mark.long
-async def test_recorded_ids_are_the_engines_ids_on_a_real_sglang_server(model, tokenizer, tmp_path):
-    """The same two turns with a real SGLang server (CPU) behind the gateway."""
+@pytest.mark.parametrize("kind", [
+    pytest.param("sglang", marks=[pytest.mark.sglang, pytest.mark.skipif(bool(SGLANG_MISSING), reason=SGLANG_MISSING)]),
+    pytest.param("vllm", marks=[pytest.mark.vllm, pytest.mark.timeout(900),
+                                pytest.mark.skipif(bool(VLLM_MISSING), reason=VLLM_MISSING)]),
+])
+async def test_recorded_ids_are_the_engines_ids_on_a_real_server(kind, model, tokenizer, tmp_path):
+    """The same two turns with a real server engine (CPU) behind the gateway: SGLang's on the session's model,
+    vLLM's on the same model shaped for its CPU attention (3 heads over hidden size 96: head size 32)."""
     from stages.engines.sglang import SGLangEngine
-    from stages.engines.sglang_server import SGLangUnavailable, sglang_python
+    from stages.engines.vllm import VLLMEngine
 
-    try:
-        sglang_python()
-    except SGLangUnavailable as exc:
-        pytest.skip(str(exc))
-    engine = SGLangEngine(model, name="sglang-gateway", log_dir=tmp_path)
+    if kind == "vllm":
+        model = make_qwen_like_model(tmp_path / "hd32", seed=0, heads=3, kv_heads=1)
+        tokenizer = load_tokenizer(model)
+    engine = (SGLangEngine if kind == "sglang" else VLLMEngine)(model, name=f"{kind}-gateway", log_dir=tmp_path)
     await engine.start()
     try:
         await two_recorded_turns(model, tokenizer, started=[engine])

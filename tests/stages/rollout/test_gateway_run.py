@@ -17,24 +17,34 @@ from stages.gateway.host import OverBudget
 from stages.rollout import Room
 from stages.rollout.episode import Episode, EpisodeFailed
 from stages.rollout.gateway_worker import RolloutHost
+from tests.helpers.engines import VLLM_MISSING
 from tests.helpers.ledger_checks import check_ledger
 from tests.helpers.runs import baton_run
 from tools.make_math_example import make_math_data, make_qwen_like_model
 
+# vLLM's CPU attention takes head sizes 32, 64, ... only: its model has 2 heads at hidden size 64
+SHAPES = {"torch": {"hidden_size": 32, "layers": 1},
+          "vllm": {"hidden_size": 64, "layers": 1, "heads": 2, "kv_heads": 1}}
+
 
 @pytest.mark.slow
 @pytest.mark.long  # CI time: in the long suite (tests/stages/gateway keeps the gateway in the suite)
-@pytest.mark.parametrize("crash", [False, True], ids=["clean", "engine-crash"])
-def test_an_openai_agent_trains_through_the_gateway(tmp_path: Path, crash: bool) -> None:
-    model = make_qwen_like_model(tmp_path / "math-model", hidden_size=32, layers=1)
+@pytest.mark.parametrize(("engine", "crash"), [
+    ("torch", False), ("torch", True),
+    pytest.param("vllm", False, marks=[pytest.mark.vllm, pytest.mark.timeout(900),
+                                       pytest.mark.skipif(bool(VLLM_MISSING), reason=VLLM_MISSING)]),
+], ids=["clean", "engine-crash", "vllm"])
+def test_an_openai_agent_trains_through_the_gateway(tmp_path: Path, engine: str, crash: bool) -> None:
+    model = make_qwen_like_model(tmp_path / "math-model", **SHAPES[engine])
     train, _ = make_math_data(tmp_path / "data", train=32, eval=8)
     faults = ["faults=[{kind='engine.crash', at=[4, 9]}]"] if crash else []
     s = baton_run(tmp_path, "agent-gateway.toml", "steps=3", f"model.path='{model}'", f"task.path='{train}'",
-                  "task.max_new_tokens=16", "gateway.agents=64", "learner.groups_per_step=8", *faults)
+                  "task.max_new_tokens=16", "gateway.agents=64", "learner.groups_per_step=8",
+                  f"engine.kind='{engine}'", *faults)
     run_dir = Path(s["run_dir"])
     assert s["version"] == 3 and s["ledger_balanced"]
     assert s["samples"]["trained"] == 3 * 8 * 4  # 64 agents at once; the gate admits 24 groups of 4
-    served = json.loads((run_dir / "gateway-torch-0.json").read_text())
+    served = json.loads((run_dir / f"gateway-{engine}-0.json").read_text())
     assert served["base_url"].startswith("http://127.0.0.1:")
     token = Path(served["token_file"])
     assert stat.S_IMODE(token.stat().st_mode) == 0o600 and len(token.read_text().strip()) >= 32

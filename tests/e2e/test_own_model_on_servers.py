@@ -1,6 +1,7 @@
-"""The Qwen2-shaped chat checkpoint of the math example on a real SGLang server (CPU): chat prompts
-through the rollout, recorded tokens that decode to the ChatML prompt and the completion, generation
-that never runs past a stop token. Skipped, with the reason, when no SGLang environment exists."""
+"""The Qwen2-shaped chat checkpoint of the math example on a real server engine (CPU), SGLang's and vLLM's: chat
+prompts through the rollout, recorded tokens that decode to the ChatML prompt and the completion, generation
+that never runs past a stop token. Each engine's case is skipped, with the reason, when its environment is
+missing. vLLM's CPU attention takes head sizes 32, 64, ... only, so its model has 2 heads at hidden size 64."""
 
 from __future__ import annotations
 
@@ -11,19 +12,17 @@ from buffers.memory import MemoryStore
 from stages.data.datasets import DatasetTask
 from stages.data.model import load_tokenizer
 from stages.engines.sglang import SGLangEngine
-from stages.engines.sglang_server import SGLangUnavailable, sglang_python
+from stages.engines.vllm import VLLMEngine
 from stages.rollout import Rollout
+from tests.helpers.engines import SGLANG_MISSING, VLLM_MISSING
 from tests.helpers.workers import Recorder, batches_with_their_prompts, worker_for
 from tools.make_math_example import make_math_data, make_qwen_like_model
 
-try:
-    sglang_python()
-    _MISSING = ""
-except SGLangUnavailable as exc:
-    _MISSING = str(exc)
-
-pytestmark = [pytest.mark.anyio, pytest.mark.sglang, pytest.mark.slow, pytest.mark.nightly,
-              pytest.mark.skipif(bool(_MISSING), reason=_MISSING)]
+pytestmark = [pytest.mark.anyio, pytest.mark.slow]
+ENGINES = {  # kind: (engine class, model shape)
+    "sglang": (SGLangEngine, {"hidden_size": 32, "layers": 1}),
+    "vllm": (VLLMEngine, {"hidden_size": 64, "layers": 1, "heads": 2, "kv_heads": 1}),
+}
 
 
 @pytest.fixture(scope="module")
@@ -31,12 +30,19 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-async def test_chat_prompts_end_to_end_on_sglang(tmp_path) -> None:
+@pytest.mark.parametrize("kind", [
+    pytest.param("sglang", marks=[pytest.mark.sglang, pytest.mark.nightly,
+                                  pytest.mark.skipif(bool(SGLANG_MISSING), reason=SGLANG_MISSING)]),
+    pytest.param("vllm", marks=[pytest.mark.vllm, pytest.mark.long,
+                                pytest.mark.skipif(bool(VLLM_MISSING), reason=VLLM_MISSING)]),
+])
+async def test_chat_prompts_end_to_end_on_a_server_engine(kind: str, tmp_path) -> None:
     torch.set_num_threads(1)
-    model = make_qwen_like_model(tmp_path / "model", hidden_size=32, layers=1)
+    engine_class, shape = ENGINES[kind]
+    model = make_qwen_like_model(tmp_path / "model", **shape)
     train, _ = make_math_data(tmp_path / "data", train=16, eval=4)
     task = DatasetTask(train, prompt_field="question", system_prompt="Be brief.", max_new_tokens=24)
-    engine = SGLangEngine(model, name="sglang-own", log_dir=tmp_path)
+    engine = engine_class(model, name=f"{kind}-own", log_dir=tmp_path)
     await engine.start()
     try:
         rollout = Rollout(task, [engine], tokenizer=model, group_size=4, batch_groups=2, reward="math_verify")
