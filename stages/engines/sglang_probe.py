@@ -7,7 +7,8 @@ adapter's landed check does: `stages.engines.sglang_lora`) and compares them wit
 give in a torch forward of the model folder's architecture in the server's precision, run here on CPU with the
 tensors the engine was handed (a bfloat16 server against a bfloat16 forward: on the tiny MoE a float32 forward
 differed from vLLM's bfloat16 server by up to 0.092 after a push, a bfloat16 one by 0.0075). They must agree
-within `tolerance`, relative beyond 1 (`stages.weights.adapter.Probe`'s measure); else the version is refused (`PushMismatch`).
+within `tolerance`, relative beyond 1 (`stages.weights.adapter.Probe`'s measure); else the version is refused
+(`PushMismatch`).
 
 Every full-weight version is probed, dense or mixture-of-experts, and the folder's own weights at start
 (version 0). In float32 the server and the reference agree to 1e-7 (the bound is 1e-5); in bfloat16 the bound

@@ -470,8 +470,8 @@ async def send_version(engine: VLLMEngine, version: int, tensors: dict[str, torc
                        damage: Callable[[Path], None] | None = None) -> None:
     """One push into `engine`'s server: a delta against what the server kept where `push` is "delta" and it
     keeps one (counted: `delta_pushes`; a server that no longer keeps it is sent the whole version:
-    `delta_fallbacks`), else the whole version. `push_bytes` counts the bytes written for the server; `damage`: the push_refused fault's
-    hook, on a whole version."""
+    `delta_fallbacks`), else the whole version. `push_bytes` counts the bytes written for the server;
+    `damage`: the push_refused fault's hook, on a whole version."""
     assert engine._http is not None and engine._base_url is not None
     delta = engine.push == "delta"
     figures = None
