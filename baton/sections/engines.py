@@ -69,17 +69,14 @@ def max_loaded_loras_field() -> Any:
 
 class ServesLora:
     """The keys and helpers of a server engine section that serves LoRA adapters (`max_lora_rank`,
-    `max_loaded_loras`, `extra_args`, declared by each section class)."""
-
-    max_lora_rank: int | None
-    max_loaded_loras: int | None
-    extra_args: list[str]
+    `max_loaded_loras`, `extra_args`, declared by each section class: annotated here, pydantic would make them
+    fields of its own, first in the key order)."""
 
     def lora_rank_limit(self) -> int | None:
         """The largest adapter rank the server takes: `max_lora_rank`, or a --max-lora-rank in `extra_args`."""
-        if self.max_lora_rank is not None:
-            return self.max_lora_rank
-        args = list(self.extra_args)
+        if self.max_lora_rank is not None:  # type: ignore[attr-defined]
+            return self.max_lora_rank  # type: ignore[attr-defined]
+        args = list(self.extra_args)  # type: ignore[attr-defined]
         if "--max-lora-rank" in args and args.index("--max-lora-rank") + 1 < len(args):
             return int(args[args.index("--max-lora-rank") + 1])
         return None
@@ -90,7 +87,8 @@ class ServesLora:
         if ctx.lora is None:
             return None
         return LoraServing(max_rank=self.lora_rank_limit() or ctx.lora.rank,
-                           target_modules=tuple(ctx.lora.target_modules), max_loaded=self.max_loaded_loras or ctx.k + 2)
+                           target_modules=tuple(ctx.lora.target_modules),
+                           max_loaded=self.max_loaded_loras or ctx.k + 2)  # type: ignore[attr-defined]
 
 
 def probe_tolerance_field(engine: type) -> Any:
