@@ -84,8 +84,8 @@ def fit_adapter(engine: str, serving: LoraServing | None, version: int, spec: Ad
         problems.append(f"rank {spec.rank} is above the server's --max-lora-rank {serving.max_rank}")
     outside = [m for m in spec.target_modules if m not in serving.target_modules]
     if outside:
-        problems.append(f"targets {outside} are not among the server's --lora-target-modules "
-                        f"{list(serving.target_modules)}")
+        problems.append(f"targets {outside} are not among the modules the server was launched to adapt "
+                        f"{list(serving.target_modules)} (learner.lora.target_modules)")
     try:
         adapter_pairs(spec, tensors, shapes)
     except AdapterError as exc:
