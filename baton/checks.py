@@ -22,6 +22,8 @@ from policies.staleness import MaxStaleness, reuse_lead
 from stages.data.model import check_model_folder, linear_module_names
 from stages.data.routing import folder_moe_layout
 from stages.engines.vllm import VLLMEngine
+from stages.engines.vllm_lora import RANKS as VLLM_RANKS
+from stages.engines.vllm_lora import target_problem as vllm_target_problem
 from stages.learner.experts import check_expert_parallel
 from stages.learner.lora import check_targets
 from stages.learner.losses import auto_entropy_cap
@@ -92,7 +94,8 @@ def learner_ranks_fit(cfg: RunConfig) -> None:
 
 def lora_fits(cfg: RunConfig) -> None:
     """LoRA's settings fit the model and the engine, before anything starts: target modules the model
-    has, a rank the SGLang server takes, room for the staleness window's adapters, a way in for them."""
+    has (and the engine serves), a rank the server takes, room for the staleness window's adapters, a way in
+    for them."""
     lora = cfg.learner.lora if isinstance(cfg.learner, GRPOSpec) else None
     if lora is None:
         return
@@ -100,18 +103,22 @@ def lora_fits(cfg: RunConfig) -> None:
     lora.spec()  # its own checks (target_experts with dropout)
     if lora.target_experts:
         lora_experts_fit(cfg)
-    if not isinstance(cfg.engine, SGLangEngineSpec):
+    if isinstance(cfg.engine, VLLMEngineSpec) and (problem := vllm_target_problem(lora.target_modules)):
+        raise ValueError(f"learner.lora.target_modules = {list(lora.target_modules)} with engine.kind = 'vllm': "
+                         f"{problem}")
+    if not isinstance(cfg.engine, SGLangEngineSpec | VLLMEngineSpec):
         return
     engine, k = cfg.engine, cfg.staleness.k if isinstance(cfg.staleness, MaxStalenessSpec) else None
-    limit = engine.lora_rank_limit()
+    server = "SGLang" if isinstance(engine, SGLangEngineSpec) else "vLLM"
+    limit = engine.lora_rank_limit() or (VLLM_RANKS[-1] if server == "vLLM" else None)
     if limit is not None and lora.rank > limit:
-        raise ValueError(f"learner.lora.rank = {lora.rank} is above the SGLang server's --max-lora-rank {limit} "
-                         "(engine.max_lora_rank or engine.extra_args): it would refuse every adapter; lower "
-                         "learner.lora.rank or raise engine.max_lora_rank")
+        raise ValueError(f"learner.lora.rank = {lora.rank} is above the {server} server's --max-lora-rank {limit} "
+                         "(engine.max_lora_rank or engine.extra_args; vLLM's largest: 512): it would refuse every "
+                         "adapter; lower learner.lora.rank or raise engine.max_lora_rank")
     if k is not None and engine.max_loaded_loras is not None and engine.max_loaded_loras < k + 2:
         raise ValueError(f"engine.max_loaded_loras = {engine.max_loaded_loras}, but staleness.k = {k} keeps up "
                          f"to k + 1 adapters in use plus the one loading; set it to at least {k + 2} (or unset)")
-    if engine.update == "distributed":
+    if isinstance(engine, SGLangEngineSpec) and engine.update == "distributed":
         raise ValueError("engine.update = 'distributed' moves full weights only; SGLang loads LoRA adapters from "
                          "tensors or a folder: with learner.lora set engine.update = 'tensor' (same host) or "
                          "'disk' (a folder the server reads)")
@@ -128,6 +135,8 @@ def lora_experts_fit(cfg: RunConfig) -> None:
             f"model.path = {cfg.model.path!r} is not a mixture of experts"
         raise ValueError(f"learner.lora.target_experts = true adapts a mixture of experts' experts, but {where}: set "
                          "learner.lora.target_experts = false (the adapter then targets target_modules)")
+    if isinstance(cfg.engine, VLLMEngineSpec):
+        raise ValueError(f"learner.lora.target_experts = true: {vllm_target_problem((), target_experts=True)}")
     if isinstance(cfg.engine, SGLangEngineSpec):
         raise ValueError("learner.lora.target_experts = true: SGLang does not serve adapters on the experts here (its "
                          "MoE LoRA needs CUDA kernels and per-expert adapters); set learner.lora.target_experts = "

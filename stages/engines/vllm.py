@@ -23,9 +23,14 @@ never imports vllm. The same contract as `SGLangEngine` (`tests/contracts/test_e
   is restarted, the latest weights are pushed again, the requests in flight are generated again from their
   prompts; `stats["restarts"]` counts it (event `engine.restarted`). One that cannot be brought back, or an
   attached one, raises `EngineError`.
+* **adapters** (`lora=LoraServing(...)`, a LoRA run): the server is launched with vLLM's runtime LoRA, each
+  `AdapterVersion` is written as a PEFT folder, checked, and loaded as `policy-v{N}`; every request names the
+  adapter of the version it started under as its `model` and holds it until it ends; what stays loaded, when an
+  adapter may go and its landed check (the probe under the adapter, within `probe_tolerance`):
+  `stages.engines.vllm_lora`. No pause, no weight update: the base never changes.
 * **capabilities**: no routed experts (`returns_routed_experts = False`): vLLM returns them only with Model
-  Runner V2, which needs Triton, absent on CPU; routing replay with vLLM is refused at `baton check`. No LoRA
-  adapter versions yet (an `AdapterVersion` raises `EngineError`).
+  Runner V2, which needs Triton, absent on CPU; routing replay with vLLM is refused at `baton check`. Adapters on
+  linear layers only (not `lm_head`, not a mixture of experts' experts: `vllm_lora.target_problem`).
 """
 
 from __future__ import annotations
@@ -50,12 +55,15 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt,
 from pipeline.events import report_event
 from stages.engines.base import Completion, EngineError, EngineRun, SamplingParams
 from stages.engines.server_engine import ServerEngine
+from stages.engines.sglang_lora import LoraServing, fit_adapter
 from stages.engines.sglang_probe import PushMismatch, WeightProbe, checkpoint_shapes, dtype_tolerance
-from stages.engines.vllm_delta import PushedBase, push_delta
+from stages.engines.vllm_delta import PushedBase
+from stages.engines.vllm_lora import SERVER_ENV as LORA_ENV
+from stages.engines.vllm_lora import VllmAdapters, launch_args, target_problem
 from stages.engines.vllm_protocol import ABORT, GENERATE, completion_of, generate_body, internal_id
 from stages.engines.vllm_server import ServerFailed, VLLMServer, head_dim_problem
-from stages.engines.vllm_update import push_weights
-from stages.weights.adapter import AdapterVersion
+from stages.engines.vllm_versions import fit_version, landed_check, send_version
+from stages.weights.adapter import AdapterVersion, base_fingerprint
 
 MAX_ROUNDS = 8  # a request aborted (or lost to a dead server) this many times in a row fails the call
 CONNECT_GRACE_S = 30.0  # how long a refused connection is retried before the server counts as gone
@@ -88,6 +96,7 @@ class VLLMEngine(ServerEngine):
     # each pushed version is checked by the server's probe logprobs against a forward of its tensors in its precision
     # (sglang_probe.WeightProbe), never by the update's status alone; None: not checked
     probe_tolerance: float | None = 1e-5
+    lora: LoraServing | None = None  # serve LoRA adapters (a LoRA run's versions): stages.engines.vllm_lora
     request_timeout_s: float = 600.0
     log_dir: str | Path | None = None
     policy: Any = None  # the run's staleness policy (its `interrupt`), from `attach`
@@ -101,10 +110,17 @@ class VLLMEngine(ServerEngine):
         if self.push not in ("full", "delta"):
             raise ValueError(f"engine.push = {self.push!r}: use 'full' (whole versions) or 'delta' (sparse deltas "
                              "against the version the server kept)")
+        if self.lora is not None and (problem := target_problem(self.lora.target_modules)):
+            raise ValueError(f"engine {self.name}: {problem}")
         self._version = 0
+        self._latest: tuple[int, dict[str, torch.Tensor] | AdapterVersion] | None = None  # a restarted server's
+        self._held: tuple[int, dict[str, torch.Tensor] | AdapterVersion] | None = None  # the server's, pushed last
+        self._adapters = VllmAdapters(self.name, self.lora, self._call, self.stats)
+        self._adapters.tolerance = None if self.probe_tolerance is None else \
+            dtype_tolerance(self.probe_tolerance, self.dtype)
+        self._folder_print: str | None = None  # the model folder's fingerprint (stages.weights.adapter), once an
+        # adapter came
         self._base: PushedBase | None = None  # push "delta": what the server kept (None: it keeps nothing)
-        self._latest: tuple[int, dict[str, torch.Tensor]] | None = None  # what a restarted server is given
-        self._held: tuple[int, dict[str, torch.Tensor]] | None = None  # what the server holds, pushed last
         self._server: VLLMServer | None = None
         self._base_url: str | None = None
         self._http: httpx.AsyncClient | None = None
@@ -132,6 +148,7 @@ class VLLMEngine(ServerEngine):
         self._stopping = False
         self._update_lock, self._restart_lock = anyio.Lock(), anyio.Lock()
         self._base_url = self.url.rstrip("/") if self.url else None
+        self._adapters.log_dir = Path(self.log_dir) if self.log_dir else None
         if self.url is None:
             if problem := head_dim_problem(self.model_path):
                 raise EngineError(f"engine {self.name}: {problem}")
@@ -139,7 +156,9 @@ class VLLMEngine(ServerEngine):
             self._server = VLLMServer(
                 self.model_path, python=self.python, port=self.port, dtype=self.dtype,
                 max_model_len=self.max_model_len, kv_cache_gib=self.kv_cache_gib, threads=self.threads,
-                extra_args=tuple(self.extra_args), log_path=log_dir / f"vllm-{self.name}-{os.getpid()}.log",
+                extra_args=(*self.extra_args, *(launch_args(self.lora) if self.lora is not None else ())),
+                env=LORA_ENV if self.lora is not None else {},
+                log_path=log_dir / f"vllm-{self.name}-{os.getpid()}.log",
             )
             try:
                 await self._server.start()
@@ -179,6 +198,7 @@ class VLLMEngine(ServerEngine):
         self._stopping = True
         for scope in list(self._scopes):
             scope.cancel()
+        await self._adapters.close()
         if self._http is not None:
             await self._http.aclose()
             self._http = None
@@ -216,10 +236,14 @@ class VLLMEngine(ServerEngine):
 
     async def _generate_once(self, prompt: list[int], params: SamplingParams) -> Completion | None:
         rid = f"{self.name}-{uuid.uuid4().hex[:8]}-{next(self._rids)}"
-        submitted = self._version
+        adapter = self._adapters.acquire([rid])  # the request runs under it to its end (vllm_lora)
+        submitted = adapter[1] if adapter is not None else self._version
         self._inflight[rid] = submitted
+        body = generate_body(rid, prompt, params, submitted)
+        if adapter is not None:
+            body["model"] = adapter[0]
         try:
-            answer = await self._call("POST", GENERATE, generate_body(rid, prompt, params, submitted))
+            answer = await self._call("POST", GENERATE, body)
         except ServerGone:
             if self._stopping:
                 raise EngineError(f"engine {self.name} stopped") from None
@@ -227,7 +251,9 @@ class VLLMEngine(ServerEngine):
             return None
         finally:
             self._inflight.pop(rid, None)
-        return completion_of(answer, submitted, params, self.name)
+            if adapter is not None:
+                self._adapters.release([rid], adapter[0])
+        return completion_of(answer, submitted, params, self.name, spans=adapter is None)
 
     async def abort(self, rids: list[str] | None = None) -> int:
         """Abort requests in flight by their ids (None: all of them); each is generated again from its prompt.
@@ -251,12 +277,14 @@ class VLLMEngine(ServerEngine):
         """Apply `version` whole (see the module docstring); older or equal versions are ignored."""
         if self._latest is not None and version <= self._latest[0] or version <= self._version:
             return
-        if isinstance(tensors, AdapterVersion):
-            raise EngineError(f"engine {self.name}: LoRA adapter versions are not served by the vLLM engine yet; "
-                              "use engine.kind = 'sglang' or 'torch' with learner.lora")
         if self._expected is None:
             self._expected = checkpoint_shapes(Path(self.model_path))
-        tensors = fit_version(self.name, self._expected, version, tensors)
+        if isinstance(tensors, AdapterVersion):  # checked against the checkpoint and what the server serves
+            self._folder_print = self._folder_print or base_fingerprint(self.model_path)
+            fit_adapter(self.name, self.lora, version, tensors.spec, tensors.tensors, self._expected,
+                        self._folder_print)
+        else:
+            tensors = fit_version(self.name, self._expected, version, tensors)
         self._latest = (version, tensors)
         if self._http is None:
             return  # pushed at start
@@ -280,10 +308,15 @@ class VLLMEngine(ServerEngine):
                     self._latest = self._held
                 raise
 
-    async def _apply(self, version: int, tensors: dict[str, torch.Tensor], probe: bool = True) -> None:
+    async def _apply(self, version: int, tensors: dict[str, torch.Tensor] | AdapterVersion,
+                     probe: bool = True) -> None:
         """Pause (keep), abort what the policy restarts, push, resume, then check the version by the server's probe
         logprobs (`landed_check`: a paused server schedules no request, the probe's included); a failed push
-        restarts our server, a version that did not land as sent gives the server back what it held."""
+        restarts our server, a version that did not land as sent gives the server back what it held. An adapter
+        is installed without a pause (`_install`)."""
+        if isinstance(tensors, AdapterVersion):
+            await self._install(version, tensors)
+            return
         held = self._held
         await self._call("POST", "/pause", params={"mode": "keep"})
         try:
@@ -314,12 +347,24 @@ class VLLMEngine(ServerEngine):
                     return
                 await self._call("POST", "/resume", check=False)
 
-    async def _push(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+    async def _install(self, version: int, adapter: AdapterVersion) -> None:
+        """Make `version`'s adapter current (`vllm_lora`): the requests the policy restarts on it are aborted first
+        (generated again under it); EngineError, the engine left on its version, when it is refused."""
+        restart = [rid for rid, oldest in self._inflight.items()
+                   if self.policy is not None and self.policy.interrupt(oldest, version) == "restart"]
+        await self._adapters.install(version, adapter.spec, adapter.tensors, disk=True, restart=restart)
+        self._version, self._held = version, (version, adapter)
+        self.stats["updates"] += 1
+
+    async def _push(self, version: int, tensors: dict[str, torch.Tensor] | AdapterVersion) -> None:
         """Push `version` through vLLM's update protocol (`vllm_update.push_weights`). A version the server refused
         before its update began leaves it on its weights: EngineError. A failure inside the update (the error
         says `restart_server`, or the connection broke) may leave its layers empty: a launched server is
         restarted on what it held before (counted), then EngineError; an attached one cannot be."""
         assert self._http is not None and self._base_url is not None
+        if isinstance(tensors, AdapterVersion):
+            await self._install(version, tensors)
+            return
         try:
             damage, self._damage = self._damage, None
             await send_version(self, version, tensors, damage)
@@ -336,6 +381,7 @@ class VLLMEngine(ServerEngine):
             raise EngineError(f"engine {self.name}: version {version} refused: {exc}") from None
         self._version, self._held = version, (version, tensors)
         self.stats["updates"] += 1
+        await self._adapters.base_replaced()  # new requests run on the base alone
 
     def damage_next_push(self, damage: Callable[[Path], None]) -> None:
         """Damage the next version file pushed (`damage(path)` once it is written; the `engine.push_refused`
@@ -381,7 +427,7 @@ class VLLMEngine(ServerEngine):
         async with self._restart_lock:
             if self._server is None:
                 raise EngineError(f"engine {self.name}: server {self._base_url} is gone (not baton's to restart)")
-            await self._restarted_elsewhere()
+            await restarted_elsewhere(self)
             if self._server.alive():
                 try:
                     await self._call("GET", "/health")
@@ -392,20 +438,11 @@ class VLLMEngine(ServerEngine):
             if self._latest is not None:
                 await self._push(*self._latest)
 
-    async def _restarted_elsewhere(self) -> bool:
-        """Wait while another caller restarts the server (a failed push restarts it outside the restart lock);
-        True when one did."""
-        waited = False
-        while self._restarting:
-            waited = True
-            await anyio.sleep(0.1)
-        return waited
-
     async def _restart(self, why: str) -> None:
         """Stop our server and start it again on its checkpoint (counted: `stats["restarts"]`). One restart at a
         time: a caller that finds one under way waits for it instead of stopping the server it is starting."""
         assert self._server is not None
-        if await self._restarted_elsewhere() and self._server.alive():
+        if await restarted_elsewhere(self) and self._server.alive():
             return
         self._restarting = True
         try:
@@ -421,6 +458,7 @@ class VLLMEngine(ServerEngine):
         report_event(self.log_dir, "engine.restarted", engine=self.name, restart=self.stats["restarts"], why=why)
         t0 = time.perf_counter()
         await anyio.to_thread.run_sync(self._server.stop)
+        self._adapters.server_restarted()
         try:
             await self._server.start()
         except ServerFailed as exc:
@@ -430,58 +468,11 @@ class VLLMEngine(ServerEngine):
         self.stats["restart_s"] = round(time.perf_counter() - t0, 2)
 
 
-def fit_version(engine: str, expected: dict[str, tuple[int, ...]], version: int,
-                tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors of `version` (names and shapes `expected`): a version that does not fit whole (a
-    wrong shape, a missing or unknown tensor) raises EngineError naming them, before any server sees it; a tied
-    head the checkpoint does not store is left out."""
-    problems = []
-    for name, shape in expected.items():
-        if name not in tensors:
-            problems.append(f"{name} missing")
-        elif tuple(tensors[name].shape) != shape:
-            problems.append(f"{name} has shape {tuple(tensors[name].shape)}, the model {shape}")
-    problems += [f"{n} is not in the model" for n in tensors if n not in expected and n != "lm_head.weight"]
-    if problems:
-        raise EngineError(f"engine {engine}: weights of version {version} do not fit: {'; '.join(problems[:5])}")
-    return {n: t for n, t in tensors.items() if n in expected}
-
-
-async def landed_check(engine: VLLMEngine, version: int, tensors: dict[str, torch.Tensor]) -> float:
-    """The largest gap between the server's probe logprobs and a forward of `tensors` in the server's precision
-    (`sglang_probe.WeightProbe`, the engine's dtype bound); `PushMismatch` beyond it. Counted in the engine's stats
-    (`probes`, `probe_gap_max`)."""
-    if engine._probe is None:
-        engine._probe = WeightProbe(engine.model_path, engine.dtype)
-    tolerance = dtype_tolerance(engine.probe_tolerance, engine.dtype)
-    expected = await anyio.to_thread.run_sync(engine._probe.expected, tensors, tolerance)
-    served = await engine.prompt_logprobs(list(expected.tokens))
-    gap = expected.difference([float(x) for x in served])
-    engine.stats["probes"] = engine.stats.get("probes", 0) + 1
-    engine.stats["probe_gap_max"] = max(gap, engine.stats.get("probe_gap_max", 0.0))
-    if gap > expected.tolerance:
-        raise PushMismatch(f"engine {engine.name}: version {version} is not what the server computes: its probe "
-                           f"logprobs differ from the version's weights by {gap:.3g} "
-                           f"(tolerance {expected.tolerance:g})")
-    return gap
-
-
-async def send_version(engine: VLLMEngine, version: int, tensors: dict[str, torch.Tensor],
-                       damage: Callable[[Path], None] | None = None) -> None:
-    """One push into `engine`'s server: a delta against what the server kept where `push` is "delta" and it
-    keeps one (counted: `delta_pushes`; a server that no longer keeps it is sent the whole version:
-    `delta_fallbacks`), else the whole version. `push_bytes` counts the bytes written for the server;
-    `damage`: the push_refused fault's hook, on a whole version."""
-    assert engine._http is not None and engine._base_url is not None
-    delta = engine.push == "delta"
-    figures = None
-    if delta and engine._base is not None and damage is None:
-        base, engine._base = engine._base, None  # until this push lands, nothing is known to be kept
-        figures = await push_delta(engine._http, engine._base_url, version, tensors, base)
-        engine.stats["delta_pushes" if figures is not None else "delta_fallbacks"] += 1
-    if figures is None:
-        engine._base = None
-        await push_weights(engine._http, engine._base_url, version, tensors, keep=delta, damage=damage)
-    engine.stats["push_bytes"] += figures["bytes"] if figures else sum(t.nbytes for t in tensors.values())
-    if delta:
-        engine._base = await anyio.to_thread.run_sync(PushedBase.of, version, tensors)
+async def restarted_elsewhere(engine: VLLMEngine) -> bool:
+    """Wait while another caller restarts `engine`'s server (a failed push restarts it outside the restart lock);
+    True when one did."""
+    waited = False
+    while engine._restarting:
+        waited = True
+        await anyio.sleep(0.1)
+    return waited

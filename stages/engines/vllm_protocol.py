@@ -60,8 +60,10 @@ def version_of(tag: Any, submitted: int) -> int:
         return submitted
 
 
-def completion_of(answer: Any, submitted: int, params: SamplingParams, engine: str = "vllm") -> Completion | None:
-    """One `/inference/v1/generate` answer as a Completion (None: aborted; see the module docstring)."""
+def completion_of(answer: Any, submitted: int, params: SamplingParams, engine: str = "vllm",
+                  spans: bool = True) -> Completion | None:
+    """One `/inference/v1/generate` answer as a Completion (None: aborted; see the module docstring). Without
+    `spans` (a request under a LoRA adapter: the spans label the base's weights) every token is `submitted`'s."""
     try:
         choice = answer["choices"][0]
     except (KeyError, IndexError, TypeError):
@@ -75,7 +77,7 @@ def completion_of(answer: Any, submitted: int, params: SamplingParams, engine: s
         raise EngineError(f"engine {engine}: {len(content)} logprobs for {len(tokens)} tokens (or not theirs)")
     logprobs = np.array([c["logprob"] for c in content], dtype=np.float32)
     versions = np.full(len(tokens), submitted, dtype=np.int32)
-    for span in choice.get("weight_versions") or ():
+    for span in (choice.get("weight_versions") or ()) if spans else ():
         versions[int(span["start"]) : int(span["end"])] = version_of(span.get("version"), submitted)
     stopped = finish == "stop" and len(tokens) > 0 and int(tokens[-1]) in params.stop_token_ids
     usage = answer.get("usage") or {}

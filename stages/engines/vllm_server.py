@@ -85,6 +85,7 @@ class VLLMServer(ServerProcess):
     threads: int = 1  # OMP threads of the server's worker on CPU
     extra_args: tuple[str, ...] = ()
     api_key: str | None = None
+    env: dict[str, str] = field(default_factory=dict)  # more environment variables (e.g. runtime LoRA's)
     launch_timeout_s: float = field(default=300.0, kw_only=True)  # 34-71 s measured, loaded 2-core machine
 
     def command(self) -> list[str]:
@@ -102,6 +103,7 @@ class VLLMServer(ServerProcess):
         env.update(VLLM_SERVER_DEV_MODE="1", VLLM_HOST_IP=self.host, VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_gib),
                    OMP_NUM_THREADS=str(self.threads), VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
         env.update(transfer_flags()[1])
+        env.update(self.env)
         # the server's own venv must not see this project's site-packages through PYTHONPATH; it sees this
         # checkout's server-side modules (the transfer backend), whatever .pth its venv has
         env["PYTHONPATH"] = str(REPO / "tools" / "vllm-cpu")

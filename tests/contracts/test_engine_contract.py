@@ -64,7 +64,14 @@ from tests.helpers.engines import (  # noqa: E402
     teacher_forced_logprobs,
     uniform_weights,
 )
-from tests.helpers.lora import TARGETS, adapter_version, for_base, peft_policy, with_probe_shifted  # noqa: E402
+from tests.helpers.lora import (  # noqa: E402
+    LINEAR_TARGETS,
+    TARGETS,
+    adapter_version,
+    for_base,
+    peft_policy,
+    with_probe_shifted,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -83,6 +90,7 @@ class EngineKind:
     marks: tuple = ()
     known_gaps: dict[str, str] = field(default_factory=dict)  # check -> why this kind fails it (strict xfail)
     model: dict = field(default_factory=dict)  # make_tiny_model's arguments for the models this kind serves
+    lora_targets: tuple[str, ...] = TARGETS  # the modules the adapters it is sent adapt
 
 
 def known_gap(request, kind: EngineKind, check: str) -> None:
@@ -106,12 +114,12 @@ ENGINES = [
     ),
     EngineKind(
         "vllm",
-        lambda model, logs: VLLMEngine(model, name="contract-vllm", log_dir=logs),
+        lambda model, logs: VLLMEngine(model, name="contract-vllm", log_dir=logs,
+                                       lora=LoraServing(max_rank=8, target_modules=LINEAR_TARGETS, max_loaded=4)),
         restart_counters=("interrupted", "regenerated"),
         marks=(pytest.mark.vllm, pytest.mark.long, pytest.mark.skipif(bool(VLLM_MISSING), reason=VLLM_MISSING)),
-        known_gaps={check: "the vLLM engine serves no LoRA adapter versions yet"
-                    for check in ("adapter", "bad adapter")},
         model={"heads": 2, "kv_heads": 1},  # head size 32: vLLM's CPU attention takes no smaller
+        lora_targets=LINEAR_TARGETS,  # vLLM serves no adapter on the tied head (stages.engines.vllm_lora)
     ),
 ]
 KINDS = [pytest.param(kind, id=kind.name, marks=kind.marks) for kind in ENGINES]
@@ -390,7 +398,7 @@ async def test_an_adapter_version_is_applied_to_the_base(shared: Shared, models,
     engine = await shared.get()
     await push(engine, refs[0])  # full weights of the model folder: the base an adapter applies to
     for seed in (1, 2):  # a second adapter replaces the first (applied to the base, not on top of it)
-        policy = peft_policy(models[0], seed)
+        policy = peft_policy(models[0], seed, targets=shared.kind.lora_targets)
         version = engine.version + 1
         await engine.receive_weights(version, as_received(adapter_version(policy, models[0])))
         assert engine.version == version
@@ -409,10 +417,11 @@ async def test_an_adapter_the_engine_does_not_reproduce_is_refused(shared: Share
     known_gap(request, shared.kind, "bad adapter")
     engine = await shared.get()
     await push(engine, refs[0])
-    kept = peft_policy(models[0], 3)
+    targets = shared.kind.lora_targets
+    kept = peft_policy(models[0], 3, targets=targets)
     version = engine.version + 1
     await engine.receive_weights(version, as_received(adapter_version(kept, models[0])))
-    candidate = adapter_version(peft_policy(models[0], 4), models[0])
+    candidate = adapter_version(peft_policy(models[0], 4, targets=targets), models[0])
     bad = with_probe_shifted(candidate, 0.01) if how == "probe" else for_base(candidate, "other:0123")
     with pytest.raises(EngineError, match=how):
         await engine.receive_weights(version + 1, as_received(bad))

@@ -14,12 +14,14 @@ from stages.weights.adapter import pack_adapter, unpack_adapter
 
 # every linear module of the tiny Qwen2, its tied output head included
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+LINEAR_TARGETS = TARGETS[:-1]  # without the head (vLLM serves adapters on linear layers only)
 
 
-def peft_policy(folder: Path, seed: int, lora: LoraSpec | None = None, scale: float = 0.2) -> torch.nn.Module:
+def peft_policy(folder: Path, seed: int, lora: LoraSpec | None = None, scale: float = 0.2,
+                targets: tuple[str, ...] = TARGETS) -> torch.nn.Module:
     """The model in `folder` with LoRA adapters whose A and B are seeded normals times `scale` (a trained
-    adapter: its outputs differ visibly from the base's), in eval mode."""
-    model = wrap(load_model(folder), lora or LoraSpec(rank=4, alpha=8.0, target_modules=TARGETS))
+    adapter: its outputs differ visibly from the base's), in eval mode; `lora` (default: rank 4 on `targets`)."""
+    model = wrap(load_model(folder), lora or LoraSpec(rank=4, alpha=8.0, target_modules=targets))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
