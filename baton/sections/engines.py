@@ -131,6 +131,8 @@ class SGLangEngineSpec(Sampled, ServesLora, Section):
         default_of(SGLangEngine, "pause_mode"),
         description="how in-flight requests pause for a weight update (keep or recompute their KV)",
     )
+    start_timeout_s: float = Field(default_of(SGLangEngine, "start_timeout_s"), gt=0, description="seconds a launched "
+                                   "server may take to become healthy (a loaded machine: raise it)")
     max_restarts: int = Field(default_of(SGLangEngine, "max_restarts"), ge=0, description="restarts of a dead server "
                               "before the run fails")
     probe_tolerance: ProbeTolerance = probe_tolerance_field(SGLangEngine)
@@ -146,7 +148,7 @@ class SGLangEngineSpec(Sampled, ServesLora, Section):
             dtype=self.dtype if "dtype" in self.model_fields_set else ctx.dtype, device=self.device,
             threads=self.threads, max_total_tokens=self.max_total_tokens,
             extra_args=tuple(self.extra_args), update=self.update, pause_mode=self.pause_mode,
-            max_restarts=self.max_restarts, lora=self.lora_serving(ctx),
+            max_restarts=self.max_restarts, lora=self.lora_serving(ctx), start_timeout_s=self.start_timeout_s,
             probe_tolerance=None if self.probe_tolerance == "off" else self.probe_tolerance,
             # locally every engine sees every GPU; on Ray each process sees the one Ray gave it
             gpu_id=self.base_gpu_id + index if self.device == "cuda" and ctx.runtime == "local" else None,
@@ -202,6 +204,8 @@ class VLLMEngineSpec(Sampled, ServesLora, Section):
                               "(VLLM_CPU_KVCACHE_SPACE), GiB")
     threads: int = Field(default_of(VLLMEngine, "threads"), ge=1, description="OMP threads of each server on CPU")
     extra_args: list[str] = Field(default_factory=list, description="more vllm api_server flags, verbatim")
+    start_timeout_s: float = Field(default_of(VLLMEngine, "start_timeout_s"), gt=0, description="seconds a launched "
+                                   "server may take to become healthy (a loaded machine: raise it)")
     max_restarts: int = Field(default_of(VLLMEngine, "max_restarts"), ge=0, description="restarts of a dead server "
                               "(or one that failed a push) before the run fails")
     probe_tolerance: ProbeTolerance = probe_tolerance_field(VLLMEngine)
@@ -220,6 +224,7 @@ class VLLMEngineSpec(Sampled, ServesLora, Section):
             python=self.python, dtype=self.dtype if "dtype" in self.model_fields_set else ctx.dtype,
             max_model_len=self.max_model_len, kv_cache_gib=self.kv_cache_gib, threads=self.threads,
             extra_args=tuple(self.extra_args), max_restarts=self.max_restarts, lora=self.lora_serving(ctx),
+            start_timeout_s=self.start_timeout_s,
             probe_tolerance=None if self.probe_tolerance == "off" else self.probe_tolerance, push=self.push,
         )
 

@@ -88,6 +88,7 @@ class SGLangEngine(ServerEngine):
     update: str = "tensor"
     pause_mode: str = "in_place"
     max_restarts: int = 3
+    start_timeout_s: float = 300.0  # how long a launched server may take to answer its health check
     lora: LoraServing | None = None  # serve LoRA adapters (a LoRA run's versions): stages.engines.sglang_lora
     request_timeout_s: float = 600.0
     # each full-weight version is checked by the server's logprobs on a probe (sglang_probe): the bound in float32
@@ -154,7 +155,7 @@ class SGLangEngine(ServerEngine):
                 threads=self.threads, max_total_tokens=self.max_total_tokens,
                 extra_args=(*self.extra_args, *lora,
                             *(() if self.gpu_id is None else ("--base-gpu-id", str(self.gpu_id)))),
-                log_path=log_dir / f"sglang-{self.name}-{os.getpid()}.log",
+                log_path=log_dir / f"sglang-{self.name}-{os.getpid()}.log", launch_timeout_s=self.start_timeout_s,
             )
             try:
                 await self._server.start()

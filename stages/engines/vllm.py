@@ -90,6 +90,7 @@ class VLLMEngine(ServerEngine):
     threads: int = 1
     extra_args: tuple[str, ...] = ()
     max_restarts: int = 3
+    start_timeout_s: float = 300.0  # how long a launched server may take to answer its health check
     # "delta": each version goes to the server as a sparse delta against the one it kept (`vllm_delta`; the server
     # keeps one more copy of the weights, this engine one); a server that keeps none gets the whole version
     push: str = "full"
@@ -158,7 +159,7 @@ class VLLMEngine(ServerEngine):
                 max_model_len=self.max_model_len, kv_cache_gib=self.kv_cache_gib, threads=self.threads,
                 extra_args=(*self.extra_args, *(launch_args(self.lora) if self.lora is not None else ())),
                 env=LORA_ENV if self.lora is not None else {},
-                log_path=log_dir / f"vllm-{self.name}-{os.getpid()}.log",
+                log_path=log_dir / f"vllm-{self.name}-{os.getpid()}.log", launch_timeout_s=self.start_timeout_s,
             )
             try:
                 await self._server.start()

@@ -28,7 +28,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.long, pytest.mark.skipif(bool(VLLM_M
 CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "vllm-cpu.toml")
 # 12 digits: 12 new tokens a request, long enough that pushes (one a step) land while requests run
 SHORT = ("steps=10", "task.digits=12", "engine.batch_groups=8", "learner.groups_per_step=8", "learner.epochs=1",
-         "telemetry.log_level='warning'", "watchdog.fail_after_s=1200")  # a server restart moves nothing
+         "telemetry.log_level='warning'", "watchdog.fail_after_s=1200",  # a server restart moves nothing
+         "engine.start_timeout_s=900")  # a loaded 2-core machine
 
 Key = tuple[tuple[int, ...], tuple[int, ...]]  # (prompt, completion tokens)
 
