@@ -19,12 +19,11 @@ import torch
 
 torch.set_num_threads(1)
 
-from stages.data.model import make_tiny_model  # noqa: E402
 from stages.engines.vllm import VLLMEngine  # noqa: E402
 from stages.weights import engine_mailboxes  # noqa: E402
 from stages.weights.base import WeightPushError  # noqa: E402
 from tests.contracts.test_transport_contract import TRANSPORTS, TransportCase, case_id, every_send  # noqa: E402
-from tests.helpers.engines import VLLM_SERVER_MODULE  # noqa: E402
+from tests.helpers.engines import VLLM_SERVER_MODULE, started, vllm_tiny_model  # noqa: E402
 from tests.helpers.learner_ranks import ranked_trainer  # noqa: E402
 from tests.helpers.p2p_peer import learner_version  # noqa: E402
 
@@ -40,15 +39,13 @@ def anyio_backend() -> str:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("transport-vllm") / "hd32", heads=2, kv_heads=1)  # head dim 32
+    return vllm_tiny_model(tmp_path_factory, "transport-vllm")
 
 
 @pytest.fixture(scope="module")
 async def server(model, tmp_path_factory):
-    engine = VLLMEngine(model, name="contract-vllm", log_dir=tmp_path_factory.mktemp("vllm-logs"))
-    await engine.start()
-    yield engine
-    await engine.stop()
+    async with started(VLLMEngine(model, name="contract-vllm", log_dir=tmp_path_factory.mktemp("vllm-logs"))) as engine:
+        yield engine
 
 
 class Mailboxes:

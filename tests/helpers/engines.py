@@ -3,11 +3,16 @@ and weights that make every next token equally likely."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
 
-from stages.data.model import load_model
+from stages.data.model import load_model, make_tiny_model
 
 GREEDY = 1e-5  # the engine floors temperature here: effectively argmax
 
@@ -89,3 +94,19 @@ VLLM_MISSING = _vllm_missing()
 # the marks of a module that launches a real vLLM server: in the long suite, skipped without the venv
 VLLM_SERVER_MODULE = [pytest.mark.anyio, pytest.mark.vllm, pytest.mark.long,
                       pytest.mark.skipif(bool(VLLM_MISSING), reason=VLLM_MISSING)]
+
+
+def vllm_tiny_model(tmp_path_factory: Any, name: str) -> Path:
+    """The tiny Qwen2 at head size 32 (2 heads over 1 key/value head at hidden 64): the smallest head size
+    vLLM's CPU attention takes."""
+    return make_tiny_model(tmp_path_factory.mktemp(name) / "hd32", heads=2, kv_heads=1)
+
+
+@contextlib.asynccontextmanager
+async def started(engine: Any) -> AsyncIterator[Any]:
+    """`engine` started for the block and stopped after it (its server stopped by pid)."""
+    await engine.start()
+    try:
+        yield engine
+    finally:
+        await engine.stop()

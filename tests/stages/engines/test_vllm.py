@@ -14,12 +14,11 @@ import psutil
 import pytest
 import torch
 
-from stages.data.model import make_tiny_model
 from stages.engines import vllm_update
 from stages.engines.base import EngineError, SamplingParams
 from stages.engines.vllm import VLLMEngine, landed_check
 from stages.engines.vllm_delta import PushedBase
-from tests.helpers.engines import VLLM_SERVER_MODULE, eval_model, uniform_weights
+from tests.helpers.engines import VLLM_SERVER_MODULE, eval_model, started, uniform_weights, vllm_tiny_model
 
 pytestmark = VLLM_SERVER_MODULE
 
@@ -34,15 +33,13 @@ def anyio_backend() -> str:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("vllm") / "hd32", heads=2, kv_heads=1)  # head size 32
+    return vllm_tiny_model(tmp_path_factory, "vllm")
 
 
 @pytest.fixture(scope="module")
 async def engine(model, tmp_path_factory):
-    engine = VLLMEngine(model, name="test-vllm", log_dir=tmp_path_factory.mktemp("vllm-logs"))
-    await engine.start()
-    yield engine
-    await engine.stop()
+    async with started(VLLMEngine(model, name="test-vllm", log_dir=tmp_path_factory.mktemp("vllm-logs"))) as engine:
+        yield engine
 
 
 async def test_the_server_serves_from_its_own_group_on_loopback(engine: VLLMEngine) -> None:

@@ -15,13 +15,12 @@ import pytest
 import torch
 
 from policies import MaxStaleness
-from stages.data.model import make_tiny_model
 from stages.engines import vllm_lora
 from stages.engines.base import EngineError, EngineRun, SamplingParams
 from stages.engines.sglang_lora import LoraServing
 from stages.engines.vllm import VLLMEngine
 from stages.weights.adapter import as_received
-from tests.helpers.engines import VLLM_SERVER_MODULE, assert_produced_by
+from tests.helpers.engines import VLLM_SERVER_MODULE, assert_produced_by, started, vllm_tiny_model
 from tests.helpers.lora import LINEAR_TARGETS, TARGETS, adapter_version, peft_policy
 
 pytestmark = VLLM_SERVER_MODULE
@@ -37,16 +36,15 @@ def anyio_backend() -> str:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("vllm-lora") / "hd32", heads=2, kv_heads=1)  # head size 32
+    return vllm_tiny_model(tmp_path_factory, "vllm-lora")
 
 
 @pytest.fixture(scope="module")
 async def engine(model, tmp_path_factory):
-    engine = VLLMEngine(model, name="test-vllm-lora", log_dir=tmp_path_factory.mktemp("vllm-lora-logs"),
-                        lora=LoraServing(max_rank=8, target_modules=LINEAR_TARGETS, max_loaded=3))
-    await engine.start()
-    yield engine
-    await engine.stop()
+    lora = LoraServing(max_rank=8, target_modules=LINEAR_TARGETS, max_loaded=3)
+    log_dir = tmp_path_factory.mktemp("vllm-lora-logs")
+    async with started(VLLMEngine(model, name="test-vllm-lora", log_dir=log_dir, lora=lora)) as engine:
+        yield engine
 
 
 async def served_adapters(engine: VLLMEngine) -> set[str]:
