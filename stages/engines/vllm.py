@@ -42,7 +42,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +130,7 @@ class VLLMEngine(ServerEngine):
         self._update_lock: anyio.Lock | None = None
         self._restart_lock: anyio.Lock | None = None
         self._expected: dict[str, tuple[int, ...]] | None = None
+        self._context: int | None = self.max_model_len  # prompt + completion tokens the server takes (see below)
         self._probe: WeightProbe | None = None
         self._rids = itertools.count()
         self._stopping = False
@@ -236,6 +237,7 @@ class VLLMEngine(ServerEngine):
         return results  # type: ignore[return-value]
 
     async def _generate_once(self, prompt: list[int], params: SamplingParams) -> Completion | None:
+        params = fit_context(self, prompt, params)
         rid = f"{self.name}-{uuid.uuid4().hex[:8]}-{next(self._rids)}"
         adapter = self._adapters.acquire([rid])  # the request runs under it to its end (vllm_lora)
         submitted = adapter[1] if adapter is not None else self._version
@@ -477,3 +479,19 @@ async def restarted_elsewhere(engine: VLLMEngine) -> bool:
         waited = True
         await anyio.sleep(0.1)
     return waited
+
+
+def fit_context(engine: VLLMEngine, prompt: list[int], params: SamplingParams) -> SamplingParams:
+    """`params` with at most the new tokens the server's context leaves after `prompt`: vLLM refuses (400) a request
+    whose prompt plus `max_tokens` exceeds its `max_model_len` (the model's max_position_embeddings by default),
+    where SGLang and the torch engine stop at the context's end; EngineError when the prompt alone fills it."""
+    if engine._context is None:
+        config = json.loads((Path(engine.model_path) / "config.json").read_text())
+        engine._context = int(config.get("max_position_embeddings") or 0) or None
+    if engine._context is None:
+        return params
+    room = engine._context - len(prompt)
+    if room < 1:
+        raise EngineError(f"engine {engine.name}: a prompt of {len(prompt)} tokens fills the server's context of "
+                          f"{engine._context} (engine.max_model_len); shorten the prompt or raise it")
+    return replace(params, max_new_tokens=room) if params.max_new_tokens > room else params

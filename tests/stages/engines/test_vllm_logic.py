@@ -15,7 +15,7 @@ from baton.sections.base import BuildContext
 from baton.sections.engines import VLLMEngineSpec
 from stages.data.model import make_tiny_model
 from stages.engines.base import EngineError, SamplingParams, returns_routed_experts
-from stages.engines.vllm import VLLMEngine
+from stages.engines.vllm import VLLMEngine, fit_context
 from stages.engines.vllm_protocol import completion_of, generate_body, internal_id
 from stages.engines.vllm_server import VLLMServer, head_dim_problem
 
@@ -138,3 +138,15 @@ def test_a_resume_on_a_connection_the_server_dropped_is_sent_again() -> None:
 
     anyio.run(resume)
     assert calls == ["/resume", "/resume"]
+
+
+def test_a_request_asks_for_no_more_tokens_than_the_servers_context_leaves(tmp_path: Path) -> None:
+    """vLLM answers 400 to a prompt plus max_tokens beyond max_model_len (a gateway agent asking 1,024 tokens of
+    a 256-position model got 9,038 refusals and no episode): the engine asks for what the context leaves."""
+    engine = VLLMEngine(make_tiny_model(tmp_path / "m", heads=2, kv_heads=1))  # max_position_embeddings 256
+    asked = SamplingParams(max_new_tokens=1024)
+    assert fit_context(engine, [1] * 200, asked).max_new_tokens == 56
+    assert fit_context(engine, [1] * 10, SamplingParams(max_new_tokens=16)).max_new_tokens == 16
+    with pytest.raises(EngineError, match="engine.max_model_len"):
+        fit_context(engine, [1] * 256, asked)
+    assert fit_context(VLLMEngine(tmp_path / "m", max_model_len=128), [1] * 100, asked).max_new_tokens == 28
