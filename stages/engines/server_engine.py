@@ -10,6 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
+# The servers' HTTP layer (uvicorn) closes a connection idle for 5 s; a client that takes such a connection
+# from its pool sees it dropped, which reads like a dead server. The clients keep idle connections for less.
+IDLE_CONNECTION_S = 2.0
+
 
 class ServerEngine:
     """The shared part of the server engines (see the module docstring)."""

@@ -47,7 +47,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, w
 from pipeline.events import report_event
 from stages.data.routing import folder_moe_layout
 from stages.engines.base import Completion, EngineError, EngineRun, SamplingParams
-from stages.engines.server_engine import ServerEngine
+from stages.engines.server_engine import IDLE_CONNECTION_S, ServerEngine
 from stages.engines.sglang_lora import LoraServing, ServerAdapters, fit_adapter
 from stages.engines.sglang_moe import per_expert_tensors, served_routes
 from stages.engines.sglang_probe import (
@@ -164,7 +164,8 @@ class SGLangEngine(ServerEngine):
                 hint = "; rerun tools/sglang-cpu/install.sh: it installs the CPU LoRA shim" if shim else ""
                 raise EngineError(f"engine {self.name}: {exc}{hint}") from None
             self._base_url = self._server.url
-        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.request_timeout_s))
+        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.request_timeout_s),
+                                           connector=aiohttp.TCPConnector(keepalive_timeout=IDLE_CONNECTION_S))
         try:
             await self._call("GET", "/health")
             if self._latest is not None:  # weights that arrived before start
@@ -308,6 +309,11 @@ class SGLangEngine(ServerEngine):
             except ServerGone:
                 if self._server is None:
                     raise  # attached by url: nothing here can bring it back
+                if self._server.alive():  # a dropped connection, not a dead server: the version did not land
+                    if self._latest[0] == version:  # (taken for landed, the version sent again was ignored)
+                        self._latest = self._held
+                    raise EngineError(f"engine {self.name}: version {version} did not land (the connection "
+                                      "dropped); it is to be sent again") from None
                 # our server died: the next request restarts it and re-applies the latest version
             except EngineError:
                 if self._latest[0] == version:  # refused: a restarted server gets what this one held, not it

@@ -54,7 +54,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt,
 
 from pipeline.events import report_event
 from stages.engines.base import Completion, EngineError, EngineRun, SamplingParams
-from stages.engines.server_engine import ServerEngine
+from stages.engines.server_engine import IDLE_CONNECTION_S, ServerEngine
 from stages.engines.sglang_lora import LoraServing, fit_adapter
 from stages.engines.sglang_probe import PushMismatch, WeightProbe, checkpoint_shapes, dtype_tolerance
 from stages.engines.vllm_delta import PushedBase
@@ -169,7 +169,8 @@ class VLLMEngine(ServerEngine):
             self._base_url = self._server.url
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(self.request_timeout_s, connect=10.0), headers=headers,
-                                       limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
+                                       limits=httpx.Limits(max_connections=256, max_keepalive_connections=64,
+                                                           keepalive_expiry=IDLE_CONNECTION_S))
         try:
             await self._call("GET", "/health")
             await self._warm_pause()

@@ -81,3 +81,45 @@ async def test_only_aborted_requests_are_sent_again_and_spans_set_each_tokens_ve
     finally:
         await engine.stop()
         await runner.cleanup()
+
+
+class _LiveProcess:
+    """The launched server's process, still running (what `SGLangServer.alive` reports)."""
+
+    def alive(self) -> bool:
+        return True
+
+
+async def test_a_push_whose_connection_dropped_while_the_server_lives_is_refused_then_taken_when_sent_again(
+        tmp_path, monkeypatch) -> None:
+    """A dropped connection mid-push (a loaded machine) is no dead server: the version did not land, so it is
+    refused (the transport sends it again) instead of taken for landed, which ignored every later copy of it."""
+    from stages.engines.sglang import ServerGone
+
+    async def nothing(request):
+        return web.json_response([])
+
+    runner, url = await serve(nothing)
+    engine = SGLangEngine(tmp_path, url=url)
+    await engine.start()
+    applied, drops = [], [ServerGone("POST /update_weights_from_tensor failed: ServerDisconnectedError")]
+
+    async def apply(version, tensors) -> None:
+        if drops:
+            raise drops.pop()
+        applied.append(version)
+        engine._version = version
+
+    monkeypatch.setattr(engine, "_fit", lambda version, tensors: tensors)
+    monkeypatch.setattr(engine, "_apply", apply)
+    engine._server = _LiveProcess()
+    try:
+        with pytest.raises(EngineError, match="version 1 did not land"):
+            await engine.receive_weights(1, {})
+        assert engine.version == 0
+        await engine.receive_weights(1, {})
+        assert applied == [1] and engine.version == 1
+    finally:
+        engine._server = None
+        await engine.stop()
+        await runner.cleanup()
