@@ -139,8 +139,9 @@ def make_tokenizer(vocab_size: int = 1024, seed: int = 0):
 
 
 def make_qwen_like_model(folder: str | Path, *, vocab_size: int = 1024, hidden_size: int = 96, layers: int = 2,
-                         heads: int = 4, kv_heads: int = 2, seed: int = 0) -> Path:
-    """Write a random-init Qwen2ForCausalLM with tied embeddings, its tokenizer and generation config."""
+                         heads: int = 4, kv_heads: int = 2, seed: int = 0, max_positions: int = 512) -> Path:
+    """Write a random-init Qwen2ForCausalLM with tied embeddings, its tokenizer and generation config; its context
+    is `max_positions` (a server engine refuses a prompt beyond it: a tool prompt alone is ~660 tokens here)."""
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
     from transformers.utils import logging as hf_logging
@@ -154,7 +155,7 @@ def make_qwen_like_model(folder: str | Path, *, vocab_size: int = 1024, hidden_s
     config = Qwen2Config(
         vocab_size=-(-len(tokenizer) // 64) * 64, hidden_size=hidden_size, intermediate_size=4 * hidden_size,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=None, eos_token_id=im_end,
+        max_position_embeddings=max_positions, tie_word_embeddings=True, bos_token_id=None, eos_token_id=im_end,
         pad_token_id=pad,
     )
     with torch.random.fork_rng():

@@ -61,6 +61,11 @@ class EngineError(RuntimeError):
     """The engine failed to generate; the request may be retried elsewhere."""
 
 
+class ContextFull(EngineError):
+    """The prompt alone fills the engine's context: the request's fault, not the engine's, and no other engine of
+    the run takes it either (the gateway answers 400 `context_length_exceeded`, as OpenAI's API does)."""
+
+
 @dataclass(frozen=True)
 class EngineRun:
     """What a run hands each of its engines (`Engine.attach`) before starting it."""

@@ -309,7 +309,7 @@ class SGLangEngine(ServerEngine):
             except ServerGone:
                 if self._server is None:
                     raise  # attached by url: nothing here can bring it back
-                if self._server.alive():  # a dropped connection, not a dead server: the version did not land
+                if await self._answers():  # a dropped connection, not a dead server: the version did not land
                     if self._latest[0] == version:  # (taken for landed, the version sent again was ignored)
                         self._latest = self._held
                     raise EngineError(f"engine {self.name}: version {version} did not land (the connection "
@@ -441,6 +441,16 @@ class SGLangEngine(ServerEngine):
             raise EngineError(f"engine {self.name}: {method} {path} answered {status}: {text[:500]}")
         return payload
 
+    async def _answers(self) -> bool:
+        """The server this engine launched still runs and answers its health check."""
+        if self._server is None or not self._server.alive():
+            return False
+        try:
+            await self._call("GET", "/health")
+        except ServerGone:
+            return False
+        return True
+
     async def _recover(self) -> None:
         """The server stopped answering. Restart it if this engine launched it, then re-apply the
         latest weights; raise EngineError if it cannot be restarted (or is not ours to restart)."""
@@ -448,12 +458,10 @@ class SGLangEngine(ServerEngine):
         async with self._restart_lock:
             if self._server is None:
                 raise EngineError(f"engine {self.name}: server {self._base_url} is gone (not baton's to restart)")
+            if await self._answers():
+                return  # another caller already restarted it
             if self._server.alive():
-                try:
-                    await self._call("GET", "/health")
-                    return  # another caller already restarted it
-                except ServerGone:
-                    await anyio.to_thread.run_sync(self._server.stop)
+                await anyio.to_thread.run_sync(self._server.stop)
             if self.stats["restarts"] >= self.max_restarts:
                 raise EngineError(f"engine {self.name}: server died again after {self.max_restarts} restarts")
             self.stats["restarts"] += 1

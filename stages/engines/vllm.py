@@ -53,7 +53,7 @@ import torch
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_fixed
 
 from pipeline.events import report_event
-from stages.engines.base import Completion, EngineError, EngineRun, SamplingParams
+from stages.engines.base import Completion, ContextFull, EngineError, EngineRun, SamplingParams
 from stages.engines.server_engine import IDLE_CONNECTION_S, ServerEngine
 from stages.engines.sglang_lora import LoraServing, fit_adapter
 from stages.engines.sglang_probe import PushMismatch, WeightProbe, checkpoint_shapes, dtype_tolerance
@@ -485,7 +485,7 @@ async def restarted_elsewhere(engine: VLLMEngine) -> bool:
 def fit_context(engine: VLLMEngine, prompt: list[int], params: SamplingParams) -> SamplingParams:
     """`params` with at most the new tokens the server's context leaves after `prompt`: vLLM refuses (400) a request
     whose prompt plus `max_tokens` exceeds its `max_model_len` (the model's max_position_embeddings by default),
-    where SGLang and the torch engine stop at the context's end; EngineError when the prompt alone fills it."""
+    where SGLang and the torch engine stop at the context's end; ContextFull when the prompt alone fills it."""
     if engine._context is None:
         config = json.loads((Path(engine.model_path) / "config.json").read_text())
         engine._context = int(config.get("max_position_embeddings") or 0) or None
@@ -493,6 +493,6 @@ def fit_context(engine: VLLMEngine, prompt: list[int], params: SamplingParams) -
         return params
     room = engine._context - len(prompt)
     if room < 1:
-        raise EngineError(f"engine {engine.name}: a prompt of {len(prompt)} tokens fills the server's context of "
+        raise ContextFull(f"engine {engine.name}: a prompt of {len(prompt)} tokens fills the server's context of "
                           f"{engine._context} (engine.max_model_len); shorten the prompt or raise it")
     return replace(params, max_new_tokens=room) if params.max_new_tokens > room else params

@@ -33,7 +33,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from stages.engines.base import EngineError
+from stages.engines.base import ContextFull, EngineError
 from stages.environments.render import ChatRenderer
 from stages.environments.tool_calls import parse_tool_calls
 from stages.gateway.episodes import Episode, EpisodeBook, Limits
@@ -116,6 +116,8 @@ class Gateway:
             return self._refused(ApiError(exc.status, exc.reason or "request refused"))
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             return self._refused(ApiError(400, f"malformed request: {exc}", "invalid_request"))
+        except ContextFull as exc:  # the request's fault: sent again it fails again
+            return self._refused(ApiError(400, str(exc), "context_length_exceeded"))
         except EngineError as exc:
             return self._refused(ApiError(503, f"the engine failed: {exc}", "engine_error"))
         except Exception:

@@ -17,7 +17,7 @@ from openai import AsyncOpenAI
 
 from stages.data.model import load_tokenizer
 from stages.data.tasks import Prompt
-from stages.engines.base import Completion, EngineError, SamplingParams
+from stages.engines.base import Completion, ContextFull, EngineError, SamplingParams
 from stages.engines.torch import TorchEngine
 from stages.environments.base import Tool, ToolCall
 from stages.environments.render import ChatRenderer
@@ -567,6 +567,25 @@ async def test_engine_failure_is_503_and_a_resent_request_is_recorded_once(model
     (segment,) = host.finished[opened["id"]].segments
     assert segment.turns == 2 and segment.ids() == p2 + c2.tokens.tolist()
     assert p2[: len(p1) + len(c1.tokens)] == p1 + c1.tokens.tolist() and gateway.stats["segments"] == 0
+
+
+class ContextAlwaysFull(Recording):
+    """An engine whose context every prompt fills (vLLM's max_model_len below the agent's prompt)."""
+
+    async def generate(self, prompts, params):
+        raise ContextFull("engine e: a prompt of 620 tokens fills the server's context of 512 (engine.max_model_len)")
+
+
+async def test_a_prompt_that_fills_the_context_is_the_clients_400_not_an_engine_failure(model, tokenizer):
+    """The request's fault: OpenAI's 400 `context_length_exceeded` naming the key (the client does not resend
+    it, as it would a 503), and the gateway counts no engine failure."""
+    async with serving(model, tokenizer, wrap=ContextAlwaysFull) as (gateway, host, control):
+        opened = await open_episode(gateway, control)
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client(opened["base_url"]).chat.completions.create(
+                model="baton", messages=opened["sample"]["messages"], max_tokens=5)
+        assert caught.value.code == "context_length_exceeded" and "engine.max_model_len" in caught.value.message
+        assert gateway.stats["http 400"] == 1 and gateway.stats["http 503"] == 0
 
 
 async def test_engine_host_routes_sticky_per_episode_and_new_episodes_to_the_least_loaded():
