@@ -82,7 +82,8 @@ def make_rollout(cfg: RunConfig, model: Path) -> Rollout:
     engines = [make_part("engine", cfg, model=model, index=i) for i in range(cfg.engine_count)]
     environment = cfg.environment
     return Rollout(task, engines, tokenizer=model, group_size=cfg.rollout.group_size,
-                   request_timeout_s=cfg.rollout.request_timeout_s, reward=make_reward(cfg),
+                   request_timeout_s=cfg.rollout.request_timeout_s, max_failed_in_a_row=cfg.rollout.max_failed_in_a_row,
+                   reward=make_reward(cfg),
                    evaluation=cfg.eval.make(ctx, task), limits=cfg.episode.make(),
                    environment=environment.kind if environment else None,
                    environment_options=environment.options() if environment else {},

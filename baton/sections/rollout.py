@@ -22,6 +22,10 @@ class RolloutSpec(Section):
         description="an engine call not answered within this is an error and its groups are generated "
         "again; unset: wait (required by the engine.hang fault)"
     )
+    max_failed_in_a_row: int = Field(
+        default_of(Rollout, "max_failed_in_a_row"), ge=0,
+        description="episodes failed one after another on an engine, none kept in between, before the run fails "
+        "naming their reason (a prompt beyond the engine's context, an agent that always raises); 0: never")
     max_engines: int | None = Field(None, ge=1, le=64, description="engines the run may grow to while it runs "
         "(`baton scale RUN_DIR --engines N`, docs/guides/elastic.md; local runtime); unset: a fixed engine.count")
 

@@ -71,6 +71,8 @@ class RolloutHost:
         self._episodes: dict[str, FormingGroup] = {}
         self._numbers = itertools.count()
         self._lock = anyio.Lock()
+        self.failing: GatewayWorker | None = None  # a worker whose episodes failed too often in a row to train
+        self.failed = anyio.Event()  # set with `failing`: the serving worker's `run` raises its EpisodesFailing
 
     async def open(self, wait: bool) -> OpenedEpisode:
         async with self._lock:
@@ -115,6 +117,9 @@ class RolloutHost:
         group.finished += 1
         if group.finished == self.group_size:
             await group.worker.finish_outside_group(group.admission, group.prompt, group.results)
+            if group.worker.maker.failing:
+                self.failing = group.worker
+                self.failed.set()
 
 
 @dataclass(frozen=True)
@@ -173,7 +178,9 @@ class GatewayWorker(ProducerWorker):
                     agent = as_agent(settings.agent)
                     for _ in range(settings.agents or shape.batch_groups * shape.group_size):
                         tg.start_soon(self._run_agents, gateway, agent)
-                await anyio.sleep_forever()
+                await self.host.failed.wait()
+                assert self.host.failing is not None
+                self.host.failing.maker.raise_if_failing()
             finally:
                 with anyio.CancelScope(shield=True):
                     await gateway.stop()
@@ -208,3 +215,4 @@ class GatewayWorker(ProducerWorker):
                                           encode_prompt(prompt), len(results), f"store failed: {exc}")
         finished.admission = admission
         self.groups.put(finished)
+

@@ -12,7 +12,10 @@ Invariants:
 - the reward and the teacher score a group at once, after its episodes gave their engine room back:
   scoring never holds an engine slot; with model scorers each row carries `scoring_s`, the group's
   scoring seconds;
-- group ids are unique across workers, processes and restarts (engine name, incarnation, counter).
+- group ids are unique across workers, processes and restarts (engine name, incarnation, counter);
+- `give_up_after` episodes failed one after another with none kept in between (a prompt beyond the engine's
+  context, an agent or environment that always raises) end the run with `EpisodesFailing` naming their last
+  reason, instead of a run that drops every group and never trains (0: never).
 """
 
 from __future__ import annotations
@@ -41,6 +44,10 @@ from stages.scorers import ComposedReward, Distillation, Lifecycle
 from stages.scorers.teacher import TEACHER_FIELD
 
 
+class EpisodesFailing(RuntimeError):
+    """Every episode of a worker failed, `give_up_after` in a row: the run cannot train."""
+
+
 @dataclass(frozen=True)
 class Scoring:
     """How a worker's groups are scored: the reward (and the tokenizer decoding completions for it), the
@@ -61,10 +68,13 @@ class GroupMaker:
     """Scores and stores one worker's finished groups (see the module docstring), counting into `stats`."""
 
     def __init__(self, scoring: Scoring, stats: RolloutStats, engine: Engine, store: ObjectStore,
-                 ctx: RunContext) -> None:
+                 ctx: RunContext, give_up_after: int = 512) -> None:
         self.scoring, self.stats, self.engine, self.store, self.ctx = scoring, stats, engine, store, ctx
         self.incarnation = uuid.uuid4().hex[:8]
         self.made = 0
+        self.give_up_after = give_up_after
+        self.failed_in_a_row = 0  # episodes failed since the last one kept
+        self.last_failure = ""
         self.log = ctx.log(f"rollout:{engine.name}")
 
     async def finish(self, prompt: Prompt, results: list[Episode | EpisodeFailed], rewarded: bool = False) -> Finished:
@@ -74,6 +84,7 @@ class GroupMaker:
         group_id, source = self.new_group_id(), encode_prompt(prompt)
         span = version_span(episodes, self.engine.version)
         self.stats.tokens += sum(e.tokens.model_tokens for e in episodes)
+        self._count_failures(failed, kept=len(episodes))
         if not episodes:
             return self.dropped(group_id, span, source, len(results), f"episode failed: {failed[0].reason}")
         t_score = anyio.current_time()
@@ -94,6 +105,24 @@ class GroupMaker:
             finished.records.append(Produced(ids, f"{group_id}.failed", span, source, {}))
             finished.dropped.append((ids, f"episode failed: {failed[0].reason}"))
         return finished
+
+    def _count_failures(self, failed: list[EpisodeFailed], kept: int) -> None:
+        self.failed_in_a_row = len(failed) if kept else self.failed_in_a_row + len(failed)
+        if failed:
+            self.last_failure = failed[-1].reason
+
+    @property
+    def failing(self) -> bool:
+        """`give_up_after` episodes failed with none kept in between: the run cannot train."""
+        return 0 < self.give_up_after <= self.failed_in_a_row
+
+    def raise_if_failing(self) -> None:
+        """EpisodesFailing when `failing` (called once the group that made it so is in the outbox)."""
+        if self.failing:
+            raise EpisodesFailing(
+                f"engine {self.engine.name}: {self.failed_in_a_row} episodes in a row failed and none was kept, so "
+                f"the run cannot train; the last one: {self.last_failure}. Fix that cause (the run's events and "
+                "summary count every reason), or raise rollout.max_failed_in_a_row (0: never stop for this)")
 
     async def _scored(self, prompt: Prompt, episodes: list[Episode], rewarded: bool) -> Scored:
         """The group's rewards and, with distillation, its teacher logprobs: scored at once, on no engine."""

@@ -63,6 +63,9 @@ class Rollout:
     top_p: float = 1.0
     request_timeout_s: float | None = None  # an engine call not answered by then is an EngineTimeout; None: wait
     max_regenerations: int = 5  # attempts at work that failed (engine call, put) before the run fails
+    # episodes failed one after another on a worker, none kept in between, before the run fails naming their
+    # reason (stages.rollout.groups.EpisodesFailing): a run that can never train ends; 0: never
+    max_failed_in_a_row: int = 512
     reward: Any = None
     evaluation: Evaluation | None = None  # generate an eval split every few versions (stages.rollout.evaluation)
     environment: Any = None
@@ -179,7 +182,7 @@ class Rollout:
         """Worker `index` on `engine` (of `task`: default, the whole task), given what it uses of this stage;
         `joining`: the worker's `receiver` (the engine behind a fault wrapper) and whether it `joins`."""
         settings = WorkerSettings(self.group_size, self.batch_groups, self.max_regenerations, self.engine_sync_s,
-                                  self.request_timeout_s)
+                                  self.request_timeout_s, self.max_failed_in_a_row)
         parts = (settings, self.task if task is None else task, self.scoring, self.stats, engine, store, ctx, outbox)
         if self.gateway is not None:
             return GatewayWorker(*parts, index, gateway=self.gateway, **joining)

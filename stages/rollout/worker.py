@@ -95,6 +95,7 @@ class WorkerSettings:
     max_regenerations: int = 5
     engine_sync_s: float = 30.0
     request_timeout_s: float | None = None  # an evaluation's engine call (an episode's is in its limits)
+    max_failed_in_a_row: int = 512  # episodes failed one after another, none kept, before the run fails (0: never)
 
 
 class ProducerWorker(BaseActor):
@@ -116,7 +117,7 @@ class ProducerWorker(BaseActor):
         self.rng = ctx.rng(self.name)
         self.log = ctx.log(self.name)
         self.prompts = PromptStream(self.task, ctx, self.rng, stats)
-        self.maker = GroupMaker(scoring, stats, engine, store, ctx)
+        self.maker = GroupMaker(scoring, stats, engine, store, ctx, settings.max_failed_in_a_row)
         self.groups = GroupOutbox(ctx, outbox, self.prompts.recorded, engine, settings.group_size)
         self.room = Room(settings.batch_groups * settings.group_size)
 
@@ -286,6 +287,7 @@ class RolloutWorker(ProducerWorker):
                 self.redone("regenerated", "groups.regenerated", exc)
         finished.admission, finished.gate_s, finished.started = admission, gate_s, t0
         self.groups.put(finished)
+        self.maker.raise_if_failing()
 
     async def _engine_at(self, version: int) -> None:
         deadline = anyio.current_time() + self.settings.engine_sync_s

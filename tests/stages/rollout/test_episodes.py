@@ -239,3 +239,35 @@ async def test_an_episode_past_its_time_limit_fails_counted(tiny: Path, tmp_path
     assert dropped[0] == "dropped" and dropped[2] == "episode failed: episode timed out after 0.5 s"
     assert not recorder.sent and recorder.discarded == 1, "a group with nothing left frees its slot"
     await engine.stop()
+
+
+class AlwaysBreaks(DigitFeedback):
+    async def step(self, turn: ModelTurn) -> Step:
+        raise RuntimeError("environment bug")
+
+
+@pytest.mark.anyio
+async def test_a_run_whose_episodes_all_fail_ends_naming_their_reason(tiny: Path, tmp_path: Path) -> None:
+    """`max_failed_in_a_row` episodes failed with none kept: the run ends (EpisodesFailing) naming the reason and
+    the key; one episode kept in between starts the count again."""
+    from stages.rollout.groups import EpisodesFailing
+
+    engine = TorchEngine(tiny, seed=6)
+    await engine.start()
+    task = ReverseDigits(digits=2)
+    rollout = Rollout(task, [engine], tokenizer=tiny, group_size=2, environment=AlwaysBreaks,
+                      limits=EpisodeLimits(max_turns=2), max_failed_in_a_row=4)
+    store, recorder = MemoryStore(), Recorder()
+    worker = worker_for(rollout, engine, store, recorder, tmp_path)
+    with pytest.raises(BaseException) as caught:  # the worker's groups run at once: each may raise it
+        await worker.produce([task.sample(Random(s)) for s in range(3)])
+    failing = caught.value.subgroup(EpisodesFailing) if isinstance(caught.value, BaseExceptionGroup) else caught.value
+    message = str(failing.exceptions[0] if isinstance(failing, BaseExceptionGroup) else failing)
+    assert "episodes in a row failed" in message and "environment bug" in message
+    assert "rollout.max_failed_in_a_row" in message
+    assert sum(rollout.stats["episodes_failed"].values()) >= 4 and not recorder.sent
+    maker = worker.maker
+    maker.failed_in_a_row = 3
+    maker._count_failures([], kept=2)
+    assert not maker.failing, "a kept episode starts the count again"
+    await engine.stop()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import stat
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,9 +19,10 @@ from stages.gateway.host import OverBudget
 from stages.rollout import Room
 from stages.rollout.episode import Episode, EpisodeFailed
 from stages.rollout.gateway_worker import RolloutHost
+from tests import ROOT
 from tests.helpers.engines import VLLM_MISSING
 from tests.helpers.ledger_checks import check_ledger
-from tests.helpers.runs import baton_run
+from tests.helpers.runs import RUN_TIMEOUT_S, baton_run
 from tools.make_math_example import make_math_data, make_qwen_like_model
 
 # vLLM's CPU attention takes head sizes 32, 64, ... only: its model has 2 heads at hidden size 64; and vLLM refuses a
@@ -54,6 +57,29 @@ def test_an_openai_agent_trains_through_the_gateway(tmp_path: Path, engine: str,
     assert sum(r["fate"] == "trained" for r in records) == s["samples"]["trained"]
     if crash:  # the agents heard 503 and resent (the openai client retries); each failure is a run event
         assert s["events"]["gateway.engine_failed"] == 2
+
+
+
+async def broken_agent(sample, base_url: str, api_key: str) -> float:
+    """An agent that fails before its first request (a user's bug)."""
+    raise RuntimeError("agent bug: no such tool")
+
+
+@pytest.mark.slow
+@pytest.mark.long  # CI time: a whole run (the rule itself: tests/stages/rollout/test_episodes.py)
+def test_a_gateway_run_whose_agents_always_fail_ends_naming_why(tmp_path: Path) -> None:
+    """Every episode fails: the run ends with an error naming the agent's failure and the key, instead of
+    dropping every group forever without training (what a gateway run whose prompts overflowed vLLM's context did)."""
+    model = make_qwen_like_model(tmp_path / "math-model", **SHAPES["torch"])
+    train, _ = make_math_data(tmp_path / "data", train=16, eval=4)
+    sets = [f"run_root='{tmp_path}'", f"model.path='{model}'", f"task.path='{train}'", "steps=3",
+            f"gateway.agent='{__name__}:broken_agent'", "gateway.agents=8", "rollout.max_failed_in_a_row=16"]
+    proc = subprocess.run([sys.executable, "-m", "baton.cli", "run", str(ROOT / "configs" / "agent-gateway.toml"),
+                           *(x for s in sets for x in ("--set", s))],
+                          capture_output=True, text=True, cwd=ROOT, timeout=RUN_TIMEOUT_S)
+    assert proc.returncode != 0
+    assert "episodes in a row failed" in proc.stderr and "agent bug: no such tool" in proc.stderr, proc.stderr[-3000:]
+    assert "rollout.max_failed_in_a_row" in proc.stderr
 
 
 class Gate:
