@@ -1,0 +1,165 @@
+"""An elastic run's samples/s as its engine count changes: one engine, then two (a join), then one again (a
+leave), in one run of the README's Python quickstart whose engines are the bottleneck. Two cores cannot show
+that with engines that compete for them, so each engine here answers every call `--delay` seconds late (a
+slow engine: `SlowEngine`, a TorchEngine that waits before it generates, using no CPU meanwhile).
+
+    python benchmarks/elastic.py [--steps 90] [--join-at 25] [--leave-at 60] [--delay 1.0]
+
+The run starts with one engine and may grow to two (`max_workers = 2`). When the learner reaches version
+`--join-at`, a thread calls `Pipeline.scale(2)`, which returns once the joiner has loaded the model, passed the
+version fence and taken requests; at `--leave-at` it calls `Pipeline.scale(1)`, which returns once the leaving
+engine has drained. Each phase's samples/s is read from the run's metrics (trained samples over wall time,
+between the first and last version of the phase, the versions around a scale call left out).
+
+Figures: samples/s with one engine (the reference, same run), with two, and after the leave; the join's
+seconds beside an engine's start measured alone in this process (its model's load), the leave's seconds, and
+the run's ledger. Last stdout line: one JSON object with "figures" and "ratios": two_vs_one (goal >= 1.5),
+after_leave_vs_one (about 1), join_beyond_load_s (the join's seconds past a model load; goal <= 2) and
+ledger_balanced (1: nothing lost, nothing trained twice) and lost (samples lost; goal 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def slow_engine_type(delay_s: float) -> type:
+    from stages import TorchEngine
+
+    class SlowEngine(TorchEngine):
+        """A TorchEngine that answers each call `delay_s` late (it waits, using no CPU, then generates)."""
+
+        async def generate(self, prompts, params):
+            await anyio.sleep(delay_s)
+            return await super().generate(prompts, params)
+
+    return SlowEngine
+
+
+def make_pipeline(model: Path, run_root: Path, steps: int, delay_s: float) -> Any:
+    from buffers import MemoryStore, RefBuffer
+    from pipeline import Pipeline
+    from policies import MaxStaleness
+    from stages import GRPOLearner, Rollout, tasks
+
+    engine = slow_engine_type(delay_s)
+    return Pipeline(
+        name="elastic", steps=steps, run_root=run_root, progress=False, max_workers=2,
+        producer=Rollout(tasks.ReverseDigits(digits=2), [engine(model, name="torch-0")], tokenizer=model,
+                         group_size=8, batch_groups=8,
+                         engine_factory=lambda i: engine(model, name=f"torch-{i}", seed=i)),
+        buffer=RefBuffer(MemoryStore(), max_bytes=256 << 20),
+        consumer=GRPOLearner(model, lr=4e-4, groups_per_step=8, weights="inproc"),
+        staleness=MaxStaleness(k=2, on_stale="drop"),
+    )
+
+
+def metrics(run_root: Path) -> list[dict]:
+    """The run's per-version records so far ([] before its folder exists)."""
+    found = sorted(run_root.glob("elastic-*/metrics.jsonl"))
+    if not found:
+        return []
+    lines = found[-1].read_text().splitlines()
+    return [json.loads(line) for line in lines[:-1] if line]  # the last line may be half written
+
+
+def wait_for_version(run_root: Path, version: int, done: threading.Event) -> int:
+    while not done.is_set():
+        records = metrics(run_root)
+        if records and records[-1]["version"] >= version:
+            return records[-1]["version"]
+        time.sleep(0.05)
+    raise SystemExit(f"the run ended before version {version}")
+
+
+def drive(pipe: Any, run_root: Path, join_at: int, leave_at: int, done: threading.Event, out: dict) -> None:
+    """Scale to 2 at `join_at` and back to 1 at `leave_at`; record each call's versions and seconds."""
+    for name, version, engines in (("join", join_at, 2), ("leave", leave_at, 1)):
+        before = wait_for_version(run_root, version, done)
+        t0 = time.perf_counter()
+        status = pipe.scale(engines)
+        seconds = time.perf_counter() - t0
+        after = metrics(run_root)[-1]["version"]
+        out[name] = {"from_version": before, "to_version": after, "seconds": round(seconds, 3), "live": status["live"]}
+
+
+def phase_rate(records: list[dict], first: int, last: int) -> dict:
+    """Trained samples over wall time between versions `first` and `last` (both included as boundaries)."""
+    window = [r for r in records if first <= r["version"] <= last]
+    if len(window) < 3:
+        raise SystemExit(f"too few versions between {first} and {last}: lengthen the run (--steps) or its phases")
+    samples = sum(r["outcomes"]["trained"]["n"] for r in window[1:])
+    wall = window[-1]["t"] - window[0]["t"]
+    return {"versions": f"{first}-{last}", "samples_per_s": round(samples / wall, 1), "seconds": round(wall, 2)}
+
+
+def engine_start_s(model: Path) -> float:
+    """One engine's start alone (its model's load): the reference for the join's seconds."""
+    from stages import TorchEngine
+
+    async def start() -> float:
+        engine = TorchEngine(model, name="alone")
+        t0 = time.perf_counter()
+        await engine.start()
+        seconds = time.perf_counter() - t0
+        await engine.stop()
+        return seconds
+
+    return anyio.run(start)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=90)
+    p.add_argument("--join-at", type=int, default=25)
+    p.add_argument("--leave-at", type=int, default=60)
+    p.add_argument("--delay", type=float, default=1.0, help="seconds each engine call waits before it generates")
+    a = p.parse_args()
+    import torch
+
+    from stages import make_tiny_model
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        model, run_root = make_tiny_model(Path(tmp) / "tiny-qwen2"), Path(tmp) / "runs"
+        load_s = engine_start_s(model)
+        pipe, done, scaled = make_pipeline(model, run_root, a.steps, a.delay), threading.Event(), {}
+        driver = threading.Thread(target=drive, args=(pipe, run_root, a.join_at, a.leave_at, done, scaled))
+        driver.start()
+        try:
+            summary = pipe.run()
+        finally:
+            done.set()
+            driver.join()
+        records = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    join, leave = scaled["join"], scaled["leave"]
+    phases = {"one": phase_rate(records, 3, join["from_version"]),
+              "two": phase_rate(records, join["to_version"] + 1, leave["from_version"]),
+              "after_leave": phase_rate(records, leave["to_version"] + 1, records[-1]["version"])}
+    one = phases["one"]["samples_per_s"]
+    figures = {"phases": phases, "join": join, "leave": leave, "engine_start_alone_s": round(load_s, 3),
+               "delay_s": a.delay, "samples": summary["samples"], "version": summary["version"],
+               "max_staleness_trained": summary["max_staleness_trained"]}
+    print(json.dumps(figures, indent=1), file=sys.stderr)
+    print(json.dumps({"benchmark": "elastic", "figures": figures, "reference": {"samples_per_s_one_engine": one},
+                      "ratios": {"two_vs_one": round(phases["two"]["samples_per_s"] / one, 3),
+                                 "after_leave_vs_one": round(phases["after_leave"]["samples_per_s"] / one, 3),
+                                 "join_beyond_load_s": round(join["seconds"] - load_s, 3),
+                                 "ledger_balanced": int(bool(summary["ledger_balanced"])),
+                                 "lost": summary["samples"]["lost"]}}))
+
+
+if __name__ == "__main__":
+    main()
