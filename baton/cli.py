@@ -13,7 +13,8 @@
                                                exit 1 when any run breaks an invariant
     baton watch RUN_DIR                        follow a run's progress from its folder, then its summary
     baton ledger RUN_DIR [--export F] [--id ID] the ledger's totals and invariants (exit 1 on a broken one)
-    baton scale RUN_DIR [--engines N] [--wait S] grow or shrink a running run's engines (rollout.max_engines);
+    baton scale RUN_DIR [--engines N] [--wait S] [--preempt]
+                                               grow or shrink a running run's engines (rollout.max_engines);
                                                one JSON line: the fleet's status
     baton export RUN_DIR OUT [--version V] [--dtype D] [--max-shard-size S]
                                                a checkpoint's model as a Hugging Face folder (the latest

@@ -3,7 +3,8 @@
 It asks the run's control endpoint (`pipeline.control`: the address in the run folder's `control.json`,
 the bearer token in `control.token`), which the run serves on 127.0.0.1 while it runs when it was started
 with room to grow (`[rollout] max_engines`). A joining engine takes requests only once it holds the
-run's current weights, proven by their checksum; a leaving one finishes what it has in flight first
+run's current weights, proven by their checksum; a leaving one finishes what it has in flight first, or with
+`--preempt` hands it to the others, which continue each request from the tokens it has
 (docs/guides/elastic.md). Without `--engines` it prints the fleet's status.
 
 Exit codes: 0 done (with --wait: the joins and leaves have settled), 1 the fleet did not settle within
@@ -32,6 +33,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("run_dir", metavar="RUN_DIR", help="the folder of a running run")
     p.add_argument("--engines", type=int, default=None, metavar="N",
                    help="engines to have (1 .. the run's rollout.max_engines); omitted: print the fleet's status")
+    p.add_argument("--preempt", action="store_true",
+                   help="the leaving engines' requests in flight stop now and continue on the others from the tokens "
+                        "they have (a node taken away), instead of finishing where they are")
     p.add_argument("--wait", type=float, default=0.0, metavar="S",
                    help="wait up to S seconds for the joins and leaves to settle (default: return at once)")
     return p
@@ -40,7 +44,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     try:
         status = control_request(args.run_dir) if args.engines is None else \
-            scale_run(args.run_dir, args.engines, args.wait)
+            scale_run(args.run_dir, args.engines, args.wait, args.preempt)
     except ControlError as exc:
         print(f"baton scale: {exc}", file=sys.stderr)
         return 1 if "had not settled" in str(exc) else 2

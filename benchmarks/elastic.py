@@ -1,21 +1,27 @@
 """An elastic run's samples/s as its engine count changes: one engine, then two (a join), then one again (a
 leave), in one run of the README's Python quickstart whose engines are the bottleneck. Two cores cannot show
 that with engines that compete for them, so each engine here answers every call `--delay` seconds late (a
-slow engine: `SlowEngine`, a TorchEngine that waits before it generates, using no CPU meanwhile).
+slow engine: `SlowEngine`, a TorchEngine that waits that long before it generates and `--step-delay` seconds in
+each decode step, so that a preemption finds requests with tokens; it uses no CPU meanwhile).
 
-    python benchmarks/elastic.py [--steps 90] [--join-at 25] [--leave-at 60] [--delay 1.0]
+    python benchmarks/elastic.py [--steps 90] [--join-at 25] [--leave-at 60] [--delay 1.0] [--step-delay 0.05]
+                                 [--drain]
 
 The run starts with one engine and may grow to two (`max_workers = 2`). When the learner reaches version
 `--join-at`, a thread calls `Pipeline.scale(2)`, which returns once the joiner has loaded the model, passed the
-version fence and taken requests; at `--leave-at` it calls `Pipeline.scale(1)`, which returns once the leaving
-engine has drained. Each phase's samples/s is read from the run's metrics (trained samples over wall time,
-between the first and last version of the phase, the versions around a scale call left out).
+version fence and taken requests; at `--leave-at` it calls `Pipeline.scale(1, preempt=True)`: the leaving
+engine is preempted, the requests it had in flight continue on the other engine from the tokens they have, and
+the call returns once they are done (`--drain`: they finish where they are). Each phase's samples/s is read
+from the run's metrics (trained samples over wall time, between the first and last version of the phase, the
+versions around a scale call left out).
 
 Figures: samples/s with one engine (the reference, same run), with two, and after the leave; the join's
 seconds beside an engine's start measured alone in this process (its model's load), the leave's seconds, and
 the run's ledger. Last stdout line: one JSON object with "figures" and "ratios": two_vs_one (goal >= 1.5),
 after_leave_vs_one (about 1), join_beyond_load_s (the join's seconds past a model load; goal <= 2) and
-ledger_balanced (1: nothing lost, nothing trained twice) and lost (samples lost; goal 0).
+ledger_balanced (1: nothing lost, nothing trained twice), lost (samples lost; goal 0) and, for a preempted
+leave that had tokens in flight, carried_over_generated (tokens carried over over those the preempted engine had
+generated; goal >= 0.9).
 """
 
 from __future__ import annotations
@@ -35,26 +41,31 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def slow_engine_type(delay_s: float) -> type:
+def slow_engine_type(delay_s: float, step_delay_s: float) -> type:
     from stages import TorchEngine
 
     class SlowEngine(TorchEngine):
-        """A TorchEngine that answers each call `delay_s` late (it waits, using no CPU, then generates)."""
+        """A TorchEngine that answers each call `delay_s` late (it waits first) and whose decode steps take
+        `step_delay_s` longer (so a preemption finds requests with tokens); neither uses CPU."""
 
         async def generate(self, prompts, params):
             await anyio.sleep(delay_s)
             return await super().generate(prompts, params)
 
+        def _step(self, batch) -> None:
+            time.sleep(step_delay_s)
+            super()._step(batch)
+
     return SlowEngine
 
 
-def make_pipeline(model: Path, run_root: Path, steps: int, delay_s: float) -> Any:
+def make_pipeline(model: Path, run_root: Path, steps: int, delay_s: float, step_delay_s: float) -> Any:
     from buffers import MemoryStore, RefBuffer
     from pipeline import Pipeline
     from policies import MaxStaleness
     from stages import GRPOLearner, Rollout, tasks
 
-    engine = slow_engine_type(delay_s)
+    engine = slow_engine_type(delay_s, step_delay_s)
     return Pipeline(
         name="elastic", steps=steps, run_root=run_root, progress=False, max_workers=2,
         producer=Rollout(tasks.ReverseDigits(digits=2), [engine(model, name="torch-0")], tokenizer=model,
@@ -84,12 +95,14 @@ def wait_for_version(run_root: Path, version: int, done: threading.Event) -> int
     raise SystemExit(f"the run ended before version {version}")
 
 
-def drive(pipe: Any, run_root: Path, join_at: int, leave_at: int, done: threading.Event, out: dict) -> None:
-    """Scale to 2 at `join_at` and back to 1 at `leave_at`; record each call's versions and seconds."""
+def drive(pipe: Any, run_root: Path, join_at: int, leave_at: int, preempt: bool, done: threading.Event,
+          out: dict) -> None:
+    """Scale to 2 at `join_at` and back to 1 at `leave_at` (`preempt`: the leaver's requests continue on the
+    other engine); record each call's versions and seconds."""
     for name, version, engines in (("join", join_at, 2), ("leave", leave_at, 1)):
         before = wait_for_version(run_root, version, done)
         t0 = time.perf_counter()
-        status = pipe.scale(engines)
+        status = pipe.scale(engines, preempt=preempt and name == "leave")
         seconds = time.perf_counter() - t0
         after = metrics(run_root)[-1]["version"]
         out[name] = {"from_version": before, "to_version": after, "seconds": round(seconds, 3), "live": status["live"]}
@@ -126,6 +139,9 @@ def main() -> None:
     p.add_argument("--join-at", type=int, default=25)
     p.add_argument("--leave-at", type=int, default=60)
     p.add_argument("--delay", type=float, default=1.0, help="seconds each engine call waits before it generates")
+    p.add_argument("--step-delay", type=float, default=0.05, help="seconds each engine's decode step waits")
+    p.add_argument("--drain", action="store_true", help="the leave drains (its requests finish where they are) "
+                   "instead of preempting the engine (its requests continue on the other from their tokens)")
     a = p.parse_args()
     import torch
 
@@ -135,30 +151,39 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model, run_root = make_tiny_model(Path(tmp) / "tiny-qwen2"), Path(tmp) / "runs"
         load_s = engine_start_s(model)
-        pipe, done, scaled = make_pipeline(model, run_root, a.steps, a.delay), threading.Event(), {}
-        driver = threading.Thread(target=drive, args=(pipe, run_root, a.join_at, a.leave_at, done, scaled))
+        pipe, done, scaled = make_pipeline(model, run_root, a.steps, a.delay, a.step_delay), threading.Event(), {}
+        driver = threading.Thread(target=drive, args=(pipe, run_root, a.join_at, a.leave_at, not a.drain, done, scaled))
         driver.start()
         try:
             summary = pipe.run()
         finally:
             done.set()
             driver.join()
-        records = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+        run_dir = Path(summary["run_dir"])
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        (left,) = [e for e in map(json.loads, (run_dir / "events.jsonl").read_text().splitlines())
+                   if e["kind"] == "engine.left"]
     join, leave = scaled["join"], scaled["leave"]
     phases = {"one": phase_rate(records, 3, join["from_version"]),
               "two": phase_rate(records, join["to_version"] + 1, leave["from_version"]),
               "after_leave": phase_rate(records, leave["to_version"] + 1, records[-1]["version"])}
     one = phases["one"]["samples_per_s"]
     figures = {"phases": phases, "join": join, "leave": leave, "engine_start_alone_s": round(load_s, 3),
-               "delay_s": a.delay, "samples": summary["samples"], "version": summary["version"],
-               "max_staleness_trained": summary["max_staleness_trained"]}
+               "delay_s": a.delay, "step_delay_s": a.step_delay, "samples": summary["samples"],
+               "version": summary["version"],
+               "max_staleness_trained": summary["max_staleness_trained"],
+               "left": {k: left.get(k, 0) for k in ("preempted", "episodes_drained", "requests", "tokens_carried",
+                                                    "tokens_lost")}}
+    carried, lost = left.get("tokens_carried", 0), left.get("tokens_lost", 0)
     print(json.dumps(figures, indent=1), file=sys.stderr)
     print(json.dumps({"benchmark": "elastic", "figures": figures, "reference": {"samples_per_s_one_engine": one},
                       "ratios": {"two_vs_one": round(phases["two"]["samples_per_s"] / one, 3),
                                  "after_leave_vs_one": round(phases["after_leave"]["samples_per_s"] / one, 3),
                                  "join_beyond_load_s": round(join["seconds"] - load_s, 3),
                                  "ledger_balanced": int(bool(summary["ledger_balanced"])),
-                                 "lost": summary["samples"]["lost"]}}))
+                                 "lost": summary["samples"]["lost"],
+                                 **({"carried_over_generated": round(carried / (carried + lost), 3)}
+                                    if carried + lost else {})}}))
 
 
 if __name__ == "__main__":

@@ -188,9 +188,11 @@ class Scalable(Producer, Protocol):
 class Retiring(Protocol):
     """A producer worker that can leave a running run without losing what it holds."""
 
-    async def retire(self) -> None:
+    async def retire(self, preempt: bool = False) -> None:
         """Take no new work; return once the work it took is finished and sent on (its `run` returns too).
-        Its `stop` then releases what it holds; nothing it admitted is left without a fate."""
+        Its `stop` then releases what it holds; nothing it admitted is left without a fate. `preempt`: the
+        work in flight stops now and goes on elsewhere from where it is (a node taken away), where the worker
+        can move it; else it finishes here."""
         ...
 
 

@@ -1,7 +1,8 @@
 """The run's control endpoint: a small HTTP server on loopback that scales a running run's fleet.
 
     GET  /v1/fleet                          -> the fleet's status (`Fleet.status`)
-    POST /v1/fleet {"workers": N, "wait": false}   scale to N workers (wait: until joins and leaves settle)
+    POST /v1/fleet {"workers": N, "wait": false, "preempt": false}   scale to N workers (wait: until joins and
+                                            leaves settle; preempt: leavers' work in flight goes on elsewhere now)
 
 An elastic run (`pipeline.fleet`) serves it on 127.0.0.1 (a free port) while it runs, like the gateway:
 every request needs `Authorization: Bearer <token>` (401 otherwise), the token lives in the run folder's
@@ -37,6 +38,7 @@ class ControlError(RuntimeError):
 class ScaleBody(msgspec.Struct, forbid_unknown_fields=True):
     workers: int
     wait: bool = False
+    preempt: bool = False
 
 
 class ControlServer:
@@ -87,7 +89,7 @@ class ControlServer:
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             return _error(400, f"malformed body: {exc}; send {{\"workers\": N}}")
         try:
-            return web.json_response(await self.fleet.scale(body.workers, wait=body.wait))
+            return web.json_response(await self.fleet.scale(body.workers, wait=body.wait, preempt=body.preempt))
         except FleetError as exc:
             return _error(409, str(exc))
 
@@ -118,10 +120,10 @@ def control_request(run_dir: Path | str, body: dict[str, Any] | None = None, tim
             from None
 
 
-def scale_run(run_dir: Path | str, workers: int, wait_s: float = 0.0) -> dict[str, Any]:
-    """Ask the running run in `run_dir` for `workers` workers; with `wait_s`, wait up to that long for the
-    joins and leaves to settle (ControlError past it). Returns the fleet's status."""
-    status = control_request(run_dir, {"workers": workers})
+def scale_run(run_dir: Path | str, workers: int, wait_s: float = 0.0, preempt: bool = False) -> dict[str, Any]:
+    """Ask the running run in `run_dir` for `workers` workers (`preempt`: see `Fleet.scale`); with `wait_s`, wait
+    up to that long for the joins and leaves to settle (ControlError past it). Returns the fleet's status."""
+    status = control_request(run_dir, {"workers": workers, "preempt": preempt})
     deadline = time.monotonic() + wait_s
     while wait_s and (status["joining"] or status["leaving"]):
         if time.monotonic() > deadline:

@@ -98,17 +98,19 @@ class Pipeline:
         prepare_process()
         return anyio.run(self.arun)
 
-    def scale(self, workers: int, wait: bool = True) -> dict[str, Any]:
+    def scale(self, workers: int, wait: bool = True, preempt: bool = False) -> dict[str, Any]:
         """Grow or shrink the running run's producer to `workers` (from another thread than the run's: the
-        run's own loop awaits `ascale`); with `wait`, return once the joins and leaves have settled. Returns
-        the fleet's status (`pipeline.fleet.Fleet.status`)."""
+        run's own loop awaits `ascale`); with `wait`, return once the joins and leaves have settled; with
+        `preempt`, the leaving workers' requests in flight stop now and continue on the others from the tokens
+        they have (a node taken away) instead of finishing where they are. Returns the fleet's status
+        (`pipeline.fleet.Fleet.status`)."""
         fleet, token = self._running_fleet()
-        return anyio.from_thread.run(fleet.scale, workers, wait, token=token)
+        return anyio.from_thread.run(fleet.scale, workers, wait, preempt, token=token)
 
-    async def ascale(self, workers: int, wait: bool = True) -> dict[str, Any]:
+    async def ascale(self, workers: int, wait: bool = True, preempt: bool = False) -> dict[str, Any]:
         """`scale`, awaited in the run's own event loop (a hook's actor, say)."""
         fleet, _ = self._running_fleet()
-        return await fleet.scale(workers, wait)
+        return await fleet.scale(workers, wait, preempt)
 
     def _running_fleet(self) -> tuple[Any, Any]:
         from pipeline.fleet import FleetError

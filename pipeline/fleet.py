@@ -61,8 +61,9 @@ class Fleet:
         return {"live": len(live), "joining": self.joining, "leaving": len(self.leaving), "target": self.target,
                 "max": self.max_workers, "workers": live}
 
-    async def scale(self, target: int, wait: bool = False) -> dict[str, Any]:
-        """Head for `target` live workers; with `wait`, return once every join and leave has settled."""
+    async def scale(self, target: int, wait: bool = False, preempt: bool = False) -> dict[str, Any]:
+        """Head for `target` live workers; with `wait`, return once every join and leave has settled. `preempt`:
+        the leaving workers' work in flight stops now and goes on with the others (`Retiring.retire`)."""
         if not 1 <= target <= self.max_workers:
             raise FleetError(f"scale to {target} workers: the run allows 1 to {self.max_workers} "
                              "(its max_workers; config: [rollout] max_engines)")
@@ -84,7 +85,7 @@ class Fleet:
                 raise FleetError(f"worker {live[0].name} cannot leave a running run (it is not Retiring, e.g. a "
                                  f"gateway worker); the fleet stays at {self.target}")
             self.leaving.add(live[0].name)
-            self._group.start_soon(self._retire, live[0])
+            self._group.start_soon(self._retire, live[0], preempt)
         if wait:
             await self.settled()
         return self.status()
@@ -143,16 +144,16 @@ class Fleet:
         except Exception as exc:
             raise ActorFailed(worker.name, "run", exc) from exc
 
-    async def _retire(self, worker: Actor) -> None:
+    async def _retire(self, worker: Actor, preempt: bool = False) -> None:
         started = anyio.current_time()
         assert isinstance(worker, Retiring)  # scale() chose it as one
-        await worker.retire()
+        await worker.retire(preempt)
         self.workers[:] = [w for w in self.workers if w is not worker]  # in place: checkpoint cuts read this list
         self._joined = [w for w in self._joined if w is not worker]
         await worker.stop()
         self.leaving.discard(worker.name)
         self.ctx.event("fleet.left", worker=worker.name, drain_s=round(anyio.current_time() - started, 3),
-                       live=self.status()["live"])
+                       live=self.status()["live"], preempted=preempt)
         self._signal()
 
     def _signal(self) -> None:

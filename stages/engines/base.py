@@ -49,7 +49,7 @@ class Completion:
     tokens: np.ndarray  # int32, generated tokens (a stop token, if hit, is the last one)
     logprobs: np.ndarray  # float32, behaviour logprob of each generated token
     versions: np.ndarray  # int32, weight version that produced each token
-    finish_reason: str = "length"  # "length" | "stop"
+    finish_reason: str = "length"  # "length" | "stop" | "preempted" (the engine was preempted: tokens so far)
     meta: dict = field(default_factory=dict)
     # an MoE model's routed experts of each generated token, [tokens, moe layers, top_k] (uint8, int16 beyond
     # 256 experts): row i is the routing of the position whose logits sampled token i (the prompt's last
@@ -59,6 +59,11 @@ class Completion:
 
 class EngineError(RuntimeError):
     """The engine failed to generate; the request may be retried elsewhere."""
+
+
+class EnginePreempted(EngineError):
+    """The engine was preempted (`Preemptible.preempt`): it takes no request; a rollout sends its requests to
+    another engine (stages.rollout.relay)."""
 
 
 class ContextFull(EngineError):
@@ -95,6 +100,16 @@ class ReturnsRoutedExperts(Protocol):
 def returns_routed_experts(engine: object) -> bool:
     """Whether `engine`'s completions carry routed experts; False for an engine that does not say."""
     return isinstance(engine, ReturnsRoutedExperts) and bool(engine.returns_routed_experts)
+
+
+@runtime_checkable
+class Preemptible(Protocol):
+    """An engine that can be preempted: its requests in flight end at once with what they generated."""
+
+    def preempt(self) -> None:
+        """Every request in flight (decoding or queued) ends now with the tokens it has (`finish_reason`
+        "preempted"), so they may continue elsewhere from there; later `generate` calls raise EnginePreempted."""
+        ...
 
 
 @runtime_checkable

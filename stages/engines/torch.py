@@ -31,6 +31,10 @@ double-buffered transport waits for before it rewrites the other slot.
 When the run's staleness policy says a running request must `restart` on the staged version (its
 sample could no longer be trained, or would span too many versions), that request alone is decoded
 again from its prompt on the new weights (counted in `stats["interrupted"]`); the others continue.
+
+`preempt()` (a node taken away): at the next step boundary every running and queued request ends with the
+tokens it has, `finish_reason` "preempted" (a rollout continues them on another engine, `stages.rollout.relay`),
+and every later call raises EnginePreempted.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ from transformers import Qwen2ForCausalLM
 
 from stages.data.model import load_model
 from stages.data.routing import RoutingCapture, moe_layout
-from stages.engines.base import Completion, EngineError, EngineRun, SamplingParams
+from stages.engines.base import Completion, EngineError, EnginePreempted, EngineRun, SamplingParams
 from stages.engines.torch_adapter import AdapterMerger
 from stages.engines.torch_batch import Batch, Call, Request, Sampling
 from stages.weights.adapter import AdapterVersion
@@ -83,6 +87,7 @@ class TorchEngine:
         self._calls = 0  # generate calls so far: call n samples from its own stream, seeded from (seed, n)
         self.busy_s = 0.0
         self.policy = None  # the run's staleness policy (its `interrupt`), from `attach`
+        self._preempted = False  # `preempt` was called: requests end where they are, no new ones
         self.stats = {"interrupted": 0, "prefills": 0, "decode_steps": 0}  # forward passes of each kind
         self._adapters = AdapterMerger(name, self.model_path, self.stats)
         self._capture: RoutingCapture | None = None  # an MoE model's router hooks (a dense one has none)
@@ -202,6 +207,8 @@ class TorchEngine:
         """Completions of `prompts` (in order), each decoded as a request of the running batch."""
         if self._model is None:
             raise RuntimeError(f"engine {self.name} is not started")
+        if self._preempted:
+            raise EnginePreempted(f"engine {self.name} was preempted: it takes no request")
         call = Call(prompts, params, self._capture.layout if self._capture is not None else None)
         call.generator = torch.Generator(device=self.device).manual_seed(self.seed + self._calls * CALL_SEED_STRIDE)
         self._calls += 1  # in call order on the event loop: the same calls get the same streams in every run
@@ -258,6 +265,9 @@ class TorchEngine:
         False (and the thread's exit is recorded) when there is nothing left to decode."""
         if self._stopping or self._model is None:
             raise EngineError(f"engine {self.name} stopped")
+        if self._preempted:
+            self._end_preempted(batch)
+            return False
         batch.drop([i for i, r in enumerate(batch.rows) if r.call.dropped])
         with self._lock:
             staged = self._staged[0] if self._staged is not None else None
@@ -289,6 +299,28 @@ class TorchEngine:
             self.stats["prefills"] += 1
             batch.merge(new, *self._prefill([r.prompt for r in new]))
         return True
+
+    def preempt(self) -> None:
+        """See the module docstring: requests in flight end with what they have (`finish_reason` "preempted")."""
+        with self._lock:
+            self._preempted = True
+            if self._serving:
+                return  # the decode thread ends them at its next boundary
+            queued = list(self._queue)
+            self._queue.clear()
+        for request in queued:  # (none: nothing queues without a decode thread)
+            request.preempted = True
+            request.call.complete(request)
+
+    def _end_preempted(self, batch: Batch) -> None:
+        """(decode thread) End every running and queued request where it is; the thread then exits."""
+        with self._lock:
+            requests = [r for r in batch.rows + list(self._queue) if not r.call.dropped]
+            self._queue.clear()
+            self._running, self._serving = 0, False
+        for request in requests:  # (the batch goes with the thread)
+            request.preempted = True
+            request.call.complete(request)
 
     def _step(self, batch: Batch) -> None:
         """Sample one token for every row; finished rows leave the batch and their calls hear of it."""

@@ -42,6 +42,7 @@ class Request:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     experts: list[np.ndarray] = field(default_factory=list)
+    preempted: bool = False  # it ended because the engine was preempted, not by a stop token or its length
 
     def append(self, token: int, logprob: float, version: int, experts: np.ndarray | None = None) -> bool:
         """Record one sampled token; True when it ends the request (a stop token, or the last allowed)."""
@@ -62,7 +63,7 @@ class Request:
             tokens=np.asarray(self.tokens, dtype=np.int32),
             logprobs=np.asarray(self.logprobs, dtype=np.float32),
             versions=np.asarray(self.versions, dtype=np.int32),
-            finish_reason="stop" if stopped else "length",
+            finish_reason="preempted" if self.preempted else "stop" if stopped else "length",
             routed_experts=self._routed_experts(),
         )
 

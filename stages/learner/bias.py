@@ -8,6 +8,9 @@ here those values become, per learner step, one entry per outcome:
 
     {"n": samples, "length_mean": ..., "reward_mean": ..., "length": histogram, "reward": histogram}
 
+A sample some of whose tokens a preempted engine generated and another continued from (stages.rollout.relay)
+carries `carried`; an outcome's entry then sums them as `carried_tokens`.
+
 Histograms are sparse and on fixed bins (pipeline.histograms): response length in tokens on
 powers of two (0, 1, 2-3, 4-7, ...), reward in bins of 0.1. So per-step entries add up to the run's
 (`run_outcomes`), which the summary reports and the report plots.
@@ -38,6 +41,8 @@ def step_outcomes(settled: Mapping[str, Mapping[str, Sequence[float]]]) -> dict[
             if values:
                 entry[f"{name}_mean"] = round(sum(values) / len(values), 4)
                 entry[name] = bins.count(values)
+        if named.get("carried"):
+            entry["carried_tokens"] = int(sum(named["carried"]))
         entries[outcome] = entry
     return entries
 
@@ -49,6 +54,8 @@ def run_outcomes(records: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, An
         for outcome, entry in (record.get("outcomes") or {}).items():
             total = totals.setdefault(outcome, {"n": 0})
             total["n"] += entry["n"]
+            if "carried_tokens" in entry:
+                total["carried_tokens"] = total.get("carried_tokens", 0) + entry["carried_tokens"]
             for name in BINS:
                 if name in entry:
                     total[f"_{name}_sum"] = total.get(f"_{name}_sum", 0.0) + entry[f"{name}_mean"] * entry["n"]

@@ -27,11 +27,12 @@ from typing import Any
 import anyio
 
 from stages.data.tasks import Prompt
-from stages.engines.base import Completion, Engine, EngineError, SamplingParams
+from stages.engines.base import Completion, Engine, EngineError, EnginePreempted, SamplingParams
 from stages.engines.faulty import EngineTimeout
 from stages.environments.base import Environment, Message
 from stages.environments.render import Renderer
 from stages.environments.tokens import EpisodeTokens
+from stages.rollout.relay import Relay, preempted_before_start
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,7 @@ class Episode:
     ended: str = "done"
     info: dict[str, float] = field(default_factory=dict)
     last: Completion | None = None  # the last model turn (a single-turn reward scores it)
+    carried: int = 0  # model tokens a preempted engine generated and another continued from (stages.rollout.relay)
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,7 @@ class EpisodeSetup:
     sampling: SamplingParams
     limits: EpisodeLimits
     policy: Any = None
+    relay: Relay | None = None  # where a preempted engine's requests continue (None: they fail with it)
 
 
 def first_messages(sample: Prompt) -> list[Message]:
@@ -135,8 +138,9 @@ async def _turns(engine: Engine, sample: Prompt, setup: EpisodeSetup, env: Envir
                 return episode
         _check_fresh(engine, episode.tokens, setup.policy)
         completion = await _generate(engine, episode.tokens.ids(), replace(setup.sampling, max_new_tokens=room),
-                                     limits.request_timeout_s)
+                                     limits.request_timeout_s, setup)
         episode.tokens.add_model(completion)
+        episode.carried += int(completion.meta.get("carried_tokens", 0))
         episode.turns, episode.last = turn, completion
         if env is None:
             return episode
@@ -161,14 +165,15 @@ async def run_single_turns(engine: Engine, prompt_ids: list[int], setup: Episode
     try:
         with deadline(setup.limits.timeout_s):
             completions = await _generate_many(engine, [prompt_ids] * n, setup.sampling,
-                                               setup.limits.request_timeout_s)
+                                               setup.limits.request_timeout_s, setup)
     except TimeoutError:
         raise EpisodeFailed(f"episode timed out after {setup.limits.timeout_s} s") from None
     episodes = []
     for completion in completions:
         tokens = EpisodeTokens(prompt_ids)
         tokens.add_model(completion)
-        episodes.append(Episode(tokens, turns=1, ended="single", last=completion))
+        episodes.append(Episode(tokens, turns=1, ended="single", last=completion,
+                                carried=int(completion.meta.get("carried_tokens", 0))))
     return episodes
 
 
@@ -182,18 +187,49 @@ def _check_fresh(engine: Engine, tokens: EpisodeTokens, policy: Any) -> None:
         raise EpisodeStale(f"episode tokens from version {span[0]} may not continue at version {engine.version}")
 
 
-async def _generate(engine: Engine, ids: list[int], params: SamplingParams, timeout_s: float | None) -> Completion:
-    (completion,) = await _generate_many(engine, [ids], params, timeout_s)
+async def _generate(engine: Engine, ids: list[int], params: SamplingParams, timeout_s: float | None,
+                    setup: EpisodeSetup | None = None) -> Completion:
+    (completion,) = await _generate_many(engine, [ids], params, timeout_s, setup)
     return completion
 
 
 async def _generate_many(engine: Engine, prompts: list[list[int]], params: SamplingParams,
-                         timeout_s: float | None) -> list[Completion]:
+                         timeout_s: float | None, setup: EpisodeSetup | None = None) -> list[Completion]:
+    """The engine's completions; those a preempted engine gave back continue on another (`setup.relay`)."""
     try:
         with deadline(timeout_s):
-            return await engine.generate(prompts, params)
+            try:
+                completions = await engine.generate(prompts, params)
+            except EnginePreempted:  # a call made after the preemption: all of it goes elsewhere
+                if setup is None or setup.relay is None:
+                    raise
+                completions = [preempted_before_start() for _ in prompts]
+            if setup is None or setup.relay is None or all(c.finish_reason != "preempted" for c in completions):
+                return completions
+            return await _carried(engine, prompts, completions, params, setup)
     except TimeoutError:
         raise EngineTimeout(f"engine {engine.name} did not answer within {timeout_s} s") from None
+
+
+async def _carried(engine: Engine, prompts: list[list[int]], completions: list[Completion], params: SamplingParams,
+                   setup: EpisodeSetup) -> list[Completion]:
+    """Each preempted completion continued on another engine at once (stages.rollout.relay)."""
+    assert setup.relay is not None
+    done, failed = list(completions), []
+
+    async def carry(i: int) -> None:
+        try:
+            done[i] = await setup.relay.carry(engine, prompts[i], completions[i], params, setup.policy)
+        except EngineError as exc:  # raised as itself below, not in a group: the caller's retries catch it
+            failed.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        for i, completion in enumerate(completions):
+            if completion.finish_reason == "preempted":
+                tg.start_soon(carry, i)
+    if failed:
+        raise failed[0]
+    return done
 
 
 async def _env_call(call: Any, limits: EpisodeLimits, what: str) -> Any:

@@ -180,8 +180,9 @@ class GroupMaker:
     async def _store(self, group_id: str, prompt: Prompt, episodes: list[Episode], scored: Scored,
                      span: tuple[int, int]) -> tuple[Ref, dict[str, list[float]]]:
         """Encode and store one scored group; returns its Ref (not yet recorded or sent) and, per sample,
-        the values the ledger keeps for bias accounting: `reward`, `length` (model tokens) and, when a
-        reward failed (scored 0), `reward_failed` (1 for those samples)."""
+        the values the ledger keeps for bias accounting: `reward`, `length` (model tokens), when a
+        reward failed (scored 0) `reward_failed` (1 for those samples), and when some of its tokens came from
+        a preempted engine `carried` (how many: stages.rollout.relay)."""
         ctx, (lo, hi), scores = self.ctx, span, scored.scores
         token_fields = {TEACHER_FIELD: scored.teacher} if scored.teacher is not None else {}
         row_fields = {"scoring_s": np.full(len(episodes), scored.seconds, np.float32)} if self.scoring.scorers else {}
@@ -200,6 +201,8 @@ class GroupMaker:
                   "length": [float(e.tokens.model_tokens) for e in episodes]}
         if any(scores.failures):
             values["reward_failed"] = [float(f is not None) for f in scores.failures]
+        if any(e.carried for e in episodes):  # tokens a preempted engine made that another continued from
+            values["carried"] = [float(e.carried) for e in episodes]
         return ref, values
 
 

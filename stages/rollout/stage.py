@@ -30,6 +30,7 @@ from stages.rollout.episode import EpisodeLimits, EpisodeSetup
 from stages.rollout.evaluation import Evaluation
 from stages.rollout.gateway_worker import GatewaySettings, GatewayWorker, RolloutHost
 from stages.rollout.groups import Scoring
+from stages.rollout.relay import Relay
 from stages.rollout.stats import RolloutStats
 from stages.rollout.worker import RolloutWorker, WorkerSettings
 from stages.scorers import ComposedReward, Distillation, ModelReward
@@ -78,6 +79,7 @@ class Rollout:
     # an engine for worker `index` of an elastic run (`join`); the config's builder sets it; None: none can join
     engine_factory: Callable[[int], Engine] | None = None
     stats: RolloutStats = field(default_factory=RolloutStats, init=False)  # its workers' counts in this process
+    relay: Relay = field(default_factory=Relay, init=False)  # its workers' engines: a preempted one's requests go on
 
     def __post_init__(self) -> None:
         if self.group_size < 2:
@@ -135,7 +137,7 @@ class Rollout:
             environment = functools.partial(environment_class(environment), **self.environment_options)
         sampling = SamplingParams(max_new_tokens=self.task.max_new_tokens, temperature=self.temperature,
                                   top_p=self.top_p, stop_token_ids=self.stop_token_ids)
-        return EpisodeSetup(renderer, environment, sampling, self.limits, policy)
+        return EpisodeSetup(renderer, environment, sampling, self.limits, policy, self.relay)
 
     def actors(self, ctx: RunContext, inbox: Channel | None, outbox: Channel | None) -> list[RolloutWorker]:
         """One worker per engine of this process; in gateway mode the first hosts the process's gateway."""

@@ -42,7 +42,7 @@ from pipeline.context import RunContext
 from pipeline.faults import plan_of
 from pipeline.refs import HeldRef
 from stages.data.tasks import Prompt, Task
-from stages.engines.base import Engine, EngineError
+from stages.engines.base import Engine, EngineError, Preemptible
 from stages.rollout.episode import (
     Episode,
     EpisodeFailed,
@@ -205,6 +205,16 @@ class RolloutWorker(ProducerWorker):
     def setup(self) -> EpisodeSetup:
         return self.episode_setup(self.ctx.policy)
 
+    async def start(self) -> None:
+        await super().start()
+        if self.setup.relay is not None:  # it takes work: a preempted engine's requests may continue on it
+            self.setup.relay.add(self.engine)
+
+    async def stop(self) -> None:
+        if self.setup.relay is not None:
+            self.setup.relay.remove(self.engine)
+        await super().stop()
+
     @functools.cached_property
     def evaluator(self) -> Evaluator | None:
         """The run's evaluations, on the first worker only."""
@@ -226,15 +236,24 @@ class RolloutWorker(ProducerWorker):
             tg.cancel_scope.cancel()
         self._drained.set()
 
-    async def retire(self) -> None:
-        """Take no new groups; return once those admitted are finished and sent on (`run` returns too)."""
+    async def retire(self, preempt: bool = False) -> None:
+        """Take no new groups; return once those admitted are finished and sent on (`run` returns too). With
+        `preempt` the engine's requests in flight end at once and continue on the other engines from the tokens
+        they have (stages.rollout.relay), where a Preemptible engine and a relay allow it; else they finish here."""
         self._retiring = True
         started, episodes = anyio.current_time(), self.settings.batch_groups * self.settings.group_size - self.room.free
+        relay = self.setup.relay
+        if relay is not None:
+            relay.remove(self.engine)  # nothing is carried onto a leaving engine
+        preempted = preempt and relay is not None and isinstance(self.receiver, Preemptible)
+        if preempted:
+            self.receiver.preempt()
         if self._waiting is not None:
             self._waiting.cancel()  # a cancelled wait at the gate took no unit (pipeline.admission)
         await self._drained.wait()
-        self.ctx.event("engine.left", engine=self.engine.name, version=self.engine.version,
-                       episodes_drained=episodes, drain_s=round(anyio.current_time() - started, 3))
+        carried = dict(relay.counts.get(self.engine.name, {})) if preempted and relay is not None else {}
+        self.ctx.event("engine.left", engine=self.engine.name, version=self.engine.version, preempted=preempted,
+                       episodes_drained=episodes, drain_s=round(anyio.current_time() - started, 3), **carried)
 
     async def _admit_next(self, groups: anyio.abc.TaskGroup) -> None:
         """Wait for room and the gate (unless retired meanwhile), then start the groups admitted."""

@@ -17,6 +17,7 @@ finished, nothing trained twice, nothing lost uncounted, nothing over the stalen
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from pathlib import Path
@@ -42,6 +43,7 @@ class RecordingEngine(TorchEngine):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self.preempt_after: int | None = None  # decode steps until it preempts itself (its node taken away)
         self.calls: list[int] = []
         self.called_at: list[float] = []  # wall clock, like the run's events
         self.final: tuple[int, int] | None = None
@@ -51,6 +53,13 @@ class RecordingEngine(TorchEngine):
         self.called_at.append(time.time())
         await anyio.sleep(DELAY_S)  # a slower engine: a leave then always finds episodes in flight
         return await super().generate(prompts, params)
+
+    def _step(self, batch) -> None:
+        super()._step(batch)
+        if self.preempt_after is not None:
+            self.preempt_after -= 1
+            if self.preempt_after == 0:
+                self.preempt()
 
     async def stop(self) -> None:
         if self._model is not None:
@@ -63,8 +72,10 @@ def recording(engine: TorchEngine) -> RecordingEngine:
 
 
 class LeaveWhileBusy:
-    """After version 5, once the newest worker has episodes in flight, shrink the run to one worker through
-    the DSL's own call (`Pipeline.scale`, from another thread): a leave that must drain."""
+    """After version 5, the newest engine is preempted two decode steps into its next batch (its node taken
+    away), and the run shrinks to one worker through the DSL's own call (`Pipeline.scale`, from another
+    thread) with `preempt`: the requests it had in flight continue on the other engine from the tokens they
+    have (stages.rollout.relay)."""
 
     name = "test:leave"
 
@@ -77,13 +88,16 @@ class LeaveWhileBusy:
     async def run(self) -> None:
         await self.ctx.clock.wait_until(5)
         fleet = self.ctx.services.fleet
-        while True:
-            worker = fleet.workers[-1]
-            if len(fleet.workers) > 1 and worker.room.free < worker.settings.batch_groups * worker.settings.group_size:
-                break
+        while len(fleet.workers) < 2:
             await anyio.sleep(0.002)
-        status = await anyio.to_thread.run_sync(self.pipe.scale, 1)  # as a user's own thread would call it
-        assert status["live"] == 1 and status["leaving"] == 0
+        engine = fleet.workers[-1].receiver
+        engine.preempt_after = 2  # its next batch decodes two tokens, then its node is taken away
+        with anyio.fail_after(60):
+            while not engine._preempted:
+                await anyio.sleep(0.002)
+        # as a user's own thread would call it; preempted: its requests continue on the first engine
+        status = await anyio.to_thread.run_sync(functools.partial(self.pipe.scale, 1, preempt=True))
+        assert status["leaving"] == 0 and "rollout:torch-1" not in status["workers"]
 
     async def stop(self) -> None:
         return None
@@ -152,6 +166,12 @@ def test_no_request_reaches_a_joiner_before_its_fence(elastic_run: dict) -> None
     drained = events(run_dir, "engine.left")
     assert [e["engine"] for e in drained] == ["torch-1", "torch-3"]  # the newest leaves first
     assert drained[0]["episodes_drained"] > 0, "it left with episodes in flight, and they finished (the ledger above)"
+    preempted, fault_leave = drained
+    assert preempted["preempted"] and preempted["requests"] > 0 and preempted["tokens_carried"] > 0, preempted
+    assert preempted.get("tokens_lost", 0) <= preempted["tokens_carried"], "k = 2: carried tokens may continue"
+    assert not fault_leave["preempted"], "the engine.leave fault drains"
+    outcomes = elastic_run["summary"]["outcomes"]  # the ledger's: every carried token is in a settled sample
+    assert sum(o.get("carried_tokens", 0) for o in outcomes.values()) == preempted["tokens_carried"]
     left = events(run_dir, "fleet.left")
     assert [(e["worker"], e["live"]) for e in left] == [("rollout:torch-1", 1), ("rollout:torch-3", 2)]
     assert [e["live"] for e in events(run_dir, "fleet.joined")] == [2, 2, 3]

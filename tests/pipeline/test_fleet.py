@@ -42,7 +42,8 @@ class Worker:
         self.log.append(f"drained {self.name}")
         self._drained.set()
 
-    async def retire(self) -> None:
+    async def retire(self, preempt: bool = False) -> None:
+        self.log.append(f"retire {self.name}{' preempted' if preempt else ''}")
         self._retired.set()
         await self._drained.wait()
 
@@ -144,8 +145,10 @@ async def test_the_control_endpoint_needs_its_token_and_scales_the_fleet(tmp_pat
             await anyio.to_thread.run_sync(lambda: control_request(tmp_path, {"workers": 3}))
         with pytest.raises(ControlError, match="malformed body"):
             await anyio.to_thread.run_sync(lambda: control_request(tmp_path, {"engines": 1}))
-        code = await anyio.to_thread.run_sync(lambda: main(["scale", str(tmp_path), "--engines", "1", "--wait", "10"]))
+        code = await anyio.to_thread.run_sync(lambda: main(["scale", str(tmp_path), "--engines", "1", "--wait", "10",
+                                                             "--preempt"]))
         assert code == 0 and fleet.status()["workers"] == ["w0"]
+        assert "retire w1 preempted" in log, "--preempt reaches the leaving worker"
         await server.stop()
         tg.cancel_scope.cancel()
     assert not (tmp_path / CONTROL_FILE).exists() and not (tmp_path / TOKEN_FILE).exists()

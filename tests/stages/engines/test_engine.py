@@ -274,3 +274,30 @@ async def test_inproc_publish_delivers_private_copies() -> None:
     assert r1.got[0][1]["w"].data_ptr() != r2.got[0][1]["w"].data_ptr()
     assert transport.stats["versions"] == 1
     assert transport.stats["bytes"] == 2 * 6 * 4
+
+
+async def test_a_preempted_engine_gives_back_what_it_generated_and_takes_nothing_more(engine: TorchEngine,
+                                                                                        model_a) -> None:
+    """`preempt` mid-generation: every request ends with the tokens it has, each with its own logprob and
+    version (the sampled ones, teacher-forced equal), `finish_reason` "preempted"; a later call is refused."""
+    from stages.engines.base import EnginePreempted
+
+    steps = engine.stats["decode_steps"]
+    out: list = []
+
+    async def generate() -> None:
+        out.extend(await engine.generate(PROMPTS, SamplingParams(max_new_tokens=200)))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(generate)
+        with anyio.fail_after(60):
+            while engine.stats["decode_steps"] < steps + 3:
+                await anyio.sleep(0.001)
+        engine.preempt()
+    model = eval_model(model_a)
+    for prompt, c in zip(PROMPTS, out, strict=True):
+        assert c.finish_reason == "preempted" and 3 <= len(c.tokens) < 200
+        assert len(c.logprobs) == len(c.versions) == len(c.tokens)
+        assert torch.allclose(torch.from_numpy(c.logprobs), teacher_forced_logprobs(model, prompt, c.tokens), atol=1e-4)
+    with pytest.raises(EnginePreempted):
+        await engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2))

@@ -199,3 +199,12 @@ def test_report_draws_binned_counts_per_outcome(tmp_path: Path) -> None:
     drawn = render_report(tmp_path / "r.png", records, [*panels, Panel("empty", "hist", counts={})])
     assert drawn == [p.title for p in panels]  # the empty panel is left out
     assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_tokens_carried_over_from_a_preempted_engine_are_summed_per_outcome() -> None:
+    """Samples carrying `carried` (tokens a preempted engine made, continued elsewhere) sum them per outcome and
+    over the run; samples without it add nothing."""
+    step = step_outcomes({"trained": {"length": [4.0, 6.0], "carried": [2.0, 3.0]}, "dropped:stale": {"length": [5.0]}})
+    assert step["trained"]["carried_tokens"] == 5 and "carried_tokens" not in step["dropped:stale"]
+    later = step_outcomes({"trained": {"length": [4.0], "carried": [1.0]}})
+    assert run_outcomes([{"outcomes": step}, {"outcomes": later}])["trained"]["carried_tokens"] == 6

@@ -98,6 +98,7 @@ class Worker:
 
     def __init__(self, name: str, free: int, gate: Gate) -> None:
         self.engine = SimpleNamespace(name=name)
+        self.maker = SimpleNamespace(failing=False)  # its groups' episodes do not all fail
         self.room, self.ctx = Room(free), SimpleNamespace(gate=gate)
         self.admitted, self.groups = 0, []
         self.prompts = SimpleNamespace(next=self._next_prompts, admit=self._admit)

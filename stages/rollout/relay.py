@@ -1,0 +1,95 @@
+"""`Relay`: where the requests of a preempted engine continue (an elastic run's leave with `preempt`).
+
+A rollout stage keeps one relay for the engines of its process. A worker's engine is on it while the worker
+takes work (`add` once it passed its fence, `remove` when it leaves). When an engine is preempted
+(`stages.engines.base.Preemptible`), every request it had in flight comes back with the tokens it generated
+(`finish_reason` "preempted"), and `carry` continues each one on the least loaded other engine of the relay:
+the prompt and those tokens go back as input, the token budget is what is left, and the completion is
+stitched, so each token keeps the logprob and the weight version that produced it (the staleness policy
+judges the sample by its oldest token, as for any other). Invariants:
+- a token is either carried over (kept in the sample) or lost (counted): when the staleness policy says
+  the carried tokens may not continue under the successor's weights (`interrupt` -> "restart"), they are
+  dropped and the request starts again on the successor from its prompt, counted as lost;
+- no engine left to continue on is an EngineError (the episode is generated again from its sample, counted);
+- the counts, per preempted engine: `requests` carried, `tokens_carried`, `tokens_lost`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from stages.engines.base import Completion, Engine, EngineError, SamplingParams
+
+
+class Relay:
+    """The engines taking work in this process, and the carry-over of a preempted engine's requests."""
+
+    def __init__(self) -> None:
+        self.engines: dict[str, Engine] = {}
+        self.counts: dict[str, Counter[str]] = {}  # preempted engine -> requests, tokens_carried, tokens_lost
+
+    def add(self, engine: Engine) -> None:
+        self.engines[engine.name] = engine
+
+    def remove(self, engine: Engine) -> None:
+        """`engine` takes no more work (it leaves, or is preempted): nothing is carried onto it."""
+        self.engines.pop(engine.name, None)
+
+    def successor(self, preempted: Engine) -> Engine | None:
+        """The least loaded engine taking work, other than `preempted` (None: there is none)."""
+        others = [e for name, e in self.engines.items() if name != preempted.name]
+        return min(others, key=lambda e: e.load, default=None)
+
+    async def carry(self, engine: Engine, prompt: list[int], partial: Completion, params: SamplingParams,
+                    policy: Any = None) -> Completion:
+        """`partial` (a request `engine` gave back preempted) finished on other engines (see the module
+        docstring); a completion that was not preempted comes back as it is."""
+        done, earlier = partial, 0  # `earlier`: tokens of `done` that engines before `engine` generated
+        while done.finish_reason == "preempted":
+            counts = self.counts.setdefault(engine.name, Counter())
+            fresh = len(done.tokens) - earlier  # what `engine` generated
+            successor = self.successor(engine)
+            if successor is None:
+                counts["tokens_lost"] += fresh
+                raise EngineError(f"engine {engine.name} was preempted and no other engine takes work: its "
+                                  "request is generated again from its sample")
+            kept = done
+            if len(kept.tokens) and policy is not None and \
+                    policy.interrupt(int(kept.versions.min()), successor.version) == "restart":
+                counts["tokens_lost"] += len(kept.tokens)
+                kept = _empty_like(kept)
+            else:
+                counts["tokens_carried"] += fresh
+            counts["requests"] += 1
+            rest = replace(params, max_new_tokens=params.max_new_tokens - len(kept.tokens))
+            (more,) = await successor.generate([[*prompt, *kept.tokens.tolist()]], rest)
+            done, engine, earlier = stitched(kept, more), successor, len(kept.tokens)
+        return done
+
+
+def preempted_before_start() -> Completion:
+    """What a request sent to an engine already preempted generated there: nothing."""
+    return Completion(np.zeros(0, np.int32), np.zeros(0, np.float32), np.zeros(0, np.int32), "preempted")
+
+
+def stitched(first: Completion, then: Completion) -> Completion:
+    """`first`'s tokens followed by `then`'s, each with its own logprob, version and experts; `then`'s finish.
+    `meta["carried_tokens"]`: the tokens that came from earlier engines."""
+    if not len(first.tokens):
+        return replace(then, meta={**then.meta, "carried_tokens": 0})
+    experts = None
+    if first.routed_experts is not None and then.routed_experts is not None:
+        experts = np.concatenate([first.routed_experts, then.routed_experts])
+    return Completion(np.concatenate([first.tokens, then.tokens]), np.concatenate([first.logprobs, then.logprobs]),
+                      np.concatenate([first.versions, then.versions]), then.finish_reason,
+                      {**then.meta, "carried_tokens": len(first.tokens)}, experts)
+
+
+def _empty_like(completion: Completion) -> Completion:
+    experts = completion.routed_experts[:0] if completion.routed_experts is not None else None
+    return Completion(completion.tokens[:0], completion.logprobs[:0], completion.versions[:0],
+                      completion.finish_reason, {}, experts)
