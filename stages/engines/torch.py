@@ -265,8 +265,14 @@ class TorchEngine:
         False (and the thread's exit is recorded) when there is nothing left to decode."""
         if self._stopping or self._model is None:
             raise EngineError(f"engine {self.name} stopped")
-        if self._preempted:
-            self._end_preempted(batch)
+        if self._preempted:  # every running and queued request ends where it is; the thread exits
+            with self._lock:
+                requests = [r for r in batch.rows + list(self._queue) if not r.call.dropped]
+                self._queue.clear()
+                self._running, self._serving = 0, False
+            for request in requests:
+                request.preempted = True
+                request.call.complete(request)
             return False
         batch.drop([i for i, r in enumerate(batch.rows) if r.call.dropped])
         with self._lock:
@@ -295,32 +301,19 @@ class TorchEngine:
             if not self._running:
                 self._serving = False
                 return False
-        if new:
+        if new:  # one forward pass over the newcomers' prompts: their KV cache, logits, version and (MoE) experts
             self.stats["prefills"] += 1
-            batch.merge(new, *self._prefill([r.prompt for r in new]))
+            ids, mask, positions, next_pos = _prefill_inputs(self._model, [r.prompt for r in new])
+            out, version, routes = self._forward(input_ids=ids, attention_mask=mask, position_ids=positions,
+                                                 use_cache=True, logits_to_keep=1)
+            batch.merge(new, _cache_of(out), mask, next_pos, out.logits[:, -1], version, routes)
         return True
 
     def preempt(self) -> None:
-        """See the module docstring: requests in flight end with what they have (`finish_reason` "preempted")."""
+        """See the module docstring: requests in flight end with what they have (`finish_reason` "preempted"),
+        at the decode thread's next step boundary (nothing is in flight without one)."""
         with self._lock:
             self._preempted = True
-            if self._serving:
-                return  # the decode thread ends them at its next boundary
-            queued = list(self._queue)
-            self._queue.clear()
-        for request in queued:  # (none: nothing queues without a decode thread)
-            request.preempted = True
-            request.call.complete(request)
-
-    def _end_preempted(self, batch: Batch) -> None:
-        """(decode thread) End every running and queued request where it is; the thread then exits."""
-        with self._lock:
-            requests = [r for r in batch.rows + list(self._queue) if not r.call.dropped]
-            self._queue.clear()
-            self._running, self._serving = 0, False
-        for request in requests:  # (the batch goes with the thread)
-            request.preempted = True
-            request.call.complete(request)
 
     def _step(self, batch: Batch) -> None:
         """Sample one token for every row; finished rows leave the batch and their calls hear of it."""
@@ -347,26 +340,6 @@ class TorchEngine:
             routes = None if self._capture is None else self._capture.last_ids(inputs["input_ids"].shape[0])
             return out, self._version, routes
 
-    def _prefill(self, prompts: list[list[int]]):
-        """One forward pass over the prompts, left-padded so every row's next token sits in the last
-        column: the KV cache, the attention mask, each row's next position, the next token's logits,
-        the version that computed them and (MoE) the experts of each row's last prompt token."""
-        model = self._model
-        assert model is not None
-        device = model.device
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), model.config.pad_token_id or 0, dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p) :] = torch.tensor(p)
-            mask[i, width - len(p) :] = 1
-        ids, mask = ids.to(device), mask.to(device)
-        positions = (mask.cumsum(1) - 1).clamp(min=0)
-        out, version, routes = self._forward(input_ids=ids, attention_mask=mask, position_ids=positions,
-                                             use_cache=True, logits_to_keep=1)
-        next_pos = torch.tensor([len(p) for p in prompts], device=device)
-        return _cache_of(out), mask, next_pos, out.logits[:, -1], version, routes
-
     def _sample(self, logits: torch.Tensor, sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
         """One token per row at its own temperature and top-p, and its logprob (tempered, before top-p)."""
         logp = torch.log_softmax(logits.float() / sampling.temperature, -1)
@@ -382,6 +355,21 @@ class TorchEngine:
             noise = noise[sampling.noise_rows]
         nxt = (probs / noise).argmax(-1)
         return nxt, logp.gather(1, nxt[:, None]).squeeze(1)
+
+
+def _prefill_inputs(model: torch.nn.Module, prompts: list[list[int]]) -> tuple[torch.Tensor, ...]:
+    """The prompts left-padded so every row's next token sits in the last column: ids, attention mask, positions
+    and each row's next position, on the model's device."""
+    device = model.device
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), model.config.pad_token_id or 0, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    return ids, mask, positions, torch.tensor([len(p) for p in prompts], device=device)
 
 
 def _rows_to_restart(batch: Batch, staged: int | None, version: int, policy) -> list[int]:

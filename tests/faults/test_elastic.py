@@ -2,7 +2,8 @@
 pipeline: torch engines, the GRPO learner, the memory store, in one process (local runtime).
 
 One run (at most three engines) grows from one engine to two at version 3 (`engine.join`), shrinks back
-after version 5 once the joiner has episodes in flight (`Pipeline.scale`, the DSL's call), grows again
+after version 5 by preempting the joiner while it decodes (`Pipeline.scale(1, preempt=True)`, the DSL's
+call: its requests continue on the first engine from their tokens), grows again
 while version 8 is being pushed (`engine.join_in_push`), to three at version 10 (`engine.join`), and
 back to two at version 12 (`engine.leave`). The engines are slowed down (`DELAY_S` a call) so that a
 leave finds work in flight. Judged from
@@ -12,7 +13,8 @@ finished, nothing trained twice, nothing lost uncounted, nothing over the stalen
   version at least its fence's (a recording engine: each `generate` call's time and version);
 * each joiner passed by the snapshot's checksum, and holds the learner's weights at the end;
 * the leaving engine's groups all reached the ledger (the ledger balances, none in flight beyond the
-  admission window) and the events say what each join and leave cost.
+  admission window) and the events say what each join and leave cost;
+* the preempted engine's requests carried their tokens over, and the ledger's outcomes count exactly those.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ class RecordingEngine(TorchEngine):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.preempt_after: int | None = None  # decode steps until it preempts itself (its node taken away)
+        self.preempt_soon = False  # it preempts itself after a step that leaves requests with tokens decoding
         self.calls: list[int] = []
         self.called_at: list[float] = []  # wall clock, like the run's events
         self.final: tuple[int, int] | None = None
@@ -56,10 +58,9 @@ class RecordingEngine(TorchEngine):
 
     def _step(self, batch) -> None:
         super()._step(batch)
-        if self.preempt_after is not None:
-            self.preempt_after -= 1
-            if self.preempt_after == 0:
-                self.preempt()
+        if self.preempt_soon and any(r.tokens for r in batch.rows):  # rows left have tokens and are not done
+            self.preempt_soon = False
+            self.preempt()
 
     async def stop(self) -> None:
         if self._model is not None:
@@ -72,7 +73,7 @@ def recording(engine: TorchEngine) -> RecordingEngine:
 
 
 class LeaveWhileBusy:
-    """After version 5, the newest engine is preempted two decode steps into its next batch (its node taken
+    """After version 5, the newest engine is preempted while requests with tokens are decoding (its node taken
     away), and the run shrinks to one worker through the DSL's own call (`Pipeline.scale`, from another
     thread) with `preempt`: the requests it had in flight continue on the other engine from the tokens they
     have (stages.rollout.relay)."""
@@ -91,7 +92,7 @@ class LeaveWhileBusy:
         while len(fleet.workers) < 2:
             await anyio.sleep(0.002)
         engine = fleet.workers[-1].receiver
-        engine.preempt_after = 2  # its next batch decodes two tokens, then its node is taken away
+        engine.preempt_soon = True  # its node is taken away while requests with tokens are decoding
         with anyio.fail_after(60):
             while not engine._preempted:
                 await anyio.sleep(0.002)
@@ -173,8 +174,10 @@ def test_no_request_reaches_a_joiner_before_its_fence(elastic_run: dict) -> None
     outcomes = elastic_run["summary"]["outcomes"]  # the ledger's: every carried token is in a settled sample
     assert sum(o.get("carried_tokens", 0) for o in outcomes.values()) == preempted["tokens_carried"]
     left = events(run_dir, "fleet.left")
-    assert [(e["worker"], e["live"]) for e in left] == [("rollout:torch-1", 1), ("rollout:torch-3", 2)]
-    assert [e["live"] for e in events(run_dir, "fleet.joined")] == [2, 2, 3]
+    # (the join while version 8 is pushed may come before the preempted leave has settled, or after it)
+    assert [e["worker"] for e in left] == ["rollout:torch-1", "rollout:torch-3"] and left[-1]["live"] == 2
+    joined = [e["live"] for e in events(run_dir, "fleet.joined")]
+    assert joined[0] == 2 and joined[-1] == 3 and len(joined) == 3
 
 
 def test_a_joiners_weights_equal_the_learners(elastic_run: dict) -> None:
