@@ -23,7 +23,7 @@ def steady_window(records: list[dict], warmup: int) -> tuple[list[dict], dict | 
     return [r for r in records if r["version"] > warmup], next(r for r in records if r["version"] == warmup)
 
 
-def steady_figures(records: list[dict], samples_per_version: int, warmup: int, engines: int = 1) -> dict[str, float]:
+def steady_figures(records: list[dict], samples_per_version: int, warmup: int, engines: float = 1) -> dict[str, float]:
     """Steady-state figures of per-version records (real or simulated), as benchmarks/async_vs_sync.py
     computes them: samples/s, learner busy fraction, mean staleness, per-version times; engine idle
     fraction when the records carry `engine_busy_s` (cumulative, all engines)."""

@@ -18,6 +18,8 @@ from baton.schema import RunConfig, SimulateSpec, default_of
 from baton.simulate.calibrate import steady_figures
 from baton.simulate.costs import Costs, DeclaredCosts
 from baton.simulate.events import TIMEOUT, EventLoop, Process, Wait, channel_receive_many, channel_send
+from baton.simulate.fleet import FleetOverTime
+from baton.simulate.schedule import phase_figures, phases_of, print_phases
 from pipeline.admission import AdmissionGate
 from pipeline.channel import Channel
 from pipeline.versions import VersionClock
@@ -62,15 +64,19 @@ class SimResult:
     wall_s: float
     engines: int
     k: int
+    phases: list[dict]  # per phase of the engine schedule and learner restarts (baton.simulate.schedule)
+    restarts: list[dict]  # per learner restart: when, at which version, versions rolled back, seconds
 
 
-class Simulation:
+class Simulation(FleetOverTime):
     """One simulated run: the real policy, gate, clock, channels and replay window, cost-modelled stages."""
 
     def __init__(self, cfg: Any, spec: SimulateSpec, costs: Costs, engines: int | None = None,
                  steps: int | None = None) -> None:
         self.cfg, self.spec, self.costs = cfg, spec, costs
-        self.engines = engines or spec.engines or cfg.engine_count
+        at_zero = [n for at, n in spec.engine_schedule if at == 0]
+        self.engines = at_zero[0] if at_zero else engines or spec.engines or cfg.engine_count
+        self.fleet_steps = [(at, n) for at, n in spec.engine_schedule if at > 0]
         self.steps = steps or spec.steps or cfg.steps
         self.rng = random.Random(spec.seed)
         self.groups_per_step = cfg.learner.groups_per_step
@@ -94,29 +100,48 @@ class Simulation:
         self.engine_busy_s = 0.0
         self._ids = 0
         self._prefetch_loading = False
+        self.members: list[int] = []  # engines joining, live or draining, by index (never reused)
+        self.leaving: set[int] = set()
+        self.admitted: Counter[int] = Counter()  # gate units each engine took, and groups it produced
+        self.produced_by: Counter[int] = Counter()
+        self._fleet_s, self._fleet_at = 0.0, 0.0  # engine-seconds (every member) until _fleet_at
+        self._next_engine = 0
+        self._failures = 0  # learner failures not yet noticed by a step
+        self.restarts: list[dict] = []
 
     # -- shared -------------------------------------------------------------------------------------
     def _discard(self, units: int = 1) -> None:
         self.gate.discard(units)
         self.loop.notify((self.gate, "discard"))
 
-    def _acquire_many(self, max_units: int) -> Process:
+    def _acquire_many(self, max_units: int, engine: int) -> Process:
         """AdmissionGate.acquire_many: wait (for a version change or a discard) until the policy admits one
-        unit, then take as many more as it admits now."""
-        while not self.gate.try_acquire():
-            yield Wait((self.clock, "changed"), (self.gate, "discard"))
+        unit, then take as many more as it admits now; 0 when `engine` is told to leave while it waits."""
+        while True:
+            if engine in self.leaving:
+                return 0
+            if self.gate.try_acquire():
+                break
+            yield Wait((self.clock, "changed"), (self.gate, "discard"), ("leave", engine))
         taken = 1
         while taken < max_units and self.gate.try_acquire():
             taken += 1
         return taken
 
     # -- producers ------------------------------------------------------------------------------------
-    def _engine(self, index: int) -> Process:
+    def _engine(self, index: int, join_s: float = 0.0) -> Process:
+        """One engine: joins (after `join_s`: model, snapshot, fence; it then holds the current version),
+        generates until told to leave, and leaves once its call in flight is stored and sent (drained)."""
         # each engine draws from its own stream, so adding engines leaves the others' costs as they were
         costs, rng, loop = self.costs, random.Random(f"{self.spec.seed}/engine/{index}"), self.loop
+        if join_s:
+            yield join_s
         loaded = self.clock.version
-        while True:
-            n = yield from self._acquire_many(self.batch_groups)
+        while index not in self.leaving:
+            n = yield from self._acquire_many(self.batch_groups, index)
+            if not n:
+                break
+            self.admitted[index] += n
             call = costs.engine_call(rng, n)
             yield call.overhead_s
             busy_from = loop.now
@@ -142,7 +167,9 @@ class Simulation:
                 signal = rng.random() >= self.spec.zero_signal_fraction
                 group = SimGroup(self._ids, oldest, nbytes, tokens, signal)
                 self.counts["produced"] += 1
+                self.produced_by[index] += 1
                 yield from channel_send(loop, self.produced, group)
+        self._fleet_change(lambda: (self.members.remove(index), self.leaving.discard(index)))
 
     # -- buffer -----------------------------------------------------------------------------------------
     def _index_full(self, group: SimGroup) -> bool:
@@ -240,8 +267,8 @@ class Simulation:
             taken = yield from self._collect(version)
             t0 = loop.now
             prefetch = loop.spawn(self._prefetch()) if version + 1 < self.steps else None
-            yield costs.step_s(rng, sum(t.item.tokens for t in taken))
-            step_s = loop.now - t0
+            lost_s = yield from self._train(costs.step_s(rng, sum(t.item.tokens for t in taken)), version)
+            step_s = loop.now - t0 - lost_s
             if prefetch is not None and loop.alive(prefetch):
                 if self._prefetch_loading:
                     while self._prefetch_loading:
@@ -249,7 +276,7 @@ class Simulation:
                 else:
                     loop.cancel(prefetch)
             t_push = loop.now
-            yield costs.push_s(rng, self.engines)
+            yield costs.push_s(rng, self.live_engines())
             push_s = loop.now - t_push
             self.clock.advance(version + 1)
             loop.notify((self.clock, "changed"))
@@ -266,7 +293,8 @@ class Simulation:
                 "staleness_mean": sum(stale) / len(stale), "staleness_max": max(stale),
                 "samples_per_s": round(samples / loop.now, 2) if loop.now > 0 else 0.0,
                 "step_s": step_s, "collect_s": t0 - last, "push_s": push_s, "version_s": loop.now - last,
-                "engine_busy_s": self.engine_busy_s,
+                "engine_busy_s": self.engine_busy_s, "engines": self.live_engines(), "engine_s": self.engine_seconds(),
+                "dropped": self.counts["dropped"] + self.counts["requeued"], "restart_s": lost_s,
                 "depth_produced": self.produced.depth, "depth_buffer": len(self.index),
                 "depth_ready": self.ready.depth, "window": len(self.window),
                 "live_groups": self.gate.started - self.gate.discarded - self.counts["trained"],
@@ -277,8 +305,12 @@ class Simulation:
     def run(self) -> SimResult:
         started = time.perf_counter()
         learner = self.loop.spawn(self._learner())
-        for i in range(self.engines):
-            self.loop.spawn(self._engine(i))
+        for _ in range(self.engines):
+            self._spawn_engine(0.0)
+        if self.fleet_steps:
+            self.loop.spawn(self._fleet())
+        if self.spec.learner_restarts:
+            self.loop.spawn(self._learner_failures())
         self.loop.spawn(self._buffer_intake())
         self.loop.spawn(self._buffer_forward())
         self.loop.run(stop=lambda: not self.loop.alive(learner))
@@ -288,14 +320,16 @@ class Simulation:
                 f"{self.loop.now:.3f} s): no stage can move; check the config's channel and buffer bounds"
             )
         samples_per_version = self.groups_per_step * self.group_size
-        figures = steady_figures(self.records, samples_per_version, self.spec.warmup, self.engines)
+        figures = steady_figures(self.records, samples_per_version, self.spec.warmup, self._mean_engines())
         judged = self.counts["trained"] + self.counts["dropped"] + self.counts["requeued"]
         figures["dropped_frac"] = round((self.counts["dropped"] + self.counts["requeued"]) / max(1, judged), 4)
         figures["max_staleness"] = max(self.trained_staleness, default=0)
+        phases = phases_of(self.engines, self.fleet_steps, self.spec.learner_restarts, self.records[-1]["t"])
         return SimResult(
             records=self.records, figures=figures, staleness_hist=dict(sorted(Counter(self.trained_staleness).items())),
             counts=dict(self.counts), events=self.loop.events, wall_s=round(time.perf_counter() - started, 3),
-            engines=self.engines, k=self.policy.bound,
+            engines=self.engines, k=self.policy.bound, phases=phase_figures(self.records, phases, samples_per_version),
+            restarts=self.restarts,
         )
 
 
@@ -317,6 +351,7 @@ def write_run(root: str | Path, name: str, result: SimResult, extra: dict | None
             folder.log_metrics(record)
         summary = {"figures": result.figures, "staleness_hist": result.staleness_hist, "counts": result.counts,
                    "engines": result.engines, "k": result.k, "events": result.events, "sim_wall_s": result.wall_s,
+                   "phases": result.phases, "learner_restarts": result.restarts,
                    **(extra or {})}
         folder.write_json("summary.json", summary)
         trained = [s for s, n in result.staleness_hist.items() for _ in range(n)]
@@ -327,6 +362,8 @@ def write_run(root: str | Path, name: str, result: SimResult, extra: dict | None
                   y=["depth_produced", "depth_buffer", "depth_ready", "window", "live_groups"]),
             Panel("learner time per version (s)", "line", x="version", y=["version_s", "step_s", "collect_s"]),
         ]
+        if len(result.phases) > 1:
+            panels.append(Panel("engines (live) over the schedule", "line", x="t", y=["engines"]))
         render_report(folder.path / "report.png", result.records, panels, title=f"{name}: simulated")
     return folder.path
 
@@ -350,3 +387,5 @@ def print_result(result: SimResult, measured: dict | None = None) -> None:
         table.add_row(*row)
     table.add_row("staleness histogram", str(result.staleness_hist))
     Console(stderr=True, width=120).print(table)
+    if len(result.phases) > 1:
+        print_phases(result.phases, (measured or {}).get("phases"))

@@ -1,0 +1,88 @@
+"""A run whose shape changes over virtual time (`baton simulate` with `[simulate] engine_schedule` and
+`learner_restarts`): its phases and the figures of each, for a simulated run and a real one alike.
+
+A phase runs from one change (an engine-count step after 0, a learner restart) to the next, the last one
+to the run's last version. Its figures are wall-clock ones, what a user timing that stretch of the run
+sees: the samples of the versions published in it over its length (the first versions after a join pay
+the joiner's fence, those after a restart its seconds), the staleness of what it trained, its longest
+time between two versions, and (simulated records only) the groups it dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Phase:
+    """[start_s, end_s) of virtual (or run) time; `engines`: the target count in it; `restart`: it begins
+    with a learner restart."""
+
+    start_s: float
+    end_s: float
+    engines: int
+    restart: bool
+
+
+def phases_of(engines: int, steps: list[tuple[float, int]], restarts: list[float], end_s: float) -> list[Phase]:
+    """The phases of a run starting with `engines`, changed by `steps` ((time_s, count), increasing) and
+    `restarts` (times), ending at `end_s`. Invariant: they tile [0, end_s) in order."""
+    def count_at(t: float) -> int:
+        return next((n for at, n in reversed(steps) if at <= t), engines)
+
+    changes = sorted({at for at, _ in steps if 0 < at < end_s} | {at for at in restarts if 0 < at < end_s})
+    starts = [0.0, *changes]
+    ends = [*changes, end_s]
+    out = [Phase(a, b, count_at(a), a in restarts) for a, b in zip(starts, ends, strict=True)]
+    return out
+
+
+def phase_figures(records: list[dict], phases: list[Phase], samples_per_version: int) -> list[dict[str, Any]]:
+    """Per phase: its span and engines, the versions published in it, samples/s over its length, the mean
+    and most staleness trained, the longest gap between versions (from the last version before it), and
+    `dropped` when the records carry the cumulative count."""
+    out = []
+    for phase in phases:
+        inside = [r for r in records if phase.start_s <= r["t"] < phase.end_s or
+                  (phase is phases[-1] and r["t"] == phase.end_s)]
+        before = [r["t"] for r in records if r["t"] < phase.start_s]
+        times = [max(before, default=0.0), *(r["t"] for r in inside)]
+        length = phase.end_s - phase.start_s
+        row: dict[str, Any] = {
+            "start_s": round(phase.start_s, 3), "end_s": round(phase.end_s, 3), "engines": phase.engines,
+            "restart": phase.restart, "versions": len(inside),
+            "samples_per_s": round(samples_per_version * len(inside) / length, 2) if length > 0 else 0.0,
+            "mean_staleness": round(sum(r["staleness_mean"] for r in inside) / len(inside), 4) if inside else None,
+            "max_staleness": max((r["staleness_max"] for r in inside), default=None),
+            "max_gap_s": round(max((b - a for a, b in zip(times, times[1:], strict=False)), default=0.0), 3),
+        }
+        if inside and "dropped" in inside[-1]:
+            first = [r for r in records if r["t"] < phase.start_s]
+            row["dropped"] = inside[-1]["dropped"] - (first[-1]["dropped"] if first else 0)
+        out.append(row)
+    return out
+
+
+def print_phases(simulated: list[dict], measured: list[dict] | None = None) -> None:
+    """The per-phase table on stderr; with a real run's phases, its figures and the error beside."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="per phase (engine schedule, learner restarts)")
+    for col in ("from s", "to s", "engines", "restart", "versions", "samples/s", "mean staleness", "max staleness",
+                "max gap s", *(("measured samples/s", "error") if measured else ())):
+        table.add_column(col, justify="right")
+    for i, p in enumerate(simulated):
+        row = [f"{p['start_s']:.1f}", f"{p['end_s']:.1f}", str(p["engines"]), "yes" if p["restart"] else "",
+               str(p["versions"]), f"{p['samples_per_s']:.1f}", _fmt(p["mean_staleness"]), _fmt(p["max_staleness"]),
+               f"{p['max_gap_s']:.2f}"]
+        if measured:
+            m = measured[i]["samples_per_s"] if i < len(measured) else None
+            row += [_fmt(m), f"{(p['samples_per_s'] - m) / m:+.1%}" if m else ""]
+        table.add_row(*row)
+    Console(stderr=True, width=140).print(table)
+
+
+def _fmt(value: float | None) -> str:
+    return "" if value is None else f"{value:g}"
