@@ -51,14 +51,18 @@ from collections.abc import Sequence
 from baton.config import ConfigError
 from baton.simulate.calibrate import calibrate
 from baton.simulate.costs import Costs
+from baton.simulate.schedule import schedule_overrides
 from baton.simulate.simulation import load_simulation_config, print_result, simulate, write_run
 from baton.simulate.sweep import parse_sweep, print_sweep, run_sweep, write_sweep
 
 
 def main(config: str | None, calibrate_dir: str | None, engines: int | None, learners: int | None,
-         steps: int | None, overrides: Sequence[str], sweep: Sequence[str] | None) -> int:
-    """`baton simulate`: prints a table (stderr) and one JSON line (stdout); writes a run folder."""
+         steps: int | None, overrides: Sequence[str], sweep: Sequence[str] | None,
+         schedule: tuple[str | None, str | None] = (None, None)) -> int:
+    """`baton simulate`: prints a table (stderr) and one JSON line (stdout); writes a run folder.
+    `schedule`: the --engine-schedule and --learner-restarts flags."""
     try:
+        overrides = [*overrides, *schedule_overrides(*schedule)]
         costs: Costs | None = None
         measured = None
         if calibrate_dir is not None:
@@ -85,5 +89,6 @@ def main(config: str | None, calibrate_dir: str | None, engines: int | None, lea
     folder = write_run(cfg.run_root, cfg.name, result, extra)
     print_result(result, measured)
     print(json.dumps({"run_dir": str(folder), "figures": result.figures, "staleness_hist": result.staleness_hist,
-                      "counts": result.counts, **extra}), flush=True)
+                      "counts": result.counts, "phases": result.phases, "learner_restarts": result.restarts, **extra}),
+          flush=True)
     return 0

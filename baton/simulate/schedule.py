@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from baton.config import ConfigError
+
 
 @dataclass(frozen=True)
 class Phase:
@@ -86,3 +88,23 @@ def print_phases(simulated: list[dict], measured: list[dict] | None = None) -> N
 
 def _fmt(value: float | None) -> str:
     return "" if value is None else f"{value:g}"
+
+
+def schedule_overrides(engine_schedule: str | None, learner_restarts: str | None) -> list[str]:
+    """`--engine-schedule 0:1,60:2,120:1` and `--learner-restarts 40,90` as `--set simulate.*` overrides."""
+    sets = []
+    if engine_schedule:
+        try:
+            steps = [(float(t), int(n)) for t, n in (item.split(":") for item in engine_schedule.split(","))]
+        except ValueError:
+            raise ConfigError(f"--engine-schedule {engine_schedule!r}: expected TIME_S:ENGINES,..., e.g. "
+                              "--engine-schedule 0:1,60:2,120:1") from None
+        sets.append(f"simulate.engine_schedule={[[t, n] for t, n in steps]}")
+    if learner_restarts:
+        try:
+            times = [float(t) for t in learner_restarts.split(",")]
+        except ValueError:
+            raise ConfigError(f"--learner-restarts {learner_restarts!r}: expected TIME_S,..., e.g. "
+                              "--learner-restarts 40,90") from None
+        sets.append(f"simulate.learner_restarts={times}")
+    return sets

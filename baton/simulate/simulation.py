@@ -44,14 +44,15 @@ def load_simulation_config(path: str | Path, overrides: Sequence[str] = ()) -> t
 
 @dataclass(slots=True)
 class SimGroup:
-    """What a ref says of a group: its oldest token version, payload bytes, tokens, and (instead of rewards)
-    whether its rewards differ."""
+    """What a ref says of a group: its oldest token version, payload bytes, tokens, (instead of rewards)
+    whether its rewards differ, and its engine."""
 
     id: int
     version: int
     nbytes: int
     tokens: int
     signal: bool
+    engine: int = 0  # the engine that generated it
 
 
 @dataclass
@@ -104,6 +105,8 @@ class Simulation(FleetOverTime):
         self.leaving: set[int] = set()
         self.admitted: Counter[int] = Counter()  # gate units each engine took, and groups it produced
         self.produced_by: Counter[int] = Counter()
+        self.settled_by: Counter[int] = Counter()  # per engine: its groups trained (first time), dropped, filtered
+        self.left_at: dict[int, float] = {}  # engines gone: when their drain ended
         self._fleet_s, self._fleet_at = 0.0, 0.0  # engine-seconds (every member) until _fleet_at
         self._next_engine = 0
         self._failures = 0  # learner failures not yet noticed by a step
@@ -165,10 +168,11 @@ class Simulation(FleetOverTime):
             for tokens, nbytes in zip(call.group_tokens, call.group_nbytes, strict=True):
                 self._ids += 1
                 signal = rng.random() >= self.spec.zero_signal_fraction
-                group = SimGroup(self._ids, oldest, nbytes, tokens, signal)
+                group = SimGroup(self._ids, oldest, nbytes, tokens, signal, index)
                 self.counts["produced"] += 1
                 self.produced_by[index] += 1
                 yield from channel_send(loop, self.produced, group)
+        self.left_at[index] = loop.now
         self._fleet_change(lambda: (self.members.remove(index), self.leaving.discard(index)))
 
     # -- buffer -----------------------------------------------------------------------------------------
@@ -214,6 +218,7 @@ class Simulation(FleetOverTime):
     def _refuse(self, group: SimGroup, version: int) -> None:
         verdict = self.policy.accept(version, group.version)
         self.counts["requeued" if verdict == "requeue" else "dropped"] += 1
+        self.settled_by[group.engine] += 1
         self._discard(1)
 
     # -- learner ----------------------------------------------------------------------------------------
@@ -229,6 +234,7 @@ class Simulation(FleetOverTime):
                 self.window.add(group, group.version)
             else:
                 self.counts["filtered"] += 1
+                self.settled_by[group.engine] += 1
                 self._discard(1)
 
     def _collect(self, version: int) -> Process:
@@ -284,6 +290,7 @@ class Simulation(FleetOverTime):
             stale = [version - t.item.version for t in taken]
             self.trained_staleness.extend(stale)
             self.counts["trained"] += len(taken)
+            self.settled_by.update(t.item.engine for t in taken if not t.reused)
             self.window.returned(taken, version)
             samples += len(taken) * self.group_size
             version += 1
@@ -372,7 +379,8 @@ def print_result(result: SimResult, measured: dict | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"simulated: {result.engines} engines, k = {result.k} ({result.events} events, "
+    start = " at the start (the schedule's phases below)" if len(result.phases) > 1 else ""
+    table = Table(title=f"simulated: {result.engines} engines{start}, k = {result.k} ({result.events} events, "
                         f"{result.wall_s:.2f} s)")
     table.add_column("figure")
     table.add_column("simulated", justify="right")

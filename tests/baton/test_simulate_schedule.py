@@ -1,0 +1,124 @@
+"""`baton simulate` with a run whose shape changes (baton.simulate.fleet, baton.simulate.schedule): engines
+that join after their fence and leave by draining, a learner group that restarts, and figures per phase.
+Pure logic in virtual time: no servers, no files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from baton.cli import main as cli
+from baton.config import ConfigError
+from baton.simulate.schedule import phases_of, schedule_overrides
+from baton.simulate.simulation import Simulation, load_simulation_config, simulate
+
+QUICKSTART = str(Path(__file__).resolve().parents[2] / "configs" / "quickstart.toml")
+# engine-bound: one engine's call of 8 groups x 8 samples x 8 tokens takes ~1.7 s, a step ~0.15 s
+ENGINE_BOUND = ["mode='async'", "staleness.k=4", "simulate.decode_tokens_per_s=300", "simulate.response_tokens_sigma=0",
+                "simulate.warmup=5"]
+
+
+def engine_bound(*overrides: str, steps: int = 80):
+    return load_simulation_config(QUICKSTART, [*ENGINE_BOUND, f"steps={steps}", *overrides])
+
+
+def run(*overrides: str, steps: int = 80) -> Simulation:
+    cfg, spec = engine_bound(*overrides, steps=steps)
+    sim = Simulation(cfg, spec, _declared(cfg, spec))
+    sim.result = sim.run()  # type: ignore[attr-defined]
+    return sim
+
+
+def _declared(cfg, spec):
+    from baton.simulate.costs import DeclaredCosts
+
+    return DeclaredCosts(spec, cfg.rollout.group_size, cfg.weights.transport, cfg.runtime, cfg.learner_ranks)
+
+
+def test_a_constant_schedule_is_todays_prediction_exactly() -> None:
+    cfg, spec = engine_bound()
+    today = simulate(cfg, spec, engines=2)
+    for schedule in ("[[0, 2]]", "[[0, 2], [30, 2], [90, 2]]"):  # the second runs the fleet process: no change
+        cfg, spec = engine_bound(f"simulate.engine_schedule={schedule}")
+        scheduled = simulate(cfg, spec, engines=5)  # a step at 0 sets the starting count
+        assert scheduled.records == today.records
+        assert scheduled.figures == today.figures and scheduled.staleness_hist == today.staleness_hist
+        assert {k: v for k, v in scheduled.counts.items() if k != "fleet_changes"} == today.counts
+        assert {p["engines"] for p in scheduled.phases} == {2}
+
+
+def test_engine_bound_samples_per_s_doubles_after_a_join_from_one_to_two() -> None:
+    sim = run("simulate.engine_schedule=[[0, 1], [60, 2]]", "simulate.engine_join_s=1.0", steps=90)
+    before, after = sim.result.phases  # type: ignore[attr-defined]
+    assert (before["engines"], after["engines"]) == (1, 2)
+    assert 1.8 <= after["samples_per_s"] / before["samples_per_s"] <= 2.2
+    assert max(r["engines"] for r in sim.records) == 2
+
+
+def test_a_joiner_takes_work_only_after_its_join_cost() -> None:
+    quick = run("simulate.engine_schedule=[[0, 1], [60, 2]]", "simulate.engine_join_s=0", steps=90)
+    slow = run("simulate.engine_schedule=[[0, 1], [60, 2]]", "simulate.engine_join_s=30", steps=90)
+    q, s = quick.result.phases[1], slow.result.phases[1]  # type: ignore[attr-defined]
+    assert slow.admitted[1] > 0
+    # 30 of the second phase's first seconds without the joiner: fewer versions per second after the join
+    assert s["samples_per_s"] < 0.9 * q["samples_per_s"]
+
+
+def test_a_leave_drains_its_call_and_loses_no_group() -> None:
+    sim = run("simulate.engine_schedule=[[0, 2], [40, 1]]", steps=60)
+    leaver = 1  # the newest engine leaves first
+    assert leaver not in sim.members and sim.members == [0]
+    assert sim.left_at[leaver] > 40.0  # it finished the call it had in flight at the leave, after it
+    assert sim.admitted[leaver] == sim.produced_by[leaver] > 0  # every admitted group was generated and sent
+    assert sim.settled_by[leaver] == sim.produced_by[leaver]  # and trained or dropped (counted) by the end
+    before, after = sim.result.phases  # type: ignore[attr-defined]
+    assert after["samples_per_s"] < 0.7 * before["samples_per_s"]
+
+
+def test_a_shrink_while_a_joiner_fences_removes_the_joiner_before_it_takes_work() -> None:
+    sim = run("simulate.engine_schedule=[[0, 1], [30, 2], [31, 1]]", "simulate.engine_join_s=5", steps=40)
+    assert sim.admitted[1] == 0 and sim.members == [0] and 1 in sim.left_at
+
+
+def test_a_learner_restart_stops_versions_for_its_seconds_and_raises_peak_staleness() -> None:
+    calm = run("simulate.engine_schedule=[[0, 1]]", steps=60)
+    hit = run("simulate.engine_schedule=[[0, 1]]", "simulate.learner_restarts=[60.0]", "simulate.learner_restart_s=20",
+              steps=60)
+    version_s = max(r["version_s"] for r in calm.records)
+    after = hit.result.phases[1]  # type: ignore[attr-defined]
+    assert after["restart"] and 20.0 <= after["max_gap_s"] <= 20.0 + 2 * version_s
+    assert sum(r["restart_s"] for r in hit.records) >= 20.0
+    assert hit.result.figures["max_staleness"] > calm.result.figures["max_staleness"]  # type: ignore[attr-defined]
+    (restart,) = hit.restarts
+    every = hit.cfg.checkpoint.every
+    assert restart["seconds"] == 20.0 and restart["rolled_back_versions"] == restart["at_version"] % every
+    assert hit.counts["trained"] == calm.counts["trained"]  # the lost step's groups were trained afterwards
+    assert hit.records[-1]["t"] > calm.records[-1]["t"] + 5.0
+
+
+def test_phases_tile_the_run_in_order() -> None:
+    phases = phases_of(3, [(0.0, 1), (10.0, 2), (30.0, 1), (99.0, 4)], [20.0], 50.0)
+    assert [(p.start_s, p.end_s, p.engines, p.restart) for p in phases] == [
+        (0.0, 10.0, 1, False), (10.0, 20.0, 2, False), (20.0, 30.0, 2, True), (30.0, 50.0, 1, False)]
+    assert phases_of(2, [], [], 7.0)[0].engines == 2
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("engine_schedule", "[[10, 1], [5, 2]]", "increasing"),
+    ("engine_schedule", "[[0, 0]]", ">= 1"),
+    ("learner_restarts", "[30.0, 10.0]", "in order"),
+])
+def test_a_schedule_that_cannot_be_is_refused_naming_the_key(key, value, message) -> None:
+    with pytest.raises(ConfigError, match=message) as err:
+        engine_bound(f"simulate.{key}={value}")
+    assert key in str(err.value)
+
+
+def test_cli_flags_become_the_simulate_keys(capsys) -> None:
+    assert schedule_overrides("0:1,60:2", "40,90") == ["simulate.engine_schedule=[[0.0, 1], [60.0, 2]]",
+                                                       "simulate.learner_restarts=[40.0, 90.0]"]
+    with pytest.raises(ConfigError, match="TIME_S:ENGINES"):
+        schedule_overrides("0-1", None)
+    assert cli(["simulate", QUICKSTART, "--engine-schedule", "0:1;60:2"]) == 2
+    assert "--engine-schedule" in capsys.readouterr().err
