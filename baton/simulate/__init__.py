@@ -70,6 +70,8 @@ def main(config: str | None, calibrate_dir: str | None, engines: int | None, lea
             config = config or str(cal.config_path)
             costs, measured = cal.costs, cal.measured
             engines = engines or cal.engines
+            if cal.schedule is not None and not any(schedule):  # the run's own joins, leaves and restarts
+                overrides = [*cal.schedule.overrides(), *overrides]
         if config is None:
             raise ConfigError("simulate needs a CONFIG, or --calibrate RUN_DIR")
         sets = [*overrides, *([f"simulate.learners={learners}"] if learners else [])]

@@ -108,3 +108,86 @@ def schedule_overrides(engine_schedule: str | None, learner_restarts: str | None
                               "--learner-restarts 40,90") from None
         sets.append(f"simulate.learner_restarts={times}")
     return sets
+
+
+@dataclass(frozen=True)
+class ObservedSchedule:
+    """A real run's shape, from its events: the engine count (a step at 0, then each scale request), the
+    learner restarts' start times, and the mean join and restart costs. Times are run-relative seconds."""
+
+    engine_schedule: list[tuple[float, int]]
+    engine_join_s: float
+    learner_restarts: list[float]
+    learner_restart_s: float
+
+    def overrides(self) -> list[str]:
+        """As `--set simulate.*` overrides (the restart keys only when the run restarted)."""
+        sets = [f"simulate.engine_schedule={[[t, n] for t, n in self.engine_schedule]}",
+                f"simulate.engine_join_s={self.engine_join_s}"]
+        if self.learner_restarts:
+            sets += [f"simulate.learner_restarts={self.learner_restarts}",
+                     f"simulate.learner_restart_s={self.learner_restart_s}"]
+        return sets
+
+
+# a generation.jsonl record's seconds from the gate to the record: its episodes' puts and scoring lie inside gen_s
+CALL_SPAN = ("gate_s", "gen_s", "send_s")
+
+
+def observe_schedule(events: list[dict], calls: list[dict], records: list[dict]) -> ObservedSchedule | None:
+    """The schedule a real run followed, or None when its fleet never changed and its learner never restarted.
+
+    Events carry wall-clock times, the run's files run-relative ones: a `fleet.joined` event is reported just
+    before the joiner asks the gate, so its first call (generation.jsonl: recorded at its end, with the seconds
+    of its span) began then, and a `fleet.left` event just after the leaver recorded its last call; these give
+    the offset (their mean). A run without either takes it from its first restart: the failure is noticed by
+    the step after version `at_version`, whose record then was written. A join or leave
+    was asked `join_s` / `drain_s` before its event; a restart began `seconds` before its event."""
+    fleet = [e for e in events if e.get("kind") in ("fleet.joined", "fleet.left")]
+    restarts = [e for e in events if e.get("kind") == "learner.restart"]
+    if not fleet and not restarts:
+        return None
+    offset = _clock_offset(fleet, restarts, calls, records)
+    joined = {_engine_of(e) for e in fleet if e["kind"] == "fleet.joined"}
+    steps = [(0.0, len({c["engine"] for c in calls} - joined) or 1)]
+    for e in sorted(fleet, key=lambda e: e["t"]):  # one request for several engines: one step, its last count
+        steps.append((max(0.0, round(e["t"] - offset - e.get("join_s", e.get("drain_s", 0.0)), 3)), int(e["live"])))
+    join_s = [e["join_s"] for e in fleet if e["kind"] == "fleet.joined"]
+    started = [max(0.0, round(e["t"] - offset - e["seconds"], 3)) for e in restarts]
+    return ObservedSchedule(_increasing(steps), round(sum(join_s) / len(join_s), 3) if join_s else 0.0, started,
+                            round(sum(e["seconds"] for e in restarts) / len(restarts), 3) if restarts else 0.0)
+
+
+def _clock_offset(fleet: list[dict], restarts: list[dict], calls: list[dict], records: list[dict]) -> float:
+    """Wall-clock time minus run-relative time (see observe_schedule)."""
+    offsets = []
+    for e in fleet:
+        own = [c for c in calls if c["engine"] == _engine_of(e)]
+        if own and e["kind"] == "fleet.joined":
+            offsets.append(e["t"] - (own[0]["t"] - sum(own[0].get(k, 0.0) for k in CALL_SPAN)))
+        elif own:
+            offsets.append(e["t"] - own[-1]["t"])
+    if offsets:
+        return sum(offsets) / len(offsets)
+    for e in restarts:
+        at = next((r for r in records if r["version"] == e.get("at_version")), None)
+        if at is not None:
+            return e["t"] - e["seconds"] - at["t"]
+    raise ConfigError("the run's events.jsonl has fleet or restart events, but neither a joiner's calls in "
+                      "generation.jsonl nor a restart's version in metrics.jsonl to place them in the run's time")
+
+
+def _increasing(steps: list[tuple[float, int]]) -> list[tuple[float, int]]:
+    """Steps with strictly increasing times: of steps at one time, the last count."""
+    out: list[tuple[float, int]] = []
+    for at, n in steps:
+        if out and at <= out[-1][0]:
+            out[-1] = (out[-1][0], n)
+        else:
+            out.append((at, n))
+    return out
+
+
+def _engine_of(event: dict) -> str:
+    """The engine name of a fleet event's worker (`rollout:torch-1` -> `torch-1`, as generation.jsonl names it)."""
+    return str(event["worker"]).rsplit(":", 1)[-1]

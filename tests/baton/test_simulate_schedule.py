@@ -10,7 +10,7 @@ import pytest
 
 from baton.cli import main as cli
 from baton.config import ConfigError
-from baton.simulate.schedule import phases_of, schedule_overrides
+from baton.simulate.schedule import observe_schedule, phases_of, schedule_overrides
 from baton.simulate.simulation import Simulation, load_simulation_config, simulate
 
 QUICKSTART = str(Path(__file__).resolve().parents[2] / "configs" / "quickstart.toml")
@@ -122,3 +122,25 @@ def test_cli_flags_become_the_simulate_keys(capsys) -> None:
         schedule_overrides("0-1", None)
     assert cli(["simulate", QUICKSTART, "--engine-schedule", "0:1;60:2"]) == 2
     assert "--engine-schedule" in capsys.readouterr().err
+
+
+def test_a_real_runs_joins_leaves_and_restarts_become_its_schedule() -> None:
+    """From a run folder's records (events in wall-clock time, calls and metrics in run time): the clock
+    offset from the joiner's first call and the leaver's last, each request `join_s`/`drain_s` before its
+    event, a restart `seconds` before its event."""
+    t0 = 1_000.0  # the run's start in wall-clock time
+    calls = [{"engine": "torch-0", "t": 0.5, "gate_s": 0.0, "gen_s": 0.4, "send_s": 0.0},
+             {"engine": "torch-1", "t": 12.5, "gate_s": 0.1, "gen_s": 0.4, "send_s": 0.0},  # began at 12.0
+             {"engine": "torch-1", "t": 30.0, "gate_s": 0.0, "gen_s": 0.4, "send_s": 0.0}]
+    events = [{"t": t0 + 12.0, "kind": "fleet.joined", "worker": "rollout:torch-1", "join_s": 2.0, "live": 2},
+              {"t": t0 + 30.0, "kind": "fleet.left", "worker": "rollout:torch-1", "drain_s": 1.5, "live": 1},
+              {"t": t0 + 50.0, "kind": "learner.restart", "seconds": 8.0, "at_version": 40},
+              {"t": t0 + 51.0, "kind": "engine.hang"}]
+    observed = observe_schedule(events, calls, [])
+    assert observed.engine_schedule == [(0.0, 1), (10.0, 2), (28.5, 1)]
+    assert (observed.engine_join_s, observed.learner_restarts, observed.learner_restart_s) == (2.0, [42.0], 8.0)
+    assert "simulate.engine_schedule=[[0.0, 1], [10.0, 2], [28.5, 1]]" in observed.overrides()
+    assert observe_schedule([e for e in events if e["kind"] == "engine.hang"], calls, []) is None
+    # without fleet events the restart's version places it: the record of version 40 was written at t = 41.0
+    alone = observe_schedule(events[2:], calls, [{"version": 40, "t": 41.0}])
+    assert alone.learner_restarts == [41.0] and alone.engine_schedule == [(0.0, 2)]
