@@ -4,12 +4,14 @@ Pure logic in virtual time: no servers, no files."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from baton.cli import main as cli
 from baton.config import ConfigError
+from baton.simulate import replay
 from baton.simulate.schedule import observe_schedule, phases_of, schedule_overrides
 from baton.simulate.simulation import Simulation, load_simulation_config, simulate
 
@@ -144,3 +146,31 @@ def test_a_real_runs_joins_leaves_and_restarts_become_its_schedule() -> None:
     # without fleet events the restart's version places it: the record of version 40 was written at t = 41.0
     alone = observe_schedule(events[2:], calls, [{"version": 40, "t": 41.0}])
     assert alone.learner_restarts == [41.0] and alone.engine_schedule == [(0.0, 2)]
+
+
+def test_replay_simulates_a_run_folder_on_its_own_join_and_compares_each_phase(tmp_path) -> None:
+    """A synthetic engine-bound run folder (one call of 16 groups = one version, 0.5 s per call and engine;
+    a second engine joins at 20 s): the replay places the join where it was and predicts both phases."""
+    run = tmp_path / "run"
+    run.mkdir()
+    config = Path(QUICKSTART).read_text().replace("steps = 500", "steps = 120")
+    (run / "config.toml").write_text(config)
+    times = [0.5 * v for v in range(1, 41)] + [20 + 0.25 * v for v in range(1, 81)]
+    records = [{"version": v, "t": t, "step_s": 0.01, "collect_s": 0.24, "push_s": 0.0, "version_s": 0.25,
+                "staleness_mean": 0.0, "staleness_max": 0} for v, t in enumerate(times, 1)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    call = {"groups": 16, "group_size": 8, "gate_s": 0.0, "gen_s": 0.5, "put_s": 0.0, "send_s": 0.0, "tokens": 256,
+            "lengths": [2] * 128, "nbytes": 26624}
+    calls = sorted([{"engine": "torch-0", "t": 0.5 * i, **call} for i in range(1, 81)] +
+                   [{"engine": "torch-1", "t": 20 + 0.5 * i, **call} for i in range(1, 41)], key=lambda c: c["t"])
+    (run / "generation.jsonl").write_text("".join(json.dumps(c) + "\n" for c in calls))
+    (run / "summary.json").write_text(json.dumps({"samples": {"trained": 120 * 128}}))
+    event = {"t": 5_000.0 + 20.0, "kind": "fleet.joined", "worker": "rollout:torch-1", "join_s": 0.1, "live": 2}
+    (run / "events.jsonl").write_text(json.dumps(event) + "\n")
+    result, cal = replay(str(run))
+    assert cal.schedule is not None and cal.schedule.engine_schedule == [(0.0, 1), (19.9, 2)]
+    measured, simulated = cal.measured["phases"], result.phases
+    assert [p["engines"] for p in simulated] == [1, 2] and len(measured) == 2
+    assert 1.8 <= simulated[1]["samples_per_s"] / simulated[0]["samples_per_s"] <= 2.2
+    for m, s in zip(measured, simulated, strict=True):
+        assert s["samples_per_s"] == pytest.approx(m["samples_per_s"], rel=0.15)
