@@ -1,5 +1,6 @@
 """The simulated run's shape over virtual time (`baton simulate`, `[simulate] engine_schedule` and
-`learner_restarts`), as a part of `Simulation`: engines that join and leave, a learner group that restarts.
+`learner_restarts`), two parts a `Simulation` holds: its engine fleet (`Fleet`: engines that join and
+leave) and its learner's restarts (`LearnerRestarts`).
 
 Follows pipeline/fleet.py and stages/learner/restart.py:
 
@@ -24,6 +25,7 @@ noticed at its next step.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from baton.schema import SimulateSpec
@@ -31,75 +33,97 @@ from baton.simulate.calibrate import steady_window
 from baton.simulate.events import TIMEOUT, EventLoop, Process, Wait
 
 
-class FleetOverTime:
-    """The engine fleet and learner restarts of a `Simulation` (which sets every attribute below)."""
+class Fleet:
+    """The engines of a simulated run over time. `start(n)` starts n engines; `run()` is the schedule's
+    process. Invariants: an engine's index is never reused; `leaving` is a subset of `members`; each engine
+    leaves `members` only once its last call's groups are sent."""
 
-    spec: SimulateSpec
-    cfg: Any
-    loop: EventLoop
-    counts: Counter[str]
-    records: list[dict]
-    engines: int
-    fleet_steps: list[tuple[float, int]]
-    members: list[int]  # engines joining, live or draining, by index (never reused)
-    leaving: set[int]
-    restarts: list[dict]
-    groups_per_step: int
-    group_size: int
-    _fleet_s: float
-    _fleet_at: float
-    _next_engine: int
-    _failures: int
+    def __init__(self, loop: EventLoop, spec: SimulateSpec, engine: Callable[[int, float], Process]) -> None:
+        self.loop, self.spec, self._engine = loop, spec, engine
+        self.steps = [(at, n) for at, n in spec.engine_schedule if at > 0]
+        self.members: list[int] = []  # engines joining, live or draining, by index
+        self.leaving: set[int] = set()
+        self.admitted: Counter[int] = Counter()  # per engine: gate units it took
+        self.produced_by: Counter[int] = Counter()  # groups it generated and sent
+        self.settled_by: Counter[int] = Counter()  # its groups trained (first time), dropped or filtered
+        self.left_at: dict[int, float] = {}  # engines gone: when their drain ended
+        self.changes = 0
+        self._seconds, self._since, self._next = 0.0, 0.0, 0
 
-    def _engine(self, index: int, join_s: float = 0.0) -> Process: ...
-
-    def _fleet_change(self, change: Any) -> None:
+    def _change(self, change: Callable[[], Any]) -> None:
         """Apply `change` to the members, keeping the engine-seconds integral of their count."""
-        self._fleet_s += len(self.members) * (self.loop.now - self._fleet_at)
-        self._fleet_at = self.loop.now
+        self._seconds += len(self.members) * (self.loop.now - self._since)
+        self._since = self.loop.now
         change()
 
     def engine_seconds(self) -> float:
-        return self._fleet_s + len(self.members) * (self.loop.now - self._fleet_at)
+        """Seconds of engine time so far: every member (joining, live, draining) counts."""
+        return self._seconds + len(self.members) * (self.loop.now - self._since)
 
-    def live_engines(self) -> int:
+    def live(self) -> int:
         """Engines not leaving (joining ones included: they are subscribed to the pushes)."""
         return len(self.members) - len(self.leaving)
 
-    def _spawn_engine(self, join_s: float) -> None:
-        index, self._next_engine = self._next_engine, self._next_engine + 1
-        self._fleet_change(lambda: self.members.append(index))
-        self.loop.spawn(self._engine(index, join_s))
+    def start(self, count: int, join_s: float = 0.0) -> None:
+        """Start `count` engines with new indices; each pays `join_s` before asking the gate."""
+        for _ in range(count):
+            index, self._next = self._next, self._next + 1
+            self._change(lambda index=index: self.members.append(index))
+            self.loop.spawn(self._engine(index, join_s))
 
-    def _scale_to(self, target: int) -> None:
+    def gone(self, index: int) -> None:
+        """Engine `index` has drained and stopped."""
+        self.left_at[index] = self.loop.now
+        self._change(lambda: (self.members.remove(index), self.leaving.discard(index)))
+
+    def scale_to(self, target: int) -> None:
         """`baton scale --engines target`: joiners get new indices; the newest engines leave first."""
         staying = [i for i in self.members if i not in self.leaving]
-        for _ in range(target - len(staying)):
-            self._spawn_engine(self.spec.engine_join_s)
+        self.start(max(0, target - len(staying)), self.spec.engine_join_s)
         for index in sorted(staying, reverse=True)[: max(0, len(staying) - target)]:
             self.leaving.add(index)
             self.loop.notify(("leave", index))
 
-    def _fleet(self) -> Process:
-        for at, target in self.fleet_steps:
+    def run(self) -> Process:
+        for at, target in self.steps:
             yield max(0.0, at - self.loop.now)
-            self._scale_to(target)
-            self.counts["fleet_changes"] += 1
+            self.scale_to(target)
+            self.changes += 1
 
-    def _learner_failures(self) -> Process:
+    def mean_engines(self, records: list[dict], fixed: int) -> float:
+        """The engine count the steady window's engine-idle figure divides by: `fixed` without a schedule,
+        else the mean of the members' count over the window (records carry `engine_s`)."""
+        if not self.steps:
+            return fixed
+        window, start = steady_window(records, self.spec.warmup)
+        t0, s0 = (start["t"], start["engine_s"]) if start is not None else (0.0, 0.0)
+        return (window[-1]["engine_s"] - s0) / max(1e-12, window[-1]["t"] - t0)
+
+
+class LearnerRestarts:
+    """The learner group's failures at the schedule's times and what each restart costs. `run()` is the
+    failures' process; the learner trains through `train()`."""
+
+    def __init__(self, loop: EventLoop, spec: SimulateSpec, checkpoint_every: int, samples_per_version: int) -> None:
+        self.loop, self.spec = loop, spec
+        self.every, self.samples_per_version = checkpoint_every, samples_per_version
+        self.pending = 0  # failures not yet noticed by a step
+        self.done: list[dict] = []  # one per restart: when, at which version, what it rolled back, seconds
+
+    def run(self) -> Process:
         for at in self.spec.learner_restarts:
             yield max(0.0, at - self.loop.now)
-            self._failures += 1
+            self.pending += 1
             self.loop.notify(("learner", "failed"))
 
-    def _train(self, seconds: float, version: int) -> Process:
+    def train(self, seconds: float, version: int) -> Process:
         """The step's compute. A learner failure before or during it (noticed by the step's collectives)
         loses the time spent and costs a restart; then the step runs again on the same groups at the same
         version (the real learner puts them back in the replay window). Returns the seconds lost."""
         began = self.loop.now
         while True:
-            if self._failures:
-                self._failures -= 1
+            if self.pending:
+                self.pending -= 1
                 yield from self._restart(version)
                 continue
             if not self.spec.learner_restarts:
@@ -114,18 +138,7 @@ class FleetOverTime:
         since the checkpoint lose their update (counted, as its `learner.restart` event does)."""
         started = self.loop.now
         yield self.spec.learner_restart_s
-        every = self.cfg.checkpoint.every
-        rolled = version % every if every else version
-        self.counts["learner_restarts"] += 1
-        self.restarts.append({"at_s": round(started, 6), "at_version": version, "rolled_back_versions": rolled,
-                              "rolled_back_trainings": rolled * self.groups_per_step * self.group_size,
-                              "seconds": round(self.loop.now - started, 6)})
-
-    def _mean_engines(self) -> float:
-        """The engine count the steady window's engine-idle figure divides by: the fixed one, else the mean
-        of the members' count over the window."""
-        if not self.fleet_steps:
-            return self.engines
-        window, start = steady_window(self.records, self.spec.warmup)
-        t0, s0 = (start["t"], start["engine_s"]) if start is not None else (0.0, 0.0)
-        return (window[-1]["engine_s"] - s0) / max(1e-12, window[-1]["t"] - t0)
+        rolled = version % self.every if self.every else version
+        self.done.append({"at_s": round(started, 6), "at_version": version, "rolled_back_versions": rolled,
+                          "rolled_back_trainings": rolled * self.samples_per_version,
+                          "seconds": round(self.loop.now - started, 6)})

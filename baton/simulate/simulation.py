@@ -18,7 +18,7 @@ from baton.schema import RunConfig, SimulateSpec, default_of
 from baton.simulate.calibrate import steady_figures
 from baton.simulate.costs import Costs, DeclaredCosts
 from baton.simulate.events import TIMEOUT, EventLoop, Process, Wait, channel_receive_many, channel_send
-from baton.simulate.fleet import FleetOverTime
+from baton.simulate.fleet import Fleet, LearnerRestarts
 from baton.simulate.schedule import phase_figures, phases_of, print_phases
 from pipeline.admission import AdmissionGate
 from pipeline.channel import Channel
@@ -69,7 +69,7 @@ class SimResult:
     restarts: list[dict]  # per learner restart: when, at which version, versions rolled back, seconds
 
 
-class Simulation(FleetOverTime):
+class Simulation:
     """One simulated run: the real policy, gate, clock, channels and replay window, cost-modelled stages."""
 
     def __init__(self, cfg: Any, spec: SimulateSpec, costs: Costs, engines: int | None = None,
@@ -77,7 +77,6 @@ class Simulation(FleetOverTime):
         self.cfg, self.spec, self.costs = cfg, spec, costs
         at_zero = [n for at, n in spec.engine_schedule if at == 0]
         self.engines = at_zero[0] if at_zero else engines or spec.engines or cfg.engine_count
-        self.fleet_steps = [(at, n) for at, n in spec.engine_schedule if at > 0]
         self.steps = steps or spec.steps or cfg.steps
         self.rng = random.Random(spec.seed)
         self.groups_per_step = cfg.learner.groups_per_step
@@ -101,16 +100,9 @@ class Simulation(FleetOverTime):
         self.engine_busy_s = 0.0
         self._ids = 0
         self._prefetch_loading = False
-        self.members: list[int] = []  # engines joining, live or draining, by index (never reused)
-        self.leaving: set[int] = set()
-        self.admitted: Counter[int] = Counter()  # gate units each engine took, and groups it produced
-        self.produced_by: Counter[int] = Counter()
-        self.settled_by: Counter[int] = Counter()  # per engine: its groups trained (first time), dropped, filtered
-        self.left_at: dict[int, float] = {}  # engines gone: when their drain ended
-        self._fleet_s, self._fleet_at = 0.0, 0.0  # engine-seconds (every member) until _fleet_at
-        self._next_engine = 0
-        self._failures = 0  # learner failures not yet noticed by a step
-        self.restarts: list[dict] = []
+        self.fleet = Fleet(self.loop, spec, self._engine)  # engines joining and leaving (engine_schedule)
+        self.restarts = LearnerRestarts(self.loop, spec, cfg.checkpoint.every,
+                                        self.groups_per_step * self.group_size)
 
     # -- shared -------------------------------------------------------------------------------------
     def _discard(self, units: int = 1) -> None:
@@ -121,7 +113,7 @@ class Simulation(FleetOverTime):
         """AdmissionGate.acquire_many: wait (for a version change or a discard) until the policy admits one
         unit, then take as many more as it admits now; 0 when `engine` is told to leave while it waits."""
         while True:
-            if engine in self.leaving:
+            if engine in self.fleet.leaving:
                 return 0
             if self.gate.try_acquire():
                 break
@@ -140,11 +132,11 @@ class Simulation(FleetOverTime):
         if join_s:
             yield join_s
         loaded = self.clock.version
-        while index not in self.leaving:
+        while index not in self.fleet.leaving:
             n = yield from self._acquire_many(self.batch_groups, index)
             if not n:
                 break
-            self.admitted[index] += n
+            self.fleet.admitted[index] += n
             call = costs.engine_call(rng, n)
             yield call.overhead_s
             busy_from = loop.now
@@ -170,10 +162,9 @@ class Simulation(FleetOverTime):
                 signal = rng.random() >= self.spec.zero_signal_fraction
                 group = SimGroup(self._ids, oldest, nbytes, tokens, signal, index)
                 self.counts["produced"] += 1
-                self.produced_by[index] += 1
+                self.fleet.produced_by[index] += 1
                 yield from channel_send(loop, self.produced, group)
-        self.left_at[index] = loop.now
-        self._fleet_change(lambda: (self.members.remove(index), self.leaving.discard(index)))
+        self.fleet.gone(index)
 
     # -- buffer -----------------------------------------------------------------------------------------
     def _index_full(self, group: SimGroup) -> bool:
@@ -218,7 +209,7 @@ class Simulation(FleetOverTime):
     def _refuse(self, group: SimGroup, version: int) -> None:
         verdict = self.policy.accept(version, group.version)
         self.counts["requeued" if verdict == "requeue" else "dropped"] += 1
-        self.settled_by[group.engine] += 1
+        self.fleet.settled_by[group.engine] += 1
         self._discard(1)
 
     # -- learner ----------------------------------------------------------------------------------------
@@ -234,7 +225,7 @@ class Simulation(FleetOverTime):
                 self.window.add(group, group.version)
             else:
                 self.counts["filtered"] += 1
-                self.settled_by[group.engine] += 1
+                self.fleet.settled_by[group.engine] += 1
                 self._discard(1)
 
     def _collect(self, version: int) -> Process:
@@ -273,7 +264,7 @@ class Simulation(FleetOverTime):
             taken = yield from self._collect(version)
             t0 = loop.now
             prefetch = loop.spawn(self._prefetch()) if version + 1 < self.steps else None
-            lost_s = yield from self._train(costs.step_s(rng, sum(t.item.tokens for t in taken)), version)
+            lost_s = yield from self.restarts.train(costs.step_s(rng, sum(t.item.tokens for t in taken)), version)
             step_s = loop.now - t0 - lost_s
             if prefetch is not None and loop.alive(prefetch):
                 if self._prefetch_loading:
@@ -282,7 +273,7 @@ class Simulation(FleetOverTime):
                 else:
                     loop.cancel(prefetch)
             t_push = loop.now
-            yield costs.push_s(rng, self.live_engines())
+            yield costs.push_s(rng, self.fleet.live())
             push_s = loop.now - t_push
             self.clock.advance(version + 1)
             loop.notify((self.clock, "changed"))
@@ -290,7 +281,7 @@ class Simulation(FleetOverTime):
             stale = [version - t.item.version for t in taken]
             self.trained_staleness.extend(stale)
             self.counts["trained"] += len(taken)
-            self.settled_by.update(t.item.engine for t in taken if not t.reused)
+            self.fleet.settled_by.update(t.item.engine for t in taken if not t.reused)
             self.window.returned(taken, version)
             samples += len(taken) * self.group_size
             version += 1
@@ -300,7 +291,8 @@ class Simulation(FleetOverTime):
                 "staleness_mean": sum(stale) / len(stale), "staleness_max": max(stale),
                 "samples_per_s": round(samples / loop.now, 2) if loop.now > 0 else 0.0,
                 "step_s": step_s, "collect_s": t0 - last, "push_s": push_s, "version_s": loop.now - last,
-                "engine_busy_s": self.engine_busy_s, "engines": self.live_engines(), "engine_s": self.engine_seconds(),
+                "engine_busy_s": self.engine_busy_s,
+                "engines": self.fleet.live(), "engine_s": self.fleet.engine_seconds(),
                 "dropped": self.counts["dropped"] + self.counts["requeued"], "restart_s": lost_s,
                 "depth_produced": self.produced.depth, "depth_buffer": len(self.index),
                 "depth_ready": self.ready.depth, "window": len(self.window),
@@ -312,12 +304,11 @@ class Simulation(FleetOverTime):
     def run(self) -> SimResult:
         started = time.perf_counter()
         learner = self.loop.spawn(self._learner())
-        for _ in range(self.engines):
-            self._spawn_engine(0.0)
-        if self.fleet_steps:
-            self.loop.spawn(self._fleet())
+        self.fleet.start(self.engines)
+        if self.fleet.steps:
+            self.loop.spawn(self.fleet.run())
         if self.spec.learner_restarts:
-            self.loop.spawn(self._learner_failures())
+            self.loop.spawn(self.restarts.run())
         self.loop.spawn(self._buffer_intake())
         self.loop.spawn(self._buffer_forward())
         self.loop.run(stop=lambda: not self.loop.alive(learner))
@@ -327,16 +318,19 @@ class Simulation(FleetOverTime):
                 f"{self.loop.now:.3f} s): no stage can move; check the config's channel and buffer bounds"
             )
         samples_per_version = self.groups_per_step * self.group_size
-        figures = steady_figures(self.records, samples_per_version, self.spec.warmup, self._mean_engines())
+        figures = steady_figures(self.records, samples_per_version, self.spec.warmup,
+                                self.fleet.mean_engines(self.records, self.engines))
         judged = self.counts["trained"] + self.counts["dropped"] + self.counts["requeued"]
         figures["dropped_frac"] = round((self.counts["dropped"] + self.counts["requeued"]) / max(1, judged), 4)
         figures["max_staleness"] = max(self.trained_staleness, default=0)
-        phases = phases_of(self.engines, self.fleet_steps, self.spec.learner_restarts, self.records[-1]["t"])
+        phases = phases_of(self.engines, self.fleet.steps, self.spec.learner_restarts, self.records[-1]["t"])
+        counts = {**self.counts, **({"fleet_changes": self.fleet.changes} if self.fleet.changes else {}),
+                  **({"learner_restarts": len(self.restarts.done)} if self.restarts.done else {})}
         return SimResult(
             records=self.records, figures=figures, staleness_hist=dict(sorted(Counter(self.trained_staleness).items())),
-            counts=dict(self.counts), events=self.loop.events, wall_s=round(time.perf_counter() - started, 3),
+            counts=counts, events=self.loop.events, wall_s=round(time.perf_counter() - started, 3),
             engines=self.engines, k=self.policy.bound, phases=phase_figures(self.records, phases, samples_per_version),
-            restarts=self.restarts,
+            restarts=self.restarts.done,
         )
 
 

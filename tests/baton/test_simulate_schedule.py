@@ -62,7 +62,7 @@ def test_a_joiner_takes_work_only_after_its_join_cost() -> None:
     quick = run("simulate.engine_schedule=[[0, 1], [60, 2]]", "simulate.engine_join_s=0", steps=90)
     slow = run("simulate.engine_schedule=[[0, 1], [60, 2]]", "simulate.engine_join_s=30", steps=90)
     q, s = quick.result.phases[1], slow.result.phases[1]  # type: ignore[attr-defined]
-    assert slow.admitted[1] > 0
+    assert slow.fleet.admitted[1] > 0
     # 30 of the second phase's first seconds without the joiner: fewer versions per second after the join
     assert s["samples_per_s"] < 0.9 * q["samples_per_s"]
 
@@ -70,17 +70,18 @@ def test_a_joiner_takes_work_only_after_its_join_cost() -> None:
 def test_a_leave_drains_its_call_and_loses_no_group() -> None:
     sim = run("simulate.engine_schedule=[[0, 2], [40, 1]]", steps=60)
     leaver = 1  # the newest engine leaves first
-    assert leaver not in sim.members and sim.members == [0]
-    assert sim.left_at[leaver] > 40.0  # it finished the call it had in flight at the leave, after it
-    assert sim.admitted[leaver] == sim.produced_by[leaver] > 0  # every admitted group was generated and sent
-    assert sim.settled_by[leaver] == sim.produced_by[leaver]  # and trained or dropped (counted) by the end
+    assert leaver not in sim.fleet.members and sim.fleet.members == [0]
+    assert sim.fleet.left_at[leaver] > 40.0  # it finished the call it had in flight at the leave, after it
+    fleet = sim.fleet
+    assert fleet.admitted[leaver] == fleet.produced_by[leaver] > 0  # every admitted group was generated and sent
+    assert fleet.settled_by[leaver] == fleet.produced_by[leaver]  # and trained or dropped (counted) by the end
     before, after = sim.result.phases  # type: ignore[attr-defined]
     assert after["samples_per_s"] < 0.7 * before["samples_per_s"]
 
 
 def test_a_shrink_while_a_joiner_fences_removes_the_joiner_before_it_takes_work() -> None:
     sim = run("simulate.engine_schedule=[[0, 1], [30, 2], [31, 1]]", "simulate.engine_join_s=5", steps=40)
-    assert sim.admitted[1] == 0 and sim.members == [0] and 1 in sim.left_at
+    assert sim.fleet.admitted[1] == 0 and sim.fleet.members == [0] and 1 in sim.fleet.left_at
 
 
 def test_a_learner_restart_stops_versions_for_its_seconds_and_raises_peak_staleness() -> None:
@@ -92,7 +93,7 @@ def test_a_learner_restart_stops_versions_for_its_seconds_and_raises_peak_stalen
     assert after["restart"] and 20.0 <= after["max_gap_s"] <= 20.0 + 2 * version_s
     assert sum(r["restart_s"] for r in hit.records) >= 20.0
     assert hit.result.figures["max_staleness"] > calm.result.figures["max_staleness"]  # type: ignore[attr-defined]
-    (restart,) = hit.restarts
+    (restart,) = hit.restarts.done
     every = hit.cfg.checkpoint.every
     assert restart["seconds"] == 20.0 and restart["rolled_back_versions"] == restart["at_version"] % every
     assert hit.counts["trained"] == calm.counts["trained"]  # the lost step's groups were trained afterwards
