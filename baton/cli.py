@@ -124,6 +124,12 @@ def _simulate_parser(s: argparse.ArgumentParser) -> None:
     s.add_argument("--sweep", nargs="+", default=None, metavar="KEY=V1,V2",
                    help="simulate every combination, e.g. --sweep engines=1,2,4,8 k=0,1,2,4 (keys: engines, k, "
                    "learners)")
+    s.add_argument("--engine-schedule", default=None, metavar="T:N,...",
+                   help="the engine count over virtual time, e.g. 0:1,60:2,120:1 (simulate.engine_schedule; a joiner "
+                   "pays simulate.engine_join_s, a leaver drains); figures come per phase too")
+    s.add_argument("--learner-restarts", default=None, metavar="T,...",
+                   help="times (s) at which the learner group restarts, each training nothing for "
+                   "simulate.learner_restart_s (simulate.learner_restarts)")
     add_overrides(s, "override a config key, e.g. --set simulate.decode_tokens_per_s=3000 (repeatable)")
 
 
@@ -175,7 +181,7 @@ def run_simulate(args: argparse.Namespace) -> int:
             print(f"baton: --{flag} must be >= 1, got {value}", file=sys.stderr)
             return 2
     return simulate.main(args.config, args.calibrate, args.engines, args.learners, args.steps, args.overrides,
-                         args.sweep)
+                         args.sweep, (args.engine_schedule, args.learner_restarts))
 
 
 def main(argv: list[str] | None = None) -> int:

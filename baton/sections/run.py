@@ -185,6 +185,17 @@ class SimulateSpec(Section):
                                             "params: train_tokens_per_s = it / (6 x active_params)")
     decode_flops_per_s: float | None = Field(None, gt=0, description="one engine's achieved decode FLOP/s at batch; "
                                              "with params: decode_tokens_per_s = it / (2 x active_params)")
+    engine_schedule: list[tuple[float, int]] = Field(default_factory=list, description="the engine count over "
+        "virtual time, [[time_s, engines], ...]: at time_s the fleet grows (a joiner pays engine_join_s, then takes "
+        "requests) or shrinks (the newest engines drain: their calls in flight finish, no new ones); a step at 0 "
+        "sets the starting count. Figures come per phase as well")
+    engine_join_s: float = Field(0.0, ge=0, description="a joining engine's seconds before its first request: model "
+                                 "load, weight snapshot and version fence (engine.joined's load_s + fence_s)")
+    learner_restarts: list[float] = Field(default_factory=list, description="virtual times (s) at which the learner "
+        "group fails and restarts itself: the step in progress is lost, nothing trains for learner_restart_s "
+        "while the engines keep generating")
+    learner_restart_s: float = Field(10.0, ge=0, description="seconds one learner restart trains nothing (the "
+                                     "learner.restart event's seconds)")
 
     @model_validator(mode="after")
     def _lengths_fit(self) -> SimulateSpec:
@@ -193,6 +204,19 @@ class SimulateSpec(Section):
                 f"simulate.response_tokens_mean = {self.response_tokens_mean:g} is above simulate.max_response_tokens"
                 f" = {self.max_response_tokens}; lower the mean or raise max_response_tokens"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _schedule_fits(self) -> SimulateSpec:
+        times = [t for t, _ in self.engine_schedule]
+        if any(t < 0 for t in times) or any(b <= a for a, b in zip(times, times[1:], strict=False)):
+            raise ValueError(f"simulate.engine_schedule times {times} must be >= 0 and increasing, e.g. "
+                             "[[0, 1], [60, 2], [120, 1]]")
+        if any(n < 1 for _, n in self.engine_schedule):
+            raise ValueError("simulate.engine_schedule counts must be >= 1 (a run keeps one engine at least)")
+        if any(t < 0 for t in self.learner_restarts) or sorted(self.learner_restarts) != self.learner_restarts:
+            raise ValueError(f"simulate.learner_restarts {self.learner_restarts} must be times >= 0 in order, e.g. "
+                             "[40.0, 90.0]")
         return self
 
     @model_validator(mode="after")

@@ -38,8 +38,13 @@ samples/s trained, learner busy fraction (step time / wall time), engine idle fr
 generating, storing or loading weights / wall time), mean staleness of trained groups, dropped fraction
 (groups refused / groups judged), and queue depths at every version.
 
+A run whose shape changes (`[simulate] engine_schedule`, `learner_restarts`): engines join after
+`engine_join_s` and leave by draining, the learner group restarts for `learner_restart_s`; see
+baton.simulate.fleet. Its figures also come per phase (baton.simulate.schedule).
+
 Modules: `costs` (declared and measured cost models), `calibrate` (measured costs from a run folder),
-`simulation` (the simulated run and its outputs), `sweep` (`--sweep`), `events` (the event loop).
+`simulation` (the simulated run and its outputs), `fleet` (engines joining and leaving, learner restarts),
+`schedule` (phases, a real run's schedule), `sweep` (`--sweep`), `events` (the event loop).
 """
 
 from __future__ import annotations
@@ -49,16 +54,20 @@ import sys
 from collections.abc import Sequence
 
 from baton.config import ConfigError
-from baton.simulate.calibrate import calibrate
+from baton.simulate.calibrate import Calibration, calibrate
 from baton.simulate.costs import Costs
-from baton.simulate.simulation import load_simulation_config, print_result, simulate, write_run
+from baton.simulate.schedule import schedule_overrides
+from baton.simulate.simulation import SimResult, load_simulation_config, print_result, simulate, write_run
 from baton.simulate.sweep import parse_sweep, print_sweep, run_sweep, write_sweep
 
 
 def main(config: str | None, calibrate_dir: str | None, engines: int | None, learners: int | None,
-         steps: int | None, overrides: Sequence[str], sweep: Sequence[str] | None) -> int:
-    """`baton simulate`: prints a table (stderr) and one JSON line (stdout); writes a run folder."""
+         steps: int | None, overrides: Sequence[str], sweep: Sequence[str] | None,
+         schedule: tuple[str | None, str | None] = (None, None)) -> int:
+    """`baton simulate`: prints a table (stderr) and one JSON line (stdout); writes a run folder.
+    `schedule`: the --engine-schedule and --learner-restarts flags."""
     try:
+        overrides = [*overrides, *schedule_overrides(*schedule)]
         costs: Costs | None = None
         measured = None
         if calibrate_dir is not None:
@@ -66,6 +75,8 @@ def main(config: str | None, calibrate_dir: str | None, engines: int | None, lea
             config = config or str(cal.config_path)
             costs, measured = cal.costs, cal.measured
             engines = engines or cal.engines
+            if cal.schedule is not None and not any(schedule):  # the run's own joins, leaves and restarts
+                overrides = [*cal.schedule.overrides(), *overrides]
         if config is None:
             raise ConfigError("simulate needs a CONFIG, or --calibrate RUN_DIR")
         sets = [*overrides, *([f"simulate.learners={learners}"] if learners else [])]
@@ -85,5 +96,16 @@ def main(config: str | None, calibrate_dir: str | None, engines: int | None, lea
     folder = write_run(cfg.run_root, cfg.name, result, extra)
     print_result(result, measured)
     print(json.dumps({"run_dir": str(folder), "figures": result.figures, "staleness_hist": result.staleness_hist,
-                      "counts": result.counts, **extra}), flush=True)
+                      "counts": result.counts, "phases": result.phases, "learner_restarts": result.restarts, **extra}),
+          flush=True)
     return 0
+
+
+def replay(run_dir: str, overrides: Sequence[str] = ()) -> tuple[SimResult, Calibration]:
+    """Simulate a real run from its own folder: its config, its measured costs and (when its engines joined
+    or left, or its learner restarted) its schedule; `overrides` (`--set` items) come last. The measured
+    figures are `Calibration.measured` (per phase: `measured["phases"]`), for a benchmark to compare."""
+    cal = calibrate(run_dir)
+    sets = [*(cal.schedule.overrides() if cal.schedule is not None else ()), *overrides]
+    cfg, spec = load_simulation_config(cal.config_path, sets)
+    return simulate(cfg, spec, cal.costs, engines=cal.engines), cal

@@ -11,6 +11,8 @@ from pathlib import Path
 from baton.config import ConfigError
 from baton.schema import default_of
 from baton.simulate.costs import RAY_HOP_S, MeasuredCosts
+from baton.simulate.schedule import ObservedSchedule, observe_schedule, phase_figures, phases_of
+from pipeline.events import EVENTS_FILE
 from stages.learner import GRPOLearner
 from stages.runfiles import read_generation, read_jsonl
 
@@ -23,7 +25,7 @@ def steady_window(records: list[dict], warmup: int) -> tuple[list[dict], dict | 
     return [r for r in records if r["version"] > warmup], next(r for r in records if r["version"] == warmup)
 
 
-def steady_figures(records: list[dict], samples_per_version: int, warmup: int, engines: int = 1) -> dict[str, float]:
+def steady_figures(records: list[dict], samples_per_version: int, warmup: int, engines: float = 1) -> dict[str, float]:
     """Steady-state figures of per-version records (real or simulated), as benchmarks/async_vs_sync.py
     computes them: samples/s, learner busy fraction, mean staleness, per-version times; engine idle
     fraction when the records carry `engine_busy_s` (cumulative, all engines)."""
@@ -53,11 +55,14 @@ class Calibration:
     measured: dict[str, float]
     engines: int
     config_path: Path
+    schedule: ObservedSchedule | None = None  # the fleet's changes and learner restarts, when the run had any
 
 
 def calibrate(run_dir: str | Path, warmup: int = 10, learners: int = 1) -> Calibration:
     """Read a run folder (metrics.jsonl from the learner, generation.jsonl from the rollout workers,
-    config.toml) and return its per-stage costs over the steady-state window.
+    config.toml, events.jsonl) and return its per-stage costs over the steady-state window; a run whose
+    engines joined or left, or whose learner restarted, also its schedule and its figures per phase
+    (`measured["phases"]`).
 
     Store gets: the learner's `load_s` / `loads` when recorded, else assumed equal to a put per group."""
     run = Path(run_dir)
@@ -86,6 +91,11 @@ def calibrate(run_dir: str | Path, warmup: int = 10, learners: int = 1) -> Calib
     samples = summary.get("samples", {}).get("trained", 0) / len(records) if summary else gps * group_size
     costs = MeasuredCosts(steady_calls, window, learners=learners, hop_s=RAY_HOP_S if runtime == "ray" else 0.0,
                           get_s_per_group=get_s)
-    measured = steady_figures(records, round(samples), warmup, engines)
-    return Calibration(run, costs, measured, engines, run / "config.toml")
+    measured: dict = steady_figures(records, round(samples), warmup, engines)
+    schedule = observe_schedule(read_jsonl(run / EVENTS_FILE), calls, records)
+    if schedule is not None:
+        steps, restarts = schedule.engine_schedule, schedule.learner_restarts
+        measured["phases"] = phase_figures(records, phases_of(steps[0][1], steps, restarts, records[-1]["t"]),
+                                           round(samples))
+    return Calibration(run, costs, measured, engines, run / "config.toml", schedule)
 

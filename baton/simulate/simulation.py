@@ -18,6 +18,8 @@ from baton.schema import RunConfig, SimulateSpec, default_of
 from baton.simulate.calibrate import steady_figures
 from baton.simulate.costs import Costs, DeclaredCosts
 from baton.simulate.events import TIMEOUT, EventLoop, Process, Wait, channel_receive_many, channel_send
+from baton.simulate.fleet import Fleet, LearnerRestarts
+from baton.simulate.schedule import phase_figures, phases_of, print_phases
 from pipeline.admission import AdmissionGate
 from pipeline.channel import Channel
 from pipeline.versions import VersionClock
@@ -42,14 +44,15 @@ def load_simulation_config(path: str | Path, overrides: Sequence[str] = ()) -> t
 
 @dataclass(slots=True)
 class SimGroup:
-    """What a ref says of a group: its oldest token version, payload bytes, tokens, and (instead of rewards)
-    whether its rewards differ."""
+    """What a ref says of a group: its oldest token version, payload bytes, tokens, (instead of rewards)
+    whether its rewards differ, and its engine."""
 
     id: int
     version: int
     nbytes: int
     tokens: int
     signal: bool
+    engine: int = 0  # the engine that generated it
 
 
 @dataclass
@@ -62,6 +65,8 @@ class SimResult:
     wall_s: float
     engines: int
     k: int
+    phases: list[dict]  # per phase of the engine schedule and learner restarts (baton.simulate.schedule)
+    restarts: list[dict]  # per learner restart: when, at which version, versions rolled back, seconds
 
 
 class Simulation:
@@ -70,7 +75,8 @@ class Simulation:
     def __init__(self, cfg: Any, spec: SimulateSpec, costs: Costs, engines: int | None = None,
                  steps: int | None = None) -> None:
         self.cfg, self.spec, self.costs = cfg, spec, costs
-        self.engines = engines or spec.engines or cfg.engine_count
+        at_zero = [n for at, n in spec.engine_schedule if at == 0]
+        self.engines = at_zero[0] if at_zero else engines or spec.engines or cfg.engine_count
         self.steps = steps or spec.steps or cfg.steps
         self.rng = random.Random(spec.seed)
         self.groups_per_step = cfg.learner.groups_per_step
@@ -94,29 +100,43 @@ class Simulation:
         self.engine_busy_s = 0.0
         self._ids = 0
         self._prefetch_loading = False
+        self.fleet = Fleet(self.loop, spec, self._engine)  # engines joining and leaving (engine_schedule)
+        self.restarts = LearnerRestarts(self.loop, spec, cfg.checkpoint.every,
+                                        self.groups_per_step * self.group_size)
 
     # -- shared -------------------------------------------------------------------------------------
     def _discard(self, units: int = 1) -> None:
         self.gate.discard(units)
         self.loop.notify((self.gate, "discard"))
 
-    def _acquire_many(self, max_units: int) -> Process:
+    def _acquire_many(self, max_units: int, engine: int) -> Process:
         """AdmissionGate.acquire_many: wait (for a version change or a discard) until the policy admits one
-        unit, then take as many more as it admits now."""
-        while not self.gate.try_acquire():
-            yield Wait((self.clock, "changed"), (self.gate, "discard"))
+        unit, then take as many more as it admits now; 0 when `engine` is told to leave while it waits."""
+        while True:
+            if engine in self.fleet.leaving:
+                return 0
+            if self.gate.try_acquire():
+                break
+            yield Wait((self.clock, "changed"), (self.gate, "discard"), ("leave", engine))
         taken = 1
         while taken < max_units and self.gate.try_acquire():
             taken += 1
         return taken
 
     # -- producers ------------------------------------------------------------------------------------
-    def _engine(self, index: int) -> Process:
+    def _engine(self, index: int, join_s: float = 0.0) -> Process:
+        """One engine: joins (after `join_s`: model, snapshot, fence; it then holds the current version),
+        generates until told to leave, and leaves once its call in flight is stored and sent (drained)."""
         # each engine draws from its own stream, so adding engines leaves the others' costs as they were
         costs, rng, loop = self.costs, random.Random(f"{self.spec.seed}/engine/{index}"), self.loop
+        if join_s:
+            yield join_s
         loaded = self.clock.version
-        while True:
-            n = yield from self._acquire_many(self.batch_groups)
+        while index not in self.fleet.leaving:
+            n = yield from self._acquire_many(self.batch_groups, index)
+            if not n:
+                break
+            self.fleet.admitted[index] += n
             call = costs.engine_call(rng, n)
             yield call.overhead_s
             busy_from = loop.now
@@ -140,9 +160,11 @@ class Simulation:
             for tokens, nbytes in zip(call.group_tokens, call.group_nbytes, strict=True):
                 self._ids += 1
                 signal = rng.random() >= self.spec.zero_signal_fraction
-                group = SimGroup(self._ids, oldest, nbytes, tokens, signal)
+                group = SimGroup(self._ids, oldest, nbytes, tokens, signal, index)
                 self.counts["produced"] += 1
+                self.fleet.produced_by[index] += 1
                 yield from channel_send(loop, self.produced, group)
+        self.fleet.gone(index)
 
     # -- buffer -----------------------------------------------------------------------------------------
     def _index_full(self, group: SimGroup) -> bool:
@@ -187,6 +209,7 @@ class Simulation:
     def _refuse(self, group: SimGroup, version: int) -> None:
         verdict = self.policy.accept(version, group.version)
         self.counts["requeued" if verdict == "requeue" else "dropped"] += 1
+        self.fleet.settled_by[group.engine] += 1
         self._discard(1)
 
     # -- learner ----------------------------------------------------------------------------------------
@@ -202,6 +225,7 @@ class Simulation:
                 self.window.add(group, group.version)
             else:
                 self.counts["filtered"] += 1
+                self.fleet.settled_by[group.engine] += 1
                 self._discard(1)
 
     def _collect(self, version: int) -> Process:
@@ -240,8 +264,8 @@ class Simulation:
             taken = yield from self._collect(version)
             t0 = loop.now
             prefetch = loop.spawn(self._prefetch()) if version + 1 < self.steps else None
-            yield costs.step_s(rng, sum(t.item.tokens for t in taken))
-            step_s = loop.now - t0
+            lost_s = yield from self.restarts.train(costs.step_s(rng, sum(t.item.tokens for t in taken)), version)
+            step_s = loop.now - t0 - lost_s
             if prefetch is not None and loop.alive(prefetch):
                 if self._prefetch_loading:
                     while self._prefetch_loading:
@@ -249,7 +273,7 @@ class Simulation:
                 else:
                     loop.cancel(prefetch)
             t_push = loop.now
-            yield costs.push_s(rng, self.engines)
+            yield costs.push_s(rng, self.fleet.live())
             push_s = loop.now - t_push
             self.clock.advance(version + 1)
             loop.notify((self.clock, "changed"))
@@ -257,6 +281,7 @@ class Simulation:
             stale = [version - t.item.version for t in taken]
             self.trained_staleness.extend(stale)
             self.counts["trained"] += len(taken)
+            self.fleet.settled_by.update(t.item.engine for t in taken if not t.reused)
             self.window.returned(taken, version)
             samples += len(taken) * self.group_size
             version += 1
@@ -267,6 +292,8 @@ class Simulation:
                 "samples_per_s": round(samples / loop.now, 2) if loop.now > 0 else 0.0,
                 "step_s": step_s, "collect_s": t0 - last, "push_s": push_s, "version_s": loop.now - last,
                 "engine_busy_s": self.engine_busy_s,
+                "engines": self.fleet.live(), "engine_s": self.fleet.engine_seconds(),
+                "dropped": self.counts["dropped"] + self.counts["requeued"], "restart_s": lost_s,
                 "depth_produced": self.produced.depth, "depth_buffer": len(self.index),
                 "depth_ready": self.ready.depth, "window": len(self.window),
                 "live_groups": self.gate.started - self.gate.discarded - self.counts["trained"],
@@ -277,8 +304,11 @@ class Simulation:
     def run(self) -> SimResult:
         started = time.perf_counter()
         learner = self.loop.spawn(self._learner())
-        for i in range(self.engines):
-            self.loop.spawn(self._engine(i))
+        self.fleet.start(self.engines)
+        if self.fleet.steps:
+            self.loop.spawn(self.fleet.run())
+        if self.spec.learner_restarts:
+            self.loop.spawn(self.restarts.run())
         self.loop.spawn(self._buffer_intake())
         self.loop.spawn(self._buffer_forward())
         self.loop.run(stop=lambda: not self.loop.alive(learner))
@@ -288,14 +318,19 @@ class Simulation:
                 f"{self.loop.now:.3f} s): no stage can move; check the config's channel and buffer bounds"
             )
         samples_per_version = self.groups_per_step * self.group_size
-        figures = steady_figures(self.records, samples_per_version, self.spec.warmup, self.engines)
+        figures = steady_figures(self.records, samples_per_version, self.spec.warmup,
+                                self.fleet.mean_engines(self.records, self.engines))
         judged = self.counts["trained"] + self.counts["dropped"] + self.counts["requeued"]
         figures["dropped_frac"] = round((self.counts["dropped"] + self.counts["requeued"]) / max(1, judged), 4)
         figures["max_staleness"] = max(self.trained_staleness, default=0)
+        phases = phases_of(self.engines, self.fleet.steps, self.spec.learner_restarts, self.records[-1]["t"])
+        counts = {**self.counts, **({"fleet_changes": self.fleet.changes} if self.fleet.changes else {}),
+                  **({"learner_restarts": len(self.restarts.done)} if self.restarts.done else {})}
         return SimResult(
             records=self.records, figures=figures, staleness_hist=dict(sorted(Counter(self.trained_staleness).items())),
-            counts=dict(self.counts), events=self.loop.events, wall_s=round(time.perf_counter() - started, 3),
-            engines=self.engines, k=self.policy.bound,
+            counts=counts, events=self.loop.events, wall_s=round(time.perf_counter() - started, 3),
+            engines=self.engines, k=self.policy.bound, phases=phase_figures(self.records, phases, samples_per_version),
+            restarts=self.restarts.done,
         )
 
 
@@ -317,6 +352,7 @@ def write_run(root: str | Path, name: str, result: SimResult, extra: dict | None
             folder.log_metrics(record)
         summary = {"figures": result.figures, "staleness_hist": result.staleness_hist, "counts": result.counts,
                    "engines": result.engines, "k": result.k, "events": result.events, "sim_wall_s": result.wall_s,
+                   "phases": result.phases, "learner_restarts": result.restarts,
                    **(extra or {})}
         folder.write_json("summary.json", summary)
         trained = [s for s, n in result.staleness_hist.items() for _ in range(n)]
@@ -327,6 +363,8 @@ def write_run(root: str | Path, name: str, result: SimResult, extra: dict | None
                   y=["depth_produced", "depth_buffer", "depth_ready", "window", "live_groups"]),
             Panel("learner time per version (s)", "line", x="version", y=["version_s", "step_s", "collect_s"]),
         ]
+        if len(result.phases) > 1:
+            panels.append(Panel("engines (live) over the schedule", "line", x="t", y=["engines"]))
         render_report(folder.path / "report.png", result.records, panels, title=f"{name}: simulated")
     return folder.path
 
@@ -335,7 +373,8 @@ def print_result(result: SimResult, measured: dict | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"simulated: {result.engines} engines, k = {result.k} ({result.events} events, "
+    start = " at the start (the schedule's phases below)" if len(result.phases) > 1 else ""
+    table = Table(title=f"simulated: {result.engines} engines{start}, k = {result.k} ({result.events} events, "
                         f"{result.wall_s:.2f} s)")
     table.add_column("figure")
     table.add_column("simulated", justify="right")
@@ -350,3 +389,5 @@ def print_result(result: SimResult, measured: dict | None = None) -> None:
         table.add_row(*row)
     table.add_row("staleness histogram", str(result.staleness_hist))
     Console(stderr=True, width=120).print(table)
+    if len(result.phases) > 1:
+        print_phases(result.phases, (measured or {}).get("phases"))
