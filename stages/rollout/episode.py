@@ -196,15 +196,16 @@ async def _generate(engine: Engine, ids: list[int], params: SamplingParams, time
 async def _generate_many(engine: Engine, prompts: list[list[int]], params: SamplingParams,
                          timeout_s: float | None, setup: EpisodeSetup | None = None) -> list[Completion]:
     """The engine's completions; those a preempted engine gave back continue on another (`setup.relay`)."""
+    relay = setup.relay if setup is not None else None
     try:
         with deadline(timeout_s):
             try:
                 completions = await engine.generate(prompts, params)
             except EnginePreempted:  # a call made after the preemption: all of it goes elsewhere
-                if setup is None or setup.relay is None:
+                if relay is None:
                     raise
                 completions = [preempted_before_start() for _ in prompts]
-            if setup is None or setup.relay is None or all(c.finish_reason != "preempted" for c in completions):
+            if relay is None or all(c.finish_reason != "preempted" for c in completions):
                 return completions
             return await _carried(engine, prompts, completions, params, setup)
     except TimeoutError:
