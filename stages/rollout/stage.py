@@ -188,7 +188,8 @@ class Rollout:
         parts = (settings, self.task if task is None else task, self.scoring, self.stats, engine, store, ctx, outbox)
         if self.gateway is not None:
             return GatewayWorker(*parts, index, gateway=self.gateway, **joining)
-        return RolloutWorker(*parts, index, episode_setup=self.episode_setup, evaluation=self.evaluation, **joining)
+        return RolloutWorker(*parts, index, episode_setup=self.episode_setup, evaluation=self.evaluation,
+                             relay=self.relay, **joining)
 
     def _task_of(self, worker: int) -> Task:
         """Worker `worker`'s task: its own shard of a dataset (workers may live in other processes),

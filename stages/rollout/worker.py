@@ -57,6 +57,7 @@ from stages.rollout.fence import Fenced, pass_fence
 from stages.rollout.groups import GroupMaker, Scoring
 from stages.rollout.outbox import GroupOutbox
 from stages.rollout.prompts import PromptStream
+from stages.rollout.relay import Relay
 from stages.rollout.stats import RolloutStats
 from stages.weights.snapshot import load_snapshot, snapshot_key
 
@@ -194,9 +195,10 @@ class RolloutWorker(ProducerWorker):
     `episode_setup(policy)` says, and on the first worker the run's `evaluation`."""
 
     def __init__(self, *parts: Any, episode_setup: Callable[[Any], EpisodeSetup], evaluation: Evaluation | None = None,
-                 **named: Any) -> None:
+                 relay: Relay | None = None, **named: Any) -> None:
         super().__init__(*parts, **named)
         self.episode_setup, self.evaluation = episode_setup, evaluation
+        self.relay = relay  # the stage's engines taking work (its episodes' `setup.relay`); None: no carry-over
         self._retiring = False
         self._waiting: anyio.CancelScope | None = None  # its wait for room and admission (a retire cancels it)
         self._drained = anyio.Event()
@@ -207,12 +209,12 @@ class RolloutWorker(ProducerWorker):
 
     async def start(self) -> None:
         await super().start()
-        if self.setup.relay is not None:  # it takes work: a preempted engine's requests may continue on it
-            self.setup.relay.add(self.engine)
+        if self.relay is not None:  # it takes work: a preempted engine's requests may continue on it
+            self.relay.add(self.engine)
 
     async def stop(self) -> None:
-        if self.setup.relay is not None:
-            self.setup.relay.remove(self.engine)
+        if self.relay is not None:
+            self.relay.remove(self.engine)
         await super().stop()
 
     @functools.cached_property
@@ -242,7 +244,7 @@ class RolloutWorker(ProducerWorker):
         they have (stages.rollout.relay), where a Preemptible engine and a relay allow it; else they finish here."""
         self._retiring = True
         started, episodes = anyio.current_time(), self.settings.batch_groups * self.settings.group_size - self.room.free
-        relay = self.setup.relay
+        relay = self.relay
         if relay is not None:
             relay.remove(self.engine)  # nothing is carried onto a leaving engine
         preempted = preempt and relay is not None and isinstance(self.receiver, Preemptible)
