@@ -133,6 +133,25 @@ def engine_start_s(model: Path) -> float:
     return anyio.run(start)
 
 
+def simulated_phases(run_dir: Path) -> list[dict]:
+    """The simulator's samples/s per phase of this run (replayed from its folder: measured costs, the
+    engine schedule its events show) beside the run's own, as the simulator splits the phases."""
+    from baton.config import load_toml, to_toml
+    from baton.simulate import replay
+
+    # the DSL writes no config.toml: the simulator reads the quickstart config set as make_pipeline builds it
+    steps = json.loads((run_dir / "summary.json").read_text())["version"]
+    sets = [f"steps={steps}", "engine.batch_groups=8", "learner.groups_per_step=8", "rollout.max_engines=2"]
+    (run_dir / "config.toml").write_text(to_toml(load_toml(ROOT / "configs" / "quickstart.toml", sets)))
+    result, cal = replay(str(run_dir))
+    rows = []
+    for sim, real in zip(result.phases, cal.measured.get("phases", []), strict=False):
+        s_rate, m_rate = sim.get("samples_per_s") or 0.0, real.get("samples_per_s") or 0.0
+        rows.append({"engines": real.get("engines"), "measured": m_rate, "simulated": s_rate,
+                     "ratio": round(s_rate / m_rate, 3) if m_rate else None})
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=90)
@@ -140,6 +159,8 @@ def main() -> None:
     p.add_argument("--leave-at", type=int, default=60)
     p.add_argument("--delay", type=float, default=1.0, help="seconds each engine call waits before it generates")
     p.add_argument("--step-delay", type=float, default=0.05, help="seconds each engine's decode step waits")
+    p.add_argument("--simulate", action="store_true", help="also simulate the run from its own folder (`baton "
+                   "simulate --calibrate`: its measured costs, joins and leaves) and compare each phase's samples/s")
     p.add_argument("--drain", action="store_true", help="the leave drains (its requests finish where they are) "
                    "instead of preempting the engine (its requests continue on the other from their tokens)")
     a = p.parse_args()
@@ -163,6 +184,7 @@ def main() -> None:
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         (left,) = [e for e in map(json.loads, (run_dir / "events.jsonl").read_text().splitlines())
                    if e["kind"] == "engine.left"]
+        simulated = simulated_phases(run_dir) if a.simulate else None
     join, leave = scaled["join"], scaled["leave"]
     phases = {"one": phase_rate(records, 3, join["from_version"]),
               "two": phase_rate(records, join["to_version"] + 1, leave["from_version"]),
@@ -175,6 +197,8 @@ def main() -> None:
                "left": {k: left.get(k, 0) for k in ("preempted", "episodes_drained", "requests", "tokens_carried",
                                                     "tokens_lost")}}
     carried, lost = left.get("tokens_carried", 0), left.get("tokens_lost", 0)
+    if simulated is not None:
+        figures["simulated"] = simulated
     print(json.dumps(figures, indent=1), file=sys.stderr)
     print(json.dumps({"benchmark": "elastic", "figures": figures, "reference": {"samples_per_s_one_engine": one},
                       "ratios": {"two_vs_one": round(phases["two"]["samples_per_s"] / one, 3),
@@ -183,7 +207,9 @@ def main() -> None:
                                  "ledger_balanced": int(bool(summary["ledger_balanced"])),
                                  "lost": summary["samples"]["lost"],
                                  **({"carried_over_generated": round(carried / (carried + lost), 3)}
-                                    if carried + lost else {})}}))
+                                    if carried + lost else {}),
+                                 **({f"simulated_over_measured_{i}": p["ratio"] for i, p in enumerate(simulated)}
+                                    if simulated else {})}}))
 
 
 if __name__ == "__main__":
