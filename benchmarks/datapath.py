@@ -18,7 +18,7 @@ the same batches go, in one run, through:
    what Ray users get by default (no RAY_ENABLE_ZERO_COPY_TORCH_TENSORS).
 
 Every key is fresh (as in production, where each batch has its own key); keys are removed
-outside the timed region once their read lease (500 ms) expired.
+outside the timed region once their read lease (2 s, as the masters baton starts give) expired.
 Figures are medians over the repeats, after warm-up rounds; GiB/s = bytes / 2^30 / seconds.
 The first (cold) encode of each size, which also allocates the buffer, is reported apart as
 `encode_cold_s`.
@@ -55,6 +55,7 @@ import numpy as np  # noqa: E402
 
 from buffers.codec import RolloutBatch, decode, encode  # noqa: E402
 from buffers.memory import MemoryStore  # noqa: E402
+from buffers.mooncake_master import READ_LEASE_MS  # noqa: E402
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -70,7 +71,7 @@ BYTES_PER_TOKEN = 4 + 4 + 1 + 4
 BYTES_PER_ROW = 8 + 4 + 4
 PHASES = ("encode", "put", "get", "decode")
 SEGMENT_BYTES = 1 << 30
-LEASE_TTL_MS = 500  # a get whose transfer outlives its lease fails (-707), so not much shorter
+LEASE_TTL_MS = READ_LEASE_MS  # the lease the masters baton starts give (a read must not outlast it on a loaded machine)
 PEER = Path(__file__).with_name("_datapath_peer.py")
 
 
@@ -276,6 +277,10 @@ async def measure_mooncake(store, size_mib: int, batch: RolloutBatch, repeats: i
         put = client.batch_put_from(keys, ptrs, sizes, config)
         t1 = time.perf_counter()
         got = client.batch_get_into(keys, dptrs, sizes)
+        for _ in range(3):  # a read that outlasted its lease (-707, a loaded machine) is read again, as the store does
+            if all(n != -707 for n in got):
+                break
+            got = client.batch_get_into(keys, dptrs, sizes)
         t2 = time.perf_counter()
         assert all(rc == 0 for rc in put), f"raw batch_put_from failed: {put}"
         assert got == sizes, f"raw batch_get_into of {keys} ({sizes} bytes) failed: {got}"
