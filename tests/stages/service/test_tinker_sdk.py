@@ -1,0 +1,164 @@
+"""`baton serve` driven by the official `tinker` SDK, unchanged, against the service started on 127.0.0.1 in its
+own process (stopped by its pid): a LoRA training client, a step through the SDK that equals the learner's own
+step on the same rows, sampling from the saved adapter, and refusals by name. Skips without the SDK
+(`pip install -e '.[tinker]'`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+tinker = pytest.importorskip("tinker", reason="the tinker SDK is not installed: pip install -e '.[tinker]'")
+from tinker import types  # noqa: E402
+
+from stages.data.model import make_tiny_model  # noqa: E402
+from stages.learner import GRPOLearner  # noqa: E402
+from stages.learner.losses import group_advantages  # noqa: E402
+from stages.learner.step import PolicyTrainer  # noqa: E402
+from stages.service.training import lora_spec  # noqa: E402
+from tests.stages.learner.test_ranks import groups  # noqa: E402
+
+torch.set_num_threads(1)
+RANK = 4
+ADAM = {"learning_rate": 4e-4, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "grad_clip_norm": 1.0}  # the learner's
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """The service over a tiny model: its service.json (base_url, model, key_file) and its folder."""
+    root = tmp_path_factory.mktemp("serve")
+    model = make_tiny_model(root / "tiny")
+    folder = root / "serve"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3]), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "baton.cli", "serve", str(model), "--port", "0", "--dir",
+                             str(folder), "--threads", "1"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while not (folder / "service.json").exists():
+            assert proc.poll() is None, f"baton serve exited: {proc.stdout.read().decode()[-2000:]}"
+            assert time.monotonic() < deadline, "baton serve did not start within 120 s"
+            time.sleep(0.2)
+        yield json.loads((folder / "service.json").read_text()), folder
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    os.environ["TINKER_TELEMETRY"] = "0"
+    info, _ = served
+    service = tinker.ServiceClient(base_url=info["base_url"], api_key=Path(info["key_file"]).read_text())
+    return service, service.create_lora_training_client(base_model=info["model"], rank=RANK).result()
+
+
+def on_policy_rows(trainer: PolicyTrainer, seed: int):
+    """Groups whose behaviour logprobs are the trainer's own (on-policy), and per row its advantage over the step's
+    trained positions: what the learner's token-mean policy gradient weighs each trained token by."""
+    batches = groups(seed, n=2, group_size=3)
+    with torch.no_grad():
+        for b in batches:
+            for j in range(b.rows):
+                lo, hi = b.offsets[j], b.offsets[j + 1]
+                ids = torch.from_numpy(b.token_fields["tokens"][lo:hi].astype(np.int64))[None]
+                logp = torch.log_softmax(trainer.model(input_ids=ids).logits[0, :-1].float(), -1)
+                b.token_fields["logprobs"][lo + 1:hi] = logp.gather(1, ids[0, 1:, None]).squeeze(1).numpy()
+    rewards = torch.from_numpy(np.concatenate([b.row_fields["rewards"] for b in batches]))
+    index = torch.from_numpy(np.repeat(np.arange(len(batches)), [b.rows for b in batches]))
+    advantages = group_advantages(rewards, index, scale_by_std=False).numpy()
+    trained = sum(float(b.token_fields["loss_mask"][lo + 1:hi].sum()) for b in batches
+                  for lo, hi in zip(b.offsets[:-1], b.offsets[1:], strict=True))
+    return batches, advantages / trained
+
+
+def datums(batches, weights_per_row) -> list:
+    """Each row as a Tinker cross-entropy datum: input the row less its last token, targets the row less its first,
+    weights the row's weight on its trained (masked) targets."""
+    out, i = [], 0
+    for b in batches:
+        for j in range(b.rows):
+            row = b.row(j)
+            tokens = row["tokens"].astype(np.int64)
+            weights = (row["loss_mask"][1:] * weights_per_row[i]).astype(np.float32)
+            out.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1].tolist()),
+                                   loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights}))
+            i += 1
+    return out
+
+
+def test_a_cross_entropy_step_through_the_sdk_is_the_learners_step(served, client) -> None:
+    """Cross entropy weighted by each row's advantage over the trained tokens has the policy gradient of the
+    learner's GRPO step on on-policy rows, so one SDK forward_backward + optim_step equals `PolicyTrainer.train`
+    (the learner's step, its defaults but no entropy bonus) on them: every adapter parameter within 1e-6."""
+    _, folder = served
+    _, training = client
+    info = training.get_info()
+    assert info.is_lora and info.lora_rank == RANK
+    spec = GRPOLearner(info.model_data.model_name, lora=lora_spec(RANK, True, True, True), device="cpu",
+                       entropy_coef=0.0)
+    reference = PolicyTrainer(spec, steps=1)
+    reference.schedule(0)
+    batches, weights = on_policy_rows(reference, seed=3)
+    before = {n: p.detach().clone() for n, p in reference.model.named_parameters() if p.requires_grad}
+    result = training.forward_backward(datums(batches, weights), "cross_entropy")
+    training.optim_step(types.AdamParams(**ADAM)).result()
+    assert result.result().metrics["loss:sum"] != 0.0
+    reference.train(batches, 0.0)
+    training.save_state("after-one-step").result()
+    from safetensors.torch import load_file
+
+    served_adapter = load_file(folder / "checkpoints" / training.model_id / "after-one-step" / "adapter" /
+                               "adapter_model.safetensors")
+    mine = {n.replace(".default", ""): p.detach() for n, p in reference.model.named_parameters() if p.requires_grad}
+    assert set(served_adapter) == set(mine)
+    moved = max(float((p.detach() - before[n]).abs().max()) for n, p in reference.model.named_parameters()
+                if p.requires_grad)
+    assert moved > 1e-4  # the step moved the adapter: the comparison below could fail
+    worst = max(float((served_adapter[n] - mine[n]).abs().max()) for n in mine)
+    assert worst < 1e-6, f"the SDK's step differs from the learner's by {worst:.3g}"
+
+
+def test_sampling_from_saved_weights_gives_tokens_with_their_logprobs(client) -> None:
+    """After save_weights_for_sampler the sampler draws from the trained adapter: each sampled token's logprob is
+    the training model's own logprob of it (forward through the SDK), and num_samples and max_tokens hold."""
+    _, training = client
+    sampler = training.save_weights_and_get_sampling_client().result()
+    prompt = [1, 5, 6, 7]
+    out = sampler.sample(types.ModelInput.from_ints(prompt), 3, types.SamplingParams(max_tokens=4, stop=[])).result()
+    assert len(out.sequences) == 3
+    for seq in out.sequences:
+        assert len(seq.tokens) == 4 and seq.stop_reason == "length" and len(seq.logprobs) == 4
+        full = prompt + list(seq.tokens)
+        datum = types.Datum(model_input=types.ModelInput.from_ints(full[:-1]),
+                            loss_fn_inputs={"target_tokens": np.array(full[1:]),
+                                            "weights": np.zeros(len(full) - 1, dtype=np.float32)})
+        scored = training.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+        assert np.allclose(scored[len(prompt) - 1:], seq.logprobs, atol=1e-4)
+
+
+def test_what_is_not_supported_is_refused_by_name(served, client) -> None:
+    info, _ = served
+    service, training = client
+    row = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]),
+                      loss_fn_inputs={"target_tokens": np.array([2, 3, 4]), "logprobs": np.zeros(3, np.float32),
+                                      "advantages": np.ones(3, np.float32)})
+    with pytest.raises(tinker.BadRequestError, match="'cispo'"):
+        training.forward_backward([row], "cispo").result()
+    with pytest.raises(tinker.BadRequestError, match="missing \\['weights'\\]"):
+        training.forward_backward([row], "cross_entropy").result()
+    sampler = service.create_sampling_client(base_model=info["model"]).result()
+    with pytest.raises(tinker.BadRequestError, match="sampling_params.stop as strings"):
+        sampler.sample(types.ModelInput.from_ints([1, 2]), 1, types.SamplingParams(max_tokens=2, stop=["\n"])).result()
+    with pytest.raises(tinker.NotFoundError, match="/api/v1/load_weights is not supported"):
+        service.create_training_client_from_state("tinker://model-1/weights/after-one-step").result()
+    stranger = tinker.ServiceClient(base_url=info["base_url"], api_key="tml-not-the-key")
+    with pytest.raises(tinker.AuthenticationError):
+        stranger.create_lora_training_client(base_model=info["model"], rank=RANK).result()
