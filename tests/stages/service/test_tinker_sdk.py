@@ -53,16 +53,22 @@ def served(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def client(served):
+def service(served):
     os.environ["TINKER_TELEMETRY"] = "0"
     info, _ = served
-    service = tinker.ServiceClient(base_url=info["base_url"], api_key=Path(info["key_file"]).read_text())
-    return service, service.create_lora_training_client(base_model=info["model"], rank=RANK).result()
+    return tinker.ServiceClient(base_url=info["base_url"], api_key=Path(info["key_file"]).read_text())
 
 
-def on_policy_rows(trainer: PolicyTrainer, seed: int):
-    """Groups whose behaviour logprobs are the trainer's own (on-policy), and per row its advantage over the step's
-    trained positions: what the learner's token-mean policy gradient weighs each trained token by."""
+def new_model(served, service):
+    """A fresh LoRA training client (its adapter from the learner's one fixed init)."""
+    return service.create_lora_training_client(base_model=served[0]["model"], rank=RANK).result()
+
+
+def rows_of(trainer: PolicyTrainer, seed: int, off_policy: float = 0.0):
+    """Groups whose behaviour logprobs are the trainer's own (on-policy), each moved by up to `off_policy` nats,
+    and per row its advantage over the step's trained positions: what the learner's token-mean policy gradient
+    weighs each trained token by."""
+    rng = np.random.default_rng(seed)
     batches = groups(seed, n=2, group_size=3)
     with torch.no_grad():
         for b in batches:
@@ -70,7 +76,8 @@ def on_policy_rows(trainer: PolicyTrainer, seed: int):
                 lo, hi = b.offsets[j], b.offsets[j + 1]
                 ids = torch.from_numpy(b.token_fields["tokens"][lo:hi].astype(np.int64))[None]
                 logp = torch.log_softmax(trainer.model(input_ids=ids).logits[0, :-1].float(), -1)
-                b.token_fields["logprobs"][lo + 1:hi] = logp.gather(1, ids[0, 1:, None]).squeeze(1).numpy()
+                own = logp.gather(1, ids[0, 1:, None]).squeeze(1).numpy()
+                b.token_fields["logprobs"][lo + 1:hi] = own + rng.uniform(-off_policy, off_policy, own.size)
     rewards = torch.from_numpy(np.concatenate([b.row_fields["rewards"] for b in batches]))
     index = torch.from_numpy(np.repeat(np.arange(len(batches)), [b.rows for b in batches]))
     advantages = group_advantages(rewards, index, scale_by_std=False).numpy()
@@ -79,36 +86,41 @@ def on_policy_rows(trainer: PolicyTrainer, seed: int):
     return batches, advantages / trained
 
 
-def datums(batches, weights_per_row) -> list:
-    """Each row as a Tinker cross-entropy datum: input the row less its last token, targets the row less its first,
-    weights the row's weight on its trained (masked) targets."""
+def datums(batches, weights_per_row, loss: str) -> list:
+    """Each row as a Tinker datum: input the row less its last token, targets the row less its first; for
+    cross_entropy the row's weight on its trained (masked) targets, for importance_sampling that as the advantage
+    and the behaviour logprobs as the sampling logprobs."""
     out, i = [], 0
     for b in batches:
         for j in range(b.rows):
             row = b.row(j)
             tokens = row["tokens"].astype(np.int64)
             weights = (row["loss_mask"][1:] * weights_per_row[i]).astype(np.float32)
-            out.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1].tolist()),
-                                   loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights}))
+            inputs = {"target_tokens": tokens[1:], "weights": weights} if loss == "cross_entropy" else {
+                "target_tokens": tokens[1:], "advantages": weights, "logprobs": row["logprobs"][1:].astype(np.float32)}
+            out.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1].tolist()), loss_fn_inputs=inputs))
             i += 1
     return out
 
 
-def test_a_cross_entropy_step_through_the_sdk_is_the_learners_step(served, client) -> None:
-    """Cross entropy weighted by each row's advantage over the trained tokens has the policy gradient of the
-    learner's GRPO step on on-policy rows, so one SDK forward_backward + optim_step equals `PolicyTrainer.train`
-    (the learner's step, its defaults but no entropy bonus) on them: every adapter parameter within 1e-6."""
-    _, folder = served
-    _, training = client
+@pytest.mark.parametrize("loss, off_policy", [("cross_entropy", 0.0), ("importance_sampling", 0.1)])
+def test_a_step_through_the_sdk_is_the_learners_step(served, service, loss: str, off_policy: float) -> None:
+    """One SDK forward_backward + optim_step equals `PolicyTrainer.train` (the learner's step: its defaults but no
+    entropy bonus) on the same rows, every adapter parameter within 1e-6. Cross entropy weighted by each row's
+    advantage over the trained tokens has the policy gradient of the learner's loss on on-policy rows;
+    importance sampling with those advantages is the learner's loss itself wherever its clip does not bind (the
+    behaviour logprobs are the policy's own, moved by at most 0.1 nats: ratios in [0.9, 1.11])."""
+    folder = served[1]
+    training = new_model(served, service)
     info = training.get_info()
     assert info.is_lora and info.lora_rank == RANK
     spec = GRPOLearner(info.model_data.model_name, lora=lora_spec(RANK, True, True, True), device="cpu",
                        entropy_coef=0.0)
     reference = PolicyTrainer(spec, steps=1)
     reference.schedule(0)
-    batches, weights = on_policy_rows(reference, seed=3)
+    batches, weights = rows_of(reference, seed=3, off_policy=off_policy)
     before = {n: p.detach().clone() for n, p in reference.model.named_parameters() if p.requires_grad}
-    result = training.forward_backward(datums(batches, weights), "cross_entropy")
+    result = training.forward_backward(datums(batches, weights, loss), loss)
     training.optim_step(types.AdamParams(**ADAM)).result()
     assert result.result().metrics["loss:sum"] != 0.0
     reference.train(batches, 0.0)
@@ -123,13 +135,18 @@ def test_a_cross_entropy_step_through_the_sdk_is_the_learners_step(served, clien
                 if p.requires_grad)
     assert moved > 1e-4  # the step moved the adapter: the comparison below could fail
     worst = max(float((served_adapter[n] - mine[n]).abs().max()) for n in mine)
-    assert worst < 1e-6, f"the SDK's step differs from the learner's by {worst:.3g}"
+    assert worst < 1e-6, f"the SDK's {loss} step differs from the learner's by {worst:.3g}"
+    print(f"{loss}: largest parameter difference {worst:.3g} after a step that moved them by up to {moved:.3g}")
 
 
-def test_sampling_from_saved_weights_gives_tokens_with_their_logprobs(client) -> None:
-    """After save_weights_for_sampler the sampler draws from the trained adapter: each sampled token's logprob is
-    the training model's own logprob of it (forward through the SDK), and num_samples and max_tokens hold."""
-    _, training = client
+def test_sampling_from_saved_weights_gives_tokens_with_their_logprobs(served, service) -> None:
+    """After a step and save_weights_for_sampler the sampler draws from the trained adapter: each sampled token's
+    logprob is the training model's own logprob of it (forward through the SDK); num_samples and max_tokens hold."""
+    training = new_model(served, service)
+    batches, weights = rows_of(PolicyTrainer(GRPOLearner(served[0]["model"], lora=lora_spec(RANK, True, True, True),
+                                                         device="cpu"), steps=1), seed=5)
+    training.forward_backward(datums(batches, weights * 50, "cross_entropy"), "cross_entropy")
+    training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
     sampler = training.save_weights_and_get_sampling_client().result()
     prompt = [1, 5, 6, 7]
     out = sampler.sample(types.ModelInput.from_ints(prompt), 3, types.SamplingParams(max_tokens=4, stop=[])).result()
@@ -144,9 +161,9 @@ def test_sampling_from_saved_weights_gives_tokens_with_their_logprobs(client) ->
         assert np.allclose(scored[len(prompt) - 1:], seq.logprobs, atol=1e-4)
 
 
-def test_what_is_not_supported_is_refused_by_name(served, client) -> None:
+def test_what_is_not_supported_is_refused_by_name(served, service) -> None:
     info, _ = served
-    service, training = client
+    training = new_model(served, service)
     row = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]),
                       loss_fn_inputs={"target_tokens": np.array([2, 3, 4]), "logprobs": np.zeros(3, np.float32),
                                       "advantages": np.ones(3, np.float32)})
