@@ -23,8 +23,8 @@ BASE = "base"  # the key of the base model's sampler
 
 
 class Samplers:
-    def __init__(self, model_path: Path, seed: int = 0, keep: int = 2) -> None:
-        self.model_path, self.seed, self.keep = model_path, seed, keep
+    def __init__(self, model_path: Path, seed: int = 0, keep: int = 2, device: str = "cpu") -> None:
+        self.model_path, self.seed, self.keep, self.device = model_path, seed, keep, device
         self.adapters: dict[str, AdapterVersion | None] = {BASE: None}
         self.engines: collections.OrderedDict[str, TorchEngine] = collections.OrderedDict()
         self.default_stops = stop_token_ids(load_tokenizer(model_path))
@@ -42,7 +42,8 @@ class Samplers:
             if path in self.engines:
                 self.engines.move_to_end(path)
                 return self.engines[path]
-            engine = TorchEngine(self.model_path, name=f"sampler-{len(self.adapters)}", seed=self.seed)
+            engine = TorchEngine(self.model_path, name=f"sampler-{len(self.adapters)}", seed=self.seed,
+                                 device=self.device)
             await engine.start()
             adapter = self.adapters[path]
             if adapter is not None:

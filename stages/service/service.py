@@ -34,7 +34,7 @@ class Service:
         self.models: dict[str, TrainingModel] = {}
         self.order: dict[str, asyncio.Lock] = {}  # per model: its calls run one at a time, in arrival order
         self.sampling_sessions: dict[str, str] = {}  # id -> the checkpoint it samples (BASE: the base model)
-        self.samplers = Samplers(self.model_path, seed)
+        self.samplers = Samplers(self.model_path, seed, device=device)
         self.futures = Futures()
         self._ids = itertools.count(1)
 
