@@ -103,13 +103,18 @@ def datums(batches, weights_per_row, loss: str) -> list:
     return out
 
 
-@pytest.mark.parametrize("loss, off_policy", [("cross_entropy", 0.0), ("importance_sampling", 0.1)])
-def test_a_step_through_the_sdk_is_the_learners_step(served, service, loss: str, off_policy: float) -> None:
+CLIP = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.28}  # the learner's default clip_eps, clip_eps_high
+
+
+@pytest.mark.parametrize("loss, off_policy, config", [("cross_entropy", 0.0, None), ("importance_sampling", 0.1, None),
+                                                      ("ppo", 0.3, CLIP)])
+def test_a_step_through_the_sdk_is_the_learners_step(served, service, loss: str, off_policy: float, config) -> None:
     """One SDK forward_backward + optim_step equals `PolicyTrainer.train` (the learner's step: its defaults but no
     entropy bonus) on the same rows, every adapter parameter within 1e-6. Cross entropy weighted by each row's
     advantage over the trained tokens has the policy gradient of the learner's loss on on-policy rows;
     importance sampling with those advantages is the learner's loss itself wherever its clip does not bind (the
-    behaviour logprobs are the policy's own, moved by at most 0.1 nats: ratios in [0.9, 1.11])."""
+    behaviour logprobs are the policy's own, moved by at most 0.1 nats: ratios in [0.9, 1.11]); ppo with the
+    learner's clip range is its loss everywhere, here with ratios in [0.74, 1.35], so the clip binds."""
     folder = served[1]
     training = new_model(served, service)
     info = training.get_info()
@@ -120,9 +125,10 @@ def test_a_step_through_the_sdk_is_the_learners_step(served, service, loss: str,
     reference.schedule(0)
     batches, weights = rows_of(reference, seed=3, off_policy=off_policy)
     before = {n: p.detach().clone() for n, p in reference.model.named_parameters() if p.requires_grad}
-    result = training.forward_backward(datums(batches, weights, loss), loss)
+    result = training.forward_backward(datums(batches, weights, loss), loss, config)
     training.optim_step(types.AdamParams(**ADAM)).result()
-    assert result.result().metrics["loss:sum"] != 0.0
+    metrics = result.result().metrics
+    assert metrics["loss:sum"] != 0.0 and (loss != "ppo" or metrics["clip_frac:mean"] > 0)
     reference.train(batches, 0.0)
     training.save_state("after-one-step").result()
     from safetensors.torch import load_file
