@@ -2,7 +2,8 @@
 and the futures. Each method checks its request first and raises `Refused` naming what it does not support,
 so an unsupported call fails at the call that names it; the work itself runs as a future (`Futures`).
 
-Ids: sessions `session-N`, models `model-N`, sampling sessions `sampler-N`; a saved sampler checkpoint is
+Ids: sessions `session-N`, models `{session}:train:{model_seq_id}` (as the SDK derives them), sampling sessions
+`sampler-N`; a saved sampler checkpoint is
 `tinker://{model_id}/sampler_weights/{name}`. The calls of one model run in the order they arrived, one at a time.
 """
 
@@ -15,7 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 
+from stages.learner.state import STATE_FILE, LearnerState
 from stages.service import wire
 from stages.service.futures import Futures, Result
 from stages.service.losses import check_loss
@@ -63,7 +66,7 @@ class Service:
         refuse_unless(optimizer == "adamw", f"optimizer_config.type {optimizer!r} is not supported; adamw only")
         spec = lora_spec(lora["rank"], lora.get("train_attn", True), lora.get("train_mlp", True),
                          lora.get("train_unembed", True))
-        model_id = self._new("model")
+        model_id = self._model_id(body)
 
         async def make() -> Result:
             self.models[model_id] = await anyio.to_thread.run_sync(TrainingModel, self.model_path, spec, self.device)
@@ -71,6 +74,15 @@ class Service:
 
         self.order[model_id] = asyncio.Lock()
         return self.futures.start(self._in_order(model_id, make()))
+
+    def _model_id(self, body: dict[str, Any]) -> str:
+        """`{session_id}:train:{model_seq_id}`, the id the SDK derives for a model it creates by loading."""
+        session, seq = body.get("session_id", ""), body.get("model_seq_id")
+        refuse_unless(session in self.sessions, f"unknown session_id {session!r}")
+        model_id = f"{session}:train:{seq}"
+        refuse_unless(isinstance(seq, int) and model_id not in self.order, f"model_seq_id {seq!r} is taken or not "
+                                                                           "an integer")
+        return model_id
 
     async def _in_order(self, model_id: str, work) -> Result:
         async with self.order[model_id]:
@@ -160,6 +172,39 @@ class Service:
             return {"path": f"tinker://{model_id}/weights/{name}", "type": "save_weights"}
 
         return self.futures.start(self._in_order(model_id, run()))
+
+    def load_state(self, body: dict[str, Any]) -> str:
+        """`load_weights` as the SDK's `create_training_client_from_state[_with_optimizer]` sends it: a new model
+        (`session_id`, `model_seq_id`) made from a checkpoint `save_state` wrote, its adapter settings the
+        checkpoint's, with its optimizer state when `optimizer` is true (else a fresh AdamW)."""
+        path = body.get("path", "")
+        refuse_unless(body.get("model_id") is None, "load_weights into an existing model is not supported; create "
+                                                    "a training client from the state instead")
+        refuse_unless(not body.get("weights_access_token"), "weights_access_token is not supported")
+        if body.get("base_model") is not None:
+            self._base(body["base_model"])
+        prefix, _, rest = path.partition("tinker://")
+        owner, _, name = rest.partition("/weights/")
+        state = self.checkpoints / owner / name / "state"
+        refuse_unless(not prefix and bool(owner) and bool(name) and (state / STATE_FILE).is_file(),
+                      f"path {path!r} names no checkpoint save_state wrote here (tinker://MODEL_ID/weights/NAME)")
+        lora = msgspec.json.decode((state / STATE_FILE).read_bytes(), type=LearnerState).lora
+        refuse_unless(lora is not None, f"checkpoint {path!r} holds full weights; only LoRA models are served")
+        model_id = self._model_id(body)
+
+        def load() -> TrainingModel:
+            model = TrainingModel(self.model_path, lora, self.device)
+            model.steps = model.trainer.read_state(state)
+            if not body.get("optimizer"):
+                model.trainer.optimizer.state.clear()  # weights only: AdamW starts afresh
+            return model
+
+        async def make() -> Result:
+            self.models[model_id] = await anyio.to_thread.run_sync(load)
+            return {"path": path, "model_id": model_id, "type": "load_weights"}
+
+        self.order[model_id] = asyncio.Lock()
+        return self.futures.start(self._in_order(model_id, make()))
 
     def create_sampling_session(self, body: dict[str, Any]) -> str:
         path = body.get("model_path")

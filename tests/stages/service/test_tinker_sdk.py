@@ -167,6 +167,33 @@ def test_sampling_from_saved_weights_gives_tokens_with_their_logprobs(served, se
         assert np.allclose(scored[len(prompt) - 1:], seq.logprobs, atol=1e-4)
 
 
+def test_a_training_client_from_saved_state_continues_where_it_left_off(served, service) -> None:
+    """save_state, then a training client from that state: with the optimizer it has the saved model's logprobs
+    and takes the same next step (Adam's moments came back); from the weights alone the next step differs."""
+    data = datums(groups(7, n=2, group_size=3), np.full(6, 0.05), "cross_entropy")
+
+    def step(client) -> None:
+        client.forward_backward(data, "cross_entropy")
+        client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+
+    def logprobs(client) -> np.ndarray:
+        outputs = client.forward(data, "cross_entropy").result().loss_fn_outputs
+        return np.concatenate([o["logprobs"].to_numpy() for o in outputs])
+
+    first = new_model(served, service)
+    step(first)
+    first.save_state("resume-me").result()
+    path = f"tinker://{first.model_id}/weights/resume-me"
+    resumed = service.create_training_client_from_state_with_optimizer(path).result()
+    weights_only = service.create_training_client_from_state(path).result()
+    assert resumed.get_info().lora_rank == RANK
+    assert np.abs(logprobs(resumed) - logprobs(first)).max() < 1e-6
+    for client in (first, resumed, weights_only):
+        step(client)
+    assert np.abs(logprobs(resumed) - logprobs(first)).max() < 1e-6
+    assert np.abs(logprobs(weights_only) - logprobs(first)).max() > 1e-4
+
+
 def test_what_is_not_supported_is_refused_by_name(served, service) -> None:
     info, _ = served
     training = new_model(served, service)
@@ -180,8 +207,10 @@ def test_what_is_not_supported_is_refused_by_name(served, service) -> None:
     sampler = service.create_sampling_client(base_model=info["model"]).result()
     with pytest.raises(tinker.BadRequestError, match="sampling_params.stop as strings"):
         sampler.sample(types.ModelInput.from_ints([1, 2]), 1, types.SamplingParams(max_tokens=2, stop=["\n"])).result()
-    with pytest.raises(tinker.NotFoundError, match="/api/v1/load_weights is not supported"):
-        service.create_training_client_from_state("tinker://model-1/weights/after-one-step").result()
+    with pytest.raises(tinker.NotFoundError, match="/api/v1/save_weights_external is not supported"):
+        training.save_weights_external("out").result()
+    with pytest.raises(tinker.BadRequestError, match="names no checkpoint"):
+        service.create_training_client_from_state("tinker://nobody/weights/nothing").result()
     stranger = tinker.ServiceClient(base_url=info["base_url"], api_key="tml-not-the-key")
     with pytest.raises(tinker.AuthenticationError):
         stranger.create_lora_training_client(base_model=info["model"], rank=RANK).result()
