@@ -46,6 +46,7 @@ import time
 from pathlib import Path
 
 import anyio
+import numpy as np
 import torch
 from transformers import Qwen2ForCausalLM
 
@@ -164,6 +165,17 @@ class TorchEngine:
                 await anyio.to_thread.run_sync(self._apply_staged)
             else:
                 await anyio.sleep(0.002)  # the running batch applies it after its current decode step
+
+    def prompt_logprobs(self, tokens: list[int]) -> np.ndarray:
+        """log p(token i | the tokens before it) under the live weights, float32 [len(tokens)], NaN at position 0
+        (nothing precedes it): a prompt scored by the weights the engine samples with (Tinker's compute_logprobs)."""
+        if self._model is None:
+            raise EngineError(f"engine {self.name} is not started: it holds no weights to score with")
+        ids = torch.tensor([list(tokens)], device=self._model.device)
+        with self._weights_lock, torch.no_grad():
+            logits = self._model(input_ids=ids).logits[0, :-1].float()
+        logp = torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None]).squeeze(1).cpu().numpy()
+        return np.concatenate([[np.nan], logp]).astype(np.float32)
 
     def weights_checksums(self, weights: dict[str, torch.Tensor]) -> tuple[int, int]:
         """(its live weights', `weights`' cast to its own dtypes) checksums under `weights`' names (a tied

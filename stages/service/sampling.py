@@ -54,6 +54,11 @@ class Samplers:
                 await old.stop()
             return engine
 
+    async def prompt_logprobs(self, path: str, prompt: list[int]) -> np.ndarray:
+        """Each prompt token's logprob under the checkpoint `path` (NaN for the first: nothing precedes it)."""
+        engine = await self._engine(path)
+        return await anyio.to_thread.run_sync(engine.prompt_logprobs, prompt)
+
     async def sample(self, path: str, prompt: list[int], num_samples: int, params: dict
                      ) -> list[tuple[np.ndarray, np.ndarray, str]]:
         """`num_samples` completions of `prompt` from the checkpoint `path`: (tokens, logprobs, stop reason) each;

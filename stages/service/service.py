@@ -238,7 +238,8 @@ class Service:
         n = int(body.get("num_samples", 1))
 
         async def run() -> Result:
-            return wire.sample_response(await self.samplers.sample(path, prompt, n, body["sampling_params"]))
+            scored = await self.samplers.prompt_logprobs(path, prompt) if body.get("prompt_logprobs") else None
+            return wire.sample_response(await self.samplers.sample(path, prompt, n, body["sampling_params"]), scored)
 
         request_id = self.futures.start(run())
         return request_id, [f"{request_id}-{i}" for i in range(n)]

@@ -147,7 +147,8 @@ def test_a_step_through_the_sdk_is_the_learners_step(served, service, loss: str,
 
 def test_sampling_from_saved_weights_gives_tokens_with_their_logprobs(served, service) -> None:
     """After a step and save_weights_for_sampler the sampler draws from the trained adapter: each sampled token's
-    logprob is the training model's own logprob of it (forward through the SDK); num_samples and max_tokens hold."""
+    logprob is the training model's own logprob of it (forward through the SDK), and so is each token's logprob
+    that compute_logprobs gives; num_samples and max_tokens hold."""
     training = new_model(served, service)
     batches, weights = rows_of(PolicyTrainer(GRPOLearner(served[0]["model"], lora=lora_spec(RANK, True, True, True),
                                                          device="cpu"), steps=1), seed=5)
@@ -165,6 +166,7 @@ def test_sampling_from_saved_weights_gives_tokens_with_their_logprobs(served, se
                                             "weights": np.zeros(len(full) - 1, dtype=np.float32)})
         scored = training.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
         assert np.allclose(scored[len(prompt) - 1:], seq.logprobs, atol=1e-4)
+        assert np.allclose(sampler.compute_logprobs(types.ModelInput.from_ints(full)).result()[1:], scored, atol=1e-4)
 
 
 def test_a_training_client_from_saved_state_continues_where_it_left_off(served, service) -> None:
