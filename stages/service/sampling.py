@@ -16,7 +16,7 @@ import numpy as np
 
 from stages.data.model import load_tokenizer, stop_token_ids
 from stages.engines.base import SamplingParams
-from stages.engines.torch import TorchEngine
+from stages.engines.torch import TorchEngine, prompt_logprobs
 from stages.weights.adapter import AdapterVersion
 
 BASE = "base"  # the key of the base model's sampler
@@ -57,7 +57,7 @@ class Samplers:
     async def prompt_logprobs(self, path: str, prompt: list[int]) -> np.ndarray:
         """Each prompt token's logprob under the checkpoint `path` (NaN for the first: nothing precedes it)."""
         engine = await self._engine(path)
-        return await anyio.to_thread.run_sync(engine.prompt_logprobs, prompt)
+        return await anyio.to_thread.run_sync(prompt_logprobs, engine, prompt)
 
     async def sample(self, path: str, prompt: list[int], num_samples: int, params: dict
                      ) -> list[tuple[np.ndarray, np.ndarray, str]]:

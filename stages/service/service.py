@@ -132,6 +132,7 @@ class Service:
         model_id = body.get("model_id", "")
         refuse_unless(model_id in self.order, f"unknown model_id {model_id!r}")
         refuse_unless(body.get("kind", "snapshot") == "snapshot", "kind 'inflight' samplers are not supported yet")
+        refuse_unless(body.get("ttl_seconds") is None, "ttl_seconds is not supported: what is saved here stays")
         name, seq = body.get("path"), body.get("sampling_session_seq_id")
         refuse_unless((name is None) != (seq is None), "save_weights_for_sampler takes a path or a "
                                                        "sampling_session_seq_id")
@@ -157,6 +158,7 @@ class Service:
         refuse_unless(model_id in self.order, f"unknown model_id {model_id!r}")
         refuse_unless(isinstance(name, str) and name.replace("-", "").replace("_", "").isalnum(),
                       f"save_weights path must be a plain name (letters, digits, - and _), got {name!r}")
+        refuse_unless(body.get("ttl_seconds") is None, "ttl_seconds is not supported: what is saved here stays")
         folder = self.checkpoints / model_id / name
         refuse_unless(body.get("overwrite", False) or not folder.exists(),
                       f"checkpoint {name!r} of {model_id} exists; pass overwrite=True to replace it")
