@@ -36,6 +36,7 @@ class Service:
         self.sessions: dict[str, float] = {}  # id -> time of its last heartbeat
         self.models: dict[str, TrainingModel] = {}
         self.order: dict[str, asyncio.Lock] = {}  # per model: its calls run one at a time, in arrival order
+        self.calls: dict[tuple[str, int], str] = {}  # (model, seq_id) -> request id: a retry is applied once
         self.sampling_sessions: dict[str, str] = {}  # id -> the checkpoint it samples (BASE: the base model)
         self.samplers = Samplers(self.model_path, seed, device=device)
         self.futures = Futures()
@@ -84,6 +85,18 @@ class Service:
                                                                            "an integer")
         return model_id
 
+    def _retried(self, model_id: str, seq_id: int | None) -> str | None:
+        """The request id of the model's call `seq_id` when a request with that seq_id came before: a retried
+        request gets the first one's future and is applied once. None for a new call (or one without seq_id)."""
+        return self.calls.get((model_id, seq_id)) if seq_id else None
+
+    def _start(self, model_id: str, seq_id: int | None, work) -> str:
+        """Start the model's call `seq_id` (in arrival order, `_in_order`) and remember it for a retry."""
+        request_id = self.futures.start(self._in_order(model_id, work))
+        if seq_id:
+            self.calls[(model_id, seq_id)] = request_id
+        return request_id
+
     async def _in_order(self, model_id: str, work) -> Result:
         async with self.order[model_id]:
             return await work
@@ -101,6 +114,8 @@ class Service:
     def forward_backward(self, body: bytes) -> str:
         request = wire.decode_forward_backward(body)
         refuse_unless(request.model_id in self.order, f"unknown model_id {request.model_id!r}")
+        if retried := self._retried(request.model_id, request.seq_id):
+            return retried
         names = [set(d.inputs) for d in request.data]
         refuse_unless(all(n == names[0] for n in names), "every datum must carry the same loss_fn_inputs")
         settings = check_loss(request.loss_fn, request.config, names[0])
@@ -111,11 +126,13 @@ class Service:
                                                            settings, not request.forward_only)
             return wire.forward_backward_output(rows, metrics)
 
-        return self.futures.start(self._in_order(request.model_id, run()))
+        return self._start(request.model_id, request.seq_id, run())
 
     def optim_step(self, body: dict[str, Any]) -> str:
         model_id = body.get("model_id", "")
         refuse_unless(model_id in self.order, f"unknown model_id {model_id!r}")
+        if retried := self._retried(model_id, body.get("seq_id")):
+            return retried
         params = body.get("adam_params")
         refuse_unless(params is not None, "optim_step takes adam_params only (AdamW); other optimizers are refused")
         unknown = sorted(set(params) - set(AdamSettings.__dataclass_fields__))
@@ -126,11 +143,13 @@ class Service:
             metrics = await anyio.to_thread.run_sync(self.models[model_id].optim_step, adam)
             return {"metrics": metrics}
 
-        return self.futures.start(self._in_order(model_id, run()))
+        return self._start(model_id, body.get("seq_id"), run())
 
     def save_for_sampler(self, body: dict[str, Any]) -> str:
         model_id = body.get("model_id", "")
         refuse_unless(model_id in self.order, f"unknown model_id {model_id!r}")
+        if retried := self._retried(model_id, body.get("seq_id")):
+            return retried
         refuse_unless(body.get("kind", "snapshot") == "snapshot", "kind 'inflight' samplers are not supported yet")
         refuse_unless(body.get("ttl_seconds") is None, "ttl_seconds is not supported: what is saved here stays")
         name, seq = body.get("path"), body.get("sampling_session_seq_id")
@@ -148,7 +167,7 @@ class Service:
             self.sampling_sessions[session] = path
             return {"path": path, "sampling_session_id": session, "type": "save_weights_for_sampler"}
 
-        return self.futures.start(self._in_order(model_id, run()))
+        return self._start(model_id, body.get("seq_id"), run())
 
     def save_state(self, body: dict[str, Any]) -> str:
         """`save_weights` (the SDK's `save_state`): the learner's checkpoint of the model (adapter and optimizer
@@ -156,6 +175,8 @@ class Service:
         folder beside it (`adapter`), which any peft user can load."""
         model_id, name = body.get("model_id", ""), body.get("path")
         refuse_unless(model_id in self.order, f"unknown model_id {model_id!r}")
+        if retried := self._retried(model_id, body.get("seq_id")):
+            return retried
         refuse_unless(isinstance(name, str) and name.replace("-", "").replace("_", "").isalnum(),
                       f"save_weights path must be a plain name (letters, digits, - and _), got {name!r}")
         refuse_unless(body.get("ttl_seconds") is None, "ttl_seconds is not supported: what is saved here stays")
@@ -173,7 +194,7 @@ class Service:
             await anyio.to_thread.run_sync(write)
             return {"path": f"tinker://{model_id}/weights/{name}", "type": "save_weights"}
 
-        return self.futures.start(self._in_order(model_id, run()))
+        return self._start(model_id, body.get("seq_id"), run())
 
     def load_state(self, body: dict[str, Any]) -> str:
         """`load_weights` as the SDK's `create_training_client_from_state[_with_optimizer]` sends it: a new model

@@ -196,6 +196,25 @@ def test_a_training_client_from_saved_state_continues_where_it_left_off(served, 
     assert np.abs(logprobs(weights_only) - logprobs(first)).max() > 1e-4
 
 
+def test_a_retried_request_is_applied_once(served, service) -> None:
+    """A request sent again with its seq_id (what the SDK's retry after a lost answer does) gets the first one's
+    future: the step is taken once. Replayed here over plain HTTP, as the SDK would send it again."""
+    import httpx
+
+    info = served[0]
+    training = new_model(served, service)
+    headers = {"X-API-Key": Path(info["key_file"]).read_text()}
+    body = {"model_id": training.model_id, "seq_id": 1000, "adam_params": {"learning_rate": 1e-3}}
+
+    def post(payload) -> str:
+        answer = httpx.post(f"{info['base_url']}/api/v1/optim_step", json=payload, headers=headers, timeout=30)
+        answer.raise_for_status()
+        return answer.json()["request_id"]
+
+    first, again, next_one = post(body), post(body), post({**body, "seq_id": 1001})
+    assert first == again != next_one
+
+
 def test_what_is_not_supported_is_refused_by_name(served, service) -> None:
     info, _ = served
     training = new_model(served, service)
