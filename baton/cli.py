@@ -38,7 +38,7 @@ import sys
 import threading
 import time
 
-from baton import export_command, ledger_command, scale_command, watch_command
+from baton import export_command, ledger_command, scale_command, serve_command, watch_command
 from baton.config import ConfigError
 from buffers.mooncake_master import READ_LEASE_MS
 
@@ -106,6 +106,7 @@ def _parser() -> argparse.ArgumentParser:
     ledger_command.add_parser(sub)
     export_command.add_parser(sub)
     scale_command.add_parser(sub)
+    serve_command.add_parser(sub)
     m = _command(sub, "mooncake-master", "run a mooncake_master on 127.0.0.1 (prints its address)")
     m.add_argument("--port", type=int, default=None, help="RPC port (default: a free one)")
     m.add_argument("--lease-ttl-ms", type=int, default=READ_LEASE_MS, help="a read's lease: a read that "
@@ -196,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         "ledger": lambda: ledger_command.run(args),
         "export": lambda: export_command.run(args),
         "scale": lambda: scale_command.run(args),
+        "serve": lambda: serve_command.run(args),
     }
     if args.command not in ("run", "mooncake-master") and threading.current_thread() is threading.main_thread():
         _take_ctrl_c_back()

@@ -1,0 +1,95 @@
+"""`baton serve MODEL_DIR [--port P] [--dir D]`: a Tinker-compatible training service over one base model folder
+(`stages.service`), on 127.0.0.1, for the official `tinker` SDK (`pip install -e '.[tinker]'`).
+
+It makes a key of the shape the SDK requires (`tml-` and 43 random URL-safe characters), writes it to
+`D/api_key` (mode 0600) and the address to `D/service.json` ({"base_url", "pid", "model", "key_file"}), prints
+both paths, and serves until Ctrl-C or SIGTERM. A client points the SDK at it:
+`tinker.ServiceClient(base_url=..., api_key=open("D/api_key").read())` (or TINKER_BASE_URL / TINKER_API_KEY).
+A training client's `save_state(name)` writes `D/checkpoints/{model_id}/{name}/` (the learner's checkpoint in
+`state/`, the adapter as a PEFT folder in `adapter/`).
+
+Exit codes: 0 stopped by Ctrl-C or SIGTERM, 2 bad usage (no such model folder, the tinker extra missing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add `serve` to a `baton` subparsers object."""
+    p = subparsers.add_parser(
+        "serve", help="serve a Tinker-compatible training API over a model folder (the tinker SDK drives it)",
+        epilog="exit codes:\n  0   stopped by Ctrl-C or SIGTERM\n  2   bad usage: no model folder, or the tinker "
+               "extra is missing (pip install -e '.[tinker]')", formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model_dir", metavar="MODEL_DIR", help="a Hugging Face causal-LM folder (its tokenizer included)")
+    p.add_argument("--port", type=int, default=8000, help="port on 127.0.0.1 (0: any free one; default 8000)")
+    p.add_argument("--dir", default="baton-serve", help="where the key and service.json go (default ./baton-serve)")
+    p.add_argument("--device", default="cpu", help="the learner's and engines' device (default cpu)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    return p
+
+
+def write_key(folder: Path) -> tuple[str, Path]:
+    """A fresh `tml-...` key, written to `folder/api_key` readable by this user only."""
+    folder.mkdir(parents=True, exist_ok=True)
+    key = "tml-" + secrets.token_urlsafe(32)
+    path = folder / "api_key"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key)
+    os.chmod(path, 0o600)
+    return key, path
+
+
+async def serve(model_dir: Path, port: int, folder: Path, device: str) -> None:
+    from aiohttp import web
+
+    from stages.service.routes import make_app
+    from stages.service.service import Service
+
+    key, key_file = write_key(folder)
+    runner = web.AppRunner(make_app(Service(model_dir, folder / "checkpoints", device=device), key), access_log=None,
+                           shutdown_timeout=2.0)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", port)
+    await site.start()
+    bound = site._server.sockets[0].getsockname()[1]  # the port the OS gave (--port 0)
+    info = {"base_url": f"http://127.0.0.1:{bound}", "pid": os.getpid(), "model": str(model_dir.resolve()),
+            "key_file": str(key_file.resolve())}
+    (folder / "service.json").write_text(json.dumps(info))
+    print(f"baton serve: {info['base_url']} for {info['model']}; key in {info['key_file']}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def run(args: argparse.Namespace) -> int:
+    model_dir = Path(args.model_dir)
+    if not (model_dir / "config.json").is_file():
+        print(f"baton serve: {model_dir} is not a model folder (no config.json)", file=sys.stderr)
+        return 2
+    try:
+        import tinker  # noqa: F401  the wire format's protobuf module ships in the SDK
+    except ImportError:
+        print("baton serve needs the tinker extra: pip install -e '.[tinker]'", file=sys.stderr)
+        return 2
+    if args.threads > 0:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    asyncio.run(serve(model_dir, args.port, Path(args.dir), args.device))
+    return 0

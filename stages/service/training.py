@@ -1,0 +1,116 @@
+"""`TrainingModel`: one client's LoRA model on the learner's own trainer (`stages.learner.step.PolicyTrainer`:
+the base loaded and wrapped with peft, the AdamW over the adapter alone, the adapter published with its probe).
+
+Tinker splits a step into calls: `forward_backward` adds the gradient of its datums' loss to what earlier calls
+left (a sum, as Tinker's losses are sums), `optim_step` takes one AdamW step with the client's parameters and
+clears the gradient; `forward` computes the same outputs without a gradient. The calls of one model run one at a
+time, in the order they arrived (the service holds the model's lock around each).
+
+Invariant: a `forward_backward` + `optim_step` here is the learner's step on the same rows: the logprobs come
+from the same forward (`logprobs_of`), the policy-gradient losses are the learner's objectives
+(`stages.service.losses`), and the optimizer is the trainer's own.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from stages.learner import GRPOLearner
+from stages.learner.lora import LoraSpec
+from stages.learner.sharding import clip_grad_norm
+from stages.learner.step import PolicyTrainer
+from stages.service.losses import loss_of
+from stages.service.wire import Datum
+from stages.weights.adapter import AdapterVersion, as_received
+
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+LORA_ALPHA = 32.0  # the adapter's output scale is alpha / rank
+
+
+def lora_spec(rank: int, train_attn: bool, train_mlp: bool, train_unembed: bool) -> LoraSpec:
+    """The learner's `LoraSpec` for a Tinker `LoraConfig`: attention, MLP and unembedding as module names."""
+    targets = ATTENTION * train_attn + MLP * train_mlp + ("lm_head",) * train_unembed
+    return LoraSpec(rank=rank, alpha=LORA_ALPHA, target_modules=targets)
+
+
+@dataclass(frozen=True)
+class AdamSettings:
+    """Tinker's `AdamParams` (its defaults: beta2 0.95, eps 1e-12; grad_clip_norm 0 clips nothing)."""
+
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+
+
+def padded(data: list[Datum]) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """The datums' tokens [rows, T] (right-padded), the 0/1 mask of real positions, and each loss input [rows, T]."""
+    width = max(d.tokens.size for d in data)
+    ids = torch.zeros((len(data), width), dtype=torch.long)
+    mask = torch.zeros((len(data), width))
+    inputs = {name: torch.zeros((len(data), width), dtype=torch.long if name == "target_tokens" else torch.float32)
+              for name in data[0].inputs}
+    for i, datum in enumerate(data):
+        n = datum.tokens.size
+        ids[i, :n], mask[i, :n] = torch.from_numpy(datum.tokens), 1.0
+        for name, values in datum.inputs.items():
+            inputs[name][i, :n] = torch.from_numpy(values.copy())
+    return ids, mask, inputs
+
+
+def logprobs_of(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log p(target_i | tokens_0..i) at every position [rows, T], in float32, as the learner's step computes them."""
+    logits = model(input_ids=ids, attention_mask=mask.long()).logits.float()
+    return torch.log_softmax(logits, -1).gather(2, targets[:, :, None]).squeeze(-1)
+
+
+class TrainingModel:
+    """One `create_model`'s LoRA model over the base folder `model_path` (see the module docstring)."""
+
+    def __init__(self, model_path: Path, lora: LoraSpec, device: str = "cpu") -> None:
+        self.lora = lora
+        self.trainer = PolicyTrainer(GRPOLearner(model_path, lora=lora, device=device, entropy_coef=0.0), steps=1)
+        self.steps = 0  # optimizer steps taken: the version a sampler saved now serves
+        self.lock = threading.Lock()
+
+    def forward_backward(self, data: list[Datum], loss_fn: str, settings: dict[str, float],
+                         backward: bool) -> tuple[list[np.ndarray], dict[str, float]]:
+        """Each datum's target logprobs and the metrics (`loss:sum`, ...); with `backward`, the loss's gradient
+        added to the model's."""
+        device = self.trainer.device
+        ids, mask, inputs = padded(data)
+        ids, mask = ids.to(device), mask.to(device)
+        inputs = {k: v.to(device) for k, v in inputs.items()}
+        model = self.trainer.model
+        with torch.set_grad_enabled(backward):
+            logp = logprobs_of(model, ids, mask, inputs["target_tokens"])
+            loss, stats = loss_of(loss_fn, settings, logp, inputs, mask)
+            if backward:
+                loss.backward()
+        rows = [logp[i, : d.tokens.size].detach().cpu().numpy() for i, d in enumerate(data)]
+        return rows, {"loss:sum": float(loss.detach()), **{f"{k}:mean": v for k, v in stats.items()}}
+
+    def optim_step(self, adam: AdamSettings) -> dict[str, float]:
+        """One AdamW step on the gradient the `forward_backward` calls since the last step summed; clears it."""
+        for group in self.trainer.optimizer.param_groups:
+            group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps,
+                         weight_decay=adam.weight_decay)
+        norm = clip_grad_norm(self.trainer.model, adam.grad_clip_norm if adam.grad_clip_norm > 0 else float("inf"))
+        self.trainer.optimizer.step()
+        self.trainer.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        return {"grad_norm:mean": norm, "learning_rate:mean": adam.learning_rate}
+
+    def adapter(self) -> AdapterVersion:
+        """The adapter as it is now, with its probe, as an engine receives a version."""
+        received = as_received(self.trainer.weights(self.steps))
+        assert isinstance(received, AdapterVersion)
+        return received

@@ -1,0 +1,237 @@
+"""`baton serve` driven by the official `tinker` SDK, unchanged, against the service started on 127.0.0.1 in its
+own process (stopped by its pid): a LoRA training client, a step through the SDK that equals the learner's own
+step on the same rows, sampling from the saved adapter, and refusals by name. Skips without the SDK
+(`pip install -e '.[tinker]'`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+tinker = pytest.importorskip("tinker", reason="the tinker SDK is not installed: pip install -e '.[tinker]'")
+from tinker import types  # noqa: E402
+
+from stages.data.model import make_tiny_model  # noqa: E402
+from stages.learner import GRPOLearner  # noqa: E402
+from stages.learner.losses import group_advantages  # noqa: E402
+from stages.learner.step import PolicyTrainer  # noqa: E402
+from stages.service.training import lora_spec  # noqa: E402
+from tests.stages.learner.test_ranks import groups  # noqa: E402
+
+torch.set_num_threads(1)
+RANK = 4
+ADAM = {"learning_rate": 4e-4, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "grad_clip_norm": 1.0}  # the learner's
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """The service over a tiny model: its service.json (base_url, model, key_file) and its folder."""
+    root = tmp_path_factory.mktemp("serve")
+    model = make_tiny_model(root / "tiny")
+    folder = root / "serve"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3]), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "baton.cli", "serve", str(model), "--port", "0", "--dir",
+                             str(folder), "--threads", "1"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while not (folder / "service.json").exists():
+            assert proc.poll() is None, f"baton serve exited: {proc.stdout.read().decode()[-2000:]}"
+            assert time.monotonic() < deadline, "baton serve did not start within 120 s"
+            time.sleep(0.2)
+        yield json.loads((folder / "service.json").read_text()), folder
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def service(served):
+    os.environ["TINKER_TELEMETRY"] = "0"
+    info, _ = served
+    return tinker.ServiceClient(base_url=info["base_url"], api_key=Path(info["key_file"]).read_text())
+
+
+def new_model(served, service):
+    """A fresh LoRA training client (its adapter from the learner's one fixed init)."""
+    return service.create_lora_training_client(base_model=served[0]["model"], rank=RANK).result()
+
+
+def rows_of(trainer: PolicyTrainer, seed: int, off_policy: float = 0.0):
+    """Groups whose behaviour logprobs are the trainer's own (on-policy), each moved by up to `off_policy` nats,
+    and per row its advantage over the step's trained positions: what the learner's token-mean policy gradient
+    weighs each trained token by."""
+    rng = np.random.default_rng(seed)
+    batches = groups(seed, n=2, group_size=3)
+    with torch.no_grad():
+        for b in batches:
+            for j in range(b.rows):
+                lo, hi = b.offsets[j], b.offsets[j + 1]
+                ids = torch.from_numpy(b.token_fields["tokens"][lo:hi].astype(np.int64))[None]
+                logp = torch.log_softmax(trainer.model(input_ids=ids).logits[0, :-1].float(), -1)
+                own = logp.gather(1, ids[0, 1:, None]).squeeze(1).numpy()
+                b.token_fields["logprobs"][lo + 1:hi] = own + rng.uniform(-off_policy, off_policy, own.size)
+    rewards = torch.from_numpy(np.concatenate([b.row_fields["rewards"] for b in batches]))
+    index = torch.from_numpy(np.repeat(np.arange(len(batches)), [b.rows for b in batches]))
+    advantages = group_advantages(rewards, index, scale_by_std=False).numpy()
+    trained = sum(float(b.token_fields["loss_mask"][lo + 1:hi].sum()) for b in batches
+                  for lo, hi in zip(b.offsets[:-1], b.offsets[1:], strict=True))
+    return batches, advantages / trained
+
+
+def datums(batches, weights_per_row, loss: str) -> list:
+    """Each row as a Tinker datum: input the row less its last token, targets the row less its first; for
+    cross_entropy the row's weight on its trained (masked) targets, for importance_sampling that as the advantage
+    and the behaviour logprobs as the sampling logprobs."""
+    out, i = [], 0
+    for b in batches:
+        for j in range(b.rows):
+            row = b.row(j)
+            tokens = row["tokens"].astype(np.int64)
+            weights = (row["loss_mask"][1:] * weights_per_row[i]).astype(np.float32)
+            inputs = {"target_tokens": tokens[1:], "weights": weights} if loss == "cross_entropy" else {
+                "target_tokens": tokens[1:], "advantages": weights, "logprobs": row["logprobs"][1:].astype(np.float32)}
+            out.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1].tolist()), loss_fn_inputs=inputs))
+            i += 1
+    return out
+
+
+CLIP = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.28}  # the learner's default clip_eps, clip_eps_high
+
+
+@pytest.mark.parametrize("loss, off_policy, config", [("cross_entropy", 0.0, None), ("importance_sampling", 0.1, None),
+                                                      ("ppo", 0.3, CLIP)])
+def test_a_step_through_the_sdk_is_the_learners_step(served, service, loss: str, off_policy: float, config) -> None:
+    """One SDK forward_backward + optim_step equals `PolicyTrainer.train` (the learner's step: its defaults but no
+    entropy bonus) on the same rows, every adapter parameter within 1e-6. Cross entropy weighted by each row's
+    advantage over the trained tokens has the policy gradient of the learner's loss on on-policy rows;
+    importance sampling with those advantages is the learner's loss itself wherever its clip does not bind (the
+    behaviour logprobs are the policy's own, moved by at most 0.1 nats: ratios in [0.9, 1.11]); ppo with the
+    learner's clip range is its loss everywhere, here with ratios in [0.74, 1.35], so the clip binds."""
+    folder = served[1]
+    training = new_model(served, service)
+    info = training.get_info()
+    assert info.is_lora and info.lora_rank == RANK
+    spec = GRPOLearner(info.model_data.model_name, lora=lora_spec(RANK, True, True, True), device="cpu",
+                       entropy_coef=0.0)
+    reference = PolicyTrainer(spec, steps=1)
+    reference.schedule(0)
+    batches, weights = rows_of(reference, seed=3, off_policy=off_policy)
+    before = {n: p.detach().clone() for n, p in reference.model.named_parameters() if p.requires_grad}
+    result = training.forward_backward(datums(batches, weights, loss), loss, config)
+    training.optim_step(types.AdamParams(**ADAM)).result()
+    metrics = result.result().metrics
+    assert metrics["loss:sum"] != 0.0 and (loss != "ppo" or metrics["clip_frac:mean"] > 0)
+    reference.train(batches, 0.0)
+    training.save_state("after-one-step").result()
+    from safetensors.torch import load_file
+
+    served_adapter = load_file(folder / "checkpoints" / training.model_id / "after-one-step" / "adapter" /
+                               "adapter_model.safetensors")
+    mine = {n.replace(".default", ""): p.detach() for n, p in reference.model.named_parameters() if p.requires_grad}
+    assert set(served_adapter) == set(mine)
+    moved = max(float((p.detach() - before[n]).abs().max()) for n, p in reference.model.named_parameters()
+                if p.requires_grad)
+    assert moved > 1e-4  # the step moved the adapter: the comparison below could fail
+    worst = max(float((served_adapter[n] - mine[n]).abs().max()) for n in mine)
+    assert worst < 1e-6, f"the SDK's {loss} step differs from the learner's by {worst:.3g}"
+    print(f"{loss}: largest parameter difference {worst:.3g} after a step that moved them by up to {moved:.3g}")
+
+
+def test_sampling_from_saved_weights_gives_tokens_with_their_logprobs(served, service) -> None:
+    """After a step and save_weights_for_sampler the sampler draws from the trained adapter: each sampled token's
+    logprob is the training model's own logprob of it (forward through the SDK), and so is each token's logprob
+    that compute_logprobs gives; num_samples and max_tokens hold."""
+    training = new_model(served, service)
+    batches, weights = rows_of(PolicyTrainer(GRPOLearner(served[0]["model"], lora=lora_spec(RANK, True, True, True),
+                                                         device="cpu"), steps=1), seed=5)
+    training.forward_backward(datums(batches, weights * 50, "cross_entropy"), "cross_entropy")
+    training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    sampler = training.save_weights_and_get_sampling_client().result()
+    prompt = [1, 5, 6, 7]
+    out = sampler.sample(types.ModelInput.from_ints(prompt), 3, types.SamplingParams(max_tokens=4, stop=[])).result()
+    assert len(out.sequences) == 3
+    for seq in out.sequences:
+        assert len(seq.tokens) == 4 and seq.stop_reason == "length" and len(seq.logprobs) == 4
+        full = prompt + list(seq.tokens)
+        datum = types.Datum(model_input=types.ModelInput.from_ints(full[:-1]),
+                            loss_fn_inputs={"target_tokens": np.array(full[1:]),
+                                            "weights": np.zeros(len(full) - 1, dtype=np.float32)})
+        scored = training.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+        assert np.allclose(scored[len(prompt) - 1:], seq.logprobs, atol=1e-4)
+        assert np.allclose(sampler.compute_logprobs(types.ModelInput.from_ints(full)).result()[1:], scored, atol=1e-4)
+
+
+def test_a_training_client_from_saved_state_continues_where_it_left_off(served, service) -> None:
+    """save_state, then a training client from that state: with the optimizer it has the saved model's logprobs
+    and takes the same next step (Adam's moments came back); from the weights alone the next step differs."""
+    data = datums(groups(7, n=2, group_size=3), np.full(6, 0.05), "cross_entropy")
+
+    def step(client) -> None:
+        client.forward_backward(data, "cross_entropy")
+        client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+
+    def logprobs(client) -> np.ndarray:
+        outputs = client.forward(data, "cross_entropy").result().loss_fn_outputs
+        return np.concatenate([o["logprobs"].to_numpy() for o in outputs])
+
+    first = new_model(served, service)
+    step(first)
+    first.save_state("resume-me").result()
+    path = f"tinker://{first.model_id}/weights/resume-me"
+    resumed = service.create_training_client_from_state_with_optimizer(path).result()
+    weights_only = service.create_training_client_from_state(path).result()
+    assert resumed.get_info().lora_rank == RANK
+    assert np.abs(logprobs(resumed) - logprobs(first)).max() < 1e-6
+    for client in (first, resumed, weights_only):
+        step(client)
+    assert np.abs(logprobs(resumed) - logprobs(first)).max() < 1e-6
+    assert np.abs(logprobs(weights_only) - logprobs(first)).max() > 1e-4
+
+
+def test_a_retried_request_is_applied_once(served, service) -> None:
+    """A request sent again with its seq_id (what the SDK's retry after a lost answer does) gets the first one's
+    future: the step is taken once. Replayed here over plain HTTP, as the SDK would send it again."""
+    import httpx
+
+    info = served[0]
+    training = new_model(served, service)
+    headers = {"X-API-Key": Path(info["key_file"]).read_text()}
+    body = {"model_id": training.model_id, "seq_id": 1000, "adam_params": {"learning_rate": 1e-3}}
+
+    def post(payload) -> str:
+        answer = httpx.post(f"{info['base_url']}/api/v1/optim_step", json=payload, headers=headers, timeout=30)
+        answer.raise_for_status()
+        return answer.json()["request_id"]
+
+    first, again, next_one = post(body), post(body), post({**body, "seq_id": 1001})
+    assert first == again != next_one
+
+
+def test_what_is_not_supported_is_refused_by_name(served, service) -> None:
+    info, _ = served
+    training = new_model(served, service)
+    row = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]),
+                      loss_fn_inputs={"target_tokens": np.array([2, 3, 4]), "logprobs": np.zeros(3, np.float32),
+                                      "advantages": np.ones(3, np.float32)})
+    with pytest.raises(tinker.BadRequestError, match="'cispo'"):
+        training.forward_backward([row], "cispo").result()
+    with pytest.raises(tinker.BadRequestError, match="missing \\['weights'\\]"):
+        training.forward_backward([row], "cross_entropy").result()
+    sampler = service.create_sampling_client(base_model=info["model"]).result()
+    with pytest.raises(tinker.BadRequestError, match="sampling_params.stop as strings"):
+        sampler.sample(types.ModelInput.from_ints([1, 2]), 1, types.SamplingParams(max_tokens=2, stop=["\n"])).result()
+    with pytest.raises(tinker.NotFoundError, match="/api/v1/save_weights_external is not supported"):
+        training.save_weights_external("out").result()
+    with pytest.raises(tinker.BadRequestError, match="names no checkpoint"):
+        service.create_training_client_from_state("tinker://nobody/weights/nothing").result()
+    stranger = tinker.ServiceClient(base_url=info["base_url"], api_key="tml-not-the-key")
+    with pytest.raises(tinker.AuthenticationError):
+        stranger.create_lora_training_client(base_model=info["model"], rank=RANK).result()
