@@ -18,6 +18,7 @@ from pipeline.admission import AdmissionGate
 from pipeline.control import CONTROL_FILE, TOKEN_FILE, ControlError, ControlServer, control_request, scale_run
 from pipeline.fleet import Fleet, FleetError
 from pipeline.roster import Roster
+from pipeline.runtime.local import LocalLauncher
 from pipeline.versions import VersionClock
 
 pytestmark = pytest.mark.anyio
@@ -71,7 +72,7 @@ async def test_a_fleet_grows_shrinks_newest_first_and_says_what_each_cost() -> N
     log, events = [], []
     stage = Stage(log)
     first = Worker("w0", log)
-    fleet = Fleet(stage, context(events), None, [first], max_workers=3)
+    fleet = Fleet(LocalLauncher(stage, None, None), context(events), [first], max_workers=3)
     async with anyio.create_task_group() as tg:
         tg.start_soon(first.run)
         tg.start_soon(fleet.run)
@@ -94,7 +95,7 @@ async def test_a_fleet_grows_shrinks_newest_first_and_says_what_each_cost() -> N
 async def test_a_join_that_fails_to_start_is_an_event_and_the_fleet_stays_as_it_was() -> None:
     log, events = [], []
     first = Worker("w0", log)
-    fleet = Fleet(Stage(log, failing=(1,)), context(events), None, [first], max_workers=2)
+    fleet = Fleet(LocalLauncher(Stage(log, failing=(1,)), None, None), context(events), [first], max_workers=2)
     async with anyio.create_task_group() as tg:
         tg.start_soon(fleet.run)
         status = await fleet.scale(2, wait=True)
@@ -107,7 +108,7 @@ async def test_a_join_that_fails_to_start_is_an_event_and_the_fleet_stays_as_it_
 async def test_a_join_whose_target_dropped_while_it_started_leaves_before_taking_work() -> None:
     log, events = [], []
     first = Worker("w0", log)
-    fleet = Fleet(Stage(log), context(events), None, [first], max_workers=2)
+    fleet = Fleet(LocalLauncher(Stage(log), None, None), context(events), [first], max_workers=2)
     async with anyio.create_task_group() as tg:
         tg.start_soon(first.run)
         tg.start_soon(fleet.run)
@@ -121,7 +122,7 @@ async def test_a_join_whose_target_dropped_while_it_started_leaves_before_taking
 async def test_the_control_endpoint_needs_its_token_and_scales_the_fleet(tmp_path: Path) -> None:
     log, events = [], []
     first = Worker("w0", log)
-    fleet = Fleet(Stage(log), context(events), None, [first], max_workers=2)
+    fleet = Fleet(LocalLauncher(Stage(log), None, None), context(events), [first], max_workers=2)
     server = ControlServer(fleet, tmp_path)
     async with anyio.create_task_group() as tg:
         tg.start_soon(first.run)
