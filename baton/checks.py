@@ -285,15 +285,23 @@ def faults_fit(cfg: RunConfig) -> None:
             "fault store.master_restart with runtime = 'ray' needs a master the faults runner owns: run it with "
             "`baton faults CONFIG`, or use runtime = 'local' (which restarts its own store.master = 'auto')"
         )
-    elastic = [k for k in kinds if k in ("engine.join", "engine.leave", "engine.join_in_push")]
+    elastic = [k for k in kinds if k in ELASTIC_FAULTS]
     if elastic and cfg.rollout.max_engines is None:
         raise ValueError(f"fault {elastic[0]} grows or shrinks the run's engines, which needs rollout.max_engines; set "
                          f"rollout.max_engines = {cfg.engine_count + 1} or remove the fault")
+    in_push = [k for k in kinds if k in ("engine.join_in_push", "engine.preempt_in_push")]
+    if in_push and cfg.runtime == "ray":
+        raise ValueError(f"fault {in_push[0]} acts from the learner's push on the run's fleet, which on runtime = "
+                         "'ray' lives in the driver, not the learner's process; use runtime = 'local' or "
+                         "engine.join / engine.leave")
     if "store.holder_crash" in kinds and cfg.store.replicas < 2:
         raise ValueError(
             f"fault store.holder_crash is survived with store.replicas = 2, but store.replicas = "
             f"{cfg.store.replicas}; set store.replicas = 2 (`baton faults` does, and starts the second holder)"
         )
+
+
+ELASTIC_FAULTS = ("engine.join", "engine.leave", "engine.join_in_push", "engine.preempt_in_push")
 
 
 def staleness_holds(cfg: RunConfig) -> None:

@@ -169,7 +169,8 @@ class Fleet:
 
 class ScaleFaults:
     """The fault kinds `engine.join` and `engine.leave` (`pipeline.faults`): at each scheduled version the
-    fleet grows (or shrinks) by one worker; the firing recovers once the fleet has settled."""
+    fleet grows (or shrinks) by one worker; the firing recovers once the fleet has settled. A version the clock
+    passed while an earlier firing settled still fires, late (at most once: `Schedule.hit`)."""
 
     name = "fault:scale"
 
@@ -182,12 +183,14 @@ class ScaleFaults:
     async def run(self) -> None:
         seen = await self.ctx.clock.current()
         while True:
-            seen = await self.ctx.clock.wait_change(seen)
-            for step, schedule in self.schedules.items():
-                if schedule.hit(occurrence=seen):
-                    target = min(self.fleet.max_workers, max(1, self.fleet.target + step))
-                    await self.fleet.scale(target, wait=True)
-                    schedule.recovered(f"{self.fleet.status()['live']} workers live at version {seen}")
+            now = await self.ctx.clock.wait_change(seen)
+            for version in range(seen + 1, now + 1):  # each version passed, also while a scale settled
+                for step, schedule in self.schedules.items():
+                    if schedule.hit(occurrence=version):
+                        target = min(self.fleet.max_workers, max(1, self.fleet.target + step))
+                        await self.fleet.scale(target, wait=True)
+                        schedule.recovered(f"{self.fleet.status()['live']} workers live at version {version}")
+            seen = now
 
     async def stop(self) -> None:
         return None
