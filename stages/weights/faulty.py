@@ -76,10 +76,10 @@ class JoinInPush:
     async def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         fired = self.schedule.hit(occurrence=version)
         if fired:
-            before = len(self.receivers)
+            before = {id(r) for r in self.receivers}  # by identity: a leave settling meanwhile changes the count
             await self.fleet.scale(min(self.fleet.max_workers, self.fleet.target + 1))
             with anyio.move_on_after(self.subscribed_s):
-                while len(self.receivers) <= before:
+                while all(id(r) in before for r in self.receivers):
                     await anyio.sleep(0.002)
         await self.transport.publish(version, tensors)
         if fired:
