@@ -87,7 +87,12 @@ class RayWorker:
         await self.host.start.remote()  # the engine starts and passes the version fence
 
     async def run(self) -> None:
-        await self.host.run.remote()
+        host = self.host
+        try:
+            await host.run.remote()
+        except ray.exceptions.RayActorError:
+            if self.host is not None:  # it died: not a leave the fleet asked for (`stop` lets go of it first)
+                raise
 
     async def retire(self, preempt: bool = False) -> None:
         await self.host.retire.remote(preempt)
