@@ -157,16 +157,17 @@ def episodes_from_one_place(cfg: RunConfig) -> None:
 
 def elastic_fits(cfg: RunConfig) -> None:
     """`[rollout] max_engines` (engines that join and leave while the run goes on): at least engine.count,
-    on the local runtime, not in gateway mode (docs/guides/elastic.md)."""
+    not in gateway mode, and on Ray without checkpoints (docs/guides/elastic.md)."""
     most = cfg.rollout.max_engines
     if most is None:
         return
     if most < cfg.engine_count:
         raise ValueError(f"rollout.max_engines = {most} is below engine.count = {cfg.engine_count}; raise it to at "
                          f"least {cfg.engine_count}, or remove it for a fixed fleet")
-    if cfg.runtime != "local":
-        raise ValueError("rollout.max_engines (engines that join and leave) runs on runtime = 'local' for now; set "
-                         "runtime = 'local' or remove rollout.max_engines")
+    if cfg.runtime == "ray" and cfg.checkpoint.every:
+        raise ValueError("rollout.max_engines with runtime = 'ray' does not checkpoint yet (a checkpoint cut asks the "
+                         "run's first producer processes only); set checkpoint.every = 0, runtime = 'local', or "
+                         "remove rollout.max_engines")
     if cfg.gateway is not None:
         raise ValueError("rollout.max_engines does not combine with [gateway] (its gateway lives on the first "
                          "worker); remove one of them")
@@ -284,15 +285,23 @@ def faults_fit(cfg: RunConfig) -> None:
             "fault store.master_restart with runtime = 'ray' needs a master the faults runner owns: run it with "
             "`baton faults CONFIG`, or use runtime = 'local' (which restarts its own store.master = 'auto')"
         )
-    elastic = [k for k in kinds if k in ("engine.join", "engine.leave", "engine.join_in_push")]
+    elastic = [k for k in kinds if k in ELASTIC_FAULTS]
     if elastic and cfg.rollout.max_engines is None:
         raise ValueError(f"fault {elastic[0]} grows or shrinks the run's engines, which needs rollout.max_engines; set "
                          f"rollout.max_engines = {cfg.engine_count + 1} or remove the fault")
+    in_push = [k for k in kinds if k in ("engine.join_in_push", "engine.preempt_in_push")]
+    if in_push and cfg.runtime == "ray":
+        raise ValueError(f"fault {in_push[0]} acts from the learner's push on the run's fleet, which on runtime = "
+                         "'ray' lives in the driver, not the learner's process; use runtime = 'local' or "
+                         "engine.join / engine.leave")
     if "store.holder_crash" in kinds and cfg.store.replicas < 2:
         raise ValueError(
             f"fault store.holder_crash is survived with store.replicas = 2, but store.replicas = "
             f"{cfg.store.replicas}; set store.replicas = 2 (`baton faults` does, and starts the second holder)"
         )
+
+
+ELASTIC_FAULTS = ("engine.join", "engine.leave", "engine.join_in_push", "engine.preempt_in_push")
 
 
 def staleness_holds(cfg: RunConfig) -> None:

@@ -66,10 +66,12 @@ DEFAULT_SCHEDULES: dict[str, dict[str, Any]] = {
     "engine.join": {"at": [5]},  # a second engine joins at version 5 (the run may grow to 2: ELASTIC)
     "engine.leave": {"at": [5]},  # one of the two engines leaves at version 5, draining what it holds
     "engine.join_in_push": {"at": [5]},  # a second engine joins while version 5 is pushed
+    "engine.preempt_in_push": {"at": [5]},  # one of the two engines is preempted while version 5 is pushed
 }
 # the elastic kinds run with room for a second engine; a leave starts with two
 ELASTIC = {"engine.join": ["rollout.max_engines=2"], "engine.leave": ["rollout.max_engines=2", "engine.count=2"],
-           "engine.join_in_push": ["rollout.max_engines=2"]}
+           "engine.join_in_push": ["rollout.max_engines=2"],
+           "engine.preempt_in_push": ["rollout.max_engines=2", "engine.count=2"]}
 MOONCAKE_ONLY = ("store.master_restart", "store.holder_crash")
 
 
@@ -100,6 +102,7 @@ class RunOutcome:
     learner_restarts: int = 0  # learner.rank_crash: restarts of the learner's rank group within the run
     engine_restarts: int = 0  # inference servers their engine restarted (run events `engine.restarted`)
     pushes_refused: int = 0  # weight pushes an engine refused and the transport sent again (`weights.refused`)
+    carried_requests: int = 0  # requests of preempted engines continued on another (run events `engine.left`)
     router_disagreement: float | None = None  # an MoE run with routing replay: the most over its steps (0 expected)
     problems: list[str] = field(default_factory=list)
 
@@ -176,6 +179,14 @@ def _judge_fault(outcome: RunOutcome, run_dir: Path) -> None:
     counts = EventCounts(run_dir).update()
     outcome.engine_restarts = counts.get("engine.restarted", 0)
     outcome.pushes_refused = counts.get("weights.refused", 0)
+    outcome.carried_requests = sum(e.get("requests", 0) for e in run_events(run_dir, "engine.left"))
+
+
+def run_events(run_dir: Path, kind: str) -> list[dict[str, Any]]:
+    """The run's events (events.jsonl) of `kind`, in order; [] when it has none."""
+    path = run_dir / "events.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [e for e in map(json.loads, lines) if e.get("kind") == kind]
 
 
 def _judge_replay(outcome: RunOutcome, metrics: list[dict[str, Any]]) -> None:

@@ -145,7 +145,8 @@ class Services:
 
     store: Any = None  # this process's buffers.store.ObjectStore, opened by the runtime
     faults: FaultPlan | None = None  # the bound fault plan (pipeline.faults); None: no fault planned
-    producers: list[Peer] = field(default_factory=list)  # producer processes (Ray runtime); empty locally
+    # producer processes (Ray runtime, each a Peer named producer-<index>; an elastic run's come and go); empty locally
+    producers: Roster = field(default_factory=Roster)
     # engines living in this process; they come and go in an elastic run (the learner watches it)
     weight_receivers: Roster = field(default_factory=Roster)
     mailboxes: dict[str, Mailbox] = field(default_factory=dict)  # handlers other processes reach by name
@@ -181,6 +182,21 @@ class Scalable(Producer, Protocol):
     def join(self, ctx: RunContext, outbox: Any, index: int) -> Actor:
         """A new worker numbered `index` (never used before in this run), built like the others; the fleet
         starts it (its `start` returns once it may be given work) and runs it."""
+        ...
+
+
+class WorkerLauncher(Protocol):
+    """How a runtime starts a producer worker that joins a running run (`pipeline.fleet`): the local runtime
+    makes it in this process (`Scalable.join`), the Ray runtime in a Ray actor of its own. The fleet's
+    logic (targets, drains, events) is the same on both; only this differs."""
+
+    def join(self, index: int) -> Actor:
+        """Worker `index` (never used before in the run), not yet started: the fleet starts, runs and stops it."""
+        ...
+
+    def preempt_refusal(self) -> str | None:
+        """None where a preempted leave's requests can go on with the other workers (`Retiring.retire`);
+        else why they cannot, said to whoever asks for `preempt` (the leave is refused, nothing changes)."""
         ...
 
 
@@ -283,5 +299,5 @@ __all__ = [
     "Buffer", "CheckpointedProducer", "CheckpointingConsumer", "Clock", "Consumer", "Gate", "Helper", "HelperStarter",
     "LedgerClient", "Mailbox", "Peer", "Placed", "Producer", "RefHolder", "Resources", "Retiring", "Scalable",
     "Services", "Stage",
-    "StoreOpener", "VersionPolicy",
+    "StoreOpener", "VersionPolicy", "WorkerLauncher",
 ]

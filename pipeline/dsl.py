@@ -21,7 +21,7 @@ What the pipeline guarantees, whatever the stages are:
 * `run()` prepares this process as `baton run` does (`pipeline.process.prepare_process`);
 * with `watchdog` set, a run that stops making progress is reported (which stage waits on what) and
   then failed with `PipelineHung` (pipeline.watchdog);
-* with `max_workers = N` (local runtime) the producer's workers may grow to N and shrink to 1 while
+* with `max_workers = N` the producer's workers may grow to N and shrink to 1 while
   the run goes on (`pipeline.fleet`): `scale(n)` from another thread, `await ascale(n)` from the run's
   own event loop, or `baton scale RUN_DIR --engines n` through the control endpoint the run serves
   (`pipeline.control`).
@@ -117,7 +117,7 @@ class Pipeline:
 
         fleet = getattr(self._live_runtime, "fleet", None)
         if fleet is None:
-            raise FleetError("scale() needs a running pipeline made with max_workers = N (local runtime); "
+            raise FleetError("scale() needs a running pipeline made with max_workers = N; "
                              "this one is not running or cannot grow")
         return fleet, self._loop_token
 
@@ -163,9 +163,10 @@ class Pipeline:
         if self.max_workers is not None and self.max_workers < self.producer.workers:
             raise ValueError(f"max_workers = {self.max_workers} is below the producer's {self.producer.workers} "
                              "workers; raise it, or unset it for a fixed fleet")
-        if self.max_workers and self.runtime != "local":
-            raise ValueError("max_workers (a fleet that grows and shrinks) runs on the local runtime only; use "
-                             "runtime='local' or unset max_workers")
+        if self.max_workers and self.runtime == "ray" and self.checkpoint_every:
+            raise ValueError("max_workers (a fleet that grows and shrinks) on runtime='ray' does not checkpoint yet: "
+                             "a checkpoint cut asks the run's first producer hosts only; unset checkpoint_every or "
+                             "max_workers, or use runtime='local'")
 
     def _new_folder(self) -> RunFolder:
         folder = RunFolder.create(self.run_root, self.name)

@@ -22,6 +22,8 @@ and the channels' `before_send` here); this module decides *when* (generic, no R
     channel.stall                     per send, per channel           stall_hook (here; local and Ray channels)
     engine.join, engine.leave         at the versions in `at`: the fleet grows / shrinks by one   pipeline.fleet
     engine.join_in_push               at the published versions in `at`: a join while it goes out  stages.weights.faulty
+    engine.preempt_in_push            at the published versions in `at`: a preempted leave while it goes out
+                                                                      stages.weights.faulty
 
 Invariants of a schedule:
 * occurrences are counted per (kind, scope) and per process, 1-based; a spec with `at` fires on
@@ -55,7 +57,7 @@ FAULT_KINDS: tuple[str, ...] = (
     "engine.crash", "engine.hang", "store.put_fail", "store.get_fail", "store.corrupt",
     "store.master_restart", "store.holder_crash", "weights.push_fail", "learner.crash", "channel.stall",
     "learner.rank_crash",
-    "engine.join", "engine.leave", "engine.join_in_push",  # an elastic run's fleet (pipeline.fleet)
+    "engine.join", "engine.leave", "engine.join_in_push", "engine.preempt_in_push",  # an elastic run's fleet
     "engine.server_kill", "engine.server_kill_push", "engine.push_refused",
 )
 # the kinds that act on an inference server the engine launched (SIGKILL by pid, a damaged version file)

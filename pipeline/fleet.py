@@ -1,13 +1,16 @@
 """`Fleet`: the producer's workers, grown and shrunk while the run goes on (an elastic run).
 
-A run made with `Pipeline(max_workers=N)` whose producer is `Scalable` gets a fleet (local runtime). It
-holds the workers taking work and answers `scale(target)`, from the control endpoint
+A run made with `Pipeline(max_workers=N)` whose producer is `Scalable` gets a fleet, on either runtime: the
+runtime gives it a `WorkerLauncher` (how a joining worker is made: in this process, or as a Ray actor), the
+fleet's logic is this one. It holds the workers taking work and answers `scale(target)`, from the control endpoint
 (`pipeline.control`), `Pipeline.scale` or a fault (`engine.join`, `engine.leave`). The invariants:
-* a joining worker is made by the producer (`Scalable.join`) with an index never used before in the
+* a joining worker is made by the launcher (`WorkerLauncher.join`) with an index never used before in the
   run, and is given work only once its `start` returned (the producer's own fence, e.g. an engine on the
   current weights); a start that fails is an event (`fleet.join_failed`) and the fleet stays as it was;
 * a leaving worker (`Retiring.retire`) takes no new work; the fleet stops it only once the work it took
   has left it, so a leave loses nothing and the ledger stays balanced;
+* `preempt` is refused (`FleetError`, nothing changes) where the launcher says why its workers cannot carry
+  a preempted worker's requests over (`WorkerLauncher.preempt_refusal`);
 * `1 <= target <= max_workers`; the newest workers leave first; joins still starting when the target
   drops are retired as soon as they are up, never given work;
 * every join and leave is an event with its cost (`fleet.joined`: seconds from the request until the
@@ -22,7 +25,7 @@ from typing import Any
 import anyio
 
 from pipeline.actor import Actor, ActorFailed
-from pipeline.contracts import Retiring, Scalable
+from pipeline.contracts import Retiring, WorkerLauncher
 
 
 class FleetError(ValueError):
@@ -31,15 +34,16 @@ class FleetError(ValueError):
 
 class Fleet:
     """The live workers of a `Scalable` producer (see the module docstring). `workers` are those the
-    runtime already runs; the fleet runs and stops the ones that join."""
+    runtime already runs; the fleet runs and stops the ones that join (made by `launcher`). `ctx` needs
+    `event` (and `clock`, `services.faults` for `ScaleFaults`)."""
 
     name = "fleet"
 
-    def __init__(self, stage: Scalable, ctx: Any, outbox: Any, workers: list[Actor], max_workers: int) -> None:
+    def __init__(self, launcher: WorkerLauncher, ctx: Any, workers: list[Actor], max_workers: int) -> None:
         if max_workers < len(workers):
             raise FleetError(f"max_workers = {max_workers} is below the {len(workers)} workers the run starts with; "
                              "raise it (config: [rollout] max_engines)")
-        self.stage, self.ctx, self.outbox, self.max_workers = stage, ctx, outbox, max_workers
+        self.launcher, self.ctx, self.max_workers = launcher, ctx, max_workers
         self.workers: list[Actor] = list(workers)  # started, taking work or draining
         self.leaving: set[str] = set()
         self.joining = 0
@@ -67,6 +71,8 @@ class Fleet:
         if not 1 <= target <= self.max_workers:
             raise FleetError(f"scale to {target} workers: the run allows 1 to {self.max_workers} "
                              "(its max_workers; config: [rollout] max_engines)")
+        if preempt and target < self.target and (why := self.launcher.preempt_refusal()) is not None:
+            raise FleetError(f"scale to {target} workers with preempt: {why}")
         await self._ready.wait()
         assert self._group is not None
         while self.target < target:
@@ -113,7 +119,7 @@ class Fleet:
     async def _join(self, index: int, asked_at: float) -> None:
         worker: Actor | None = None
         try:
-            worker = self.stage.join(self.ctx, self.outbox, index)
+            worker = self.launcher.join(index)
             await worker.start()
         except anyio.get_cancelled_exc_class():  # the run ends while it starts: what it started is stopped
             if worker is not None:
@@ -163,7 +169,8 @@ class Fleet:
 
 class ScaleFaults:
     """The fault kinds `engine.join` and `engine.leave` (`pipeline.faults`): at each scheduled version the
-    fleet grows (or shrinks) by one worker; the firing recovers once the fleet has settled."""
+    fleet grows (or shrinks) by one worker; the firing recovers once the fleet has settled. A version the clock
+    passed while an earlier firing settled still fires, late (at most once: `Schedule.hit`)."""
 
     name = "fault:scale"
 
@@ -176,12 +183,14 @@ class ScaleFaults:
     async def run(self) -> None:
         seen = await self.ctx.clock.current()
         while True:
-            seen = await self.ctx.clock.wait_change(seen)
-            for step, schedule in self.schedules.items():
-                if schedule.hit(occurrence=seen):
-                    target = min(self.fleet.max_workers, max(1, self.fleet.target + step))
-                    await self.fleet.scale(target, wait=True)
-                    schedule.recovered(f"{self.fleet.status()['live']} workers live at version {seen}")
+            now = await self.ctx.clock.wait_change(seen)
+            for version in range(seen + 1, now + 1):  # each version passed, also while a scale settled
+                for step, schedule in self.schedules.items():
+                    if schedule.hit(occurrence=version):
+                        target = min(self.fleet.max_workers, max(1, self.fleet.target + step))
+                        await self.fleet.scale(target, wait=True)
+                        schedule.recovered(f"{self.fleet.status()['live']} workers live at version {version}")
+            seen = now
 
     async def stop(self) -> None:
         return None

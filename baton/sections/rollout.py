@@ -27,7 +27,8 @@ class RolloutSpec(Section):
         description="episodes failed one after another on an engine, none kept in between, before the run fails "
         "naming their reason (a prompt beyond the engine's context, an agent that always raises); 0: never")
     max_engines: int | None = Field(None, ge=1, le=64, description="engines the run may grow to while it runs "
-        "(`baton scale RUN_DIR --engines N`, docs/guides/elastic.md; local runtime); unset: a fixed engine.count")
+        "(`baton scale RUN_DIR --engines N`, docs/guides/elastic.md; on Ray without checkpoints); "
+        "unset: a fixed engine.count")
 
 
 class EpisodeSpec(Section):

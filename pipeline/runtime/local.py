@@ -150,8 +150,24 @@ def _fleet(pipe: Any, ctx: RunContext, outbox: Channel, producers: list[Actor]) 
     if not isinstance(pipe.producer, Scalable):
         raise FleetError(f"max_workers = {pipe.max_workers}, but the producer {type(pipe.producer).__name__} cannot "
                          "make workers while the run goes on (it is not pipeline.contracts.Scalable); unset it")
-    ctx.services.fleet = Fleet(pipe.producer, ctx, outbox, producers, pipe.max_workers)
+    ctx.services.fleet = Fleet(LocalLauncher(pipe.producer, ctx, outbox), ctx, producers, pipe.max_workers)
     return ctx.services.fleet
+
+
+@dataclass
+class LocalLauncher:
+    """The local runtime's `WorkerLauncher`: a joining worker is the producer's own (`Scalable.join`), in this
+    process, beside the others, so a preempted worker's requests may go on with them (its relay)."""
+
+    stage: Scalable
+    ctx: RunContext
+    outbox: Channel
+
+    def join(self, index: int) -> Actor:
+        return self.stage.join(self.ctx, self.outbox, index)
+
+    def preempt_refusal(self) -> str | None:
+        return None
 
 
 class LiveHolders:

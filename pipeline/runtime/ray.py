@@ -48,6 +48,7 @@ from pipeline.faults import as_plan  # noqa: E402
 from pipeline.faults import install as install_faults  # noqa: E402
 from pipeline.logs import attach_run_log  # noqa: E402
 from pipeline.refs import Redo  # noqa: E402
+from pipeline.roster import Roster  # noqa: E402
 from pipeline.runtime import RunReport, share_the_gil  # noqa: E402
 from pipeline.runtime.memory import MemorySettings, watch_memory  # noqa: E402
 from pipeline.runtime.ray_channel import RayChannel  # noqa: E402
@@ -73,6 +74,7 @@ class Peer:
     sender: the runtime asks the sender to re-send its latest state once the peer is back."""
 
     host: Any
+    name: str = ""  # its host's name, producer-<index> (an elastic run's joins and leaves name it)
 
     async def deliver(self, box: str, header: bytes, blob: Any) -> bool:
         try:
@@ -146,13 +148,14 @@ class StageHost:
     def pid(self) -> int:
         return os.getpid()
 
-    async def setup(self, peers: dict[str, list[Any]]) -> str:
-        """Build the context and this host's actor (after every host exists, so peers are known)."""
+    async def setup(self, peers: dict[str, list[Any]], joins: bool = False) -> str:
+        """Build the context and this host's actor (after every host exists, so peers are known); `joins`: a
+        producer worker joining the running run (`Scalable.join`: its `start` passes the version fence)."""
         w = self.wiring
         ctx = w.context(self.name)
         plan = install_faults(ctx, w.faults, isolated=True)
         ctx.services.store = w.store.open(holder=self.role == "buffer", faults=plan)
-        ctx.services.producers = [Peer(h) for h in peers.get("producer", [])]
+        ctx.services.producers = Roster(Peer(h, f"producer-{i}") for i, h in enumerate(peers.get("producer", [])))
         ctx.services.start_helpers = functools.partial(start_ray_helpers, timeout_s=w.placement_timeout_s)
         ctx.services.address = ray.util.get_node_ip_address()
         produced, ready = w.channels["produced"], w.channels["ready"]
@@ -169,8 +172,11 @@ class StageHost:
                              peers["buffer"][0], w.channels)
                 ctx.checkpoint = Checkpointer(w.folder, w.checkpoint_every, run=w.run, steps=w.steps, cut=cut,
                                               keep=w.checkpoint_keep)
-        actors = list(self.stage.actors(ctx, inbox, outbox))
-        self.actor = actors[self.index] if self.role == "producer" else actors[0]
+        if joins:
+            self.actor = self.stage.join(ctx, outbox, self.index)
+        else:
+            actors = list(self.stage.actors(ctx, inbox, outbox))
+            self.actor = actors[self.index] if self.role == "producer" else actors[0]
         self.ctx = ctx
         return self.actor.name
 
@@ -195,6 +201,20 @@ class StageHost:
         if self._memory is not None:
             self._memory.close()
         await self.actor.stop()
+
+    async def retire(self, preempt: bool = False) -> None:
+        """This producer worker leaves the run (`pipeline.contracts.Retiring`): returns once it drained."""
+        await self.actor.retire(preempt)
+
+    async def producer_joined(self, name: str, host: Any) -> None:
+        """(The consumer's host) producer host `name` joined: the learner subscribes its engines now."""
+        self.ctx.services.producers.add(Peer(host, name))
+
+    async def producer_left(self, name: str) -> None:
+        """(The consumer's host) producer host `name` leaves: the learner sends it nothing more."""
+        producers = self.ctx.services.producers
+        for peer in [p for p in producers if p.name == name]:
+            producers.remove(peer)
 
     async def deliver(self, box: str, header: bytes, blob: Any) -> bool:
         """Hand a message to this host's mailbox `box`; False if the host is not set up (yet, after
@@ -243,6 +263,7 @@ class RayRun:
     log_format: str = "console"
     restarts: Counter[str] = field(default_factory=Counter)
     report: RunReport | None = None  # the conductor's final report, once the run ended (or failed)
+    fleet: Any = None  # the producer's live workers while an elastic run runs (Pipeline.scale; pipeline.fleet)
 
     async def run(self, pipe: Any, folder: RunFolder, progress: Any, resume: Any = None) -> None:
         """Run `pipe` in `folder`; `resume` (a `pipeline.resume.Resume`): continue from its checkpoint."""
@@ -250,7 +271,7 @@ class RayRun:
         if started_ray:
             stages = (pipe.producer, pipe.buffer, pipe.consumer)
             helpers = sum(len(s.helpers()) for s in stages if isinstance(s, Placed))
-            self._start_ray(hosts_needed=pipe.producer.workers + 2 + helpers)
+            self._start_ray(hosts_needed=max(pipe.producer.workers, pipe.max_workers or 0) + 2 + helpers)
         log = get_logger("ray-runtime").bind(run=pipe.name)
         log.info("run starting on ray", folder=str(folder.path))
         started_at = time.time()
@@ -261,10 +282,12 @@ class RayRun:
             with pipe.buffer.serve_store() as opener:  # e.g. a Mooncake master started for this run
                 try:
                     wiring, feeder = await self._shared_state(pipe, folder, opener, resume)
-                    peers = await self._start_hosts(pipe, folder, wiring)
+                    peers, names = await self._start_hosts(pipe, folder, wiring)
                     log.info("ray run started", hosts=sorted(self._hosts), pids=await self._pids())
-                    await Supervision(self, pipe, wiring, peers, progress, feeder).run()
+                    extra = self._elastic(pipe, folder, wiring, peers, names)
+                    await Supervision(self, pipe, wiring, peers, progress, feeder, extra).run()
                 finally:
+                    self.fleet = None
                     await self._finish(started_at)
         finally:
             if started_ray:
@@ -331,9 +354,11 @@ class RayRun:
         await self._channels["feedback"].send_many(reopened.requests)
         return wiring, functools.partial(feed_resume, resume, wiring)
 
-    async def _start_hosts(self, pipe: Any, folder: RunFolder, wiring: Wiring) -> dict[str, list[Any]]:
+    async def _start_hosts(self, pipe: Any, folder: RunFolder,
+                           wiring: Wiring) -> tuple[dict[str, list[Any]], list[str]]:
         """One host per actor, set up (the buffer first: it holds the store the others open as clients) and
-        started (the consumer last: it publishes version 0 to every producer). Returns the peers."""
+        started (the consumer last: it publishes version 0 to every producer). Returns the peers, and the
+        producer hosts' actor names."""
         tag = f"baton/{pipe.name}/{folder.path.name}"  # named, so operators (and tests) can find them
         hosts, needs = self._hosts, {}
         roles = [("producer", pipe.producer, i) for i in range(pipe.producer.workers)]
@@ -350,11 +375,29 @@ class RayRun:
         peers = {"producer": producers, "buffer": [hosts["buffer-0"]]}
         await await_placed({"buffer-0": hosts["buffer-0"].setup.remote(peers)}, needs, self.placement_timeout_s)
         others = {n: h.setup.remote(peers) for n, h in hosts.items() if n != "buffer-0"}
-        await await_placed(others, needs, self.placement_timeout_s)
+        names = dict(zip(others, await await_placed(others, needs, self.placement_timeout_s), strict=True))
         await asyncio.gather(*(h.start.remote() for h in producers))
         await hosts["buffer-0"].start.remote()
         await hosts["consumer-0"].start.remote()
-        return peers
+        return peers, [names[f"producer-{i}"] for i in range(len(producers))]
+
+    def _elastic(self, pipe: Any, folder: RunFolder, wiring: Wiring, peers: dict[str, list[Any]],
+                 names: list[str]) -> list[Any]:
+        """An elastic run's fleet (`pipe.max_workers`; `pipeline.runtime.ray_fleet`), its control endpoint and
+        its engine.join / engine.leave faults, all run in the driver; [] for a fixed fleet."""
+        if not pipe.max_workers:
+            return []
+        from pipeline.control import ControlServer
+        from pipeline.fleet import Fleet, scale_faults
+        from pipeline.runtime.ray_fleet import RayLauncher
+
+        launcher = RayLauncher(pipe.producer, wiring, peers, self._hosts, f"baton/{pipe.name}/{folder.path.name}",
+                               StageHost, self.placement_timeout_s)
+        ctx = wiring.context("fleet")
+        if wiring.faults:
+            ctx.services.faults = wiring.faults.bound(folder.path, isolated=True)
+        self.fleet = Fleet(launcher, ctx, launcher.first_workers(names), pipe.max_workers)
+        return [a for a in (self.fleet, ControlServer(self.fleet, folder.path), scale_faults(ctx, self.fleet)) if a]
 
     async def _finish(self, started_at: float) -> None:
         """Keep the conductor's report (also when the run failed: its ledger is written all the same), then

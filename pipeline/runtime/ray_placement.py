@@ -65,7 +65,12 @@ async def await_placed(started: dict[str, Awaitable[Any]], requests: dict[str, R
     """Await every host's first call (it runs once Ray placed the host); after `timeout_s`, fail naming the
     hosts still waiting for a place and what they asked for."""
     tasks = {name: asyncio.ensure_future(call) for name, call in started.items()}
-    done, pending = await asyncio.wait(tasks.values(), timeout=timeout_s)
+    try:
+        done, pending = await asyncio.wait(tasks.values(), timeout=timeout_s)
+    except asyncio.CancelledError:  # e.g. the run ends while a joining host is placed: nothing left unawaited
+        for task in tasks.values():
+            task.cancel()
+        raise
     if pending:
         for task in pending:
             task.cancel()

@@ -31,10 +31,25 @@ class Supervision:
     peers: dict[str, list[Any]]
     progress: Any
     feeder: Callable[[], Awaitable[None]] | None  # a resumed run's feed_resume
+    extra: list[Any] = field(default_factory=list)  # driver actors (an elastic run's fleet, control endpoint)
     failure: list[BaseException] = field(default_factory=list)
 
     async def run(self) -> None:
         self.done = anyio.Event()
+        started = []
+        try:
+            for actor in self.extra:
+                await actor.start()
+                started.append(actor)
+            await self._supervise()
+        finally:
+            with anyio.CancelScope(shield=True):
+                for actor in reversed(started):  # a fleet stops the workers that joined
+                    await actor.stop()
+        if self.failure:
+            raise self.failure[0]
+
+    async def _supervise(self) -> None:
         async with anyio.create_task_group() as tg:
             for i in range(len(self.peers["producer"])):
                 tg.start_soon(self.watch_producer, i)
@@ -45,10 +60,10 @@ class Supervision:
                 tg.start_soon(self.guard, "resume", self.feeder)
             if self.run_.watchdog is not None and self.run_.watchdog.enabled:
                 tg.start_soon(self.watch_for_hangs)
+            for actor in self.extra:
+                tg.start_soon(self.guard, actor.name, actor.run)
             await self.done.wait()
             tg.cancel_scope.cancel()
-        if self.failure:
-            raise self.failure[0]
 
     def fail(self, error: BaseException) -> None:
         if not self.done.is_set():
@@ -74,7 +89,7 @@ class Supervision:
                 await host.run.remote()
                 return
             except ray.exceptions.RayActorError as exc:
-                if self.done.is_set():
+                if self.done.is_set() or name not in run._hosts:  # the run ended, or its fleet let it go
                     return
                 if run.restarts[name] >= run.max_restarts:
                     return self.fail(ActorFailed(name, "run", exc))

@@ -35,7 +35,7 @@ from stages.learner.losses import (
 from stages.learner.ranks import uses_cuda
 from stages.learner.replay import ROUTING_REPLAYS, RoutingReplay
 from stages.weights import make_transport
-from stages.weights.base import WeightTransport
+from stages.weights.base import WeightTransport, subscribe_producers
 from stages.weights.faulty import with_weight_faults
 
 
@@ -178,12 +178,11 @@ class GRPOLearner:
         # engines in this process: those there now, and each that joins later (an elastic run); one that
         # leaves is unsubscribed before it stops
         ctx.services.weight_receivers.watch(transport.subscribe)
-        peers = ctx.services.producers
-        remote = [transport.remote_receiver(peer, f"producer-{i}") for i, peer in enumerate(peers)]
-        for receiver in remote:  # engines in other processes (Ray runtime)
-            transport.subscribe(receiver)
+        # engines in other processes (Ray runtime): those there now, and each producer process that joins later;
+        # one that leaves is unsubscribed before it stops
+        remote = subscribe_producers(transport, ctx.services.producers)
         # a restarted producer process catches up from the latest version at once
-        ctx.services.on_producer_restart = lambda index: remote[index].resend()
+        ctx.services.on_producer_restart = lambda index: remote[f"producer-{index}"].resend()
         # snapshots serve engine processes that (re)start and engines that join an elastic run (their fence);
         # engines that started with this process never need one
         snapshot_every = self.snapshot_every if remote or ctx.services.fleet is not None else 0

@@ -174,6 +174,8 @@ class Rollout:
                              "unset max_workers ([rollout] max_engines)")
         engine = self.engine_factory(index)
         engine.attach(EngineRun(policy=ctx.policy, log_dir=ctx.folder.path))
+        for box, handler in engine_mailboxes([engine], self.transport).items():  # a process of its own (Ray): the
+            ctx.services.mailboxes.setdefault(box, handler)  # learner's pushes reach it here; else the process's own
         worker = self.worker(with_engine_faults(engine, plan_of(ctx)), ctx.services.store, ctx, outbox,
                              self._task_of(index % len(self.engines)), index, receiver=engine, joins=True)
         assert isinstance(worker, RolloutWorker)

@@ -146,6 +146,27 @@ class RemoteReceiver:
         await self.transport.resend(self)
 
 
+def subscribe_producers(transport: WeightTransport, producers: Any) -> dict[str, Any]:
+    """Subscribe a `remote_receiver` for every producer process in `producers` (a `pipeline.roster.Roster` of
+    peers named producer-<index>, Ray runtime): those there now and each that joins later; one that leaves is
+    unsubscribed before its process stops. Returns the subscribed receivers by name, kept current."""
+    receivers: dict[str, Any] = {}
+
+    def joined(peer: Any) -> Callable[[], None]:
+        receiver = transport.remote_receiver(peer, peer.name)
+        receivers[peer.name] = receiver
+        unsubscribe = transport.subscribe(receiver)
+
+        def left() -> None:
+            receivers.pop(peer.name, None)
+            unsubscribe()
+
+        return left
+
+    producers.watch(joined)
+    return receivers
+
+
 def require_newer(version: int, last: int) -> None:
     """Versions are published strictly increasing; anything else is a bug in the caller."""
     if version <= last:

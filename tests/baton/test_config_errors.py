@@ -82,3 +82,13 @@ def test_every_kind_union_of_the_schema_is_seen_as_one() -> None:
 
 def test_the_quickstart_itself_is_valid() -> None:
     assert validate(RunConfig, tomllib.loads(QUICKSTART.read_text())).task.kind == "reverse-digits"
+
+
+def test_elastic_engines_run_on_ray_without_checkpoints() -> None:
+    """`[rollout] max_engines` with runtime = 'ray' passes its check; with checkpoints it is refused, naming
+    the keys to change (a Ray checkpoint cut asks the run's first producer processes only)."""
+    ray = ["runtime='ray'", "store={kind='ray'}", "rollout.max_engines=2"]
+    cfg = validate(RunConfig, load_toml(QUICKSTART, [*ray, "checkpoint.every=0"]), source="quickstart")
+    assert cfg.rollout.max_engines == 2 and cfg.runtime == "ray"
+    with pytest.raises(ConfigError, match="does not checkpoint yet.*checkpoint.every = 0"):
+        validate(RunConfig, load_toml(QUICKSTART, [*ray, "checkpoint.every=5"]), source="quickstart")

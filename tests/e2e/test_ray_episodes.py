@@ -1,6 +1,7 @@
 """Multi-turn episodes on the Ray runtime (issue 18, items 6-7): the episodes run in the producer
 processes, whose environments are built there from the pickled `Rollout` (a `functools.partial`
-factory included); a producer process killed mid-episode (engine.crash) is restarted and trains
+factory included), in a run whose second engine joins and leaves (issue 52: elastic engines on Ray);
+a producer process killed mid-episode (engine.crash) is restarted and trains
 nothing twice; and pace admission drops no group as stale, checkpoint pauses included."""
 
 from __future__ import annotations
@@ -8,15 +9,22 @@ from __future__ import annotations
 import functools
 import json
 import os
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import anyio
 import pytest
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 from buffers.ray_store import RayStoreSpec  # noqa: E402
 from buffers.ref_buffer import RefBuffer  # noqa: E402
+from pipeline.control import CONTROL_FILE, scale_run  # noqa: E402
 from pipeline.dsl import Pipeline  # noqa: E402
+from pipeline.fleet import FleetError  # noqa: E402
 from policies import MaxStaleness  # noqa: E402
 from stages import GRPOLearner, Rollout, TorchEngine, make_tiny_model, tasks  # noqa: E402
 from stages.environments.feedback import DigitFeedback  # noqa: E402
@@ -36,29 +44,111 @@ def metrics_of(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def joining_engine(model: Path, index: int) -> TorchEngine:
+    """The engine of worker `index` joining the run (the producer's `engine_factory`, pickled to its host)."""
+    return TorchEngine(model, name=f"torch-{index}", seed=index)
+
+
+class GatedEngine(TorchEngine):
+    """A torch engine that, from version `after` on, generates nothing while the file `gate` exists (its
+    process is another: a file is what reaches it), so the run goes on only with the engine that joined."""
+
+    def __init__(self, *args: Any, gate: Path, after: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.gate, self.after = gate, after
+
+    def __getstate__(self) -> dict:
+        return {**super().__getstate__(), "gate": self.gate, "after": self.after}
+
+    async def generate(self, prompts, params):
+        while self.version >= self.after and self.gate.exists():
+            await anyio.sleep(0.05)
+        return await super().generate(prompts, params)
+
+
+def events_of(run_dir: Path, kind: str) -> list[dict]:
+    return [e for e in map(json.loads, (run_dir / "events.jsonl").read_text().splitlines()) if e["kind"] == kind]
+
+
+def versions_done(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def wait_for(what: Callable[[], bool], timeout_s: float, why: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not what():
+        assert time.monotonic() < deadline, f"{why} within {timeout_s} s"
+        time.sleep(0.1)
+
+
+def grow_then_shrink(pipe: Pipeline, runs: Path, gate: Path, said: dict, steps: int) -> None:
+    """The operator's side (a thread beside the run): grow to two engines through the control endpoint
+    (`baton scale`), let the joiner alone carry the run for a few versions (the first engine is gated), then
+    shrink back through `Pipeline.scale` (a preempted leave is refused on Ray: said why)."""
+    try:
+        wait_for(lambda: (runs / "latest" / CONTROL_FILE).exists(), 240, "the control endpoint served")
+        run_dir = (runs / "latest").resolve()
+        said["joined"] = scale_run(run_dir, 2, wait_s=240)
+        alone = min(versions_done(run_dir) + 3, steps - 2)  # the first engine is gated: the joiner alone to here
+        wait_for(lambda: versions_done(run_dir) >= alone, 240, f"the joiner carried the run to version {alone}")
+        gate.unlink()
+        with pytest.raises(FleetError, match="relay") as refused:
+            pipe.scale(1, preempt=True)
+        said["refused"] = str(refused.value)
+        said["left"] = pipe.scale(1)
+    except BaseException as exc:  # noqa: BLE001 - the test thread asserts it
+        said["error"] = exc
+        gate.unlink(missing_ok=True)
+
+
 @pytest.mark.long
 def test_multi_turn_episodes_run_in_the_producer_processes(ray_cluster, model: Path, tmp_path: Path) -> None:
-    """Two producer processes, each running the feedback environment's episodes (built there from a
-    partial); every group accounted for, and episodes take more than one turn."""
-    steps, groups = 6, 4
-    s = Pipeline(
-        name="t", steps=steps, run_root=tmp_path, runtime="ray", progress=False,
+    """Producer processes each running the feedback environment's episodes (built there from a partial), in
+    an elastic run (issue 52): it starts on one engine; a second joins as a new Ray actor (`baton scale`'s
+    endpoint: subscribed to the pushes, through the version fence before it asks for work) and carries the run
+    alone for a few versions, then leaves (`Pipeline.scale`: it drains). Every group accounted for, nothing
+    trained twice, the joiner served only on weights at least its fence's, episodes take more than one turn."""
+    steps, groups = 10, 4
+    gate, runs = tmp_path / "gate", tmp_path / "runs"
+    gate.touch()
+    pipe = Pipeline(
+        name="t", steps=steps, run_root=runs, runtime="ray", progress=False, max_workers=2,
         producer=Rollout(
-            tasks.ReverseDigits(digits=3),
-            [TorchEngine(model, name="torch-0"), TorchEngine(model, name="torch-1", seed=1)],
+            tasks.ReverseDigits(digits=3), [GatedEngine(model, name="torch-0", gate=gate, after=2)],
             tokenizer=model, group_size=4, batch_groups=4,
             environment=functools.partial(DigitFeedback, max_turns=3), limits=EpisodeLimits(max_turns=3),
+            engine_factory=functools.partial(joining_engine, model),
         ),
         buffer=RefBuffer(RayStoreSpec(name="ray-episodes")),
         consumer=GRPOLearner(model, groups_per_step=groups),
         staleness=MaxStaleness(k=2),
-    ).run()
+    )
+    said: dict[str, Any] = {}
+    operator = threading.Thread(target=grow_then_shrink, args=(pipe, runs, gate, said, steps), daemon=True)
+    operator.start()
+    s = pipe.run()
+    operator.join(timeout=10)
+    assert "error" not in said, said.get("error")
+    assert said["joined"]["live"] == 2 and said["left"]["workers"] == ["rollout:torch-0"]
+    assert "runtime = 'ray'" in said["refused"]
     assert s["runtime"] == "ray" and s["version"] == steps
     assert s["ledger_balanced"] and s["samples"]["lost"] == 0
     assert s["samples"]["trained"] == steps * groups * 4
-    records = check_ledger(Path(s["run_dir"]), bound=2)
+    run_dir = Path(s["run_dir"])
+    records = check_ledger(run_dir, bound=2)
     assert {r["group"].split(".")[0] for r in records if r["fate"] == "trained"} == {"torch-0", "torch-1"}
-    metrics = metrics_of(Path(s["run_dir"]))
+    (joined,) = events_of(run_dir, "engine.joined")
+    assert joined["engine"] == "torch-1" and joined["source"] in ("model", "snapshot", "push")
+    served = [r["versions"][0] for r in records if r["group"].startswith("torch-1.")]
+    trained = [r for r in records if r["group"].startswith("torch-1.") and r["fate"] == "trained"]
+    assert len(trained) >= 3 * groups * 4, "the joiner alone carried three versions (the first engine gated)"
+    assert min(served) >= joined["version"], "the joiner served on weights older than its fence"
+    (fleet_joined,) = events_of(run_dir, "fleet.joined")
+    assert fleet_joined["t"] >= joined["t"], "the fleet let it take work only once its fence passed"
+    (left,) = events_of(run_dir, "fleet.left")
+    assert left["worker"] == "rollout:torch-1" and left["live"] == 1 and not left["preempted"]
+    metrics = metrics_of(run_dir)
     assert len(metrics) == steps
     # the tiny model rarely reverses 3 digits at once: most episodes get feedback and try again
     assert all(m["turns_mean"] > 1 for m in metrics), [m["turns_mean"] for m in metrics]

@@ -82,7 +82,11 @@ def check(outcome: RunOutcome) -> None:
         assert outcome.recovery_s >= 5.0, "recovered by the 5 s request timeout, not by the hang ending"
     if kind in ELASTIC:
         events = [json.loads(line) for line in (Path(outcome.run_dir) / "events.jsonl").read_text().splitlines()]
-        assert any(e["kind"] == ("fleet.left" if kind == "engine.leave" else "engine.joined") for e in events)
+        leaves = kind in ("engine.leave", "engine.preempt_in_push")
+        assert any(e["kind"] == ("fleet.left" if leaves else "engine.joined") for e in events)
+    if kind == "engine.preempt_in_push":  # what it had in flight went on with the other engine, counted
+        (left,) = [e for e in events if e["kind"] == "engine.left"]
+        assert left["preempted"] and outcome.carried_requests == left.get("requests", 0)
 
 
 # an engine that joins or leaves (ELASTIC): one short combined run in the default suite

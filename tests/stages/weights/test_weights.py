@@ -240,6 +240,35 @@ async def test_a_restarted_delta_receiver_is_caught_up_with_the_whole_state_at_o
     assert (transport.stats["resent"], transport.stats["full_sends"], transport.stats["refused"]) == (1, 1, 0)
 
 
+@pytest.mark.anyio
+async def test_producer_processes_that_join_and_leave_are_subscribed_and_unsubscribed() -> None:
+    """`subscribe_producers` (the learner on Ray): a producer process added to the roster gets every later
+    version, one removed gets none after its removal, and the receivers by name follow (a restart's resend)."""
+    from pipeline.roster import Roster
+    from stages.weights.base import LocalAsker, subscribe_producers
+    from stages.weights.delta import DeltaReceiver, DeltaTransport
+
+    class Sink:
+        def __init__(self) -> None:
+            self.name, self.versions = "sink", []
+
+        async def receive_weights(self, version, state) -> None:
+            self.versions.append(version)
+
+    sinks = [Sink(), Sink()]
+    peers = [LocalAsker(DeltaReceiver([sink]), f"producer-{i}") for i, sink in enumerate(sinks)]
+    roster, transport = Roster([peers[0]]), DeltaTransport(retries=0)
+    receivers = subscribe_producers(transport, roster)
+    await transport.publish(1, tensors(1))
+    roster.add(peers[1])  # a producer process joins
+    assert sorted(receivers) == ["producer-0", "producer-1"]
+    await transport.publish(2, tensors(2))
+    roster.remove(peers[0])  # one leaves: nothing more is sent to it
+    await transport.publish(3, tensors(3))
+    assert sinks[0].versions == [1, 2] and sinks[1].versions == [2, 3]
+    assert list(receivers) == ["producer-1"]
+
+
 # ---------------------------------------------------------------- broadcast
 
 
