@@ -60,5 +60,9 @@ def serving(folder: Path, start_timeout_s: float = 120.0) -> Iterator[tuple[obje
             info["model"]
     finally:
         proc.terminate()
-        proc.wait(timeout=30)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # still busy after 30 s: stop it for good
+            proc.kill()
+            proc.wait()
         log.close()

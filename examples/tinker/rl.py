@@ -7,7 +7,8 @@ The task is the quickstart's (`stages.data.tasks.ReverseDigits`, 2 digits: `37>`
 of answer positions right). Each step:
 
 1. `save_weights_and_get_sampling_client()`: the adapter as it is now, served by baton's torch engine;
-2. for each of `--groups` prompts, `sample(prompt, num_samples=--group-size)` (all sent at once), at
+2. for each of `--groups` prompts (the text after the tokenizer's BOS where it has one, as `baton run`'s
+   rollout tokenizes the tiny model's prompts), `sample(prompt, num_samples=--group-size)` (all sent at once), at
    temperature 1 with the task's token budget, every sampled token with its logprob;
 3. each completion scored by the task; its advantage is its reward minus its group's mean (Dr. GRPO: not
    divided by the std), spread over its completion tokens and divided by the step's completion tokens (a
@@ -63,7 +64,8 @@ def rl_step(training, tokenizer, task, rng: random.Random, args, adam, clock: di
     sampler = training.save_weights_and_get_sampling_client()
     saved = time.monotonic()
     prompts = [task.sample(rng) for _ in range(args.groups)]
-    encoded = [list(tokenizer.encode(p.text, add_special_tokens=True)) for p in prompts]
+    bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]  # as baton's rollout starts them
+    encoded = [bos + list(tokenizer.encode(p.text, add_special_tokens=False)) for p in prompts]
     params = types.SamplingParams(max_tokens=task.max_new_tokens, temperature=1.0)
     futures = [sampler.sample(types.ModelInput.from_ints(ids), args.group_size, params) for ids in encoded]
     results = [f.result() for f in futures]

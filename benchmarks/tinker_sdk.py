@@ -1,7 +1,7 @@
 """The Tinker SDK's RL loop against `baton serve` beside `baton run`, on the same model and batch: samples/s.
 
     pip install -e '.[tinker]'
-    python benchmarks/tinker.py [--steps 30] [--warmup 5]
+    python benchmarks/tinker_sdk.py [--steps 30] [--warmup 5]
 
 Both train the quickstart's task (reverse-digits, 2 digits) on the tiny Qwen2 (random init, made here) with a
 rank-8 LoRA adapter, 16 groups of 8 samples a step:
@@ -17,7 +17,8 @@ Where the SDK loop's time goes comes from its own clock (save for sampler, sampl
 measured here, of what the service does for every new sampler: a torch engine started over the base folder
 and the adapter merged and probed in it.
 
-Last stdout line: one JSON object with "figures" and "ratios": sdk_vs_baton_run_samples_per_s.
+Last stdout line: one JSON object with "figures" and "ratios": sdk_vs_baton_run_samples_per_s. (Not named
+tinker.py: a script of that name would shadow the SDK's package on its own path.)
 """
 
 from __future__ import annotations
