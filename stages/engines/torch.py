@@ -46,6 +46,7 @@ import time
 from pathlib import Path
 
 import anyio
+import numpy as np
 import torch
 from transformers import Qwen2ForCausalLM
 
@@ -434,3 +435,17 @@ def _untie_head(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> Non
     embedding_name = next(n for n, p in model.named_parameters() if p is embedding.weight)
     if tensors["lm_head.weight"].data_ptr() != tensors[embedding_name].data_ptr():
         head.weight = torch.nn.Parameter(tensors["lm_head.weight"], requires_grad=False)
+
+
+def prompt_logprobs(engine: TorchEngine, tokens: list[int]) -> np.ndarray:
+    """log p(token i | the tokens before it) under `engine`'s live weights, float32 [len(tokens)], NaN at position
+    0 (nothing precedes it): a prompt scored by the weights the engine samples with (Tinker's compute_logprobs).
+    Held off a weight swap by the engine's weights lock, as a decode step is."""
+    model = engine._model
+    if model is None:
+        raise EngineError(f"engine {engine.name} is not started: it holds no weights to score with")
+    ids = torch.tensor([list(tokens)], device=model.device)
+    with engine._weights_lock, torch.no_grad():
+        logits = model(input_ids=ids).logits[0, :-1].float()
+    logp = torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None]).squeeze(1).cpu().numpy()
+    return np.concatenate([[np.nan], logp]).astype(np.float32)

@@ -28,10 +28,9 @@ def check_lora_config(lora: dict[str, Any]) -> None:
 
 
 def check_sampling_request(body: dict[str, Any]) -> None:
-    """`asample`: the prompt logprob and top-k options are not served; sampling params beyond max_tokens,
-    temperature, top_p and token-id stops are refused by name."""
-    for key in ("prompt_logprobs", "record_stability_info"):
-        refuse_unless(not body.get(key), f"{key} is not supported by baton serve yet")
+    """`asample`: prompt logprobs are served whole (not their last n, not top-k); sampling params beyond
+    max_tokens, temperature, top_p and token-id stops are refused by name."""
+    refuse_unless(not body.get("record_stability_info"), "record_stability_info is not supported by baton serve yet")
     for key in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
         refuse_unless(not body.get(key), f"{key} is not supported by baton serve yet; leave it 0")
     for key in ("target_prompt_logprobs", "prompt_logprobs_last_n"):

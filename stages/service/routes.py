@@ -97,6 +97,9 @@ class Routes:
     async def save_weights(self, request: web.Request) -> web.Response:
         return _json({"request_id": self.s.save_state(await request.json())})
 
+    async def load_weights(self, request: web.Request) -> web.Response:
+        return _json({"request_id": self.s.load_state(await request.json())})
+
     async def create_sampling_session(self, request: web.Request) -> web.Response:
         session = self.s.create_sampling_session(await request.json())
         return _json({"type": "create_sampling_session", "sampling_session_id": session})
@@ -138,7 +141,7 @@ def make_app(service: Service, key: str) -> web.Application:
         web.post(f"{API}/create_model", r.create_model), web.post(f"{API}/get_info", r.get_info),
         web.post(f"{API}/forward_backward", r.forward_backward), web.post(f"{API}/optim_step", r.optim_step),
         web.post(f"{API}/save_weights_for_sampler", r.save_for_sampler),
-        web.post(f"{API}/save_weights", r.save_weights),
+        web.post(f"{API}/save_weights", r.save_weights), web.post(f"{API}/load_weights", r.load_weights),
         web.post(f"{API}/create_sampling_session", r.create_sampling_session),
         web.get(f"{API}/samplers/{{sampler_id}}", r.sampler), web.post(f"{API}/asample", r.asample),
         web.post(f"{API}/retrieve_future", r.retrieve_future),

@@ -16,15 +16,15 @@ import numpy as np
 
 from stages.data.model import load_tokenizer, stop_token_ids
 from stages.engines.base import SamplingParams
-from stages.engines.torch import TorchEngine
+from stages.engines.torch import TorchEngine, prompt_logprobs
 from stages.weights.adapter import AdapterVersion
 
 BASE = "base"  # the key of the base model's sampler
 
 
 class Samplers:
-    def __init__(self, model_path: Path, seed: int = 0, keep: int = 2) -> None:
-        self.model_path, self.seed, self.keep = model_path, seed, keep
+    def __init__(self, model_path: Path, seed: int = 0, keep: int = 2, device: str = "cpu") -> None:
+        self.model_path, self.seed, self.keep, self.device = model_path, seed, keep, device
         self.adapters: dict[str, AdapterVersion | None] = {BASE: None}
         self.engines: collections.OrderedDict[str, TorchEngine] = collections.OrderedDict()
         self.default_stops = stop_token_ids(load_tokenizer(model_path))
@@ -42,7 +42,8 @@ class Samplers:
             if path in self.engines:
                 self.engines.move_to_end(path)
                 return self.engines[path]
-            engine = TorchEngine(self.model_path, name=f"sampler-{len(self.adapters)}", seed=self.seed)
+            engine = TorchEngine(self.model_path, name=f"sampler-{len(self.adapters)}", seed=self.seed,
+                                 device=self.device)
             await engine.start()
             adapter = self.adapters[path]
             if adapter is not None:
@@ -52,6 +53,11 @@ class Samplers:
                 _, old = self.engines.popitem(last=False)
                 await old.stop()
             return engine
+
+    async def prompt_logprobs(self, path: str, prompt: list[int]) -> np.ndarray:
+        """Each prompt token's logprob under the checkpoint `path` (NaN for the first: nothing precedes it)."""
+        engine = await self._engine(path)
+        return await anyio.to_thread.run_sync(prompt_logprobs, engine, prompt)
 
     async def sample(self, path: str, prompt: list[int], num_samples: int, params: dict
                      ) -> list[tuple[np.ndarray, np.ndarray, str]]:

@@ -2,7 +2,8 @@
 and the futures. Each method checks its request first and raises `Refused` naming what it does not support,
 so an unsupported call fails at the call that names it; the work itself runs as a future (`Futures`).
 
-Ids: sessions `session-N`, models `model-N`, sampling sessions `sampler-N`; a saved sampler checkpoint is
+Ids: sessions `session-N`, models `{session}:train:{model_seq_id}` (as the SDK derives them), sampling sessions
+`sampler-N`; a saved sampler checkpoint is
 `tinker://{model_id}/sampler_weights/{name}`. The calls of one model run in the order they arrived, one at a time.
 """
 
@@ -15,7 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 
+from stages.learner.state import STATE_FILE, LearnerState
 from stages.service import wire
 from stages.service.futures import Futures, Result
 from stages.service.losses import check_loss
@@ -33,8 +36,9 @@ class Service:
         self.sessions: dict[str, float] = {}  # id -> time of its last heartbeat
         self.models: dict[str, TrainingModel] = {}
         self.order: dict[str, asyncio.Lock] = {}  # per model: its calls run one at a time, in arrival order
+        self.calls: dict[tuple[str, int], str] = {}  # (model, seq_id) -> request id: a retry is applied once
         self.sampling_sessions: dict[str, str] = {}  # id -> the checkpoint it samples (BASE: the base model)
-        self.samplers = Samplers(self.model_path, seed)
+        self.samplers = Samplers(self.model_path, seed, device=device)
         self.futures = Futures()
         self._ids = itertools.count(1)
 
@@ -63,7 +67,7 @@ class Service:
         refuse_unless(optimizer == "adamw", f"optimizer_config.type {optimizer!r} is not supported; adamw only")
         spec = lora_spec(lora["rank"], lora.get("train_attn", True), lora.get("train_mlp", True),
                          lora.get("train_unembed", True))
-        model_id = self._new("model")
+        model_id = self._model_id(body)
 
         async def make() -> Result:
             self.models[model_id] = await anyio.to_thread.run_sync(TrainingModel, self.model_path, spec, self.device)
@@ -71,6 +75,27 @@ class Service:
 
         self.order[model_id] = asyncio.Lock()
         return self.futures.start(self._in_order(model_id, make()))
+
+    def _model_id(self, body: dict[str, Any]) -> str:
+        """`{session_id}:train:{model_seq_id}`, the id the SDK derives for a model it creates by loading."""
+        session, seq = body.get("session_id", ""), body.get("model_seq_id")
+        refuse_unless(session in self.sessions, f"unknown session_id {session!r}")
+        model_id = f"{session}:train:{seq}"
+        refuse_unless(isinstance(seq, int) and model_id not in self.order, f"model_seq_id {seq!r} is taken or not "
+                                                                           "an integer")
+        return model_id
+
+    def _retried(self, model_id: str, seq_id: int | None) -> str | None:
+        """The request id of the model's call `seq_id` when a request with that seq_id came before: a retried
+        request gets the first one's future and is applied once. None for a new call (or one without seq_id)."""
+        return self.calls.get((model_id, seq_id)) if seq_id else None
+
+    def _start(self, model_id: str, seq_id: int | None, work) -> str:
+        """Start the model's call `seq_id` (in arrival order, `_in_order`) and remember it for a retry."""
+        request_id = self.futures.start(self._in_order(model_id, work))
+        if seq_id:
+            self.calls[(model_id, seq_id)] = request_id
+        return request_id
 
     async def _in_order(self, model_id: str, work) -> Result:
         async with self.order[model_id]:
@@ -89,6 +114,8 @@ class Service:
     def forward_backward(self, body: bytes) -> str:
         request = wire.decode_forward_backward(body)
         refuse_unless(request.model_id in self.order, f"unknown model_id {request.model_id!r}")
+        if retried := self._retried(request.model_id, request.seq_id):
+            return retried
         names = [set(d.inputs) for d in request.data]
         refuse_unless(all(n == names[0] for n in names), "every datum must carry the same loss_fn_inputs")
         settings = check_loss(request.loss_fn, request.config, names[0])
@@ -99,11 +126,13 @@ class Service:
                                                            settings, not request.forward_only)
             return wire.forward_backward_output(rows, metrics)
 
-        return self.futures.start(self._in_order(request.model_id, run()))
+        return self._start(request.model_id, request.seq_id, run())
 
     def optim_step(self, body: dict[str, Any]) -> str:
         model_id = body.get("model_id", "")
         refuse_unless(model_id in self.order, f"unknown model_id {model_id!r}")
+        if retried := self._retried(model_id, body.get("seq_id")):
+            return retried
         params = body.get("adam_params")
         refuse_unless(params is not None, "optim_step takes adam_params only (AdamW); other optimizers are refused")
         unknown = sorted(set(params) - set(AdamSettings.__dataclass_fields__))
@@ -114,12 +143,15 @@ class Service:
             metrics = await anyio.to_thread.run_sync(self.models[model_id].optim_step, adam)
             return {"metrics": metrics}
 
-        return self.futures.start(self._in_order(model_id, run()))
+        return self._start(model_id, body.get("seq_id"), run())
 
     def save_for_sampler(self, body: dict[str, Any]) -> str:
         model_id = body.get("model_id", "")
         refuse_unless(model_id in self.order, f"unknown model_id {model_id!r}")
+        if retried := self._retried(model_id, body.get("seq_id")):
+            return retried
         refuse_unless(body.get("kind", "snapshot") == "snapshot", "kind 'inflight' samplers are not supported yet")
+        refuse_unless(body.get("ttl_seconds") is None, "ttl_seconds is not supported: what is saved here stays")
         name, seq = body.get("path"), body.get("sampling_session_seq_id")
         refuse_unless((name is None) != (seq is None), "save_weights_for_sampler takes a path or a "
                                                        "sampling_session_seq_id")
@@ -135,7 +167,7 @@ class Service:
             self.sampling_sessions[session] = path
             return {"path": path, "sampling_session_id": session, "type": "save_weights_for_sampler"}
 
-        return self.futures.start(self._in_order(model_id, run()))
+        return self._start(model_id, body.get("seq_id"), run())
 
     def save_state(self, body: dict[str, Any]) -> str:
         """`save_weights` (the SDK's `save_state`): the learner's checkpoint of the model (adapter and optimizer
@@ -143,8 +175,11 @@ class Service:
         folder beside it (`adapter`), which any peft user can load."""
         model_id, name = body.get("model_id", ""), body.get("path")
         refuse_unless(model_id in self.order, f"unknown model_id {model_id!r}")
+        if retried := self._retried(model_id, body.get("seq_id")):
+            return retried
         refuse_unless(isinstance(name, str) and name.replace("-", "").replace("_", "").isalnum(),
                       f"save_weights path must be a plain name (letters, digits, - and _), got {name!r}")
+        refuse_unless(body.get("ttl_seconds") is None, "ttl_seconds is not supported: what is saved here stays")
         folder = self.checkpoints / model_id / name
         refuse_unless(body.get("overwrite", False) or not folder.exists(),
                       f"checkpoint {name!r} of {model_id} exists; pass overwrite=True to replace it")
@@ -159,7 +194,40 @@ class Service:
             await anyio.to_thread.run_sync(write)
             return {"path": f"tinker://{model_id}/weights/{name}", "type": "save_weights"}
 
-        return self.futures.start(self._in_order(model_id, run()))
+        return self._start(model_id, body.get("seq_id"), run())
+
+    def load_state(self, body: dict[str, Any]) -> str:
+        """`load_weights` as the SDK's `create_training_client_from_state[_with_optimizer]` sends it: a new model
+        (`session_id`, `model_seq_id`) made from a checkpoint `save_state` wrote, its adapter settings the
+        checkpoint's, with its optimizer state when `optimizer` is true (else a fresh AdamW)."""
+        path = body.get("path", "")
+        refuse_unless(body.get("model_id") is None, "load_weights into an existing model is not supported; create "
+                                                    "a training client from the state instead")
+        refuse_unless(not body.get("weights_access_token"), "weights_access_token is not supported")
+        if body.get("base_model") is not None:
+            self._base(body["base_model"])
+        prefix, _, rest = path.partition("tinker://")
+        owner, _, name = rest.partition("/weights/")
+        state = self.checkpoints / owner / name / "state"
+        refuse_unless(not prefix and bool(owner) and bool(name) and (state / STATE_FILE).is_file(),
+                      f"path {path!r} names no checkpoint save_state wrote here (tinker://MODEL_ID/weights/NAME)")
+        lora = msgspec.json.decode((state / STATE_FILE).read_bytes(), type=LearnerState).lora
+        refuse_unless(lora is not None, f"checkpoint {path!r} holds full weights; only LoRA models are served")
+        model_id = self._model_id(body)
+
+        def load() -> TrainingModel:
+            model = TrainingModel(self.model_path, lora, self.device)
+            model.steps = model.trainer.read_state(state)
+            if not body.get("optimizer"):
+                model.trainer.optimizer.state.clear()  # weights only: AdamW starts afresh
+            return model
+
+        async def make() -> Result:
+            self.models[model_id] = await anyio.to_thread.run_sync(load)
+            return {"path": path, "model_id": model_id, "type": "load_weights"}
+
+        self.order[model_id] = asyncio.Lock()
+        return self.futures.start(self._in_order(model_id, make()))
 
     def create_sampling_session(self, body: dict[str, Any]) -> str:
         path = body.get("model_path")
@@ -193,7 +261,8 @@ class Service:
         n = int(body.get("num_samples", 1))
 
         async def run() -> Result:
-            return wire.sample_response(await self.samplers.sample(path, prompt, n, body["sampling_params"]))
+            scored = await self.samplers.prompt_logprobs(path, prompt) if body.get("prompt_logprobs") else None
+            return wire.sample_response(await self.samplers.sample(path, prompt, n, body["sampling_params"]), scored)
 
         request_id = self.futures.start(run())
         return request_id, [f"{request_id}-{i}" for i in range(n)]

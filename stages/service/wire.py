@@ -90,9 +90,13 @@ def forward_backward_output(logprobs: list[np.ndarray], metrics: dict[str, float
     return out.SerializeToString()
 
 
-def sample_response(sequences: list[tuple[np.ndarray, np.ndarray, str]]) -> bytes:
-    """A `SampleResponse` of (tokens, logprobs, "stop" | "length") per sample."""
+def sample_response(sequences: list[tuple[np.ndarray, np.ndarray, str]],
+                    prompt_logprobs: np.ndarray | None = None) -> bytes:
+    """A `SampleResponse` of (tokens, logprobs, "stop" | "length") per sample, and the prompt's logprobs when
+    asked for (float32, NaN where there is none: the first token)."""
     out = pb.SampleResponse()
+    if prompt_logprobs is not None:
+        out.prompt_logprobs = np.asarray(prompt_logprobs, dtype=np.float32).tobytes()
     for tokens, logprobs, reason in sequences:
         out.sequences.add(stop_reason=pb.STOP_REASON_STOP if reason == "stop" else pb.STOP_REASON_LENGTH,
                           tokens=np.asarray(tokens, dtype=np.int32).tobytes(),

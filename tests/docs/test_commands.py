@@ -18,6 +18,8 @@ Each gets the smoke form its kind has in `FORMS` (a command of a kind without on
 - `baton mooncake-master`: started on a free port, its address read, stopped with SIGTERM (exit 0).
 - `baton scale RUN_DIR --engines N`: on a quickstart run started with `rollout.max_engines = 2`, once it
   serves its control endpoint; the fleet must reach 2 live engines; the run is then stopped (SIGTERM).
+- `baton serve MODEL_DIR`: on a tiny model folder, `--port 0`, until it writes its service.json and answers
+  `healthz` with its key's folder holding a `tml-` key; stopped by SIGTERM (exit 0).
 - `python benchmarks/...`: `--help` (each runs for minutes; their figures are in docs/results).
 - `python examples/math_dsl.py`: really, 2 versions; `python examples/openai_agent.py`: `--help` (it needs a
   run serving the gateway; `configs/agent-gateway.toml` runs it in process).
@@ -164,6 +166,7 @@ FORMS = {
     "baton export": "the latest checkpoint of a finished run, into a new folder",
     "baton mooncake-master": "started, its address read, stopped by SIGTERM",
     "baton scale": "a running quickstart that may grow to 2 engines: scaled to 2, waited for, then stopped",
+    "baton serve": "a tiny model, --port 0: started, healthz answered, stopped by SIGTERM",
     "examples/math_dsl.py": "2 versions",
     "examples/openai_agent.py": "--help",
     "examples/tinker/sft.py": "--help",  # it needs the tinker SDK; tests/examples/test_tinker_examples.py runs it
@@ -189,6 +192,7 @@ DEFAULTS = {  # the line a kind runs when its smoke form does not follow the doc
     "baton run --resume": "baton run --resume RUN_DIR",
     "baton mooncake-master": "baton mooncake-master",
     "baton scale": "baton scale RUN_DIR --engines 2 --wait 120",
+    "baton serve": "baton serve MODEL_DIR",
     "tools/answer_positions.py probe": "python tools/answer_positions.py probe RUN_DIR",
     "tools/answer_positions.py fit": "python tools/answer_positions.py fit",
     "tools/gen_reference.py": "python tools/gen_reference.py --check",
@@ -345,6 +349,33 @@ def smoke_baton(command: Documented, request) -> None:
         smoke_mooncake_master(argv)
     elif command.key == "baton scale":
         smoke_scale(argv, work)
+    elif command.key == "baton serve":
+        smoke_serve(argv, work)
+
+
+def smoke_serve(argv: list[str], work: Path) -> None:
+    """The documented line on a tiny model folder with `--port 0` and its own folder, until it writes its
+    service.json and answers healthz; then SIGTERM, which it exits 0 from."""
+    from urllib.request import urlopen
+
+    from stages.data.model import make_tiny_model
+
+    model, folder = make_tiny_model(work / "serve-model"), work / f"serve-{uuid.uuid4().hex[:8]}"
+    line = substitute(argv, {"MODEL_DIR": str(model)}) + ["--port", "0", "--dir", str(folder)]
+    serving = subprocess.Popen([shutil.which("baton"), *line[1:]], cwd=ROOT, env=environment(),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (folder / "service.json").exists() and time.monotonic() < deadline and serving.poll() is None:
+            time.sleep(0.2)
+        info = json.loads((folder / "service.json").read_text())
+        assert Path(info["key_file"]).read_text().startswith("tml-")
+        with urlopen(f"{info['base_url']}/api/v1/healthz", timeout=30) as answer:
+            assert json.loads(answer.read())["status"] == "ok"
+    finally:
+        serving.send_signal(signal.SIGTERM)
+        code = serving.wait(timeout=60)
+    assert code == 0, serving.stderr.read()
 
 
 def smoke_scale(argv: list[str], work: Path) -> None:

@@ -103,13 +103,18 @@ def datums(batches, weights_per_row, loss: str) -> list:
     return out
 
 
-@pytest.mark.parametrize("loss, off_policy", [("cross_entropy", 0.0), ("importance_sampling", 0.1)])
-def test_a_step_through_the_sdk_is_the_learners_step(served, service, loss: str, off_policy: float) -> None:
+CLIP = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.28}  # the learner's default clip_eps, clip_eps_high
+
+
+@pytest.mark.parametrize("loss, off_policy, config", [("cross_entropy", 0.0, None), ("importance_sampling", 0.1, None),
+                                                      ("ppo", 0.3, CLIP)])
+def test_a_step_through_the_sdk_is_the_learners_step(served, service, loss: str, off_policy: float, config) -> None:
     """One SDK forward_backward + optim_step equals `PolicyTrainer.train` (the learner's step: its defaults but no
     entropy bonus) on the same rows, every adapter parameter within 1e-6. Cross entropy weighted by each row's
     advantage over the trained tokens has the policy gradient of the learner's loss on on-policy rows;
     importance sampling with those advantages is the learner's loss itself wherever its clip does not bind (the
-    behaviour logprobs are the policy's own, moved by at most 0.1 nats: ratios in [0.9, 1.11])."""
+    behaviour logprobs are the policy's own, moved by at most 0.1 nats: ratios in [0.9, 1.11]); ppo with the
+    learner's clip range is its loss everywhere, here with ratios in [0.74, 1.35], so the clip binds."""
     folder = served[1]
     training = new_model(served, service)
     info = training.get_info()
@@ -120,9 +125,10 @@ def test_a_step_through_the_sdk_is_the_learners_step(served, service, loss: str,
     reference.schedule(0)
     batches, weights = rows_of(reference, seed=3, off_policy=off_policy)
     before = {n: p.detach().clone() for n, p in reference.model.named_parameters() if p.requires_grad}
-    result = training.forward_backward(datums(batches, weights, loss), loss)
+    result = training.forward_backward(datums(batches, weights, loss), loss, config)
     training.optim_step(types.AdamParams(**ADAM)).result()
-    assert result.result().metrics["loss:sum"] != 0.0
+    metrics = result.result().metrics
+    assert metrics["loss:sum"] != 0.0 and (loss != "ppo" or metrics["clip_frac:mean"] > 0)
     reference.train(batches, 0.0)
     training.save_state("after-one-step").result()
     from safetensors.torch import load_file
@@ -141,7 +147,8 @@ def test_a_step_through_the_sdk_is_the_learners_step(served, service, loss: str,
 
 def test_sampling_from_saved_weights_gives_tokens_with_their_logprobs(served, service) -> None:
     """After a step and save_weights_for_sampler the sampler draws from the trained adapter: each sampled token's
-    logprob is the training model's own logprob of it (forward through the SDK); num_samples and max_tokens hold."""
+    logprob is the training model's own logprob of it (forward through the SDK), and so is each token's logprob
+    that compute_logprobs gives; num_samples and max_tokens hold."""
     training = new_model(served, service)
     batches, weights = rows_of(PolicyTrainer(GRPOLearner(served[0]["model"], lora=lora_spec(RANK, True, True, True),
                                                          device="cpu"), steps=1), seed=5)
@@ -159,6 +166,53 @@ def test_sampling_from_saved_weights_gives_tokens_with_their_logprobs(served, se
                                             "weights": np.zeros(len(full) - 1, dtype=np.float32)})
         scored = training.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
         assert np.allclose(scored[len(prompt) - 1:], seq.logprobs, atol=1e-4)
+        assert np.allclose(sampler.compute_logprobs(types.ModelInput.from_ints(full)).result()[1:], scored, atol=1e-4)
+
+
+def test_a_training_client_from_saved_state_continues_where_it_left_off(served, service) -> None:
+    """save_state, then a training client from that state: with the optimizer it has the saved model's logprobs
+    and takes the same next step (Adam's moments came back); from the weights alone the next step differs."""
+    data = datums(groups(7, n=2, group_size=3), np.full(6, 0.05), "cross_entropy")
+
+    def step(client) -> None:
+        client.forward_backward(data, "cross_entropy")
+        client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+
+    def logprobs(client) -> np.ndarray:
+        outputs = client.forward(data, "cross_entropy").result().loss_fn_outputs
+        return np.concatenate([o["logprobs"].to_numpy() for o in outputs])
+
+    first = new_model(served, service)
+    step(first)
+    first.save_state("resume-me").result()
+    path = f"tinker://{first.model_id}/weights/resume-me"
+    resumed = service.create_training_client_from_state_with_optimizer(path).result()
+    weights_only = service.create_training_client_from_state(path).result()
+    assert resumed.get_info().lora_rank == RANK
+    assert np.abs(logprobs(resumed) - logprobs(first)).max() < 1e-6
+    for client in (first, resumed, weights_only):
+        step(client)
+    assert np.abs(logprobs(resumed) - logprobs(first)).max() < 1e-6
+    assert np.abs(logprobs(weights_only) - logprobs(first)).max() > 1e-4
+
+
+def test_a_retried_request_is_applied_once(served, service) -> None:
+    """A request sent again with its seq_id (what the SDK's retry after a lost answer does) gets the first one's
+    future: the step is taken once. Replayed here over plain HTTP, as the SDK would send it again."""
+    import httpx
+
+    info = served[0]
+    training = new_model(served, service)
+    headers = {"X-API-Key": Path(info["key_file"]).read_text()}
+    body = {"model_id": training.model_id, "seq_id": 1000, "adam_params": {"learning_rate": 1e-3}}
+
+    def post(payload) -> str:
+        answer = httpx.post(f"{info['base_url']}/api/v1/optim_step", json=payload, headers=headers, timeout=30)
+        answer.raise_for_status()
+        return answer.json()["request_id"]
+
+    first, again, next_one = post(body), post(body), post({**body, "seq_id": 1001})
+    assert first == again != next_one
 
 
 def test_what_is_not_supported_is_refused_by_name(served, service) -> None:
@@ -174,8 +228,10 @@ def test_what_is_not_supported_is_refused_by_name(served, service) -> None:
     sampler = service.create_sampling_client(base_model=info["model"]).result()
     with pytest.raises(tinker.BadRequestError, match="sampling_params.stop as strings"):
         sampler.sample(types.ModelInput.from_ints([1, 2]), 1, types.SamplingParams(max_tokens=2, stop=["\n"])).result()
-    with pytest.raises(tinker.NotFoundError, match="/api/v1/load_weights is not supported"):
-        service.create_training_client_from_state("tinker://model-1/weights/after-one-step").result()
+    with pytest.raises(tinker.NotFoundError, match="/api/v1/save_weights_external is not supported"):
+        training.save_weights_external("out").result()
+    with pytest.raises(tinker.BadRequestError, match="names no checkpoint"):
+        service.create_training_client_from_state("tinker://nobody/weights/nothing").result()
     stranger = tinker.ServiceClient(base_url=info["base_url"], api_key="tml-not-the-key")
     with pytest.raises(tinker.AuthenticationError):
         stranger.create_lora_training_client(base_model=info["model"], rank=RANK).result()
