@@ -71,10 +71,10 @@ class Routes:
         return _json({"status": "accepted"} if kind == "telemetry" else {})
 
     async def create_session(self, _: web.Request) -> web.Response:
-        return _json({"type": "create_session", "session_id": self.s.create_session()})
+        return _json({"type": "create_session", "session_id": self.s.sessions.create()})
 
     async def heartbeat(self, request: web.Request) -> web.Response:
-        self.s.heartbeat((await request.json()).get("session_id", ""))
+        self.s.sessions.heartbeat((await request.json()).get("session_id", ""))
         return _json({"type": "session_heartbeat"})
 
     async def create_model(self, request: web.Request) -> web.Response:

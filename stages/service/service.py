@@ -28,12 +28,29 @@ from stages.service.training import AdamSettings, TrainingModel, lora_spec
 from stages.weights.adapter import write_peft_folder
 
 
+class Sessions:
+    """The SDK's sessions (`session-N`) and when each was last heard of (its heartbeats)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, float] = {}  # id -> time of its last heartbeat
+        self._ids = itertools.count(1)
+
+    def create(self) -> str:
+        session = f"session-{next(self._ids)}"
+        self.seen[session] = time.monotonic()
+        return session
+
+    def heartbeat(self, session: str) -> None:
+        refuse_unless(session in self.seen, f"unknown session_id {session!r}")
+        self.seen[session] = time.monotonic()
+
+
 class Service:
     def __init__(self, model_path: Path, checkpoints: Path, device: str = "cpu", seed: int = 0) -> None:
         self.model_path, self.checkpoints = model_path.resolve(), checkpoints
         self.name = str(self.model_path)  # the base model's name: its folder, which the SDK loads a tokenizer from
         self.device = device
-        self.sessions: dict[str, float] = {}  # id -> time of its last heartbeat
+        self.sessions = Sessions()
         self.models: dict[str, TrainingModel] = {}
         self.order: dict[str, asyncio.Lock] = {}  # per model: its calls run one at a time, in arrival order
         self.calls: dict[tuple[str, int], str] = {}  # (model, seq_id) -> request id: a retry is applied once
@@ -44,15 +61,6 @@ class Service:
 
     def _new(self, kind: str) -> str:
         return f"{kind}-{next(self._ids)}"
-
-    def create_session(self) -> str:
-        session = self._new("session")
-        self.sessions[session] = time.monotonic()
-        return session
-
-    def heartbeat(self, session: str) -> None:
-        refuse_unless(session in self.sessions, f"unknown session_id {session!r}")
-        self.sessions[session] = time.monotonic()
 
     def _base(self, name: str | None) -> None:
         refuse_unless(name in (self.name, self.model_path.name),
@@ -79,7 +87,7 @@ class Service:
     def _model_id(self, body: dict[str, Any]) -> str:
         """`{session_id}:train:{model_seq_id}`, the id the SDK derives for a model it creates by loading."""
         session, seq = body.get("session_id", ""), body.get("model_seq_id")
-        refuse_unless(session in self.sessions, f"unknown session_id {session!r}")
+        refuse_unless(session in self.sessions.seen, f"unknown session_id {session!r}")
         model_id = f"{session}:train:{seq}"
         refuse_unless(isinstance(seq, int) and model_id not in self.order, f"model_seq_id {seq!r} is taken or not "
                                                                            "an integer")
