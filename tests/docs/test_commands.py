@@ -169,6 +169,9 @@ FORMS = {
     "baton serve": "a tiny model, --port 0: started, healthz answered, stopped by SIGTERM",
     "examples/math_dsl.py": "2 versions",
     "examples/openai_agent.py": "--help",
+    "examples/tinker/sft.py": "--help",  # it needs the tinker SDK; tests/examples/test_tinker_examples.py runs it
+    "examples/tinker/rl.py": "--help",
+    "examples/tinker/dpo.py": "--help",
     "tools/make_math_example.py": "really; warm-ups of 2 steps",
     "tools/answer_positions.py": "--help",
     "tools/answer_positions.py probe": "a finished run, 16 samples",

@@ -1,0 +1,68 @@
+"""What the Tinker examples share: a `baton serve` of their own over the tiny local model, and the SDK client on it.
+
+`serving(folder)` makes the tiny model (random weights, a character tokenizer; nothing is downloaded) in
+`folder/model`, starts `baton serve` on it in a process of its own on a free port of 127.0.0.1, and yields the
+official SDK's `tinker.ServiceClient` on it with the base model's name; the service is stopped (by its pid) on
+the way out. With `TINKER_BASE_URL` and `TINKER_API_KEY` set, the examples use that service instead, and
+`TINKER_BASE_MODEL` names its model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: its `baton` runs the service
+ADAM = {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "grad_clip_norm": 1.0}  # baton's learner's AdamW settings
+
+
+def tiny_model(folder: Path) -> Path:
+    """The quickstart's tiny Qwen2 (2 layers, 64 wide, random init) in `folder/model`, made once."""
+    sys.path.insert(0, str(ROOT))
+    from stages.data.model import make_tiny_model
+
+    return make_tiny_model(folder / "model")
+
+
+@contextlib.contextmanager
+def serving(folder: Path, start_timeout_s: float = 120.0) -> Iterator[tuple[object, str]]:
+    """(the SDK's ServiceClient, the base model's name) on a `baton serve` this process starts over the tiny
+    model, or on the service `TINKER_BASE_URL` names."""
+    os.environ.setdefault("TINKER_TELEMETRY", "0")
+    import tinker
+
+    if os.environ.get("TINKER_BASE_URL"):
+        yield tinker.ServiceClient(), os.environ.get("TINKER_BASE_MODEL", "")
+        return
+    model = tiny_model(folder)
+    served = folder / "serve"
+    (served / "service.json").unlink(missing_ok=True)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    log = open(folder / "serve.log", "w")  # noqa: SIM115  closed with the service
+    proc = subprocess.Popen([sys.executable, "-m", "baton.cli", "serve", str(model), "--port", "0", "--dir",
+                             str(served), "--threads", "1"], env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + start_timeout_s
+        while not (served / "service.json").exists():
+            if proc.poll() is not None:
+                raise RuntimeError(f"baton serve exited {proc.returncode}: {(folder / 'serve.log').read_text()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"baton serve did not start within {start_timeout_s:.0f} s")
+            time.sleep(0.2)
+        info = json.loads((served / "service.json").read_text())
+        yield tinker.ServiceClient(base_url=info["base_url"], api_key=Path(info["key_file"]).read_text()), \
+            info["model"]
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # still busy after 30 s: stop it for good
+            proc.kill()
+            proc.wait()
+        log.close()
