@@ -42,6 +42,7 @@ from buffers.mooncake_master import READ_LEASE_MS, MooncakeMaster, require_moonc
 from buffers.pool import BufferPool
 from buffers.retry import retry_while
 from buffers.store import KeyNotFound, StoreError, StoreFull
+from pipeline.telemetry import get_logger
 
 _MANIFEST = struct.Struct("<16sQQI")  # magic, total bytes, chunk bytes, parts
 _MANIFEST_MAGIC = b"\x00baton-chunked\x00\x01"
@@ -115,7 +116,7 @@ class MooncakeSettings:
     master_server_address: str = ""
     protocol: str = ""
     device: str = ""
-    local_hostname: str = "127.0.0.1"
+    local_hostname: str = ""  # the address peers reach this process's segment at; "": $BATON_HOST, else 127.0.0.1
     metadata_server: str = "P2PHANDSHAKE"
     global_segment_size: int = 0
     local_buffer_size: int = 16 << 20
@@ -132,6 +133,8 @@ class MooncakeSettings:
             master_server_address=self.master_server_address or os.environ.get("MOONCAKE_MASTER_ADDR", ""),
             protocol=self.protocol or os.environ.get("MOONCAKE_PROTOCOL", "tcp"),
             device=self.device or os.environ.get("MOONCAKE_DEVICE", ""),
+            # on a Ray node, the node's address (pipeline.runtime.ray sets BATON_HOST in every host)
+            local_hostname=self.local_hostname or os.environ.get("BATON_HOST", "127.0.0.1"),
         )
 
 
@@ -157,6 +160,8 @@ class MooncakeStore:
         )
         if rc != 0:
             raise error_for("<setup>", rc, f"setup with master {s.master_server_address}")
+        get_logger("mooncake").info("store opened", local_hostname=s.local_hostname, master=s.master_server_address,
+                                    segment_bytes=s.global_segment_size)
         self._config = mc.ReplicateConfig()
         self._config.replica_num = s.replicas
         # Hard pin: the master never evicts our objects at its high watermark (that would lose rollout
