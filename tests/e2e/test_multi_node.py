@@ -23,7 +23,7 @@ from tests.helpers.runs import baton_run
 
 pytest.importorskip("ray")
 
-pytestmark = [pytest.mark.slow, pytest.mark.long]
+pytestmark = pytest.mark.slow  # and each test `long` (CI runs it after the suite) or `nightly`
 HEAD = NODES["node_a"]
 
 
@@ -78,6 +78,7 @@ def run_across(cluster: LoopbackCluster, tmp_path: Path, tag: str, where: dict[s
     return s
 
 
+@pytest.mark.long
 def test_two_ranks_train_with_engines_segment_and_ranks_on_different_nodes(
         cluster: LoopbackCluster, tmp_path: Path) -> None:
     """Learner rank 0 on node b, rank 1 on node c with the engines, the buffer (the segment) on the head:
@@ -97,6 +98,7 @@ def test_two_ranks_train_with_engines_segment_and_ranks_on_different_nodes(
     assert_store_addresses(run_dir, holder=HEAD, clients={NODES["node_b"], NODES["node_c"]})
 
 
+@pytest.mark.nightly  # +85 s: the two-rank run above places every role on a node of its own already
 def test_the_quickstart_runs_across_three_nodes(cluster: LoopbackCluster, tmp_path: Path) -> None:
     """configs/ray-mooncake.toml (the quickstart distributed), engines on node b, the buffer on node c,
     the learner on the head: a clean audit, each actor on its node, the segment on node c's address."""
