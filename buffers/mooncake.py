@@ -42,7 +42,6 @@ from buffers.mooncake_master import READ_LEASE_MS, MooncakeMaster, require_moonc
 from buffers.pool import BufferPool
 from buffers.retry import retry_while
 from buffers.store import KeyNotFound, StoreError, StoreFull
-from pipeline.telemetry import get_logger
 
 _MANIFEST = struct.Struct("<16sQQI")  # magic, total bytes, chunk bytes, parts
 _MANIFEST_MAGIC = b"\x00baton-chunked\x00\x01"
@@ -160,8 +159,6 @@ class MooncakeStore:
         )
         if rc != 0:
             raise error_for("<setup>", rc, f"setup with master {s.master_server_address}")
-        get_logger("mooncake").info("store opened", local_hostname=s.local_hostname, master=s.master_server_address,
-                                    segment_bytes=s.global_segment_size)
         self._config = mc.ReplicateConfig()
         self._config.replica_num = s.replicas
         # Hard pin: the master never evicts our objects at its high watermark (that would lose rollout
@@ -361,6 +358,13 @@ class MooncakeStore:
         removed = 1
         parts = self._client.remove_by_regex("^" + re.escape(key) + r"#p\d{4}$")
         return removed + max(parts, 0)
+
+    def where(self) -> dict[str, str | int]:
+        """The addresses this client uses (for a run's log): the one it advertises, its master's, and the bytes
+        of its segment (0: a pure client)."""
+        s = self.settings
+        return {"local_hostname": s.local_hostname, "master": s.master_server_address,
+                "segment_bytes": s.global_segment_size}
 
     def replica_count(self, key: str) -> int:
         return len(self._client.get_replica_desc(key))

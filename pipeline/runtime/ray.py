@@ -164,7 +164,9 @@ class StageHost:
         ctx.services.start_helpers = functools.partial(start_ray_helpers, timeout_s=w.placement_timeout_s,
                                                        custom=w.helper_resources)
         ctx.services.address = os.environ["BATON_HOST"]  # this node's (adopt_node_address)
-        get_logger("ray-runtime").info("host placed", host=self.name, node=ctx.services.address, pid=os.getpid())
+        where = getattr(ctx.services.store, "where", dict)()  # a Mooncake client's addresses (buffers.mooncake)
+        get_logger("ray-runtime").info("host placed", host=self.name, node=ctx.services.address, pid=os.getpid(),
+                                       **where)
         produced, ready = w.channels["produced"], w.channels["ready"]
         inbox, outbox = {
             "producer": (None, produced), "buffer": (produced, ready), "consumer": (ready, None)

@@ -79,6 +79,7 @@ def run_across(cluster: LoopbackCluster, tmp_path: Path, tag: str, where: dict[s
 
 
 @pytest.mark.long
+@pytest.mark.timeout(900)  # with the module's cluster start (50-80 s on a loaded 2-core machine)
 def test_two_ranks_train_with_engines_segment_and_ranks_on_different_nodes(
         cluster: LoopbackCluster, tmp_path: Path) -> None:
     """Learner rank 0 on node b, rank 1 on node c with the engines, the buffer (the segment) on the head:
@@ -99,6 +100,7 @@ def test_two_ranks_train_with_engines_segment_and_ranks_on_different_nodes(
 
 
 @pytest.mark.nightly  # +85 s: the two-rank run above places every role on a node of its own already
+@pytest.mark.timeout(900)
 def test_the_quickstart_runs_across_three_nodes(cluster: LoopbackCluster, tmp_path: Path) -> None:
     """configs/ray-mooncake.toml (the quickstart distributed), engines on node b, the buffer on node c,
     the learner on the head: a clean audit, each actor on its node, the segment on node c's address."""
@@ -115,8 +117,8 @@ def test_the_quickstart_runs_across_three_nodes(cluster: LoopbackCluster, tmp_pa
 def assert_store_addresses(run_dir: Path, holder: str, clients: set[str]) -> None:
     """The segment's holder advertised its node's address, every other process its own, and all of them
     used the master the driver started on its node (the head)."""
-    hosts, sizes = logged(run_dir, "store opened", "local_hostname"), logged(run_dir, "store opened", "segment_bytes")
-    masters = set(logged(run_dir, "store opened", "master"))
+    hosts, sizes = logged(run_dir, "host placed", "local_hostname"), logged(run_dir, "host placed", "segment_bytes")
+    masters = set(logged(run_dir, "host placed", "master"))
     assert [h for h, size in zip(hosts, sizes, strict=True) if int(size) > 0] == [holder], (hosts, sizes)
     assert {h for h, size in zip(hosts, sizes, strict=True) if int(size) == 0} == clients, (hosts, sizes)
     assert len(masters) == 1 and next(iter(masters)).rsplit(":", 1)[0] == HEAD, masters
