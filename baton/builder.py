@@ -119,7 +119,7 @@ def build_pipeline(cfg: RunConfig) -> Pipeline:
         produced_channel=(cfg.buffer.produced_channel, int(cfg.buffer.produced_bytes)),
         ready_channel=(cfg.buffer.ready_channel, int(cfg.buffer.ready_bytes)),
         progress=cfg.telemetry.progress, sinks=cfg.telemetry.sinks, ray_address=cfg.ray.address,
-        ray_placement_timeout_s=cfg.ray.placement_timeout_s,
+        ray_placement_timeout_s=cfg.ray.placement_timeout_s, ray_resources=cfg.ray.resources,
         checkpoint_every=cfg.checkpoint.every, checkpoint_keep=cfg.checkpoint.keep,
         watchdog=cfg.watchdog.make(), faults=make_faults(cfg), config_text=cfg.resolved_toml(),
         max_workers=cfg.rollout.max_engines,

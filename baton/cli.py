@@ -3,7 +3,7 @@
     baton run CONFIG [--set key=value ...]     run; the last stdout line is the JSON summary
     baton run --resume RUN_DIR [--set k=v ...] continue a checkpointed run (its config.toml) to its steps
     baton check CONFIG [--set key=value ...]   validate and print the resolved config; start nothing
-    baton mooncake-master [--port N]           run a mooncake_master on 127.0.0.1 until interrupted
+    baton mooncake-master [--port N]           run a mooncake_master on 127.0.0.1 ($BATON_HOST) until interrupted
     baton simulate CONFIG [--engines N] [--learners M] [--steps S] [--set k=v ...]
                    [--calibrate RUN_DIR] [--sweep engines=1,2,4,8 k=0,1,2,4]
                                                the pipeline in virtual time with cost models (baton.simulate):
@@ -107,7 +107,7 @@ def _parser() -> argparse.ArgumentParser:
     export_command.add_parser(sub)
     scale_command.add_parser(sub)
     serve_command.add_parser(sub)
-    m = _command(sub, "mooncake-master", "run a mooncake_master on 127.0.0.1 (prints its address)")
+    m = _command(sub, "mooncake-master", "run a mooncake_master on 127.0.0.1 or $BATON_HOST (prints its address)")
     m.add_argument("--port", type=int, default=None, help="RPC port (default: a free one)")
     m.add_argument("--lease-ttl-ms", type=int, default=READ_LEASE_MS, help="a read's lease: a read that "
                    "outlasts it is read again, a key read less than it ago cannot be removed")

@@ -115,7 +115,7 @@ class MooncakeSettings:
     master_server_address: str = ""
     protocol: str = ""
     device: str = ""
-    local_hostname: str = "127.0.0.1"
+    local_hostname: str = ""  # the address peers reach this process's segment at; "": $BATON_HOST, else 127.0.0.1
     metadata_server: str = "P2PHANDSHAKE"
     global_segment_size: int = 0
     local_buffer_size: int = 16 << 20
@@ -132,6 +132,8 @@ class MooncakeSettings:
             master_server_address=self.master_server_address or os.environ.get("MOONCAKE_MASTER_ADDR", ""),
             protocol=self.protocol or os.environ.get("MOONCAKE_PROTOCOL", "tcp"),
             device=self.device or os.environ.get("MOONCAKE_DEVICE", ""),
+            # on a Ray node, the node's address (pipeline.runtime.ray sets BATON_HOST in every host)
+            local_hostname=self.local_hostname or os.environ.get("BATON_HOST", "127.0.0.1"),
         )
 
 
@@ -356,6 +358,13 @@ class MooncakeStore:
         removed = 1
         parts = self._client.remove_by_regex("^" + re.escape(key) + r"#p\d{4}$")
         return removed + max(parts, 0)
+
+    def where(self) -> dict[str, str | int]:
+        """The addresses this client uses (for a run's log): the one it advertises, its master's, and the bytes
+        of its segment (0: a pure client)."""
+        s = self.settings
+        return {"local_hostname": s.local_hostname, "master": s.master_server_address,
+                "segment_bytes": s.global_segment_size}
 
     def replica_count(self, key: str) -> int:
         return len(self._client.get_replica_desc(key))

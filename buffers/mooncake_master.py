@@ -1,4 +1,5 @@
-"""Start, find and stop a `mooncake_master` on 127.0.0.1.
+"""Start, find and stop a `mooncake_master` on 127.0.0.1, or on `$BATON_HOST` (a Ray run's driver sets it to
+its node's address, so the other nodes reach the master).
 
 `MooncakeMaster().start()` picks free ports, launches the master bundled with the
 `mooncake-transfer-engine` wheel with quiet logs, waits until its RPC port accepts connections,
@@ -68,7 +69,7 @@ class MooncakeMaster:
         log_path: str | Path | None = None,
         extra_flags: tuple[str, ...] = (),
     ) -> None:
-        self.host = "127.0.0.1"
+        self.host = os.environ.get("BATON_HOST", "127.0.0.1")  # a Ray run's driver: its node's address
         self.port = port
         self.lease_ttl_ms = lease_ttl_ms
         self.client_ttl_s = client_ttl_s
@@ -89,13 +90,13 @@ class MooncakeMaster:
 
     def start(self, timeout_s: float = 20.0) -> MooncakeMaster:
         require_mooncake()
-        self.port = self.port or free_port()
+        self.port = self.port or free_port(self.host)
         cmd = [
             str(master_binary()),
             f"--rpc_address={self.host}",
             f"--rpc_port={self.port}",
             f"--metrics_host={self.host}",
-            f"--metrics_port={free_port()}",
+            f"--metrics_port={free_port(self.host)}",
             "--enable_metric_reporting=false",
             "--enable_http_metadata_server=false",
             f"--default_kv_lease_ttl={self.lease_ttl_ms}",

@@ -49,6 +49,7 @@ from pipeline.contracts import Buffer, Consumer, Producer, VersionPolicy
 from pipeline.events import EventCounts
 from pipeline.faults import FaultPlan, FaultSpec
 from pipeline.logs import run_log
+from pipeline.placement import Placement
 from pipeline.process import prepare_process
 from pipeline.reasons import by_kind
 from pipeline.resume import Resume
@@ -78,6 +79,7 @@ class Pipeline:
     max_uses: int = 1
     ray_address: str | None = None  # runtime="ray": attach to this cluster (default: start a local one)
     ray_placement_timeout_s: float = 120.0  # runtime="ray": an actor the cluster cannot place by then fails the run
+    ray_resources: dict[str, dict[str, float]] = field(default_factory=dict)  # runtime="ray": pipeline.placement
     hooks: list[Callable[[RunContext], Sequence[Actor] | None]] = field(default_factory=list)
     checkpoint_every: int = 0  # versions between checkpoints; 0: none
     checkpoint_keep: int = 2  # complete checkpoints kept in the run folder
@@ -179,7 +181,8 @@ class Pipeline:
             from pipeline.runtime.ray import RayRun  # imports ray: only when asked for
 
             return RayRun(address=self.ray_address, watchdog=self.watchdog,
-                          placement_timeout_s=self.ray_placement_timeout_s)
+                          placement_timeout_s=self.ray_placement_timeout_s,
+                          placement=Placement(self.ray_resources))
         from pipeline.runtime.local import LocalRun
 
         return LocalRun()

@@ -9,7 +9,8 @@ Invariants:
 - An event at the configured level or above goes to `run.log` of the open run, whole lines appended
   (O_APPEND, one write per line), so several processes may append and a reader never sees part of a line.
 - On the terminal, routine events (`ROUTINE_EVENTS`: one per N versions, a checkpoint written, a model
-  exported) are left out, unless the level is "debug"; every other event shows, warnings and errors always.
+  exported, where a process runs) are left out, unless the level is "debug"; every other event shows,
+  warnings and errors always.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ import structlog
 __all__ = ["ROUTINE_EVENTS", "RUN_LOG_FILE", "attach_run_log", "configure_logging", "get_logger", "run_log"]
 
 RUN_LOG_FILE = "run.log"
-ROUTINE_EVENTS = frozenset({"checkpoint written", "model exported"})  # the run log's only, but at "debug"
+# the run log's only, but at "debug" (a Ray host placed and the addresses it serves on; a learner's rendezvous)
+ROUTINE_EVENTS = frozenset({"checkpoint written", "model exported", "host placed", "rank rendezvous"})
 
 _lock = threading.Lock()
 _run_logs: list[int] = []  # file descriptors of the open runs' logs, the newest last (the one written)

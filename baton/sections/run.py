@@ -10,6 +10,7 @@ from baton.sections.base import Section, default_of
 from buffers import RefBuffer
 from pipeline.dsl import Pipeline
 from pipeline.faults import FAULT_KINDS, FaultSpec
+from pipeline.placement import Placement
 from pipeline.watchdog import WatchdogSettings
 from stages.learner import GRPOLearner
 
@@ -111,6 +112,15 @@ class RaySpec(Section):
                                 "cluster the job runs on); default: start one on 127.0.0.1")
     placement_timeout_s: float = Field(120.0, gt=0, description="an actor (or a learner's other ranks) the cluster "
                                        "has not placed by then fails the run, naming what it asked for")
+    resources: dict[str, dict[str, float]] = Field(
+        default_factory=dict, description="which nodes a role's processes go to: {role: {custom resource: amount}}, "
+        "roles engine, buffer, learner, learner_ranks; resources a node got from `ray start --resources` "
+        "(docs/guides/multi-node.md), e.g. {learner = {gpu_node = 0.01}}")
+
+    @model_validator(mode="after")
+    def _placement_is_valid(self) -> RaySpec:
+        Placement(self.resources)  # raises naming the bad key
+        return self
 
 
 class TelemetrySpec(Section):

@@ -18,7 +18,10 @@ driver re-sends (or regenerates) what was in flight. With `watchdog` set, the dr
 for hangs across the hosts (`pipeline.runtime.ray_watchdog`).
 
 Networking: `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` keeps a local cluster on 127.0.0.1; give
-`address` to attach to a running cluster instead.
+`address` to attach to a running cluster instead. Every host (and helper) sets `BATON_HOST` to the
+address of the Ray node it runs on, the address its servers advertise (the learner's rendezvous,
+TransferEngine, a Mooncake segment); the driver, to its own node's unless set, so a Mooncake master
+it starts is reachable from the other nodes (docs/guides/multi-node.md).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from pipeline.contracts import Placed, StoreOpener, VersionPolicy  # noqa: E402
 from pipeline.faults import as_plan  # noqa: E402
 from pipeline.faults import install as install_faults  # noqa: E402
 from pipeline.logs import attach_run_log  # noqa: E402
+from pipeline.placement import ROLE_OF_HOST, Placement  # noqa: E402
 from pipeline.refs import Redo  # noqa: E402
 from pipeline.roster import Roster  # noqa: E402
 from pipeline.runtime import RunReport, share_the_gil  # noqa: E402
@@ -55,6 +59,8 @@ from pipeline.runtime.ray_channel import RayChannel  # noqa: E402
 from pipeline.runtime.ray_conductor import Conductor, RemoteClock, RemoteGate, RemoteLedger  # noqa: E402
 from pipeline.runtime.ray_placement import (  # noqa: E402
     PLACEMENT_TIMEOUT_S,
+    Needs,
+    adopt_node_address,
     await_placed,
     check_feasible,
     host_options,
@@ -110,6 +116,7 @@ class Wiring:
     checkpoint_keep: int = 2
     resume: Any = None  # a pipeline.resume.PortableResume: the consumer continues from that checkpoint
     placement_timeout_s: float = PLACEMENT_TIMEOUT_S  # helper processes not placed by then fail the run
+    helper_resources: dict[str, float] = field(default_factory=dict)  # custom resources of the helpers (ranks)
 
     def context(self, worker: str) -> RunContext:
         """`worker`'s context in this process: the conductor's clock, gate and ledger, the channel actors."""
@@ -131,6 +138,7 @@ class StageHost:
 
     def __init__(self, stage: Any, role: str, index: int, wiring: Wiring) -> None:
         os.environ["OMP_NUM_THREADS"] = "1"
+        adopt_node_address()
         import torch
 
         torch.set_num_threads(1)
@@ -156,8 +164,12 @@ class StageHost:
         plan = install_faults(ctx, w.faults, isolated=True)
         ctx.services.store = w.store.open(holder=self.role == "buffer", faults=plan)
         ctx.services.producers = Roster(Peer(h, f"producer-{i}") for i, h in enumerate(peers.get("producer", [])))
-        ctx.services.start_helpers = functools.partial(start_ray_helpers, timeout_s=w.placement_timeout_s)
-        ctx.services.address = ray.util.get_node_ip_address()
+        ctx.services.start_helpers = functools.partial(start_ray_helpers, timeout_s=w.placement_timeout_s,
+                                                       custom=w.helper_resources)
+        ctx.services.address = os.environ["BATON_HOST"]  # this node's (adopt_node_address)
+        where = getattr(ctx.services.store, "where", dict)()  # a Mooncake client's addresses (buffers.mooncake)
+        get_logger("ray-runtime").info("host placed", host=self.name, node=ctx.services.address, pid=os.getpid(),
+                                       **where)
         produced, ready = w.channels["produced"], w.channels["ready"]
         inbox, outbox = {
             "producer": (None, produced), "buffer": (produced, ready), "consumer": (ready, None)
@@ -260,6 +272,7 @@ class RayRun:
     watchdog: Any = None  # a pipeline.watchdog.WatchdogSettings: hang diagnosis across the hosts; None: off
     max_restarts: int = 3
     placement_timeout_s: float = PLACEMENT_TIMEOUT_S  # an actor not placed by then fails the run (ray_placement)
+    placement: Placement = field(default_factory=Placement)  # which nodes each role's processes go to
     log_format: str = "console"
     restarts: Counter[str] = field(default_factory=Counter)
     report: RunReport | None = None  # the conductor's final report, once the run ended (or failed)
@@ -272,6 +285,7 @@ class RayRun:
             stages = (pipe.producer, pipe.buffer, pipe.consumer)
             helpers = sum(len(s.helpers()) for s in stages if isinstance(s, Placed))
             self._start_ray(hosts_needed=max(pipe.producer.workers, pipe.max_workers or 0) + 2 + helpers)
+        os.environ.setdefault("BATON_HOST", ray.util.get_node_ip_address())  # e.g. where a Mooncake master listens
         log = get_logger("ray-runtime").bind(run=pipe.name)
         log.info("run starting on ray", folder=str(folder.path))
         started_at = time.time()
@@ -344,6 +358,7 @@ class RayRun:
             store=opener, started_at=time.time(), log_format=self.log_format, faults=as_plan(pipe.faults),
             checkpoint_every=pipe.checkpoint_every, checkpoint_keep=pipe.checkpoint_keep,
             resume=resume.portable() if resume is not None else None, placement_timeout_s=self.placement_timeout_s,
+            helper_resources=self.placement.of("learner_ranks"),
         )
         if resume is None:
             return wiring, None
@@ -364,7 +379,7 @@ class RayRun:
         roles = [("producer", pipe.producer, i) for i in range(pipe.producer.workers)]
         roles += [("buffer", pipe.buffer, 0), ("consumer", pipe.consumer, 0)]
         for role, stage, i in roles:
-            needs[f"{role}-{i}"] = resources_of(stage, i)
+            needs[f"{role}-{i}"] = Needs(resources_of(stage, i), self.placement.of(ROLE_OF_HOST[role]))
         check_feasible(needs)
         for role, stage, i in roles:
             restarts = {"max_restarts": self.max_restarts, "max_task_retries": 0} if role == "producer" else {}
@@ -392,7 +407,7 @@ class RayRun:
         from pipeline.runtime.ray_fleet import RayLauncher
 
         launcher = RayLauncher(pipe.producer, wiring, peers, self._hosts, f"baton/{pipe.name}/{folder.path.name}",
-                               StageHost, self.placement_timeout_s)
+                               StageHost, self.placement_timeout_s, self.placement.of("engine"))
         ctx = wiring.context("fleet")
         if wiring.faults:
             ctx.services.faults = wiring.faults.bound(folder.path, isolated=True)

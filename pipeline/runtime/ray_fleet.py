@@ -23,7 +23,7 @@ from typing import Any
 import anyio
 import ray
 
-from pipeline.runtime.ray_placement import await_placed, host_options, resources_of
+from pipeline.runtime.ray_placement import Needs, await_placed, host_options, resources_of
 
 PREEMPT_REFUSED = ("on runtime = 'ray' each engine runs in a Ray actor of its own, and the relay that carries a "
                    "preempted engine's requests over reaches only the engines of its own process; scale down "
@@ -43,6 +43,7 @@ class RayLauncher:
     tag: str  # the hosts' name prefix, baton/<run>/<folder>
     host_class: Any  # pipeline.runtime.ray.StageHost (passed in: this module is imported by it)
     placement_timeout_s: float
+    custom: dict[str, float]  # the engine role's custom resources ([ray.resources] engine): the nodes joiners go to
 
     def join(self, index: int) -> RayWorker:
         return RayWorker(f"producer-{index}", index, self)
@@ -75,7 +76,8 @@ class RayWorker:
 
     async def start(self) -> None:
         launcher = self.launcher
-        needs = resources_of(launcher.stage, self.index % launcher.stage.workers)  # like the first engines'
+        # like the first engines': the stage's CPUs and GPUs, on the nodes the engine role is placed on
+        needs = Needs(resources_of(launcher.stage, self.index % launcher.stage.workers), launcher.custom)
         self.host = launcher.host_class.options(name=f"{launcher.tag}/{self.host_name}",
                                                 **host_options(needs)).remote(launcher.stage, "producer",
                                                                               self.index, launcher.wiring)

@@ -9,13 +9,19 @@ that waits forever for an actor Ray keeps pending.
 A stage's helper processes (`Services.start_helpers`: a sharded learner's other ranks) are Ray actors
 in one placement group, one bundle each, gang-placed: all of them, or an `ActorUnplaceable` error
 after `timeout_s`. A helper is owned by the host that started it, so it ends with that host.
+
+On a cluster of several nodes, `pipeline.placement.Placement` says which node a stage's processes go to: each role asks
+for a share of custom resources that `ray start --resources` gave some nodes only (the config's
+`[ray.resources]`; docs/guides/multi-node.md). Without it Ray picks the nodes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable, Sequence
+import os
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -31,16 +37,32 @@ class ActorUnplaceable(RuntimeError):
     """The cluster cannot place an actor the run needs (named, with what it asked for)."""
 
 
+@dataclass(frozen=True)
+class Needs:
+    """One process's request: the stage's CPUs and GPUs, and the custom resources its role asks for."""
+
+    resources: Resources
+    custom: dict[str, float] = field(default_factory=dict)
+
+
 def resources_of(stage: Any, index: int) -> Resources:
     return stage.resources(index) if isinstance(stage, Placed) else Resources()
 
 
-def host_options(needs: Resources) -> dict[str, float]:
-    return {"num_cpus": needs.cpus, "num_gpus": needs.gpus}
+def host_options(needs: Needs) -> dict[str, Any]:
+    return {"num_cpus": needs.resources.cpus, "num_gpus": needs.resources.gpus, "resources": needs.custom}
 
 
-def _asked(needs: Resources) -> str:
-    return f"{needs.cpus:g} CPU" + (f" and {needs.gpus:g} GPU" if needs.gpus else "")
+def _asked(needs: Resources | Needs) -> str:
+    custom = needs.custom if isinstance(needs, Needs) else {}
+    needs = needs.resources if isinstance(needs, Needs) else needs
+    return (f"{needs.cpus:g} CPU" + (f" and {needs.gpus:g} GPU" if needs.gpus else "")
+            + "".join(f" and {amount:g} {name}" for name, amount in custom.items()))
+
+
+def _holds(node: dict[str, float], needs: Needs) -> bool:
+    asked = {"CPU": needs.resources.cpus, "GPU": needs.resources.gpus, **needs.custom}
+    return all(node.get(name, 0) >= amount for name, amount in asked.items())
 
 
 def _cluster() -> str:
@@ -49,18 +71,19 @@ def _cluster() -> str:
             f"{free.get('CPU', 0):g} CPU and {free.get('GPU', 0):g} GPU are free")
 
 
-def check_feasible(requests: dict[str, Resources]) -> None:
+def check_feasible(requests: dict[str, Needs]) -> None:
     """Raise `ActorUnplaceable` for a request that no node of the cluster has the resources for."""
     nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
     for name, needs in requests.items():
-        if not any(n.get("CPU", 0) >= needs.cpus and n.get("GPU", 0) >= needs.gpus for n in nodes):
+        if not any(_holds(n, needs) for n in nodes):
             raise ActorUnplaceable(
                 f"actor {name} asks for {_asked(needs)} and no node of the cluster has that: {_cluster()}; give "
-                "the cluster the resources (e.g. `ray start --head --num-cpus N --num-gpus M`) or ask for fewer "
-                "(engine.count, learner.world_size, the devices in the config)")
+                "the cluster the resources (e.g. `ray start --head --num-cpus N --num-gpus M`, a node's custom "
+                "resources by `ray start --resources`) or ask for fewer (engine.count, learner.world_size, the "
+                "devices in the config, ray.resources)")
 
 
-async def await_placed(started: dict[str, Awaitable[Any]], requests: dict[str, Resources],
+async def await_placed(started: dict[str, Awaitable[Any]], requests: dict[str, Needs],
                        timeout_s: float = PLACEMENT_TIMEOUT_S) -> list[Any]:
     """Await every host's first call (it runs once Ray placed the host); after `timeout_s`, fail naming the
     hosts still waiting for a place and what they asked for."""
@@ -82,11 +105,20 @@ async def await_placed(started: dict[str, Awaitable[Any]], requests: dict[str, R
     return [task.result() for task in tasks.values()]
 
 
+def adopt_node_address() -> str:
+    """Set `BATON_HOST` in this Ray worker process to the address of the node it runs on (what Ray
+    advertises for it, `ray start --node-ip-address`), and return it: the address this process's servers
+    give their peers, whatever the environment it inherited from its raylet says."""
+    os.environ["BATON_HOST"] = ray.util.get_node_ip_address()
+    return os.environ["BATON_HOST"]
+
+
 @ray.remote(num_cpus=0)
 class HelperHost:
-    """One helper process: runs `fn(*args)` until it returns."""
+    """One helper process: runs `fn(*args)` until it returns (with `BATON_HOST` its node's address)."""
 
     def run(self, fn: Callable[..., None], args: tuple) -> None:
+        adopt_node_address()
         fn(*args)
 
 
@@ -116,20 +148,23 @@ class ActorHelper:
 
 
 def start_ray_helpers(name: str, fn: Callable[..., None], args: Sequence[tuple], resources: Resources,
-                      timeout_s: float = PLACEMENT_TIMEOUT_S) -> list[Helper]:
+                      timeout_s: float = PLACEMENT_TIMEOUT_S,
+                      custom: Mapping[str, float] | None = None) -> list[Helper]:
     """One actor per args tuple, gang-placed in a placement group of one bundle each (see the module
-    docstring); `ActorUnplaceable` when the group is not placed within `timeout_s`."""
-    bundle = {"CPU": resources.cpus, **({"GPU": resources.gpus} if resources.gpus else {})}
+    docstring), each bundle with `custom` resources too (`pipeline.placement.Placement`: the nodes they go to);
+    `ActorUnplaceable` when the group is not placed within `timeout_s`."""
+    custom = dict(custom or {})
+    bundle = {"CPU": resources.cpus, **({"GPU": resources.gpus} if resources.gpus else {}), **custom}
     group = placement_group([bundle] * len(args), strategy="PACK", name=f"{name}-group")
     ready, _ = ray.wait([group.ready()], timeout=timeout_s)
     if not ready:
         remove_placement_group(group)
-        raise ActorUnplaceable(f"{name}: {len(args)} helper processes of {_asked(resources)} each not placed "
-                               f"within {timeout_s:g} s; {_cluster()}")
+        raise ActorUnplaceable(f"{name}: {len(args)} helper processes of {_asked(Needs(resources, custom))} each "
+                               f"not placed within {timeout_s:g} s; {_cluster()}")
     helpers: list[Helper] = []
     for i, arguments in enumerate(args):
         strategy = PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=i)
-        actor = HelperHost.options(num_cpus=resources.cpus, num_gpus=resources.gpus, scheduling_strategy=strategy,
-                                   name=None).remote()
+        actor = HelperHost.options(num_cpus=resources.cpus, num_gpus=resources.gpus, resources=custom,
+                                   scheduling_strategy=strategy, name=None).remote()
         helpers.append(ActorHelper(f"{name}-{i}", actor, actor.run.remote(fn, arguments), group))
     return helpers

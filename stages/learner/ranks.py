@@ -41,6 +41,7 @@ from pipeline.contracts import Helper, HelperStarter, Resources
 from pipeline.faults import Schedule
 from pipeline.net import free_port
 from pipeline.runtime.local import start_local_helpers
+from pipeline.telemetry import get_logger
 from policies.balance import balance_groups
 from stages.learner.step import PolicyTrainer, StepPlan, group_figures, plan_step, row_lengths
 from stages.weights.layout import Layout
@@ -221,7 +222,7 @@ class RankGroup:
                  address: str = "127.0.0.1") -> None:
         self.spec, self.steps, self.world_size = spec, steps, spec.world_size
         self.start_helpers = start_helpers or start_local_helpers
-        self.address, self.port = address, free_port()
+        self.address, self.port = address, free_port(address)  # rank 0's node: the followers dial it there
         self.helpers: list[Helper] = []
         self.channel: Channel | None = None
         self.stopping = False
@@ -244,6 +245,8 @@ class RankGroup:
 
     def join(self) -> None:
         """Join the group as rank 0 (blocks until every follower joined)."""
+        get_logger("learner").info("rank rendezvous", address=f"{self.address}:{self.port}",
+                                   ranks=self.world_size)
         self.channel = join_group(0, self.world_size, self.address, self.port, self.spec.device,
                                   self.spec.rank_timeout_s)
 

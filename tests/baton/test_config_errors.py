@@ -92,3 +92,15 @@ def test_elastic_engines_run_on_ray_without_checkpoints() -> None:
     assert cfg.rollout.max_engines == 2 and cfg.runtime == "ray"
     with pytest.raises(ConfigError, match="does not checkpoint yet.*checkpoint.every = 0"):
         validate(RunConfig, load_toml(QUICKSTART, [*ray, "checkpoint.every=5"]), source="quickstart")
+
+
+def test_ray_resources_name_a_role_and_a_custom_resource_above_zero() -> None:
+    """`[ray.resources]` (docs/guides/multi-node.md): a role other than the four, a CPU or GPU (they come from
+    the stage) or an amount not above 0 is refused naming the key; a valid table reaches the pipeline."""
+    assert any("ray.resources.engines: not a role; use one of engine, buffer, learner, learner_ranks" in line
+               for line in problems("ray.resources.engines={node_b = 0.01}"))
+    assert any("ray.resources.learner.GPU = 1.0: give a custom resource" in line
+               for line in problems("ray.resources.learner={GPU = 1}"))
+    assert any("ray.resources.buffer.node_a = 0.0" in line for line in problems("ray.resources.buffer={node_a = 0}"))
+    config = validate(RunConfig, load_toml(QUICKSTART, ["ray.resources.learner_ranks={node_c = 0.01}"]))
+    assert config.ray.resources == {"learner_ranks": {"node_c": 0.01}}

@@ -1,8 +1,8 @@
 """The quickstart with a learner of two ranks (FSDP2 over gloo, real processes), through the real `baton`
-console script: it learns as the one-rank learner does, on the local runtime and on Ray, with a
-balanced ledger; a rank SIGKILLed mid-run fails the run promptly naming the rank when no restart is left
-(`learner.max_restarts = 0`), the run resumes from its checkpoint, and with a restart left a rank killed
-again is healed within the run, with nothing trained twice."""
+console script: it learns as the one-rank learner does, with a balanced ledger (two ranks on Ray, on nodes
+of their own: tests/e2e/test_multi_node.py); a rank SIGKILLed mid-run fails the run promptly naming the
+rank when no restart is left (`learner.max_restarts = 0`), the run resumes from its checkpoint, and with a
+restart left a rank killed again is healed within the run, with nothing trained twice."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from tests.helpers.runs import baton_run
 STEPS = 240  # as tests/e2e/test_e2e.py: reverse-2's reward is ~0.4 at v200 at the quickstart's lr
 
 
-@pytest.mark.nightly  # CI's long suite runs two ranks on Ray and a killed local rank's resume and restart
+@pytest.mark.nightly  # CI's long suite: two ranks on Ray (test_multi_node.py), a killed local rank's resume, restart
 def test_two_ranks_learn_the_quickstart(tmp_path: Path) -> None:
     s = baton_run(tmp_path, "quickstart.toml", f"steps={STEPS}", "learner.world_size=2")
     assert s["version"] == STEPS and s["ledger_balanced"]
@@ -32,16 +32,6 @@ def test_two_ranks_learn_the_quickstart(tmp_path: Path) -> None:
     assert s["max_staleness_trained"] <= 2 and s["samples"]["lost"] == 0
     records = check_ledger(Path(s["run_dir"]), bound=2)
     assert sum(r["fate"] == "trained" for r in records) == STEPS * 16 * 8
-
-
-@pytest.mark.long
-def test_two_ranks_train_on_ray(tmp_path: Path) -> None:
-    """Two learner actors in a placement group: every sample trained once within the bound (learning itself:
-    the nightly local run above; the two ranks' step is the one-rank step: tests/stages/learner/test_ranks.py)."""
-    s = baton_run(tmp_path, "ray-mooncake.toml", "steps=30", "learner.world_size=2")
-    assert s["runtime"] == "ray" and s["version"] == 30 and s["ledger_balanced"]
-    records = check_ledger(Path(s["run_dir"]), bound=2)
-    assert sum(r["fate"] == "trained" for r in records) == s["samples"]["trained"] > 0
 
 
 def rank_pids(parent: int) -> list[int]:

@@ -14,12 +14,13 @@ from tests import ROOT
 RUN_TIMEOUT_S = 600
 
 
-def baton_run(tmp_path: Path, config: str, *overrides: str) -> dict:
+def baton_run(tmp_path: Path, config: str, *overrides: str, env: dict[str, str] | None = None) -> dict:
+    """`env`: the run's environment (default: this process's)."""
     overrides = (f"run_root='{tmp_path}'", f"model.path='{tmp_path / 'model'}'", *overrides)
     sets = [x for o in overrides for x in ("--set", o)]
     proc = subprocess.run(
         [sys.executable, "-m", "baton.cli", "run", str(ROOT / "configs" / config), *sets],
-        capture_output=True, text=True, cwd=ROOT, timeout=RUN_TIMEOUT_S,
+        capture_output=True, text=True, cwd=ROOT, timeout=RUN_TIMEOUT_S, env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-1]

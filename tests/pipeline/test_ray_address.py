@@ -85,7 +85,7 @@ def test_an_actor_the_cluster_cannot_place_fails_naming_it(monkeypatch: pytest.M
     import asyncio
 
     from pipeline.contracts import Resources
-    from pipeline.runtime.ray_placement import ActorUnplaceable, await_placed, check_feasible
+    from pipeline.runtime.ray_placement import ActorUnplaceable, Needs, await_placed, check_feasible
 
     tmp = Path(tempfile.mkdtemp(prefix="rp", dir="/tmp"))
     monkeypatch.setenv("RAY_TMPDIR", str(tmp))
@@ -95,14 +95,17 @@ def test_an_actor_the_cluster_cannot_place_fails_naming_it(monkeypatch: pytest.M
     try:
         ray.init(address=f"127.0.0.1:{port}", include_dashboard=False)
         with pytest.raises(ActorUnplaceable, match=r"actor consumer-0 asks for 1 CPU and 1 GPU and no node"):
-            check_feasible({"producer-0": Resources(), "consumer-0": Resources(gpus=1)})
+            check_feasible({"producer-0": Needs(Resources()), "consumer-0": Needs(Resources(gpus=1))})
+        # a custom resource no node was started with (ray.resources naming a node that is not there)
+        with pytest.raises(ActorUnplaceable, match=r"actor buffer-0 asks for 1 CPU and 0.01 node_z and no node"):
+            check_feasible({"buffer-0": Needs(Resources(), {"node_z": 0.01})})
         from ray.util.placement_group import placement_group
 
         held = placement_group([{"CPU": 1}])  # another job holds the only CPU
         assert ray.get(held.ready(), timeout=60)
         # detached: Ray once cancelled the pending actor as unreferenced under load (ActorDiedError, not a wait)
         waiting = Holder.options(lifetime="detached", name=f"holder-{port}").remote()
-        needs = {"producer-0": Resources()}
+        needs = {"producer-0": Needs(Resources())}
         with pytest.raises(ActorUnplaceable, match=r"producer-0 not placed within 5 s \(asking for producer-0: "
                            r"1 CPU\); the cluster has 1 CPU and 0 GPU"):
             asyncio.run(await_placed({"producer-0": waiting.ready.remote()}, needs, timeout_s=5))
