@@ -437,9 +437,23 @@ def smoke_script(command: Documented, request) -> None:
         ran([*argv[:2], "--check"])
 
 
-@pytest.mark.long
+# Documented runs on an SGLang server whose whole path a `long` test already runs on a real server: their smoke
+# forms (a minute each, mostly the server's start) run nightly, not in CI's `long` suite (its 45 minutes).
+COVERED_BY_LONG = {
+    "baton run configs/sglang-cpu.toml": "tests/stages/engines/test_sglang.py::test_sglang_run_learns",
+    "baton run configs/quickstart-moe.toml --set engine.kind=sglang":
+        "tests/stages/engines/test_sglang_moe.py::test_a_short_moe_run_with_routing_replay_on_sglang",
+}
+
+
+def tier(command: Documented) -> pytest.MarkDecorator:
+    """`nightly` for a documented SGLang run another long test covers (COVERED_BY_LONG), else `long`."""
+    covered = any(command.line.startswith(line) for line in COVERED_BY_LONG)
+    return pytest.mark.nightly if covered else pytest.mark.long
+
+
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("command", CASES, ids=[c.line[:90] for c in CASES])
+@pytest.mark.parametrize("command", [pytest.param(c, marks=tier(c)) for c in CASES], ids=[c.line[:90] for c in CASES])
 def test_documented_command_runs(command: Documented, request) -> None:
     if command.argv[0] == "baton":
         smoke_baton(command, request)
