@@ -57,6 +57,12 @@ class Completion:
     routed_experts: np.ndarray | None = None
 
 
+def preempted_before_start() -> Completion:
+    """What a request generated on an engine preempted before it began there (or whose tokens it could not give
+    back): nothing."""
+    return Completion(np.zeros(0, np.int32), np.zeros(0, np.float32), np.zeros(0, np.int32), "preempted")
+
+
 class EngineError(RuntimeError):
     """The engine failed to generate; the request may be retried elsewhere."""
 

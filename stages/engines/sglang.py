@@ -25,6 +25,7 @@ a running one by `url`; it speaks HTTP only and never imports sglang.
   dies, it is restarted, the latest weights are re-applied, and the requests that were in flight
   are generated again from their prompts; `stats["restarts"]` and `stats["regenerated"]` count it.
   A server that cannot be brought back raises `EngineError`.
+* **preempt()**: the requests in flight are aborted and end with the tokens they have (`server_engine`).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, w
 
 from pipeline.events import report_event
 from stages.data.routing import folder_moe_layout
-from stages.engines.base import Completion, EngineError, EngineRun, SamplingParams
+from stages.engines.base import Completion, EngineError, EngineRun, SamplingParams, preempted_before_start
 from stages.engines.server_engine import IDLE_CONNECTION_S, ServerEngine
 from stages.engines.sglang_lora import LoraServing, ServerAdapters, fit_adapter
 from stages.engines.sglang_moe import per_expert_tensors, served_routes
@@ -203,9 +204,13 @@ class SGLangEngine(ServerEngine):
     async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         if self._http is None:
             raise RuntimeError(f"engine {self.name} is not started")
+        self._refuse_if_preempted()
         results: list[Completion | None] = [None] * len(prompts)
         todo = list(range(len(prompts)))
         for _ in range(MAX_ROUNDS):
+            if self._preempted:  # requests it could not give back go on elsewhere from their prompts
+                results = [c or preempted_before_start() for c in results]
+                todo = []
             if not todo:
                 return results  # type: ignore[return-value]
             done = await self._generate_some([prompts[i] for i in todo], params)
@@ -250,11 +255,12 @@ class SGLangEngine(ServerEngine):
         for rid in rids:
             self._inflight[rid] = submitted
         try:
-            answer = await self._call("POST", "/generate", body)
+            answer = await self._preemptible(self._call("POST", "/generate", body), lambda: self._abort(rids))
         except ServerGone:
             if self._stopping:
                 raise EngineError(f"engine {self.name} stopped") from None
-            await self._recover()
+            if not self._preempted:  # (a preempted engine's server is not brought back)
+                await self._recover()
             return [None] * len(prompts)
         finally:
             for rid in rids:
@@ -270,7 +276,7 @@ class SGLangEngine(ServerEngine):
         spans (`spans`), or all `submitted` (a request under an adapter: the adapter's version throughout)."""
         meta = item["meta_info"]
         finish = (meta.get("finish_reason") or {}).get("type", "length")
-        if finish == "abort":
+        if finish == "abort" and not self._preempted:  # (preempted: its tokens so far, server_engine)
             self._last_abort = (meta.get("finish_reason") or {}).get("message", "")
             return None
         pairs = meta["output_token_logprobs"]
@@ -289,7 +295,12 @@ class SGLangEngine(ServerEngine):
             routes = None if self._layout is None else served_routes(meta, self._layout, len(tokens))
         except ValueError as exc:
             raise EngineError(f"engine {self.name}: routed experts: {exc}") from None
-        return Completion(tokens, logprobs, versions, "stop" if stopped else "length", served, routes)
+        finish = "preempted" if finish == "abort" else "stop" if stopped else "length"
+        return Completion(tokens, logprobs, versions, finish, served, routes)
+
+    async def _abort(self, rids: list[str]) -> None:
+        for rid in rids:
+            await self._call("POST", "/abort_request", {"rid": rid})
 
     # -- weights -------------------------------------------------------------------------------
     async def receive_weights(self, version: int, tensors: dict[str, torch.Tensor] | AdapterVersion) -> None:

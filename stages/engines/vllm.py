@@ -31,6 +31,7 @@ never imports vllm. The same contract as `SGLangEngine` (`tests/contracts/test_e
 * **capabilities**: no routed experts (`returns_routed_experts = False`): vLLM returns them only with Model
   Runner V2, which needs Triton, absent on CPU; routing replay with vLLM is refused at `baton check`. Adapters on
   linear layers only (not `lm_head`, not a mixture of experts' experts: `vllm_lora.target_problem`).
+* **preempt()**: the requests in flight are aborted and end with the tokens they have (`server_engine`).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -53,14 +54,14 @@ import torch
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_fixed
 
 from pipeline.events import report_event
-from stages.engines.base import Completion, ContextFull, EngineError, EngineRun, SamplingParams
+from stages.engines.base import Completion, EngineError, EngineRun, SamplingParams, preempted_before_start
 from stages.engines.server_engine import IDLE_CONNECTION_S, ServerEngine
 from stages.engines.sglang_lora import LoraServing, fit_adapter
 from stages.engines.sglang_probe import PushMismatch, WeightProbe, checkpoint_shapes, dtype_tolerance
 from stages.engines.vllm_delta import PushedBase
 from stages.engines.vllm_lora import SERVER_ENV as LORA_ENV
 from stages.engines.vllm_lora import VllmAdapters, launch_args, target_problem
-from stages.engines.vllm_protocol import ABORT, GENERATE, completion_of, generate_body, internal_id
+from stages.engines.vllm_protocol import ABORT, GENERATE, completion_of, fit_context, generate_body, internal_id
 from stages.engines.vllm_server import ServerFailed, VLLMServer, head_dim_problem
 from stages.engines.vllm_versions import fit_version, landed_check, send_version
 from stages.weights.adapter import AdapterVersion, base_fingerprint
@@ -213,10 +214,14 @@ class VLLMEngine(ServerEngine):
     async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         if self._http is None:
             raise RuntimeError(f"engine {self.name} is not started")
+        self._refuse_if_preempted()
         results: list[Completion | None] = [None] * len(prompts)
 
         async def generate_into(i: int) -> None:  # from the prompt again while aborted or its server died
             for round_ in range(MAX_ROUNDS):
+                if self._preempted and round_:  # what it could not give back goes on elsewhere from the prompt
+                    results[i] = preempted_before_start()
+                    return
                 if round_:
                     self.stats["regenerated"] += 1
                 if (completion := await self._generate_once(prompts[i], params)) is not None:
@@ -247,17 +252,18 @@ class VLLMEngine(ServerEngine):
         if adapter is not None:
             body["model"] = adapter[0]
         try:
-            answer = await self._call("POST", GENERATE, body)
+            answer = await self._preemptible(self._call("POST", GENERATE, body), lambda: self.abort([rid]))
         except ServerGone:
             if self._stopping:
                 raise EngineError(f"engine {self.name} stopped") from None
-            await self._recover()
+            if not self._preempted:  # (a preempted engine's server is not brought back)
+                await self._recover()
             return None
         finally:
             self._inflight.pop(rid, None)
             if adapter is not None:
                 self._adapters.release([rid], adapter[0])
-        return completion_of(answer, submitted, params, self.name, spans=adapter is None)
+        return completion_of(answer, submitted, params, self.name, spans=adapter is None, preempted=self._preempted)
 
     async def abort(self, rids: list[str] | None = None) -> int:
         """Abort requests in flight by their ids (None: all of them); each is generated again from its prompt.
@@ -481,18 +487,3 @@ async def restarted_elsewhere(engine: VLLMEngine) -> bool:
         await anyio.sleep(0.1)
     return waited
 
-
-def fit_context(engine: VLLMEngine, prompt: list[int], params: SamplingParams) -> SamplingParams:
-    """`params` with at most the new tokens the server's context leaves after `prompt`: vLLM refuses (400) a request
-    whose prompt plus `max_tokens` exceeds its `max_model_len` (the model's max_position_embeddings by default),
-    where SGLang and the torch engine stop at the context's end; ContextFull when the prompt alone fills it."""
-    if engine._context is None:
-        config = json.loads((Path(engine.model_path) / "config.json").read_text())
-        engine._context = int(config.get("max_position_embeddings") or 0) or None
-    if engine._context is None:
-        return params
-    room = engine._context - len(prompt)
-    if room < 1:
-        raise ContextFull(f"engine {engine.name}: a prompt of {len(prompt)} tokens fills the server's context of "
-                          f"{engine._context} (engine.max_model_len); shorten the prompt or raise it")
-    return replace(params, max_new_tokens=room) if params.max_new_tokens > room else params

@@ -22,7 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from stages.engines.base import Completion, Engine, EngineError, SamplingParams
+from stages.engines.base import Completion, Engine, EngineError, SamplingParams, preempted_before_start
+
+__all__ = ["Relay", "preempted_before_start", "stitched"]
 
 
 class Relay:
@@ -69,11 +71,6 @@ class Relay:
             (more,) = await successor.generate([[*prompt, *kept.tokens.tolist()]], rest)
             done, engine, earlier = stitched(kept, more), successor, len(kept.tokens)
         return done
-
-
-def preempted_before_start() -> Completion:
-    """What a request sent to an engine already preempted generated there: nothing."""
-    return Completion(np.zeros(0, np.int32), np.zeros(0, np.float32), np.zeros(0, np.int32), "preempted")
 
 
 def stitched(first: Completion, then: Completion) -> Completion:

@@ -1,6 +1,6 @@
 """SGLangEngine against a real SGLang server on CPU (one server for the module, stopped by pid), beyond
 the engine contract (tests/contracts/test_engine_contract.py): each update path, the P2P slot, pause
-modes, a learning run, a killed server.
+modes, a learning run, a preempted engine's requests carried on, a killed server.
 
 Skipped, with the reason, only when no SGLang environment exists (tools/sglang-cpu/install.sh
 makes one; `.ci/run` always does).
@@ -23,7 +23,8 @@ from policies import MaxStaleness
 from stages.data.model import load_model, load_tokenizer, make_tiny_model
 from stages.engines.base import EngineError, SamplingParams
 from stages.engines.sglang import SGLangEngine
-from tests.helpers.engines import SGLANG_SERVER_MODULE
+from tests.helpers.engines import SGLANG_SERVER_MODULE, started
+from tests.helpers.preemption import assert_partial, carried_to_torch, preempted_mid_decode
 
 # a real server per module: in the long suite (tests/contracts/test_engine_contract.py keeps one in the suite)
 pytestmark = SGLANG_SERVER_MODULE
@@ -248,6 +249,24 @@ async def test_sglang_run_learns(engine, tmp_path):
     # From 0.02, 80 versions end near 0.57, or (1 run in 3, measured 2026-12-01) at 0.24-0.25 after a
     # 30-version plateau near 0.15; engines whose weights never changed would stay near 0.02.
     assert summary["reward_end"] >= summary["reward_start"] + 0.15
+
+
+async def test_a_preempted_engine_gives_back_its_tokens_and_the_relay_carries_them_on(engine, model_path, tokenizer):
+    """An engine on the module's server (attached by url) preempted mid-decode: each request comes back with the
+    tokens the server had generated and their logprobs; the relay continues them on a torch engine with the same
+    weights, and the stitched samples' logprobs are one teacher-forced pass's (no token lost)."""
+    model = load_model(model_path)
+    weights, version = perturbed(model, seed=7), engine.version + 1
+    await engine.receive_weights(version, weights)  # the server's weights: the successor gets them too
+    prompts = [prompt(tokenizer, text) for text in ("12>", "345>", "6>")]
+    attached = SGLangEngine(model_path, name="sglang-preempted", url=engine.base_url, probe_tolerance=None)
+    async with started(attached):
+        partials = await preempted_mid_decode(attached, engine, prompts, LONG)
+    assert_partial(model, prompts, partials, LONG, version)
+    carried, _ = await carried_to_torch(attached, model_path, weights, version, prompts, partials, LONG, model)
+    print(f"SGLang preempted: {[len(c.tokens) for c in partials]} tokens of {LONG.max_new_tokens} each given back, "
+          f"carried / generated {carried:.3f}")
+    assert carried >= 0.9
 
 
 async def test_killed_server_is_restarted_and_its_requests_regenerated(engine, model_path, tokenizer):

@@ -26,7 +26,8 @@ from stages.engines.sglang import SGLangEngine
 from stages.engines.sglang_probe import PushMismatch
 from stages.engines.sglang_server import REPO, gpu_available, sglang_python
 from stages.engines.torch import TorchEngine
-from tests.helpers.engines import GREEDY, SGLANG_SERVER_MODULE
+from tests.helpers.engines import GREEDY, SGLANG_SERVER_MODULE, started
+from tests.helpers.preemption import assert_partial, carried_to_torch, preempted_mid_decode
 from tests.stages.engines.test_sglang import run_probes
 
 pytestmark = SGLANG_SERVER_MODULE
@@ -178,3 +179,27 @@ async def test_a_short_moe_run_with_routing_replay_on_sglang(engine, model_path,
     assert len(records) == 10 and all(r["router_disagreement"] == 0.0 for r in records)
     info = await engine._call("GET", "/get_model_info")
     assert int(info["weight_version"]) >= 8  # the run's versions reached the module's server (each probed)
+
+
+async def test_a_preempted_engine_gives_back_its_tokens_routed_experts(engine, model_path):
+    """An engine on the module's server (attached by url: it pushes the folder's weights as version 0) preempted
+    mid-decode: each request's tokens come back with their logprobs and routed experts, the torch model's for the
+    same weights; carried on by a torch engine, the stitched sample's experts are those of one forward pass."""
+    model = load_model(model_path)
+    tok = load_tokenizer(model_path)
+    prompts = [[tok.bos_token_id, *tok.encode(text, add_special_tokens=False)] for text in ("12>", "3456>")]
+    attached = SGLangEngine(model_path, name="sglang-moe-preempted", url=engine.base_url)
+    params = SamplingParams(max_new_tokens=100)
+    async with started(attached):
+        partials = await preempted_mid_decode(attached, attached, prompts, params)
+    assert_partial(model, prompts, partials, params, 0)
+    weights = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    carried, done = await carried_to_torch(attached, model_path, weights, 0, prompts, partials, params, model)
+    for ids, partial, c in zip(prompts, partials, done, strict=True):
+        full = torch.tensor([ids + c.tokens.tolist()])
+        own = own_routing(model, input_ids=full)[0, len(ids) - 1 : full.shape[1] - 1].numpy()  # the sampling rows
+        assert partial.routed_experts is not None and partial.routed_experts.shape == (len(partial.tokens), 2, 2)
+        assert c.routed_experts is not None and np.array_equal(np.sort(c.routed_experts, -1), np.sort(own, -1))
+    print(f"SGLang MoE preempted: {[len(c.tokens) for c in partials]} tokens of {params.max_new_tokens} each given "
+          f"back with their experts, carried / generated {carried:.3f}")
+    assert carried >= 0.9

