@@ -11,7 +11,8 @@ of answer positions right). Each step:
    rollout tokenizes the tiny model's prompts), `sample(prompt, num_samples=--group-size)` (all sent at once), at
    temperature 1 with the task's token budget, every sampled token with its logprob;
 3. each completion scored by the task; its advantage is its reward minus its group's mean (Dr. GRPO: not
-   divided by the std), spread over its completion tokens and divided by the step's completion tokens (a
+   divided by the std), less `--entropy-coef` x each token's logprob (the entropy bonus baton's learner has and
+   Tinker's losses do not), spread over its completion tokens and divided by the step's completion tokens (a
    token mean, as baton's learner takes);
 4. `forward_backward(datums, "importance_sampling")` with the sampler's logprobs, then `optim_step`.
 
@@ -36,9 +37,12 @@ from common import ADAM, serving  # noqa: E402
 WINDOW = 10  # steps in the trailing mean reward
 
 
-def group_datums(prompt: list[int], sequences, rewards: list[float], scale: float) -> list:
+def group_datums(prompt: list[int], sequences, rewards: list[float], scale: float, entropy_coef: float = 0.0) -> list:
     """One group's datums for `importance_sampling`: tokens prompt + completion, the sampler's logprobs and the
-    advantage (reward - group mean) x `scale` on the completion's targets, 0 on the prompt's."""
+    advantage (reward - group mean - entropy_coef x the token's logprob) x `scale` on the completion's targets, 0
+    on the prompt's. The logprob term is the entropy bonus Tinker's losses do not have, as a reward: its expected
+    gradient is entropy_coef x the gradient of the policy's entropy (E[-log p grad log p]), so the samples of a
+    group do not all become the same answer, where the group's advantages, and with them the signal, vanish."""
     from tinker import types
 
     mean = sum(rewards) / len(rewards)
@@ -48,7 +52,7 @@ def group_datums(prompt: list[int], sequences, rewards: list[float], scale: floa
         if len(tokens) < 2 or not seq.tokens:
             continue
         head = len(prompt) - 1  # targets that are prompt tokens
-        advantages = [0.0] * head + [(reward - mean) * scale] * len(seq.tokens)
+        advantages = [0.0] * head + [(reward - mean - entropy_coef * float(x)) * scale for x in seq.logprobs]
         logprobs = [0.0] * head + [float(x) for x in seq.logprobs]
         out.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
                                loss_fn_inputs={"target_tokens": tokens[1:], "logprobs": logprobs,
@@ -74,7 +78,7 @@ def rl_step(training, tokenizer, task, rng: random.Random, args, adam, clock: di
               for p, r in zip(prompts, results, strict=True)]
     tokens = sum(len(s.tokens) for r in results for s in r.sequences)
     data = [d for ids, r, rewards in zip(encoded, results, scored, strict=True)
-            for d in group_datums(ids, r.sequences, rewards, 1.0 / max(tokens, 1))]
+            for d in group_datums(ids, r.sequences, rewards, 1.0 / max(tokens, 1), args.entropy_coef)]
     fb = training.forward_backward(data, "importance_sampling")
     optim = training.optim_step(adam)
     fb.result()
@@ -127,6 +131,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--digits", type=int, default=2)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--rank", type=int, default=8, help="LoRA rank")
+    parser.add_argument("--entropy-coef", type=float, default=0.01, help="the entropy bonus, as baton's learner's "
+                        "entropy_coef (a reward of -coef x each token's logprob; 0: none)")
     parser.add_argument("--target", type=float, default=0.8, help="trailing mean reward to stop at")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--folder", default=None, help="the model, the service's folder and its log (default: a "
