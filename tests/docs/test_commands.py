@@ -437,9 +437,12 @@ def smoke_script(command: Documented, request) -> None:
         ran([*argv[:2], "--check"])
 
 
-# Documented runs on an SGLang server whose whole path a `long` test already runs on a real server: their smoke
-# forms (a minute each, mostly the server's start) run nightly, not in CI's `long` suite (its 45 minutes).
+# Documented runs whose whole path a `long` test already runs (on a real SGLang server, or the same config on a
+# Ray cluster): their smoke forms (a minute each, mostly a server's or a cluster's start) run nightly, not in CI's
+# `long` suite (its 45 minutes).
 COVERED_BY_LONG = {
+    "baton run configs/ray-mooncake.toml": "tests/e2e/test_multi_node.py (the config's whole run, two ranks, three "
+                                           "nodes) and tests/e2e/test_mooncake_pipeline.py (its master's lifetime)",
     "baton run configs/sglang-cpu.toml": "tests/stages/engines/test_sglang.py::test_sglang_run_learns",
     "baton run configs/quickstart-moe.toml --set engine.kind=sglang":
         "tests/stages/engines/test_sglang_moe.py::test_a_short_moe_run_with_routing_replay_on_sglang",
@@ -447,7 +450,7 @@ COVERED_BY_LONG = {
 
 
 def tier(command: Documented) -> pytest.MarkDecorator:
-    """`nightly` for a documented SGLang run another long test covers (COVERED_BY_LONG), else `long`."""
+    """`nightly` for a documented run another long test covers (COVERED_BY_LONG), else `long`."""
     covered = any(command.line.startswith(line) for line in COVERED_BY_LONG)
     return pytest.mark.nightly if covered else pytest.mark.long
 
