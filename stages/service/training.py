@@ -31,12 +31,18 @@ from stages.weights.adapter import AdapterVersion, as_received
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 LORA_ALPHA = 32.0  # the adapter's output scale is alpha / rank
+# how far a sampler's probe logprob may be from the learner's (relative beyond 1). The learner's default (1e-4)
+# held for baton's own runs; a client's loop may train its adapter much further (alpha 32, its own lr), and the
+# engine's merged weights (W + s BA) then round apart from peft's W x + s B(A x) by more: 3.0e-4 was seen after
+# 172 RL steps at lr 2e-3, and the sampler refused a good adapter. The probe still refuses a sampler that serves
+# the base or another version once the adapters differ by more than this in the probe's logprobs.
+PROBE_TOLERANCE = 1e-3
 
 
 def lora_spec(rank: int, train_attn: bool, train_mlp: bool, train_unembed: bool) -> LoraSpec:
     """The learner's `LoraSpec` for a Tinker `LoraConfig`: attention, MLP and unembedding as module names."""
     targets = ATTENTION * train_attn + MLP * train_mlp + ("lm_head",) * train_unembed
-    return LoraSpec(rank=rank, alpha=LORA_ALPHA, target_modules=targets)
+    return LoraSpec(rank=rank, alpha=LORA_ALPHA, target_modules=targets, check_tolerance=PROBE_TOLERANCE)
 
 
 @dataclass(frozen=True)
