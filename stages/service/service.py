@@ -53,7 +53,6 @@ class Service:
         self.sessions = Sessions()
         self.models: dict[str, TrainingModel] = {}
         self.order: dict[str, asyncio.Lock] = {}  # per model: its calls run one at a time, in arrival order
-        self.calls: dict[tuple[str, int], str] = {}  # (model, seq_id) -> request id: a retry is applied once
         self.sampling_sessions: dict[str, str] = {}  # id -> the checkpoint it samples (BASE: the base model)
         self.samplers = Samplers(self.model_path, seed, device=device)
         self.futures = Futures()
@@ -96,14 +95,11 @@ class Service:
     def _retried(self, model_id: str, seq_id: int | None) -> str | None:
         """The request id of the model's call `seq_id` when a request with that seq_id came before: a retried
         request gets the first one's future and is applied once. None for a new call (or one without seq_id)."""
-        return self.calls.get((model_id, seq_id)) if seq_id else None
+        return self.futures.by_key((model_id, seq_id)) if seq_id else None
 
     def _start(self, model_id: str, seq_id: int | None, work) -> str:
         """Start the model's call `seq_id` (in arrival order, `_in_order`) and remember it for a retry."""
-        request_id = self.futures.start(self._in_order(model_id, work))
-        if seq_id:
-            self.calls[(model_id, seq_id)] = request_id
-        return request_id
+        return self.futures.start(self._in_order(model_id, work), (model_id, seq_id) if seq_id else None)
 
     async def _in_order(self, model_id: str, work) -> Result:
         async with self.order[model_id]:
