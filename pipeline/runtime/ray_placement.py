@@ -53,11 +53,10 @@ def host_options(needs: Needs) -> dict[str, Any]:
     return {"num_cpus": needs.resources.cpus, "num_gpus": needs.resources.gpus, "resources": needs.custom}
 
 
-def _asked(needs: Resources | Needs) -> str:
-    custom = needs.custom if isinstance(needs, Needs) else {}
-    needs = needs.resources if isinstance(needs, Needs) else needs
-    return (f"{needs.cpus:g} CPU" + (f" and {needs.gpus:g} GPU" if needs.gpus else "")
-            + "".join(f" and {amount:g} {name}" for name, amount in custom.items()))
+def _asked(needs: Needs) -> str:
+    cpus, gpus = needs.resources.cpus, needs.resources.gpus
+    return (f"{cpus:g} CPU" + (f" and {gpus:g} GPU" if gpus else "")
+            + "".join(f" and {amount:g} {name}" for name, amount in needs.custom.items()))
 
 
 def _holds(node: dict[str, float], needs: Needs) -> bool:
