@@ -1,12 +1,17 @@
-"""`baton serve MODEL_DIR [--port P] [--dir D]`: a Tinker-compatible training service over one base model folder
-(`stages.service`), on 127.0.0.1, for the official `tinker` SDK (`pip install -e '.[tinker]'`).
+"""`baton serve MODEL_DIR [--port P] [--dir D] [--state S]`: a Tinker-compatible training service over one base
+model folder (`stages.service`), on 127.0.0.1, for the official `tinker` SDK (`pip install -e '.[tinker]'`).
 
-It makes a key of the shape the SDK requires (`tml-` and 43 random URL-safe characters), writes it to
-`D/api_key` (mode 0600) and the address to `D/service.json` ({"base_url", "pid", "model", "key_file"}), prints
+It makes a key of the shape the SDK requires (`tml-` and 43 random URL-safe characters) unless `D/api_key`
+holds one already (a restart over the same folder keeps its clients' key), writes it to `D/api_key` (mode 0600)
+and the address to `D/service.json` ({"base_url", "pid", "model", "key_file"}), prints
 both paths, and serves until Ctrl-C or SIGTERM. A client points the SDK at it:
 `tinker.ServiceClient(base_url=..., api_key=open("D/api_key").read())` (or TINKER_BASE_URL / TINKER_API_KEY).
 A training client's `save_state(name)` writes `D/checkpoints/{model_id}/{name}/` (the learner's checkpoint in
 `state/`, the adapter as a PEFT folder in `adapter/`).
+
+Its state (the journal of accepted calls, each model's committed learner state, the saved samplers) lives in `S`
+(default `D/state`): started again over the same `S` after a kill, it comes back at each model's last committed
+step and runs again what it had accepted after it (`stages.service.recovery`), before it serves.
 
 Exit codes: 0 stopped by Ctrl-C or SIGTERM, 2 bad usage (no such model folder, the tinker extra missing).
 """
@@ -33,16 +38,20 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("model_dir", metavar="MODEL_DIR", help="a Hugging Face causal-LM folder (its tokenizer included)")
     p.add_argument("--port", type=int, default=8000, help="port on 127.0.0.1 (0: any free one; default 8000)")
     p.add_argument("--dir", default="baton-serve", help="where the key and service.json go (default ./baton-serve)")
+    p.add_argument("--state", default=None, help="the journal, committed learner states and saved samplers; a "
+                   "restart over the same folder comes back where the service was (default DIR/state)")
     p.add_argument("--device", default="cpu", help="the learner's and engines' device (default cpu)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     return p
 
 
 def write_key(folder: Path) -> tuple[str, Path]:
-    """A fresh `tml-...` key, written to `folder/api_key` readable by this user only."""
+    """The `tml-...` key in `folder/api_key` (a fresh one unless a `tml-` key is there), readable by this user
+    only."""
     folder.mkdir(parents=True, exist_ok=True)
-    key = "tml-" + secrets.token_urlsafe(32)
     path = folder / "api_key"
+    kept = path.read_text().strip() if path.is_file() else ""
+    key = kept if kept.startswith("tml-") else "tml-" + secrets.token_urlsafe(32)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(key)
@@ -50,15 +59,19 @@ def write_key(folder: Path) -> tuple[str, Path]:
     return key, path
 
 
-async def serve(model_dir: Path, port: int, folder: Path, device: str) -> None:
+async def serve(model_dir: Path, port: int, folder: Path, state: Path, device: str) -> None:
     from aiohttp import web
 
+    from stages.service.recovery import recover
     from stages.service.routes import make_app
     from stages.service.service import Service
 
     key, key_file = write_key(folder)
-    runner = web.AppRunner(make_app(Service(model_dir, folder / "checkpoints", device=device), key), access_log=None,
-                           shutdown_timeout=2.0)
+    service = Service(model_dir, folder / "checkpoints", state, device=device)
+    back = recover(service)
+    if back["sessions"]:
+        print(f"baton serve: back from {state}: " + ", ".join(f"{n} {what}" for what, n in back.items()), flush=True)
+    runner = web.AppRunner(make_app(service, key), access_log=None, shutdown_timeout=2.0)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", port)
     await site.start()
@@ -91,5 +104,6 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    asyncio.run(serve(model_dir, args.port, Path(args.dir), args.device))
+    folder = Path(args.dir)
+    asyncio.run(serve(model_dir, args.port, folder, Path(args.state) if args.state else folder / "state", args.device))
     return 0

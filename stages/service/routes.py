@@ -71,7 +71,7 @@ class Routes:
         return _json({"status": "accepted"} if kind == "telemetry" else {})
 
     async def create_session(self, _: web.Request) -> web.Response:
-        return _json({"type": "create_session", "session_id": self.s.sessions.create()})
+        return _json({"type": "create_session", "session_id": self.s.create_session()})
 
     async def heartbeat(self, request: web.Request) -> web.Response:
         self.s.sessions.heartbeat((await request.json()).get("session_id", ""))
@@ -115,8 +115,9 @@ class Routes:
         request_id = (await request.json()).get("request_id", "")
         try:
             result = await self.s.futures.result(request_id)
-        except UnknownFuture:
-            return _json({"detail": f"unknown request_id {request_id!r}"}, 404)
+        except UnknownFuture:  # 410: the SDK's sampling client sends the sample again; a training call raises
+            return _json({"detail": f"unknown request_id {request_id!r}: its result is gone (forgotten an hour "
+                                    "after it finished, or a sample lost in a restart)"}, 410)
         if result is None:
             return _json({"type": "try_again", "request_id": request_id, "queue_state": "active"})
         if isinstance(result, Failure):

@@ -1,10 +1,18 @@
 """`Service`: what the endpoints act on: sessions and their heartbeats, the training models, the saved samplers
 and the futures. Each method checks its request first and raises `Refused` naming what it does not support,
-so an unsupported call fails at the call that names it; the work itself runs as a future (`Futures`).
+so an unsupported call fails at the call that names it; the work itself runs as a future (`Futures`), made by
+`Calls` from the call's journal record.
+
+Durable: a call that changes state is journaled (`Journal`, in the state folder) before its request id is
+answered, and its result when it finishes; each `optim_step` commits the model's learner state (`Store`). A
+service restarted over the same state folder (`stages.service.recovery`) comes back with its sessions, models
+at their last committed step, samplers and results, and runs again what was accepted after the commit.
 
 Ids: sessions `session-N`, models `{session}:train:{model_seq_id}` (as the SDK derives them), sampling sessions
-`sampler-N`; a saved sampler checkpoint is
-`tinker://{model_id}/sampler_weights/{name}`. The calls of one model run in the order they arrived, one at a time.
+`sampler-N`; a model's call `seq` has the request id `{model_id}/{seq}` (`call_id`; 0: the call that made it),
+in every run of the service. A saved sampler checkpoint is `tinker://{model_id}/sampler_weights/{name}`. The
+calls of one model run in the order they arrived, one at a time; they arrive in seq_id order (the SDK sends
+each after the one before was accepted), so a seq_id at or below the last accepted one is a retry.
 """
 
 from __future__ import annotations
@@ -15,17 +23,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-import anyio
 import msgspec
 
-from stages.learner.state import STATE_FILE, LearnerState
 from stages.service import wire
-from stages.service.futures import Futures, Result
+from stages.service.calls import Calls, adam_settings, checkpoint_state
+from stages.service.futures import Futures, Result, call_id, settle
+from stages.service.journal import CallRecord, DoneRecord, Journal, Outcome, SamplingRecord, SessionRecord
 from stages.service.losses import check_loss
 from stages.service.refusals import check_lora_config, check_sampling_request, refuse_unless
 from stages.service.sampling import BASE, Samplers
-from stages.service.training import AdamSettings, TrainingModel, lora_spec
-from stages.weights.adapter import write_peft_folder
+from stages.service.store import Store
 
 
 class Sessions:
@@ -40,30 +47,72 @@ class Sessions:
         self.seen[session] = time.monotonic()
         return session
 
+    def restore(self, session: str) -> None:
+        """A session a restarted service had: known again, and its number never given out again."""
+        self.seen[session] = time.monotonic()
+        self._ids = itertools.count(max(next(self._ids), int(session.rsplit("-", 1)[1]) + 1))
+
     def heartbeat(self, session: str) -> None:
         refuse_unless(session in self.seen, f"unknown session_id {session!r}")
         self.seen[session] = time.monotonic()
 
 
 class Service:
-    def __init__(self, model_path: Path, checkpoints: Path, device: str = "cpu", seed: int = 0) -> None:
+    def __init__(self, model_path: Path, checkpoints: Path, state: Path, device: str = "cpu", seed: int = 0) -> None:
         self.model_path, self.checkpoints = model_path.resolve(), checkpoints
         self.name = str(self.model_path)  # the base model's name: its folder, which the SDK loads a tokenizer from
-        self.device = device
         self.sessions = Sessions()
-        self.models: dict[str, TrainingModel] = {}
         self.order: dict[str, asyncio.Lock] = {}  # per model: its calls run one at a time, in arrival order
+        self.last_seq: dict[str, int] = {}  # per model: the seq_id of the last call it accepted
         self.sampling_sessions: dict[str, str] = {}  # id -> the checkpoint it samples (BASE: the base model)
         self.samplers = Samplers(self.model_path, seed, device=device)
         self.futures = Futures()
+        self.journal, self.store = Journal(state), Store(state)
+        self.calls = Calls(self.model_path, checkpoints, device, self.journal, self.store, self.samplers,
+                           self.sampling_session)
+        self.models = self.calls.models
         self._ids = itertools.count(1)
 
-    def _new(self, kind: str) -> str:
-        return f"{kind}-{next(self._ids)}"
+    def create_session(self) -> str:
+        session = self.sessions.create()
+        self.journal.append(SessionRecord(session))
+        return session
+
+    def sampling_session(self, path: str) -> str:
+        """A new sampling session of the checkpoint `path` (journaled): its id."""
+        session = f"sampler-{next(self._ids)}"
+        self.journal.append(SamplingRecord(session, path))
+        self.sampling_sessions[session] = path
+        return session
+
+    def restore_sampling_session(self, session: str, path: str) -> None:
+        """A sampling session a restarted service had: known again, its number never given out again."""
+        self.sampling_sessions[session] = path
+        self._ids = itertools.count(max(next(self._ids), int(session.rsplit("-", 1)[1]) + 1))
 
     def _base(self, name: str | None) -> None:
         refuse_unless(name in (self.name, self.model_path.name),
                       f"base_model {name!r} is not served here; this service serves {self.name!r}")
+
+    def run(self, call: CallRecord, work=None) -> str:
+        """Start the call (its work made from its record unless given) after the model's earlier calls; its
+        result journaled when it finishes. Its request id."""
+        work = work if work is not None else self.calls.work(call)
+        return self.futures.start(self._in_order(call, work), call_id(call.model, call.seq))
+
+    def _accept(self, model_id: str, seq: int, kind: str, body: bytes | dict[str, Any]) -> str:
+        """Journal the call (on disk before its id is answered), then run it."""
+        raw = body if isinstance(body, bytes) else msgspec.json.encode(body)
+        call = CallRecord(model_id, seq, kind, raw)
+        self.journal.append(call)
+        self.last_seq[model_id] = seq
+        return self.run(call)
+
+    async def _in_order(self, call: CallRecord, work) -> Result:
+        async with self.order[call.model]:
+            result = await settle(work)
+            self.journal.append(DoneRecord(call.model, call.seq, Outcome.of(result)))
+        return result
 
     def create_model(self, body: dict[str, Any]) -> str:
         self._base(body.get("base_model"))
@@ -72,16 +121,9 @@ class Service:
         check_lora_config(lora)
         optimizer = (body.get("optimizer_config") or {}).get("type", "adamw")
         refuse_unless(optimizer == "adamw", f"optimizer_config.type {optimizer!r} is not supported; adamw only")
-        spec = lora_spec(lora["rank"], lora.get("train_attn", True), lora.get("train_mlp", True),
-                         lora.get("train_unembed", True))
         model_id = self._model_id(body)
-
-        async def make() -> Result:
-            self.models[model_id] = await anyio.to_thread.run_sync(TrainingModel, self.model_path, spec, self.device)
-            return {"model_id": model_id, "type": "create_model"}
-
         self.order[model_id] = asyncio.Lock()
-        return self.futures.start(self._in_order(model_id, make()))
+        return self._accept(model_id, 0, "create_model", body)
 
     def _model_id(self, body: dict[str, Any]) -> str:
         """`{session_id}:train:{model_seq_id}`, the id the SDK derives for a model it creates by loading."""
@@ -92,21 +134,22 @@ class Service:
                                                                            "an integer")
         return model_id
 
-    def _retried(self, model_id: str, seq_id: int | None) -> str | None:
-        """The request id of the model's call `seq_id` when a request with that seq_id came before: a retried
-        request gets the first one's future and is applied once. None for a new call (or one without seq_id)."""
-        return self.futures.by_key((model_id, seq_id)) if seq_id else None
-
-    def _start(self, model_id: str, seq_id: int | None, work) -> str:
-        """Start the model's call `seq_id` (in arrival order, `_in_order`) and remember it for a retry."""
-        return self.futures.start(self._in_order(model_id, work), (model_id, seq_id) if seq_id else None)
-
-    async def _in_order(self, model_id: str, work) -> Result:
-        async with self.order[model_id]:
-            return await work
-
-    def _model(self, model_id: str) -> TrainingModel:
+    def _retried(self, model_id: str, seq: Any) -> str | None:
+        """The request id of the model's call `seq` when it came before (a retry gets the first call's future and
+        is applied once); None for a new call. `Refused` for a seq_id that is not a new one."""
         refuse_unless(model_id in self.order, f"unknown model_id {model_id!r}")
+        refuse_unless(isinstance(seq, int) and seq > 0, f"seq_id {seq!r}: a model's calls carry a positive "
+                                                        "integer seq_id, the SDK's numbering from 1")
+        if self.futures.known(call_id(model_id, seq)):
+            return call_id(model_id, seq)
+        last = self.last_seq.get(model_id, 0)
+        refuse_unless(seq > last, f"seq_id {seq} of {model_id} was accepted before (the last is {last}) and its "
+                                  "result is no longer kept: it is not applied twice")
+        return None
+
+    def _model(self, model_id: str):
+        refuse_unless(model_id in self.order, f"unknown model_id {model_id!r}")
+        refuse_unless(model_id in self.models, f"model {model_id!r} is still being made; ask again")
         return self.models[model_id]
 
     def info(self, model_id: str) -> dict[str, Any]:
@@ -117,121 +160,57 @@ class Service:
 
     def forward_backward(self, body: bytes) -> str:
         request = wire.decode_forward_backward(body)
-        refuse_unless(request.model_id in self.order, f"unknown model_id {request.model_id!r}")
         if retried := self._retried(request.model_id, request.seq_id):
             return retried
         names = [set(d.inputs) for d in request.data]
         refuse_unless(all(n == names[0] for n in names), "every datum must carry the same loss_fn_inputs")
-        settings = check_loss(request.loss_fn, request.config, names[0])
-
-        async def run() -> Result:
-            model = self.models[request.model_id]
-            rows, metrics = await anyio.to_thread.run_sync(model.forward_backward, request.data, request.loss_fn,
-                                                           settings, not request.forward_only)
-            return wire.forward_backward_output(rows, metrics)
-
-        return self._start(request.model_id, request.seq_id, run())
+        check_loss(request.loss_fn, request.config, names[0])
+        return self._accept(request.model_id, request.seq_id, "forward_backward", body)
 
     def optim_step(self, body: dict[str, Any]) -> str:
-        model_id = body.get("model_id", "")
-        refuse_unless(model_id in self.order, f"unknown model_id {model_id!r}")
-        if retried := self._retried(model_id, body.get("seq_id")):
+        model_id, seq = body.get("model_id", ""), body.get("seq_id")
+        if retried := self._retried(model_id, seq):
             return retried
-        params = body.get("adam_params")
-        refuse_unless(params is not None, "optim_step takes adam_params only (AdamW); other optimizers are refused")
-        unknown = sorted(set(params) - set(AdamSettings.__dataclass_fields__))
-        refuse_unless(not unknown, f"adam_params keys {unknown} are not supported")
-        adam = AdamSettings(**params)
-
-        async def run() -> Result:
-            metrics = await anyio.to_thread.run_sync(self.models[model_id].optim_step, adam)
-            return {"metrics": metrics}
-
-        return self._start(model_id, body.get("seq_id"), run())
+        adam_settings(body)
+        return self._accept(model_id, seq, "optim_step", body)
 
     def save_for_sampler(self, body: dict[str, Any]) -> str:
-        model_id = body.get("model_id", "")
-        refuse_unless(model_id in self.order, f"unknown model_id {model_id!r}")
-        if retried := self._retried(model_id, body.get("seq_id")):
+        model_id, seq = body.get("model_id", ""), body.get("seq_id")
+        if retried := self._retried(model_id, seq):
             return retried
         refuse_unless(body.get("kind", "snapshot") == "snapshot", "kind 'inflight' samplers are not supported yet")
         refuse_unless(body.get("ttl_seconds") is None, "ttl_seconds is not supported: what is saved here stays")
-        name, seq = body.get("path"), body.get("sampling_session_seq_id")
-        refuse_unless((name is None) != (seq is None), "save_weights_for_sampler takes a path or a "
-                                                       "sampling_session_seq_id")
-
-        async def run() -> Result:
-            model = self.models[model_id]
-            adapter = await anyio.to_thread.run_sync(model.adapter)
-            path = f"tinker://{model_id}/sampler_weights/{name or f'step-{model.steps}-{next(self._ids)}'}"
-            self.samplers.save(path, adapter)
-            if name is not None:
-                return {"path": path, "type": "save_weights_for_sampler"}
-            session = self._new("sampler")
-            self.sampling_sessions[session] = path
-            return {"path": path, "sampling_session_id": session, "type": "save_weights_for_sampler"}
-
-        return self._start(model_id, body.get("seq_id"), run())
+        refuse_unless((body.get("path") is None) != (body.get("sampling_session_seq_id") is None),
+                      "save_weights_for_sampler takes a path or a sampling_session_seq_id")
+        return self._accept(model_id, seq, "save_weights_for_sampler", body)
 
     def save_state(self, body: dict[str, Any]) -> str:
         """`save_weights` (the SDK's `save_state`): the learner's checkpoint of the model (adapter and optimizer
         state, `PolicyTrainer.write_state`) in `checkpoints/{model_id}/{name}/state`, and the adapter as a PEFT
         folder beside it (`adapter`), which any peft user can load."""
-        model_id, name = body.get("model_id", ""), body.get("path")
-        refuse_unless(model_id in self.order, f"unknown model_id {model_id!r}")
-        if retried := self._retried(model_id, body.get("seq_id")):
+        model_id, seq, name = body.get("model_id", ""), body.get("seq_id"), body.get("path")
+        if retried := self._retried(model_id, seq):
             return retried
         refuse_unless(isinstance(name, str) and name.replace("-", "").replace("_", "").isalnum(),
                       f"save_weights path must be a plain name (letters, digits, - and _), got {name!r}")
         refuse_unless(body.get("ttl_seconds") is None, "ttl_seconds is not supported: what is saved here stays")
-        folder = self.checkpoints / model_id / name
-        refuse_unless(body.get("overwrite", False) or not folder.exists(),
+        refuse_unless(body.get("overwrite", False) or not (self.checkpoints / model_id / name).exists(),
                       f"checkpoint {name!r} of {model_id} exists; pass overwrite=True to replace it")
-
-        def write() -> None:
-            model = self.models[model_id]
-            model.trainer.write_state(folder / "state", model.steps)
-            adapter = model.adapter()
-            write_peft_folder(folder / "adapter", adapter.spec, adapter.tensors, self.model_path)
-
-        async def run() -> Result:
-            await anyio.to_thread.run_sync(write)
-            return {"path": f"tinker://{model_id}/weights/{name}", "type": "save_weights"}
-
-        return self._start(model_id, body.get("seq_id"), run())
+        return self._accept(model_id, seq, "save_weights", body)
 
     def load_state(self, body: dict[str, Any]) -> str:
         """`load_weights` as the SDK's `create_training_client_from_state[_with_optimizer]` sends it: a new model
         (`session_id`, `model_seq_id`) made from a checkpoint `save_state` wrote, its adapter settings the
         checkpoint's, with its optimizer state when `optimizer` is true (else a fresh AdamW)."""
-        path = body.get("path", "")
         refuse_unless(body.get("model_id") is None, "load_weights into an existing model is not supported; create "
                                                     "a training client from the state instead")
         refuse_unless(not body.get("weights_access_token"), "weights_access_token is not supported")
         if body.get("base_model") is not None:
             self._base(body["base_model"])
-        prefix, _, rest = path.partition("tinker://")
-        owner, _, name = rest.partition("/weights/")
-        state = self.checkpoints / owner / name / "state"
-        refuse_unless(not prefix and bool(owner) and bool(name) and (state / STATE_FILE).is_file(),
-                      f"path {path!r} names no checkpoint save_state wrote here (tinker://MODEL_ID/weights/NAME)")
-        lora = msgspec.json.decode((state / STATE_FILE).read_bytes(), type=LearnerState).lora
-        refuse_unless(lora is not None, f"checkpoint {path!r} holds full weights; only LoRA models are served")
+        checkpoint_state(self.checkpoints, body.get("path", ""))
         model_id = self._model_id(body)
-
-        def load() -> TrainingModel:
-            model = TrainingModel(self.model_path, lora, self.device)
-            model.steps = model.trainer.read_state(state)
-            if not body.get("optimizer"):
-                model.trainer.optimizer.state.clear()  # weights only: AdamW starts afresh
-            return model
-
-        async def make() -> Result:
-            self.models[model_id] = await anyio.to_thread.run_sync(load)
-            return {"path": path, "model_id": model_id, "type": "load_weights"}
-
         self.order[model_id] = asyncio.Lock()
-        return self.futures.start(self._in_order(model_id, make()))
+        return self._accept(model_id, 0, "load_weights", body)
 
     def create_sampling_session(self, body: dict[str, Any]) -> str:
         path = body.get("model_path")
@@ -239,9 +218,7 @@ class Service:
             self._base(body.get("base_model"))
             path = BASE
         refuse_unless(self.samplers.knows(path), f"model_path {path!r} names no sampler weights saved here")
-        session = self._new("sampler")
-        self.sampling_sessions[session] = path
-        return session
+        return self.sampling_session(path)
 
     def sampler(self, session: str) -> dict[str, Any]:
         refuse_unless(session in self.sampling_sessions, f"unknown sampling session {session!r}")
@@ -274,3 +251,4 @@ class Service:
     async def close(self) -> None:
         await self.futures.close()
         await self.samplers.close()
+        self.journal.close()

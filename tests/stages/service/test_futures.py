@@ -1,5 +1,5 @@
-"""`Futures`: a keyed call is found again by its key (a retry is applied once); a finished result is forgotten
-`keep_s` after it finished, with its key; one still running is never forgotten."""
+"""`Futures`: a model's call is found again by its id (a retry is applied once); a finished result is forgotten
+`keep_s` after it finished; one still running is never forgotten."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from stages.service.futures import Failure, Futures, UnknownFuture
+from stages.service.futures import Failure, Futures, UnknownFuture, call_id
 
 pytestmark = pytest.mark.anyio
 
@@ -17,7 +17,7 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-async def test_a_key_finds_its_call_and_old_results_are_forgotten_with_their_keys() -> None:
+async def test_a_call_is_found_by_its_id_and_old_results_are_forgotten() -> None:
     futures = Futures(wait_s=1.0, keep_s=0.05)
     release = asyncio.Event()
 
@@ -28,13 +28,13 @@ async def test_a_key_finds_its_call_and_old_results_are_forgotten_with_their_key
         await release.wait()
         return {"value": "late"}
 
-    first = futures.start(done(1), key=("model", 1))
-    running = futures.start(waiting(), key=("model", 2))
-    assert futures.by_key(("model", 1)) == first and futures.by_key(("model", 3)) is None
+    first = futures.start(done(1), call_id("model", 1))
+    running = futures.start(waiting(), call_id("model", 2))
+    assert first == "model/1" and futures.known(first) and not futures.known(call_id("model", 3))
     assert await futures.result(first) == {"value": 1}
     await asyncio.sleep(0.1)  # past keep_s: the next start forgets the finished one, not the running one
     failing = futures.start(_raise())
-    assert futures.by_key(("model", 1)) is None and futures.by_key(("model", 2)) == running
+    assert not futures.known(first) and futures.known(running) and failing.startswith("req-")
     with pytest.raises(UnknownFuture):
         await futures.result(first)
     release.set()

@@ -1,0 +1,141 @@
+"""`Calls`: the work of a model's call, made from its journal record (`journal.CallRecord`) alone, so the same
+work runs when the call arrives and when a restarted service runs it again (`stages.service.recovery`).
+
+The request bodies were checked when they were accepted (`Service`); here they are parsed again by the same pure
+functions (`spec_of`, `adam_settings`, `checkpoint_state`) and acted on. An `optim_step` commits the model's
+learner state when it finishes (`Store`): a restart comes back at that step. A sampler's adapter is written to
+the state folder before its path is answered, and journaled, so it samples after a restart.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+
+from stages.learner.lora import LoraSpec
+from stages.learner.state import STATE_FILE, LearnerState
+from stages.service import wire
+from stages.service.futures import Result
+from stages.service.journal import CallRecord, Commit, Journal, Outcome, SamplerRecord
+from stages.service.losses import check_loss
+from stages.service.refusals import refuse_unless
+from stages.service.sampling import Samplers
+from stages.service.store import Store
+from stages.service.training import AdamSettings, TrainingModel, lora_spec
+from stages.weights.adapter import write_peft_folder
+
+
+def spec_of(body: dict[str, Any]) -> LoraSpec:
+    """The `LoraSpec` of a `create_model` body (its lora_config checked by the service)."""
+    lora = body["lora_config"]
+    return lora_spec(lora["rank"], lora.get("train_attn", True), lora.get("train_mlp", True),
+                     lora.get("train_unembed", True))
+
+
+def adam_settings(body: dict[str, Any]) -> AdamSettings:
+    """An `optim_step` body's AdamW settings; `Refused` for another optimizer or an unknown key."""
+    params = body.get("adam_params")
+    refuse_unless(params is not None, "optim_step takes adam_params only (AdamW); other optimizers are refused")
+    unknown = sorted(set(params) - set(AdamSettings.__dataclass_fields__))
+    refuse_unless(not unknown, f"adam_params keys {unknown} are not supported")
+    return AdamSettings(**params)
+
+
+def checkpoint_state(checkpoints: Path, path: str) -> tuple[Path, LoraSpec]:
+    """The learner-state folder `save_state` wrote for `tinker://MODEL_ID/weights/NAME`, and its LoRA settings."""
+    prefix, _, rest = path.partition("tinker://")
+    owner, _, name = rest.partition("/weights/")
+    state = checkpoints / owner / name / "state"
+    refuse_unless(not prefix and bool(owner) and bool(name) and (state / STATE_FILE).is_file(),
+                  f"path {path!r} names no checkpoint save_state wrote here (tinker://MODEL_ID/weights/NAME)")
+    lora = msgspec.json.decode((state / STATE_FILE).read_bytes(), type=LearnerState).lora
+    refuse_unless(lora is not None, f"checkpoint {path!r} holds full weights; only LoRA models are served")
+    return state, lora
+
+
+class Calls:
+    """Makes each model call's work (see the module docstring). `models` is shared with the service."""
+
+    def __init__(self, model_path: Path, checkpoints: Path, device: str, journal: Journal, store: Store,
+                 samplers: Samplers, sampling_session: Callable[[str], str]) -> None:
+        self.model_path, self.checkpoints, self.device = model_path, checkpoints, device
+        self.journal, self.store, self.samplers = journal, store, samplers
+        self.sampling_session = sampling_session  # a new sampling session of a checkpoint path: its id
+        self.models: dict[str, TrainingModel] = {}
+
+    def work(self, call: CallRecord, commit: Commit | None = None) -> Awaitable[Result]:
+        """The call's work; for the call that made a model, `commit` is the step it comes back at."""
+        body = call.body if call.kind == "forward_backward" else msgspec.json.decode(call.body)
+        if call.kind in ("create_model", "load_weights"):
+            return self._make(call, body, commit)
+        return {"forward_backward": self._forward_backward, "optim_step": self._optim_step,
+                "save_weights_for_sampler": self._save_for_sampler, "save_weights": self._save_state,
+                }[call.kind](call, body)
+
+    def _build(self, call: CallRecord, body: dict[str, Any], commit: Commit | None) -> TrainingModel:
+        if call.kind == "create_model":
+            model = TrainingModel(self.model_path, spec_of(body), self.device)
+        else:  # load_weights: from a checkpoint save_state wrote, with its optimizer state when asked
+            state, lora = checkpoint_state(self.checkpoints, body["path"])
+            model = TrainingModel(self.model_path, lora, self.device)
+            model.steps = model.trainer.read_state(state)
+            if not body.get("optimizer"):
+                model.trainer.optimizer.state.clear()  # weights only: AdamW starts afresh
+        if commit is not None:
+            model.steps = model.trainer.read_state(self.store.step_folder(call.model, commit.step))
+        return model
+
+    async def _make(self, call: CallRecord, body: dict[str, Any], commit: Commit | None) -> Result:
+        self.models[call.model] = await anyio.to_thread.run_sync(self._build, call, body, commit)
+        if call.kind == "create_model":
+            return {"model_id": call.model, "type": "create_model"}
+        return {"path": body["path"], "model_id": call.model, "type": "load_weights"}
+
+    async def _forward_backward(self, call: CallRecord, body: bytes) -> Result:
+        request = wire.decode_forward_backward(body)
+        settings = check_loss(request.loss_fn, request.config, set(request.data[0].inputs))
+        rows, metrics = await anyio.to_thread.run_sync(self.models[call.model].forward_backward, request.data,
+                                                       request.loss_fn, settings, not request.forward_only)
+        return wire.forward_backward_output(rows, metrics)
+
+    async def _optim_step(self, call: CallRecord, body: dict[str, Any]) -> Result:
+        model = self.models[call.model]
+        result: Result = {"metrics": await anyio.to_thread.run_sync(model.optim_step, adam_settings(body))}
+        await anyio.to_thread.run_sync(self._commit, call, model, result)
+        return result
+
+    def _commit(self, call: CallRecord, model: TrainingModel, result: Result) -> None:
+        """The model's learner state after this step, written whole, then committed (`Store.commit`)."""
+        folder = self.store.step_folder(call.model, model.steps)
+        shutil.rmtree(folder, ignore_errors=True)  # what a kill left of this step's earlier try
+        model.trainer.write_state(folder, model.steps)
+        self.store.commit(call.model, model.steps, call.seq, Outcome.of(result), model.steps - 1)
+
+    async def _save_for_sampler(self, call: CallRecord, body: dict[str, Any]) -> Result:
+        model = self.models[call.model]
+        adapter = await anyio.to_thread.run_sync(model.adapter)
+        name = body.get("path") or f"step-{model.steps}-{call.seq}"
+        path = f"tinker://{call.model}/sampler_weights/{name}"
+        file = await anyio.to_thread.run_sync(self.store.save_sampler, adapter)
+        self.journal.append(SamplerRecord(path, file))
+        self.samplers.save(path, adapter)
+        if body.get("path") is not None:
+            return {"path": path, "type": "save_weights_for_sampler"}
+        return {"path": path, "sampling_session_id": self.sampling_session(path), "type": "save_weights_for_sampler"}
+
+    async def _save_state(self, call: CallRecord, body: dict[str, Any]) -> Result:
+        folder = self.checkpoints / call.model / body["path"]
+
+        def write() -> None:
+            model = self.models[call.model]
+            model.trainer.write_state(folder / "state", model.steps)
+            adapter = model.adapter()
+            write_peft_folder(folder / "adapter", adapter.spec, adapter.tensors, self.model_path)
+
+        await anyio.to_thread.run_sync(write)
+        return {"path": f"tinker://{call.model}/weights/{body['path']}", "type": "save_weights"}

@@ -1,0 +1,171 @@
+"""The service's write-ahead journal: every call it accepted, in the order it accepted them, and how each ended.
+
+`state/journal.jsonl` holds one msgspec-JSON record a line, appended and fsync'd before the call's answer leaves
+(an accepted call is on disk before the client learns its request id) and before a finished call's result is
+answered. Records: `SessionRecord` (a `create_session`), `SamplingRecord` (a sampling session and the checkpoint
+it samples), `CallRecord` (a model's call `seq` of `kind` with its request body: `create_model` and
+`load_weights` are the model's call 0, the SDK numbers the rest from 1), `DoneRecord` (the call's result) and
+`SamplerRecord` (where a saved sampler's adapter was written). A line cut short by a kill is the journal's last
+and is dropped on reading: its call was never answered.
+
+`plan` is the restart's logic, kept pure so it is tested alone: given the records and each model's committed
+step (`Commit`: the seq of the `optim_step` whose learner state is on disk), each model's calls split into the
+finished ones whose result stands (up to the commit, and the saves after it that had finished: their files are
+on disk) and the ones to run again on the reloaded state (every call after the commit that changed or read the
+state: `forward_backward`, `optim_step`, and the unfinished saves), in order. Replaying them is deterministic on
+CPU, so the model comes back exactly where it was, no step applied twice and none lost.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+
+from stages.service.futures import Failure, Result
+
+JOURNAL_FILE = "journal.jsonl"
+MAKERS = ("create_model", "load_weights")  # a model's call 0: what made it
+REPLAYED = ("forward_backward", "optim_step")  # after the commit, run again even when they had finished
+
+
+class Outcome(msgspec.Struct, omit_defaults=True):
+    """A `Result` as a record holds it: a JSON dict, protobuf bytes, or a failure's message and category."""
+
+    json: dict | None = None
+    proto: bytes | None = None
+    error: str | None = None
+    category: str = "server"
+
+    @classmethod
+    def of(cls, result: Result) -> Outcome:
+        if isinstance(result, Failure):
+            return cls(error=result.error, category=result.category)
+        return cls(proto=result) if isinstance(result, bytes) else cls(json=result)
+
+    def result(self) -> Result:
+        if self.error is not None:
+            return Failure(self.error, self.category)
+        return self.proto if self.proto is not None else (self.json or {})
+
+
+class SessionRecord(msgspec.Struct, tag="session"):
+    id: str
+
+
+class SamplingRecord(msgspec.Struct, tag="sampling"):
+    id: str
+    path: str
+
+
+class CallRecord(msgspec.Struct, tag="call"):
+    model: str
+    seq: int
+    kind: str
+    body: bytes  # the request as it came: JSON, or the forward_backward protobuf
+
+
+class DoneRecord(msgspec.Struct, tag="done"):
+    model: str
+    seq: int
+    outcome: Outcome
+
+
+class SamplerRecord(msgspec.Struct, tag="sampler"):
+    path: str  # the checkpoint's tinker:// path
+    file: str  # its adapter, relative to the state folder
+
+
+Record = SessionRecord | SamplingRecord | CallRecord | DoneRecord | SamplerRecord
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder(Record)
+
+
+class Journal:
+    """Appends records to `folder/journal.jsonl`, each on disk (fsync) when `append` returns."""
+
+    def __init__(self, folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        self.path = folder / JOURNAL_FILE
+        self._file = open(self.path, "ab")  # noqa: SIM115  held open for the service's life, closed by close()
+
+    def append(self, record: Record) -> None:
+        self._file.write(_encoder.encode(record) + b"\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_journal(folder: Path) -> list[Record]:
+    """The records of `folder`'s journal in order ([] when there is none); a torn last line is dropped, a torn
+    line before the last is an error naming it (the file was damaged, not cut short by a kill)."""
+    path = folder / JOURNAL_FILE
+    if not path.exists():
+        return []
+    lines = path.read_bytes().split(b"\n")
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line:
+            continue
+        try:
+            records.append(_decoder.decode(line))
+        except msgspec.DecodeError as exc:
+            if any(lines[number:]):
+                raise ValueError(f"{path} line {number} does not decode ({exc}); the journal is damaged") from None
+    return records
+
+
+@dataclass(frozen=True)
+class Commit:
+    """A model's last committed step: its learner state is on disk after the `optim_step` `seq`."""
+
+    step: int
+    seq: int
+    outcome: Outcome
+
+
+@dataclass
+class ModelPlan:
+    """One model's restart: the call that made it, the results that stand (seq -> result) and the calls to run
+    again, in seq order."""
+
+    maker: CallRecord
+    finished: dict[int, Result] = field(default_factory=dict)
+    rerun: list[CallRecord] = field(default_factory=list)
+    last_seq: int = 0
+
+
+def plan(records: list[Record], commits: dict[str, Commit]) -> dict[str, ModelPlan]:
+    """Each model's restart (see the module docstring) from the journal's records and its committed steps."""
+    calls: dict[str, dict[int, CallRecord]] = {}
+    done: dict[str, dict[int, Result]] = {}
+    for record in records:
+        if isinstance(record, CallRecord):
+            calls.setdefault(record.model, {})[record.seq] = record
+        elif isinstance(record, DoneRecord):
+            done.setdefault(record.model, {})[record.seq] = record.outcome.result()
+    plans = {}
+    for model, by_seq in calls.items():
+        if 0 not in by_seq or by_seq[0].kind not in MAKERS:
+            raise ValueError(f"the journal names model {model!r} without the call that made it")
+        commit = commits.get(model)
+        committed = commit.seq if commit is not None else 0
+        finished = done.get(model, {})
+        model_plan = plans[model] = ModelPlan(by_seq[0], last_seq=max(by_seq))
+        if commit is not None:
+            finished[commit.seq] = commit.outcome.result()
+        for seq in sorted(by_seq)[1:]:
+            call = by_seq[seq]
+            if seq <= committed and seq in finished:
+                model_plan.finished[seq] = finished[seq]
+            elif seq <= committed:
+                model_plan.finished[seq] = Failure("the result of this call was lost in a restart")
+            elif call.kind in REPLAYED or seq not in finished:
+                model_plan.rerun.append(call)
+            else:
+                model_plan.finished[seq] = finished[seq]
+    return plans

@@ -1,0 +1,91 @@
+"""`Store`: what the service keeps on disk beside its journal, so a restart over the same folder comes back.
+
+* `models/{model_id}/step-{n}/`: a model's learner state (adapter and AdamW state, `PolicyTrainer.write_state`)
+  after its optimizer step n, written when that `optim_step` finishes, and `models/{model_id}/commit.json` (the
+  step, the seq of its `optim_step` and that call's result: `journal.Commit`) replaced atomically after it: a
+  step is committed exactly when `commit.json` names it, and a kill before that leaves the previous commit
+  whole. The older step folder is removed after the new commit; at most two exist at once.
+* `samplers/{n}.safetensors`: each adapter saved for sampling, as the learner published it (its tensors and its
+  descriptor, `stages.weights.adapter.pack_adapter`), so a sampler saved before a restart samples after it.
+
+Nothing here is pickled: msgspec JSON, torch distributed checkpoints and safetensors.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import msgspec
+import safetensors.torch
+
+from stages.service.journal import Commit, Outcome
+from stages.weights.adapter import AdapterVersion, as_received, pack_adapter
+
+COMMIT_FILE = "commit.json"
+
+
+class _CommitFile(msgspec.Struct):
+    step: int
+    seq: int
+    outcome: Outcome
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    """`data` at `path`, whole or not at all: written beside it, fsync'd, then renamed over it."""
+    part = path.with_name(path.name + ".part")
+    with open(part, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(part, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # the rename itself on disk
+    finally:
+        os.close(fd)
+
+
+class Store:
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        (folder / "models").mkdir(parents=True, exist_ok=True)
+        (folder / "samplers").mkdir(parents=True, exist_ok=True)
+
+    def _model(self, model_id: str) -> Path:
+        return self.folder / "models" / model_id
+
+    def step_folder(self, model_id: str, step: int) -> Path:
+        return self._model(model_id) / f"step-{step}"
+
+    def commit(self, model_id: str, step: int, seq: int, outcome: Outcome, previous: int | None) -> None:
+        """Commit step `step` (its state already written to `step_folder`), then drop the `previous` one."""
+        data = msgspec.json.encode(_CommitFile(step, seq, outcome))
+        _write_atomically(self._model(model_id) / COMMIT_FILE, data)
+        if previous is not None and previous != step:
+            shutil.rmtree(self.step_folder(model_id, previous), ignore_errors=True)
+
+    def commits(self) -> dict[str, Commit]:
+        """Every model's committed step (a model that never committed one has none)."""
+        found = {}
+        for folder in (self.folder / "models").iterdir():
+            if (folder / COMMIT_FILE).is_file():
+                c = msgspec.json.decode((folder / COMMIT_FILE).read_bytes(), type=_CommitFile)
+                found[folder.name] = Commit(c.step, c.seq, c.outcome)
+        return found
+
+    def save_sampler(self, adapter: AdapterVersion) -> str:
+        """Write a sampler's adapter; its file, relative to the state folder (for the journal's record)."""
+        name = f"samplers/{sum(1 for _ in (self.folder / 'samplers').glob('*.safetensors'))}.safetensors"
+        tensors = {n: t.detach().cpu().contiguous() for n, t in pack_adapter(adapter.spec, adapter.tensors).items()}
+        part = self.folder / f"{name}.part"
+        safetensors.torch.save_file(tensors, str(part))
+        os.replace(part, self.folder / name)
+        return name
+
+    def load_sampler(self, name: str) -> AdapterVersion:
+        received = as_received(safetensors.torch.load_file(str(self.folder / name)))
+        assert isinstance(received, AdapterVersion), f"{name} holds no adapter"
+        return received
+
