@@ -19,6 +19,7 @@ CPU, so the model comes back exactly where it was, no step applied twice and non
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -71,6 +72,7 @@ class DoneRecord(msgspec.Struct, tag="done"):
     model: str
     seq: int
     outcome: Outcome
+    at: float = 0.0  # when it finished (time.time()): a result is kept `Futures.keep_s` after, across restarts
 
 
 class SamplerRecord(msgspec.Struct, tag="sampler"):
@@ -84,12 +86,22 @@ _decoder = msgspec.json.Decoder(Record)
 
 
 class Journal:
-    """Appends records to `folder/journal.jsonl`, each on disk (fsync) when `append` returns."""
+    """Appends records to `folder/journal.jsonl`, each on disk (fsync) when `append` returns. Opening it cuts
+    off a torn last line (a kill's, never answered), so what is appended next starts a line of its own."""
 
     def __init__(self, folder: Path) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         self.path = folder / JOURNAL_FILE
+        if self.path.exists():
+            data = self.path.read_bytes()
+            if data and not data.endswith(b"\n"):
+                os.truncate(self.path, data.rfind(b"\n") + 1)
         self._file = open(self.path, "ab")  # noqa: SIM115  held open for the service's life, closed by close()
+
+    def reopen(self) -> None:
+        """Append to the file at the journal's path now (after `rewrite` replaced it)."""
+        self._file.close()
+        self._file = open(self.path, "ab")  # noqa: SIM115
 
     def append(self, record: Record) -> None:
         self._file.write(_encoder.encode(record) + b"\n")
@@ -130,42 +142,70 @@ class Commit:
 
 @dataclass
 class ModelPlan:
-    """One model's restart: the call that made it, the results that stand (seq -> result) and the calls to run
-    again, in seq order."""
+    """One model's restart: the call that made it, the results that stand (seq -> its record) and the calls to
+    run again, in seq order; `last_seq` is the last seq_id it accepted."""
 
     maker: CallRecord
-    finished: dict[int, Result] = field(default_factory=dict)
+    finished: dict[int, DoneRecord] = field(default_factory=dict)
     rerun: list[CallRecord] = field(default_factory=list)
     last_seq: int = 0
 
 
-def plan(records: list[Record], commits: dict[str, Commit]) -> dict[str, ModelPlan]:
-    """Each model's restart (see the module docstring) from the journal's records and its committed steps."""
+def _lost(model: str, seq: int) -> DoneRecord:
+    return DoneRecord(model, seq, Outcome(error="the result of this call was lost in a restart"), time.time())
+
+
+def plan(records: list[Record], commits: dict[str, Commit], horizon: float = 0.0) -> dict[str, ModelPlan]:
+    """Each model's restart (see the module docstring) from the journal's records and its committed steps. A
+    result up to the commit that finished before `horizon` (a time.time()) is forgotten, as a running service
+    forgets it."""
     calls: dict[str, dict[int, CallRecord]] = {}
-    done: dict[str, dict[int, Result]] = {}
+    done: dict[str, dict[int, DoneRecord]] = {}
     for record in records:
         if isinstance(record, CallRecord):
             calls.setdefault(record.model, {})[record.seq] = record
         elif isinstance(record, DoneRecord):
-            done.setdefault(record.model, {})[record.seq] = record.outcome.result()
+            done.setdefault(record.model, {})[record.seq] = record
     plans = {}
     for model, by_seq in calls.items():
         if 0 not in by_seq or by_seq[0].kind not in MAKERS:
             raise ValueError(f"the journal names model {model!r} without the call that made it")
         commit = commits.get(model)
-        committed = commit.seq if commit is not None else 0
         finished = done.get(model, {})
-        model_plan = plans[model] = ModelPlan(by_seq[0], last_seq=max(by_seq))
         if commit is not None:
-            finished[commit.seq] = commit.outcome.result()
-        for seq in sorted(by_seq)[1:]:
-            call = by_seq[seq]
+            finished[commit.seq] = DoneRecord(model, commit.seq, commit.outcome, time.time())
+        committed = commit.seq if commit is not None else 0
+        model_plan = plans[model] = ModelPlan(by_seq[0], last_seq=max([*by_seq, *finished]))
+        for seq in sorted((set(by_seq) | set(finished)) - {0}):
+            call = by_seq.get(seq)
             if seq <= committed and seq in finished:
-                model_plan.finished[seq] = finished[seq]
+                if finished[seq].at >= horizon:
+                    model_plan.finished[seq] = finished[seq]
             elif seq <= committed:
-                model_plan.finished[seq] = Failure("the result of this call was lost in a restart")
-            elif call.kind in REPLAYED or seq not in finished:
+                model_plan.finished[seq] = _lost(model, seq)
+            elif call is not None and (call.kind in REPLAYED or seq not in finished):
                 model_plan.rerun.append(call)
             else:
                 model_plan.finished[seq] = finished[seq]
     return plans
+
+
+def compacted(records: list[Record], plans: dict[str, ModelPlan]) -> list[Record]:
+    """The records a restart needs from now on: the sessions, sampling sessions and samplers, and per model the
+    call that made it, the results that stand and the calls it runs again. Forgotten results and the bodies of
+    committed calls (the bulk: every forward_backward's data) are left out."""
+    kept: list[Record] = [r for r in records if isinstance(r, SessionRecord | SamplingRecord | SamplerRecord)]
+    for model_plan in plans.values():
+        kept += [model_plan.maker, *model_plan.finished.values(), *model_plan.rerun]
+    return kept
+
+
+def rewrite(folder: Path, records: list[Record]) -> None:
+    """Replace `folder`'s journal by `records`, whole or not at all (written beside it, fsync'd, renamed)."""
+    path = folder / JOURNAL_FILE
+    part = path.with_name(JOURNAL_FILE + ".part")
+    with open(part, "wb") as f:
+        f.write(b"".join(_encoder.encode(r) + b"\n" for r in records))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(part, path)

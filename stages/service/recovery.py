@@ -9,15 +9,27 @@ retry through the outage, gets every answer it was waiting for, and no step is a
 
 A sample that was running is not journaled (it changes nothing): its request id is unknown after the restart,
 answered 410, and the SDK's sampling client sends the sample again.
+
+The journal is then rewritten with what a later restart needs (`journal.compacted`): the committed calls' bodies
+and the results older than `Futures.keep_s` are dropped, so it does not grow with every restart's history.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import TYPE_CHECKING
 
 from stages.service.futures import Result, call_id
-from stages.service.journal import SamplerRecord, SamplingRecord, SessionRecord, plan, read_journal
+from stages.service.journal import (
+    SamplerRecord,
+    SamplingRecord,
+    SessionRecord,
+    compacted,
+    plan,
+    read_journal,
+    rewrite,
+)
 
 if TYPE_CHECKING:
     from stages.service.service import Service
@@ -42,13 +54,16 @@ def recover(service: Service) -> dict[str, int]:
         elif isinstance(record, SamplerRecord):
             service.samplers.save(record.path, service.store.load_sampler(record.file))
             counts["samplers"] += 1
-    for model_id, model_plan in plan(records, commits).items():
+    plans = plan(records, commits, time.time() - service.futures.keep_s)
+    rewrite(service.store.folder, compacted(records, plans))
+    service.journal.reopen()
+    for model_id, model_plan in plans.items():
         service.order[model_id] = asyncio.Lock()
         service.last_seq[model_id] = model_plan.last_seq
         maker = model_plan.maker
         service.run(maker, service.calls.work(maker, commits.get(model_id)))
-        for seq, result in model_plan.finished.items():
-            service.futures.start(_ready(result), call_id(model_id, seq))
+        for seq, done in model_plan.finished.items():
+            service.futures.start(_ready(done.outcome.result()), call_id(model_id, seq))
         for call in model_plan.rerun:
             service.run(call)
         counts["models"] += 1

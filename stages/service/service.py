@@ -111,7 +111,7 @@ class Service:
     async def _in_order(self, call: CallRecord, work) -> Result:
         async with self.order[call.model]:
             result = await settle(work)
-            self.journal.append(DoneRecord(call.model, call.seq, Outcome.of(result)))
+            self.journal.append(DoneRecord(call.model, call.seq, Outcome.of(result), time.time()))
         return result
 
     def create_model(self, body: dict[str, Any]) -> str:
