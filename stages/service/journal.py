@@ -103,6 +103,9 @@ class Journal:
         self._file.close()
         self._file = open(self.path, "ab")  # noqa: SIM115
 
+    def size(self) -> int:
+        return self._file.tell()
+
     def append(self, record: Record) -> None:
         self._file.write(_encoder.encode(record) + b"\n")
         self._file.flush()

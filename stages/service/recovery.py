@@ -50,7 +50,8 @@ def recover(service: Service) -> dict[str, int]:
             service.sessions.restore(record.id)
             counts["sessions"] += 1
         elif isinstance(record, SamplingRecord):
-            service.restore_sampling_session(record.id, record.path)
+            service.sampler_ids.restore(record.id)
+            service.sampling_sessions[record.id] = record.path
         elif isinstance(record, SamplerRecord):
             service.samplers.save(record.path, service.store.load_sampler(record.file))
             counts["samplers"] += 1

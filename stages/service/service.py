@@ -6,7 +6,8 @@ so an unsupported call fails at the call that names it; the work itself runs as 
 Durable: a call that changes state is journaled (`Journal`, in the state folder) before its request id is
 answered, and its result when it finishes; each `optim_step` commits the model's learner state (`Store`). A
 service restarted over the same state folder (`stages.service.recovery`) comes back with its sessions, models
-at their last committed step, samplers and results, and runs again what was accepted after the commit.
+at their last committed step, samplers and results, and runs again what was accepted after the commit. The
+journal is compacted when a restart reads it and when it grows past `COMPACT_BYTES` (`compact`).
 
 Ids: sessions `session-N`, models `{session}:train:{model_seq_id}` (as the SDK derives them), sampling sessions
 `sampler-N`; a model's call `seq` has the request id `{model_id}/{seq}` (`call_id`; 0: the call that made it),
@@ -28,7 +29,18 @@ import msgspec
 from stages.service import wire
 from stages.service.calls import Calls, adam_settings, checkpoint_state
 from stages.service.futures import Futures, Result, call_id, settle
-from stages.service.journal import CallRecord, DoneRecord, Journal, Outcome, SamplingRecord, SessionRecord
+from stages.service.journal import (
+    CallRecord,
+    DoneRecord,
+    Journal,
+    Outcome,
+    SamplingRecord,
+    SessionRecord,
+    compacted,
+    plan,
+    read_journal,
+    rewrite,
+)
 from stages.service.losses import check_loss
 from stages.service.refusals import check_lora_config, check_sampling_request, refuse_unless
 from stages.service.sampling import BASE, Samplers
@@ -36,14 +48,16 @@ from stages.service.store import Store
 
 
 class Sessions:
-    """The SDK's sessions (`session-N`) and when each was last heard of (its heartbeats)."""
+    """The SDK's sessions (`session-N`; with another `kind`, `kind-N`) and when each was last heard of (its
+    heartbeats)."""
 
-    def __init__(self) -> None:
+    def __init__(self, kind: str = "session") -> None:
+        self.kind = kind
         self.seen: dict[str, float] = {}  # id -> time of its last heartbeat
         self._ids = itertools.count(1)
 
     def create(self) -> str:
-        session = f"session-{next(self._ids)}"
+        session = f"{self.kind}-{next(self._ids)}"
         self.seen[session] = time.monotonic()
         return session
 
@@ -55,6 +69,14 @@ class Sessions:
     def heartbeat(self, session: str) -> None:
         refuse_unless(session in self.seen, f"unknown session_id {session!r}")
         self.seen[session] = time.monotonic()
+
+
+COMPACT_BYTES = 64 * 2**20  # a journal past this (and past twice its size after the last compaction) is compacted
+
+
+def check_base(name: str | None, model_path: Path) -> None:
+    refuse_unless(name in (str(model_path), model_path.name),
+                  f"base_model {name!r} is not served here; this service serves {str(model_path)!r}")
 
 
 class Service:
@@ -71,7 +93,8 @@ class Service:
         self.calls = Calls(self.model_path, checkpoints, device, self.journal, self.store, self.samplers,
                            self.sampling_session)
         self.models = self.calls.models
-        self._ids = itertools.count(1)
+        self.sampler_ids = Sessions("sampler")
+        self._compact_at = COMPACT_BYTES
 
     def create_session(self) -> str:
         session = self.sessions.create()
@@ -80,19 +103,10 @@ class Service:
 
     def sampling_session(self, path: str) -> str:
         """A new sampling session of the checkpoint `path` (journaled): its id."""
-        session = f"sampler-{next(self._ids)}"
+        session = self.sampler_ids.create()
         self.journal.append(SamplingRecord(session, path))
         self.sampling_sessions[session] = path
         return session
-
-    def restore_sampling_session(self, session: str, path: str) -> None:
-        """A sampling session a restarted service had: known again, its number never given out again."""
-        self.sampling_sessions[session] = path
-        self._ids = itertools.count(max(next(self._ids), int(session.rsplit("-", 1)[1]) + 1))
-
-    def _base(self, name: str | None) -> None:
-        refuse_unless(name in (self.name, self.model_path.name),
-                      f"base_model {name!r} is not served here; this service serves {self.name!r}")
 
     def run(self, call: CallRecord, work=None) -> str:
         """Start the call (its work made from its record unless given) after the model's earlier calls; its
@@ -112,10 +126,21 @@ class Service:
         async with self.order[call.model]:
             result = await settle(work)
             self.journal.append(DoneRecord(call.model, call.seq, Outcome.of(result), time.time()))
+        if self.journal.size() > self._compact_at:
+            self.compact()
         return result
 
+    def compact(self) -> None:
+        """Rewrite the journal with what a restart needs (`journal.compacted`), at once (no await: nothing is
+        appended meanwhile); next when it has grown past twice that size (and `COMPACT_BYTES`)."""
+        records = read_journal(self.store.folder)
+        rewrite(self.store.folder, compacted(records, plan(records, self.store.commits(),
+                                                            time.time() - self.futures.keep_s)))
+        self.journal.reopen()
+        self._compact_at = max(COMPACT_BYTES, 2 * self.journal.size())
+
     def create_model(self, body: dict[str, Any]) -> str:
-        self._base(body.get("base_model"))
+        check_base(body.get("base_model"), self.model_path)
         lora = body.get("lora_config")
         refuse_unless(lora is not None, "full fine-tuning (no lora_config) is not supported by baton serve yet")
         check_lora_config(lora)
@@ -147,13 +172,10 @@ class Service:
                                   "result is no longer kept: it is not applied twice")
         return None
 
-    def _model(self, model_id: str):
+    def info(self, model_id: str) -> dict[str, Any]:
         refuse_unless(model_id in self.order, f"unknown model_id {model_id!r}")
         refuse_unless(model_id in self.models, f"model {model_id!r} is still being made; ask again")
-        return self.models[model_id]
-
-    def info(self, model_id: str) -> dict[str, Any]:
-        model = self._model(model_id)
+        model = self.models[model_id]
         return {"type": "get_info", "model_id": model_id, "is_lora": True, "lora_rank": model.lora.rank,
                 "model_name": self.name, "model_data": {"arch": "causal_lm", "model_name": self.name,
                                                         "tokenizer_id": self.name}}
@@ -206,7 +228,7 @@ class Service:
                                                     "a training client from the state instead")
         refuse_unless(not body.get("weights_access_token"), "weights_access_token is not supported")
         if body.get("base_model") is not None:
-            self._base(body["base_model"])
+            check_base(body["base_model"], self.model_path)
         checkpoint_state(self.checkpoints, body.get("path", ""))
         model_id = self._model_id(body)
         self.order[model_id] = asyncio.Lock()
@@ -215,7 +237,7 @@ class Service:
     def create_sampling_session(self, body: dict[str, Any]) -> str:
         path = body.get("model_path")
         if path is None:
-            self._base(body.get("base_model"))
+            check_base(body.get("base_model"), self.model_path)
             path = BASE
         refuse_unless(self.samplers.knows(path), f"model_path {path!r} names no sampler weights saved here")
         return self.sampling_session(path)

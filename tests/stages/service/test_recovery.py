@@ -1,0 +1,54 @@
+"""A `Service` over a tiny model whose journal is compacted after every call, then a second one recovered over
+its state folder (no HTTP, no SDK: what `baton serve` does before it serves): the session, the model at its
+committed step, the results still kept and the seq_ids already taken all come back."""
+
+from __future__ import annotations
+
+import pytest
+
+from stages.data.model import make_tiny_model
+from stages.service.futures import call_id
+from stages.service.journal import CallRecord, read_journal
+from stages.service.recovery import recover
+from stages.service.refusals import Refused
+from stages.service.service import Service
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+async def test_a_compacted_journal_brings_the_service_back(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr("stages.service.service.COMPACT_BYTES", 0)  # compact after every call
+    model = make_tiny_model(tmp_path / "tiny")
+    state = tmp_path / "state"
+    first = Service(model, tmp_path / "checkpoints", state)
+    first._compact_at = 0
+    session = first.create_session()
+    model_id = f"{session}:train:0"
+    await first.futures.result(first.create_model({"session_id": session, "model_seq_id": 0, "base_model": str(
+        model), "lora_config": {"rank": 2}}))
+    for seq in (1, 2, 3):
+        step = first.optim_step({"model_id": model_id, "seq_id": seq, "adam_params": {"learning_rate": 1e-3}})
+        assert (await first.futures.result(step))["metrics"]["learning_rate:mean"] == 1e-3
+    assert first.models[model_id].steps == 3
+    # compacted: no committed call's body is left, only the call that made the model
+    assert [r.seq for r in read_journal(state) if isinstance(r, CallRecord)] == [0]
+    await first.close()
+
+    second = Service(model, tmp_path / "checkpoints", state)
+    back = recover(second)
+    assert back == {"sessions": 1, "samplers": 0, "models": 1, "results": 3, "rerun": 0}
+    assert (await second.futures.result(call_id(model_id, 0)))["model_id"] == model_id
+    assert second.models[model_id].steps == 3
+    assert (await second.futures.result(call_id(model_id, 2)))["metrics"]["learning_rate:mean"] == 1e-3
+    retried = {"model_id": model_id, "seq_id": 3, "adam_params": {"learning_rate": 1e-3}}
+    assert second.optim_step(retried) == call_id(model_id, 3)  # a retry across the restart: not applied again
+    second.futures._tasks.pop(call_id(model_id, 3))  # as if its result were forgotten: still refused
+    with pytest.raises(Refused, match="seq_id 3 .* was accepted before"):
+        second.optim_step(retried)
+    assert second.create_session() == "session-2"
+    await second.close()
