@@ -13,7 +13,8 @@ Its state (the journal of accepted calls, each model's committed learner state, 
 (default `D/state`): started again over the same `S` after a kill, it comes back at each model's last committed
 step and runs again what it had accepted after it (`stages.service.recovery`), before it serves.
 
-Exit codes: 0 stopped by Ctrl-C or SIGTERM, 2 bad usage (no such model folder, the tinker extra missing).
+Exit codes: 0 stopped by Ctrl-C or SIGTERM, 2 bad usage (no such model folder, the tinker extra missing, a state
+folder of another model or a damaged journal).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "serve", help="serve a Tinker-compatible training API over a model folder (the tinker SDK drives it)",
         epilog="exit codes:\n  0   stopped by Ctrl-C or SIGTERM\n  2   bad usage: no model folder, or the tinker "
-               "extra is missing (pip install -e '.[tinker]')", formatter_class=argparse.RawDescriptionHelpFormatter)
+               "extra is missing (pip install -e '.[tinker]'), or --state holds another model's state",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model_dir", metavar="MODEL_DIR", help="a Hugging Face causal-LM folder (its tokenizer included)")
     p.add_argument("--port", type=int, default=8000, help="port on 127.0.0.1 (0: any free one; default 8000)")
     p.add_argument("--dir", default="baton-serve", help="where the key and service.json go (default ./baton-serve)")
@@ -105,5 +107,12 @@ def run(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     folder = Path(args.dir)
-    asyncio.run(serve(model_dir, args.port, folder, Path(args.state) if args.state else folder / "state", args.device))
+    from stages.service.journal import StateError
+
+    try:
+        asyncio.run(serve(model_dir, args.port, folder, Path(args.state) if args.state else folder / "state",
+                          args.device))
+    except StateError as exc:  # the state folder belongs to another model, or its journal is damaged
+        print(f"baton serve: {exc}", file=sys.stderr)
+        return 2
     return 0

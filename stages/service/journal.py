@@ -28,6 +28,12 @@ import msgspec
 from stages.service.futures import Failure, Result
 
 JOURNAL_FILE = "journal.jsonl"
+
+
+class StateError(ValueError):
+    """The state folder cannot bring the service back: a damaged journal, another model's folder."""
+
+
 MAKERS = ("create_model", "load_weights")  # a model's call 0: what made it
 REPLAYED = ("forward_backward", "optim_step")  # after the commit, run again even when they had finished
 
@@ -130,7 +136,7 @@ def read_journal(folder: Path) -> list[Record]:
             records.append(_decoder.decode(line))
         except msgspec.DecodeError as exc:
             if any(lines[number:]):
-                raise ValueError(f"{path} line {number} does not decode ({exc}); the journal is damaged") from None
+                raise StateError(f"{path} line {number} does not decode ({exc}); the journal is damaged") from None
     return records
 
 
@@ -172,7 +178,7 @@ def plan(records: list[Record], commits: dict[str, Commit], horizon: float = 0.0
     plans = {}
     for model, by_seq in calls.items():
         if 0 not in by_seq or by_seq[0].kind not in MAKERS:
-            raise ValueError(f"the journal names model {model!r} without the call that made it")
+            raise StateError(f"the journal names model {model!r} without the call that made it")
         commit = commits.get(model)
         finished = done.get(model, {})
         if commit is not None:

@@ -89,7 +89,8 @@ class Service:
         self.sampling_sessions: dict[str, str] = {}  # id -> the checkpoint it samples (BASE: the base model)
         self.samplers = Samplers(self.model_path, seed, device=device)
         self.futures = Futures()
-        self.journal, self.store = Journal(state), Store(state)
+        self.store = Store(state, self.model_path)  # first: it refuses another model's state folder
+        self.journal = Journal(state)
         self.calls = Calls(self.model_path, checkpoints, device, self.journal, self.store, self.samplers,
                            self.sampling_session)
         self.models = self.calls.models

@@ -8,11 +8,14 @@
 * `samplers/{n}.safetensors`: each adapter saved for sampling, as the learner published it (its tensors and its
   descriptor, `stages.weights.adapter.pack_adapter`), so a sampler saved before a restart samples after it.
 
+`model.json` names the base model folder the state belongs to; a service over another model refuses the folder.
+
 Nothing here is pickled: msgspec JSON, torch distributed checkpoints and safetensors.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -20,10 +23,11 @@ from pathlib import Path
 import msgspec
 import safetensors.torch
 
-from stages.service.journal import Commit, Outcome
+from stages.service.journal import Commit, Outcome, StateError
 from stages.weights.adapter import AdapterVersion, as_received, pack_adapter
 
 COMMIT_FILE = "commit.json"
+MODEL_FILE = "model.json"  # the base model whose state this is
 
 
 class _CommitFile(msgspec.Struct):
@@ -48,10 +52,18 @@ def _write_atomically(path: Path, data: bytes) -> None:
 
 
 class Store:
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, model_path: Path) -> None:
+        """The store in `folder`, for the base model `model_path`; a `StateError` naming both when the folder
+        holds another base model's state (a restart must use the folder of the same model)."""
         self.folder = folder
         (folder / "models").mkdir(parents=True, exist_ok=True)
         (folder / "samplers").mkdir(parents=True, exist_ok=True)
+        owner, model = folder / MODEL_FILE, str(model_path.resolve())
+        if owner.is_file() and json.loads(owner.read_text())["model"] != model:
+            raise StateError(f"state folder {folder} holds the state of {json.loads(owner.read_text())['model']}, "
+                             f"not of {model}: serve that model over it, or give this one another --state")
+        if not owner.is_file():
+            _write_atomically(owner, json.dumps({"model": model}).encode())
 
     def _model(self, model_id: str) -> Path:
         return self.folder / "models" / model_id

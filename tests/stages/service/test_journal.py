@@ -98,7 +98,9 @@ def test_a_committed_call_without_its_result_fails_by_name_and_a_model_without_i
 
 
 def test_a_commit_is_whole_and_replaces_the_one_before(tmp_path) -> None:
-    store = Store(tmp_path)
+    store = Store(tmp_path, tmp_path / "model")
+    with pytest.raises(ValueError, match="holds the state of .*model, not of .*other"):
+        Store(tmp_path, tmp_path / "other")
     for step in (1, 2):
         store.step_folder(M, step).mkdir(parents=True)
         store.commit(M, step, seq=2 * step, outcome=Outcome.of({"metrics": {"step": step}}),
