@@ -81,7 +81,7 @@ class Routes:
         return _json({"request_id": self.s.create_model(await request.json())})
 
     async def get_info(self, request: web.Request) -> web.Response:
-        return _json(self.s.info((await request.json()).get("model_id", "")))
+        return _json(await self.s.info((await request.json()).get("model_id", "")))
 
     async def forward_backward(self, request: web.Request) -> web.Response:
         if request.headers.get("Content-Encoding"):

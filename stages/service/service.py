@@ -173,9 +173,13 @@ class Service:
                                   "result is no longer kept: it is not applied twice")
         return None
 
-    def info(self, model_id: str) -> dict[str, Any]:
+    async def info(self, model_id: str) -> dict[str, Any]:
+        """The model's `get_info`, once it is made (a restarted service makes its models again first)."""
         refuse_unless(model_id in self.order, f"unknown model_id {model_id!r}")
-        refuse_unless(model_id in self.models, f"model {model_id!r} is still being made; ask again")
+        if model_id not in self.models and self.futures.known(call_id(model_id, 0)):
+            await self.futures.result(call_id(model_id, 0))
+        refuse_unless(model_id in self.models, f"model {model_id!r} was not made: its create call failed, or "
+                                               "is still running (ask again)")
         model = self.models[model_id]
         return {"type": "get_info", "model_id": model_id, "is_lora": True, "lora_rank": model.lora.rank,
                 "model_name": self.name, "model_data": {"arch": "causal_lm", "model_name": self.name,

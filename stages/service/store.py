@@ -5,7 +5,7 @@
   step, the seq of its `optim_step` and that call's result: `journal.Commit`) replaced atomically after it: a
   step is committed exactly when `commit.json` names it, and a kill before that leaves the previous commit
   whole. The older step folder is removed after the new commit; at most two exist at once.
-* `samplers/{n}.safetensors`: each adapter saved for sampling, as the learner published it (its tensors and its
+* `samplers/{uuid}.safetensors`: each adapter saved for sampling, as the learner published it (its tensors and its
   descriptor, `stages.weights.adapter.pack_adapter`), so a sampler saved before a restart samples after it.
 
 `model.json` names the base model folder the state belongs to; a service over another model refuses the folder.
@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import uuid
 from pathlib import Path
 
 import msgspec
@@ -51,6 +52,16 @@ def _write_atomically(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
+def read_commits(folder: Path) -> dict[str, Commit]:
+    """Every model's committed step in the state folder `folder` (a model that never committed one has none)."""
+    found = {}
+    for model in (folder / "models").iterdir():
+        if (model / COMMIT_FILE).is_file():
+            c = msgspec.json.decode((model / COMMIT_FILE).read_bytes(), type=_CommitFile)
+            found[model.name] = Commit(c.step, c.seq, c.outcome)
+    return found
+
+
 class Store:
     def __init__(self, folder: Path, model_path: Path) -> None:
         """The store in `folder`, for the base model `model_path`; a `StateError` naming both when the folder
@@ -79,17 +90,11 @@ class Store:
             shutil.rmtree(self.step_folder(model_id, previous), ignore_errors=True)
 
     def commits(self) -> dict[str, Commit]:
-        """Every model's committed step (a model that never committed one has none)."""
-        found = {}
-        for folder in (self.folder / "models").iterdir():
-            if (folder / COMMIT_FILE).is_file():
-                c = msgspec.json.decode((folder / COMMIT_FILE).read_bytes(), type=_CommitFile)
-                found[folder.name] = Commit(c.step, c.seq, c.outcome)
-        return found
+        return read_commits(self.folder)
 
     def save_sampler(self, adapter: AdapterVersion) -> str:
         """Write a sampler's adapter; its file, relative to the state folder (for the journal's record)."""
-        name = f"samplers/{sum(1 for _ in (self.folder / 'samplers').glob('*.safetensors'))}.safetensors"
+        name = f"samplers/{uuid.uuid4().hex}.safetensors"  # two models may save at once, each in its own thread
         tensors = {n: t.detach().cpu().contiguous() for n, t in pack_adapter(adapter.spec, adapter.tensors).items()}
         part = self.folder / f"{name}.part"
         safetensors.torch.save_file(tensors, str(part))

@@ -26,7 +26,7 @@ from tinker import types  # noqa: E402
 from stages.data.model import make_tiny_model  # noqa: E402
 from stages.learner.state import STATE_FILE, LearnerState  # noqa: E402
 from stages.service.journal import CallRecord, read_journal  # noqa: E402
-from stages.service.store import Store  # noqa: E402
+from stages.service.store import read_commits  # noqa: E402
 
 pytestmark = [pytest.mark.long, pytest.mark.slow]
 STEPS = 5
@@ -80,7 +80,7 @@ def kill_mid_step(proc: subprocess.Popen, state: Path, model_id: str, after: int
     while (seq := optim_accepted(state, model_id, after)) is None:
         time.sleep(0.002)
     os.kill(proc.pid, signal.SIGSTOP)
-    commit = Store(state).commits().get(model_id)
+    commit = read_commits(state).get(model_id)
     if commit is not None and commit.seq >= seq:
         os.kill(proc.pid, signal.SIGCONT)
         return False
@@ -134,7 +134,7 @@ def test_a_service_killed_mid_step_comes_back_and_the_sdk_carries_on(tmp_path) -
         assert np.allclose(np.array(after[1:]), np.array(before[1:]), atol=1e-6)
         assert len(sampler.sample(probe, 1, types.SamplingParams(max_tokens=3, stop=[])).result().sequences) == 1
         adapter, version = final_state(folder, client)
-        commit = Store(state).commits()[client.model_id]
+        commit = read_commits(state)[client.model_id]
         assert version == commit.step == STEPS  # the ledger (the commit) and the checkpoint agree: every step, once
 
         reference = service.create_lora_training_client(base_model=info["model"], rank=4).result()

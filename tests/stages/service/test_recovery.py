@@ -42,6 +42,7 @@ async def test_a_compacted_journal_brings_the_service_back(tmp_path, monkeypatch
     second = Service(model, tmp_path / "checkpoints", state)
     back = recover(second)
     assert back == {"sessions": 1, "samplers": 0, "models": 1, "results": 3, "rerun": 0}
+    assert (await second.info(model_id))["lora_rank"] == 2  # waits for the model to be made again
     assert (await second.futures.result(call_id(model_id, 0)))["model_id"] == model_id
     assert second.models[model_id].steps == 3
     assert (await second.futures.result(call_id(model_id, 2)))["metrics"]["learning_rate:mean"] == 1e-3
