@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -43,6 +44,7 @@ def serving(folder: Path, start_timeout_s: float = 120.0) -> Iterator[tuple[obje
     model = tiny_model(folder)
     served = folder / "serve"
     (served / "service.json").unlink(missing_ok=True)
+    shutil.rmtree(served / "state", ignore_errors=True)  # a fresh service each run: no earlier run's models back
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     log = open(folder / "serve.log", "w")  # noqa: SIM115  closed with the service
     proc = subprocess.Popen([sys.executable, "-m", "baton.cli", "serve", str(model), "--port", "0", "--dir",
