@@ -4,8 +4,9 @@ Each save (`save_weights_for_sampler`) is kept and served by an engine of its ow
 a sample is drawn from exactly the weights that were saved. A LoRA model's save is its adapter, kept in memory as
 received: the engine merges it into its base and checks the learner's probe before it serves it
 (`stages.engines.torch_adapter`). A fully fine-tuned model's save is a safetensors file (`stages.weights.disk`),
-named by its path and checksum: the engine loads it, checksum verified, and serves those tensors themselves
-(zero-copy), so the only full copies in memory are the loaded engines'. At most `keep` engines stay loaded (at
+named by its path and checksum: the engine loads it, checksum verified, and adopts those tensors (zero-copy where
+its dtype is theirs, else copied and the loaded ones dropped), so the only full copies in memory are the loaded
+engines'. At most `keep` engines stay loaded (at
 most `keep` full copies); the least recently used one is stopped and made again from its save when asked.
 """
 
