@@ -6,7 +6,9 @@ It makes a key of the shape the SDK requires (`tml-` and 43 random URL-safe char
 both paths, and serves until Ctrl-C or SIGTERM. A client points the SDK at it:
 `tinker.ServiceClient(base_url=..., api_key=open("D/api_key").read())` (or TINKER_BASE_URL / TINKER_API_KEY).
 A training client's `save_state(name)` writes `D/checkpoints/{model_id}/{name}/` (the learner's checkpoint in
-`state/`, the adapter as a PEFT folder in `adapter/`).
+`state/`, the adapter as a PEFT folder in `adapter/`, or a fully fine-tuned model as a Hugging Face folder in
+`model/`); a fully fine-tuned model's `save_weights_for_sampler` writes
+`D/checkpoints/{model_id}/sampler_weights/N/model.safetensors`.
 
 Exit codes: 0 stopped by Ctrl-C or SIGTERM, 2 bad usage (no such model folder, the tinker extra missing).
 """

@@ -18,6 +18,7 @@ from typing import Any
 import anyio
 import msgspec
 
+from stages.learner.export import export_model
 from stages.learner.state import STATE_FILE, LearnerState
 from stages.service import wire
 from stages.service.futures import Futures, Result
@@ -67,13 +68,13 @@ class Service:
 
     def create_model(self, body: dict[str, Any]) -> str:
         self._base(body.get("base_model"))
-        lora = body.get("lora_config")
-        refuse_unless(lora is not None, "full fine-tuning (no lora_config) is not supported by baton serve yet")
-        check_lora_config(lora)
+        lora = body.get("lora_config")  # absent: full fine-tuning, every weight trained
+        if lora is not None:
+            check_lora_config(lora)
         optimizer = (body.get("optimizer_config") or {}).get("type", "adamw")
         refuse_unless(optimizer == "adamw", f"optimizer_config.type {optimizer!r} is not supported; adamw only")
-        spec = lora_spec(lora["rank"], lora.get("train_attn", True), lora.get("train_mlp", True),
-                         lora.get("train_unembed", True))
+        spec = None if lora is None else lora_spec(lora["rank"], lora.get("train_attn", True),
+                                                   lora.get("train_mlp", True), lora.get("train_unembed", True))
         model_id = self._model_id(body)
 
         async def make() -> Result:
@@ -111,7 +112,9 @@ class Service:
 
     def info(self, model_id: str) -> dict[str, Any]:
         model = self._model(model_id)
-        return {"type": "get_info", "model_id": model_id, "is_lora": True, "lora_rank": model.lora.rank,
+        lora = model.lora
+        return {"type": "get_info", "model_id": model_id, "is_lora": lora is not None,
+                "lora_rank": None if lora is None else lora.rank,
                 "model_name": self.name, "model_data": {"arch": "causal_lm", "model_name": self.name,
                                                         "tokenizer_id": self.name}}
 
@@ -162,9 +165,10 @@ class Service:
 
         async def run() -> Result:
             model = self.models[model_id]
-            adapter = await anyio.to_thread.run_sync(model.adapter)
+            folder = self.checkpoints / model_id / "sampler_weights" / str(next(self._ids))  # a full model's file
+            weights = await anyio.to_thread.run_sync(model.sampler_weights, folder)
             path = f"tinker://{model_id}/sampler_weights/{name or f'step-{model.steps}-{next(self._ids)}'}"
-            self.samplers.save(path, adapter)
+            await self.samplers.save(path, weights)
             if name is not None:
                 return {"path": path, "type": "save_weights_for_sampler"}
             session = self._new("sampler")
@@ -174,9 +178,10 @@ class Service:
         return self._start(model_id, body.get("seq_id"), run())
 
     def save_state(self, body: dict[str, Any]) -> str:
-        """`save_weights` (the SDK's `save_state`): the learner's checkpoint of the model (adapter and optimizer
-        state, `PolicyTrainer.write_state`) in `checkpoints/{model_id}/{name}/state`, and the adapter as a PEFT
-        folder beside it (`adapter`), which any peft user can load."""
+        """`save_weights` (the SDK's `save_state`): the learner's checkpoint of the model (its trained weights: the
+        adapter, or all of them; and the optimizer state; `PolicyTrainer.write_state`) in
+        `checkpoints/{model_id}/{name}/state`, and beside it the adapter as a PEFT folder (`adapter`), which any
+        peft user can load, or a fully fine-tuned model as a Hugging Face folder (`model`, float32)."""
         model_id, name = body.get("model_id", ""), body.get("path")
         refuse_unless(model_id in self.order, f"unknown model_id {model_id!r}")
         if retried := self._retried(model_id, body.get("seq_id")):
@@ -191,6 +196,9 @@ class Service:
         def write() -> None:
             model = self.models[model_id]
             model.trainer.write_state(folder / "state", model.steps)
+            if model.lora is None:
+                export_model(self.model_path, folder / "model", model.load_into, dtype="float32", force=True)
+                return
             adapter = model.adapter()
             write_peft_folder(folder / "adapter", adapter.spec, adapter.tensors, self.model_path)
 
@@ -202,8 +210,9 @@ class Service:
 
     def load_state(self, body: dict[str, Any]) -> str:
         """`load_weights` as the SDK's `create_training_client_from_state[_with_optimizer]` sends it: a new model
-        (`session_id`, `model_seq_id`) made from a checkpoint `save_state` wrote, its adapter settings the
-        checkpoint's, with its optimizer state when `optimizer` is true (else a fresh AdamW)."""
+        (`session_id`, `model_seq_id`) made from a checkpoint `save_state` wrote, of its kind (LoRA with its
+        adapter settings, or full fine-tuning), with its optimizer state when `optimizer` is true (else a fresh
+        AdamW)."""
         path = body.get("path", "")
         refuse_unless(body.get("model_id") is None, "load_weights into an existing model is not supported; create "
                                                     "a training client from the state instead")
@@ -215,8 +224,7 @@ class Service:
         state = self.checkpoints / owner / name / "state"
         refuse_unless(not prefix and bool(owner) and bool(name) and (state / STATE_FILE).is_file(),
                       f"path {path!r} names no checkpoint save_state wrote here (tinker://MODEL_ID/weights/NAME)")
-        lora = msgspec.json.decode((state / STATE_FILE).read_bytes(), type=LearnerState).lora
-        refuse_unless(lora is not None, f"checkpoint {path!r} holds full weights; only LoRA models are served")
+        lora = msgspec.json.decode((state / STATE_FILE).read_bytes(), type=LearnerState).lora  # None: full
         model_id = self._model_id(body)
 
         def load() -> TrainingModel:

@@ -1,6 +1,7 @@
 """`baton serve` driven by the official `tinker` SDK, unchanged, against the service started on 127.0.0.1 in its
-own process (stopped by its pid): a LoRA training client, a step through the SDK that equals the learner's own
-step on the same rows, sampling from the saved adapter, and refusals by name. Skips without the SDK
+own process (stopped by its pid): a LoRA training client and a full fine-tuning one (`baton.tinker_client`), a
+step through the SDK that equals the learner's own step on the same rows, sampling from the saved weights, and
+refusals by name. Skips without the SDK
 (`pip install -e '.[tinker]'`)."""
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 tinker = pytest.importorskip("tinker", reason="the tinker SDK is not installed: pip install -e '.[tinker]'")
 from tinker import types  # noqa: E402
 
+from baton.tinker_client import create_full_training_client  # noqa: E402
 from stages.data.model import make_tiny_model  # noqa: E402
 from stages.learner import GRPOLearner  # noqa: E402
 from stages.learner.losses import group_advantages  # noqa: E402
@@ -62,6 +64,11 @@ def service(served):
 def new_model(served, service):
     """A fresh LoRA training client (its adapter from the learner's one fixed init)."""
     return service.create_lora_training_client(base_model=served[0]["model"], rank=RANK).result()
+
+
+def new_full_model(served, service):
+    """A fresh full fine-tuning client (every weight trained, from the base folder's)."""
+    return create_full_training_client(service, served[0]["model"]).result()
 
 
 def rows_of(trainer: PolicyTrainer, seed: int, off_policy: float = 0.0):
@@ -169,9 +176,11 @@ def test_sampling_from_saved_weights_gives_tokens_with_their_logprobs(served, se
         assert np.allclose(sampler.compute_logprobs(types.ModelInput.from_ints(full)).result()[1:], scored, atol=1e-4)
 
 
-def test_a_training_client_from_saved_state_continues_where_it_left_off(served, service) -> None:
+@pytest.mark.parametrize("full", [False, True], ids=["lora", "full"])
+def test_a_training_client_from_saved_state_continues_where_it_left_off(served, service, full: bool) -> None:
     """save_state, then a training client from that state: with the optimizer it has the saved model's logprobs
-    and takes the same next step (Adam's moments came back); from the weights alone the next step differs."""
+    and takes the same next step (Adam's moments came back); from the weights alone the next step differs. A
+    fully fine-tuned model's state makes fully fine-tuned clients (the SDK's public from-state calls)."""
     data = datums(groups(7, n=2, group_size=3), np.full(6, 0.05), "cross_entropy")
 
     def step(client) -> None:
@@ -182,18 +191,68 @@ def test_a_training_client_from_saved_state_continues_where_it_left_off(served, 
         outputs = client.forward(data, "cross_entropy").result().loss_fn_outputs
         return np.concatenate([o["logprobs"].to_numpy() for o in outputs])
 
-    first = new_model(served, service)
+    first = new_full_model(served, service) if full else new_model(served, service)
     step(first)
     first.save_state("resume-me").result()
     path = f"tinker://{first.model_id}/weights/resume-me"
     resumed = service.create_training_client_from_state_with_optimizer(path).result()
     weights_only = service.create_training_client_from_state(path).result()
-    assert resumed.get_info().lora_rank == RANK
+    assert resumed.get_info().is_lora is not full and resumed.get_info().lora_rank == (None if full else RANK)
     assert np.abs(logprobs(resumed) - logprobs(first)).max() < 1e-6
     for client in (first, resumed, weights_only):
         step(client)
     assert np.abs(logprobs(resumed) - logprobs(first)).max() < 1e-6
     assert np.abs(logprobs(weights_only) - logprobs(first)).max() > 1e-4
+
+
+def test_a_full_fine_tuning_step_through_the_sdk_is_the_learners_full_step(served, service) -> None:
+    """A full fine-tuning client (no lora_config) says it is not LoRA, and its forward_backward + optim_step equals
+    `PolicyTrainer.train` without LoRA on the same rows: every weight within 1e-6, as save_state's Hugging Face
+    folder (float32) holds them."""
+    from safetensors.torch import load_file
+
+    training = new_full_model(served, service)
+    info = training.get_info()
+    assert info.is_lora is False and info.lora_rank is None
+    reference = PolicyTrainer(GRPOLearner(info.model_data.model_name, device="cpu", entropy_coef=0.0), steps=1)
+    reference.schedule(0)
+    batches, weights = rows_of(reference, seed=3)
+    before = {n: t.clone() for n, t in reference.model.state_dict().items()}
+    training.forward_backward(datums(batches, weights, "cross_entropy"), "cross_entropy")
+    training.optim_step(types.AdamParams(**ADAM)).result()
+    reference.train(batches, 0.0)
+    training.save_state("full-step").result()
+    served_weights = load_file(served[1] / "checkpoints" / training.model_id / "full-step" / "model" /
+                               "model.safetensors")
+    mine = reference.model.state_dict()
+    assert set(served_weights) <= set(mine) and "model.embed_tokens.weight" in served_weights
+    moved = max(float((mine[n] - before[n]).abs().max()) for n in served_weights)
+    assert moved > 1e-4  # every weight is trained, and the step moved them: the comparison below could fail
+    worst = max(float((served_weights[n] - mine[n]).abs().max()) for n in served_weights)
+    assert worst < 1e-6, f"the SDK's full step differs from the learner's by {worst:.3g}"
+    print(f"full: largest weight difference {worst:.3g} after a step that moved them by up to {moved:.3g}")
+
+
+def test_sampling_from_saved_full_weights_gives_the_trained_models_logprobs(served, service) -> None:
+    """A fully fine-tuned model's save_weights_for_sampler is served by an engine holding those weights: each
+    sampled token's logprob is the trained model's teacher-forced logprob of it (forward through the SDK)."""
+    training = new_full_model(served, service)
+    data = datums(groups(5, n=2, group_size=3), np.full(6, 0.5), "cross_entropy")
+    training.forward_backward(data, "cross_entropy")
+    training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    sampler = training.save_weights_and_get_sampling_client().result()
+    base = service.create_sampling_client(base_model=served[0]["model"]).result()
+    prompt = [1, 5, 6, 7]
+    out = sampler.sample(types.ModelInput.from_ints(prompt), 2, types.SamplingParams(max_tokens=4, stop=[])).result()
+    for seq in out.sequences:
+        full = prompt + list(seq.tokens)
+        datum = types.Datum(model_input=types.ModelInput.from_ints(full[:-1]),
+                            loss_fn_inputs={"target_tokens": np.array(full[1:]),
+                                            "weights": np.zeros(len(full) - 1, dtype=np.float32)})
+        scored = training.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+        assert len(seq.logprobs) == 4 and np.allclose(scored[len(prompt) - 1:], seq.logprobs, atol=1e-4)
+        untrained = base.compute_logprobs(types.ModelInput.from_ints(full)).result()[1:]
+        assert np.abs(np.array(untrained) - scored).max() > 1e-2  # the sampler does not serve the base
 
 
 def test_a_retried_request_is_applied_once(served, service) -> None:
@@ -232,6 +291,8 @@ def test_what_is_not_supported_is_refused_by_name(served, service) -> None:
         training.save_weights_external("out").result()
     with pytest.raises(tinker.BadRequestError, match="names no checkpoint"):
         service.create_training_client_from_state("tinker://nobody/weights/nothing").result()
+    with pytest.raises(tinker.BadRequestError, match="without lora_config"):
+        service.create_lora_training_client(base_model=info["model"], rank=0).result()
     stranger = tinker.ServiceClient(base_url=info["base_url"], api_key="tml-not-the-key")
     with pytest.raises(tinker.AuthenticationError):
         stranger.create_lora_training_client(base_model=info["model"], rank=RANK).result()
