@@ -7,7 +7,9 @@ and the address to `D/service.json` ({"base_url", "pid", "model", "key_file"}), 
 both paths, and serves until Ctrl-C or SIGTERM. A client points the SDK at it:
 `tinker.ServiceClient(base_url=..., api_key=open("D/api_key").read())` (or TINKER_BASE_URL / TINKER_API_KEY).
 A training client's `save_state(name)` writes `D/checkpoints/{model_id}/{name}/` (the learner's checkpoint in
-`state/`, the adapter as a PEFT folder in `adapter/`).
+`state/`, the adapter as a PEFT folder in `adapter/`, or a fully fine-tuned model as a Hugging Face folder in
+`model/`); a fully fine-tuned model's `save_weights_for_sampler` writes
+`D/checkpoints/{model_id}/sampler_weights/{seq_id}/model.safetensors` (the seq_id of its call).
 
 Its state (the journal of accepted calls, each model's committed learner state, the saved samplers) lives in `S`
 (default `D/state`): started again over the same `S` after a kill, it comes back at each model's last committed
@@ -70,7 +72,7 @@ async def serve(model_dir: Path, port: int, folder: Path, state: Path, device: s
 
     key, key_file = write_key(folder)
     service = Service(model_dir, folder / "checkpoints", state, device=device)
-    back = recover(service)
+    back = await recover(service)
     if back["sessions"]:
         print(f"baton serve: back from {state}: " + ", ".join(f"{n} {what}" for what, n in back.items()), flush=True)
     runner = web.AppRunner(make_app(service, key), access_log=None, shutdown_timeout=2.0)

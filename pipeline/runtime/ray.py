@@ -63,6 +63,7 @@ from pipeline.runtime.ray_placement import (  # noqa: E402
     adopt_node_address,
     await_placed,
     check_feasible,
+    driver_node_address,
     host_options,
     resources_of,
     start_ray_helpers,
@@ -285,7 +286,6 @@ class RayRun:
             stages = (pipe.producer, pipe.buffer, pipe.consumer)
             helpers = sum(len(s.helpers()) for s in stages if isinstance(s, Placed))
             self._start_ray(hosts_needed=max(pipe.producer.workers, pipe.max_workers or 0) + 2 + helpers)
-        os.environ.setdefault("BATON_HOST", ray.util.get_node_ip_address())  # e.g. where a Mooncake master listens
         log = get_logger("ray-runtime").bind(run=pipe.name)
         log.info("run starting on ray", folder=str(folder.path))
         started_at = time.time()
@@ -293,7 +293,7 @@ class RayRun:
         self._conductor: Any = None
         self._channels: dict[str, RayChannel] = {}
         try:
-            with pipe.buffer.serve_store() as opener:  # e.g. a Mooncake master started for this run
+            with driver_node_address(), pipe.buffer.serve_store() as opener:  # e.g. a Mooncake master for this run
                 try:
                     wiring, feeder = await self._shared_state(pipe, folder, opener, resume)
                     peers, names = await self._start_hosts(pipe, folder, wiring)

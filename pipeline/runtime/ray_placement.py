@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,6 +110,20 @@ def adopt_node_address() -> str:
     give their peers, whatever the environment it inherited from its raylet says."""
     os.environ["BATON_HOST"] = ray.util.get_node_ip_address()
     return os.environ["BATON_HOST"]
+
+
+@contextlib.contextmanager
+def driver_node_address() -> Iterator[str]:
+    """`BATON_HOST` in the driver for one run (e.g. where the Mooncake master it starts listens): the user's if
+    set, else the address of the node this driver joined; put back as it was when the run ends, so that an
+    in-process run leaves no address to a later run in the same process (or to the processes it starts)."""
+    before = os.environ.get("BATON_HOST")
+    os.environ["BATON_HOST"] = before or ray.util.get_node_ip_address()
+    try:
+        yield os.environ["BATON_HOST"]
+    finally:
+        if before is None:
+            os.environ.pop("BATON_HOST", None)
 
 
 @ray.remote(num_cpus=0)

@@ -4,7 +4,8 @@ work runs when the call arrives and when a restarted service runs it again (`sta
 The request bodies were checked when they were accepted (`Service`); here they are parsed again by the same pure
 functions (`spec_of`, `adam_settings`, `checkpoint_state`) and acted on. An `optim_step` commits the model's
 learner state when it finishes (`Store`): a restart comes back at that step. A sampler's adapter is written to
-the state folder before its path is answered, and journaled, so it samples after a restart.
+the state folder (a full model's to its own file) before its path is answered, and journaled, so it samples after
+a restart.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import anyio
 import msgspec
 
+from stages.learner.export import export_model
 from stages.learner.lora import LoraSpec
 from stages.learner.state import STATE_FILE, LearnerState
 from stages.service import wire
@@ -27,12 +29,15 @@ from stages.service.refusals import refuse_unless
 from stages.service.sampling import Samplers
 from stages.service.store import Store
 from stages.service.training import AdamSettings, TrainingModel, lora_spec
-from stages.weights.adapter import write_peft_folder
+from stages.weights.adapter import AdapterVersion, write_peft_folder
 
 
-def spec_of(body: dict[str, Any]) -> LoraSpec:
-    """The `LoraSpec` of a `create_model` body (its lora_config checked by the service)."""
-    lora = body["lora_config"]
+def spec_of(body: dict[str, Any]) -> LoraSpec | None:
+    """The `LoraSpec` of a `create_model` body (its lora_config checked by the service); None without one: full
+    fine-tuning."""
+    lora = body.get("lora_config")
+    if lora is None:
+        return None
     return lora_spec(lora["rank"], lora.get("train_attn", True), lora.get("train_mlp", True),
                      lora.get("train_unembed", True))
 
@@ -46,16 +51,15 @@ def adam_settings(body: dict[str, Any]) -> AdamSettings:
     return AdamSettings(**params)
 
 
-def checkpoint_state(checkpoints: Path, path: str) -> tuple[Path, LoraSpec]:
-    """The learner-state folder `save_state` wrote for `tinker://MODEL_ID/weights/NAME`, and its LoRA settings."""
+def checkpoint_state(checkpoints: Path, path: str) -> tuple[Path, LoraSpec | None]:
+    """The learner-state folder `save_state` wrote for `tinker://MODEL_ID/weights/NAME`, and its LoRA settings
+    (None: a fully fine-tuned model's)."""
     prefix, _, rest = path.partition("tinker://")
     owner, _, name = rest.partition("/weights/")
     state = checkpoints / owner / name / "state"
     refuse_unless(not prefix and bool(owner) and bool(name) and (state / STATE_FILE).is_file(),
                   f"path {path!r} names no checkpoint save_state wrote here (tinker://MODEL_ID/weights/NAME)")
-    lora = msgspec.json.decode((state / STATE_FILE).read_bytes(), type=LearnerState).lora
-    refuse_unless(lora is not None, f"checkpoint {path!r} holds full weights; only LoRA models are served")
-    return state, lora
+    return state, msgspec.json.decode((state / STATE_FILE).read_bytes(), type=LearnerState).lora
 
 
 class Calls:
@@ -117,13 +121,19 @@ class Calls:
         self.store.commit(call.model, model.steps, call.seq, Outcome.of(result), model.steps - 1)
 
     async def _save_for_sampler(self, call: CallRecord, body: dict[str, Any]) -> Result:
+        """The weights as they are now, kept for sampling under their `tinker://` path: a LoRA adapter written to
+        the state folder, a full model's file in `checkpoints/{model_id}/sampler_weights/{seq}/`; journaled."""
         model = self.models[call.model]
-        adapter = await anyio.to_thread.run_sync(model.adapter)
+        folder = self.checkpoints / call.model / "sampler_weights" / str(call.seq)  # a full model's file
+        weights = await anyio.to_thread.run_sync(model.sampler_weights, folder)
         name = body.get("path") or f"step-{model.steps}-{call.seq}"
         path = f"tinker://{call.model}/sampler_weights/{name}"
-        file = await anyio.to_thread.run_sync(self.store.save_sampler, adapter)
-        self.journal.append(SamplerRecord(path, file))
-        self.samplers.save(path, adapter)
+        if isinstance(weights, AdapterVersion):
+            file = await anyio.to_thread.run_sync(self.store.save_sampler, weights)
+            self.journal.append(SamplerRecord(path, file=file))
+        else:
+            self.journal.append(SamplerRecord(path, notice=weights))
+        await self.samplers.save(path, weights)
         if body.get("path") is not None:
             return {"path": path, "type": "save_weights_for_sampler"}
         return {"path": path, "sampling_session_id": self.sampling_session(path), "type": "save_weights_for_sampler"}
@@ -134,6 +144,9 @@ class Calls:
         def write() -> None:
             model = self.models[call.model]
             model.trainer.write_state(folder / "state", model.steps)
+            if model.lora is None:
+                export_model(self.model_path, folder / "model", model.load_into, dtype="float32", force=True)
+                return
             adapter = model.adapter()
             write_peft_folder(folder / "adapter", adapter.spec, adapter.tensors, self.model_path)
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import msgspec
 
 from stages.service.futures import Failure, Result
+from stages.weights.disk import DiskNotice
 
 JOURNAL_FILE = "journal.jsonl"
 
@@ -81,9 +82,10 @@ class DoneRecord(msgspec.Struct, tag="done"):
     at: float = 0.0  # when it finished (time.time()): a result is kept `Futures.keep_s` after, across restarts
 
 
-class SamplerRecord(msgspec.Struct, tag="sampler"):
+class SamplerRecord(msgspec.Struct, tag="sampler", omit_defaults=True):
     path: str  # the checkpoint's tinker:// path
-    file: str  # its adapter, relative to the state folder
+    file: str | None = None  # a LoRA adapter's file, relative to the state folder
+    notice: DiskNotice | None = None  # a fully fine-tuned model's weights file
 
 
 Record = SessionRecord | SamplingRecord | CallRecord | DoneRecord | SamplerRecord

@@ -39,7 +39,7 @@ async def _ready(result: Result) -> Result:
     return result
 
 
-def recover(service: Service) -> dict[str, int]:
+async def recover(service: Service) -> dict[str, int]:
     """Bring `service` back from its state folder (call it before serving, on the running event loop); what came
     back: sessions, samplers, models, results and calls run again, counted."""
     records = read_journal(service.store.folder)
@@ -53,7 +53,8 @@ def recover(service: Service) -> dict[str, int]:
             service.sampler_ids.restore(record.id)
             service.sampling_sessions[record.id] = record.path
         elif isinstance(record, SamplerRecord):
-            service.samplers.save(record.path, service.store.load_sampler(record.file))
+            weights = record.notice if record.notice is not None else service.store.load_sampler(record.file)
+            await service.samplers.save(record.path, weights)
             counts["samplers"] += 1
     plans = plan(records, commits, time.time() - service.futures.keep_s)
     rewrite(service.store.folder, compacted(records, plans))

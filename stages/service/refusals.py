@@ -20,7 +20,8 @@ def check_lora_config(lora: dict[str, Any]) -> None:
     """`create_model`'s `lora_config`: a rank >= 1, no seed (every adapter starts from the learner's one fixed
     init, `stages.learner.lora.INIT_SEED`) and at least one of attention, MLP, unembedding trained."""
     rank = lora.get("rank")
-    refuse_unless(isinstance(rank, int) and rank >= 1, f"lora_config.rank must be an integer >= 1, got {rank!r}")
+    refuse_unless(isinstance(rank, int) and rank >= 1, f"lora_config.rank must be an integer >= 1, got {rank!r}; "
+                                                       "for full fine-tuning send create_model without lora_config")
     refuse_unless(lora.get("seed") is None, "lora_config.seed is not supported: baton initialises every adapter "
                                             "from one fixed seed; leave seed unset")
     refuse_unless(any(lora.get(k, True) for k in ("train_attn", "train_mlp", "train_unembed")),

@@ -142,9 +142,9 @@ class Service:
 
     def create_model(self, body: dict[str, Any]) -> str:
         check_base(body.get("base_model"), self.model_path)
-        lora = body.get("lora_config")
-        refuse_unless(lora is not None, "full fine-tuning (no lora_config) is not supported by baton serve yet")
-        check_lora_config(lora)
+        lora = body.get("lora_config")  # absent: full fine-tuning, every weight trained
+        if lora is not None:
+            check_lora_config(lora)
         optimizer = (body.get("optimizer_config") or {}).get("type", "adamw")
         refuse_unless(optimizer == "adamw", f"optimizer_config.type {optimizer!r} is not supported; adamw only")
         model_id = self._model_id(body)
@@ -180,8 +180,9 @@ class Service:
             await self.futures.result(call_id(model_id, 0))
         refuse_unless(model_id in self.models, f"model {model_id!r} was not made: its create call failed, or "
                                                "is still running (ask again)")
-        model = self.models[model_id]
-        return {"type": "get_info", "model_id": model_id, "is_lora": True, "lora_rank": model.lora.rank,
+        lora = self.models[model_id].lora
+        return {"type": "get_info", "model_id": model_id, "is_lora": lora is not None,
+                "lora_rank": None if lora is None else lora.rank,
                 "model_name": self.name, "model_data": {"arch": "causal_lm", "model_name": self.name,
                                                         "tokenizer_id": self.name}}
 
@@ -212,9 +213,10 @@ class Service:
         return self._accept(model_id, seq, "save_weights_for_sampler", body)
 
     def save_state(self, body: dict[str, Any]) -> str:
-        """`save_weights` (the SDK's `save_state`): the learner's checkpoint of the model (adapter and optimizer
-        state, `PolicyTrainer.write_state`) in `checkpoints/{model_id}/{name}/state`, and the adapter as a PEFT
-        folder beside it (`adapter`), which any peft user can load."""
+        """`save_weights` (the SDK's `save_state`): the learner's checkpoint of the model (its trained weights: the
+        adapter, or all of them; and the optimizer state; `PolicyTrainer.write_state`) in
+        `checkpoints/{model_id}/{name}/state`, and beside it the adapter as a PEFT folder (`adapter`), which any
+        peft user can load, or a fully fine-tuned model as a Hugging Face folder (`model`, float32)."""
         model_id, seq, name = body.get("model_id", ""), body.get("seq_id"), body.get("path")
         if retried := self._retried(model_id, seq):
             return retried
@@ -227,8 +229,9 @@ class Service:
 
     def load_state(self, body: dict[str, Any]) -> str:
         """`load_weights` as the SDK's `create_training_client_from_state[_with_optimizer]` sends it: a new model
-        (`session_id`, `model_seq_id`) made from a checkpoint `save_state` wrote, its adapter settings the
-        checkpoint's, with its optimizer state when `optimizer` is true (else a fresh AdamW)."""
+        (`session_id`, `model_seq_id`) made from a checkpoint `save_state` wrote, of its kind (LoRA with its
+        adapter settings, or full fine-tuning), with its optimizer state when `optimizer` is true (else a fresh
+        AdamW)."""
         refuse_unless(body.get("model_id") is None, "load_weights into an existing model is not supported; create "
                                                     "a training client from the state instead")
         refuse_unless(not body.get("weights_access_token"), "weights_access_token is not supported")

@@ -1,5 +1,7 @@
-"""`TrainingModel`: one client's LoRA model on the learner's own trainer (`stages.learner.step.PolicyTrainer`:
-the base loaded and wrapped with peft, the AdamW over the adapter alone, the adapter published with its probe).
+"""`TrainingModel`: one client's model on the learner's own trainer (`stages.learner.step.PolicyTrainer`). With a
+`LoraSpec` the base is loaded and wrapped with peft, the AdamW is over the adapter alone, and a sampler's weights
+are the adapter with its probe; without one (full fine-tuning) every weight is trained, and a sampler's weights are
+the whole state dict, written to a safetensors file (`stages.weights.disk`) so that no copy of it stays in memory.
 
 Tinker splits a step into calls: `forward_backward` adds the gradient of its datums' loss to what earlier calls
 left (a sum, as Tinker's losses are sums), `optim_step` takes one AdamW step with the client's parameters and
@@ -27,6 +29,7 @@ from stages.learner.step import PolicyTrainer
 from stages.service.losses import loss_of
 from stages.service.wire import Datum
 from stages.weights.adapter import AdapterVersion, as_received
+from stages.weights.disk import DiskNotice, write_weights
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
@@ -79,9 +82,10 @@ def logprobs_of(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, t
 
 
 class TrainingModel:
-    """One `create_model`'s LoRA model over the base folder `model_path` (see the module docstring)."""
+    """One `create_model`'s model over the base folder `model_path`: LoRA with `lora`, full fine-tuning without
+    (see the module docstring)."""
 
-    def __init__(self, model_path: Path, lora: LoraSpec, device: str = "cpu") -> None:
+    def __init__(self, model_path: Path, lora: LoraSpec | None, device: str = "cpu") -> None:
         self.lora = lora
         self.trainer = PolicyTrainer(GRPOLearner(model_path, lora=lora, device=device, entropy_coef=0.0), steps=1)
         self.steps = 0  # optimizer steps taken: the version a sampler saved now serves
@@ -116,7 +120,23 @@ class TrainingModel:
         return {"grad_norm:mean": norm, "learning_rate:mean": adam.learning_rate}
 
     def adapter(self) -> AdapterVersion:
-        """The adapter as it is now, with its probe, as an engine receives a version."""
+        """The adapter as it is now, with its probe, as an engine receives a version (LoRA models only)."""
+        assert self.lora is not None, "a full fine-tuning model has no adapter"
         received = as_received(self.trainer.weights(self.steps))
         assert isinstance(received, AdapterVersion)
         return received
+
+    def load_into(self, model: torch.nn.Module) -> int:
+        """Copy every weight of this (fully fine-tuned) model into `model`, one of the same base; returns the
+        version they are (`export_model`'s fill)."""
+        model.load_state_dict(self.trainer.model.state_dict())
+        return self.steps
+
+    def sampler_weights(self, folder: Path) -> AdapterVersion | DiskNotice:
+        """The weights a sampler saved now serves: the adapter (kept in memory: it is small), or, fully fine-tuned,
+        every weight written to `folder/model.safetensors` (tied ones once), named by its file and checksum."""
+        if self.lora is not None:
+            return self.adapter()
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / "model.safetensors"
+        return DiskNotice(self.steps, str(path), write_weights(path, self.trainer.weights(self.steps)))

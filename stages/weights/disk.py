@@ -42,6 +42,18 @@ def file_checksum(path: Path) -> int:
     return h.intdigest()
 
 
+def write_weights(path: Path, tensors: dict[str, torch.Tensor]) -> int:
+    """Write a whole version's `tensors` as one safetensors file at `path` (tied weights, which share storage,
+    once: under the first name); returns the file's checksum, which `load_verified` checks."""
+    from safetensors.torch import save_file
+
+    unique: dict[int, tuple[str, torch.Tensor]] = {}
+    for name, t in tensors.items():
+        unique.setdefault(t.data_ptr(), (name, t.detach().cpu().contiguous()))
+    save_file(dict(unique.values()), path)
+    return file_checksum(path)
+
+
 def load_verified(notice: DiskNotice) -> dict[str, torch.Tensor]:
     """The version's tensors, or WeightPushError when the file is missing or fails its checksum."""
     from safetensors.torch import load_file
@@ -94,19 +106,13 @@ class DiskTransport(PushTransport):
         return await target.asker.ask(NOTICE, msgspec.msgpack.encode(self._notice)), self._file_bytes
 
     def _write(self, version: int, tensors: dict[str, torch.Tensor]) -> DiskNotice:
-        from safetensors.torch import save_file
-
         if self.root is None:
             self.root = tempfile.mkdtemp(prefix="baton-weights-")
         root = Path(self.root)
         root.mkdir(parents=True, exist_ok=True)
         final = root / f"v{version:08d}"
         staging = Path(tempfile.mkdtemp(prefix=f".v{version:08d}-", dir=root))
-        unique: dict[int, tuple[str, torch.Tensor]] = {}
-        for name, t in tensors.items():  # tied weights share storage: store them once
-            unique.setdefault(t.data_ptr(), (name, t.detach().cpu().contiguous()))
-        save_file(dict(unique.values()), staging / "model.safetensors")
-        checksum = file_checksum(staging / "model.safetensors")
+        checksum = write_weights(staging / "model.safetensors", tensors)
         shutil.rmtree(final, ignore_errors=True)
         staging.rename(final)  # atomic: readers see the whole version or none
         for old in sorted(p for p in root.glob("v*") if p.is_dir())[: -self.keep]:

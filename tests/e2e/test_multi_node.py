@@ -71,7 +71,7 @@ def logged(run_dir: Path, event: str, key: str) -> list[str]:
 
 
 def run_across(cluster: LoopbackCluster, tmp_path: Path, tag: str, where: dict[str, str], *sets: str) -> dict:
-    env = {**os.environ, **cluster.env}
+    env = {k: v for k, v in {**os.environ, **cluster.env}.items() if k != "BATON_HOST"}  # each process finds its own
     s = baton_run(tmp_path, "ray-mooncake.toml", f"ray.address='{cluster.address}'", "telemetry.progress=false",
                   *placed(tag, where), *sets, env=env)
     assert s["runtime"] == "ray" and s["ledger_balanced"] and s["samples"]["lost"] == 0, s

@@ -64,6 +64,8 @@ def test_every_actor_in_its_own_process_and_nothing_unaccounted(ray_cluster, mod
     assert [m["version"] for m in metrics] == list(range(1, 16))
     assert "run starting on ray" in (Path(s["run_dir"]) / "run.log").read_text()  # the run's log, on Ray too
     assert (tmp_path / "latest").resolve() == Path(s["run_dir"]).resolve()
+    # the driver's node address was for that run only: a later run (here, another test) finds its own
+    assert "BATON_HOST" not in os.environ
 
 
 def kill_host_when(root: Path, version: int, killed: list[int], host: str = "producer-0") -> threading.Thread:

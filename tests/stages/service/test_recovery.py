@@ -40,7 +40,7 @@ async def test_a_compacted_journal_brings_the_service_back(tmp_path, monkeypatch
     await first.close()
 
     second = Service(model, tmp_path / "checkpoints", state)
-    back = recover(second)
+    back = await recover(second)
     assert back == {"sessions": 1, "samplers": 0, "models": 1, "results": 3, "rerun": 0}
     assert (await second.info(model_id))["lora_rank"] == 2  # waits for the model to be made again
     assert (await second.futures.result(call_id(model_id, 0)))["model_id"] == model_id

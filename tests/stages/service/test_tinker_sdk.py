@@ -1,6 +1,7 @@
 """`baton serve` driven by the official `tinker` SDK, unchanged, against the service started on 127.0.0.1 in its
-own process (stopped by its pid): a LoRA training client, a step through the SDK that equals the learner's own
-step on the same rows, sampling from the saved adapter, and refusals by name. Skips without the SDK
+own process (stopped by its pid): a LoRA training client and a full fine-tuning one (`baton.tinker_client`), a
+step through the SDK that equals the learner's own step on the same rows, sampling from the saved weights, and
+refusals by name. Skips without the SDK
 (`pip install -e '.[tinker]'`)."""
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ import torch
 tinker = pytest.importorskip("tinker", reason="the tinker SDK is not installed: pip install -e '.[tinker]'")
 from tinker import types  # noqa: E402
 
+from baton.tinker_client import create_full_training_client  # noqa: E402
 from stages.data.model import make_tiny_model  # noqa: E402
 from stages.learner import GRPOLearner  # noqa: E402
 from stages.learner.losses import group_advantages  # noqa: E402
 from stages.learner.step import PolicyTrainer  # noqa: E402
-from stages.service.training import lora_spec  # noqa: E402
+from stages.service.training import AdamSettings, TrainingModel, logprobs_of, lora_spec, padded  # noqa: E402
+from stages.service.wire import Datum  # noqa: E402
 from tests.stages.learner.test_ranks import groups  # noqa: E402
 
 torch.set_num_threads(1)
@@ -62,6 +65,11 @@ def service(served):
 def new_model(served, service):
     """A fresh LoRA training client (its adapter from the learner's one fixed init)."""
     return service.create_lora_training_client(base_model=served[0]["model"], rank=RANK).result()
+
+
+def new_full_model(served, service):
+    """A fresh full fine-tuning client (every weight trained, from the base folder's)."""
+    return create_full_training_client(service, served[0]["model"]).result()
 
 
 def rows_of(trainer: PolicyTrainer, seed: int, off_policy: float = 0.0):
@@ -145,6 +153,42 @@ def test_a_step_through_the_sdk_is_the_learners_step(served, service, loss: str,
     print(f"{loss}: largest parameter difference {worst:.3g} after a step that moved them by up to {moved:.3g}")
 
 
+def saved_adapter(folder: Path, training, name: str) -> dict[str, torch.Tensor]:
+    """The adapter the service saved with `save_state(name)`, as the learner's parameter names."""
+    from safetensors.torch import load_file
+
+    training.save_state(name).result()
+    return load_file(folder / "checkpoints" / training.model_id / name / "adapter" / "adapter_model.safetensors")
+
+
+def test_cispo_through_the_sdk_is_the_direct_computation(served, service) -> None:
+    """An SDK forward_backward with `cispo` and Tinker's default thresholds (0, 4), then an optim_step, equals the
+    same rows computed here by hand on the same adapter init: -sum(sg(clip(r, 0, 4)) * logp * A), its gradient, the
+    service's own AdamW step. The behaviour logprobs are the policy's own moved by up to 2 nats (ratios up to 7.4),
+    so the clip binds; loss:sum and every adapter parameter agree."""
+    training = new_model(served, service)
+    local = TrainingModel(Path(served[0]["model"]), lora_spec(RANK, True, True, True))
+    batches, weights = rows_of(local.trainer, seed=9, off_policy=2.0)
+    data = datums(batches, weights, "cispo")
+    result = training.forward_backward(data, "cispo")
+    training.optim_step(types.AdamParams(**ADAM)).result()
+    ids, mask, inputs = padded([Datum(np.array(d.model_input.to_ints()), {k: v.to_numpy() for k, v in
+                                                                          d.loss_fn_inputs.items()}) for d in data])
+    logp = logprobs_of(local.trainer.model, ids, mask, inputs["target_tokens"])
+    ratio = (logp - inputs["logprobs"]).exp().detach()
+    assert bool(((ratio > 4) & (inputs["advantages"] != 0) & (mask > 0)).any())  # the default clip binds
+    loss = -(ratio.clamp(0.0, 4.0) * logp * inputs["advantages"] * mask).sum()
+    loss.backward()
+    local.optim_step(AdamSettings(**ADAM))
+    assert result.result().metrics["loss:sum"] == pytest.approx(float(loss.detach()), rel=1e-5, abs=1e-7)
+    served_adapter = saved_adapter(served[1], training, "after-cispo")
+    mine = {n.replace(".default", ""): p.detach() for n, p in local.trainer.model.named_parameters()
+            if p.requires_grad}
+    assert set(served_adapter) == set(mine)
+    worst = max(float((served_adapter[n] - mine[n]).abs().max()) for n in mine)
+    assert worst < 1e-6, f"the SDK's cispo step differs from the direct computation by {worst:.3g}"
+
+
 def test_sampling_from_saved_weights_gives_tokens_with_their_logprobs(served, service) -> None:
     """After a step and save_weights_for_sampler the sampler draws from the trained adapter: each sampled token's
     logprob is the training model's own logprob of it (forward through the SDK), and so is each token's logprob
@@ -169,9 +213,11 @@ def test_sampling_from_saved_weights_gives_tokens_with_their_logprobs(served, se
         assert np.allclose(sampler.compute_logprobs(types.ModelInput.from_ints(full)).result()[1:], scored, atol=1e-4)
 
 
-def test_a_training_client_from_saved_state_continues_where_it_left_off(served, service) -> None:
+@pytest.mark.parametrize("full", [False, True], ids=["lora", "full"])
+def test_a_training_client_from_saved_state_continues_where_it_left_off(served, service, full: bool) -> None:
     """save_state, then a training client from that state: with the optimizer it has the saved model's logprobs
-    and takes the same next step (Adam's moments came back); from the weights alone the next step differs."""
+    and takes the same next step (Adam's moments came back); from the weights alone the next step differs. A
+    fully fine-tuned model's state makes fully fine-tuned clients (the SDK's public from-state calls)."""
     data = datums(groups(7, n=2, group_size=3), np.full(6, 0.05), "cross_entropy")
 
     def step(client) -> None:
@@ -182,18 +228,116 @@ def test_a_training_client_from_saved_state_continues_where_it_left_off(served, 
         outputs = client.forward(data, "cross_entropy").result().loss_fn_outputs
         return np.concatenate([o["logprobs"].to_numpy() for o in outputs])
 
-    first = new_model(served, service)
+    first = new_full_model(served, service) if full else new_model(served, service)
     step(first)
     first.save_state("resume-me").result()
     path = f"tinker://{first.model_id}/weights/resume-me"
     resumed = service.create_training_client_from_state_with_optimizer(path).result()
     weights_only = service.create_training_client_from_state(path).result()
-    assert resumed.get_info().lora_rank == RANK
+    assert resumed.get_info().is_lora is not full and resumed.get_info().lora_rank == (None if full else RANK)
     assert np.abs(logprobs(resumed) - logprobs(first)).max() < 1e-6
     for client in (first, resumed, weights_only):
         step(client)
     assert np.abs(logprobs(resumed) - logprobs(first)).max() < 1e-6
     assert np.abs(logprobs(weights_only) - logprobs(first)).max() > 1e-4
+
+
+def test_a_full_fine_tuning_step_through_the_sdk_is_the_learners_full_step(served, service) -> None:
+    """A full fine-tuning client (no lora_config) says it is not LoRA, and its forward_backward + optim_step equals
+    `PolicyTrainer.train` without LoRA on the same rows: every weight within 1e-6, as save_state's Hugging Face
+    folder (float32) holds them."""
+    from safetensors.torch import load_file
+
+    training = new_full_model(served, service)
+    info = training.get_info()
+    assert info.is_lora is False and info.lora_rank is None
+    reference = PolicyTrainer(GRPOLearner(info.model_data.model_name, device="cpu", entropy_coef=0.0), steps=1)
+    reference.schedule(0)
+    batches, weights = rows_of(reference, seed=3)
+    before = {n: t.clone() for n, t in reference.model.state_dict().items()}
+    training.forward_backward(datums(batches, weights, "cross_entropy"), "cross_entropy")
+    training.optim_step(types.AdamParams(**ADAM)).result()
+    reference.train(batches, 0.0)
+    training.save_state("full-step").result()
+    served_weights = load_file(served[1] / "checkpoints" / training.model_id / "full-step" / "model" /
+                               "model.safetensors")
+    mine = reference.model.state_dict()
+    assert set(served_weights) <= set(mine) and "model.embed_tokens.weight" in served_weights
+    moved = max(float((mine[n] - before[n]).abs().max()) for n in served_weights)
+    assert moved > 1e-4  # every weight is trained, and the step moved them: the comparison below could fail
+    worst = max(float((served_weights[n] - mine[n]).abs().max()) for n in served_weights)
+    assert worst < 1e-6, f"the SDK's full step differs from the learner's by {worst:.3g}"
+    print(f"full: largest weight difference {worst:.3g} after a step that moved them by up to {moved:.3g}")
+
+
+def test_sampling_from_saved_full_weights_gives_the_trained_models_logprobs(served, service) -> None:
+    """A fully fine-tuned model's save_weights_for_sampler is served by an engine holding those weights: each
+    sampled token's logprob is the trained model's teacher-forced logprob of it (forward through the SDK)."""
+    training = new_full_model(served, service)
+    data = datums(groups(5, n=2, group_size=3), np.full(6, 0.5), "cross_entropy")
+    training.forward_backward(data, "cross_entropy")
+    training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    sampler = training.save_weights_and_get_sampling_client().result()
+    base = service.create_sampling_client(base_model=served[0]["model"]).result()
+    prompt = [1, 5, 6, 7]
+    out = sampler.sample(types.ModelInput.from_ints(prompt), 2, types.SamplingParams(max_tokens=4, stop=[])).result()
+    for seq in out.sequences:
+        full = prompt + list(seq.tokens)
+        datum = types.Datum(model_input=types.ModelInput.from_ints(full[:-1]),
+                            loss_fn_inputs={"target_tokens": np.array(full[1:]),
+                                            "weights": np.zeros(len(full) - 1, dtype=np.float32)})
+        scored = training.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+        assert len(seq.logprobs) == 4 and np.allclose(scored[len(prompt) - 1:], seq.logprobs, atol=1e-4)
+        untrained = base.compute_logprobs(types.ModelInput.from_ints(full)).result()[1:]
+        assert np.abs(np.array(untrained) - scored).max() > 1e-2  # the sampler does not serve the base
+
+
+def test_two_clients_training_at_once_each_get_what_they_would_alone(served, service) -> None:
+    """Two SDK clients (each its own ServiceClient, so its own session) train LoRA models on the same base at once,
+    from two threads, each on its own data and loss: their forward_backward / optim_step calls interleave at the
+    service. Each ends where the same calls run alone (on fresh models, one client after the other) end, within
+    1e-6 in the logprobs; the two differ; each one's sampler samples its own adapter (its compute_logprobs are
+    its own model's forward, not the other's)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    info = served[0]
+    key = Path(info["key_file"]).read_text()
+    plans = [(datums(groups(11, n=2, group_size=3), np.full(6, 0.2), "cross_entropy"), "cross_entropy"),
+             (datums(groups(13, n=2, group_size=3), np.full(6, 0.2), "cispo"), "cispo")]
+    # rows of both clients' data, scored (weight 0) by each model
+    probe = [types.Datum(model_input=d.model_input, loss_fn_inputs={
+        "target_tokens": d.loss_fn_inputs["target_tokens"], "weights": np.zeros(d.model_input.length, np.float32)})
+        for d in plans[0][0][:2] + plans[1][0][:2]]
+
+    def train(client, plan) -> None:
+        data, loss = plan
+        for _ in range(3):
+            client.forward_backward(data, loss).result()
+            client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+
+    def logprobs(client) -> np.ndarray:
+        outputs = client.forward(probe, "cross_entropy").result().loss_fn_outputs
+        return np.concatenate([o["logprobs"].to_numpy() for o in outputs])
+
+    clients = [tinker.ServiceClient(base_url=info["base_url"], api_key=key) for _ in plans]
+    together = [c.create_lora_training_client(base_model=info["model"], rank=RANK).result() for c in clients]
+    assert together[0].model_id.split(":")[0] != together[1].model_id.split(":")[0]  # two sessions
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(train, together, plans))
+    alone = [new_model(served, service) for _ in plans]
+    for client, plan in zip(alone, plans, strict=True):
+        train(client, plan)
+    mine = [logprobs(c) for c in together]
+    for concurrent, by_itself in zip(mine, alone, strict=True):
+        assert np.abs(concurrent - logprobs(by_itself)).max() < 1e-6
+    assert np.abs(mine[0] - mine[1]).max() > 1e-3  # the two adapters differ: isolation could fail
+    samplers = [c.save_weights_and_get_sampling_client().result() for c in together]
+    full = list(probe[0].model_input.to_ints()) + [int(probe[0].loss_fn_inputs["target_tokens"].to_numpy()[-1])]
+    n = len(full) - 1
+    scored = [np.array(s.compute_logprobs(types.ModelInput.from_ints(full)).result()[1:]) for s in samplers]
+    assert np.abs(mine[0][:n] - mine[1][:n]).max() > 1e-3  # a sampler of the other adapter would be caught
+    for own, sampled in zip(mine, scored, strict=True):
+        assert np.allclose(sampled, own[:n], atol=1e-4)
 
 
 def test_a_retried_request_is_applied_once(served, service) -> None:
@@ -221,8 +365,10 @@ def test_what_is_not_supported_is_refused_by_name(served, service) -> None:
     row = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]),
                       loss_fn_inputs={"target_tokens": np.array([2, 3, 4]), "logprobs": np.zeros(3, np.float32),
                                       "advantages": np.ones(3, np.float32)})
-    with pytest.raises(tinker.BadRequestError, match="'cispo'"):
-        training.forward_backward([row], "cispo").result()
+    with pytest.raises(tinker.BadRequestError, match="'gspo'"):
+        training.forward_backward([row], "gspo").result()
+    with pytest.raises(tinker.BadRequestError, match="'dro' needs loss_fn_config \\['beta'\\]"):
+        training.forward_backward([row], "dro").result()
     with pytest.raises(tinker.BadRequestError, match="missing \\['weights'\\]"):
         training.forward_backward([row], "cross_entropy").result()
     sampler = service.create_sampling_client(base_model=info["model"]).result()
@@ -232,6 +378,15 @@ def test_what_is_not_supported_is_refused_by_name(served, service) -> None:
         training.save_weights_external("out").result()
     with pytest.raises(tinker.BadRequestError, match="names no checkpoint"):
         service.create_training_client_from_state("tinker://nobody/weights/nothing").result()
+    with pytest.raises(tinker.BadRequestError, match="without lora_config"):
+        service.create_lora_training_client(base_model=info["model"], rank=0).result()
+
+    import httpx
+
+    reported = httpx.get(f"{info['base_url']}/api/v1/get_server_capabilities", timeout=30,
+                         headers={"X-API-Key": Path(info["key_file"]).read_text()}).json()["baton"]
+    assert reported["losses"] == ["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"]
+    assert reported["refused_losses"] == ["gspo", "stable_reinforce", "custom"]
     stranger = tinker.ServiceClient(base_url=info["base_url"], api_key="tml-not-the-key")
     with pytest.raises(tinker.AuthenticationError):
         stranger.create_lora_training_client(base_model=info["model"], rank=RANK).result()

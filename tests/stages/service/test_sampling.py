@@ -1,0 +1,52 @@
+"""`Samplers` with a fully fine-tuned model's saves (`TrainingModel.sampler_weights`: a safetensors file each): an
+engine serves exactly the saved weights (its prompt logprobs are the trained model's teacher-forced ones), no more
+than `keep` engines, so `keep` full copies, are loaded at once, and a save under a path saved before replaces it
+(its engine stopped, its file removed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from stages.data.model import make_tiny_model
+from stages.service.sampling import Samplers
+from stages.service.training import AdamSettings, TrainingModel, logprobs_of
+from stages.service.wire import Datum
+
+pytestmark = pytest.mark.anyio
+PROMPT = [1, 5, 6, 7, 8, 9]
+
+
+def teacher_forced(model: TrainingModel) -> np.ndarray:
+    ids = torch.tensor([PROMPT[:-1]])
+    with torch.no_grad():
+        return logprobs_of(model.trainer.model, ids, torch.ones_like(ids, dtype=torch.float32),
+                           torch.tensor([PROMPT[1:]]))[0].numpy()
+
+
+async def test_full_saves_are_served_from_their_files_with_at_most_keep_engines(tmp_path: Path) -> None:
+    folder = make_tiny_model(tmp_path / "tiny")
+    model = TrainingModel(folder, None)
+    samplers = Samplers(folder, keep=1)
+    first = model.sampler_weights(tmp_path / "saves" / "0")
+    before = teacher_forced(model)
+    datum = Datum(np.array(PROMPT[:-1]), {"target_tokens": np.array(PROMPT[1:]), "weights": np.ones(5, np.float32)})
+    model.forward_backward([datum], "cross_entropy", {}, backward=True)
+    model.optim_step(AdamSettings(learning_rate=1e-2))
+    after = teacher_forced(model)
+    assert np.abs(after - before).max() > 1e-2  # the two saves differ: serving the wrong one would fail below
+    try:
+        await samplers.save("a", first)
+        await samplers.save("b", model.sampler_weights(tmp_path / "saves" / "1"))
+        for path, expected in (("a", before), ("b", after), ("a", before)):
+            served = await samplers.prompt_logprobs(path, PROMPT)
+            assert np.allclose(served[1:], expected, atol=1e-5), path
+            assert list(samplers.engines) == [path]  # the other one was stopped before this one was loaded
+        await samplers.save("a", model.sampler_weights(tmp_path / "saves" / "2"))
+        assert not Path(first.path).exists() and "a" not in samplers.engines
+        assert np.allclose((await samplers.prompt_logprobs("a", PROMPT))[1:], after, atol=1e-5)
+    finally:
+        await samplers.close()
