@@ -53,3 +53,34 @@ async def test_a_compacted_journal_brings_the_service_back(tmp_path, monkeypatch
         second.optim_step(retried)
     assert second.create_session() == "session-2"
     await second.close()
+
+
+@pytest.mark.parametrize("lora", [{"rank": 2}, None], ids=["lora", "full"])
+async def test_a_model_and_its_sampler_come_back_with_the_weights_they_had(tmp_path, lora) -> None:
+    """A model (LoRA, or fully fine-tuned) after two steps, and a sampler saved from it: after a restart the
+    model's every weight is the one it had, and the sampler's path is served again."""
+    import torch
+
+    model = make_tiny_model(tmp_path / "tiny")
+    first = Service(model, tmp_path / "checkpoints", tmp_path / "state")
+    session = first.create_session()
+    model_id = f"{session}:train:0"
+    body = {"session_id": session, "model_seq_id": 0, "base_model": str(model)}
+    await first.futures.result(first.create_model(body if lora is None else {**body, "lora_config": lora}))
+    trained = first.models[model_id].trainer.model
+    for seq in (1, 2):
+        for p in trained.parameters():  # a gradient for the step to apply (no forward_backward here)
+            p.grad = torch.ones_like(p) if p.requires_grad else None
+        await first.futures.result(first.optim_step({"model_id": model_id, "seq_id": seq,
+                                                     "adam_params": {"learning_rate": 1e-3}}))
+    saved = await first.futures.result(first.save_for_sampler({"model_id": model_id, "seq_id": 3, "path": "s"}))
+    weights = {n: p.detach().clone() for n, p in trained.named_parameters()}
+    await first.close()
+
+    second = Service(model, tmp_path / "checkpoints", tmp_path / "state")
+    await recover(second)
+    await second.futures.result(call_id(model_id, 0))
+    assert second.models[model_id].steps == 2 and second.samplers.knows(saved["path"])
+    again = dict(second.models[model_id].trainer.model.named_parameters())
+    assert all(torch.equal(again[n].detach(), w) for n, w in weights.items())
+    await second.close()
