@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -34,25 +35,34 @@ RANK = 4
 ADAM = {"learning_rate": 4e-4, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "grad_clip_norm": 1.0}  # the learner's
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """The service over a tiny model: its service.json (base_url, model, key_file) and its folder."""
-    root = tmp_path_factory.mktemp("serve")
+@contextmanager
+def serving(root: Path, *options: str):
+    """`baton serve` (with `options`) over a tiny model made in `root`, in its own process, stopped by its pid on
+    exit: its service.json (base_url, model, key_file) and its folder."""
     model = make_tiny_model(root / "tiny")
     folder = root / "serve"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3]), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "baton.cli", "serve", str(model), "--port", "0", "--dir",
-                             str(folder), "--threads", "1"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    log = root / "serve.log"  # a file, not a pipe: a pipe nobody reads would block the service once full
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "baton.cli", "serve", str(model), "--port", "0", "--dir",
+                                 str(folder), "--threads", "1", *options], env=env, stdout=out, stderr=out)
     try:
         deadline = time.monotonic() + 120
         while not (folder / "service.json").exists():
-            assert proc.poll() is None, f"baton serve exited: {proc.stdout.read().decode()[-2000:]}"
+            assert proc.poll() is None, f"baton serve exited: {log.read_text()[-2000:]}"
             assert time.monotonic() < deadline, "baton serve did not start within 120 s"
             time.sleep(0.2)
         yield json.loads((folder / "service.json").read_text()), folder
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """The service over a tiny model: its service.json (base_url, model, key_file) and its folder."""
+    with serving(tmp_path_factory.mktemp("serve")) as started:
+        yield started
 
 
 @pytest.fixture(scope="module")
