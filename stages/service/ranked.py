@@ -157,8 +157,14 @@ class ServiceRanks:
                 raise
 
     def close(self) -> None:
-        with self.lock:
+        """Stop the followers: after the call in progress, or, when one holds the group for over 10 s (a
+        collective a rank never joins), without it (the followers are then ended by their pids)."""
+        held = self.lock.acquire(timeout=10)
+        try:
             self.group.close()
+        finally:
+            if held:
+                self.lock.release()
 
 
 class RankedModel:

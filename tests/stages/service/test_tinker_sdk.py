@@ -381,6 +381,11 @@ def test_what_is_not_supported_is_refused_by_name(served, service) -> None:
         training.forward_backward([row], "dro").result()
     with pytest.raises(tinker.BadRequestError, match="missing \\['weights'\\]"):
         training.forward_backward([row], "cross_entropy").result()
+    vocab = json.loads((Path(info["model"]) / "config.json").read_text())["vocab_size"]
+    stray = types.Datum(model_input=types.ModelInput.from_ints([1, vocab]), loss_fn_inputs={
+        "target_tokens": np.array([2, 3]), "weights": np.ones(2, np.float32)})
+    with pytest.raises(tinker.BadRequestError, match=f"model_input holds token id {vocab}, outside the model's vocab"):
+        training.forward_backward([stray], "cross_entropy").result()
     sampler = service.create_sampling_client(base_model=info["model"]).result()
     with pytest.raises(tinker.BadRequestError, match="sampling_params.stop as strings"):
         sampler.sample(types.ModelInput.from_ints([1, 2]), 1, types.SamplingParams(max_tokens=2, stop=["\n"])).result()
@@ -397,6 +402,7 @@ def test_what_is_not_supported_is_refused_by_name(served, service) -> None:
                          headers={"X-API-Key": Path(info["key_file"]).read_text()}).json()["baton"]
     assert reported["losses"] == ["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"]
     assert reported["refused_losses"] == ["gspo", "stable_reinforce", "custom"]
+    assert reported["world_size"] == 1
     stranger = tinker.ServiceClient(base_url=info["base_url"], api_key="tml-not-the-key")
     with pytest.raises(tinker.AuthenticationError):
         stranger.create_lora_training_client(base_model=info["model"], rank=RANK).result()
