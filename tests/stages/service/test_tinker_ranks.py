@@ -4,6 +4,7 @@ in this process, world size 1). Long: it starts its own two-rank service. Skips 
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -38,13 +39,21 @@ def forward(client, data) -> list[np.ndarray]:
     return [o["logprobs"].to_numpy() for o in client.forward(data, "cross_entropy").result().loss_fn_outputs]
 
 
+def train_twice(client, data) -> None:
+    for _ in range(2):
+        client.forward_backward(data, "cross_entropy").result()
+        client.optim_step(types.AdamParams(**BIG)).result()
+
+
 def test_a_step_on_two_ranks_is_the_step_on_one(tmp_path_factory) -> None:
     """On two ranks: a LoRA importance-sampling step (SDK forward_backward + optim_step) equals the same step on
     one rank, every adapter parameter within 1e-6 as save_state wrote it, and loss:sum alike; forward gives every
     datum's logprobs in the request's order (datums of several lengths: the ranks' shares reorder them); a client
     from the saved state has the same logprobs; a sampler saved after a second step samples the trained adapter
-    (its logprobs are the one-rank model's, not the base's). A full fine-tuning step equals one rank's too, every
-    weight of save_state's Hugging Face folder within 1e-6 (AdamW with eps 1: see LINEAR)."""
+    (its logprobs are the one-rank model's, not the base's); two clients training at once from two threads end
+    alike (the same calls on the same init; the ranks ran their calls one at a time). A full fine-tuning step
+    equals one rank's too, every weight of save_state's Hugging Face folder within 1e-6 (AdamW with eps 1: see
+    LINEAR)."""
     from safetensors.torch import load_file
 
     with serving(tmp_path_factory.mktemp("ranks"), "--world-size", "2") as (info, folder):
@@ -94,6 +103,13 @@ def test_a_step_on_two_ranks_is_the_step_on_one(tmp_path_factory) -> None:
         assert np.allclose(sampled, trained[0], atol=1e-4)
         untrained = np.array(base.compute_logprobs(types.ModelInput.from_ints(tokens)).result()[1:])
         assert np.abs(untrained - trained[0]).max() > 1e-2  # the trained adapter is far from the base
+
+        twins = [service.create_lora_training_client(base_model=info["model"], rank=RANK).result() for _ in "ab"]
+        with ThreadPoolExecutor(2) as pool:  # two models' calls at once: the ranks take them one at a time
+            list(pool.map(lambda client: train_twice(client, big), twins))
+        a, b = (forward(client, check) for client in twins)
+        assert max(float(np.abs(x - y).max()) for x, y in zip(a, b, strict=True)) < 1e-6
+        assert max(float(np.abs(x - y).max()) for x, y in zip(a, served_rows, strict=True)) > 1e-3  # they trained
 
         full = create_full_training_client(service, info["model"]).result()
         whole = TrainingModel(Path(info["model"]), None)
