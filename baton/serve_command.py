@@ -10,7 +10,11 @@ A training client's `save_state(name)` writes `D/checkpoints/{model_id}/{name}/`
 `model/`); a fully fine-tuned model's `save_weights_for_sampler` writes
 `D/checkpoints/{model_id}/sampler_weights/N/model.safetensors`.
 
-Exit codes: 0 stopped by Ctrl-C or SIGTERM, 2 bad usage (no such model folder, the tinker extra missing).
+With `--world-size N` every training model is sharded over N learner ranks (FSDP2; `stages.service.ranked`):
+N - 1 follower processes start with the service and stop with it.
+
+Exit codes: 0 stopped by Ctrl-C or SIGTERM, 2 bad usage (no such model folder, the tinker extra missing, a world
+size below 1).
 """
 
 from __future__ import annotations
@@ -31,12 +35,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "serve", help="serve a Tinker-compatible training API over a model folder (the tinker SDK drives it)",
         epilog="exit codes:\n  0   stopped by Ctrl-C or SIGTERM\n  2   bad usage: no model folder, or the tinker "
-               "extra is missing (pip install -e '.[tinker]')", formatter_class=argparse.RawDescriptionHelpFormatter)
+               "extra is missing (pip install -e '.[tinker]'), or --world-size below 1",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model_dir", metavar="MODEL_DIR", help="a Hugging Face causal-LM folder (its tokenizer included)")
     p.add_argument("--port", type=int, default=8000, help="port on 127.0.0.1 (0: any free one; default 8000)")
     p.add_argument("--dir", default="baton-serve", help="where the key and service.json go (default ./baton-serve)")
     p.add_argument("--device", default="cpu", help="the learner's and engines' device (default cpu)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--world-size", type=int, default=1,
+                   help="learner ranks each training model is sharded over (FSDP2; N-1 follower processes start "
+                        "here; default 1)")
     return p
 
 
@@ -52,14 +60,15 @@ def write_key(folder: Path) -> tuple[str, Path]:
     return key, path
 
 
-async def serve(model_dir: Path, port: int, folder: Path, device: str) -> None:
+async def serve(model_dir: Path, port: int, folder: Path, device: str, world_size: int = 1) -> None:
     from aiohttp import web
 
     from stages.service.routes import make_app
     from stages.service.service import Service
 
     key, key_file = write_key(folder)
-    runner = web.AppRunner(make_app(Service(model_dir, folder / "checkpoints", device=device), key), access_log=None,
+    runner = web.AppRunner(make_app(Service(model_dir, folder / "checkpoints", device=device,
+                                                       world_size=world_size), key), access_log=None,
                            shutdown_timeout=2.0)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", port)
@@ -84,6 +93,9 @@ def run(args: argparse.Namespace) -> int:
     if not (model_dir / "config.json").is_file():
         print(f"baton serve: {model_dir} is not a model folder (no config.json)", file=sys.stderr)
         return 2
+    if args.world_size < 1:
+        print(f"baton serve: --world-size must be >= 1, got {args.world_size}", file=sys.stderr)
+        return 2
     try:
         import tinker  # noqa: F401  the wire format's protobuf module ships in the SDK
     except ImportError:
@@ -93,5 +105,5 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    asyncio.run(serve(model_dir, args.port, Path(args.dir), args.device))
+    asyncio.run(serve(model_dir, args.port, Path(args.dir), args.device, args.world_size))
     return 0

@@ -5,25 +5,33 @@ so an unsupported call fails at the call that names it; the work itself runs as 
 Ids: sessions `session-N`, models `{session}:train:{model_seq_id}` (as the SDK derives them), sampling sessions
 `sampler-N`; a saved sampler checkpoint is
 `tinker://{model_id}/sampler_weights/{name}`. The calls of one model run in the order they arrived, one at a time.
+
+World size: 1 (each model a `TrainingModel` in this process) or N (`world_size`: each model sharded over N ranks,
+`stages.service.ranked.RankedModel`; the models' calls then run one at a time across all models, as the ranks'
+collectives must not interleave).
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import time
 from pathlib import Path
 from typing import Any
 
 import anyio
 import msgspec
+import numpy as np
 
 from stages.learner.export import export_model
+from stages.learner.lora import LoraSpec
 from stages.learner.state import STATE_FILE, LearnerState
 from stages.service import wire
 from stages.service.futures import Futures, Result
 from stages.service.losses import check_loss
-from stages.service.refusals import check_lora_config, check_sampling_request, refuse_unless
+from stages.service.ranked import RankedModel, ServiceRanks
+from stages.service.refusals import Refused, check_lora_config, check_sampling_request, refuse_unless
 from stages.service.sampling import BASE, Samplers
 from stages.service.training import AdamSettings, TrainingModel, lora_spec
 from stages.weights.adapter import write_peft_folder
@@ -47,12 +55,21 @@ class Sessions:
 
 
 class Service:
-    def __init__(self, model_path: Path, checkpoints: Path, device: str = "cpu", seed: int = 0) -> None:
+    """With `world_size` > 1 every training model is sharded over that many ranks (`stages.service.ranked`;
+    their processes start here, from the caller's thread, and stop with `close`)."""
+
+    def __init__(self, model_path: Path, checkpoints: Path, device: str = "cpu", seed: int = 0,
+                 world_size: int = 1) -> None:
         self.model_path, self.checkpoints = model_path.resolve(), checkpoints
         self.name = str(self.model_path)  # the base model's name: its folder, which the SDK loads a tokenizer from
         self.device = device
+        self.vocab = int(json.loads((self.model_path / "config.json").read_text()).get("vocab_size", 0))
+        self.ranks: ServiceRanks | None = None
+        if world_size > 1:
+            self.ranks = ServiceRanks(self.model_path, world_size, device)
+            self.ranks.start()
         self.sessions = Sessions()
-        self.models: dict[str, TrainingModel] = {}
+        self.models: dict[str, TrainingModel | RankedModel] = {}
         self.order: dict[str, asyncio.Lock] = {}  # per model: its calls run one at a time, in arrival order
         self.sampling_sessions: dict[str, str] = {}  # id -> the checkpoint it samples (BASE: the base model)
         self.samplers = Samplers(self.model_path, seed, device=device)
@@ -78,11 +95,22 @@ class Service:
         model_id = self._model_id(body)
 
         async def make() -> Result:
-            self.models[model_id] = await anyio.to_thread.run_sync(TrainingModel, self.model_path, spec, self.device)
+            self.models[model_id] = await anyio.to_thread.run_sync(self._new_model, model_id, spec)
             return {"model_id": model_id, "type": "create_model"}
 
         self.order[model_id] = asyncio.Lock()
         return self.futures.start(self._in_order(model_id, make()))
+
+    def _new_model(self, model_id: str, lora: LoraSpec | None, state: Path | None = None,
+                   optimizer: bool = False) -> TrainingModel | RankedModel:
+        """A model of this service's world size; from the checkpoint `state` (with its AdamW moments when
+        `optimizer`), else from the base."""
+        if self.ranks is not None:
+            return RankedModel.create(self.ranks, model_id, lora, state, optimizer)
+        model = TrainingModel(self.model_path, lora, self.device)
+        if state is not None:
+            model.read_state(state, optimizer)
+        return model
 
     def _model_id(self, body: dict[str, Any]) -> str:
         """`{session_id}:train:{model_seq_id}`, the id the SDK derives for a model it creates by loading."""
@@ -106,7 +134,7 @@ class Service:
         async with self.order[model_id]:
             return await work
 
-    def _model(self, model_id: str) -> TrainingModel:
+    def _model(self, model_id: str) -> TrainingModel | RankedModel:
         refuse_unless(model_id in self.order, f"unknown model_id {model_id!r}")
         return self.models[model_id]
 
@@ -126,6 +154,7 @@ class Service:
         names = [set(d.inputs) for d in request.data]
         refuse_unless(all(n == names[0] for n in names), "every datum must carry the same loss_fn_inputs")
         settings = check_loss(request.loss_fn, request.config, names[0])
+        self._check_tokens(request.data)
 
         async def run() -> Result:
             model = self.models[request.model_id]
@@ -134,6 +163,16 @@ class Service:
             return wire.forward_backward_output(rows, metrics)
 
         return self._start(request.model_id, request.seq_id, run())
+
+    def _check_tokens(self, data: list[wire.Datum]) -> None:
+        """Every input and target token is an id of the base model's vocabulary (a bad id would fail the forward
+        part-way, on one rank of several)."""
+        for i, datum in enumerate(data):
+            for name, ids in (("model_input", datum.tokens), ("target_tokens", datum.inputs.get("target_tokens"))):
+                bad = np.zeros(0) if ids is None or self.vocab <= 0 else ids[(ids < 0) | (ids >= self.vocab)]
+                if bad.size:
+                    raise Refused(f"datum {i}: {name} holds token id {int(bad[0])}, outside the model's "
+                                  f"vocabulary (0..{self.vocab - 1})")
 
     def optim_step(self, body: dict[str, Any]) -> str:
         model_id = body.get("model_id", "")
@@ -195,7 +234,7 @@ class Service:
 
         def write() -> None:
             model = self.models[model_id]
-            model.trainer.write_state(folder / "state", model.steps)
+            model.write_state(folder / "state")
             if model.lora is None:
                 export_model(self.model_path, folder / "model", model.load_into, dtype="float32", force=True)
                 return
@@ -227,15 +266,9 @@ class Service:
         lora = msgspec.json.decode((state / STATE_FILE).read_bytes(), type=LearnerState).lora  # None: full
         model_id = self._model_id(body)
 
-        def load() -> TrainingModel:
-            model = TrainingModel(self.model_path, lora, self.device)
-            model.steps = model.trainer.read_state(state)
-            if not body.get("optimizer"):
-                model.trainer.optimizer.state.clear()  # weights only: AdamW starts afresh
-            return model
-
-        async def make() -> Result:
-            self.models[model_id] = await anyio.to_thread.run_sync(load)
+        async def make() -> Result:  # without optimizer: weights only, AdamW starts afresh
+            self.models[model_id] = await anyio.to_thread.run_sync(self._new_model, model_id, lora, state,
+                                                                   bool(body.get("optimizer")))
             return {"path": path, "model_id": model_id, "type": "load_weights"}
 
         self.order[model_id] = asyncio.Lock()
@@ -282,3 +315,5 @@ class Service:
     async def close(self) -> None:
         await self.futures.close()
         await self.samplers.close()
+        if self.ranks is not None:
+            await anyio.to_thread.run_sync(self.ranks.close)
