@@ -15,8 +15,11 @@ Its state (the journal of accepted calls, each model's committed learner state, 
 (default `D/state`): started again over the same `S` after a kill, it comes back at each model's last committed
 step and runs again what it had accepted after it (`stages.service.recovery`), before it serves.
 
-Exit codes: 0 stopped by Ctrl-C or SIGTERM, 2 bad usage (no such model folder, the tinker extra missing, a state
-folder of another model or a damaged journal).
+With `--world-size N` every training model is sharded over N learner ranks (FSDP2; `stages.service.ranked`):
+N - 1 follower processes start with the service and stop with it.
+
+Exit codes: 0 stopped by Ctrl-C or SIGTERM, 2 bad usage (no such model folder, the tinker extra missing, a world
+size below 1, a state folder of another model or a damaged journal).
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "serve", help="serve a Tinker-compatible training API over a model folder (the tinker SDK drives it)",
         epilog="exit codes:\n  0   stopped by Ctrl-C or SIGTERM\n  2   bad usage: no model folder, or the tinker "
-               "extra is missing (pip install -e '.[tinker]'), or --state holds another model's state",
+               "extra is missing (pip install -e '.[tinker]'), --world-size below 1, or --state holds another "
+               "model's state",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model_dir", metavar="MODEL_DIR", help="a Hugging Face causal-LM folder (its tokenizer included)")
     p.add_argument("--port", type=int, default=8000, help="port on 127.0.0.1 (0: any free one; default 8000)")
@@ -46,6 +50,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    "restart over the same folder comes back where the service was (default DIR/state)")
     p.add_argument("--device", default="cpu", help="the learner's and engines' device (default cpu)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--world-size", type=int, default=1,
+                   help="learner ranks each training model is sharded over (FSDP2; N-1 follower processes start "
+                        "here; default 1)")
     return p
 
 
@@ -63,7 +70,7 @@ def write_key(folder: Path) -> tuple[str, Path]:
     return key, path
 
 
-async def serve(model_dir: Path, port: int, folder: Path, state: Path, device: str) -> None:
+async def serve(model_dir: Path, port: int, folder: Path, state: Path, device: str, world_size: int = 1) -> None:
     from aiohttp import web
 
     from stages.service.recovery import recover
@@ -71,7 +78,7 @@ async def serve(model_dir: Path, port: int, folder: Path, state: Path, device: s
     from stages.service.service import Service
 
     key, key_file = write_key(folder)
-    service = Service(model_dir, folder / "checkpoints", state, device=device)
+    service = Service(model_dir, folder / "checkpoints", state, device=device, world_size=world_size)
     back = await recover(service)
     if back["sessions"]:
         print(f"baton serve: back from {state}: " + ", ".join(f"{n} {what}" for what, n in back.items()), flush=True)
@@ -99,6 +106,9 @@ def run(args: argparse.Namespace) -> int:
     if not (model_dir / "config.json").is_file():
         print(f"baton serve: {model_dir} is not a model folder (no config.json)", file=sys.stderr)
         return 2
+    if args.world_size < 1:
+        print(f"baton serve: --world-size must be >= 1, got {args.world_size}", file=sys.stderr)
+        return 2
     try:
         import tinker  # noqa: F401  the wire format's protobuf module ships in the SDK
     except ImportError:
@@ -113,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         asyncio.run(serve(model_dir, args.port, folder, Path(args.state) if args.state else folder / "state",
-                          args.device))
+                          args.device, args.world_size))
     except StateError as exc:  # the state folder belongs to another model, or its journal is damaged
         print(f"baton serve: {exc}", file=sys.stderr)
         return 2

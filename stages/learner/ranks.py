@@ -20,12 +20,16 @@ raises `LearnerRankFailed`, naming the rank and its exit code (and the signal th
 collective that a dead rank never joins fails after `timeout_s` at the latest. The learner actor then
 restarts the whole group from the latest checkpoint while `[learner] max_restarts` allow
 (`stages.learner.restart`), else the run ends with it. Followers die with rank 0 (`die_with_parent`).
+
+The training service (`baton serve --world-size N`, `stages.service.ranked`) starts the same group with its
+own follower loop (`RankGroup(follower=...)`): the same channel and commands, its own ops (16..), STOP alike.
 """
 
 from __future__ import annotations
 
 import signal
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
@@ -49,6 +53,7 @@ from stages.weights.mooncake_shards import PushSettings, ShardWriter
 from stages.weights.reshard import BucketCheck
 
 STEP, WEIGHTS, SAVE, LOAD, SCHEDULE, PUSH, STOP = range(7)
+# ops 16.. are the training service's (`stages.service.ranked`): its followers keep a trainer per client model
 
 
 class LearnerRankFailed(RuntimeError):
@@ -219,8 +224,9 @@ class RankGroup:
     (`Services.start_helpers`); `address` is where the followers reach this process."""
 
     def __init__(self, spec: Any, steps: int, start_helpers: HelperStarter | None = None,
-                 address: str = "127.0.0.1") -> None:
+                 address: str = "127.0.0.1", follower: Callable[..., None] | None = None) -> None:
         self.spec, self.steps, self.world_size = spec, steps, spec.world_size
+        self.follower = follower or follow  # a follower's loop: (rank, world_size, address, port, spec, steps)
         self.start_helpers = start_helpers or start_local_helpers
         self.address, self.port = address, free_port(address)  # rank 0's node: the followers dial it there
         self.helpers: list[Helper] = []
@@ -234,7 +240,7 @@ class RankGroup:
         args = [(rank, self.world_size, self.address, self.port, follower, self.steps)
                 for rank in range(1, self.world_size)]
         needs = Resources(cpus=1, gpus=1 if uses_cuda(self.spec.device) else 0)
-        self.helpers = self.start_helpers("learner-rank", follow, args, needs)
+        self.helpers = self.start_helpers("learner-rank", self.follower, args, needs)
         for rank, helper in enumerate(self.helpers, start=1):  # the starter counts from 0, the ranks from 1
             helper.name = rank_name(rank)
 

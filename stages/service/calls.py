@@ -25,6 +25,7 @@ from stages.service import wire
 from stages.service.futures import Result
 from stages.service.journal import CallRecord, Commit, Journal, Outcome, SamplerRecord
 from stages.service.losses import check_loss
+from stages.service.ranked import RankedModel, ServiceRanks
 from stages.service.refusals import refuse_unless
 from stages.service.sampling import Samplers
 from stages.service.store import Store
@@ -66,11 +67,12 @@ class Calls:
     """Makes each model call's work (see the module docstring). `models` is shared with the service."""
 
     def __init__(self, model_path: Path, checkpoints: Path, device: str, journal: Journal, store: Store,
-                 samplers: Samplers, sampling_session: Callable[[str], str]) -> None:
-        self.model_path, self.checkpoints, self.device = model_path, checkpoints, device
+                 samplers: Samplers, sampling_session: Callable[[str], str], ranks: ServiceRanks | None = None
+                 ) -> None:
+        self.model_path, self.checkpoints, self.device, self.ranks = model_path, checkpoints, device, ranks
         self.journal, self.store, self.samplers = journal, store, samplers
         self.sampling_session = sampling_session  # a new sampling session of a checkpoint path: its id
-        self.models: dict[str, TrainingModel] = {}
+        self.models: dict[str, TrainingModel | RankedModel] = {}
 
     def work(self, call: CallRecord, commit: Commit | None = None) -> Awaitable[Result]:
         """The call's work; for the call that made a model, `commit` is the step it comes back at."""
@@ -81,17 +83,25 @@ class Calls:
                 "save_weights_for_sampler": self._save_for_sampler, "save_weights": self._save_state,
                 }[call.kind](call, body)
 
-    def _build(self, call: CallRecord, body: dict[str, Any], commit: Commit | None) -> TrainingModel:
+    def _build(self, call: CallRecord, body: dict[str, Any], commit: Commit | None) -> TrainingModel | RankedModel:
+        """The model `call` makes, or, with `commit`, that model at its committed step (weights and moments)."""
         if call.kind == "create_model":
-            model = TrainingModel(self.model_path, spec_of(body), self.device)
+            lora, state, optimizer = spec_of(body), None, False
         else:  # load_weights: from a checkpoint save_state wrote, with its optimizer state when asked
-            state, lora = checkpoint_state(self.checkpoints, body["path"])
-            model = TrainingModel(self.model_path, lora, self.device)
-            model.steps = model.trainer.read_state(state)
-            if not body.get("optimizer"):
-                model.trainer.optimizer.state.clear()  # weights only: AdamW starts afresh
+            (state, lora), optimizer = checkpoint_state(self.checkpoints, body["path"]), bool(body.get("optimizer"))
         if commit is not None:
-            model.steps = model.trainer.read_state(self.store.step_folder(call.model, commit.step))
+            state, optimizer = self.store.step_folder(call.model, commit.step), True
+        return self._new_model(call.model, lora, state, optimizer)
+
+    def _new_model(self, model_id: str, lora: LoraSpec | None, state: Path | None,
+                   optimizer: bool) -> TrainingModel | RankedModel:
+        """A model of the service's world size; from the checkpoint `state` (with its AdamW moments when
+        `optimizer`), else from the base."""
+        if self.ranks is not None:
+            return RankedModel.create(self.ranks, model_id, lora, state, optimizer)
+        model = TrainingModel(self.model_path, lora, self.device)
+        if state is not None:
+            model.read_state(state, optimizer)
         return model
 
     async def _make(self, call: CallRecord, body: dict[str, Any], commit: Commit | None) -> Result:
@@ -113,11 +123,11 @@ class Calls:
         await anyio.to_thread.run_sync(self._commit, call, model, result)
         return result
 
-    def _commit(self, call: CallRecord, model: TrainingModel, result: Result) -> None:
-        """The model's learner state after this step, written whole, then committed (`Store.commit`)."""
+    def _commit(self, call: CallRecord, model: TrainingModel | RankedModel, result: Result) -> None:
+        """The model's learner state after this step, written whole (by every rank), then committed."""
         folder = self.store.step_folder(call.model, model.steps)
         shutil.rmtree(folder, ignore_errors=True)  # what a kill left of this step's earlier try
-        model.trainer.write_state(folder, model.steps)
+        model.write_state(folder)
         self.store.commit(call.model, model.steps, call.seq, Outcome.of(result), model.steps - 1)
 
     async def _save_for_sampler(self, call: CallRecord, body: dict[str, Any]) -> Result:
@@ -143,7 +153,7 @@ class Calls:
 
         def write() -> None:
             model = self.models[call.model]
-            model.trainer.write_state(folder / "state", model.steps)
+            model.write_state(folder / "state")
             if model.lora is None:
                 export_model(self.model_path, folder / "model", model.load_into, dtype="float32", force=True)
                 return

@@ -14,17 +14,24 @@ Ids: sessions `session-N`, models `{session}:train:{model_seq_id}` (as the SDK d
 in every run of the service. A saved sampler checkpoint is `tinker://{model_id}/sampler_weights/{name}`. The
 calls of one model run in the order they arrived, one at a time; they arrive in seq_id order (the SDK sends
 each after the one before was accepted), so a seq_id at or below the last accepted one is a retry.
+
+World size: 1 (each model a `TrainingModel` in this process) or N (`world_size`: each model sharded over N ranks,
+`stages.service.ranked.RankedModel`; the models' calls then run one at a time across all models, as the ranks'
+collectives must not interleave).
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import time
 from pathlib import Path
 from typing import Any
 
+import anyio
 import msgspec
+import numpy as np
 
 from stages.service import wire
 from stages.service.calls import Calls, adam_settings, checkpoint_state
@@ -42,7 +49,8 @@ from stages.service.journal import (
     rewrite,
 )
 from stages.service.losses import check_loss
-from stages.service.refusals import check_lora_config, check_sampling_request, refuse_unless
+from stages.service.ranked import ServiceRanks
+from stages.service.refusals import Refused, check_lora_config, check_sampling_request, refuse_unless
 from stages.service.sampling import BASE, Samplers
 from stages.service.store import Store
 
@@ -79,10 +87,30 @@ def check_base(name: str | None, model_path: Path) -> None:
                   f"base_model {name!r} is not served here; this service serves {str(model_path)!r}")
 
 
+def check_tokens(data: list[wire.Datum], vocab: int) -> None:
+    """Every input and target token is an id of the base model's vocabulary of `vocab` ids (a bad id would fail
+    the forward part-way, on one rank of several)."""
+    for i, datum in enumerate(data):
+        for name, ids in (("model_input", datum.tokens), ("target_tokens", datum.inputs.get("target_tokens"))):
+            bad = np.zeros(0) if ids is None or vocab <= 0 else ids[(ids < 0) | (ids >= vocab)]
+            if bad.size:
+                raise Refused(f"datum {i}: {name} holds token id {int(bad[0])}, outside the model's "
+                              f"vocabulary (0..{vocab - 1})")
+
+
 class Service:
-    def __init__(self, model_path: Path, checkpoints: Path, state: Path, device: str = "cpu", seed: int = 0) -> None:
+    """With `world_size` > 1 every training model is sharded over that many ranks (`stages.service.ranked`;
+    their processes start here, from the caller's thread, and stop with `close`)."""
+
+    def __init__(self, model_path: Path, checkpoints: Path, state: Path, device: str = "cpu", seed: int = 0,
+                 world_size: int = 1) -> None:
         self.model_path, self.checkpoints = model_path.resolve(), checkpoints
         self.name = str(self.model_path)  # the base model's name: its folder, which the SDK loads a tokenizer from
+        self.vocab = int(json.loads((self.model_path / "config.json").read_text()).get("vocab_size", 0))
+        self.ranks: ServiceRanks | None = None
+        if world_size > 1:
+            self.ranks = ServiceRanks(self.model_path, world_size, device)
+            self.ranks.start()
         self.sessions = Sessions()
         self.order: dict[str, asyncio.Lock] = {}  # per model: its calls run one at a time, in arrival order
         self.last_seq: dict[str, int] = {}  # per model: the seq_id of the last call it accepted
@@ -92,7 +120,7 @@ class Service:
         self.store = Store(state, self.model_path)  # first: it refuses another model's state folder
         self.journal = Journal(state)
         self.calls = Calls(self.model_path, checkpoints, device, self.journal, self.store, self.samplers,
-                           self.sampling_session)
+                           self.sampling_session, self.ranks)
         self.models = self.calls.models
         self.sampler_ids = Sessions("sampler")
         self._compact_at = COMPACT_BYTES
@@ -193,6 +221,7 @@ class Service:
         names = [set(d.inputs) for d in request.data]
         refuse_unless(all(n == names[0] for n in names), "every datum must carry the same loss_fn_inputs")
         check_loss(request.loss_fn, request.config, names[0])
+        check_tokens(request.data, self.vocab)
         return self._accept(request.model_id, request.seq_id, "forward_backward", body)
 
     def optim_step(self, body: dict[str, Any]) -> str:
@@ -282,3 +311,5 @@ class Service:
         await self.futures.close()
         await self.samplers.close()
         self.journal.close()
+        if self.ranks is not None:
+            await anyio.to_thread.run_sync(self.ranks.close)

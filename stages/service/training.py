@@ -26,7 +26,7 @@ from stages.learner import GRPOLearner
 from stages.learner.lora import LoraSpec
 from stages.learner.sharding import clip_grad_norm
 from stages.learner.step import PolicyTrainer
-from stages.service.losses import loss_of
+from stages.service.losses import INPUTS, loss_of
 from stages.service.wire import Datum
 from stages.weights.adapter import AdapterVersion, as_received
 from stages.weights.disk import DiskNotice, write_weights
@@ -75,6 +75,32 @@ def padded(data: list[Datum]) -> tuple[torch.Tensor, torch.Tensor, dict[str, tor
     return ids, mask, inputs
 
 
+def dummy_datum(loss_fn: str) -> Datum:
+    """Two tokens with every input of `loss_fn` zero: a rank without datums runs this row, masked out."""
+    return Datum(np.zeros(2, dtype=np.int64), {name: np.zeros(2, dtype=np.int64 if name == "target_tokens" else
+                                                             np.float32) for name in INPUTS[loss_fn]})
+
+
+@dataclass
+class Part:
+    """One rank's share of a forward(_backward): its datums' logprobs, sum-loss, loss stats (token means) and
+    the count of real positions they are over."""
+
+    rows: list[np.ndarray]
+    loss: float
+    stats: dict[str, float]
+    tokens: float
+
+
+def metrics_of(parts: list[Part]) -> dict[str, float]:
+    """The metrics of a forward(_backward) from every rank's part: `loss:sum` summed, each stat (a token mean)
+    as `NAME:mean` over every rank's tokens."""
+    tokens = max(sum(p.tokens for p in parts), 1.0)
+    names = sorted({k for p in parts for k in p.stats})
+    means = {f"{k}:mean": sum(p.stats.get(k, 0.0) * p.tokens for p in parts) / tokens for k in names}
+    return {"loss:sum": sum(p.loss for p in parts), **means}
+
+
 def logprobs_of(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """log p(target_i | tokens_0..i) at every position [rows, T], in float32, as the learner's step computes them."""
     logits = model(input_ids=ids, attention_mask=mask.long()).logits.float()
@@ -83,30 +109,52 @@ def logprobs_of(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, t
 
 class TrainingModel:
     """One `create_model`'s model over the base folder `model_path`: LoRA with `lora`, full fine-tuning without
-    (see the module docstring)."""
+    (see the module docstring). With `world_size` > 1 this is one rank's trainer of a model sharded over the
+    service's ranks (FSDP2; `stages.service.ranked` drives every rank's calls in the same order)."""
 
-    def __init__(self, model_path: Path, lora: LoraSpec | None, device: str = "cpu") -> None:
-        self.lora = lora
-        self.trainer = PolicyTrainer(GRPOLearner(model_path, lora=lora, device=device, entropy_coef=0.0), steps=1)
+    def __init__(self, model_path: Path, lora: LoraSpec | None, device: str = "cpu", world_size: int = 1) -> None:
+        self.lora, self.world_size = lora, world_size
+        spec = GRPOLearner(model_path, lora=lora, device=device, entropy_coef=0.0, world_size=world_size)
+        self.trainer = PolicyTrainer(spec, steps=1, world_size=world_size)
         self.steps = 0  # optimizer steps taken: the version a sampler saved now serves
         self.lock = threading.Lock()
 
     def forward_backward(self, data: list[Datum], loss_fn: str, settings: dict[str, float],
                          backward: bool) -> tuple[list[np.ndarray], dict[str, float]]:
         """Each datum's target logprobs and the metrics (`loss:sum`, ...); with `backward`, the loss's gradient
-        added to the model's."""
+        added to the model's (this process is the whole model: world size 1)."""
+        part = self.part(data, loss_fn, settings, backward)
+        return part.rows, metrics_of([part])
+
+    def part(self, data: list[Datum], loss_fn: str, settings: dict[str, float], backward: bool) -> Part:
+        """This rank's share of a forward(_backward): its datums' target logprobs, their sum-loss and stats; with
+        `backward` the gradient of that sum-loss times the world size (FSDP2 averages the ranks' gradients, and
+        Tinker's losses are sums: the ranks' shares must add up to the whole batch's gradient). No datums: one
+        masked dummy row, so that this rank runs the pass's collectives with the others and adds nothing."""
         device = self.trainer.device
-        ids, mask, inputs = padded(data)
+        ids, mask, inputs = padded(data or [dummy_datum(loss_fn)])
+        if not data:
+            mask.zero_()
         ids, mask = ids.to(device), mask.to(device)
         inputs = {k: v.to(device) for k, v in inputs.items()}
-        model = self.trainer.model
         with torch.set_grad_enabled(backward):
-            logp = logprobs_of(model, ids, mask, inputs["target_tokens"])
+            logp = logprobs_of(self.trainer.model, ids, mask, inputs["target_tokens"])
             loss, stats = loss_of(loss_fn, settings, logp, inputs, mask)
             if backward:
-                loss.backward()
+                (loss * self.world_size).backward()
         rows = [logp[i, : d.tokens.size].detach().cpu().numpy() for i, d in enumerate(data)]
-        return rows, {"loss:sum": float(loss.detach()), **{f"{k}:mean": v for k, v in stats.items()}}
+        return Part(rows, float(loss.detach()), stats, float(mask.sum()))
+
+    def write_state(self, folder: Path) -> None:
+        """The learner's checkpoint of this model (`PolicyTrainer.write_state`; a collective when sharded)."""
+        self.trainer.write_state(folder, self.steps)
+
+    def read_state(self, folder: Path, optimizer: bool) -> None:
+        """Load a checkpoint `write_state` wrote (at any world size): its weights, and its AdamW moments when
+        `optimizer` (else AdamW starts afresh)."""
+        self.steps = self.trainer.read_state(folder)
+        if not optimizer:
+            self.trainer.optimizer.state.clear()
 
     def optim_step(self, adam: AdamSettings) -> dict[str, float]:
         """One AdamW step on the gradient the `forward_backward` calls since the last step summed; clears it."""
@@ -128,8 +176,8 @@ class TrainingModel:
 
     def load_into(self, model: torch.nn.Module) -> int:
         """Copy every weight of this (fully fine-tuned) model into `model`, one of the same base; returns the
-        version they are (`export_model`'s fill)."""
-        model.load_state_dict(self.trainer.model.state_dict())
+        version they are (`export_model`'s fill). Sharded: gathered whole to rank 0 (a collective)."""
+        model.load_state_dict(self.trainer.weights(self.steps))
         return self.steps
 
     def sampler_weights(self, folder: Path) -> AdapterVersion | DiskNotice:

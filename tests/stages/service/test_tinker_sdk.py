@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -34,25 +35,34 @@ RANK = 4
 ADAM = {"learning_rate": 4e-4, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "grad_clip_norm": 1.0}  # the learner's
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """The service over a tiny model: its service.json (base_url, model, key_file) and its folder."""
-    root = tmp_path_factory.mktemp("serve")
+@contextmanager
+def serving(root: Path, *options: str):
+    """`baton serve` (with `options`) over a tiny model made in `root`, in its own process, stopped by its pid on
+    exit: its service.json (base_url, model, key_file) and its folder."""
     model = make_tiny_model(root / "tiny")
     folder = root / "serve"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3]), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "baton.cli", "serve", str(model), "--port", "0", "--dir",
-                             str(folder), "--threads", "1"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    log = root / "serve.log"  # a file, not a pipe: a pipe nobody reads would block the service once full
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "baton.cli", "serve", str(model), "--port", "0", "--dir",
+                                 str(folder), "--threads", "1", *options], env=env, stdout=out, stderr=out)
     try:
         deadline = time.monotonic() + 120
         while not (folder / "service.json").exists():
-            assert proc.poll() is None, f"baton serve exited: {proc.stdout.read().decode()[-2000:]}"
+            assert proc.poll() is None, f"baton serve exited: {log.read_text()[-2000:]}"
             assert time.monotonic() < deadline, "baton serve did not start within 120 s"
             time.sleep(0.2)
         yield json.loads((folder / "service.json").read_text()), folder
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """The service over a tiny model: its service.json (base_url, model, key_file) and its folder."""
+    with serving(tmp_path_factory.mktemp("serve")) as started:
+        yield started
 
 
 @pytest.fixture(scope="module")
@@ -371,6 +381,11 @@ def test_what_is_not_supported_is_refused_by_name(served, service) -> None:
         training.forward_backward([row], "dro").result()
     with pytest.raises(tinker.BadRequestError, match="missing \\['weights'\\]"):
         training.forward_backward([row], "cross_entropy").result()
+    vocab = json.loads((Path(info["model"]) / "config.json").read_text())["vocab_size"]
+    stray = types.Datum(model_input=types.ModelInput.from_ints([1, vocab]), loss_fn_inputs={
+        "target_tokens": np.array([2, 3]), "weights": np.ones(2, np.float32)})
+    with pytest.raises(tinker.BadRequestError, match=f"model_input holds token id {vocab}, outside the model's vocab"):
+        training.forward_backward([stray], "cross_entropy").result()
     sampler = service.create_sampling_client(base_model=info["model"]).result()
     with pytest.raises(tinker.BadRequestError, match="sampling_params.stop as strings"):
         sampler.sample(types.ModelInput.from_ints([1, 2]), 1, types.SamplingParams(max_tokens=2, stop=["\n"])).result()
@@ -387,6 +402,7 @@ def test_what_is_not_supported_is_refused_by_name(served, service) -> None:
                          headers={"X-API-Key": Path(info["key_file"]).read_text()}).json()["baton"]
     assert reported["losses"] == ["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"]
     assert reported["refused_losses"] == ["gspo", "stable_reinforce", "custom"]
+    assert reported["world_size"] == 1
     stranger = tinker.ServiceClient(base_url=info["base_url"], api_key="tml-not-the-key")
     with pytest.raises(tinker.AuthenticationError):
         stranger.create_lora_training_client(base_model=info["model"], rank=RANK).result()
