@@ -8,8 +8,11 @@ checks across sections (`baton.checks`), among them a config whose shape can bre
 bound (`policies.bounds`: queues that let groups age past k, PPO epochs that compound staleness, a reuse
 count k cannot reach), before anything starts.
 
-A default is defined once, in the part's own class (`default_of`); a section that mirrors a class reads
-it from there. `baton.builder` turns a validated RunConfig into the Pipeline.
+A default is defined once, in the part's own class; a section that mirrors a class declares it
+(`declared_defaults`, checked against the class by the tests) or, for a light part, reads it from there
+(`default_of`). Validating a config imports no torch, transformers, ray, sglang or stage implementation
+(baton.sections.base says how): a config error is reported at once. `baton.builder` turns a validated
+RunConfig into the Pipeline, importing the parts as it makes them.
 """
 
 from __future__ import annotations
@@ -36,8 +39,7 @@ from baton.sections.run import SimulateSpec
 from baton.sections.weights import WeightsSpec
 from pipeline.dsl import Pipeline
 from pipeline.faults import FAULT_KINDS
-from policies.staleness import MaxStaleness
-from stages.learner.losses import staleness_lr_factor
+from policies.staleness import MaxStaleness, staleness_lr_factor
 
 
 class RunConfig(Section):
@@ -142,12 +144,13 @@ class RunConfig(Section):
 
     def expert_bytes_per_token(self) -> int:
         """What each token's routed experts add to a rollout payload (0 for a dense model)."""
+        model = self.model
+        if model.create and not model.experts:
+            return 0
         from stages.data.routing import MoELayout, folder_moe_layout
 
-        model = self.model
         if model.create:
-            return MoELayout(tuple(range(model.layers)), model.experts, model.top_k, True).bytes_per_token \
-                if model.experts else 0
+            return MoELayout(tuple(range(model.layers)), model.experts, model.top_k, True).bytes_per_token
         layout = folder_moe_layout(model.path)
         return layout.bytes_per_token if layout is not None else 0
 

@@ -2,23 +2,27 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import ByteSize, Field, model_validator
 
-from baton.sections.base import Section, default_of
-from buffers import RefBuffer
+from baton.sections.base import Section, declared_defaults, default_of
 from pipeline.dsl import Pipeline
 from pipeline.faults import FAULT_KINDS, FaultSpec
 from pipeline.placement import Placement
 from pipeline.watchdog import WatchdogSettings
-from stages.learner import GRPOLearner
+
+if TYPE_CHECKING:
+    from buffers import RefBuffer
+
+REF_BUFFER = declared_defaults("buffers:RefBuffer")
+GRPO_LEARNER = declared_defaults("stages.learner:GRPOLearner")
 
 
 class BufferSpec(Section):
-    max_refs: int = Field(default_of(RefBuffer, "max_refs"), ge=1,
+    max_refs: int = Field(REF_BUFFER("max_refs", 256), ge=1,
         description="refs the buffer stage holds at once; when full it stops receiving (backpressure)")
-    max_bytes: ByteSize = Field(ByteSize(default_of(RefBuffer, "max_bytes")),
+    max_bytes: ByteSize = Field(ByteSize(REF_BUFFER("max_bytes", 268435456)),
         description="payload bytes the refs the buffer holds may point at")
     produced_channel: int = Field(64, ge=1, description="refs in flight producer -> buffer")
     produced_bytes: ByteSize = Field(ByteSize(64 << 20), description="payload bytes in flight producer -> buffer")
@@ -31,6 +35,8 @@ class BufferSpec(Section):
         return int(self.produced_bytes) + int(self.max_bytes) + int(self.ready_bytes)
 
     def make(self, store: Any) -> RefBuffer:
+        from buffers import RefBuffer
+
         return RefBuffer(store, max_refs=self.max_refs, max_bytes=int(self.max_bytes))
 
 
@@ -68,7 +74,7 @@ class CheckpointSpec(Section):
     every: int = Field(20, ge=0, description="write a checkpoint every this many versions; 0: never")
     keep: int = Field(default_of(Pipeline, "checkpoint_keep"), ge=1,
                       description="complete checkpoints kept in the run folder (older ones are removed)")
-    export_every: int = Field(default_of(GRPOLearner, "export_every"), ge=0, description="export every this many "
+    export_every: int = Field(GRPO_LEARNER("export_every", 0), ge=0, description="export every this many "
                               "versions' checkpoint as a Hugging Face folder, RUN_DIR/exports/v{version:08d}/ "
                               "(`baton export`), while the run goes on; a multiple of every; 0: never")
 

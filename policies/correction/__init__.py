@@ -25,8 +25,10 @@ DAPO's clip-higher).
 | `mis-seq` | mis | its row's geometric-mean weight inside [low, high]; outside, the row is left out |
 | `gspo` | gspo | a sequence-level ratio and clip, its row's geometric-mean weight |
 
-Each objective's module also holds its settings: a frozen dataclass whose fields are its `[correction]` keys
-(with defaults, descriptions and their own checks); `registry.OBJECTIVES` maps each kind to both, once.
+Each objective's settings, a frozen dataclass whose fields are its `[correction]` keys (with defaults,
+descriptions and their own checks), live in the torch-free `policies.correction_settings`, with the one
+registry of kinds (`OBJECTIVE_KINDS`: each kind's settings and loss function), so a config is validated
+without loading the objectives; `registry.OBJECTIVES` pairs each kind's settings with its loss function.
 
 Promises, for every objective:
 * the importance weight never carries a gradient: only `logprobs` does, and a left-out token gets none;
