@@ -32,29 +32,30 @@ from baton.sections import rewards as _rewards
 from baton.sections import rollout as _rollout
 from baton.sections import run as _run
 from baton.sections import stores as _stores
-from baton.sections.base import BuildContext, PluginSpec, Section, default_of
+from baton.sections.base import BuildContext, PluginSpec, Section, declared_defaults, default_of
 from baton.sections.correction import CorrectionSpec
 from baton.sections.rewards import resolve
 from baton.sections.run import SimulateSpec
 from baton.sections.weights import WeightsSpec
-from pipeline.dsl import Pipeline
 from pipeline.faults import FAULT_KINDS
 from policies.staleness import MaxStaleness, staleness_lr_factor
+
+PIPELINE = declared_defaults("pipeline.dsl:Pipeline")
 
 
 class RunConfig(Section):
     name: str = Field("baton", pattern=r"^[A-Za-z0-9_.-]+$",
         description="the run's name: the run folder's prefix (run_root/<name>-<timestamp>) and the first part of "
                     "every store key")
-    seed: int = Field(default_of(Pipeline, "seed"),
+    seed: int = Field(PIPELINE("seed", 0),
         description="seeds torch, prompt sampling, engine sampling and the dataset's shuffle (the tiny model's init "
                     "has model.seed)")
-    steps: int = Field(default_of(Pipeline, "steps"), ge=1, description="learner versions to train")
+    steps: int = Field(PIPELINE("steps", 60), ge=1, description="learner versions to train")
     mode: Literal["async", "sync"] = Field("async",
         description="sync: staleness.k = 0 through the same code path (on-policy); async: the staleness policy's k")
-    runtime: Literal["local", "ray"] = Field(default_of(Pipeline, "runtime"),
+    runtime: Literal["local", "ray"] = Field(PIPELINE("runtime", "local"),
         description="local: every actor a task in one event loop; ray: every actor a Ray actor in its own process")
-    run_root: str = Field(default_of(Pipeline, "run_root"), description="where run folders are made")
+    run_root: str = Field(PIPELINE("run_root", "runs"), description="where run folders are made")
     model: _data.ModelSpec = Field(_data.ModelSpec(), description="[model]: the model folder engines and learner load")
     task: _data.TaskSection = Field(_data.ReverseDigitsSpec(),  # type: ignore[valid-type]
         description="[task]: where prompts and answers come from")

@@ -9,8 +9,8 @@ top: it declares the defaults of the part it mirrors (`GRPO_LEARNER =
 declared_defaults("stages.learner:GRPOLearner")`, then `GRPO_LEARNER("lr", 4e-4)`) and the constants it
 copies (`same_as`), and imports the part inside `make` and in the checks that need it;
 tests/baton/test_light_validation.py asserts that every declared value is the part's own, so the two
-cannot drift, and that checking a config loads none of them. A default of a light part (pipeline,
-policies) is read off it with `default_of`.
+cannot drift, and that checking a config loads none of them. A default of a light part (policies,
+pipeline.faults) is read off it with `default_of`.
 
 A section module (engines, stores, ...) registers its kinds in one place: the union it exports
 (e.g. `engines.EngineSection = kinds(TorchEngineSpec, SGLangEngineSpec, plugin=EnginePluginSpec)`), which

@@ -7,15 +7,16 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from pydantic import ByteSize, Field, model_validator
 
 from baton.sections.base import Section, declared_defaults, default_of
-from pipeline.dsl import Pipeline
 from pipeline.faults import FAULT_KINDS, FaultSpec
 from pipeline.placement import Placement
-from pipeline.watchdog import WatchdogSettings
 
 if TYPE_CHECKING:
     from buffers import RefBuffer
+    from pipeline.watchdog import WatchdogSettings
 
 REF_BUFFER = declared_defaults("buffers:RefBuffer")
+PIPELINE = declared_defaults("pipeline.dsl:Pipeline")
+WATCHDOG = declared_defaults("pipeline.watchdog:WatchdogSettings")
 GRPO_LEARNER = declared_defaults("stages.learner:GRPOLearner")
 
 
@@ -72,7 +73,7 @@ class CheckpointSpec(Section):
     """Checkpoints into the run folder, for `baton run --resume RUN_DIR` (pipeline.checkpoint)."""
 
     every: int = Field(20, ge=0, description="write a checkpoint every this many versions; 0: never")
-    keep: int = Field(default_of(Pipeline, "checkpoint_keep"), ge=1,
+    keep: int = Field(PIPELINE("checkpoint_keep", 2), ge=1,
                       description="complete checkpoints kept in the run folder (older ones are removed)")
     export_every: int = Field(GRPO_LEARNER("export_every", 0), ge=0, description="export every this many "
                               "versions' checkpoint as a Hugging Face folder, RUN_DIR/exports/v{version:08d}/ "
@@ -93,14 +94,16 @@ class CheckpointSpec(Section):
 class WatchdogSpec(Section):
     """Hang diagnosis (pipeline.watchdog): progress is the version or the ledger moving."""
 
-    warn_after_s: float = Field(default_of(WatchdogSettings, "warn_after_s"), ge=0,
+    warn_after_s: float = Field(WATCHDOG("warn_after_s", 60.0), ge=0,
                                 description="log where every stage waits after this long without "
                                 "progress (and again each time as long again passes); 0: never")
-    fail_after_s: float = Field(default_of(WatchdogSettings, "fail_after_s"), ge=0,
+    fail_after_s: float = Field(WATCHDOG("fail_after_s", 300.0), ge=0,
                                 description="fail the run with PipelineHung after this long without progress; 0: never")
-    poll_s: float = Field(default_of(WatchdogSettings, "poll_s"), gt=0, description="how often the watchdog looks")
+    poll_s: float = Field(WATCHDOG("poll_s", 1.0), gt=0, description="how often the watchdog looks")
 
     def make(self) -> WatchdogSettings:
+        from pipeline.watchdog import WatchdogSettings
+
         return WatchdogSettings(**self.model_dump())
 
     @model_validator(mode="after")
@@ -133,7 +136,7 @@ class TelemetrySpec(Section):
     log_format: Literal["console", "json"] = Field("console",
         description="console: readable lines; json: one JSON object per line")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="the lowest level logged")
-    progress: bool = Field(default_of(Pipeline, "progress"),
+    progress: bool = Field(PIPELINE("progress", True),
         description="the progress line on stderr (version, reward, staleness, samples/s, channel depths)")
     sinks: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = Field(
         default_factory=lambda: ["jsonl"], description="where metrics go: metrics.jsonl always, plus tensorboard, "
