@@ -96,7 +96,7 @@ class DatasetTaskSpec(Section):
     split: str | None = Field(None, description="which split of a save_to_disk DatasetDict")
     prompt_field: str | None = Field(None, description="text prompts (a user message when `chat`)")
     messages_field: str | None = Field(None, description="chat prompts: [{role, content}, ...]")
-    answer_field: str = Field(DATASET_TASK("answer_field", 'answer'),
+    answer_field: str = Field(DATASET_TASK("answer_field", "answer"),
         description="the row field holding the answer the reward checks")
     metadata_fields: list[str] = Field(default_factory=list, description="row fields passed to the reward")
     system_prompt: str | None = Field(None,

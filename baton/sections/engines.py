@@ -92,10 +92,10 @@ class ServesLora:
     def lora_serving(self, ctx: BuildContext) -> LoraServing | None:
         """With learner.lora, what each server is launched to serve: the adapters' rank (or the server's limit),
         their target modules, and room for the staleness window (k + 2 unless max_loaded_loras says more)."""
-        from stages.engines.sglang_lora import LoraServing
-
         if ctx.lora is None:
             return None
+        from stages.engines.sglang_lora import LoraServing
+
         return LoraServing(max_rank=self.lora_rank_limit() or ctx.lora.rank,
                            target_modules=tuple(ctx.lora.target_modules),
                            max_loaded=self.max_loaded_loras or ctx.k + 2)  # type: ignore[attr-defined]
@@ -103,7 +103,8 @@ class ServesLora:
 
 def probe_tolerance_field(engine: Callable[..., Any], default: float) -> Any:
     """`engine.probe_tolerance`: every pushed version is checked by what the server computes (its probe logprobs
-    against a float32 forward of the version's tensors on CPU: a second copy of the model in host memory)."""
+    against a float32 forward of the version's tensors on CPU: a second copy of the model in host memory).
+    `engine`: the engine class's declared defaults; `default`: its probe_tolerance."""
     return Field(engine("probe_tolerance", default), description="the largest probe logprob gap a pushed version "
                  "may show in float32 (at least 0.1 in lower precisions); 'off': not checked (a model too large to "
                  "hold twice in host memory)")
@@ -124,9 +125,9 @@ class SGLangEngineSpec(Sampled, ServesLora, Section):
     batch_groups: int = batch_groups_field()
     temperature: float = temperature_field()
     top_p: float = top_p_field()
-    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(SGLANG_ENGINE("dtype", 'float32'),
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(SGLANG_ENGINE("dtype", "float32"),
         description="the server's weights; when this key is not set, model.dtype is used (auto: the checkpoint's)")
-    device: Literal["auto", "cpu", "cuda"] = Field(SGLANG_ENGINE("device", 'auto'),
+    device: Literal["auto", "cpu", "cuda"] = Field(SGLANG_ENGINE("device", "auto"),
         description="auto: cuda when a GPU is visible, else cpu (the server then gets the CPU flags)")
     threads: int = Field(SGLANG_ENGINE("threads", 1), ge=1, description="torch threads per server process "
                          "on CPU")
@@ -134,11 +135,11 @@ class SGLangEngineSpec(Sampled, ServesLora, Section):
                                   "tokens per server")
     extra_args: list[str] = Field(default_factory=list, description="more sglang.launch_server flags, verbatim")
     update: Literal["tensor", "distributed", "disk"] = Field(
-        SGLANG_ENGINE("update", 'tensor'),
+        SGLANG_ENGINE("update", "tensor"),
         description="how weights enter the server: update_weights_from_{tensor,distributed,disk}",
     )
     pause_mode: Literal["in_place", "retract"] = Field(
-        SGLANG_ENGINE("pause_mode", 'in_place'),
+        SGLANG_ENGINE("pause_mode", "in_place"),
         description="how in-flight requests pause for a weight update (keep or recompute their KV)",
     )
     start_timeout_s: float = Field(SGLANG_ENGINE("start_timeout_s", 300.0), gt=0, description="seconds a launched "
@@ -208,7 +209,7 @@ class VLLMEngineSpec(Sampled, ServesLora, Section):
     batch_groups: int = batch_groups_field()
     temperature: float = temperature_field()
     top_p: float = top_p_field()
-    dtype: Literal["float32", "bfloat16", "auto"] = Field(VLLM_ENGINE("dtype", 'float32'),
+    dtype: Literal["float32", "bfloat16", "auto"] = Field(VLLM_ENGINE("dtype", "float32"),
         description="the server's weights; when this key is not set, model.dtype is used (auto: the checkpoint's)")
     max_model_len: int | None = Field(VLLM_ENGINE("max_model_len", None), ge=64, description="longest prompt "
                                       "plus completion a server takes (default: the model's max_position_embeddings)")
@@ -221,7 +222,7 @@ class VLLMEngineSpec(Sampled, ServesLora, Section):
     max_restarts: int = Field(VLLM_ENGINE("max_restarts", 3), ge=0, description="restarts of a dead server "
                               "(or one that failed a push) before the run fails")
     probe_tolerance: ProbeTolerance = probe_tolerance_field(VLLM_ENGINE, 1e-5)
-    push: Literal["full", "delta"] = Field(VLLM_ENGINE("push", 'full'), description="how each version goes "
+    push: Literal["full", "delta"] = Field(VLLM_ENGINE("push", "full"), description="how each version goes "
                                            "into the server: whole, or as a sparse delta against the version it "
                                            "kept (one more copy of the weights in the server and in the engine)")
     max_lora_rank: int | None = max_lora_rank_field()

@@ -64,7 +64,7 @@ class GRPOSpec(Section):
     clip_eps_high: float | None = Field(GRPO_LEARNER("clip_eps_high", 0.28), gt=0, description="PPO clip, high "
                                         "side: ratio <= 1 + clip_eps_high (DAPO clip-higher); unset: clip_eps")
     loss_agg_mode: Literal[AGGREGATIONS] = Field(  # type: ignore[valid-type]
-        GRPO_LEARNER("loss_agg_mode", 'token-mean'), description="token-mean (DAPO), seq-mean-token-mean (GRPO) or "
+        GRPO_LEARNER("loss_agg_mode", "token-mean"), description="token-mean (DAPO), seq-mean-token-mean (GRPO) or "
         "seq-mean-token-sum-norm (Dr. GRPO: token sums / loss_max_tokens)")
     loss_max_tokens: int | None = Field(GRPO_LEARNER("loss_max_tokens", None), ge=1, description="Dr. GRPO's "
                                         "constant divisor; unset: the batch's padded width")
@@ -72,7 +72,7 @@ class GRPOSpec(Section):
                                   "r - group mean, not divided by the group's std (Dr. GRPO)")
     entropy_coef: float = Field(GRPO_LEARNER("entropy_coef", 0.01), ge=0, description="entropy bonus")
     entropy_scope: Literal[ENTROPY_SCOPES] = Field(  # type: ignore[valid-type]
-        GRPO_LEARNER("entropy_scope", 'all'), description='"all" rows, or "zero-variance": only the rows of '
+        GRPO_LEARNER("entropy_scope", "all"), description='"all" rows, or "zero-variance": only the rows of '
         "groups whose rewards are all equal (no signal)")
     entropy_cap: Annotated[float, Field(gt=0)] | Literal["auto", "off", "initial"] = Field("auto", description=
         "each token's entropy counts in the bonus only up to this (nats): a token above it gets no push, so the "
@@ -83,7 +83,7 @@ class GRPOSpec(Section):
                            "weights (0: off, and no reference model is kept)")
     lr_warmup_steps: int = Field(GRPO_LEARNER("lr_warmup_steps", 0), ge=0, description="versions of linear "
                                  "warmup")
-    lr_decay: Literal[LR_DECAYS] = Field(GRPO_LEARNER("lr_decay", 'constant'),  # type: ignore[valid-type]
+    lr_decay: Literal[LR_DECAYS] = Field(GRPO_LEARNER("lr_decay", "constant"),  # type: ignore[valid-type]
                                          description="after warmup: constant, or linear / cosine decay to "
                                          "min_lr_ratio x lr at the last version")
     min_lr_ratio: float = Field(GRPO_LEARNER("min_lr_ratio", 0.0), ge=0, le=1,
@@ -109,7 +109,7 @@ class GRPOSpec(Section):
         "and of its squared gradient, each in [0, 1)")
     epochs: int = Field(GRPO_LEARNER("epochs", 1), ge=1, description="optimizer passes over each step's "
                         "batch (PPO epochs)")
-    device: str = Field(GRPO_LEARNER("device", 'auto'), pattern=r"^(auto|cpu|cuda(:\d+)?)$",
+    device: str = Field(GRPO_LEARNER("device", "auto"), pattern=r"^(auto|cpu|cuda(:\d+)?)$",
                         description='"auto": cuda when a GPU is visible')
     world_size: int = Field(GRPO_LEARNER("world_size", 1), ge=1, description="learner ranks: processes, "
                             "one device each (a GPU each on CUDA), the model sharded over them with FSDP2; 1: one "
@@ -130,7 +130,7 @@ class GRPOSpec(Section):
                                  "and back; must divide the experts and equal learner.world_size (1: no expert "
                                  "parallelism, FSDP2 shards the experts as any weight)")
     routing_replay: Literal[ROUTING_REPLAYS] = Field(  # type: ignore[valid-type]
-        GRPO_LEARNER("routing_replay", 'off'), description="mixture-of-experts models: 'rollout' runs the "
+        GRPO_LEARNER("routing_replay", "off"), description="mixture-of-experts models: 'rollout' runs the "
         "learner's forwards through the experts the engine routed each generated token to (gate weights from the "
         "learner's own router over them), 'off' lets its router choose; router_disagreement is reported either way")
     load_balance_coef: float = Field(GRPO_LEARNER("load_balance_coef", 0.0), ge=0, description="mixture-"

@@ -47,9 +47,9 @@ class ScorerSpec(Section):
                               "server that died, over the run (event scorer.restarted); then its samples fail")
     python: str | None = Field(None, description="interpreter with sglang for a launched server (default: "
                                "$BATON_SGLANG_PYTHON, then .venv-sglang)")
-    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(SERVER_SETTINGS("dtype", 'float32'),
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(SERVER_SETTINGS("dtype", "float32"),
         description="a launched server's weights (auto: the checkpoint's)")
-    device: Literal["auto", "cpu", "cuda"] = Field(SERVER_SETTINGS("device", 'auto'), description="a launched "
+    device: Literal["auto", "cpu", "cuda"] = Field(SERVER_SETTINGS("device", "auto"), description="a launched "
                                                    "server's device; auto: cuda when a GPU is visible, else cpu")
 
     def server_keys(self) -> dict[str, Any]:
@@ -94,7 +94,7 @@ class JudgeSpec(ScorerSpec):
                                    "launched folder's path, as SGLang names it)")
     template: str = Field(JUDGE_TEMPLATE, description="the user message: a str.format "
                           "template with {prompt}, {completion} and {answer}")
-    parser: str = Field(JUDGE_REWARD("parser", 'number'), description="'number' (the first number in the answer) or "
+    parser: str = Field(JUDGE_REWARD("parser", "number"), description="'number' (the first number in the answer) or "
                         "'pkg.module:function' from the answer's text to a float, or None when it finds no grade")
     max_score: float = Field(JUDGE_REWARD("max_score", 10.0), gt=0, description="the reward is the grade / "
                              "this; a grade outside [0, max_score] is a parse failure")
@@ -139,7 +139,7 @@ class RewardSpec(Section):
     weights: dict[str, float] = Field(default_factory=dict, description="function -> weight: their weighted sum; "
                                       "'classifier' and 'judge' name the model rewards of their tables")
     timeout_s: float | None = Field(REWARD_FUNCTION("timeout_s", 10.0), gt=0, description="per call")
-    on_error: Literal[ON_ERROR] = Field(REWARD_FUNCTION("on_error", 'zero'), description="what a sample "  # type: ignore[valid-type]
+    on_error: Literal[ON_ERROR] = Field(REWARD_FUNCTION("on_error", "zero"), description="what a sample "  # type: ignore[valid-type]
                                         "whose reward raised or timed out gets: 'zero' (scored 0) or 'drop' "
                                         "(its group dropped)")
     batched: bool = Field(False, description="the function takes a whole group at once")
@@ -190,7 +190,7 @@ class DistillSpec(Section):
                                     "(task.metadata_fields) whose value names its teacher")
     coef: float = Field(1.0, gt=0, description="the teacher term's weight: each model token's advantage gets "
                         "-coef x (student logprob - teacher logprob)")
-    mode: Literal[DISTILL_MODES] = Field(GRPO_LEARNER("distill_mode", 'advantage'),  # type: ignore[valid-type]
+    mode: Literal[DISTILL_MODES] = Field(GRPO_LEARNER("distill_mode", "advantage"),  # type: ignore[valid-type]
         description="'advantage': the teacher's term is added to GRPO's advantage; 'loss': it is the whole "
                     "advantage (pure distillation: rewards are scored and reported but train nothing)")
     baseline: bool = Field(GRPO_LEARNER("distill_baseline", True), description="subtract from each token's "
@@ -199,7 +199,7 @@ class DistillSpec(Section):
                            "reverse-2 to reward 0.8 in ~120 versions with it, and is at 0.3 after 150 without)")
     backend: Literal["torch", "sglang"] = Field("torch", description="how a teacher folder is served: in the "
                                                 "producer's process with torch, or on an SGLang server baton launches")
-    on_error: Literal[ON_ERROR] = Field(DISTILLATION("on_error", 'zero'),  # type: ignore[valid-type]
+    on_error: Literal[ON_ERROR] = Field(DISTILLATION("on_error", "zero"),  # type: ignore[valid-type]
         description="a group its teacher failed to score: 'zero' (no teacher term: it trains on its reward) or "
                     "'drop' (dropped, counted)")
     token_file: str | None = Field(None, description="for teachers given by url: a file holding their API token")

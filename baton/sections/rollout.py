@@ -78,7 +78,7 @@ class GatewaySpec(Section):
     episodes come from agents through it instead of the rollout's own loop."""
 
     port: int = Field(GATEWAY_SETTINGS("port", 0), ge=0, le=65535, description="0: a free port")
-    bind: str = Field(GATEWAY_SETTINGS("bind", '127.0.0.1'), description="the address to listen on; anything "
+    bind: str = Field(GATEWAY_SETTINGS("bind", "127.0.0.1"), description="the address to listen on; anything "
                       "but 127.0.0.1 lets other machines in (they still need the run's token)")
     agent: str | None = Field(None, description="'pkg.module:function' called per episode with (sample, "
                               "base_url, api_key), returning its reward; unset: agents open episodes themselves")

@@ -19,12 +19,12 @@ MOONCAKE_P2P = declared_defaults("stages.weights.mooncake_p2p:MooncakeP2PTranspo
 class WeightsSpec(Section):
     """How each new version reaches the engines; independent of `store` (rollout data)."""
 
-    transport: str = Field(GRPO_LEARNER("weights", 'inproc'), description="how new versions reach the engines, "
+    transport: str = Field(GRPO_LEARNER("weights", "inproc"), description="how new versions reach the engines, "
                            f"independent of the store: {', '.join(TRANSPORTS)} (which needs runtime = 'ray'), or "
                            "a plug-in's 'pkg.module:Class' (stages.weights)")
-    protocol: str = Field(MOONCAKE_P2P("protocol", 'tcp'),
+    protocol: str = Field(MOONCAKE_P2P("protocol", "tcp"),
                           description='mooncake_p2p: TransferEngine protocol, "tcp" or "rdma"')
-    device: str = Field(MOONCAKE_P2P("device", ''),
+    device: str = Field(MOONCAKE_P2P("device", ""),
                         description="mooncake_p2p: RDMA device names (empty for tcp)")
     bucket_bytes: ByteSize | None = Field(None, description="bytes per checksummed bucket (mooncake_p2p, delta); "
                                           "default: the transport's own")
