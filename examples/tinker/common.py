@@ -4,7 +4,8 @@
 `folder/model`, starts `baton serve` on it in a process of its own on a free port of 127.0.0.1, and yields the
 official SDK's `tinker.ServiceClient` on it with the base model's name; the service is stopped (by its pid) on
 the way out. With `TINKER_BASE_URL` and `TINKER_API_KEY` set, the examples use that service instead, and
-`TINKER_BASE_MODEL` names its model.
+`TINKER_BASE_MODEL` names its model. `baton_service(folder, python)` is the same service without the SDK client:
+(base URL, API key, model name), run by another Python (the cookbook examples' venv cannot build baton's models).
 """
 
 from __future__ import annotations
