@@ -19,12 +19,13 @@ import anyio
 import msgspec
 
 from stages.learner.export import export_model
+from stages.learner.lora import LoraSpec
 from stages.learner.state import STATE_FILE, LearnerState
 from stages.service import wire
 from stages.service.futures import Futures, Result
 from stages.service.losses import check_loss
 from stages.service.refusals import check_lora_config, check_sampling_request, refuse_unless
-from stages.service.sampling import BASE, Samplers
+from stages.service.sampling import BASE, Samplers, SamplerSettings
 from stages.service.training import AdamSettings, TrainingModel, lora_spec
 from stages.weights.adapter import write_peft_folder
 
@@ -47,15 +48,17 @@ class Sessions:
 
 
 class Service:
-    def __init__(self, model_path: Path, checkpoints: Path, device: str = "cpu", seed: int = 0) -> None:
+    def __init__(self, model_path: Path, checkpoints: Path, device: str = "cpu", seed: int = 0,
+                 sampling: SamplerSettings | None = None) -> None:
         self.model_path, self.checkpoints = model_path.resolve(), checkpoints
         self.name = str(self.model_path)  # the base model's name: its folder, which the SDK loads a tokenizer from
         self.device = device
         self.sessions = Sessions()
         self.models: dict[str, TrainingModel] = {}
+        self.lora: dict[str, LoraSpec | None] = {}  # model id -> its adapter's settings (None: full), known at once
         self.order: dict[str, asyncio.Lock] = {}  # per model: its calls run one at a time, in arrival order
         self.sampling_sessions: dict[str, str] = {}  # id -> the checkpoint it samples (BASE: the base model)
-        self.samplers = Samplers(self.model_path, seed, device=device)
+        self.samplers = Samplers(self.model_path, seed, device, sampling, log_dir=checkpoints.parent)
         self.futures = Futures()
         self._ids = itertools.count(1)
 
@@ -76,6 +79,7 @@ class Service:
         spec = None if lora is None else lora_spec(lora["rank"], lora.get("train_attn", True),
                                                    lora.get("train_mlp", True), lora.get("train_unembed", True))
         model_id = self._model_id(body)
+        self.lora[model_id] = spec
 
         async def make() -> Result:
             self.models[model_id] = await anyio.to_thread.run_sync(TrainingModel, self.model_path, spec, self.device)
@@ -162,6 +166,8 @@ class Service:
         name, seq = body.get("path"), body.get("sampling_session_seq_id")
         refuse_unless((name is None) != (seq is None), "save_weights_for_sampler takes a path or a "
                                                        "sampling_session_seq_id")
+        why = self.samplers.refusal(self.lora[model_id])
+        refuse_unless(why is None, f"save_weights_for_sampler: {why}")
 
         async def run() -> Result:
             model = self.models[model_id]
@@ -226,6 +232,7 @@ class Service:
                       f"path {path!r} names no checkpoint save_state wrote here (tinker://MODEL_ID/weights/NAME)")
         lora = msgspec.json.decode((state / STATE_FILE).read_bytes(), type=LearnerState).lora  # None: full
         model_id = self._model_id(body)
+        self.lora[model_id] = lora
 
         def load() -> TrainingModel:
             model = TrainingModel(self.model_path, lora, self.device)

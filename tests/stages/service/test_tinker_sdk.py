@@ -6,11 +6,7 @@ refusals by name. Skips without the SDK
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -21,11 +17,11 @@ tinker = pytest.importorskip("tinker", reason="the tinker SDK is not installed: 
 from tinker import types  # noqa: E402
 
 from baton.tinker_client import create_full_training_client  # noqa: E402
-from stages.data.model import make_tiny_model  # noqa: E402
 from stages.learner import GRPOLearner  # noqa: E402
 from stages.learner.losses import group_advantages  # noqa: E402
 from stages.learner.step import PolicyTrainer  # noqa: E402
 from stages.service.training import lora_spec  # noqa: E402
+from tests.helpers.tinker_service import running_service  # noqa: E402
 from tests.stages.learner.test_ranks import groups  # noqa: E402
 
 torch.set_num_threads(1)
@@ -36,22 +32,8 @@ ADAM = {"learning_rate": 4e-4, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "grad_
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """The service over a tiny model: its service.json (base_url, model, key_file) and its folder."""
-    root = tmp_path_factory.mktemp("serve")
-    model = make_tiny_model(root / "tiny")
-    folder = root / "serve"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3]), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "baton.cli", "serve", str(model), "--port", "0", "--dir",
-                             str(folder), "--threads", "1"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 120
-        while not (folder / "service.json").exists():
-            assert proc.poll() is None, f"baton serve exited: {proc.stdout.read().decode()[-2000:]}"
-            assert time.monotonic() < deadline, "baton serve did not start within 120 s"
-            time.sleep(0.2)
-        yield json.loads((folder / "service.json").read_text()), folder
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    with running_service(tmp_path_factory.mktemp("serve")) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")
