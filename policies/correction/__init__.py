@@ -25,6 +25,9 @@ DAPO's clip-higher).
 | `mis-seq` | mis | its row's geometric-mean weight inside [low, high]; outside, the row is left out |
 | `gspo` | gspo | a sequence-level ratio and clip, its row's geometric-mean weight |
 
+`cispo` (module cispo) is an objective of the same shape but not a kind: its loss is the REINFORCE form (the
+clipped ratio a coefficient on log pi_theta), so its value on-policy is not -reduce(A); the Tinker service serves it.
+
 Each objective's module also holds its settings: a frozen dataclass whose fields are its `[correction]` keys
 (with defaults, descriptions and their own checks); `registry.OBJECTIVES` maps each kind to both, once.
 
@@ -45,6 +48,7 @@ Promises, for every objective:
   high-entropy tokens are the ones being cut. Every stat that is a fraction is one of the mask's tokens.
 """
 
+from policies.correction.cispo import cispo
 from policies.correction.common import (
     ENTROPY_EDGES,
     Reduce,
@@ -70,6 +74,6 @@ from policies.correction.registry import (
 __all__ = [
     "ENTROPY_EDGES", "KINDS", "KIND_OF_SETTING", "OBJECTIVES", "Correction", "CorrectionKind", "Objective", "Reduce",
     "Stats",
-    "auto_kind", "clipped_surrogate", "decoupled", "entropy_buckets", "gspo", "importance_weights", "m2po", "mis_seq",
-    "mis_token", "none", "second_moment_keep", "tis",
+    "auto_kind", "cispo", "clipped_surrogate", "decoupled", "entropy_buckets", "gspo", "importance_weights", "m2po",
+    "mis_seq", "mis_token", "none", "second_moment_keep", "tis",
 ]

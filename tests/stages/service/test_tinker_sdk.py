@@ -20,7 +20,8 @@ from baton.tinker_client import create_full_training_client  # noqa: E402
 from stages.learner import GRPOLearner  # noqa: E402
 from stages.learner.losses import group_advantages  # noqa: E402
 from stages.learner.step import PolicyTrainer  # noqa: E402
-from stages.service.training import lora_spec  # noqa: E402
+from stages.service.training import AdamSettings, TrainingModel, logprobs_of, lora_spec, padded  # noqa: E402
+from stages.service.wire import Datum  # noqa: E402
 from tests.helpers.tinker_service import running_service  # noqa: E402
 from tests.stages.learner.test_ranks import groups  # noqa: E402
 
@@ -134,6 +135,42 @@ def test_a_step_through_the_sdk_is_the_learners_step(served, service, loss: str,
     print(f"{loss}: largest parameter difference {worst:.3g} after a step that moved them by up to {moved:.3g}")
 
 
+def saved_adapter(folder: Path, training, name: str) -> dict[str, torch.Tensor]:
+    """The adapter the service saved with `save_state(name)`, as the learner's parameter names."""
+    from safetensors.torch import load_file
+
+    training.save_state(name).result()
+    return load_file(folder / "checkpoints" / training.model_id / name / "adapter" / "adapter_model.safetensors")
+
+
+def test_cispo_through_the_sdk_is_the_direct_computation(served, service) -> None:
+    """An SDK forward_backward with `cispo` and Tinker's default thresholds (0, 4), then an optim_step, equals the
+    same rows computed here by hand on the same adapter init: -sum(sg(clip(r, 0, 4)) * logp * A), its gradient, the
+    service's own AdamW step. The behaviour logprobs are the policy's own moved by up to 2 nats (ratios up to 7.4),
+    so the clip binds; loss:sum and every adapter parameter agree."""
+    training = new_model(served, service)
+    local = TrainingModel(Path(served[0]["model"]), lora_spec(RANK, True, True, True))
+    batches, weights = rows_of(local.trainer, seed=9, off_policy=2.0)
+    data = datums(batches, weights, "cispo")
+    result = training.forward_backward(data, "cispo")
+    training.optim_step(types.AdamParams(**ADAM)).result()
+    ids, mask, inputs = padded([Datum(np.array(d.model_input.to_ints()), {k: v.to_numpy() for k, v in
+                                                                          d.loss_fn_inputs.items()}) for d in data])
+    logp = logprobs_of(local.trainer.model, ids, mask, inputs["target_tokens"])
+    ratio = (logp - inputs["logprobs"]).exp().detach()
+    assert bool(((ratio > 4) & (inputs["advantages"] != 0) & (mask > 0)).any())  # the default clip binds
+    loss = -(ratio.clamp(0.0, 4.0) * logp * inputs["advantages"] * mask).sum()
+    loss.backward()
+    local.optim_step(AdamSettings(**ADAM))
+    assert result.result().metrics["loss:sum"] == pytest.approx(float(loss.detach()), rel=1e-5, abs=1e-7)
+    served_adapter = saved_adapter(served[1], training, "after-cispo")
+    mine = {n.replace(".default", ""): p.detach() for n, p in local.trainer.model.named_parameters()
+            if p.requires_grad}
+    assert set(served_adapter) == set(mine)
+    worst = max(float((served_adapter[n] - mine[n]).abs().max()) for n in mine)
+    assert worst < 1e-6, f"the SDK's cispo step differs from the direct computation by {worst:.3g}"
+
+
 def test_sampling_from_saved_weights_gives_tokens_with_their_logprobs(served, service) -> None:
     """After a step and save_weights_for_sampler the sampler draws from the trained adapter: each sampled token's
     logprob is the training model's own logprob of it (forward through the SDK), and so is each token's logprob
@@ -237,6 +274,54 @@ def test_sampling_from_saved_full_weights_gives_the_trained_models_logprobs(serv
         assert np.abs(np.array(untrained) - scored).max() > 1e-2  # the sampler does not serve the base
 
 
+def test_two_clients_training_at_once_each_get_what_they_would_alone(served, service) -> None:
+    """Two SDK clients (each its own ServiceClient, so its own session) train LoRA models on the same base at once,
+    from two threads, each on its own data and loss: their forward_backward / optim_step calls interleave at the
+    service. Each ends where the same calls run alone (on fresh models, one client after the other) end, within
+    1e-6 in the logprobs; the two differ; each one's sampler samples its own adapter (its compute_logprobs are
+    its own model's forward, not the other's)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    info = served[0]
+    key = Path(info["key_file"]).read_text()
+    plans = [(datums(groups(11, n=2, group_size=3), np.full(6, 0.2), "cross_entropy"), "cross_entropy"),
+             (datums(groups(13, n=2, group_size=3), np.full(6, 0.2), "cispo"), "cispo")]
+    # rows of both clients' data, scored (weight 0) by each model
+    probe = [types.Datum(model_input=d.model_input, loss_fn_inputs={
+        "target_tokens": d.loss_fn_inputs["target_tokens"], "weights": np.zeros(d.model_input.length, np.float32)})
+        for d in plans[0][0][:2] + plans[1][0][:2]]
+
+    def train(client, plan) -> None:
+        data, loss = plan
+        for _ in range(3):
+            client.forward_backward(data, loss).result()
+            client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+
+    def logprobs(client) -> np.ndarray:
+        outputs = client.forward(probe, "cross_entropy").result().loss_fn_outputs
+        return np.concatenate([o["logprobs"].to_numpy() for o in outputs])
+
+    clients = [tinker.ServiceClient(base_url=info["base_url"], api_key=key) for _ in plans]
+    together = [c.create_lora_training_client(base_model=info["model"], rank=RANK).result() for c in clients]
+    assert together[0].model_id.split(":")[0] != together[1].model_id.split(":")[0]  # two sessions
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(train, together, plans))
+    alone = [new_model(served, service) for _ in plans]
+    for client, plan in zip(alone, plans, strict=True):
+        train(client, plan)
+    mine = [logprobs(c) for c in together]
+    for concurrent, by_itself in zip(mine, alone, strict=True):
+        assert np.abs(concurrent - logprobs(by_itself)).max() < 1e-6
+    assert np.abs(mine[0] - mine[1]).max() > 1e-3  # the two adapters differ: isolation could fail
+    samplers = [c.save_weights_and_get_sampling_client().result() for c in together]
+    full = list(probe[0].model_input.to_ints()) + [int(probe[0].loss_fn_inputs["target_tokens"].to_numpy()[-1])]
+    n = len(full) - 1
+    scored = [np.array(s.compute_logprobs(types.ModelInput.from_ints(full)).result()[1:]) for s in samplers]
+    assert np.abs(mine[0][:n] - mine[1][:n]).max() > 1e-3  # a sampler of the other adapter would be caught
+    for own, sampled in zip(mine, scored, strict=True):
+        assert np.allclose(sampled, own[:n], atol=1e-4)
+
+
 def test_a_retried_request_is_applied_once(served, service) -> None:
     """A request sent again with its seq_id (what the SDK's retry after a lost answer does) gets the first one's
     future: the step is taken once. Replayed here over plain HTTP, as the SDK would send it again."""
@@ -262,8 +347,10 @@ def test_what_is_not_supported_is_refused_by_name(served, service) -> None:
     row = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]),
                       loss_fn_inputs={"target_tokens": np.array([2, 3, 4]), "logprobs": np.zeros(3, np.float32),
                                       "advantages": np.ones(3, np.float32)})
-    with pytest.raises(tinker.BadRequestError, match="'cispo'"):
-        training.forward_backward([row], "cispo").result()
+    with pytest.raises(tinker.BadRequestError, match="'gspo'"):
+        training.forward_backward([row], "gspo").result()
+    with pytest.raises(tinker.BadRequestError, match="'dro' needs loss_fn_config \\['beta'\\]"):
+        training.forward_backward([row], "dro").result()
     with pytest.raises(tinker.BadRequestError, match="missing \\['weights'\\]"):
         training.forward_backward([row], "cross_entropy").result()
     sampler = service.create_sampling_client(base_model=info["model"]).result()
@@ -275,6 +362,13 @@ def test_what_is_not_supported_is_refused_by_name(served, service) -> None:
         service.create_training_client_from_state("tinker://nobody/weights/nothing").result()
     with pytest.raises(tinker.BadRequestError, match="without lora_config"):
         service.create_lora_training_client(base_model=info["model"], rank=0).result()
+
+    import httpx
+
+    reported = httpx.get(f"{info['base_url']}/api/v1/get_server_capabilities", timeout=30,
+                         headers={"X-API-Key": Path(info["key_file"]).read_text()}).json()["baton"]
+    assert reported["losses"] == ["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"]
+    assert reported["refused_losses"] == ["gspo", "stable_reinforce", "custom"]
     stranger = tinker.ServiceClient(base_url=info["base_url"], api_key="tml-not-the-key")
     with pytest.raises(tinker.AuthenticationError):
         stranger.create_lora_training_client(base_model=info["model"], rank=RANK).result()
