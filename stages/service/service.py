@@ -58,7 +58,8 @@ class Service:
         self.lora: dict[str, LoraSpec | None] = {}  # model id -> its adapter's settings (None: full), known at once
         self.order: dict[str, asyncio.Lock] = {}  # per model: its calls run one at a time, in arrival order
         self.sampling_sessions: dict[str, str] = {}  # id -> the checkpoint it samples (BASE: the base model)
-        self.samplers = Samplers(self.model_path, seed, device, sampling, log_dir=checkpoints.parent)
+        self.sampling = sampling or SamplerSettings()
+        self.samplers = Samplers(self.model_path, seed, device, self.sampling, log_dir=checkpoints.parent)
         self.futures = Futures()
         self._ids = itertools.count(1)
 

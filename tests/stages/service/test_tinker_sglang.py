@@ -121,6 +121,14 @@ def test_adapters_evicted_as_least_recently_used_come_back_serving_their_own_wei
 
 
 def test_a_full_fine_tuning_sampler_is_refused_by_name(served, service) -> None:
+    """What the SGLang server cannot serve is refused at save_weights_for_sampler; the capabilities name the
+    engine."""
+    import httpx
+
+    info = served[0]
+    answer = httpx.get(f"{info['base_url']}/api/v1/get_server_capabilities", timeout=30,
+                       headers={"X-API-Key": Path(info["key_file"]).read_text()})
+    assert answer.json()["baton"]["sampling"].startswith("sglang engine")
     training = create_full_training_client(service, served[0]["model"]).result()
     with pytest.raises(tinker.BadRequestError, match="fully fine-tuned model is not supported by baton serve "
                                                       "--engine sglang"):
