@@ -13,8 +13,13 @@ A training client's `save_state(name)` writes `D/checkpoints/{model_id}/{name}/`
 With `--world-size N` every training model is sharded over N learner ranks (FSDP2; `stages.service.ranked`):
 N - 1 follower processes start with the service and stop with it.
 
+`--engine sglang` samples on one SGLang server (launched at the first sample, LoRA saves as adapters, the least
+recently used unloaded first); fully fine-tuned models' samplers are refused there (`--engine torch` serves them).
+`--engine vllm` is refused: without its environment by saying how to install it, with it because baton serve has
+no vLLM sampler yet.
+
 Exit codes: 0 stopped by Ctrl-C or SIGTERM, 2 bad usage (no such model folder, the tinker extra missing, a world
-size below 1).
+size below 1, the engine's environment missing).
 """
 
 from __future__ import annotations
@@ -27,15 +32,19 @@ import secrets
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from stages.service.sampling import SamplerSettings
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add `serve` to a `baton` subparsers object."""
     p = subparsers.add_parser(
         "serve", help="serve a Tinker-compatible training API over a model folder (the tinker SDK drives it)",
-        epilog="exit codes:\n  0   stopped by Ctrl-C or SIGTERM\n  2   bad usage: no model folder, or the tinker "
-               "extra is missing (pip install -e '.[tinker]'), or --world-size below 1",
+        epilog="exit codes:\n  0   stopped by Ctrl-C or SIGTERM\n  2   bad usage: no model folder, the tinker "
+               "extra missing (pip install -e '.[tinker]'),\n      --world-size below 1, or the --engine's environment "
+               "missing",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model_dir", metavar="MODEL_DIR", help="a Hugging Face causal-LM folder (its tokenizer included)")
     p.add_argument("--port", type=int, default=8000, help="port on 127.0.0.1 (0: any free one; default 8000)")
@@ -45,6 +54,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, default=1,
                    help="learner ranks each training model is sharded over (FSDP2; N-1 follower processes start "
                         "here; default 1)")
+    p.add_argument("--engine", choices=("torch", "sglang", "vllm"), default="torch",
+                   help="what samples the saved weights: baton's torch engine (default; LoRA and full fine-tuning) "
+                        "or one SGLang server serving each LoRA save as an adapter (tools/sglang-cpu/install.sh)")
+    p.add_argument("--max-lora-rank", type=int, default=32, help="--engine sglang: the largest adapter rank the "
+                                                                 "server takes (default 32)")
+    p.add_argument("--max-loaded-adapters", type=int, default=4, help="--engine sglang: adapters loaded at once, "
+                                                                      "the least recently used unloaded first (4)")
     return p
 
 
@@ -60,7 +76,8 @@ def write_key(folder: Path) -> tuple[str, Path]:
     return key, path
 
 
-async def serve(model_dir: Path, port: int, folder: Path, device: str, world_size: int = 1) -> None:
+async def serve(model_dir: Path, port: int, folder: Path, device: str, sampling: SamplerSettings,
+                world_size: int = 1) -> None:
     from aiohttp import web
 
     from stages.service.routes import make_app
@@ -68,7 +85,8 @@ async def serve(model_dir: Path, port: int, folder: Path, device: str, world_siz
 
     key, key_file = write_key(folder)
     runner = web.AppRunner(make_app(Service(model_dir, folder / "checkpoints", device=device,
-                                                       world_size=world_size), key), access_log=None,
+                                                       sampling=sampling, world_size=world_size), key),
+                           access_log=None,
                            shutdown_timeout=2.0)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", port)
@@ -101,9 +119,17 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         print("baton serve needs the tinker extra: pip install -e '.[tinker]'", file=sys.stderr)
         return 2
+    from stages.service.sampling import EngineUnavailable, SamplerSettings, engine_sampler
+
+    try:
+        sampling = SamplerSettings(args.engine, max_lora_rank=args.max_lora_rank, max_loaded=args.max_loaded_adapters)
+        engine_sampler(sampling, model_dir, 0, args.device)  # the engine's environment is there (nothing starts)
+    except (ValueError, EngineUnavailable) as exc:
+        print(f"baton serve: {exc}", file=sys.stderr)
+        return 2
     if args.threads > 0:
         import torch
 
         torch.set_num_threads(args.threads)
-    asyncio.run(serve(model_dir, args.port, Path(args.dir), args.device, args.world_size))
+    asyncio.run(serve(model_dir, args.port, Path(args.dir), args.device, sampling, args.world_size))
     return 0

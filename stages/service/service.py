@@ -32,7 +32,7 @@ from stages.service.futures import Futures, Result
 from stages.service.losses import check_loss
 from stages.service.ranked import RankedModel, ServiceRanks
 from stages.service.refusals import Refused, check_lora_config, check_sampling_request, refuse_unless
-from stages.service.sampling import BASE, Samplers
+from stages.service.sampling import BASE, Samplers, SamplerSettings
 from stages.service.training import AdamSettings, TrainingModel, lora_spec
 from stages.weights.adapter import write_peft_folder
 
@@ -56,10 +56,11 @@ class Sessions:
 
 class Service:
     """With `world_size` > 1 every training model is sharded over that many ranks (`stages.service.ranked`;
-    their processes start here, from the caller's thread, and stop with `close`)."""
+    their processes start here, from the caller's thread, and stop with `close`); `sampling` says which engine
+    serves the saved weights (`stages.service.sampling`)."""
 
     def __init__(self, model_path: Path, checkpoints: Path, device: str = "cpu", seed: int = 0,
-                 world_size: int = 1) -> None:
+                 sampling: SamplerSettings | None = None, world_size: int = 1) -> None:
         self.model_path, self.checkpoints = model_path.resolve(), checkpoints
         self.name = str(self.model_path)  # the base model's name: its folder, which the SDK loads a tokenizer from
         self.device = device
@@ -70,9 +71,11 @@ class Service:
             self.ranks.start()
         self.sessions = Sessions()
         self.models: dict[str, TrainingModel | RankedModel] = {}
+        self.lora: dict[str, LoraSpec | None] = {}  # model id -> its adapter's settings (None: full), known at once
         self.order: dict[str, asyncio.Lock] = {}  # per model: its calls run one at a time, in arrival order
         self.sampling_sessions: dict[str, str] = {}  # id -> the checkpoint it samples (BASE: the base model)
-        self.samplers = Samplers(self.model_path, seed, device=device)
+        self.sampling = sampling or SamplerSettings()
+        self.samplers = Samplers(self.model_path, seed, device, self.sampling, log_dir=checkpoints.parent)
         self.futures = Futures()
         self._ids = itertools.count(1)
 
@@ -93,6 +96,7 @@ class Service:
         spec = None if lora is None else lora_spec(lora["rank"], lora.get("train_attn", True),
                                                    lora.get("train_mlp", True), lora.get("train_unembed", True))
         model_id = self._model_id(body)
+        self.lora[model_id] = spec
 
         async def make() -> Result:
             self.models[model_id] = await anyio.to_thread.run_sync(self._new_model, model_id, spec)
@@ -201,6 +205,8 @@ class Service:
         name, seq = body.get("path"), body.get("sampling_session_seq_id")
         refuse_unless((name is None) != (seq is None), "save_weights_for_sampler takes a path or a "
                                                        "sampling_session_seq_id")
+        why = self.samplers.refusal(self.lora[model_id])
+        refuse_unless(why is None, f"save_weights_for_sampler: {why}")
 
         async def run() -> Result:
             model = self.models[model_id]
@@ -265,6 +271,7 @@ class Service:
                       f"path {path!r} names no checkpoint save_state wrote here (tinker://MODEL_ID/weights/NAME)")
         lora = msgspec.json.decode((state / STATE_FILE).read_bytes(), type=LearnerState).lora  # None: full
         model_id = self._model_id(body)
+        self.lora[model_id] = lora
 
         async def make() -> Result:  # without optimizer: weights only, AdamW starts afresh
             self.models[model_id] = await anyio.to_thread.run_sync(self._new_model, model_id, lora, state,
