@@ -1,7 +1,9 @@
 """The checks across sections of a RunConfig, run in order by its one validator (`check_all`), before
 anything starts: each raises a ValueError naming the keys and the fix. The first, `mode_sets_k`, also
 resolves what depends on the staleness bound (staleness.k and lead, correction.kind and
-learner.entropy_cap when `auto`); the last, `staleness_holds`, is the static check of `policies.bounds`."""
+learner.entropy_cap when `auto`); the last, `staleness_holds`, is the static check of `policies.bounds`.
+A check imports the stage modules it reads (model folders, LoRA, experts) only when the config uses
+them, so a config that does not loads no torch (baton.sections.base)."""
 
 from __future__ import annotations
 
@@ -18,16 +20,8 @@ from baton.sections.engines import SGLangEngineSpec, TorchEngineSpec, VLLMEngine
 from baton.sections.learner import GRPOSpec, MaxStalenessSpec
 from baton.sections.rewards import MODEL_REWARDS, check_shared_tokenizer, is_url
 from baton.sections.stores import MemoryStoreSpec, MooncakeStoreSpec
+from policies.correction_settings import auto_entropy_cap
 from policies.staleness import MaxStaleness, reuse_lead
-from stages.data.model import check_model_folder, linear_module_names
-from stages.data.routing import folder_moe_layout
-from stages.engines.vllm import VLLMEngine
-from stages.engines.vllm_lora import RANKS as VLLM_RANKS
-from stages.engines.vllm_lora import target_problem as vllm_target_problem
-from stages.learner.experts import check_expert_parallel
-from stages.learner.lora import check_targets
-from stages.learner.losses import auto_entropy_cap
-from stages.learner.replay import check_routing_replay
 
 if TYPE_CHECKING:
     from baton.schema import RunConfig
@@ -99,6 +93,11 @@ def lora_fits(cfg: RunConfig) -> None:
     lora = cfg.learner.lora if isinstance(cfg.learner, GRPOSpec) else None
     if lora is None:
         return
+    from stages.data.model import linear_module_names
+    from stages.engines.vllm_lora import RANKS as VLLM_RANKS
+    from stages.engines.vllm_lora import target_problem as vllm_target_problem
+    from stages.learner.lora import check_targets
+
     check_targets(lora.target_modules, linear_module_names(cfg.model.path))
     lora.spec()  # its own checks (target_experts with dropout)
     if lora.target_experts:
@@ -129,6 +128,9 @@ def lora_experts_fit(cfg: RunConfig) -> None:
     or a folder whose config has routed experts) and an engine that applies adapters on the experts: the
     torch engine merges them; SGLang's MoE LoRA (0.5.x) runs on CUDA kernels only and takes per-expert adapter
     names, so a server is not sent one."""
+    from stages.data.routing import folder_moe_layout
+    from stages.engines.vllm_lora import target_problem as vllm_target_problem
+
     dense = not cfg.model.experts if cfg.model.create else folder_moe_layout(cfg.model.path) is None
     if dense:
         where = "model.experts = 0 makes a dense model" if cfg.model.create else \
@@ -177,6 +179,8 @@ def own_model_fits(cfg: RunConfig) -> None:
     """A model folder of one's own loads, with a chat template when the task gives chat prompts; a
     reward or eval split needs a task that has answers to check (a dataset's)."""
     if not cfg.model.create:
+        from stages.data.model import check_model_folder
+
         try:
             check_model_folder(cfg.model.path, needs_chat_template=isinstance(cfg.task, DatasetTaskSpec)
                                and cfg.task.uses_chat)
@@ -196,6 +200,9 @@ def expert_parallel_fits(cfg: RunConfig) -> None:
     if cfg.learner.lora is not None:
         raise ValueError(f"learner.expert_parallel = {degree} and [learner] lora do not go together yet: set "
                          "learner.expert_parallel = 1 to train LoRA adapters")
+    from stages.data.routing import folder_moe_layout
+    from stages.learner.experts import check_expert_parallel
+
     if cfg.model.create:
         experts = cfg.model.experts
     else:
@@ -210,6 +217,8 @@ def load_balance_fits(cfg: RunConfig) -> None:
     coef = getattr(cfg.learner, "load_balance_coef", 0.0)
     if coef <= 0:
         return
+    from stages.data.routing import folder_moe_layout
+
     dense = not cfg.model.experts if cfg.model.create else folder_moe_layout(cfg.model.path) is None
     if dense:
         raise ValueError(f"learner.load_balance_coef = {coef} weighs a mixture-of-experts router's load-balancing "
@@ -224,6 +233,8 @@ def routing_replay_fits(cfg: RunConfig) -> None:
     replay = getattr(cfg.learner, "routing_replay", "off")
     if replay == "off":
         return
+    from stages.learner.replay import check_routing_replay
+
     if cfg.model.create and not cfg.model.experts:
         raise ValueError("learner.routing_replay = 'rollout' replays routed experts, but model.experts = 0 makes a "
                          "dense model: set model.experts (e.g. 8), or learner.routing_replay = 'off'")
@@ -231,6 +242,8 @@ def routing_replay_fits(cfg: RunConfig) -> None:
     if isinstance(engine, TorchEngineSpec | SGLangEngineSpec):
         returns = True
     elif isinstance(engine, VLLMEngineSpec):  # not on CPU: Model Runner V2 needs Triton (stages.engines.vllm)
+        from stages.engines.vllm import VLLMEngine
+
         returns = VLLMEngine.returns_routed_experts
     else:
         returns = getattr(resolve(engine.kind), "returns_routed_experts", False)

@@ -25,8 +25,6 @@ from typing import Any
 
 import msgspec
 
-from pipeline.ledger_store import check, export_jsonl, history, meta, open_run, totals
-
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add `ledger` to a `baton` subparsers object."""
@@ -58,6 +56,8 @@ def staleness_bound(run_dir: Path) -> int | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pipeline.ledger_store import open_run
+
     run_dir = Path(args.run_dir)
     try:
         conn = open_run(run_dir)
@@ -73,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _show(conn: Any, item_id: str) -> int:
+    from pipeline.ledger_store import history
+
     record = history(conn, item_id)
     if record is None:
         print(f"baton ledger: no sample {item_id!r} in this run's ledger", file=sys.stderr)
@@ -86,6 +88,8 @@ def _show(conn: Any, item_id: str) -> int:
 
 
 def _check(conn: Any, run_dir: Path, args: argparse.Namespace) -> int:
+    from pipeline.ledger_store import check, export_jsonl, meta, totals
+
     bound = args.bound if args.bound is not None else staleness_bound(run_dir)
     found = totals(conn)
     print("  ".join(f"{key} {value}" for key, value in found.items()))

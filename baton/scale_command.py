@@ -19,8 +19,6 @@ import json
 import sys
 from typing import Any
 
-from pipeline.control import ControlError, control_request, scale_run
-
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add `scale` to a `baton` subparsers object."""
@@ -42,6 +40,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pipeline.control import ControlError, control_request, scale_run
+
     try:
         status = control_request(args.run_dir) if args.engines is None else \
             scale_run(args.run_dir, args.engines, args.wait, args.preempt)

@@ -8,8 +8,11 @@ checks across sections (`baton.checks`), among them a config whose shape can bre
 bound (`policies.bounds`: queues that let groups age past k, PPO epochs that compound staleness, a reuse
 count k cannot reach), before anything starts.
 
-A default is defined once, in the part's own class (`default_of`); a section that mirrors a class reads
-it from there. `baton.builder` turns a validated RunConfig into the Pipeline.
+A default is defined once, in the part's own class; a section that mirrors a class declares it
+(`declared_defaults`, checked against the class by the tests) or, for a light part, reads it from there
+(`default_of`). Validating a config imports no torch, transformers, ray, sglang or stage implementation
+(baton.sections.base says how): a config error is reported at once. `baton.builder` turns a validated
+RunConfig into the Pipeline, importing the parts as it makes them.
 """
 
 from __future__ import annotations
@@ -29,30 +32,30 @@ from baton.sections import rewards as _rewards
 from baton.sections import rollout as _rollout
 from baton.sections import run as _run
 from baton.sections import stores as _stores
-from baton.sections.base import BuildContext, PluginSpec, Section, default_of
+from baton.sections.base import BuildContext, PluginSpec, Section, declared_defaults, default_of
 from baton.sections.correction import CorrectionSpec
 from baton.sections.rewards import resolve
 from baton.sections.run import SimulateSpec
 from baton.sections.weights import WeightsSpec
-from pipeline.dsl import Pipeline
 from pipeline.faults import FAULT_KINDS
-from policies.staleness import MaxStaleness
-from stages.learner.losses import staleness_lr_factor
+from policies.staleness import MaxStaleness, staleness_lr_factor
+
+PIPELINE = declared_defaults("pipeline.dsl:Pipeline")
 
 
 class RunConfig(Section):
     name: str = Field("baton", pattern=r"^[A-Za-z0-9_.-]+$",
         description="the run's name: the run folder's prefix (run_root/<name>-<timestamp>) and the first part of "
                     "every store key")
-    seed: int = Field(default_of(Pipeline, "seed"),
+    seed: int = Field(PIPELINE("seed", 0),
         description="seeds torch, prompt sampling, engine sampling and the dataset's shuffle (the tiny model's init "
                     "has model.seed)")
-    steps: int = Field(default_of(Pipeline, "steps"), ge=1, description="learner versions to train")
+    steps: int = Field(PIPELINE("steps", 60), ge=1, description="learner versions to train")
     mode: Literal["async", "sync"] = Field("async",
         description="sync: staleness.k = 0 through the same code path (on-policy); async: the staleness policy's k")
-    runtime: Literal["local", "ray"] = Field(default_of(Pipeline, "runtime"),
+    runtime: Literal["local", "ray"] = Field(PIPELINE("runtime", "local"),
         description="local: every actor a task in one event loop; ray: every actor a Ray actor in its own process")
-    run_root: str = Field(default_of(Pipeline, "run_root"), description="where run folders are made")
+    run_root: str = Field(PIPELINE("run_root", "runs"), description="where run folders are made")
     model: _data.ModelSpec = Field(_data.ModelSpec(), description="[model]: the model folder engines and learner load")
     task: _data.TaskSection = Field(_data.ReverseDigitsSpec(),  # type: ignore[valid-type]
         description="[task]: where prompts and answers come from")
@@ -142,12 +145,13 @@ class RunConfig(Section):
 
     def expert_bytes_per_token(self) -> int:
         """What each token's routed experts add to a rollout payload (0 for a dense model)."""
+        model = self.model
+        if model.create and not model.experts:
+            return 0
         from stages.data.routing import MoELayout, folder_moe_layout
 
-        model = self.model
         if model.create:
-            return MoELayout(tuple(range(model.layers)), model.experts, model.top_k, True).bytes_per_token \
-                if model.experts else 0
+            return MoELayout(tuple(range(model.layers)), model.experts, model.top_k, True).bytes_per_token
         layout = folder_moe_layout(model.path)
         return layout.bytes_per_token if layout is not None else 0
 

@@ -18,8 +18,13 @@ step and runs again what it had accepted after it (`stages.service.recovery`), b
 With `--world-size N` every training model is sharded over N learner ranks (FSDP2; `stages.service.ranked`):
 N - 1 follower processes start with the service and stop with it.
 
+`--engine sglang` samples on one SGLang server (launched at the first sample, LoRA saves as adapters, the least
+recently used unloaded first); fully fine-tuned models' samplers are refused there (`--engine torch` serves them).
+`--engine vllm` is refused: without its environment by saying how to install it, with it because baton serve has
+no vLLM sampler yet.
+
 Exit codes: 0 stopped by Ctrl-C or SIGTERM, 2 bad usage (no such model folder, the tinker extra missing, a world
-size below 1, a state folder of another model or a damaged journal).
+size below 1, the engine's environment missing, a state folder of another model or a damaged journal).
 """
 
 from __future__ import annotations
@@ -32,16 +37,19 @@ import secrets
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from stages.service.sampling import SamplerSettings
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add `serve` to a `baton` subparsers object."""
     p = subparsers.add_parser(
         "serve", help="serve a Tinker-compatible training API over a model folder (the tinker SDK drives it)",
-        epilog="exit codes:\n  0   stopped by Ctrl-C or SIGTERM\n  2   bad usage: no model folder, or the tinker "
-               "extra is missing (pip install -e '.[tinker]'), --world-size below 1, or --state holds another "
-               "model's state",
+        epilog="exit codes:\n  0   stopped by Ctrl-C or SIGTERM\n  2   bad usage: no model folder, the tinker "
+               "extra missing (pip install -e '.[tinker]'),\n      --world-size below 1, the --engine's environment "
+               "missing, or --state holding another model's state",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model_dir", metavar="MODEL_DIR", help="a Hugging Face causal-LM folder (its tokenizer included)")
     p.add_argument("--port", type=int, default=8000, help="port on 127.0.0.1 (0: any free one; default 8000)")
@@ -53,6 +61,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, default=1,
                    help="learner ranks each training model is sharded over (FSDP2; N-1 follower processes start "
                         "here; default 1)")
+    p.add_argument("--engine", choices=("torch", "sglang", "vllm"), default="torch",
+                   help="what samples the saved weights: baton's torch engine (default; LoRA and full fine-tuning) "
+                        "or one SGLang server serving each LoRA save as an adapter (tools/sglang-cpu/install.sh)")
+    p.add_argument("--max-lora-rank", type=int, default=32, help="--engine sglang: the largest adapter rank the "
+                                                                 "server takes (default 32)")
+    p.add_argument("--max-loaded-adapters", type=int, default=4, help="--engine sglang: adapters loaded at once, "
+                                                                      "the least recently used unloaded first (4)")
     return p
 
 
@@ -70,7 +85,8 @@ def write_key(folder: Path) -> tuple[str, Path]:
     return key, path
 
 
-async def serve(model_dir: Path, port: int, folder: Path, state: Path, device: str, world_size: int = 1) -> None:
+async def serve(model_dir: Path, port: int, folder: Path, state: Path, device: str, sampling: SamplerSettings,
+                world_size: int = 1) -> None:
     from aiohttp import web
 
     from stages.service.recovery import recover
@@ -78,7 +94,8 @@ async def serve(model_dir: Path, port: int, folder: Path, state: Path, device: s
     from stages.service.service import Service
 
     key, key_file = write_key(folder)
-    service = Service(model_dir, folder / "checkpoints", state, device=device, world_size=world_size)
+    service = Service(model_dir, folder / "checkpoints", state, device=device, sampling=sampling,
+                      world_size=world_size)
     back = await recover(service)
     if back["sessions"]:
         print(f"baton serve: back from {state}: " + ", ".join(f"{n} {what}" for what, n in back.items()), flush=True)
@@ -114,6 +131,14 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         print("baton serve needs the tinker extra: pip install -e '.[tinker]'", file=sys.stderr)
         return 2
+    from stages.service.sampling import EngineUnavailable, SamplerSettings, engine_sampler
+
+    try:
+        sampling = SamplerSettings(args.engine, max_lora_rank=args.max_lora_rank, max_loaded=args.max_loaded_adapters)
+        engine_sampler(sampling, model_dir, 0, args.device)  # the engine's environment is there (nothing starts)
+    except (ValueError, EngineUnavailable) as exc:
+        print(f"baton serve: {exc}", file=sys.stderr)
+        return 2
     if args.threads > 0:
         import torch
 
@@ -123,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         asyncio.run(serve(model_dir, args.port, folder, Path(args.state) if args.state else folder / "state",
-                          args.device, args.world_size))
+                          args.device, sampling, args.world_size))
     except StateError as exc:  # the state folder belongs to another model, or its journal is damaged
         print(f"baton serve: {exc}", file=sys.stderr)
         return 2

@@ -18,9 +18,6 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
-from pipeline.sinks import JsonlTail
-from pipeline.telemetry import FAILURE_FILE, METRICS_FILE, format_value
-
 SHOWN = ("reward", "staleness_mean", "samples_per_s", "version_s", "filtered_frac")  # when the record has them
 SUMMARY_SHOWN = ("version", "reward_start", "reward_end", "max_staleness_trained", "samples", "ledger_balanced",
                  "wall_s", "samples_per_s")
@@ -55,6 +52,8 @@ def _steps(run_dir: Path) -> int | None:
 
 def progress_line(record: Mapping[str, Any], steps: int | None) -> str:
     """`t 12.3 s  version 10/240  reward 0.5  ...` from one metrics record."""
+    from pipeline.telemetry import format_value
+
     parts = []
     if "t" in record:
         parts.append(f"t {format_value(float(record['t']))} s")
@@ -68,6 +67,8 @@ def progress_line(record: Mapping[str, Any], steps: int | None) -> str:
 def summary_lines(summary: Mapping[str, Any]) -> list[str]:
     """The finished line, one line per fate with its samples by reason (the most first), and where the
     summary is."""
+    from pipeline.telemetry import format_value
+
     lines = ["finished: " + "  ".join(f"{k} {format_value(summary[k])}" for k in SUMMARY_SHOWN if k in summary)]
     for fate, reasons in (summary.get("reasons") or {}).items():
         shown = list(reasons.items())[:REASONS_SHOWN]
@@ -79,6 +80,8 @@ def summary_lines(summary: Mapping[str, Any]) -> list[str]:
 
 def _ended(run_dir: Path) -> tuple[int, list[str]] | None:
     """(exit code, lines) once the run ended; None while it runs."""
+    from pipeline.telemetry import FAILURE_FILE
+
     summary = run_dir / "summary.json"
     if summary.exists():
         try:
@@ -95,6 +98,9 @@ def watch(run_dir: Path, *, interval_s: float = 2.0, out: TextIO | None = None,
           sleep: Callable[[float], None] = time.sleep) -> int:
     """Follow `run_dir` until it holds summary.json (exit 0) or failure.log (exit 1); 2 if it is no run
     folder."""
+    from pipeline.sinks import JsonlTail
+    from pipeline.telemetry import METRICS_FILE
+
     out = out or sys.stdout
     if not run_dir.is_dir():
         print(f"baton watch: {run_dir} is not a folder", file=sys.stderr)

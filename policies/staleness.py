@@ -126,3 +126,16 @@ def reuse_lead(k: int, max_reuse: int) -> int:
     """The lead that leaves a group room for all its uses within k: it arrives at most k - (max_reuse - 1)
     versions old, so its last use is at most k old (never below 0: max_reuse > k + 1 is refused anyway)."""
     return max(0, k - (max_reuse - 1))
+
+
+def staleness_lr_factor(staleness: float, tuned_at: float, power: float = 2.0, floor: float = 0.0) -> float:
+    """Multiplier of the learning rate for a step whose groups are, on average, `staleness` versions old:
+    ((tuned_at + 1) / (staleness + 1)) ** power, at most 1 and at least `floor`. A step no staler than the
+    rate was tuned at trains at it; a staler one takes a smaller step, since a gradient that arrives
+    versions late keeps pushing where the engines' newer samples would already have said stop
+    (asynchronous SGD scales its step by 1 / delay). The floor keeps a large bound learning at all: power 2
+    alone gives k = 32 a 30th of the lr. `power` 0: always 1."""
+    if staleness < 0 or tuned_at < 0 or power < 0 or not 0 <= floor <= 1:
+        raise ValueError(f"staleness, tuned_at and power must be >= 0 and floor in [0, 1], got {staleness}, "
+                         f"{tuned_at}, {power}, {floor}")
+    return max(floor, min(1.0, ((tuned_at + 1) / (staleness + 1)) ** power))

@@ -1,18 +1,21 @@
 """[correction]: off-policy correction in the learner's loss (policies.correction). The section's keys are
-not declared here: they are the fields of each objective's settings dataclass (in the objective's own
-module, registered once in `policies.correction.OBJECTIVES`), with their defaults and descriptions, and
-each objective's own checks validate them, naming the key."""
+not declared here: they are the fields of each objective's settings dataclass (in the torch-free
+`policies.correction_settings`, registered once there in `OBJECTIVE_KINDS`), with their defaults and
+descriptions, and each objective's own checks validate them, naming the key."""
 
 from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, create_model, model_validator
 
 from baton.sections.base import Section
-from policies.correction import KIND_OF_SETTING, KINDS, OBJECTIVES, Correction, auto_kind
+from policies.correction_settings import KIND_OF_SETTING, KINDS, OBJECTIVE_KINDS, auto_kind
+
+if TYPE_CHECKING:
+    from policies.correction import Correction
 
 KIND_DESCRIPTION = (
     "auto (the default): none up to staleness.k = 2, m2po above (resolved when the config loads; "
@@ -32,8 +35,8 @@ class CorrectionBase(Section):
     @model_validator(mode="after")
     def _settings_valid(self) -> CorrectionBase:
         """Each objective's settings pass its own checks; a setting given for another kind is refused."""
-        for objective in OBJECTIVES.values():
-            objective.settings(**{f.name: getattr(self, f.name) for f in dataclasses.fields(objective.settings)})
+        for settings, _ in OBJECTIVE_KINDS.values():
+            settings(**{f.name: getattr(self, f.name) for f in dataclasses.fields(settings)})
         if self.kind != "auto":  # auto: checked once RunConfig has resolved it from staleness.k
             self.check_settings(f"correction.kind = {self.kind!r}")
         return self
@@ -55,15 +58,17 @@ class CorrectionBase(Section):
             self.check_settings(f"correction.kind = 'auto' is {self.kind!r} at staleness.k = {k}")
 
     def make(self) -> Correction:
+        from policies.correction import Correction
+
         return Correction(**self.model_dump())
 
 
 def setting_fields() -> dict[str, Any]:
     """Every objective's settings as pydantic fields: key -> (type, Field(default, description))."""
     fields: dict[str, Any] = {}
-    for objective in OBJECTIVES.values():
-        hints = typing.get_type_hints(objective.settings)
-        for f in dataclasses.fields(objective.settings):
+    for settings, _ in OBJECTIVE_KINDS.values():
+        hints = typing.get_type_hints(settings)
+        for f in dataclasses.fields(settings):
             fields[f.name] = (hints[f.name], Field(f.default, description=f.metadata["doc"],
                                                     **f.metadata["bounds"]))
     return fields

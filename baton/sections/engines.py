@@ -4,31 +4,37 @@ takes `count` (engine workers, engine i made with index i) and the sampling keys
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from baton.config import resolve
-from baton.sections.base import BuildContext, PluginSpec, Section, default_of, kinds
-from stages.engines.sglang import SGLangEngine
-from stages.engines.sglang_lora import LoraServing
-from stages.engines.torch import TorchEngine
-from stages.engines.vllm import VLLMEngine
-from stages.rollout import Rollout
+from baton.sections.base import BuildContext, PluginSpec, Section, declared_defaults, kinds
+
+if TYPE_CHECKING:
+    from stages.engines.sglang import SGLangEngine
+    from stages.engines.sglang_lora import LoraServing
+    from stages.engines.torch import TorchEngine
+    from stages.engines.vllm import VLLMEngine
+
+ROLLOUT = declared_defaults("stages.rollout:Rollout")
+SGLANG_ENGINE = declared_defaults("stages.engines.sglang:SGLangEngine")
+VLLM_ENGINE = declared_defaults("stages.engines.vllm:VLLMEngine")
 
 
 def batch_groups_field() -> Any:
-    return Field(default_of(Rollout, "batch_groups"), ge=1, description="groups generated per engine call")
+    return Field(ROLLOUT("batch_groups", 16), ge=1, description="groups generated per engine call")
 
 
 def temperature_field() -> Any:
-    return Field(default_of(Rollout, "temperature"), gt=0,
+    return Field(ROLLOUT("temperature", 1.0), gt=0,
                  description="sampling temperature; the learner computes its logprobs at the same temperature")
 
 
 def top_p_field() -> Any:
-    return Field(default_of(Rollout, "top_p"), gt=0, le=1, description="nucleus sampling: draw from the smallest "
+    return Field(ROLLOUT("top_p", 1.0), gt=0, le=1, description="nucleus sampling: draw from the smallest "
                  "set of tokens whose probability reaches this; 1: all")
 
 
@@ -50,6 +56,8 @@ class TorchEngineSpec(Sampled, Section):
     top_p: float = top_p_field()
 
     def make(self, ctx: BuildContext) -> TorchEngine:
+        from stages.engines.torch import TorchEngine
+
         assert ctx.model is not None
         return TorchEngine(ctx.model, name=f"torch-{ctx.index}", seed=ctx.seed + ctx.index, dtype=ctx.dtype)
 
@@ -86,15 +94,18 @@ class ServesLora:
         their target modules, and room for the staleness window (k + 2 unless max_loaded_loras says more)."""
         if ctx.lora is None:
             return None
+        from stages.engines.sglang_lora import LoraServing
+
         return LoraServing(max_rank=self.lora_rank_limit() or ctx.lora.rank,
                            target_modules=tuple(ctx.lora.target_modules),
                            max_loaded=self.max_loaded_loras or ctx.k + 2)  # type: ignore[attr-defined]
 
 
-def probe_tolerance_field(engine: type) -> Any:
+def probe_tolerance_field(engine: Callable[..., Any], default: float) -> Any:
     """`engine.probe_tolerance`: every pushed version is checked by what the server computes (its probe logprobs
-    against a float32 forward of the version's tensors on CPU: a second copy of the model in host memory)."""
-    return Field(default_of(engine, "probe_tolerance"), description="the largest probe logprob gap a pushed version "
+    against a float32 forward of the version's tensors on CPU: a second copy of the model in host memory).
+    `engine`: the engine class's declared defaults; `default`: its probe_tolerance."""
+    return Field(engine("probe_tolerance", default), description="the largest probe logprob gap a pushed version "
                  "may show in float32 (at least 0.1 in lower precisions); 'off': not checked (a model too large to "
                  "hold twice in host memory)")
 
@@ -114,33 +125,35 @@ class SGLangEngineSpec(Sampled, ServesLora, Section):
     batch_groups: int = batch_groups_field()
     temperature: float = temperature_field()
     top_p: float = top_p_field()
-    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(default_of(SGLangEngine, "dtype"),
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(SGLANG_ENGINE("dtype", "float32"),
         description="the server's weights; when this key is not set, model.dtype is used (auto: the checkpoint's)")
-    device: Literal["auto", "cpu", "cuda"] = Field(default_of(SGLangEngine, "device"),
+    device: Literal["auto", "cpu", "cuda"] = Field(SGLANG_ENGINE("device", "auto"),
         description="auto: cuda when a GPU is visible, else cpu (the server then gets the CPU flags)")
-    threads: int = Field(default_of(SGLangEngine, "threads"), ge=1, description="torch threads per server process "
+    threads: int = Field(SGLANG_ENGINE("threads", 1), ge=1, description="torch threads per server process "
                          "on CPU")
-    max_total_tokens: int = Field(default_of(SGLangEngine, "max_total_tokens"), ge=256, description="KV-cache "
+    max_total_tokens: int = Field(SGLANG_ENGINE("max_total_tokens", 16384), ge=256, description="KV-cache "
                                   "tokens per server")
     extra_args: list[str] = Field(default_factory=list, description="more sglang.launch_server flags, verbatim")
     update: Literal["tensor", "distributed", "disk"] = Field(
-        default_of(SGLangEngine, "update"),
+        SGLANG_ENGINE("update", "tensor"),
         description="how weights enter the server: update_weights_from_{tensor,distributed,disk}",
     )
     pause_mode: Literal["in_place", "retract"] = Field(
-        default_of(SGLangEngine, "pause_mode"),
+        SGLANG_ENGINE("pause_mode", "in_place"),
         description="how in-flight requests pause for a weight update (keep or recompute their KV)",
     )
-    start_timeout_s: float = Field(default_of(SGLangEngine, "start_timeout_s"), gt=0, description="seconds a launched "
+    start_timeout_s: float = Field(SGLANG_ENGINE("start_timeout_s", 300.0), gt=0, description="seconds a launched "
                                    "server may take to become healthy (a loaded machine: raise it)")
-    max_restarts: int = Field(default_of(SGLangEngine, "max_restarts"), ge=0, description="restarts of a dead server "
+    max_restarts: int = Field(SGLANG_ENGINE("max_restarts", 3), ge=0, description="restarts of a dead server "
                               "before the run fails")
-    probe_tolerance: ProbeTolerance = probe_tolerance_field(SGLangEngine)
+    probe_tolerance: ProbeTolerance = probe_tolerance_field(SGLANG_ENGINE, 1e-5)
     base_gpu_id: int = Field(0, ge=0, description="device = 'cuda': engine i runs on GPU base_gpu_id + i")
     max_lora_rank: int | None = max_lora_rank_field()
     max_loaded_loras: int | None = max_loaded_loras_field()
 
     def make(self, ctx: BuildContext) -> SGLangEngine:
+        from stages.engines.sglang import SGLangEngine
+
         assert ctx.model is not None
         index = ctx.index
         return SGLangEngine(
@@ -196,26 +209,28 @@ class VLLMEngineSpec(Sampled, ServesLora, Section):
     batch_groups: int = batch_groups_field()
     temperature: float = temperature_field()
     top_p: float = top_p_field()
-    dtype: Literal["float32", "bfloat16", "auto"] = Field(default_of(VLLMEngine, "dtype"),
+    dtype: Literal["float32", "bfloat16", "auto"] = Field(VLLM_ENGINE("dtype", "float32"),
         description="the server's weights; when this key is not set, model.dtype is used (auto: the checkpoint's)")
-    max_model_len: int | None = Field(default_of(VLLMEngine, "max_model_len"), ge=64, description="longest prompt "
+    max_model_len: int | None = Field(VLLM_ENGINE("max_model_len", None), ge=64, description="longest prompt "
                                       "plus completion a server takes (default: the model's max_position_embeddings)")
-    kv_cache_gib: int = Field(default_of(VLLMEngine, "kv_cache_gib"), ge=1, description="KV cache per server on CPU "
+    kv_cache_gib: int = Field(VLLM_ENGINE("kv_cache_gib", 1), ge=1, description="KV cache per server on CPU "
                               "(VLLM_CPU_KVCACHE_SPACE), GiB")
-    threads: int = Field(default_of(VLLMEngine, "threads"), ge=1, description="OMP threads of each server on CPU")
+    threads: int = Field(VLLM_ENGINE("threads", 1), ge=1, description="OMP threads of each server on CPU")
     extra_args: list[str] = Field(default_factory=list, description="more vllm api_server flags, verbatim")
-    start_timeout_s: float = Field(default_of(VLLMEngine, "start_timeout_s"), gt=0, description="seconds a launched "
+    start_timeout_s: float = Field(VLLM_ENGINE("start_timeout_s", 300.0), gt=0, description="seconds a launched "
                                    "server may take to become healthy (a loaded machine: raise it)")
-    max_restarts: int = Field(default_of(VLLMEngine, "max_restarts"), ge=0, description="restarts of a dead server "
+    max_restarts: int = Field(VLLM_ENGINE("max_restarts", 3), ge=0, description="restarts of a dead server "
                               "(or one that failed a push) before the run fails")
-    probe_tolerance: ProbeTolerance = probe_tolerance_field(VLLMEngine)
-    push: Literal["full", "delta"] = Field(default_of(VLLMEngine, "push"), description="how each version goes "
+    probe_tolerance: ProbeTolerance = probe_tolerance_field(VLLM_ENGINE, 1e-5)
+    push: Literal["full", "delta"] = Field(VLLM_ENGINE("push", "full"), description="how each version goes "
                                            "into the server: whole, or as a sparse delta against the version it "
                                            "kept (one more copy of the weights in the server and in the engine)")
     max_lora_rank: int | None = max_lora_rank_field()
     max_loaded_loras: int | None = max_loaded_loras_field()
 
     def make(self, ctx: BuildContext) -> VLLMEngine:
+        from stages.engines.vllm import VLLMEngine
+
         assert ctx.model is not None
         index = ctx.index
         token = Path(self.token_file).read_text().strip() if self.token_file else None

@@ -4,26 +4,30 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
-from baton.sections.base import Section, default_of
+from baton.sections.base import Section, declared_defaults, same_as
 from stages.data.rewards import ON_ERROR, RewardFunction, resolve, weighted_sum
-from stages.learner import GRPOLearner
-from stages.learner.losses import DISTILL_MODES
-from stages.scorers import (
-    ClassifierReward,
-    ComposedReward,
-    Distillation,
-    JudgeReward,
-    SGLangTeacher,
-    TorchTeacher,
-)
-from stages.scorers.server import ServerSettings
-from stages.scorers.teacher import TEACHER_TIMEOUT_S
+
+if TYPE_CHECKING:
+    from stages.scorers import ClassifierReward, ComposedReward, Distillation, JudgeReward
+
+TEACHER_TIMEOUT_S = same_as("stages.scorers.teacher:TEACHER_TIMEOUT_S", 60.0)
+DISTILL_MODES = same_as("stages.learner.losses:DISTILL_MODES", ("advantage", "loss"))
 
 URL = r"^https?://[\w.-]+(:\d+)?(/[\w./-]*)?$"
+
+SERVER_SETTINGS = declared_defaults("stages.scorers.server:ServerSettings")
+CLASSIFIER_REWARD = declared_defaults("stages.scorers:ClassifierReward")
+JUDGE_REWARD = declared_defaults("stages.scorers:JudgeReward")
+JUDGE_TEMPLATE = JUDGE_REWARD("template", "Grade the response to the task below from 0 (wrong or useless) to 10 (fully "
+                              "right).\n\nTask: {prompt}\nReference answer: {answer}\nResponse: {completion}\n\n"
+                              "Reply with the grade only, a number from 0 to 10.")
+REWARD_FUNCTION = declared_defaults("stages.data.rewards:RewardFunction")
+GRPO_LEARNER = declared_defaults("stages.learner:GRPOLearner")
+DISTILLATION = declared_defaults("stages.scorers:Distillation")
 
 
 class ScorerSpec(Section):
@@ -33,19 +37,19 @@ class ScorerSpec(Section):
                                                         "launching one from the model folder")
     token_file: str | None = Field(None, description="with url: a file holding the server's API token (sent as a "
                                    "bearer token; the token itself never goes in the config)")
-    concurrency: int = Field(default_of(ServerSettings, "concurrency"), ge=1, description="requests of this scorer "
+    concurrency: int = Field(SERVER_SETTINGS("concurrency", 8), ge=1, description="requests of this scorer "
                              "in flight at once, over all groups of a producer process")
-    timeout_s: float = Field(default_of(ServerSettings, "timeout_s"), gt=0, description="one request; past it the "
+    timeout_s: float = Field(SERVER_SETTINGS("timeout_s", 30.0), gt=0, description="one request; past it the "
                              "samples fail ('<scorer> timeout'), counted like a failing reward function")
-    retries: int = Field(default_of(ServerSettings, "retries"), ge=0, description="re-sends of a request after a "
+    retries: int = Field(SERVER_SETTINGS("retries", 2), ge=0, description="re-sends of a request after a "
                          "transport error (refused, reset)")
-    max_restarts: int = Field(default_of(ServerSettings, "max_restarts"), ge=0, description="restarts of a launched "
+    max_restarts: int = Field(SERVER_SETTINGS("max_restarts", 3), ge=0, description="restarts of a launched "
                               "server that died, over the run (event scorer.restarted); then its samples fail")
     python: str | None = Field(None, description="interpreter with sglang for a launched server (default: "
                                "$BATON_SGLANG_PYTHON, then .venv-sglang)")
-    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(default_of(ServerSettings, "dtype"),
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(SERVER_SETTINGS("dtype", "float32"),
         description="a launched server's weights (auto: the checkpoint's)")
-    device: Literal["auto", "cpu", "cuda"] = Field(default_of(ServerSettings, "device"), description="a launched "
+    device: Literal["auto", "cpu", "cuda"] = Field(SERVER_SETTINGS("device", "auto"), description="a launched "
                                                    "server's device; auto: cuda when a GPU is visible, else cpu")
 
     def server_keys(self) -> dict[str, Any]:
@@ -67,11 +71,14 @@ class ClassifierSpec(ScorerSpec):
     model: str = Field(description="the reward model's Hugging Face folder (e.g. a Qwen2ForSequenceClassification): "
                        "its tokenizer and chat template render each sample; baton serves it with SGLang "
                        "--is-embedding unless url is set")
-    label: int = Field(default_of(ClassifierReward, "label"), ge=0, description="which output of the model's head "
+    label: int = Field(CLASSIFIER_REWARD("label", 0), ge=0, description="which output of the model's head "
                        "is the score")
 
     def make(self) -> ClassifierReward:
         """The scorer (reads the folder's config and tokenizer: `RunConfig` checks it before a run)."""
+        from stages.scorers import ClassifierReward
+        from stages.scorers.server import ServerSettings
+
         if not (Path(self.model) / "config.json").is_file():
             raise ValueError(f"model = {self.model!r} holds no model (no config.json); point it at a Hugging Face "
                              "folder")
@@ -85,17 +92,17 @@ class JudgeSpec(ScorerSpec):
                               "any OpenAI-compatible server")
     model_name: str | None = Field(None, description="the request's model name (needed with url; default: the "
                                    "launched folder's path, as SGLang names it)")
-    template: str = Field(default_of(JudgeReward, "template"), description="the user message: a str.format "
+    template: str = Field(JUDGE_TEMPLATE, description="the user message: a str.format "
                           "template with {prompt}, {completion} and {answer}")
-    parser: str = Field(default_of(JudgeReward, "parser"), description="'number' (the first number in the answer) or "
+    parser: str = Field(JUDGE_REWARD("parser", "number"), description="'number' (the first number in the answer) or "
                         "'pkg.module:function' from the answer's text to a float, or None when it finds no grade")
-    max_score: float = Field(default_of(JudgeReward, "max_score"), gt=0, description="the reward is the grade / "
+    max_score: float = Field(JUDGE_REWARD("max_score", 10.0), gt=0, description="the reward is the grade / "
                              "this; a grade outside [0, max_score] is a parse failure")
-    max_tokens: int = Field(default_of(JudgeReward, "max_tokens"), ge=1, description="most tokens of the judge's "
+    max_tokens: int = Field(JUDGE_REWARD("max_tokens", 16), ge=1, description="most tokens of the judge's "
                             "answer")
-    temperature: float = Field(default_of(JudgeReward, "temperature"), ge=0, description="the judge's sampling "
+    temperature: float = Field(JUDGE_REWARD("temperature", 0.0), ge=0, description="the judge's sampling "
                                "temperature (0: greedy)")
-    parse_retries: int = Field(default_of(JudgeReward, "parse_retries"), ge=0, description="asks again after an "
+    parse_retries: int = Field(JUDGE_REWARD("parse_retries", 2), ge=0, description="asks again after an "
                                "answer with no grade (each counted: event judge.unparsed); then the sample fails")
 
     @model_validator(mode="after")
@@ -113,6 +120,9 @@ class JudgeSpec(ScorerSpec):
 
     def make(self) -> JudgeReward:
         """The scorer (resolves a plug-in parser, reads the token file: `RunConfig` checks it before a run)."""
+        from stages.scorers import JudgeReward
+        from stages.scorers.server import ServerSettings
+
         return JudgeReward(ServerSettings(self.model, **self.server_keys()), **self.model_dump(include={
             "model_name", "template", "parser", "max_score", "max_tokens", "temperature", "parse_retries"}))
 
@@ -128,8 +138,8 @@ class RewardSpec(Section):
                                  "'pkg.module:function'")
     weights: dict[str, float] = Field(default_factory=dict, description="function -> weight: their weighted sum; "
                                       "'classifier' and 'judge' name the model rewards of their tables")
-    timeout_s: float | None = Field(default_of(RewardFunction, "timeout_s"), gt=0, description="per call")
-    on_error: Literal[ON_ERROR] = Field(default_of(RewardFunction, "on_error"), description="what a sample "  # type: ignore[valid-type]
+    timeout_s: float | None = Field(REWARD_FUNCTION("timeout_s", 10.0), gt=0, description="per call")
+    on_error: Literal[ON_ERROR] = Field(REWARD_FUNCTION("on_error", "zero"), description="what a sample "  # type: ignore[valid-type]
                                         "whose reward raised or timed out gets: 'zero' (scored 0) or 'drop' "
                                         "(its group dropped)")
     batched: bool = Field(False, description="the function takes a whole group at once")
@@ -160,6 +170,8 @@ class RewardSpec(Section):
     def make(self) -> RewardFunction | ComposedReward | None:
         """One function, or the weighted sum of `weights`, with the model rewards of [reward.classifier] and
         [reward.judge] composed in."""
+        from stages.scorers import ComposedReward
+
         rules = {name: weight for name, weight in self.weights.items() if name not in MODEL_REWARDS}
         fn = self.function or (weighted_sum(*rules.items()) if rules else None)
         rule = RewardFunction(fn, timeout_s=self.timeout_s, on_error=self.on_error, batched=self.batched) if fn \
@@ -178,25 +190,25 @@ class DistillSpec(Section):
                                     "(task.metadata_fields) whose value names its teacher")
     coef: float = Field(1.0, gt=0, description="the teacher term's weight: each model token's advantage gets "
                         "-coef x (student logprob - teacher logprob)")
-    mode: Literal[DISTILL_MODES] = Field(default_of(GRPOLearner, "distill_mode"),  # type: ignore[valid-type]
+    mode: Literal[DISTILL_MODES] = Field(GRPO_LEARNER("distill_mode", "advantage"),  # type: ignore[valid-type]
         description="'advantage': the teacher's term is added to GRPO's advantage; 'loss': it is the whole "
                     "advantage (pure distillation: rewards are scored and reported but train nothing)")
-    baseline: bool = Field(default_of(GRPOLearner, "distill_baseline"), description="subtract from each token's "
+    baseline: bool = Field(GRPO_LEARNER("distill_baseline", True), description="subtract from each token's "
                            "teacher term the mean of the term at that position over the group's other samples (a "
                            "leave-one-out baseline: unbiased, lower variance; a random-init student distills "
                            "reverse-2 to reward 0.8 in ~120 versions with it, and is at 0.3 after 150 without)")
     backend: Literal["torch", "sglang"] = Field("torch", description="how a teacher folder is served: in the "
                                                 "producer's process with torch, or on an SGLang server baton launches")
-    on_error: Literal[ON_ERROR] = Field(default_of(Distillation, "on_error"),  # type: ignore[valid-type]
+    on_error: Literal[ON_ERROR] = Field(DISTILLATION("on_error", "zero"),  # type: ignore[valid-type]
         description="a group its teacher failed to score: 'zero' (no teacher term: it trains on its reward) or "
                     "'drop' (dropped, counted)")
     token_file: str | None = Field(None, description="for teachers given by url: a file holding their API token")
-    concurrency: int = Field(default_of(ServerSettings, "concurrency"), ge=1, description="sglang: requests per "
+    concurrency: int = Field(SERVER_SETTINGS("concurrency", 8), ge=1, description="sglang: requests per "
                              "teacher server in flight at once")
     timeout_s: float = Field(TEACHER_TIMEOUT_S, gt=0, description="sglang: one request")
-    retries: int = Field(default_of(ServerSettings, "retries"), ge=0, description="sglang: re-sends after a "
+    retries: int = Field(SERVER_SETTINGS("retries", 2), ge=0, description="sglang: re-sends after a "
                          "transport error")
-    max_restarts: int = Field(default_of(ServerSettings, "max_restarts"), ge=0, description="sglang: restarts of a "
+    max_restarts: int = Field(SERVER_SETTINGS("max_restarts", 3), ge=0, description="sglang: restarts of a "
                               "launched teacher server that died (event scorer.restarted)")
     python: str | None = Field(None, description="sglang: interpreter with sglang (default: $BATON_SGLANG_PYTHON, "
                                "then .venv-sglang)")
@@ -224,6 +236,9 @@ class DistillSpec(Section):
 
     def make(self) -> Distillation:
         """Each teacher (a folder in this process with torch, or on SGLang; a url on its server)."""
+        from stages.scorers import Distillation, SGLangTeacher, TorchTeacher
+        from stages.scorers.server import ServerSettings
+
         teachers: dict[str, Any] = {}
         for name, where in self.teachers().items():
             if is_url(where) or self.backend == "sglang":

@@ -2,23 +2,28 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import ByteSize, Field, model_validator
 
-from baton.sections.base import Section, default_of
-from buffers import RefBuffer
-from pipeline.dsl import Pipeline
+from baton.sections.base import Section, declared_defaults, default_of
 from pipeline.faults import FAULT_KINDS, FaultSpec
 from pipeline.placement import Placement
-from pipeline.watchdog import WatchdogSettings
-from stages.learner import GRPOLearner
+
+if TYPE_CHECKING:
+    from buffers import RefBuffer
+    from pipeline.watchdog import WatchdogSettings
+
+REF_BUFFER = declared_defaults("buffers:RefBuffer")
+PIPELINE = declared_defaults("pipeline.dsl:Pipeline")
+WATCHDOG = declared_defaults("pipeline.watchdog:WatchdogSettings")
+GRPO_LEARNER = declared_defaults("stages.learner:GRPOLearner")
 
 
 class BufferSpec(Section):
-    max_refs: int = Field(default_of(RefBuffer, "max_refs"), ge=1,
+    max_refs: int = Field(REF_BUFFER("max_refs", 256), ge=1,
         description="refs the buffer stage holds at once; when full it stops receiving (backpressure)")
-    max_bytes: ByteSize = Field(ByteSize(default_of(RefBuffer, "max_bytes")),
+    max_bytes: ByteSize = Field(ByteSize(REF_BUFFER("max_bytes", 268435456)),
         description="payload bytes the refs the buffer holds may point at")
     produced_channel: int = Field(64, ge=1, description="refs in flight producer -> buffer")
     produced_bytes: ByteSize = Field(ByteSize(64 << 20), description="payload bytes in flight producer -> buffer")
@@ -31,6 +36,8 @@ class BufferSpec(Section):
         return int(self.produced_bytes) + int(self.max_bytes) + int(self.ready_bytes)
 
     def make(self, store: Any) -> RefBuffer:
+        from buffers import RefBuffer
+
         return RefBuffer(store, max_refs=self.max_refs, max_bytes=int(self.max_bytes))
 
 
@@ -66,9 +73,9 @@ class CheckpointSpec(Section):
     """Checkpoints into the run folder, for `baton run --resume RUN_DIR` (pipeline.checkpoint)."""
 
     every: int = Field(20, ge=0, description="write a checkpoint every this many versions; 0: never")
-    keep: int = Field(default_of(Pipeline, "checkpoint_keep"), ge=1,
+    keep: int = Field(PIPELINE("checkpoint_keep", 2), ge=1,
                       description="complete checkpoints kept in the run folder (older ones are removed)")
-    export_every: int = Field(default_of(GRPOLearner, "export_every"), ge=0, description="export every this many "
+    export_every: int = Field(GRPO_LEARNER("export_every", 0), ge=0, description="export every this many "
                               "versions' checkpoint as a Hugging Face folder, RUN_DIR/exports/v{version:08d}/ "
                               "(`baton export`), while the run goes on; a multiple of every; 0: never")
 
@@ -87,14 +94,16 @@ class CheckpointSpec(Section):
 class WatchdogSpec(Section):
     """Hang diagnosis (pipeline.watchdog): progress is the version or the ledger moving."""
 
-    warn_after_s: float = Field(default_of(WatchdogSettings, "warn_after_s"), ge=0,
+    warn_after_s: float = Field(WATCHDOG("warn_after_s", 60.0), ge=0,
                                 description="log where every stage waits after this long without "
                                 "progress (and again each time as long again passes); 0: never")
-    fail_after_s: float = Field(default_of(WatchdogSettings, "fail_after_s"), ge=0,
+    fail_after_s: float = Field(WATCHDOG("fail_after_s", 300.0), ge=0,
                                 description="fail the run with PipelineHung after this long without progress; 0: never")
-    poll_s: float = Field(default_of(WatchdogSettings, "poll_s"), gt=0, description="how often the watchdog looks")
+    poll_s: float = Field(WATCHDOG("poll_s", 1.0), gt=0, description="how often the watchdog looks")
 
     def make(self) -> WatchdogSettings:
+        from pipeline.watchdog import WatchdogSettings
+
         return WatchdogSettings(**self.model_dump())
 
     @model_validator(mode="after")
@@ -127,7 +136,7 @@ class TelemetrySpec(Section):
     log_format: Literal["console", "json"] = Field("console",
         description="console: readable lines; json: one JSON object per line")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="the lowest level logged")
-    progress: bool = Field(default_of(Pipeline, "progress"),
+    progress: bool = Field(PIPELINE("progress", True),
         description="the progress line on stderr (version, reward, staleness, samples/s, channel depths)")
     sinks: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = Field(
         default_factory=lambda: ["jsonl"], description="where metrics go: metrics.jsonl always, plus tensorboard, "

@@ -4,23 +4,30 @@ from __future__ import annotations
 
 import os
 import uuid
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import ByteSize, Field
 
-from baton.sections.base import BuildContext, Section, default_of, kinds
-from buffers import MemoryStore
-from buffers.mooncake import MooncakeSettings, MooncakeStore
-from buffers.mooncake import MooncakeStoreSpec as MooncakeOpener
-from buffers.ray_store import RayStoreSpec as RayStoreOpener
+from baton.sections.base import BuildContext, Section, declared_defaults, kinds
+
+if TYPE_CHECKING:
+    from buffers import MemoryStore
+    from buffers.mooncake import MooncakeStore
+    from buffers.mooncake import MooncakeStoreSpec as MooncakeOpener
+    from buffers.ray_store import RayStoreSpec as RayStoreOpener
+
+MEMORY_STORE = declared_defaults("buffers:MemoryStore")
+MOONCAKE_SETTINGS = declared_defaults("buffers.mooncake:MooncakeSettings")
 
 
 class MemoryStoreSpec(Section):
     kind: Literal["memory"] = Field("memory", description="an in-process store: the local runtime only")
-    capacity: ByteSize | None = Field(default_of(MemoryStore, "capacity_bytes"),
+    capacity: ByteSize | None = Field(MEMORY_STORE("capacity_bytes", None),
         description="most payload bytes held at once (a put beyond it is refused with StoreFull); unset: no bound")
 
     def make(self, ctx: BuildContext) -> MemoryStore:
+        from buffers import MemoryStore
+
         return MemoryStore(capacity_bytes=self.capacity)
 
 
@@ -41,17 +48,20 @@ class MooncakeStoreSpec(Section):
     global_segment_size: ByteSize = Field(ByteSize(1 << 30),
         description="memory the buffer stage's process mounts into the store; must hold the buffer's byte bounds x "
                     "replicas below the master's 90 % eviction watermark (checked before the run)")
-    local_buffer_size: ByteSize = Field(ByteSize(default_of(MooncakeSettings, "local_buffer_size")),
+    local_buffer_size: ByteSize = Field(ByteSize(MOONCAKE_SETTINGS("local_buffer_size", 16777216)),
         description="each client's local transfer buffer registered with Mooncake")
-    chunk_bytes: ByteSize = Field(ByteSize(default_of(MooncakeSettings, "chunk_bytes")),
+    chunk_bytes: ByteSize = Field(ByteSize(MOONCAKE_SETTINGS("chunk_bytes", 67108864)),
         description="objects larger than this are stored as parts and reassembled on get (at least 1 MiB)")
-    replicas: int = Field(default_of(MooncakeSettings, "replicas"), ge=1,
+    replicas: int = Field(MOONCAKE_SETTINGS("replicas", 1), ge=1,
         description="copies of each object on distinct segments; 2 survives one holder's death but needs two "
                     "processes holding segments")
 
     def make(self, ctx: BuildContext) -> MooncakeStore | MooncakeOpener:
         """Locally, the store itself; on Ray, an opener: each process opens its own client (the buffer's holds
         the segment)."""
+        from buffers.mooncake import MooncakeSettings, MooncakeStore
+        from buffers.mooncake import MooncakeStoreSpec as MooncakeOpener
+
         settings = MooncakeSettings(
             protocol=self.protocol, device=self.device, global_segment_size=int(self.global_segment_size),
             local_buffer_size=int(self.local_buffer_size), chunk_bytes=int(self.chunk_bytes), replicas=self.replicas,
@@ -72,6 +82,8 @@ class RayStoreSpec(Section):
 
     def make(self, ctx: BuildContext) -> RayStoreOpener:
         """One index per run, so runs sharing a cluster never mix keys."""
+        from buffers.ray_store import RayStoreSpec as RayStoreOpener
+
         capacity = int(self.capacity) if self.capacity else None
         return RayStoreOpener(name=f"ray-{ctx.name}-{uuid.uuid4().hex[:8]}", capacity_bytes=capacity)
 

@@ -4,7 +4,8 @@
 `folder/model`, starts `baton serve` on it in a process of its own on a free port of 127.0.0.1, and yields the
 official SDK's `tinker.ServiceClient` on it with the base model's name; the service is stopped (by its pid) on
 the way out. With `TINKER_BASE_URL` and `TINKER_API_KEY` set, the examples use that service instead, and
-`TINKER_BASE_MODEL` names its model.
+`TINKER_BASE_MODEL` names its model. `baton_service(folder, python)` is the same service without the SDK client:
+(base URL, API key, model name), run by another Python (the cookbook examples' venv cannot build baton's models).
 """
 
 from __future__ import annotations
@@ -41,13 +42,30 @@ def serving(folder: Path, start_timeout_s: float = 120.0) -> Iterator[tuple[obje
     if os.environ.get("TINKER_BASE_URL"):
         yield tinker.ServiceClient(), os.environ.get("TINKER_BASE_MODEL", "")
         return
-    model = tiny_model(folder)
+    with baton_service(folder, start_timeout_s=start_timeout_s) as (base_url, api_key, model):
+        yield tinker.ServiceClient(base_url=base_url, api_key=api_key), model
+
+
+@contextlib.contextmanager
+def baton_service(folder: Path, python: str = sys.executable,
+                  start_timeout_s: float = 120.0) -> Iterator[tuple[str, str, str]]:
+    """(base URL, API key, base model's name) of a `baton serve` over the tiny model in `folder/model`, run by
+    `python` (a Python with baton's dependencies: the cookbook's venv pins an older transformers, so its
+    example names the project's Python here); stopped by its pid on the way out. The model is made by the same
+    `python`, so this process need not import transformers at all."""
+    if python == sys.executable:
+        model = tiny_model(folder)
+    else:
+        subprocess.run([python, "-c", "import sys; from stages.data.model import make_tiny_model; "
+                        "make_tiny_model(sys.argv[1])", str(folder / "model")], check=True,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+        model = folder / "model"
     served = folder / "serve"
     (served / "service.json").unlink(missing_ok=True)
     shutil.rmtree(served / "state", ignore_errors=True)  # a fresh service each run: no earlier run's models back
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     log = open(folder / "serve.log", "w")  # noqa: SIM115  closed with the service
-    proc = subprocess.Popen([sys.executable, "-m", "baton.cli", "serve", str(model), "--port", "0", "--dir",
+    proc = subprocess.Popen([python, "-m", "baton.cli", "serve", str(model), "--port", "0", "--dir",
                              str(served), "--threads", "1"], env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + start_timeout_s
@@ -58,8 +76,7 @@ def serving(folder: Path, start_timeout_s: float = 120.0) -> Iterator[tuple[obje
                 raise TimeoutError(f"baton serve did not start within {start_timeout_s:.0f} s")
             time.sleep(0.2)
         info = json.loads((served / "service.json").read_text())
-        yield tinker.ServiceClient(base_url=info["base_url"], api_key=Path(info["key_file"]).read_text()), \
-            info["model"]
+        yield info["base_url"], Path(info["key_file"]).read_text(), info["model"]
     finally:
         proc.terminate()
         try:

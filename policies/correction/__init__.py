@@ -28,8 +28,10 @@ DAPO's clip-higher).
 `cispo` (module cispo) is an objective of the same shape but not a kind: its loss is the REINFORCE form (the
 clipped ratio a coefficient on log pi_theta), so its value on-policy is not -reduce(A); the Tinker service serves it.
 
-Each objective's module also holds its settings: a frozen dataclass whose fields are its `[correction]` keys
-(with defaults, descriptions and their own checks); `registry.OBJECTIVES` maps each kind to both, once.
+Each objective's settings, a frozen dataclass whose fields are its `[correction]` keys (with defaults,
+descriptions and their own checks), live in the torch-free `policies.correction_settings`, with the one
+registry of kinds (`OBJECTIVE_KINDS`: each kind's settings and loss function), so a config is validated
+without loading the objectives; `registry.OBJECTIVES` pairs each kind's settings with its loss function.
 
 Promises, for every objective:
 * the importance weight never carries a gradient: only `logprobs` does, and a left-out token gets none;

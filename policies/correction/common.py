@@ -7,75 +7,21 @@ Nothing here keeps state or does I/O; every weight and every mask is computed wi
 
 from __future__ import annotations
 
-import dataclasses
-import typing
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Literal
 
 import torch
+
+from policies.correction_settings import (  # noqa: F401 (the objectives' settings machinery, named here too)
+    BOUND_TEXT,
+    Settings,
+    check_bounds,
+    range_text,
+    setting,
+)
 
 Stats = dict[str, float]
 Reduce = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (per-token values, mask) -> scalar
 
-
-def setting(default: Any, doc: str, arg: str, why: str = "", **bounds: float) -> Any:
-    """A field of an objective's settings: its name is the `[correction]` key, `doc` its description, `arg`
-    the keyword of the objective's function it feeds, `bounds` (ge, gt, le, lt) its range (`why`: said
-    when it is out of it); baton.sections.correction builds the config section from these fields."""
-    return field(default=default, metadata={"doc": doc, "arg": arg, "why": why, "bounds": bounds})
-
-
-BOUND_TEXT = {"ge": (">=", lambda v, b: v >= b), "gt": (">", lambda v, b: v > b), "le": ("<=", lambda v, b: v <= b),
-              "lt": ("<", lambda v, b: v < b)}
-
-
-def range_text(bounds: dict[str, float]) -> str:
-    """`be >= 1`, or `lie in (0, 1)` for a range bounded on both sides."""
-    low = next(((b, v) for b, v in bounds.items() if b in ("ge", "gt")), None)
-    high = next(((b, v) for b, v in bounds.items() if b in ("le", "lt")), None)
-    if low and high:
-        return f"lie in {'[(' [low[0] == 'gt']}{low[1]}, {high[1]}{'])' [high[0] == 'lt']}"
-    return " and ".join(f"be {BOUND_TEXT[b][0]} {limit}" for b, limit in bounds.items())
-
-
-@dataclass(frozen=True)
-class Settings:
-    """Base of an objective's settings (a frozen dataclass of `setting` fields): `check()` (the objective's
-    own checks across fields) and then every field's range and choices are checked when one is made, each
-    error naming its key; `keywords()` are the objective function's keywords."""
-
-    def check(self) -> None:
-        """Checks across fields, run first (none by default)."""
-
-    def __post_init__(self) -> None:
-        self.check()
-        hints = typing.get_type_hints(type(self))
-        for f in dataclasses.fields(self):
-            value, key = getattr(self, f.name), f"correction.{f.name}"
-            choices = typing.get_args(hints[f.name]) if typing.get_origin(hints[f.name]) is Literal else ()
-            if choices and value not in choices:
-                raise ValueError(f"{key} must be {' or '.join(map(repr, choices))}, got {value!r}")
-            bounds = f.metadata["bounds"]
-            if value is not None and not all(BOUND_TEXT[b][1](value, limit) for b, limit in bounds.items()):
-                why = f"; {f.metadata['why']}" if f.metadata["why"] else ""
-                raise ValueError(f"{key} must {range_text(bounds)} (got {value}){why}")
-
-    def keywords(self) -> dict[str, Any]:
-        return {f.metadata["arg"]: getattr(self, f.name) for f in dataclasses.fields(self)}
-
-
-def check_bounds(kind: str, low: float, high: float, example: str) -> None:
-    """The [low, high] weight bounds of a `mis-*` objective keep an on-policy weight (1), naming the keys."""
-    key = kind.replace("-", "_")
-    if not 0 <= low <= 1 <= high:
-        raise ValueError(
-            f"correction.{key}_low and correction.{key}_high must satisfy 0 <= low <= 1 <= high, low < high "
-            f"(an on-policy weight, 1, must be kept), got {low} and {high}; e.g. {example}"
-        )
-    if low == high:
-        raise ValueError(f"correction.{key}_low = {low} equals correction.{key}_high: only weights of exactly 1 "
-                         f"would be kept; widen them, e.g. {example}")
 
 ENTROPY_EDGES: tuple[float, ...] = (0.1, 0.5, 1.5)  # nats; the buckets are [0, 0.1), [0.1, 0.5), [0.5, 1.5), [1.5, inf)
 

@@ -15,13 +15,10 @@ sequence objective; per-token advantages broadcast against the row's ratio.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from policies.correction.common import (
     Reduce,
-    Settings,
     Stats,
     binding_clip,
     cut_stats,
@@ -29,21 +26,10 @@ from policies.correction.common import (
     ratio_surrogate,
     row_mean,
     seq_weight_stats,
-    setting,
     surrogate_stats,
     token_mean,
     weight_stats,
 )
-
-
-@dataclass(frozen=True)
-class GSPOSettings(Settings):
-    """What `gspo` reads from [correction]: its own clip range, replacing the learner's."""
-
-    gspo_clip_low: float = setting(3e-4, "gspo: the sequence ratio is clipped at 1 - this (replaces learner.clip_eps; "
-                                         "3e-4 in the GSPO paper)", "clip_eps", gt=0, lt=1)
-    gspo_clip_high: float = setting(4e-4, "gspo: the sequence ratio is clipped at 1 + this (replaces "
-                                          "learner.clip_eps_high; 4e-4 in the GSPO paper)", "clip_high", gt=0)
 
 
 def gspo(

@@ -22,37 +22,17 @@ sharpens what is learned. Negative-advantage tokens keep their importance weight
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
-
 import torch
 
 from policies.correction.common import (
     Reduce,
-    Settings,
     Stats,
     against_proximal,
     binding_clip,
     cut_stats,
-    setting,
     token_mean,
     weight_stats,
 )
-
-
-@dataclass(frozen=True)
-class M2POSettings(Settings):
-    """What `m2po` reads from [correction]."""
-
-    m2_threshold: float = setting(0.2, (
-        "m2po: the most mean squared log(pi_prox / pi_behav) of the kept tokens (the batch's second moment); the "
-        "largest are left out until it holds (the M2PO paper's 0.04, chosen on long reasoning traces, leaves out "
-        "the tokens the learner is moving on short answers)"), "threshold", gt=0,
-        why="0 would leave out every stale token; the M2PO paper uses 0.04")
-    m2_positive: Literal["weighted", "on_policy"] = setting("on_policy", (
-        "m2po: on_policy (the default): a positive-advantage token trains at weight 1 and is never left out (the "
-        "bound acts on the others), so a good sample the learner has since moved away from is not shrunk away; "
-        "weighted (the M2PO paper's): it is weighted and bounded like any"), "positive")
 
 
 def second_moment_keep(log_ratio: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:

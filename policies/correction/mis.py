@@ -14,49 +14,19 @@ denominator.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from policies.correction.common import (
     Reduce,
-    Settings,
     Stats,
     against_proximal,
     binding_clip,
-    check_bounds,
     cut_stats,
     row_mean,
     seq_weight_stats,
-    setting,
     token_mean,
     weight_stats,
 )
-
-
-@dataclass(frozen=True)
-class MisTokenSettings(Settings):
-    """What `mis-token` reads from [correction]."""
-
-    mis_token_low: float = setting(0.5, "mis-token: tokens whose weight is below this are left out", "low", ge=0,
-                                   le=1)
-    mis_token_high: float = setting(2.0, "mis-token: tokens whose weight is above this are left out", "high", ge=1)
-
-    def check(self) -> None:
-        check_bounds("mis-token", self.mis_token_low, self.mis_token_high, "mis_token_low = 0.5, mis_token_high = 2.0")
-
-
-@dataclass(frozen=True)
-class MisSeqSettings(Settings):
-    """What `mis-seq` reads from [correction]."""
-
-    mis_seq_low: float = setting(0.9, "mis-seq: rows whose geometric-mean weight (per token, so tighter than a "
-                                      "token's bounds) is below this are left out", "low", ge=0, le=1)
-    mis_seq_high: float = setting(1.1, "mis-seq: rows whose geometric-mean weight is above this are left out",
-                                  "high", ge=1)
-
-    def check(self) -> None:
-        check_bounds("mis-seq", self.mis_seq_low, self.mis_seq_high, "mis_seq_low = 0.9, mis_seq_high = 1.1")
 
 
 def _masked_loss(

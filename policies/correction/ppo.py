@@ -14,40 +14,20 @@ importance weights) and `decoupled` (AReaL's decoupled PPO).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from policies.correction.common import (
     Reduce,
-    Settings,
     Stats,
     against_proximal,
     binding_clip,
     clipped_surrogate,
     cut_stats,
     importance_weights,
-    setting,
     surrogate_stats,
     token_mean,
     weight_stats,
 )
-
-
-@dataclass(frozen=True)
-class TisSettings(Settings):
-    """What `tis` reads from [correction]."""
-
-    tis_cap: float = setting(2.0, "tis: importance weights above this are truncated to it", "cap", ge=1,
-                             why="a cap below 1 would shrink on-policy tokens")
-
-
-@dataclass(frozen=True)
-class DecoupledSettings(Settings):
-    """What `decoupled` reads from [correction]."""
-
-    decoupled_cap: float | None = setting(
-        None, "decoupled: tokens whose importance weight exceeds this are left out; unset: none are", "cap", ge=1)
 
 
 def none(

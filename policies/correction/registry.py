@@ -1,11 +1,11 @@
-"""The learner's choice of objective: `Correction(kind, settings...)`, and the registry, ONE entry per
-objective, mapping its kind to its function and its settings dataclass (both in the objective's own
-module). The `[correction]` keys are the settings' field names (baton.sections.correction builds the
-section from them); adding an objective is its module plus one line here."""
+"""The learner's choice of objective: `Correction(kind, settings...)`, and `OBJECTIVES`, each kind's loss
+function and settings dataclass as `settings.OBJECTIVE_KINDS` registers them, once (the settings, and the
+registry of kinds, live in the torch-free `settings` module: baton.sections.correction builds the
+`[correction]` section from the settings' fields without loading the objectives)."""
 
 from __future__ import annotations
 
-import dataclasses
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -13,10 +13,8 @@ from typing import Any
 import torch
 
 from policies.correction.common import Reduce, Stats, token_mean
-from policies.correction.gspo import GSPOSettings, gspo
-from policies.correction.m2po import M2POSettings, m2po
-from policies.correction.mis import MisSeqSettings, MisTokenSettings, mis_seq, mis_token
-from policies.correction.ppo import DecoupledSettings, TisSettings, decoupled, none, tis
+from policies.correction.ppo import none
+from policies.correction_settings import KIND_OF_SETTING, KINDS, OBJECTIVE_KINDS, auto_kind  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -29,31 +27,17 @@ class Objective:
     settings: type[Any]
 
 
-# kind -> its objective; `none` (PPO-clip against the behaviour policy) has no settings and no proximal policy
+def _function(path: str) -> Callable[..., Any]:
+    """The function at "module:name"."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+# kind -> its objective, as `settings.OBJECTIVE_KINDS` registers it (`none` has no settings)
 OBJECTIVES: dict[str, Objective] = {
-    "tis": Objective(tis, TisSettings),
-    "decoupled": Objective(decoupled, DecoupledSettings),
-    "m2po": Objective(m2po, M2POSettings),
-    "mis-token": Objective(mis_token, MisTokenSettings),
-    "mis-seq": Objective(mis_seq, MisSeqSettings),
-    "gspo": Objective(gspo, GSPOSettings),
+    kind: Objective(_function(loss), settings) for kind, (settings, loss) in OBJECTIVE_KINDS.items()
 }
-KINDS: tuple[str, ...] = ("none", *OBJECTIVES)
 CorrectionKind = str  # one of KINDS
-
-# the settings that only one kind reads: each settings field -> its kind
-KIND_OF_SETTING: dict[str, str] = {
-    f.name: kind for kind, objective in OBJECTIVES.items() for f in dataclasses.fields(objective.settings)
-}
-
-
-def auto_kind(k: int) -> str:
-    """The objective the config's `auto` picks for bound k: `none` up to k = 2, where it learns as well as any
-    (docs/results/learning.md), and `m2po` above, the one objective that held in every measured row from
-    k = 4 to 32 (PPO-style clipping against a stale behaviour policy cuts exactly the tokens that moved)."""
-    if k < 0:
-        raise ValueError(f"staleness.k must be >= 0, got {k}")
-    return "none" if k <= 2 else "m2po"
 
 
 @dataclass(frozen=True, init=False)

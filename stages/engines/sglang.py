@@ -1,36 +1,37 @@
 """SGLangEngine: an SGLang HTTP server as the producer's inference engine.
 
-The engine either launches its server (`SGLangServer`, possibly from another venv) or attaches to
-a running one by `url`; it speaks HTTP only and never imports sglang.
+The engine either launches its server (`SGLangServer`, possibly from another venv) or attaches to a running one by
+`url`; it speaks HTTP only and never imports sglang.
 
-* **generate**: one batched `/generate` call with `input_ids`, sampling params, stop tokens and
-  `return_logprob`; each request gets an id (`rid`) so it can be aborted alone. Every token's
-  version comes from the response's `weight_versions` spans (SGLang records which weights produced
-  which tokens), so a request that ran across an update reports each segment honestly.
-* **receive_weights(version, tensors)**: applies a whole version, tagged `str(version)`, through
-  one of SGLang's paths (`update = "tensor" | "distributed" | "disk"`), always inside
-  `/begin_weight_update` ... `/end_weight_update`. With requests in flight it first pauses
-  generation (`pause_mode = "in_place"` keeps their KV cache, `"retract"` recomputes it), asks the
-  staleness policy what each request should do (`interrupt`: continue on the new weights, or
-  restart from its prompt), applies, and continues. A version is applied whole or the call raises
-  `EngineError`; `version` only moves once the server confirmed the update and its logprobs on a probe
-  equal the version's (`sglang_probe`; the folder's own weights are checked at start too); fused expert
-  tensors go out under the per-expert names SGLang's loader takes (`sglang_moe`). An MoE model's server
-  returns routed experts: each completion carries them, aligned as the torch engine's (`sglang_moe`).
-* **adapters** (`lora=LoraServing(...)`, a LoRA run): the server is launched with LoRA, each
-  `AdapterVersion` is loaded as `policy-v{N}` and every request runs under the adapter of the version
-  it started under, holding it until it ends; what stays loaded and when an adapter may go:
-  `stages.engines.sglang_lora`. No pause, no weight update: the base never changes.
-* **health**: transient HTTP failures are retried (tenacity). If the server this engine launched
-  dies, it is restarted, the latest weights are re-applied, and the requests that were in flight
-  are generated again from their prompts; `stats["restarts"]` and `stats["regenerated"]` count it.
-  A server that cannot be brought back raises `EngineError`.
+* **generate**: one batched `/generate` call with `input_ids`, sampling params, stop tokens and `return_logprob`; each
+  request gets an id (`rid`) so it can be aborted alone. Every token's version comes from the response's
+  `weight_versions` spans (SGLang records which weights produced which tokens), so a request that ran across an update
+  reports each segment honestly.
+* **receive_weights(version, tensors)**: applies a whole version, tagged `str(version)`, through one of SGLang's paths
+  (`update = "tensor" | "distributed" | "disk"`), always inside `/begin_weight_update` ... `/end_weight_update`. With
+  requests in flight it first pauses generation (`pause_mode = "in_place"` keeps their KV cache, `"retract"`
+  recomputes it), asks the staleness policy what each request should do (`interrupt`: continue on the new weights, or
+  restart from its prompt), applies, and continues. A version is applied whole or the call raises `EngineError`;
+  `version` only moves once the server confirmed the update and its logprobs on a probe equal the version's
+  (`sglang_probe`; the folder's own weights are checked at start too); fused expert tensors go out under the
+  per-expert names SGLang's loader takes (`sglang_moe`). An MoE model's server returns routed experts: each completion
+  carries them, aligned as the torch engine's (`sglang_moe`).
+* **adapters** (`lora=LoraServing(...)`, a LoRA run): the server is launched with LoRA, each `AdapterVersion` is
+  loaded as `policy-v{N}` and every request runs under the adapter of the version it started under, holding it until
+  it ends; what stays loaded and when an adapter may go: `stages.engines.sglang_lora`. No pause, no weight update: the
+  base never changes. Adapters may also be served by name beside the versions (`add_adapter`; `generate(...,
+  adapter=name)`; the `adapters` hold them).
+* **health**: transient HTTP failures are retried (tenacity). If the server this engine launched dies, it is
+  restarted, the latest weights are re-applied, and the requests that were in flight are generated again from their
+  prompts; `stats["restarts"]` and `stats["regenerated"]` count it. A server that cannot be brought back raises
+  `EngineError`.
 * **preempt()**: the requests in flight are aborted and end with the tokens they have (`server_engine`).
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import tempfile
 import time
@@ -60,7 +61,7 @@ from stages.engines.sglang_probe import (
     untied_head,
 )
 from stages.engines.sglang_server import ServerFailed, SGLangServer, gpu_available
-from stages.engines.sglang_update import UPDATE_PATHS, ServerUpdate
+from stages.engines.sglang_update import UPDATE_PATHS, ServerUpdate, version_of_tag
 from stages.weights.adapter import AdapterVersion, base_fingerprint
 
 MAX_ROUNDS = 8  # generate() gives up on requests aborted (or lost to a dead server) this many times in a row
@@ -201,7 +202,8 @@ class SGLangEngine(ServerEngine):
             self._server = None
 
     # -- generation ----------------------------------------------------------------------------
-    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+    async def generate(self, prompts: list[list[int]], params: SamplingParams, adapter: str | None = None
+                       ) -> list[Completion]:  # under the current version, or the adapter `add_adapter` named so
         if self._http is None:
             raise RuntimeError(f"engine {self.name} is not started")
         self._refuse_if_preempted()
@@ -213,7 +215,7 @@ class SGLangEngine(ServerEngine):
                 todo = []
             if not todo:
                 return results  # type: ignore[return-value]
-            done = await self._generate_some([prompts[i] for i in todo], params)
+            done = await self._generate_some([prompts[i] for i in todo], params, adapter)
             again = []
             for i, completion in zip(todo, done, strict=True):
                 if completion is None:  # interrupted by the policy, or its server died: from the prompt again
@@ -230,9 +232,10 @@ class SGLangEngine(ServerEngine):
             f"(last reason: {self._last_abort!r}); not trying again"
         )
 
-    async def _generate_some(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion | None]:
+    async def _generate_some(self, prompts: list[list[int]], params: SamplingParams,
+                             named: str | None = None) -> list[Completion | None]:
         rids = [f"{self.name}-{uuid.uuid4().hex[:8]}-{next(self._rids)}" for _ in prompts]
-        adapter = self._adapters.acquire(rids)  # the whole call runs under one adapter, held by each request
+        adapter = self._adapters.acquire(rids, named)  # the whole call runs under one adapter, held by each request
         submitted = adapter[1] if adapter is not None else self._version
         body = {
             "input_ids": prompts,
@@ -287,7 +290,7 @@ class SGLangEngine(ServerEngine):
         versions = np.full(len(tokens), submitted, dtype=np.int32)
         whole = [{"version": meta.get("weight_version"), "start": 0, "end": len(tokens)}]
         for span in (meta.get("weight_versions") or whole) if spans else ():
-            versions[span["start"] : span["end"]] = _version_of(span["version"], submitted)
+            versions[span["start"] : span["end"]] = version_of_tag(span["version"], submitted)
         stopped = finish == "stop" and len(tokens) > 0 and int(tokens[-1]) in params.stop_token_ids
         served = {"rid": meta.get("id"), "prompt_tokens": int(meta.get("prompt_tokens") or 0),
                   "cached_tokens": int(meta.get("cached_tokens") or 0)}  # the server's prefix cache served these
@@ -303,6 +306,15 @@ class SGLangEngine(ServerEngine):
             await self._call("POST", "/abort_request", {"rid": rid})
 
     # -- weights -------------------------------------------------------------------------------
+    @property
+    def adapters(self) -> ServerAdapters:  # what the server holds (`loaded`, `remove`, `scored`: sglang_lora)
+        return self._adapters
+
+    async def add_adapter(self, name: str, version: int, adapter: AdapterVersion) -> None:
+        """Serve `adapter` under `name` beside the versions, checked to fit and by its probe (`ServerAdapters.add`)."""
+        self._fit(version, adapter)
+        await self._adapters.add(name, version, adapter.spec, adapter.tensors, disk=self.update == "disk")
+
     async def receive_weights(self, version: int, tensors: dict[str, torch.Tensor] | AdapterVersion) -> None:
         """Apply `version` whole (see the module docstring); older or equal versions are ignored."""
         if self._latest is not None and version <= self._latest[0]:
@@ -442,11 +454,7 @@ class SGLangEngine(ServerEngine):
                         status = response.status
         except (aiohttp.ClientConnectionError, aiohttp.ServerDisconnectedError) as exc:
             raise ServerGone(f"engine {self.name}: {method} {path} failed: {type(exc).__name__}: {exc}") from None
-        payload: Any = text
-        if text[:1] in ("[", "{"):
-            import json
-
-            payload = json.loads(text)
+        payload: Any = json.loads(text) if text[:1] in ("[", "{") else text
         failed = status != 200 or (isinstance(payload, dict) and payload.get("success") is False)
         if check and failed:
             raise EngineError(f"engine {self.name}: {method} {path} answered {status}: {text[:500]}")
@@ -490,10 +498,3 @@ class SGLangEngine(ServerEngine):
                 self._held = self._latest
             self.stats["restart_s"] = round(time.perf_counter() - t0, 2)
 
-
-def _version_of(tag: Any, submitted: int) -> int:
-    """Our tags are str(version); the server's initial "default" is the weights it loaded."""
-    try:
-        return int(tag)
-    except (TypeError, ValueError):
-        return submitted

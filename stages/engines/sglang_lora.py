@@ -111,12 +111,17 @@ class ServerAdapters:
         self.tolerance: float | None = None  # the bound a probe is held to (None: the descriptor's own)
 
     # -- requests ----------------------------------------------------------------------------------
-    def acquire(self, rids: list[str]) -> tuple[str, int] | None:
-        """The adapter and version new requests start under (None: the base, before any adapter), held by
-        each of `rids` until `release`."""
-        if self.current is not None:
-            self.holders.setdefault(self.current[0], set()).update(rids)
-        return self.current
+    def acquire(self, rids: list[str], name: str | None = None) -> tuple[str, int] | None:
+        """The adapter and version new requests start under (None: the base, before any adapter; `name`: that
+        adapter, loaded by `add`), held by each of `rids` until `release`."""
+        chosen = self.current
+        if name is not None:
+            if name not in self.loaded:
+                raise EngineError(f"engine {self.engine}: no adapter {name!r} is loaded ({sorted(self.loaded)} are)")
+            chosen = (name, self.loaded[name])
+        if chosen is not None:
+            self.holders.setdefault(chosen[0], set()).update(rids)
+        return chosen
 
     def release(self, rids: list[str], name: str) -> None:
         self.holders.get(name, set()).difference_update(rids)
@@ -142,6 +147,35 @@ class ServerAdapters:
             await self._check_probe(name, version, spec.probe)
         self.current = (name, version)
         await self.collect()
+
+    async def add(self, name: str, version: int, spec: AdapterSpec, tensors: dict[str, torch.Tensor],
+                  disk: bool) -> None:
+        """Load an adapter under `name` beside the versions, never current: a request runs under it when it names
+        it (`acquire(rids, name)`); its probe is checked as a version's is. `version` tags its requests and their
+        prefix cache (`extra_key`), so it must be unique among the adapters and the base's versions. It stays
+        until `remove`: the caller keeps room (`max_loaded`), else the oldest loaded is evicted (`_make_room`)."""
+        if name in self.loaded:
+            await self.remove(name)
+        await self._make_room()
+        await self._load(name, version, spec, tensors, disk)
+        if spec.probe is not None:
+            await self._check_probe(name, version, spec.probe)
+
+    async def remove(self, name: str) -> None:
+        """Unload the adapter `name` once no request holds it (its requests end first; none is aborted)."""
+        while self.held(name):
+            await anyio.sleep(0.01)
+        if name in self.loaded:
+            await self._unload(name)
+
+    async def scored(self, tokens: list[int], name: str | None, version: int) -> list[float]:
+        """The server's teacher-forced logprob of each token of `tokens` after the first, under adapter `name` (None:
+        the base); `version` keys the prefix cache as a request under it does."""
+        answer = await self.call("POST", "/generate", {
+            "input_ids": list(tokens), "sampling_params": {"max_new_tokens": 1, "temperature": 1.0},
+            "return_logprob": True, "logprob_start_len": 0, "extra_key": f"v{version}",
+            **({"lora_path": name} if name is not None else {})})
+        return [lp for lp, *_ in answer["meta_info"]["input_token_logprobs"][1:]]
 
     async def collect(self) -> None:
         """Unload every adapter neither current nor held by a request in flight."""

@@ -142,3 +142,11 @@ def _serialize_shared(tensors: dict[str, torch.Tensor]) -> str:
     buffer = io.BytesIO()
     ForkingPickler(buffer).dump(named)
     return base64.b64encode(buffer.getvalue()).decode()
+
+
+def version_of_tag(tag: Any, submitted: int) -> int:
+    """Our tags are str(version); the server's initial "default" is the weights it loaded."""
+    try:
+        return int(tag)
+    except (TypeError, ValueError):
+        return submitted

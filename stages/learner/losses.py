@@ -21,6 +21,8 @@ from typing import Literal, get_args
 import torch
 
 from policies import correction
+from policies.correction_settings import INITIAL_ENTROPY_CAP, auto_entropy_cap  # noqa: F401 (named here too)
+from policies.staleness import staleness_lr_factor  # noqa: F401 (the learner's lr, named here too)
 
 LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 AGGREGATIONS: tuple[str, ...] = get_args(LossAggregation)
@@ -160,20 +162,6 @@ def entropy_bonus_term(entropy: torch.Tensor, cap: float | None = None) -> torch
     return entropy if cap is None else entropy.clamp(max=cap)
 
 
-INITIAL_ENTROPY_CAP = "initial"  # the cap is the policy's own mean token entropy on its first step
-
-
-def auto_entropy_cap(k: int) -> str | None:
-    """The entropy cap the config's `auto` picks for staleness bound k: none where `correction.auto_kind` picks no
-    off-policy objective (k <= 2); above, where the objective leaves tokens out and the bonus can become most
-    of the gradient, "initial": the policy's mean token entropy on its first step. The bonus can then hold a
-    token as uncertain as the policy started, never push it above that, so it cannot drive a trained
-    checkpoint (about 1.2 nats a token on the math example) towards uniform (log |vocab|), and it leaves a
-    random-init model (near uniform already) as uncapped, which a fixed cap of 1.0 slowed by up to 1.5 times
-    the versions (docs/results/learning.md)."""
-    return None if correction.auto_kind(k) == "none" else INITIAL_ENTROPY_CAP
-
-
 def kl_k3(logprobs: torch.Tensor, reference_logprobs: torch.Tensor) -> torch.Tensor:
     """Per-token k3 estimate of KL(pi || pi_ref) on tokens sampled from pi (Schulman's; verl's
     `low_var_kl`): exp(ref - logp) - (ref - logp) - 1, which is >= 0 and 0 exactly where they agree."""
@@ -198,19 +186,6 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, decay: LrDecay = "
     else:
         raise ValueError(f"lr decay must be one of {', '.join(LR_DECAYS)}, got {decay!r}")
     return min_ratio + (1.0 - min_ratio) * shape
-
-
-def staleness_lr_factor(staleness: float, tuned_at: float, power: float = 2.0, floor: float = 0.0) -> float:
-    """Multiplier of the learning rate for a step whose groups are, on average, `staleness` versions old:
-    ((tuned_at + 1) / (staleness + 1)) ** power, at most 1 and at least `floor`. A step no staler than the
-    rate was tuned at trains at it; a staler one takes a smaller step, since a gradient that arrives
-    versions late keeps pushing where the engines' newer samples would already have said stop
-    (asynchronous SGD scales its step by 1 / delay). The floor keeps a large bound learning at all: power 2
-    alone gives k = 32 a 30th of the lr. `power` 0: always 1."""
-    if staleness < 0 or tuned_at < 0 or power < 0 or not 0 <= floor <= 1:
-        raise ValueError(f"staleness, tuned_at and power must be >= 0 and floor in [0, 1], got {staleness}, "
-                         f"{tuned_at}, {power}, {floor}")
-    return max(floor, min(1.0, ((tuned_at + 1) / (staleness + 1)) ** power))
 
 
 def lr_scheduler(

@@ -26,7 +26,7 @@ from stages.service.futures import Result
 from stages.service.journal import CallRecord, Commit, Journal, Outcome, SamplerRecord
 from stages.service.losses import check_loss
 from stages.service.ranked import RankedModel, ServiceRanks
-from stages.service.refusals import refuse_unless
+from stages.service.refusals import Refused, refuse_unless
 from stages.service.sampling import Samplers
 from stages.service.store import Store
 from stages.service.training import AdamSettings, TrainingModel, lora_spec
@@ -61,6 +61,18 @@ def checkpoint_state(checkpoints: Path, path: str) -> tuple[Path, LoraSpec | Non
     refuse_unless(not prefix and bool(owner) and bool(name) and (state / STATE_FILE).is_file(),
                   f"path {path!r} names no checkpoint save_state wrote here (tinker://MODEL_ID/weights/NAME)")
     return state, msgspec.json.decode((state / STATE_FILE).read_bytes(), type=LearnerState).lora
+
+
+def lora_of(maker: CallRecord, checkpoints: Path) -> LoraSpec | None:
+    """The adapter settings of the model `maker` (its call 0) makes; None for full fine-tuning, or for a
+    checkpoint that is no longer there (making the model again then fails by name)."""
+    body = msgspec.json.decode(maker.body)
+    if maker.kind == "create_model":
+        return spec_of(body)
+    try:
+        return checkpoint_state(checkpoints, body.get("path", ""))[1]
+    except Refused:
+        return None
 
 
 class Calls:

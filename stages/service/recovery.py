@@ -20,6 +20,7 @@ import asyncio
 import time
 from typing import TYPE_CHECKING
 
+from stages.service.calls import lora_of
 from stages.service.futures import Result, call_id
 from stages.service.journal import (
     SamplerRecord,
@@ -62,6 +63,7 @@ async def recover(service: Service) -> dict[str, int]:
     for model_id, model_plan in plans.items():
         service.order[model_id] = asyncio.Lock()
         service.last_seq[model_id] = model_plan.last_seq
+        service.lora[model_id] = lora_of(model_plan.maker, service.checkpoints)
         maker = model_plan.maker
         service.run(maker, service.calls.work(maker, commits.get(model_id)))
         for seq, done in model_plan.finished.items():

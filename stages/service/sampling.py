@@ -1,18 +1,16 @@
-"""`Samplers`: baton's torch engine serving the base model and each set of weights a client saved for sampling.
+"""`Samplers`: the base model and each set of weights a client saved for sampling, served by one engine kind
+(`SamplerSettings.engine`: `torch`, the default, or `sglang`; `stages.service.sampler_engine.EngineSampler`, one
+file per kind).
 
-Each save (`save_weights_for_sampler`) is kept and served by an engine of its own, started on its first sample, so
-a sample is drawn from exactly the weights that were saved. A LoRA model's save is its adapter, kept in memory as
-received: the engine merges it into its base and checks the learner's probe before it serves it
-(`stages.engines.torch_adapter`). A fully fine-tuned model's save is a safetensors file (`stages.weights.disk`),
-named by its path and checksum: the engine loads it, checksum verified, and adopts those tensors (zero-copy where
-its dtype is theirs, else copied and the loaded ones dropped), so the only full copies in memory are the loaded
-engines'. At most `keep` engines stay loaded (at
-most `keep` full copies); the least recently used one is stopped and made again from its save when asked.
+Each save (`save_weights_for_sampler`) is kept as received (a LoRA model's adapter, a fully fine-tuned model's
+safetensors file) and served from exactly those weights; a save under a path saved before replaces it: what served
+the old weights is dropped and its file, if it had one, removed. How many saves stay loaded at once, and which goes
+first (the least recently used), is the engine kind's (`sampler_torch`, `sampler_sglang`).
 """
 
 from __future__ import annotations
 
-import collections
+from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
@@ -20,62 +18,88 @@ import numpy as np
 
 from stages.data.model import load_tokenizer, stop_token_ids
 from stages.engines.base import SamplingParams
-from stages.engines.torch import TorchEngine, prompt_logprobs
-from stages.weights.adapter import AdapterVersion
-from stages.weights.disk import DiskNotice, load_verified
+from stages.learner.lora import LoraSpec
+from stages.service.sampler_engine import EngineSampler, Saved
+from stages.weights.disk import DiskNotice
 
 BASE = "base"  # the key of the base model's sampler
+ENGINES = ("torch", "sglang", "vllm")
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine kind asked for cannot run here (its environment is missing, or it has no sampler yet)."""
+
+
+@dataclass(frozen=True)
+class SamplerSettings:
+    """`baton serve --engine KIND`: torch keeps at most `keep` engines (full copies) loaded; an SGLang server is
+    launched with LoRA up to `max_lora_rank`, holding at most `max_loaded` adapters at once."""
+
+    engine: str = "torch"
+    keep: int = 2
+    max_lora_rank: int = 32
+    max_loaded: int = 4
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
+        if self.keep < 1 or self.max_lora_rank < 1 or self.max_loaded < 2:
+            raise ValueError(f"need keep >= 1, max_lora_rank >= 1 and max_loaded >= 2, got {self}")
+
+
+def engine_sampler(settings: SamplerSettings, model_path: Path, seed: int, device: str,
+                   log_dir: Path | None = None) -> EngineSampler:
+    """The sampler of `settings.engine` (the one place that maps a kind to its implementation). EngineUnavailable,
+    saying how to install it, when its environment is missing."""
+    if settings.engine == "torch":
+        from stages.service.sampler_torch import TorchSampler
+
+        return TorchSampler(model_path, seed, device, settings.keep)
+    if settings.engine == "sglang":
+        from stages.engines.sglang_server import SGLangUnavailable
+        from stages.service.sampler_sglang import SGLangSampler
+
+        try:
+            return SGLangSampler(model_path, seed, device, settings.max_lora_rank, settings.max_loaded, log_dir)
+        except SGLangUnavailable as exc:
+            raise EngineUnavailable(f"--engine sglang: {exc}") from None
+    from stages.engines.vllm_server import VLLMUnavailable, vllm_python
+
+    try:
+        vllm_python()
+    except VLLMUnavailable as exc:
+        raise EngineUnavailable(f"--engine vllm: {exc}") from None
+    raise EngineUnavailable("--engine vllm: baton serve has no vLLM sampler yet; use --engine sglang or torch")
 
 
 class Samplers:
-    def __init__(self, model_path: Path, seed: int = 0, keep: int = 2, device: str = "cpu") -> None:
-        self.model_path, self.seed, self.keep, self.device = model_path, seed, keep, device
-        self.saved: dict[str, AdapterVersion | DiskNotice | None] = {BASE: None}  # path -> its weights
-        self.engines: collections.OrderedDict[str, TorchEngine] = collections.OrderedDict()
+    def __init__(self, model_path: Path, seed: int = 0, device: str = "cpu",
+                 settings: SamplerSettings | None = None, log_dir: Path | None = None) -> None:
+        self.saved: dict[str, Saved] = {BASE: None}  # path -> its weights
+        self.engine = engine_sampler(settings or SamplerSettings(), model_path, seed, device, log_dir)
         self.default_stops = stop_token_ids(load_tokenizer(model_path))
         self.lock = anyio.Lock()
 
-    async def save(self, path: str, weights: AdapterVersion | DiskNotice) -> None:
+    def refusal(self, lora: LoraSpec | None) -> str | None:
+        """Why the engine cannot sample a save of a model with `lora` (None: fully fine-tuned); None if it can."""
+        return self.engine.refusal(lora)
+
+    async def save(self, path: str, weights: Saved) -> None:
         """Keep `weights` (an adapter, or a full version's file) as the weights of the checkpoint `path`; a save
-        under a path saved before replaces it: its engine is stopped and its file, if it had one, removed."""
+        under a path saved before replaces it: what served it is dropped and its file, if it had one, removed."""
         async with self.lock:
             before = self.saved.get(path)
             self.saved[path] = weights
-            if path in self.engines:
-                await self.engines.pop(path).stop()
+            await self.engine.forget(path)
             if isinstance(before, DiskNotice) and (not isinstance(weights, DiskNotice) or before.path != weights.path):
                 Path(before.path).unlink(missing_ok=True)  # each save has a file of its own: this one is not named
 
     def knows(self, path: str) -> bool:
         return path in self.saved
 
-    async def _engine(self, path: str) -> TorchEngine:
-        async with self.lock:
-            if path in self.engines:
-                self.engines.move_to_end(path)
-                return self.engines[path]
-            while len(self.engines) >= self.keep:  # stopped first: never more than `keep` loaded, even briefly
-                _, old = self.engines.popitem(last=False)
-                await old.stop()
-            engine = TorchEngine(self.model_path, name=f"sampler-{len(self.saved)}", seed=self.seed,
-                                 device=self.device)
-            await engine.start()
-            saved = self.saved[path]
-            try:
-                if isinstance(saved, DiskNotice):  # checksum verified, then every weight checked to fit
-                    await engine.receive_weights(1, await anyio.to_thread.run_sync(load_verified, saved))
-                elif saved is not None:
-                    await engine.receive_weights(1, saved)  # merged and probed before it serves anything
-            except BaseException:
-                await engine.stop()
-                raise
-            self.engines[path] = engine
-            return engine
-
     async def prompt_logprobs(self, path: str, prompt: list[int]) -> np.ndarray:
         """Each prompt token's logprob under the checkpoint `path` (NaN for the first: nothing precedes it)."""
-        engine = await self._engine(path)
-        return await anyio.to_thread.run_sync(prompt_logprobs, engine, prompt)
+        return await self.engine.prompt_logprobs(path, self.saved[path], list(prompt))
 
     async def sample(self, path: str, prompt: list[int], num_samples: int, params: dict
                      ) -> list[tuple[np.ndarray, np.ndarray, str]]:
@@ -85,11 +109,8 @@ class Samplers:
         sampling = SamplingParams(max_new_tokens=int(params["max_tokens"]), temperature=float(params.get(
             "temperature", 1.0)), top_p=float(params.get("top_p", 1.0)),
             stop_token_ids=self.default_stops if stop is None else tuple(int(s) for s in stop))
-        engine = await self._engine(path)
-        completions = await engine.generate([list(prompt)] * num_samples, sampling)
+        completions = await self.engine.sample(path, self.saved[path], [list(prompt)] * num_samples, sampling)
         return [(c.tokens, c.logprobs, "stop" if c.finish_reason == "stop" else "length") for c in completions]
 
     async def close(self) -> None:
-        for engine in self.engines.values():
-            await engine.stop()
-        self.engines.clear()
+        await self.engine.close()

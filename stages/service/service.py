@@ -33,8 +33,9 @@ import anyio
 import msgspec
 import numpy as np
 
+from stages.learner.lora import LoraSpec
 from stages.service import wire
-from stages.service.calls import Calls, adam_settings, checkpoint_state
+from stages.service.calls import Calls, adam_settings, checkpoint_state, spec_of
 from stages.service.futures import Futures, Result, call_id, settle
 from stages.service.journal import (
     CallRecord,
@@ -51,7 +52,7 @@ from stages.service.journal import (
 from stages.service.losses import check_loss
 from stages.service.ranked import ServiceRanks
 from stages.service.refusals import Refused, check_lora_config, check_sampling_request, refuse_unless
-from stages.service.sampling import BASE, Samplers
+from stages.service.sampling import BASE, Samplers, SamplerSettings
 from stages.service.store import Store
 
 
@@ -100,10 +101,11 @@ def check_tokens(data: list[wire.Datum], vocab: int) -> None:
 
 class Service:
     """With `world_size` > 1 every training model is sharded over that many ranks (`stages.service.ranked`;
-    their processes start here, from the caller's thread, and stop with `close`)."""
+    their processes start here, from the caller's thread, and stop with `close`); `sampling` says which engine
+    serves the saved weights (`stages.service.sampling`)."""
 
     def __init__(self, model_path: Path, checkpoints: Path, state: Path, device: str = "cpu", seed: int = 0,
-                 world_size: int = 1) -> None:
+                 sampling: SamplerSettings | None = None, world_size: int = 1) -> None:
         self.model_path, self.checkpoints = model_path.resolve(), checkpoints
         self.name = str(self.model_path)  # the base model's name: its folder, which the SDK loads a tokenizer from
         self.vocab = int(json.loads((self.model_path / "config.json").read_text()).get("vocab_size", 0))
@@ -112,10 +114,12 @@ class Service:
             self.ranks = ServiceRanks(self.model_path, world_size, device)
             self.ranks.start()
         self.sessions = Sessions()
+        self.lora: dict[str, LoraSpec | None] = {}  # model id -> its adapter's settings (None: full), known at once
         self.order: dict[str, asyncio.Lock] = {}  # per model: its calls run one at a time, in arrival order
         self.last_seq: dict[str, int] = {}  # per model: the seq_id of the last call it accepted
         self.sampling_sessions: dict[str, str] = {}  # id -> the checkpoint it samples (BASE: the base model)
-        self.samplers = Samplers(self.model_path, seed, device=device)
+        self.sampling = sampling or SamplerSettings()
+        self.samplers = Samplers(self.model_path, seed, device, self.sampling, log_dir=checkpoints.parent)
         self.futures = Futures()
         self.store = Store(state, self.model_path)  # first: it refuses another model's state folder
         self.journal = Journal(state)
@@ -176,6 +180,7 @@ class Service:
         optimizer = (body.get("optimizer_config") or {}).get("type", "adamw")
         refuse_unless(optimizer == "adamw", f"optimizer_config.type {optimizer!r} is not supported; adamw only")
         model_id = self._model_id(body)
+        self.lora[model_id] = spec_of(body)
         self.order[model_id] = asyncio.Lock()
         return self._accept(model_id, 0, "create_model", body)
 
@@ -239,6 +244,8 @@ class Service:
         refuse_unless(body.get("ttl_seconds") is None, "ttl_seconds is not supported: what is saved here stays")
         refuse_unless((body.get("path") is None) != (body.get("sampling_session_seq_id") is None),
                       "save_weights_for_sampler takes a path or a sampling_session_seq_id")
+        why = self.samplers.refusal(self.lora[model_id])
+        refuse_unless(why is None, f"save_weights_for_sampler: {why}")
         return self._accept(model_id, seq, "save_weights_for_sampler", body)
 
     def save_state(self, body: dict[str, Any]) -> str:
@@ -266,8 +273,9 @@ class Service:
         refuse_unless(not body.get("weights_access_token"), "weights_access_token is not supported")
         if body.get("base_model") is not None:
             check_base(body["base_model"], self.model_path)
-        checkpoint_state(self.checkpoints, body.get("path", ""))
+        _, lora = checkpoint_state(self.checkpoints, body.get("path", ""))
         model_id = self._model_id(body)
+        self.lora[model_id] = lora
         self.order[model_id] = asyncio.Lock()
         return self._accept(model_id, 0, "load_weights", body)
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from stages.data.model import make_tiny_model
-from stages.service.sampling import Samplers
+from stages.service.sampling import Samplers, SamplerSettings
 from stages.service.training import AdamSettings, TrainingModel, logprobs_of
 from stages.service.wire import Datum
 
@@ -30,7 +30,7 @@ def teacher_forced(model: TrainingModel) -> np.ndarray:
 async def test_full_saves_are_served_from_their_files_with_at_most_keep_engines(tmp_path: Path) -> None:
     folder = make_tiny_model(tmp_path / "tiny")
     model = TrainingModel(folder, None)
-    samplers = Samplers(folder, keep=1)
+    samplers = Samplers(folder, settings=SamplerSettings(keep=1))
     first = model.sampler_weights(tmp_path / "saves" / "0")
     before = teacher_forced(model)
     datum = Datum(np.array(PROMPT[:-1]), {"target_tokens": np.array(PROMPT[1:]), "weights": np.ones(5, np.float32)})
@@ -44,9 +44,9 @@ async def test_full_saves_are_served_from_their_files_with_at_most_keep_engines(
         for path, expected in (("a", before), ("b", after), ("a", before)):
             served = await samplers.prompt_logprobs(path, PROMPT)
             assert np.allclose(served[1:], expected, atol=1e-5), path
-            assert list(samplers.engines) == [path]  # the other one was stopped before this one was loaded
+            assert list(samplers.engine.engines) == [path]  # the other one was stopped before this one was loaded
         await samplers.save("a", model.sampler_weights(tmp_path / "saves" / "2"))
-        assert not Path(first.path).exists() and "a" not in samplers.engines
+        assert not Path(first.path).exists() and "a" not in samplers.engine.engines
         assert np.allclose((await samplers.prompt_logprobs("a", PROMPT))[1:], after, atol=1e-5)
     finally:
         await samplers.close()

@@ -17,7 +17,8 @@ from tinker import types  # noqa: E402
 from baton.tinker_client import create_full_training_client  # noqa: E402
 from stages.service.training import AdamSettings, TrainingModel, lora_spec  # noqa: E402
 from stages.service.wire import Datum  # noqa: E402
-from tests.stages.service.test_tinker_sdk import ADAM, RANK, datums, rows_of, saved_adapter, serving  # noqa: E402
+from tests.helpers.tinker_service import running_service as serving  # noqa: E402
+from tests.stages.service.test_tinker_sdk import ADAM, RANK, datums, rows_of, saved_adapter  # noqa: E402
 
 pytestmark = [pytest.mark.long, pytest.mark.slow]
 BIG = {"learning_rate": 1e-2}  # a step that moves the adapter far from the base: a base sampler would be caught

