@@ -70,7 +70,9 @@ TOKENS_PER_ROW = 1024
 BYTES_PER_TOKEN = 4 + 4 + 1 + 4
 BYTES_PER_ROW = 8 + 4 + 4
 PHASES = ("encode", "put", "get", "decode")
-SEGMENT_BYTES = 1 << 30
+# 2 GiB: with 1 GiB, on a fresh machine (2026-12-07) the first 64 MiB part a pure client put into the peer's segment
+# was refused (-200, no space) though the segment was empty; 2 GiB leaves room for both paths' keys under their leases
+SEGMENT_BYTES = 2 << 30
 LEASE_TTL_MS = READ_LEASE_MS  # the lease the masters baton starts give (a read must not outlast it on a loaded machine)
 PEER = Path(__file__).with_name("_datapath_peer.py")
 
