@@ -56,6 +56,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--dir", default="baton-serve", help="where the key and service.json go (default ./baton-serve)")
     p.add_argument("--state", default=None, help="the journal, committed learner states and saved samplers; a "
                    "restart over the same folder comes back where the service was (default DIR/state)")
+    p.add_argument("--commit-every", type=float, default=10.0, metavar="SECONDS",
+                   help="a model's learner state is committed to --state at most this often (its first step always; "
+                        "0: every step); a restart runs the steps after the last commit again (default 10)")
     p.add_argument("--device", default="cpu", help="the learner's and engines' device (default cpu)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--world-size", type=int, default=1,
@@ -86,7 +89,7 @@ def write_key(folder: Path) -> tuple[str, Path]:
 
 
 async def serve(model_dir: Path, port: int, folder: Path, state: Path, device: str, sampling: SamplerSettings,
-                world_size: int = 1) -> None:
+                world_size: int = 1, commit_every_s: float = 10.0) -> None:
     from aiohttp import web
 
     from stages.service.recovery import recover
@@ -95,7 +98,7 @@ async def serve(model_dir: Path, port: int, folder: Path, state: Path, device: s
 
     key, key_file = write_key(folder)
     service = Service(model_dir, folder / "checkpoints", state, device=device, sampling=sampling,
-                      world_size=world_size)
+                      world_size=world_size, commit_every_s=commit_every_s)
     back = await recover(service)
     if back["sessions"]:
         print(f"baton serve: back from {state}: " + ", ".join(f"{n} {what}" for what, n in back.items()), flush=True)
@@ -123,8 +126,9 @@ def run(args: argparse.Namespace) -> int:
     if not (model_dir / "config.json").is_file():
         print(f"baton serve: {model_dir} is not a model folder (no config.json)", file=sys.stderr)
         return 2
-    if args.world_size < 1:
-        print(f"baton serve: --world-size must be >= 1, got {args.world_size}", file=sys.stderr)
+    if args.world_size < 1 or args.commit_every < 0:
+        print(f"baton serve: --world-size must be >= 1 and --commit-every >= 0, got {args.world_size} and "
+              f"{args.commit_every}", file=sys.stderr)
         return 2
     try:
         import tinker  # noqa: F401  the wire format's protobuf module ships in the SDK
@@ -148,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         asyncio.run(serve(model_dir, args.port, folder, Path(args.state) if args.state else folder / "state",
-                          args.device, sampling, args.world_size))
+                          args.device, sampling, args.world_size, args.commit_every))
     except StateError as exc:  # the state folder belongs to another model, or its journal is damaged
         print(f"baton serve: {exc}", file=sys.stderr)
         return 2

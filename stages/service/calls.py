@@ -3,14 +3,18 @@ work runs when the call arrives and when a restarted service runs it again (`sta
 
 The request bodies were checked when they were accepted (`Service`); here they are parsed again by the same pure
 functions (`spec_of`, `adam_settings`, `checkpoint_state`) and acted on. An `optim_step` commits the model's
-learner state when it finishes (`Store`): a restart comes back at that step. A sampler's adapter is written to
-the state folder (a full model's to its own file) before its path is answered, and journaled, so it samples after
-a restart.
+learner state when it finishes (`Store`) if `commit_every_s` has passed since the model's last commit (its first
+step always commits; 0: every step): a restart comes back at the last commit and runs the calls after it again
+(deterministic), so a longer interval costs a longer restart, never a lost or doubled step. A sampler's adapter is
+written to the state folder (a full model's to its own file) before its path is answered, and journaled, so it
+samples after a restart.
 """
 
 from __future__ import annotations
 
+import math
 import shutil
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -31,6 +35,8 @@ from stages.service.sampling import Samplers
 from stages.service.store import Store
 from stages.service.training import AdamSettings, TrainingModel, lora_spec
 from stages.weights.adapter import AdapterVersion, write_peft_folder
+
+COMMIT_EVERY_S = 10.0  # a model's learner state is committed at most this often (its first step always)
 
 
 def spec_of(body: dict[str, Any]) -> LoraSpec | None:
@@ -79,9 +85,11 @@ class Calls:
     """Makes each model call's work (see the module docstring). `models` is shared with the service."""
 
     def __init__(self, model_path: Path, checkpoints: Path, device: str, journal: Journal, store: Store,
-                 samplers: Samplers, sampling_session: Callable[[str], str], ranks: ServiceRanks | None = None
-                 ) -> None:
+                 samplers: Samplers, sampling_session: Callable[[str], str], ranks: ServiceRanks | None = None,
+                 commit_every_s: float = COMMIT_EVERY_S) -> None:
         self.model_path, self.checkpoints, self.device, self.ranks = model_path, checkpoints, device, ranks
+        self.commit_every_s = commit_every_s
+        self.committed_at: dict[str, float] = {}  # model id -> when (time.monotonic) its last commit was written
         self.journal, self.store, self.samplers = journal, store, samplers
         self.sampling_session = sampling_session  # a new sampling session of a checkpoint path: its id
         self.models: dict[str, TrainingModel | RankedModel] = {}
@@ -132,7 +140,9 @@ class Calls:
     async def _optim_step(self, call: CallRecord, body: dict[str, Any]) -> Result:
         model = self.models[call.model]
         result: Result = {"metrics": await anyio.to_thread.run_sync(model.optim_step, adam_settings(body))}
-        await anyio.to_thread.run_sync(self._commit, call, model, result)
+        if time.monotonic() - self.committed_at.get(call.model, -math.inf) >= self.commit_every_s:
+            await anyio.to_thread.run_sync(self._commit, call, model, result)
+            self.committed_at[call.model] = time.monotonic()
         return result
 
     def _commit(self, call: CallRecord, model: TrainingModel | RankedModel, result: Result) -> None:

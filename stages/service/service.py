@@ -35,7 +35,7 @@ import numpy as np
 
 from stages.learner.lora import LoraSpec
 from stages.service import wire
-from stages.service.calls import Calls, adam_settings, checkpoint_state, spec_of
+from stages.service.calls import COMMIT_EVERY_S, Calls, adam_settings, checkpoint_state, spec_of
 from stages.service.futures import Futures, Result, call_id, settle
 from stages.service.journal import (
     CallRecord,
@@ -105,7 +105,8 @@ class Service:
     serves the saved weights (`stages.service.sampling`)."""
 
     def __init__(self, model_path: Path, checkpoints: Path, state: Path, device: str = "cpu", seed: int = 0,
-                 sampling: SamplerSettings | None = None, world_size: int = 1) -> None:
+                 sampling: SamplerSettings | None = None, world_size: int = 1,
+                 commit_every_s: float = COMMIT_EVERY_S) -> None:
         self.model_path, self.checkpoints = model_path.resolve(), checkpoints
         self.name = str(self.model_path)  # the base model's name: its folder, which the SDK loads a tokenizer from
         self.vocab = int(json.loads((self.model_path / "config.json").read_text()).get("vocab_size", 0))
@@ -124,7 +125,7 @@ class Service:
         self.store = Store(state, self.model_path)  # first: it refuses another model's state folder
         self.journal = Journal(state)
         self.calls = Calls(self.model_path, checkpoints, device, self.journal, self.store, self.samplers,
-                           self.sampling_session, self.ranks)
+                           self.sampling_session, self.ranks, commit_every_s)
         self.models = self.calls.models
         self.sampler_ids = Sessions("sampler")
         self._compact_at = COMPACT_BYTES

@@ -1,6 +1,8 @@
 """A `Service` over a tiny model whose journal is compacted after every call, then a second one recovered over
 its state folder (no HTTP, no SDK: what `baton serve` does before it serves): the session, the model at its
-committed step, the results still kept and the seq_ids already taken all come back."""
+committed step, the results still kept and the seq_ids already taken all come back. Every step commits here
+(`commit_every_s=0`); the kill test (`test_kill_and_restart`) runs the default interval, where a restart runs the
+steps after the last commit again."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ async def test_a_compacted_journal_brings_the_service_back(tmp_path, monkeypatch
     monkeypatch.setattr("stages.service.service.COMPACT_BYTES", 0)  # compact after every call
     model = make_tiny_model(tmp_path / "tiny")
     state = tmp_path / "state"
-    first = Service(model, tmp_path / "checkpoints", state)
+    first = Service(model, tmp_path / "checkpoints", state, commit_every_s=0)
     first._compact_at = 0
     session = first.create_session()
     model_id = f"{session}:train:0"
@@ -39,7 +41,7 @@ async def test_a_compacted_journal_brings_the_service_back(tmp_path, monkeypatch
     assert [r.seq for r in read_journal(state) if isinstance(r, CallRecord)] == [0]
     await first.close()
 
-    second = Service(model, tmp_path / "checkpoints", state)
+    second = Service(model, tmp_path / "checkpoints", state, commit_every_s=0)
     back = await recover(second)
     assert back == {"sessions": 1, "samplers": 0, "models": 1, "results": 3, "rerun": 0}
     assert (await second.info(model_id))["lora_rank"] == 2  # waits for the model to be made again
@@ -62,7 +64,7 @@ async def test_a_model_and_its_sampler_come_back_with_the_weights_they_had(tmp_p
     import torch
 
     model = make_tiny_model(tmp_path / "tiny")
-    first = Service(model, tmp_path / "checkpoints", tmp_path / "state")
+    first = Service(model, tmp_path / "checkpoints", tmp_path / "state", commit_every_s=0)
     session = first.create_session()
     model_id = f"{session}:train:0"
     body = {"session_id": session, "model_seq_id": 0, "base_model": str(model)}
@@ -77,7 +79,7 @@ async def test_a_model_and_its_sampler_come_back_with_the_weights_they_had(tmp_p
     weights = {n: p.detach().clone() for n, p in trained.named_parameters()}
     await first.close()
 
-    second = Service(model, tmp_path / "checkpoints", tmp_path / "state")
+    second = Service(model, tmp_path / "checkpoints", tmp_path / "state", commit_every_s=0)
     await recover(second)
     await second.futures.result(call_id(model_id, 0))
     assert second.models[model_id].steps == 2 and second.samplers.knows(saved["path"])
