@@ -30,7 +30,7 @@ def check_lora_config(lora: dict[str, Any]) -> None:
 
 def check_sampling_request(body: dict[str, Any]) -> None:
     """`asample`: prompt logprobs are served whole (not their last n, not top-k); sampling params beyond
-    max_tokens, temperature, top_p and token-id stops are refused by name."""
+    max_tokens, temperature, top_p and stops (token ids or strings) are refused by name."""
     refuse_unless(not body.get("record_stability_info"), "record_stability_info is not supported by baton serve yet")
     for key in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
         refuse_unless(not body.get(key), f"{key} is not supported by baton serve yet; leave it 0")
@@ -43,6 +43,7 @@ def check_sampling_request(body: dict[str, Any]) -> None:
                                               "own seeded stream; leave seed unset")
     refuse_unless(params.get("top_k", -1) in (-1, 0), "sampling_params.top_k is not supported; leave it -1")
     stop = params.get("stop")
-    refuse_unless(stop is None or isinstance(stop, list) and all(isinstance(s, int) for s in stop),
-                  "sampling_params.stop as strings is not supported: pass stop token ids (a list of ints)")
+    refuse_unless(stop is None or isinstance(stop, str) and bool(stop) or isinstance(stop, list) and (
+        all(isinstance(s, int) for s in stop) or all(isinstance(s, str) and s for s in stop)),
+        "sampling_params.stop takes token ids (a list of ints) or non-empty strings, not a mix of both")
     refuse_unless(int(body.get("num_samples", 1)) >= 1, "num_samples must be >= 1")

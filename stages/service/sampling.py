@@ -11,6 +11,7 @@ first (the least recently used), is the engine kind's (`sampler_torch`, `sampler
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,13 +74,33 @@ def engine_sampler(settings: SamplerSettings, model_path: Path, seed: int, devic
     raise EngineUnavailable("--engine vllm: baton serve has no vLLM sampler yet; use --engine sglang or torch")
 
 
+def cut_at_stop_strings(tokens: np.ndarray, stops: list[str], decode: Callable[[list[int]], str]) -> int | None:
+    """How many of `tokens` to keep so that the text ends with the first stop string it contains (the tokens up to
+    and including the one that completes it, as a stop token is kept), or None if the text contains none. The
+    engine generates to its token budget (or an EOS); the cut is made on the decoded text, so a stop string split
+    across tokens is found. The kept prefix is the shortest whose text contains a stop (a binary search: the
+    decoded text of a longer prefix contains that of a shorter one)."""
+    text = decode([int(t) for t in tokens])
+    if not any(stop in text for stop in stops):
+        return None
+    low, high = 1, len(tokens)
+    while low < high:
+        middle = (low + high) // 2
+        if any(stop in decode([int(t) for t in tokens[:middle]]) for stop in stops):
+            high = middle
+        else:
+            low = middle + 1
+    return low
+
+
 class Samplers:
     def __init__(self, model_path: Path, seed: int = 0, device: str = "cpu",
                  settings: SamplerSettings | None = None, log_dir: Path | None = None) -> None:
         self.saved: dict[str, Saved] = {BASE: None}  # path -> its weights
         self.saved_at: dict[str, float] = {}  # path -> when it was saved (time.time())
         self.engine = engine_sampler(settings or SamplerSettings(), model_path, seed, device, log_dir)
-        self.default_stops = stop_token_ids(load_tokenizer(model_path))
+        self.tokenizer = load_tokenizer(model_path)
+        self.default_stops = stop_token_ids(self.tokenizer)
         self.lock = anyio.Lock()
 
     def refusal(self, lora: LoraSpec | None) -> str | None:
@@ -110,11 +131,19 @@ class Samplers:
         """`num_samples` completions of `prompt` from the checkpoint `path`: (tokens, logprobs, stop reason) each;
         `params` are Tinker's checked `sampling_params` (`stop` None: the model's EOS ids; [] : none)."""
         stop = params.get("stop")
+        texts = [stop] if isinstance(stop, str) else [s for s in stop or () if isinstance(s, str)]
+        ids = self.default_stops if stop is None or texts else tuple(int(s) for s in stop)
         sampling = SamplingParams(max_new_tokens=int(params["max_tokens"]), temperature=float(params.get(
-            "temperature", 1.0)), top_p=float(params.get("top_p", 1.0)),
-            stop_token_ids=self.default_stops if stop is None else tuple(int(s) for s in stop))
+            "temperature", 1.0)), top_p=float(params.get("top_p", 1.0)), stop_token_ids=ids)
         completions = await self.engine.sample(path, self.saved[path], [list(prompt)] * num_samples, sampling)
-        return [(c.tokens, c.logprobs, "stop" if c.finish_reason == "stop" else "length") for c in completions]
+        out = []
+        for c in completions:
+            end = cut_at_stop_strings(c.tokens, texts, self.tokenizer.decode) if texts else None
+            if end is not None:
+                out.append((c.tokens[:end], c.logprobs[:end], "stop"))
+            else:
+                out.append((c.tokens, c.logprobs, "stop" if c.finish_reason == "stop" else "length"))
+        return out
 
     async def close(self) -> None:
         await self.engine.close()

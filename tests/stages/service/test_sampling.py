@@ -50,3 +50,18 @@ async def test_full_saves_are_served_from_their_files_with_at_most_keep_engines(
         assert np.allclose((await samplers.prompt_logprobs("a", PROMPT))[1:], after, atol=1e-5)
     finally:
         await samplers.close()
+
+
+def test_the_cut_at_stop_strings_keeps_the_tokens_up_to_the_first_stop() -> None:
+    """Tokens decoding to one character each ("a".."z"): the cut keeps up to the token completing the earliest stop
+    of several, a stop split across tokens included; no stop in the text: no cut."""
+    from stages.service.sampling import cut_at_stop_strings
+
+    def decode(ids: list[int]) -> str:
+        return "".join(chr(ord("a") + i) for i in ids)
+
+    tokens = np.array([0, 1, 2, 3, 4, 5])  # "abcdef"
+    assert cut_at_stop_strings(tokens, ["cd"], decode) == 4
+    assert cut_at_stop_strings(tokens, ["ef", "b"], decode) == 2
+    assert cut_at_stop_strings(tokens, ["a"], decode) == 1
+    assert cut_at_stop_strings(tokens, ["zz"], decode) is None

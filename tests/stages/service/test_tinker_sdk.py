@@ -360,8 +360,8 @@ def test_what_is_not_supported_is_refused_by_name(served, service) -> None:
     with pytest.raises(tinker.BadRequestError, match=f"model_input holds token id {vocab}, outside the model's vocab"):
         training.forward_backward([stray], "cross_entropy").result()
     sampler = service.create_sampling_client(base_model=info["model"]).result()
-    with pytest.raises(tinker.BadRequestError, match="sampling_params.stop as strings"):
-        sampler.sample(types.ModelInput.from_ints([1, 2]), 1, types.SamplingParams(max_tokens=2, stop=["\n"])).result()
+    with pytest.raises(tinker.BadRequestError, match="sampling_params.seed is not supported"):
+        sampler.sample(types.ModelInput.from_ints([1, 2]), 1, types.SamplingParams(max_tokens=2, seed=7)).result()
     with pytest.raises(tinker.NotFoundError, match="/api/v1/save_weights_external is not supported"):
         training.save_weights_external("out").result()
     with pytest.raises(tinker.BadRequestError, match="names no checkpoint"):
@@ -412,3 +412,26 @@ def test_the_checkpoint_listing_names_each_save_of_the_model(served, service) ->
     assert listed[0].time <= listed[1].time and all(c.size_bytes and c.size_bytes > 0 for c in listed)
     with pytest.raises(tinker.NotFoundError, match="unknown model_id"):
         rest.list_checkpoints("session-404:train:0").result()
+
+
+def test_a_stop_string_ends_each_sample_at_its_first_occurrence(served, service) -> None:
+    """SamplingParams(stop=["..."]): a greedy sample of the base, then the same sample with a piece of its own text
+    as the stop string: it ends with the token that completes the first occurrence (its text contains the stop, the
+    text one token shorter does not), is a prefix of the unstopped sample with the same logprobs, and says "stop"."""
+    from transformers import AutoTokenizer
+
+    info = served[0]
+    tokenizer = AutoTokenizer.from_pretrained(info["model"])
+    sampler = service.create_sampling_client(base_model=info["model"]).result()
+    prompt = types.ModelInput.from_ints([1, 5, 6, 7])
+    free = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=12, temperature=0.0, stop=[])).result()
+    tokens = list(free.sequences[0].tokens)
+    text = tokenizer.decode(tokens)
+    stop = tokenizer.decode(tokens[4:6])  # what tokens 4 and 5 decode to: the text holds it by token 6 at the latest
+    assert stop and stop in text
+    out = sampler.sample(prompt, 2, types.SamplingParams(max_tokens=12, temperature=0.0, stop=[stop])).result()
+    for seq in out.sequences:
+        kept = list(seq.tokens)
+        assert seq.stop_reason == "stop" and 1 <= len(kept) <= 6 and kept == tokens[:len(kept)]
+        assert stop in tokenizer.decode(kept) and stop not in tokenizer.decode(kept[:-1])
+        assert np.allclose(seq.logprobs, free.sequences[0].logprobs[:len(kept)], atol=1e-5)
