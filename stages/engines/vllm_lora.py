@@ -2,7 +2,8 @@
 `policy-v{N}` (`VllmAdapters`, one per `VLLMEngine` launched with `lora=LoraServing(...)`).
 
 What stays loaded, which requests hold which adapter, when one may go and the landed check are
-`stages.engines.sglang_lora.ServerAdapters`' (its module docstring): the same rules, over vLLM's routes:
+`stages.engines.sglang_lora.ServerAdapters`' (its module docstring; adapters served by name beside the versions
+included: `add`, `remove`, `scored`): the same rules, over vLLM's routes:
 
 * the server is launched with `--enable-lora --max-loras M --max-cpu-loras M --max-lora-rank R`
   (`launch_args`; R is the smallest rank vLLM takes, 1, 8, 16, 32, ..., at least the adapters') and
@@ -103,6 +104,14 @@ class VllmAdapters(ServerAdapters):
     async def _served_probe(self, name: str, probe: Probe) -> list[float]:
         answer = await self.call("POST", "/v1/completions", probe_body(name, probe.tokens))
         return served_logprobs(answer, probe.tokens)
+
+    async def scored(self, tokens: list[int], name: str | None, version: int) -> list[float]:
+        """The server's teacher-forced logprob of each token of `tokens` after the first, under adapter `name` (None:
+        the base): its prompt logprobs; `version` salts the prefix cache as a request under it does."""
+        body = {**probe_body(name or "", tokens), "cache_salt": f"v{version}"}
+        if name is None:
+            del body["model"]  # the server's own model: the base
+        return served_logprobs(await self.call("POST", "/v1/completions", body), tokens)
 
     async def _load(self, name: str, version: int, spec: AdapterSpec, tensors: dict[str, torch.Tensor],
                     disk: bool = True) -> None:

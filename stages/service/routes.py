@@ -61,7 +61,8 @@ class Routes:
         refused = [name for name in TINKER_LOSSES if name not in SUPPORTED]
         return _json({"supported_models": [{"model_name": self.s.name, "trainable": True, "sampleable": True}],
                       "baton": {"losses": list(SUPPORTED), "refused_losses": refused, "training": ["lora", "full"],
-                                "optimizer": "adamw", "sampling": f"{self.s.sampling.engine} engine, token-id and string stops",
+                                "optimizer": "adamw",
+                                "sampling": f"{self.s.sampling.engine} engine, token-id and string stops",
                                 "world_size": 1 if self.s.ranks is None else self.s.ranks.world_size}})
 
     async def client_config(self, _: web.Request) -> web.Response:

@@ -1,5 +1,6 @@
-"""`EngineSampler`: what the service's `Samplers` ask of one engine kind (torch, SGLang; one file each:
-`sampler_torch`, `sampler_sglang`), and `Saved`, what a save holds.
+"""`EngineSampler`: what the service's `Samplers` ask of one engine kind (torch, SGLang, vLLM; one file
+each: `sampler_torch`, `sampler_sglang`, `sampler_vllm`; the server-backed two share `sampler_adapters`), and
+`Saved`, what a save holds.
 
 Invariants every kind keeps: a sample or a prompt's logprobs under `path` come from exactly the weights `saved`
 (None: the base model's); what it loads for a path it may drop and load again from `saved` (it bounds what it keeps

@@ -1,52 +1,35 @@
 """`SGLangSampler`: one SGLang server (`stages.engines.sglang.SGLangEngine`, launched with LoRA at the first sample)
-serving the base and each LoRA save as an adapter of its own.
+serving the base and each LoRA save as an adapter of its own (what stays loaded, and the least recently used
+unloaded first: `stages.service.sampler_adapters`).
 
-Each save is loaded under a name of its own (`sampler-N`, N also its prefix-cache key: no prompt's KV computed under
-one adapter serves another's request) and checked by its probe before it serves (`ServerAdapters.add`). At most
-`max_loaded` adapters are loaded (the server's `--max-loaded-loras`): the least recently used one is unloaded first,
-once the requests under it ended (none is aborted), and loaded again from its save when asked. A server that was
-restarted holds none: each is loaded again at its next use. Fully fine-tuned saves are refused by name
-(`refusal`): the server serves adapters over its one base. Ranks above `max_rank` (the server's --max-lora-rank)
-are refused the same way.
+Fully fine-tuned saves are refused by name (`refusal`): the server serves adapters over its one base. Ranks above
+`max_rank` (the server's --max-lora-rank) are refused the same way.
 """
 
 from __future__ import annotations
 
-import collections
-import itertools
 from pathlib import Path
 
-import anyio
-import numpy as np
-
-from stages.engines.base import Completion, SamplingParams
 from stages.engines.sglang import SGLangEngine
 from stages.engines.sglang_lora import LoraServing
 from stages.engines.sglang_server import sglang_python
 from stages.learner.lora import LoraSpec
-from stages.service.sampler_engine import Saved
+from stages.service.sampler_adapters import AdapterSampler
 from stages.service.training import ATTENTION, MLP
-from stages.weights.adapter import AdapterVersion
 
 TARGETS = (*ATTENTION, *MLP, "lm_head")  # every module a Tinker LoraConfig may train
 
 
-class SGLangSampler:
+class SGLangSampler(AdapterSampler):
     """`EngineSampler` on one SGLang server: LoRA saves and the base (see the module docstring)."""
 
     def __init__(self, model_path: Path, seed: int = 0, device: str = "cpu", max_rank: int = 32,
                  max_loaded: int = 4, log_dir: Path | None = None) -> None:
         sglang_python()  # SGLangUnavailable now, naming how to install it, rather than at the first sample
         self.max_rank = max_rank
-        self.engine = SGLangEngine(model_path, name="service-sglang", device=device, log_dir=log_dir,
-                                   lora=LoraServing(max_rank, TARGETS, max_loaded),
-                                   extra_args=("--random-seed", str(seed)))
-        # path -> its adapter's name and cache key, least recently used first; path -> the calls using it
-        self.adapters: collections.OrderedDict[str, tuple[str, int]] = collections.OrderedDict()
-        self.users: collections.Counter[str] = collections.Counter()
-        self.numbers = itertools.count(1)
-        self.started = False
-        self.lock = anyio.Lock()
+        super().__init__(SGLangEngine(model_path, name="service-sglang", device=device, log_dir=log_dir,
+                                      lora=LoraServing(max_rank, TARGETS, max_loaded),
+                                      extra_args=("--random-seed", str(seed))), "SGLang")
 
     def refusal(self, lora: LoraSpec | None) -> str | None:
         if lora is None:
@@ -56,67 +39,3 @@ class SGLangSampler:
             return (f"lora_config.rank {lora.rank} is above the SGLang server's --max-lora-rank {self.max_rank}; "
                     f"start baton serve with --max-lora-rank {lora.rank} or more")
         return None
-
-    async def _use(self, path: str, saved: Saved) -> tuple[str | None, int]:
-        """The adapter serving `path` (None: the base) and its cache key, loaded if it is not; counted in `users`
-        until `_done`, so that it is not unloaded before its requests reach the server."""
-        async with self.lock:
-            if not self.started:
-                await self.engine.start()
-                self.started = True
-            if saved is None:
-                return None, 0
-            if not isinstance(saved, AdapterVersion):
-                raise TypeError(f"{path}: the SGLang sampler serves adapters only, not {type(saved).__name__}")
-            held = self.adapters.get(path)
-            if held is None or held[0] not in self.engine.adapters.loaded:  # new, evicted, or the server restarted
-                held = await self._load(path, saved)
-            self.adapters.move_to_end(path)
-            self.users[path] += 1
-            return held
-
-    async def _load(self, path: str, saved: AdapterVersion) -> tuple[str, int]:
-        self.adapters.pop(path, None)
-        assert self.engine.lora is not None
-        while len(self.engine.adapters.loaded) >= self.engine.lora.max_loaded and self.adapters:
-            await self._unload(next(iter(self.adapters)))  # the least recently used
-        number = next(self.numbers)
-        await self.engine.add_adapter(f"sampler-{number}", number, saved)
-        self.adapters[path] = (f"sampler-{number}", number)
-        return self.adapters[path]
-
-    async def _unload(self, path: str) -> None:
-        """Unload `path`'s adapter once no call uses it (under `lock`: no new call can start using it)."""
-        name, _ = self.adapters.pop(path)
-        while self.users[path]:
-            await anyio.sleep(0.01)
-        if name in self.engine.adapters.loaded:
-            await self.engine.adapters.remove(name)
-
-    def _done(self, path: str, saved: Saved) -> None:
-        if saved is not None:
-            self.users[path] -= 1
-
-    async def sample(self, path: str, saved: Saved, prompts: list[list[int]], params: SamplingParams
-                     ) -> list[Completion]:
-        name, _ = await self._use(path, saved)
-        try:
-            return await self.engine.generate(prompts, params, adapter=name)
-        finally:
-            self._done(path, saved)
-
-    async def prompt_logprobs(self, path: str, saved: Saved, prompt: list[int]) -> np.ndarray:
-        name, key = await self._use(path, saved)
-        try:
-            scored = await self.engine.adapters.scored(prompt, name, key)
-        finally:
-            self._done(path, saved)
-        return np.array([np.nan, *scored], dtype=np.float32)
-
-    async def forget(self, path: str) -> None:
-        async with self.lock:
-            if path in self.adapters:
-                await self._unload(path)
-
-    async def close(self) -> None:
-        await self.engine.stop()

