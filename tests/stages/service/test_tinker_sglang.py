@@ -55,6 +55,18 @@ def step(training, seed: int) -> None:
     training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
 
 
+def assert_a_stop_token_ends_greedy_samples(sampler) -> None:
+    """A greedy sample, then two more with one of its tokens (the first not seen before it) as the stop: each is
+    the first one cut after that token, and says "stop"."""
+    greedy = types.SamplingParams(max_tokens=8, temperature=0.0, stop=[])
+    first = list(sampler.sample(types.ModelInput.from_ints(PROMPT), 1, greedy).result().sequences[0].tokens)
+    k = next((i for i in range(1, len(first)) if first[i] not in first[:i]), 0)
+    stopped = sampler.sample(types.ModelInput.from_ints(PROMPT), 2, types.SamplingParams(
+        max_tokens=8, temperature=0.0, stop=[first[k]])).result().sequences
+    for seq in stopped:
+        assert list(seq.tokens) == first[:k + 1] and seq.stop_reason == "stop"
+
+
 def teacher_forced(training, tokens: list[int]) -> np.ndarray:
     """The training model's logprob of each token after the first (forward through the SDK)."""
     datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
@@ -83,13 +95,7 @@ def test_a_trained_adapter_samples_on_sglang_with_the_trained_models_logprobs(se
     assert worst <= TOLERANCE, worst
     print(f"largest gap between SGLang's logprobs and the trained model's: {worst:.3g}")
 
-    greedy = types.SamplingParams(max_tokens=8, temperature=0.0, stop=[])
-    first = list(sampler.sample(types.ModelInput.from_ints(PROMPT), 1, greedy).result().sequences[0].tokens)
-    k = next((i for i in range(1, len(first)) if first[i] not in first[:i]), 0)
-    stopped = sampler.sample(types.ModelInput.from_ints(PROMPT), 2, types.SamplingParams(
-        max_tokens=8, temperature=0.0, stop=[first[k]])).result().sequences
-    for seq in stopped:
-        assert list(seq.tokens) == first[:k + 1] and seq.stop_reason == "stop"
+    assert_a_stop_token_ends_greedy_samples(sampler)
 
 
 def server_calls(folder: Path) -> tuple[int, int]:

@@ -21,7 +21,12 @@ from tinker import types  # noqa: E402
 from baton.tinker_client import create_full_training_client  # noqa: E402
 from tests.helpers.engines import VLLM_MISSING  # noqa: E402
 from tests.helpers.tinker_service import running_service  # noqa: E402
-from tests.stages.service.test_tinker_sglang import PROMPT, step, teacher_forced  # noqa: E402
+from tests.stages.service.test_tinker_sglang import (  # noqa: E402
+    PROMPT,
+    assert_a_stop_token_ends_greedy_samples,
+    step,
+    teacher_forced,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.long, pytest.mark.slow, pytest.mark.skipif(bool(VLLM_MISSING),
                                                                                        reason=VLLM_MISSING)]
@@ -69,13 +74,7 @@ def test_a_trained_adapter_samples_on_vllm_with_the_trained_models_logprobs(serv
           f"{worst_prompt:.3g}")
     assert max(worst_sampled, worst_prompt) <= TOLERANCE, (worst_sampled, worst_prompt)
 
-    greedy = types.SamplingParams(max_tokens=8, temperature=0.0, stop=[])
-    first = list(sampler.sample(types.ModelInput.from_ints(PROMPT), 1, greedy).result().sequences[0].tokens)
-    k = next((i for i in range(1, len(first)) if first[i] not in first[:i]), 0)
-    stopped = sampler.sample(types.ModelInput.from_ints(PROMPT), 2, types.SamplingParams(
-        max_tokens=8, temperature=0.0, stop=[first[k]])).result().sequences
-    for seq in stopped:
-        assert list(seq.tokens) == first[:k + 1] and seq.stop_reason == "stop"
+    assert_a_stop_token_ends_greedy_samples(sampler)
 
 
 def server_calls(folder: Path) -> tuple[int, int]:
