@@ -21,6 +21,7 @@ from typing import Any
 
 import anyio
 import msgspec
+import numpy as np
 
 from stages.learner.export import export_model
 from stages.learner.lora import LoraSpec
@@ -28,6 +29,7 @@ from stages.learner.state import STATE_FILE, LearnerState
 from stages.service import wire
 from stages.service.futures import Result
 from stages.service.journal import CallRecord, Commit, Journal, Outcome, SamplerRecord
+from stages.service.ledger import Ledger
 from stages.service.losses import check_loss
 from stages.service.ranked import RankedModel, ServiceRanks
 from stages.service.refusals import Refused, refuse_unless
@@ -37,6 +39,12 @@ from stages.service.training import AdamSettings, TrainingModel, lora_spec
 from stages.weights.adapter import AdapterVersion, write_peft_folder
 
 COMMIT_EVERY_S = 10.0  # a model's learner state is committed at most this often (its first step always)
+
+
+def loss_tokens(data: list[wire.Datum]) -> int:
+    """The positions a loss counts: a nonzero `weights` (cross_entropy) or `advantages` (the policy losses)."""
+    return sum(int(np.count_nonzero(d.inputs["weights"] if "weights" in d.inputs else d.inputs["advantages"]))
+               for d in data)
 
 
 def spec_of(body: dict[str, Any]) -> LoraSpec | None:
@@ -86,9 +94,9 @@ class Calls:
 
     def __init__(self, model_path: Path, checkpoints: Path, device: str, journal: Journal, store: Store,
                  samplers: Samplers, sampling_session: Callable[[str], str], ranks: ServiceRanks | None = None,
-                 commit_every_s: float = COMMIT_EVERY_S) -> None:
+                 commit_every_s: float = COMMIT_EVERY_S, ledger: Ledger | None = None) -> None:
         self.model_path, self.checkpoints, self.device, self.ranks = model_path, checkpoints, device, ranks
-        self.commit_every_s = commit_every_s
+        self.commit_every_s, self.ledger = commit_every_s, ledger
         self.committed_at: dict[str, float] = {}  # model id -> when (time.monotonic) its last commit was written
         self.journal, self.store, self.samplers = journal, store, samplers
         self.sampling_session = sampling_session  # a new sampling session of a checkpoint path: its id
@@ -133,8 +141,12 @@ class Calls:
     async def _forward_backward(self, call: CallRecord, body: bytes) -> Result:
         request = wire.decode_forward_backward(body)
         settings = check_loss(request.loss_fn, request.config, set(request.data[0].inputs))
-        rows, metrics = await anyio.to_thread.run_sync(self.models[call.model].forward_backward, request.data,
-                                                       request.loss_fn, settings, not request.forward_only)
+        model = self.models[call.model]
+        rows, metrics = await anyio.to_thread.run_sync(model.forward_backward, request.data, request.loss_fn,
+                                                       settings, not request.forward_only)
+        if self.ledger is not None and not request.forward_only:
+            self.ledger.trained(call.model, call.seq, request.loss_fn, len(request.data),
+                                loss_tokens(request.data), model.steps + 1)
         return wire.forward_backward_output(rows, metrics)
 
     async def _optim_step(self, call: CallRecord, body: dict[str, Any]) -> Result:
@@ -162,10 +174,10 @@ class Calls:
         path = f"tinker://{call.model}/sampler_weights/{name}"
         if isinstance(weights, AdapterVersion):
             file = await anyio.to_thread.run_sync(self.store.save_sampler, weights)
-            self.journal.append(SamplerRecord(path, file=file, at=time.time()))
+            self.journal.append(SamplerRecord(path, file=file, at=time.time(), version=model.steps))
         else:
-            self.journal.append(SamplerRecord(path, notice=weights, at=time.time()))
-        await self.samplers.save(path, weights)
+            self.journal.append(SamplerRecord(path, notice=weights, at=time.time(), version=model.steps))
+        await self.samplers.save(path, weights, version=model.steps)
         if body.get("path") is not None:
             return {"path": path, "type": "save_weights_for_sampler"}
         return {"path": path, "sampling_session_id": self.sampling_session(path), "type": "save_weights_for_sampler"}

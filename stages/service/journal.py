@@ -87,6 +87,7 @@ class SamplerRecord(msgspec.Struct, tag="sampler", omit_defaults=True):
     file: str | None = None  # a LoRA adapter's file, relative to the state folder
     notice: DiskNotice | None = None  # a fully fine-tuned model's weights file
     at: float = 0.0  # when it was saved (time.time()); 0: a journal written before saves carried their time
+    version: int | None = None  # the model's step when it was saved
 
 
 Record = SessionRecord | SamplingRecord | CallRecord | DoneRecord | SamplerRecord

@@ -55,7 +55,7 @@ async def recover(service: Service) -> dict[str, int]:
             service.sampling_sessions[record.id] = record.path
         elif isinstance(record, SamplerRecord):
             weights = record.notice if record.notice is not None else service.store.load_sampler(record.file)
-            await service.samplers.save(record.path, weights, record.at or None)
+            await service.samplers.save(record.path, weights, record.at or None, record.version)
             counts["samplers"] += 1
     plans = plan(records, commits, time.time() - service.futures.keep_s)
     rewrite(service.store.folder, compacted(records, plans))

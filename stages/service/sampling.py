@@ -98,6 +98,7 @@ class Samplers:
                  settings: SamplerSettings | None = None, log_dir: Path | None = None) -> None:
         self.saved: dict[str, Saved] = {BASE: None}  # path -> its weights
         self.saved_at: dict[str, float] = {}  # path -> when it was saved (time.time())
+        self.versions: dict[str, int | None] = {BASE: None}  # path -> the model's step when it was saved
         self.engine = engine_sampler(settings or SamplerSettings(), model_path, seed, device, log_dir)
         self.tokenizer = load_tokenizer(model_path)
         self.default_stops = stop_token_ids(self.tokenizer)
@@ -107,7 +108,7 @@ class Samplers:
         """Why the engine cannot sample a save of a model with `lora` (None: fully fine-tuned); None if it can."""
         return self.engine.refusal(lora)
 
-    async def save(self, path: str, weights: Saved, at: float | None = None) -> None:
+    async def save(self, path: str, weights: Saved, at: float | None = None, version: int | None = None) -> None:
         """Keep `weights` (an adapter, or a full version's file) as the weights of the checkpoint `path`, saved at
         `at` (time.time(); now by default); a save under a path saved before replaces it: what served it is dropped
         and its file, if it had one, removed."""
@@ -115,6 +116,7 @@ class Samplers:
             before = self.saved.get(path)
             self.saved[path] = weights
             self.saved_at[path] = time.time() if at is None else at
+            self.versions[path] = version
             await self.engine.forget(path)
             if isinstance(before, DiskNotice) and (not isinstance(weights, DiskNotice) or before.path != weights.path):
                 Path(before.path).unlink(missing_ok=True)  # each save has a file of its own: this one is not named

@@ -49,6 +49,7 @@ from stages.service.journal import (
     read_journal,
     rewrite,
 )
+from stages.service.ledger import Ledger
 from stages.service.losses import check_loss
 from stages.service.ranked import ServiceRanks
 from stages.service.refusals import Refused, check_lora_config, check_sampling_request, refuse_unless
@@ -124,8 +125,9 @@ class Service:
         self.futures = Futures()
         self.store = Store(state, self.model_path)  # first: it refuses another model's state folder
         self.journal = Journal(state)
+        self.ledger = Ledger(state)  # each datum trained and each sample drawn, by version
         self.calls = Calls(self.model_path, checkpoints, device, self.journal, self.store, self.samplers,
-                           self.sampling_session, self.ranks, commit_every_s)
+                           self.sampling_session, self.ranks, commit_every_s, self.ledger)
         self.models = self.calls.models
         self.sampler_ids = Sessions("sampler")
         self._compact_at = COMPACT_BYTES
@@ -311,14 +313,18 @@ class Service:
 
         async def run() -> Result:
             scored = await self.samplers.prompt_logprobs(path, prompt) if body.get("prompt_logprobs") else None
-            return wire.sample_response(await self.samplers.sample(path, prompt, n, body["sampling_params"]), scored)
+            samples = await self.samplers.sample(path, prompt, n, body["sampling_params"])
+            self.ledger.sampled(request_id, path, self.samplers.versions.get(path), len(prompt),
+                                [len(tokens) for tokens, _, _ in samples])
+            return wire.sample_response(samples, scored)
 
-        request_id = self.futures.start(run())
+        request_id = self.futures.start(run())  # set before `run` gets to the ledger: it awaits the sample first
         return request_id, [f"{request_id}-{i}" for i in range(n)]
 
     async def close(self) -> None:
         await self.futures.close()
         await self.samplers.close()
         self.journal.close()
+        self.ledger.close()
         if self.ranks is not None:
             await anyio.to_thread.run_sync(self.ranks.close)

@@ -454,3 +454,29 @@ def test_a_stop_string_ends_each_sample_at_its_first_occurrence(served, service)
         assert seq.stop_reason == "stop" and 1 <= len(kept) <= 6 and kept == tokens[:len(kept)]
         assert stop in tokenizer.decode(kept) and stop not in tokenizer.decode(kept[:-1])
         assert np.allclose(seq.logprobs, free.sequences[0].logprobs[:len(kept)], atol=1e-5)
+
+
+def test_the_ledger_has_each_datum_trained_and_each_sample_drawn_by_version(served, service) -> None:
+    """state/ledger.jsonl: each forward_backward with its datums and loss tokens and the version its gradient went
+    into (a forward is not training: not there), each sample request with the version of the checkpoint it drew
+    from and each sample's generated tokens."""
+    from stages.service.ledger import SampledRecord, read_ledger, trained_once
+
+    client = new_model(served, service)
+    data = datums(groups(17, n=2, group_size=3), np.full(6, 0.1), "cross_entropy")
+    for _ in range(2):
+        client.forward_backward(data, "cross_entropy")
+        client.forward_backward(data[:2], "cross_entropy")
+        client.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    client.forward(data, "cross_entropy").result()
+    sampler = client.save_weights_and_get_sampling_client().result()
+    out = sampler.sample(types.ModelInput.from_ints([1, 5, 6]), 3, types.SamplingParams(max_tokens=4, stop=[])).result()
+    records = read_ledger(served[1] / "state")
+    mine = sorted((r for (model, _), r in trained_once(records).items() if model == client.model_id),
+                  key=lambda r: r.seq)
+    counted = [int(np.count_nonzero(d.loss_fn_inputs["weights"].to_numpy())) for d in data]
+    assert [(r.datums, r.loss_tokens, r.into_version) for r in mine] == [
+        (6, sum(counted), 1), (2, sum(counted[:2]), 1), (6, sum(counted), 2), (2, sum(counted[:2]), 2)]
+    drawn = [r for r in records if isinstance(r, SampledRecord) and r.path.startswith(f"tinker://{client.model_id}/")]
+    generated = [len(s.tokens) for s in out.sequences]
+    assert [(r.version, r.prompt_tokens, r.generated) for r in drawn] == [(2, 3, generated)]
