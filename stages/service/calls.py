@@ -162,7 +162,7 @@ class Calls:
         folder = self.store.step_folder(call.model, model.steps)
         shutil.rmtree(folder, ignore_errors=True)  # what a kill left of this step's earlier try
         model.write_state(folder)
-        self.store.commit(call.model, model.steps, call.seq, Outcome.of(result), model.steps - 1)
+        self.store.commit(call.model, model.steps, call.seq, Outcome.of(result))
 
     async def _save_for_sampler(self, call: CallRecord, body: dict[str, Any]) -> Result:
         """The weights as they are now, kept for sampling under their `tinker://` path: a LoRA adapter written to

@@ -12,7 +12,8 @@ and is dropped on reading: its call was never answered.
 step (`Commit`: the seq of the `optim_step` whose learner state is on disk), each model's calls split into the
 finished ones whose result stands (up to the commit, and the saves after it that had finished: their files are
 on disk) and the ones to run again on the reloaded state (every call after the commit that changed or read the
-state: `forward_backward`, `optim_step`, and the unfinished saves), in order. Replaying them is deterministic on
+state: `forward_backward`, `optim_step`, and the unfinished saves; a call that failed stays failed, its result
+stands), in order. Replaying them is deterministic on
 CPU, so the model comes back exactly where it was, no step applied twice and none lost.
 """
 
@@ -196,8 +197,9 @@ def plan(records: list[Record], commits: dict[str, Commit], horizon: float = 0.0
                     model_plan.finished[seq] = finished[seq]
             elif seq <= committed:
                 model_plan.finished[seq] = _lost(model, seq)
-            elif call is not None and (call.kind in REPLAYED or seq not in finished):
-                model_plan.rerun.append(call)
+            elif call is not None and (seq not in finished or call.kind in REPLAYED
+                                       and finished[seq].outcome.error is None):
+                model_plan.rerun.append(call)  # a failed call stays failed: the client was told so
             else:
                 model_plan.finished[seq] = finished[seq]
     return plans
@@ -214,11 +216,20 @@ def compacted(records: list[Record], plans: dict[str, ModelPlan]) -> list[Record
 
 
 def rewrite(folder: Path, records: list[Record]) -> None:
-    """Replace `folder`'s journal by `records`, whole or not at all (written beside it, fsync'd, renamed)."""
-    path = folder / JOURNAL_FILE
-    part = path.with_name(JOURNAL_FILE + ".part")
+    """Replace `folder`'s journal by `records`, whole or not at all (`write_atomically`)."""
+    write_atomically(folder / JOURNAL_FILE, b"".join(_encoder.encode(r) + b"\n" for r in records))
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """`data` at `path`, whole or not at all: written beside it, fsync'd, then renamed over it."""
+    part = path.with_name(path.name + ".part")
     with open(part, "wb") as f:
-        f.write(b"".join(_encoder.encode(r) + b"\n" for r in records))
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(part, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # the rename itself on disk
+    finally:
+        os.close(fd)

@@ -48,7 +48,11 @@ class Ledger:
 
     def __init__(self, folder: Path) -> None:
         folder.mkdir(parents=True, exist_ok=True)
-        self._file = open(folder / LEDGER_FILE, "ab")  # noqa: SIM115  held open for the service's life
+        path = folder / LEDGER_FILE
+        torn = path.is_file() and path.stat().st_size > 0 and path.read_bytes()[-1:] != b"\n"
+        self._file = open(path, "ab")  # noqa: SIM115  held open for the service's life
+        if torn:  # a kill cut the last line short: it stays one bad line, not the start of the next record
+            self._file.write(b"\n")
         self._encoder = msgspec.json.Encoder()
 
     def trained(self, model: str, seq: int, loss_fn: str, datums: int, loss_tokens: int, into_version: int) -> None:
@@ -67,7 +71,7 @@ class Ledger:
 
 
 def read_ledger(folder: Path) -> list[LedgerRecord]:
-    """Every record of `folder/ledger.jsonl` (a line cut short by a kill, the last, is dropped)."""
+    """Every record of `folder/ledger.jsonl` (a line a kill cut short is skipped)."""
     path = folder / LEDGER_FILE
     if not path.is_file():
         return []
@@ -76,7 +80,7 @@ def read_ledger(folder: Path) -> list[LedgerRecord]:
         try:
             records.append(_decoder.decode(line))
         except msgspec.DecodeError:
-            break
+            continue
     return records
 
 

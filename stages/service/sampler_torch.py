@@ -5,12 +5,15 @@ learner's probe before it serves it (`stages.engines.torch_adapter`). A fully fi
 safetensors file (`stages.weights.disk`), named by its path and checksum: the engine loads it, checksum verified, and
 adopts those tensors (zero-copy where its dtype is theirs, else copied and the loaded ones dropped), so the only full
 copies in memory are the loaded engines'. At most `keep` engines stay loaded (at most `keep` full copies); the least
-recently used one is stopped before another starts, and made again from its save when asked.
+recently used one that serves no request is stopped before another starts (a request for another save waits for
+one to be free), and made again from its save when asked. An engine serving requests is never stopped under them.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
@@ -30,33 +33,52 @@ class TorchSampler:
         self.model_path, self.seed, self.device, self.keep = model_path, seed, device, keep
         self.engines: collections.OrderedDict[str, TorchEngine] = collections.OrderedDict()  # LRU order
         self.made = 0
-        self.lock = anyio.Lock()
+        self.users: collections.Counter[str] = collections.Counter()  # path -> its requests running now
+        self.free = anyio.Condition()  # held around every change of `engines` and `users`; notified as one ends
 
     def refusal(self, lora: LoraSpec | None) -> str | None:
         return None  # the torch engine samples every model the service trains
 
     async def forget(self, path: str) -> None:
-        async with self.lock:
+        async with self.free:
+            while self.users[path]:  # once its requests end
+                await self.free.wait()
             if path in self.engines:
                 await self.engines.pop(path).stop()
 
+    @contextlib.asynccontextmanager
+    async def _using(self, path: str, saved: Saved) -> AsyncIterator[TorchEngine]:
+        """The engine of `path` (made if need be), not stopped until the caller is done with it."""
+        engine = await self._engine(path, saved)
+        try:
+            yield engine
+        finally:
+            async with self.free:
+                self.users[path] -= 1
+                self.free.notify_all()
+
     async def _engine(self, path: str, saved: Saved) -> TorchEngine:
-        async with self.lock:
+        async with self.free:
+            while path not in self.engines and len(self.engines) >= self.keep:  # stopped first: never more
+                idle = next((p for p in self.engines if not self.users[p]), None)  # than `keep` loaded
+                if idle is None:
+                    await self.free.wait()
+                    continue
+                await self.engines.pop(idle).stop()
+            self.users[path] += 1
             if path in self.engines:
                 self.engines.move_to_end(path)
                 return self.engines[path]
-            while len(self.engines) >= self.keep:  # stopped first: never more than `keep` loaded, even briefly
-                _, old = self.engines.popitem(last=False)
-                await old.stop()
             self.made += 1
             engine = TorchEngine(self.model_path, name=f"sampler-{self.made}", seed=self.seed, device=self.device)
-            await engine.start()
             try:
+                await engine.start()
                 if isinstance(saved, DiskNotice):  # checksum verified, then every weight checked to fit
                     await engine.receive_weights(1, await anyio.to_thread.run_sync(load_verified, saved))
                 elif saved is not None:
                     await engine.receive_weights(1, saved)  # merged and probed before it serves anything
             except BaseException:
+                self.users[path] -= 1
                 await engine.stop()
                 raise
             self.engines[path] = engine
@@ -64,10 +86,12 @@ class TorchSampler:
 
     async def sample(self, path: str, saved: Saved, prompts: list[list[int]], params: SamplingParams
                      ) -> list[Completion]:
-        return await (await self._engine(path, saved)).generate(prompts, params)
+        async with self._using(path, saved) as engine:
+            return await engine.generate(prompts, params)
 
     async def prompt_logprobs(self, path: str, saved: Saved, prompt: list[int]) -> np.ndarray:
-        return await anyio.to_thread.run_sync(prompt_logprobs, await self._engine(path, saved), prompt)
+        async with self._using(path, saved) as engine:
+            return await anyio.to_thread.run_sync(prompt_logprobs, engine, prompt)
 
     async def close(self) -> None:
         for engine in self.engines.values():

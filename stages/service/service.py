@@ -33,6 +33,7 @@ import anyio
 import msgspec
 import numpy as np
 
+from pipeline.telemetry import get_logger
 from stages.learner.lora import LoraSpec
 from stages.service import wire
 from stages.service.calls import COMMIT_EVERY_S, Calls, adam_settings, checkpoint_state, spec_of
@@ -44,6 +45,7 @@ from stages.service.journal import (
     Outcome,
     SamplingRecord,
     SessionRecord,
+    StateError,
     compacted,
     plan,
     read_journal,
@@ -163,7 +165,11 @@ class Service:
             result = await settle(work)
             self.journal.append(DoneRecord(call.model, call.seq, Outcome.of(result), time.time()))
         if self.journal.size() > self._compact_at:
-            self.compact()
+            try:
+                self.compact()
+            except (OSError, StateError) as exc:  # the call's result stands: the journal is whole, only longer
+                self._compact_at = 2 * self.journal.size()
+                get_logger("serve").warning("journal compaction failed; kept whole", error=str(exc))
         return result
 
     def compact(self) -> None:

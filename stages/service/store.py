@@ -16,7 +16,6 @@ Nothing here is pickled: msgspec JSON, torch distributed checkpoints and safeten
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import uuid
 from pathlib import Path
@@ -24,7 +23,7 @@ from pathlib import Path
 import msgspec
 import safetensors.torch
 
-from stages.service.journal import Commit, Outcome, StateError
+from stages.service.journal import Commit, Outcome, StateError, write_atomically
 from stages.weights.adapter import AdapterVersion, as_received, pack_adapter
 
 COMMIT_FILE = "commit.json"
@@ -35,21 +34,6 @@ class _CommitFile(msgspec.Struct):
     step: int
     seq: int
     outcome: Outcome
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    """`data` at `path`, whole or not at all: written beside it, fsync'd, then renamed over it."""
-    part = path.with_name(path.name + ".part")
-    with open(part, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(part, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # the rename itself on disk
-    finally:
-        os.close(fd)
 
 
 def read_commits(folder: Path) -> dict[str, Commit]:
@@ -74,7 +58,7 @@ class Store:
             raise StateError(f"state folder {folder} holds the state of {json.loads(owner.read_text())['model']}, "
                              f"not of {model}: serve that model over it, or give this one another --state")
         if not owner.is_file():
-            _write_atomically(owner, json.dumps({"model": model}).encode())
+            write_atomically(owner, json.dumps({"model": model}).encode())
 
     def _model(self, model_id: str) -> Path:
         return self.folder / "models" / model_id
@@ -82,12 +66,14 @@ class Store:
     def step_folder(self, model_id: str, step: int) -> Path:
         return self._model(model_id) / f"step-{step}"
 
-    def commit(self, model_id: str, step: int, seq: int, outcome: Outcome, previous: int | None) -> None:
-        """Commit step `step` (its state already written to `step_folder`), then drop the `previous` one."""
-        data = msgspec.json.encode(_CommitFile(step, seq, outcome))
-        _write_atomically(self._model(model_id) / COMMIT_FILE, data)
-        if previous is not None and previous != step:
-            shutil.rmtree(self.step_folder(model_id, previous), ignore_errors=True)
+    def commit(self, model_id: str, step: int, seq: int, outcome: Outcome) -> None:
+        """Commit step `step` (its state already written to `step_folder`), then drop the step committed before
+        it, however many steps back (commits are periodic): at most two step folders exist at once."""
+        file = self._model(model_id) / COMMIT_FILE
+        before = msgspec.json.decode(file.read_bytes(), type=_CommitFile).step if file.is_file() else None
+        write_atomically(file, msgspec.json.encode(_CommitFile(step, seq, outcome)))
+        if before is not None and before != step:
+            shutil.rmtree(self.step_folder(model_id, before), ignore_errors=True)
 
     def commits(self) -> dict[str, Commit]:
         return read_commits(self.folder)
@@ -96,9 +82,7 @@ class Store:
         """Write a sampler's adapter; its file, relative to the state folder (for the journal's record)."""
         name = f"samplers/{uuid.uuid4().hex}.safetensors"  # two models may save at once, each in its own thread
         tensors = {n: t.detach().cpu().contiguous() for n, t in pack_adapter(adapter.spec, adapter.tensors).items()}
-        part = self.folder / f"{name}.part"
-        safetensors.torch.save_file(tensors, str(part))
-        os.replace(part, self.folder / name)
+        write_atomically(self.folder / name, safetensors.torch.save(tensors))  # on disk before it is journaled
         return name
 
     def load_sampler(self, name: str) -> AdapterVersion:

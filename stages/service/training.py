@@ -15,7 +15,6 @@ from the same forward (`logprobs_of`), the policy-gradient losses are the learne
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,7 +116,6 @@ class TrainingModel:
         spec = GRPOLearner(model_path, lora=lora, device=device, entropy_coef=0.0, world_size=world_size)
         self.trainer = PolicyTrainer(spec, steps=1, world_size=world_size)
         self.steps = 0  # optimizer steps taken: the version a sampler saved now serves
-        self.lock = threading.Lock()
 
     def forward_backward(self, data: list[Datum], loss_fn: str, settings: dict[str, float],
                          backward: bool) -> tuple[list[np.ndarray], dict[str, float]]:

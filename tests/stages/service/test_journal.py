@@ -87,6 +87,17 @@ def test_a_restart_keeps_what_was_committed_and_runs_again_what_came_after() -> 
     assert [c.seq for c in never.rerun] == [1, 2, 3, 5, 6, 7] and results(never) == {4: {"path": "p4"}}
 
 
+def test_a_call_that_failed_after_the_commit_is_not_run_again() -> None:
+    """A forward_backward whose answer was a failure (a follower rank died in it, say) changed nothing the client
+    relies on, and the client was told so: a restart keeps its failure and runs again only what succeeded."""
+    failed = DoneRecord(M, 2, Outcome.of(Failure("learner rank 1 exited", "server")), 100.0)
+    records = [call(0, "create_model"), call(1, "forward_backward"), done(1, b"fb1"), call(2, "forward_backward"),
+               failed, call(3, "optim_step"), done(3, {"metrics": {}})]
+    model = plan(records, {})[M]
+    assert [c.seq for c in model.rerun] == [1, 3]
+    assert results(model) == {2: Failure("learner rank 1 exited", "server")}
+
+
 def test_a_committed_call_without_its_result_fails_by_name_and_a_model_without_its_maker_is_an_error() -> None:
     records = [call(0, "create_model"), call(1, "forward_backward"), call(2, "optim_step")]
     model = plan(records, {M: Commit(1, 2, Outcome.of({"metrics": {}}))})[M]
@@ -101,14 +112,13 @@ def test_a_commit_is_whole_and_replaces_the_one_before(tmp_path) -> None:
     store = Store(tmp_path, tmp_path / "model")
     with pytest.raises(ValueError, match="holds the state of .*model, not of .*other"):
         Store(tmp_path, tmp_path / "other")
-    for step in (1, 2):
+    for step in (1, 4, 5):  # periodic commits: the one before is several steps back
         store.step_folder(M, step).mkdir(parents=True)
-        store.commit(M, step, seq=2 * step, outcome=Outcome.of({"metrics": {"step": step}}),
-                     previous=step - 1 or None)
-    assert store.commits() == {M: Commit(2, 4, Outcome.of({"metrics": {"step": 2}}))}
-    assert not store.step_folder(M, 1).exists() and store.step_folder(M, 2).exists()
+        store.commit(M, step, seq=2 * step, outcome=Outcome.of({"metrics": {"step": step}}))
+    assert store.commits() == {M: Commit(5, 10, Outcome.of({"metrics": {"step": 5}}))}
+    assert [p.name for p in sorted((tmp_path / "models" / M).glob("step-*"))] == ["step-5"]
     (tmp_path / "models" / M / f"{COMMIT_FILE}.part").write_bytes(b'{"step": 3')  # a kill before the rename
-    assert store.commits()[M].step == 2
+    assert store.commits()[M].step == 5
 
 
 def test_a_restored_session_number_is_never_given_out_again() -> None:
@@ -116,3 +126,20 @@ def test_a_restored_session_number_is_never_given_out_again() -> None:
     sessions.restore("session-1")
     sessions.restore("session-4")
     assert sessions.create() == "session-5" and set(sessions.seen) == {"session-1", "session-4", "session-5"}
+
+
+def test_a_ledger_line_a_kill_cut_short_loses_nothing_after_it(tmp_path) -> None:
+    """A torn last line of the ledger (a kill mid-write) stays one bad line: the records before it and those a
+    restarted service appends after it are all read."""
+    from stages.service.ledger import Ledger, read_ledger
+
+    ledger = Ledger(tmp_path)
+    ledger.trained(M, 1, "cross_entropy", 2, 10, 1)
+    ledger.close()
+    with open(tmp_path / "ledger.jsonl", "ab") as f:
+        f.write(b'{"type":"trained","model":"m","se')
+    again = Ledger(tmp_path)
+    again.sampled("req-1", "tinker://m/sampler_weights/s", 1, 3, [4, 4])
+    again.close()
+    assert [(type(r).__name__, getattr(r, "seq", None)) for r in read_ledger(tmp_path)] == [
+        ("TrainedRecord", 1), ("SampledRecord", None)]

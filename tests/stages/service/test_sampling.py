@@ -52,6 +52,33 @@ async def test_full_saves_are_served_from_their_files_with_at_most_keep_engines(
         await samplers.close()
 
 
+async def test_an_engine_serving_a_sample_is_not_stopped_under_it(tmp_path: Path) -> None:
+    """One engine at most: samples of the base and of a save asked at once. The second waits for the first's
+    engine to be free instead of stopping it under its request: both come back whole, and one engine is loaded."""
+    import anyio
+
+    folder = make_tiny_model(tmp_path / "tiny")
+    model = TrainingModel(folder, None)
+    samplers = Samplers(folder, settings=SamplerSettings(keep=1))
+    params = {"max_tokens": 48, "temperature": 1.0, "stop": []}
+    got: dict[str, list] = {}
+
+    async def draw(path: str) -> None:
+        got[path] = await samplers.sample(path, PROMPT, 4, params)
+
+    try:
+        await samplers.save("a", model.sampler_weights(tmp_path / "saves" / "0"))
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(draw, "base")
+            await anyio.sleep(0.05)  # the base's engine is serving when the save's is asked for
+            tg.start_soon(draw, "a")
+        assert {path: [len(tokens) for tokens, _, _ in out] for path, out in got.items()} == {
+            "base": [48] * 4, "a": [48] * 4}
+        assert list(samplers.engine.engines) == ["a"]
+    finally:
+        await samplers.close()
+
+
 def test_the_cut_at_stop_strings_keeps_the_tokens_up_to_the_first_stop() -> None:
     """Tokens decoding to one character each ("a".."z"): the cut keeps up to the token completing the earliest stop
     of several, a stop split across tokens included; no stop in the text: no cut."""
