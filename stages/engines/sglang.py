@@ -332,12 +332,12 @@ class SGLangEngine(ServerEngine):
             except ServerGone:
                 if self._server is None:
                     raise  # attached by url: nothing here can bring it back
-                if await self._answers():  # a dropped connection, not a dead server: the version did not land
+                await self._recover()  # a dead server is restarted (here, or by a request) with the latest version
+                if self._held is None or self._held[0] < version:  # it answers without it: a dropped connection
                     if self._latest[0] == version:  # (taken for landed, the version sent again was ignored)
                         self._latest = self._held
                     raise EngineError(f"engine {self.name}: version {version} did not land (the connection "
                                       "dropped); it is to be sent again") from None
-                # our server died: the next request restarts it and re-applies the latest version
             except EngineError:
                 if self._latest[0] == version:  # refused: a restarted server gets what this one held, not it
                     self._latest = self._held

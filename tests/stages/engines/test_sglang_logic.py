@@ -123,3 +123,36 @@ async def test_a_push_whose_connection_dropped_while_the_server_lives_is_refused
         engine._server = None
         await engine.stop()
         await runner.cleanup()
+
+
+async def test_a_push_into_a_server_that_died_and_was_restarted_with_it_is_no_error(tmp_path, monkeypatch) -> None:
+    """The server died mid-push and a request's recovery restarted it meanwhile, re-applying the latest version,
+    this one: the push is not refused as a dropped connection (the server answers, and holds the version)."""
+    from stages.engines.sglang import ServerGone
+
+    async def nothing(request):
+        return web.json_response([])
+
+    runner, url = await serve(nothing)
+    engine = SGLangEngine(tmp_path, url=url)
+    await engine.start()
+    applied, restarted = [], []
+
+    async def apply(version, tensors) -> None:
+        raise ServerGone("POST /update_weights_from_tensor failed: ServerDisconnectedError")
+
+    async def recover() -> None:  # what the restart does: a new server, then the latest version applied
+        restarted.append(engine._latest[0])
+        engine._held = engine._latest
+
+    monkeypatch.setattr(engine, "_fit", lambda version, tensors: tensors)
+    monkeypatch.setattr(engine, "_apply", apply)
+    monkeypatch.setattr(engine, "_recover", recover)
+    engine._server = _LiveProcess()
+    try:
+        await engine.receive_weights(1, {})
+        assert restarted == [1] and applied == []
+    finally:
+        engine._server = None
+        await engine.stop()
+        await runner.cleanup()
