@@ -1,9 +1,11 @@
 """`baton serve` killed with SIGKILL in the middle of an SDK training loop, while an `optim_step` it accepted has not
 been applied, and started again on the same port over the same folder: the official `tinker` SDK's own retries
 carry the client through, unchanged, and the run ends exactly where a run of the same calls without a kill ends
-(after a second kill, idle, it comes back from the journal the first restart compacted). No step applied twice,
-none lost: the adapters agree within 1e-6, the step counts agree (the last commit is older: the restarts ran the
-steps after it again), and a sampler saved before the kill still samples, with the same logprobs."""
+(after a second kill, idle, it comes back from the journal the first restart compacted), on one learner rank and
+on two (`--world-size 2`: the killed service's follower rank dies with it, the restarted one starts its own).
+No step applied twice, none lost: the adapters agree within 1e-6, the step counts agree (the last commit is older:
+the restarts ran the steps after it again), and a sampler saved before the kill still samples, with the same
+logprobs."""
 
 from __future__ import annotations
 
@@ -40,15 +42,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(model: Path, folder: Path, port: int) -> subprocess.Popen:
+def start(model: Path, folder: Path, port: int, *options: str) -> subprocess.Popen:
     """`baton serve` on `port` over `folder`, once it serves (its service.json written afresh)."""
     (folder / "service.json").unlink(missing_ok=True)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "baton.cli", "serve", str(model), "--port", str(port), "--dir",
-                             str(folder), "--threads", "1"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    log = folder.parent / f"serve-{time.monotonic_ns()}.log"  # a file: a pipe nobody reads blocks once full
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "baton.cli", "serve", str(model), "--port", str(port),
+                                 "--dir", str(folder), "--threads", "1", *options], env=env, stdout=out, stderr=out)
     deadline = time.monotonic() + 120
     while not (folder / "service.json").exists():
-        assert proc.poll() is None, f"baton serve exited: {proc.stdout.read().decode()[-2000:]}"
+        assert proc.poll() is None, f"baton serve exited: {log.read_text()[-2000:]}"
         assert time.monotonic() < deadline, "baton serve did not start within 120 s"
         time.sleep(0.1)
     return proc
@@ -103,11 +107,12 @@ def msgspec_version(path: Path) -> int:
     return msgspec.json.decode(path.read_bytes(), type=LearnerState).version
 
 
-def test_a_service_killed_mid_step_comes_back_and_the_sdk_carries_on(tmp_path) -> None:
+@pytest.mark.parametrize("options", [(), ("--world-size", "2")], ids=["one-rank", "two-ranks"])
+def test_a_service_killed_mid_step_comes_back_and_the_sdk_carries_on(tmp_path, options: tuple[str, ...]) -> None:
     os.environ["TINKER_TELEMETRY"] = "0"
     model, folder, port = make_tiny_model(tmp_path / "tiny"), tmp_path / "serve", free_port()
     state = folder / "state"
-    proc = start(model, folder, port)
+    proc = start(model, folder, port, *options)
     try:
         info = json.loads((folder / "service.json").read_text())
         service = tinker.ServiceClient(base_url=info["base_url"], api_key=Path(info["key_file"]).read_text())
@@ -122,14 +127,14 @@ def test_a_service_killed_mid_step_comes_back_and_the_sdk_carries_on(tmp_path) -
             loss, stepped = client.forward_backward(batch(step), "cross_entropy"), client.optim_step(ADAM)
             if killed_at is None and kill_mid_step(proc, state, client.model_id, last):
                 killed_at = step
-                proc = start(model, folder, port)
+                proc = start(model, folder, port, *options)
             losses.append(loss.result().metrics["loss:sum"])
             stepped.result()
             last = optim_accepted(state, client.model_id, 0)
         assert killed_at is not None, "no optim_step was caught accepted but not yet applied: the kill never came"
         proc.kill()  # once more, idle: it comes back from the journal the first restart rewrote
         proc.wait(timeout=30)
-        proc = start(model, folder, port)
+        proc = start(model, folder, port, *options)
         after = sampler.compute_logprobs(probe).result()
         assert np.allclose(np.array(after[1:]), np.array(before[1:]), atol=1e-6)
         assert len(sampler.sample(probe, 1, types.SamplingParams(max_tokens=3, stop=[])).result().sequences) == 1
