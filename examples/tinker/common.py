@@ -16,12 +16,29 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: its `baton` runs the service
 ADAM = {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "grad_clip_norm": 1.0}  # baton's learner's AdamW settings
+
+
+def work_folder(folder: str | None, name: str) -> Path:
+    """`folder` (made if missing), or a new temporary folder `tinker-{name}-...`: the example's model, data,
+    service and logs."""
+    path = Path(folder or tempfile.mkdtemp(prefix=f"tinker-{name}-"))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def add_cookbook_arguments(parser) -> None:
+    """What the cookbook examples share: the Python that runs `baton serve` (theirs cannot) and their folder."""
+    parser.add_argument("--baton-python", default=shutil.which("python") or "python",
+                        help="the Python that runs `baton serve` and makes the tiny model (the project's)")
+    parser.add_argument("--folder", default=None, help="the model, data, the recipe's log and the service's "
+                                                       "(default: a temporary folder)")
 
 
 def tiny_model(folder: Path) -> Path:

@@ -27,11 +27,10 @@ import os
 import random
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import baton_service  # noqa: E402
+from common import add_cookbook_arguments, baton_service, work_folder  # noqa: E402
 
 RENDERER = "qwen3_instruct"  # ChatML without a thinking block: every special it writes is a tiny-model token
 
@@ -92,16 +91,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--beta", type=float, default=0.1, help="DPO's beta")
     parser.add_argument("--rank", type=int, default=8, help="LoRA rank")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--baton-python", default=shutil.which("python") or "python",
-                        help="the Python that runs `baton serve` and makes the tiny model (the project's)")
-    parser.add_argument("--folder", default=None, help="the model, data, the recipe's log and the service's "
-                                                       "(default: a temporary folder)")
+    add_cookbook_arguments(parser)
     args = parser.parse_args(argv)
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     from tinker_cookbook.preference import train_dpo
 
-    folder = Path(args.folder or tempfile.mkdtemp(prefix="tinker-cookbook-dpo-"))
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = work_folder(args.folder, "cookbook-dpo")
     data = write_comparisons(folder / "comparisons.jsonl", args.pairs, args.digits, args.seed)
     log_path = folder / "recipe"
     shutil.rmtree(log_path, ignore_errors=True)  # the recipe resumes from a log folder's checkpoints.jsonl

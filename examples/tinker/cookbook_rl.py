@@ -36,7 +36,6 @@ import os
 import random
 import shutil
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -47,7 +46,7 @@ from tinker_cookbook.rl.types import EnvGroupBuilder, RLDataset, RLDatasetBuilde
 from tinker_cookbook.tokenizer_utils import get_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import baton_service  # noqa: E402
+from common import add_cookbook_arguments, baton_service, work_folder  # noqa: E402
 
 RENDERER = "qwen3_instruct"  # ChatML without a thinking block: every special it writes is a tiny-model token
 
@@ -147,16 +146,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--format-coef", type=float, default=1.0,
                         help="the cookbook's format penalty for an answer that does not end on the stop sequence")
-    parser.add_argument("--baton-python", default=shutil.which("python") or "python",
-                        help="the Python that runs `baton serve` and makes the tiny model (the project's)")
-    parser.add_argument("--folder", default=None, help="the model, the recipe's log and the service's "
-                                                       "(default: a temporary folder)")
+    add_cookbook_arguments(parser)
     args = parser.parse_args(argv)
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     from tinker_cookbook.rl import train
 
-    folder = Path(args.folder or tempfile.mkdtemp(prefix="tinker-cookbook-rl-"))
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = work_folder(args.folder, "cookbook-rl")
     log_path = folder / "recipe"
     shutil.rmtree(log_path, ignore_errors=True)  # the recipe resumes from a log folder's checkpoints.jsonl
     if os.environ.get("TINKER_BASE_URL"):

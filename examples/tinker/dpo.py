@@ -24,11 +24,10 @@ import argparse
 import json
 import random
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ADAM, serving  # noqa: E402
+from common import ADAM, serving, work_folder  # noqa: E402
 
 
 def preference_pairs(count: int, digits: int, seed: int) -> list[tuple[str, str, str]]:
@@ -93,8 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     from tinker import types
 
     torch.set_num_threads(1)
-    folder = Path(args.folder or tempfile.mkdtemp(prefix="tinker-dpo-"))
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = work_folder(args.folder, "dpo")
     curve = []
     with serving(folder) as (service, model):
         training = service.create_lora_training_client(base_model=model, rank=args.rank)

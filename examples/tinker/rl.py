@@ -27,12 +27,11 @@ import argparse
 import json
 import random
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ADAM, serving  # noqa: E402
+from common import ADAM, serving, work_folder  # noqa: E402
 
 WINDOW = 10  # steps in the trailing mean reward
 
@@ -146,8 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(1)
-    folder = Path(args.folder or tempfile.mkdtemp(prefix="tinker-rl-"))
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = work_folder(args.folder, "rl")
     with serving(folder) as (service, model):
         result = learn(service, model, args)
     print(json.dumps({"groups": args.groups, "group_size": args.group_size, "lr": args.lr, "rank": args.rank,

@@ -20,12 +20,11 @@ import argparse
 import json
 import random
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ADAM, serving  # noqa: E402
+from common import ADAM, serving, work_folder  # noqa: E402
 
 
 def reverse_digits_pairs(count: int, digits: int, seed: int) -> list[tuple[str, str]]:
@@ -124,8 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(1)
-    folder = Path(args.folder or tempfile.mkdtemp(prefix="tinker-sft-"))
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = work_folder(args.folder, "sft")
     started = time.monotonic()
     with serving(folder) as (service, model):
         training = service.create_lora_training_client(base_model=model, rank=args.rank)

@@ -19,16 +19,23 @@ pytest.importorskip("tinker", reason="the tinker SDK is not installed: pip insta
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def run_example(script: str, *args: str, python: str = sys.executable, timeout: float) -> dict:
+    """`examples/tinker/{script}` run by `python` with `args` against the `baton serve` it starts itself (no
+    TINKER_* of this environment points it elsewhere); it must exit 0; its last stdout line, a JSON object."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TINKER_TELEMETRY": "0"}
+    for name in ("TINKER_BASE_URL", "TINKER_API_KEY", "TINKER_BASE_MODEL"):
+        env.pop(name, None)
+    done = subprocess.run([python, str(ROOT / "examples" / "tinker" / script), *args], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.long
 @pytest.mark.timeout(180)
 def test_the_sft_example_lowers_its_loss_as_the_direct_run_does(tmp_path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TINKER_TELEMETRY": "0"}
-    env.pop("TINKER_BASE_URL", None)
-    done = subprocess.run([sys.executable, str(ROOT / "examples" / "tinker" / "sft.py"), "--steps", "6", "--batch",
-                           "16", "--lr", "1e-2", "--folder", str(tmp_path)], env=env, capture_output=True, text=True,
-                          timeout=170)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = run_example("sft.py", "--steps", "6", "--batch", "16", "--lr", "1e-2", "--folder", str(tmp_path),
+                         timeout=170)
     sdk, direct = result["sdk_loss"], result["direct_loss"]
     assert len(sdk) == len(direct) == 6
     assert sdk[-1] < 0.75 * sdk[0], f"the loss did not fall: {sdk}"
@@ -42,12 +49,7 @@ def test_the_rl_example_reaches_a_trailing_reward_of_0_8(tmp_path, seed: int) ->
     """examples/tinker/rl.py as it ships (lr 1e-3, the entropy bonus): the SDK-driven GRPO loop on the quickstart's
     task reaches a trailing mean reward of 0.8 within its 600 steps (363, 421, 473 at seeds 0, 1, 2 when measured),
     having started near 0."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TINKER_TELEMETRY": "0"}
-    env.pop("TINKER_BASE_URL", None)
-    done = subprocess.run([sys.executable, str(ROOT / "examples" / "tinker" / "rl.py"), "--seed", str(seed),
-                           "--folder", str(tmp_path)], env=env, capture_output=True, text=True, timeout=880)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = run_example("rl.py", "--seed", str(seed), "--folder", str(tmp_path), timeout=880)
     assert sum(result["rewards"][:10]) / 10 < 0.2, result["rewards"][:10]
     assert result["reached_target_at_step"] is not None, f"trailing reward {result['trailing_reward']:.3f}"
 
@@ -73,14 +75,8 @@ def test_the_cookbook_sft_recipe_learns_on_baton_serve(tmp_path) -> None:
     python = cookbook_python()
     if python is None:
         pytest.skip("tinker-cookbook is not installed: tools/tinker-cookbook/install.sh")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TINKER_TELEMETRY": "0"}
-    for name in ("TINKER_BASE_URL", "TINKER_API_KEY", "TINKER_BASE_MODEL"):
-        env.pop(name, None)
-    done = subprocess.run([python, str(ROOT / "examples" / "tinker" / "cookbook_sft.py"), "--steps", "10",
-                           "--batch", "16", "--lr", "1e-2", "--folder", str(tmp_path), "--baton-python",
-                           sys.executable], env=env, capture_output=True, text=True, timeout=340)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = run_example("cookbook_sft.py", "--steps", "10", "--batch", "16", "--lr", "1e-2", "--folder",
+                         str(tmp_path), "--baton-python", sys.executable, python=python, timeout=340)
     train, test = result["train_mean_nll"], result["test_nll"]
     assert len(train) == 10 and len(test) == 2, result
     assert sum(train[-3:]) / 3 < 0.8 * train[0], f"the recipe's train NLL did not fall: {train}"
@@ -100,14 +96,8 @@ def test_the_cookbook_rl_recipe_learns_its_format_term_on_baton_serve(tmp_path) 
     python = cookbook_python()
     if python is None:
         pytest.skip("tinker-cookbook is not installed: tools/tinker-cookbook/install.sh")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TINKER_TELEMETRY": "0"}
-    for name in ("TINKER_BASE_URL", "TINKER_API_KEY", "TINKER_BASE_MODEL"):
-        env.pop(name, None)
-    done = subprocess.run([python, str(ROOT / "examples" / "tinker" / "cookbook_rl.py"), "--steps", "16",
-                           "--folder", str(tmp_path), "--baton-python", sys.executable], env=env,
-                          capture_output=True, text=True, timeout=340)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = run_example("cookbook_rl.py", "--steps", "16", "--folder", str(tmp_path), "--baton-python",
+                         sys.executable, python=python, timeout=340)
     form, reward = result["format"], result["reward"]
     assert len(form) == len(reward) == 16, result
     assert form[0] < 0.3 and sum(form[-4:]) / 4 > 0.7, f"the stop-sequence fraction did not rise: {form}"
@@ -127,14 +117,8 @@ def test_the_cookbook_dpo_recipe_learns_on_baton_serve(tmp_path) -> None:
     python = cookbook_python()
     if python is None:
         pytest.skip("tinker-cookbook is not installed: tools/tinker-cookbook/install.sh")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TINKER_TELEMETRY": "0"}
-    for name in ("TINKER_BASE_URL", "TINKER_API_KEY", "TINKER_BASE_MODEL"):
-        env.pop(name, None)
-    done = subprocess.run([python, str(ROOT / "examples" / "tinker" / "cookbook_dpo.py"), "--epochs", "10",
-                           "--folder", str(tmp_path), "--baton-python", sys.executable], env=env,
-                          capture_output=True, text=True, timeout=340)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = run_example("cookbook_dpo.py", "--epochs", "10", "--folder", str(tmp_path), "--baton-python",
+                         sys.executable, python=python, timeout=340)
     loss, accuracy, margin = result["dpo_loss"], result["accuracy"], result["margin"]
     assert len(loss) == 10 and abs(loss[0] - 0.6931) < 1e-3, loss  # log 2: the adapter starts as the reference
     assert loss[-1] < 0.64 and margin[-1] > 0.15, f"the DPO loss did not fall: {loss}, margins {margin}"

@@ -67,6 +67,27 @@ def assert_a_stop_token_ends_greedy_samples(sampler) -> None:
         assert list(seq.tokens) == first[:k + 1] and seq.stop_reason == "stop"
 
 
+def assert_adapters_evicted_least_recently_used(training, calls, tolerance: float) -> None:
+    """Three saves of one model, two adapters loaded at most: each save's prompt logprobs are the model's at that
+    save, also after its adapter was evicted and loaded again. The one evicted is the least recently used (used in
+    the order 0 1 0 2 0 1: 2 evicts 1, not 0, and 1 then evicts 2: four loads and two unloads, where evicting the
+    oldest loaded would take five and three). The server's list of adapters is checked after every load and
+    unload: a server holding more, or other, adapters than the sampler's fails the call."""
+    tokens = PROMPT + [9, 12, 3, 8]
+    saves, expected = [], []
+    for seed in (11, 12, 13):
+        step(training, seed)
+        saves.append(training.save_weights_and_get_sampling_client().result())
+        expected.append(teacher_forced(training, tokens))
+    assert min(np.abs(expected[i] - expected[j]).max() for i, j in ((0, 1), (1, 2), (0, 2))) > 1e-3
+    loads, unloads = calls()
+    for i in (0, 1, 0, 2, 0, 1):
+        got = np.array(saves[i].compute_logprobs(types.ModelInput.from_ints(tokens)).result()[1:])
+        assert np.abs(got - expected[i]).max() <= tolerance, (i, np.abs(got - expected[i]).max())
+    after = calls()  # (the adapters loaded before this test are unloaded too: loads - unloads)
+    assert (after[0] - loads, after[1] - unloads) == (4, 2 + loads - unloads), (loads, unloads, after)
+
+
 def teacher_forced(training, tokens: list[int]) -> np.ndarray:
     """The training model's logprob of each token after the first (forward through the SDK)."""
     datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
@@ -105,25 +126,9 @@ def server_calls(folder: Path) -> tuple[int, int]:
 
 
 def test_adapters_evicted_as_least_recently_used_come_back_serving_their_own_weights(served, service) -> None:
-    """Three saves of one model, two adapters loaded at most: each save's prompt logprobs are the model's at that
-    save, also after its adapter was evicted and loaded again. The one evicted is the least recently used (used in
-    the order 0 1 0 2 0 1: 2 evicts 1, not 0, and 1 then evicts 2: four loads and two unloads, where evicting the
-    oldest loaded would take five and three). The server's list of adapters is checked after every load and
-    unload: a server holding more, or other, adapters than the sampler's fails the call."""
+    """On the service's SGLang server, room for two adapters (`assert_adapters_evicted_least_recently_used`)."""
     training = service.create_lora_training_client(base_model=served[0]["model"], rank=4).result()
-    tokens = PROMPT + [9, 12, 3, 8]
-    saves, expected = [], []
-    for seed in (11, 12, 13):
-        step(training, seed)
-        saves.append(training.save_weights_and_get_sampling_client().result())
-        expected.append(teacher_forced(training, tokens))
-    assert min(np.abs(expected[i] - expected[j]).max() for i, j in ((0, 1), (1, 2), (0, 2))) > 1e-3
-    loads, unloads = server_calls(served[1])
-    for i in (0, 1, 0, 2, 0, 1):
-        got = np.array(saves[i].compute_logprobs(types.ModelInput.from_ints(tokens)).result()[1:])
-        assert np.abs(got - expected[i]).max() <= TOLERANCE, (i, np.abs(got - expected[i]).max())
-    after = server_calls(served[1])  # (the adapters loaded before this test are unloaded too: loads - unloads)
-    assert (after[0] - loads, after[1] - unloads) == (4, 2 + loads - unloads), (loads, unloads, after)
+    assert_adapters_evicted_least_recently_used(training, lambda: server_calls(served[1]), TOLERANCE)
 
 
 def test_a_full_fine_tuning_sampler_is_refused_by_name(served, service) -> None:

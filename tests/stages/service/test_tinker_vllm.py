@@ -24,6 +24,7 @@ from tests.helpers.tinker_service import running_service  # noqa: E402
 from tests.stages.service.test_tinker_sglang import (  # noqa: E402
     PROMPT,
     assert_a_stop_token_ends_greedy_samples,
+    assert_adapters_evicted_least_recently_used,
     step,
     teacher_forced,
 )
@@ -84,25 +85,9 @@ def server_calls(folder: Path) -> tuple[int, int]:
 
 
 def test_adapters_evicted_as_least_recently_used_come_back_serving_their_own_weights(served, service) -> None:
-    """Three saves of one model, two adapters loaded at most: each save's prompt logprobs are the model's at that
-    save, also after its adapter was evicted and loaded again. The one evicted is the least recently used (used in
-    the order 0 1 0 2 0 1: 2 evicts 1, not 0, and 1 then evicts 2: four loads and two unloads, where evicting the
-    oldest loaded would take five and three). The server's list of adapters is checked after every load and
-    unload: a server holding more, or other, adapters than the sampler's fails the call."""
-    training = lora_client(service, served)
-    tokens = PROMPT + [9, 12, 3, 8]
-    saves, expected = [], []
-    for seed in (11, 12, 13):
-        step(training, seed)
-        saves.append(training.save_weights_and_get_sampling_client().result())
-        expected.append(teacher_forced(training, tokens))
-    assert min(np.abs(expected[i] - expected[j]).max() for i, j in ((0, 1), (1, 2), (0, 2))) > 1e-3
-    loads, unloads = server_calls(served[1])
-    for i in (0, 1, 0, 2, 0, 1):
-        got = np.array(saves[i].compute_logprobs(types.ModelInput.from_ints(tokens)).result()[1:])
-        assert np.abs(got - expected[i]).max() <= TOLERANCE, (i, np.abs(got - expected[i]).max())
-    after = server_calls(served[1])  # (the adapters loaded before this test are unloaded too: loads - unloads)
-    assert (after[0] - loads, after[1] - unloads) == (4, 2 + loads - unloads), (loads, unloads, after)
+    """On the service's vLLM server, room for two adapters (`assert_adapters_evicted_least_recently_used`)."""
+    assert_adapters_evicted_least_recently_used(lora_client(service, served), lambda: server_calls(served[1]),
+                                                TOLERANCE)
 
 
 def test_what_vllm_cannot_serve_is_refused_by_name(served, service) -> None:
