@@ -48,15 +48,15 @@ def _size(weights: AdapterVersion | DiskNotice | None) -> int | None:
     return None
 
 
-def sampler_checkpoints(model_id: str, saved: dict[str, Any], saved_at: dict[str, float]) -> list[dict[str, Any]]:
-    """The model's sampler saves among `saved` (path -> weights), with their times `saved_at` (path -> time.time())."""
+def sampler_checkpoints(model_id: str, saved: dict[str, Any], when: dict[str, Any]) -> list[dict[str, Any]]:
+    """The model's sampler saves among `saved` (path -> weights), with their times (`when`: path -> `SaveInfo`)."""
     prefix = f"tinker://{model_id}/sampler_weights/"
     return [{"checkpoint_id": path.removeprefix(f"tinker://{model_id}/"), "checkpoint_type": "sampler",
-             "time": _iso(saved_at.get(path, 0.0)), "tinker_path": path, "size_bytes": _size(weights)}
+             "time": _iso(when[path].at), "tinker_path": path, "size_bytes": _size(weights)}
             for path, weights in saved.items() if path.startswith(prefix)]
 
 
-def checkpoints_of(model_id: str, checkpoints: Path, saved: dict[str, Any], saved_at: dict[str, float]) -> dict:
+def checkpoints_of(model_id: str, checkpoints: Path, saved: dict[str, Any], when: dict[str, Any]) -> dict:
     """The `CheckpointsListResponse` of `model_id`: every checkpoint, oldest first."""
-    listed = training_checkpoints(model_id, checkpoints) + sampler_checkpoints(model_id, saved, saved_at)
+    listed = training_checkpoints(model_id, checkpoints) + sampler_checkpoints(model_id, saved, when)
     return {"checkpoints": sorted(listed, key=lambda c: c["time"]), "cursor": None}

@@ -134,7 +134,7 @@ class Routes:
         model_id = request.match_info["model_id"]
         if model_id not in self.s.order:
             return _json({"detail": f"unknown model_id {model_id!r}"}, 404)
-        return _json(checkpoints_of(model_id, self.s.checkpoints, self.s.samplers.saved, self.s.samplers.saved_at))
+        return _json(checkpoints_of(model_id, self.s.checkpoints, self.s.samplers.saved, self.s.samplers.when))
 
     async def unsupported(self, request: web.Request) -> web.Response:
         return _json({"detail": f"{request.method} {request.path} is not supported by baton serve"}, 404)

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import anyio
 import numpy as np
@@ -93,12 +94,18 @@ def cut_at_stop_strings(tokens: np.ndarray, stops: list[str], decode: Callable[[
     return low
 
 
+class SaveInfo(NamedTuple):
+    """When a checkpoint was saved for sampling (time.time()) and the model's step then (its version)."""
+
+    at: float
+    version: int | None
+
+
 class Samplers:
     def __init__(self, model_path: Path, seed: int = 0, device: str = "cpu",
                  settings: SamplerSettings | None = None, log_dir: Path | None = None) -> None:
         self.saved: dict[str, Saved] = {BASE: None}  # path -> its weights
-        self.saved_at: dict[str, float] = {}  # path -> when it was saved (time.time())
-        self.versions: dict[str, int | None] = {BASE: None}  # path -> the model's step when it was saved
+        self.when: dict[str, SaveInfo] = {BASE: SaveInfo(0.0, None)}  # path -> when it was saved, the step then
         self.engine = engine_sampler(settings or SamplerSettings(), model_path, seed, device, log_dir)
         self.tokenizer = load_tokenizer(model_path)
         self.default_stops = stop_token_ids(self.tokenizer)
@@ -115,8 +122,7 @@ class Samplers:
         async with self.lock:
             before = self.saved.get(path)
             self.saved[path] = weights
-            self.saved_at[path] = time.time() if at is None else at
-            self.versions[path] = version
+            self.when[path] = SaveInfo(time.time() if at is None else at, version)
             await self.engine.forget(path)
             if isinstance(before, DiskNotice) and (not isinstance(weights, DiskNotice) or before.path != weights.path):
                 Path(before.path).unlink(missing_ok=True)  # each save has a file of its own: this one is not named

@@ -320,7 +320,7 @@ class Service:
         async def run() -> Result:
             scored = await self.samplers.prompt_logprobs(path, prompt) if body.get("prompt_logprobs") else None
             samples = await self.samplers.sample(path, prompt, n, body["sampling_params"])
-            self.ledger.sampled(request_id, path, self.samplers.versions.get(path), len(prompt),
+            self.ledger.sampled(request_id, path, self.samplers.when[path].version, len(prompt),
                                 [len(tokens) for tokens, _, _ in samples])
             return wire.sample_response(samples, scored)
 
