@@ -145,9 +145,9 @@ def read_journal(folder: Path) -> list[Record]:
     return records
 
 
-@dataclass(frozen=True)
-class Commit:
-    """A model's last committed step: its learner state is on disk after the `optim_step` `seq`."""
+class Commit(msgspec.Struct, frozen=True):
+    """A model's last committed step: its learner state is on disk after the `optim_step` `seq` (what a model's
+    `commit.json` holds)."""
 
     step: int
     seq: int

@@ -30,19 +30,12 @@ COMMIT_FILE = "commit.json"
 MODEL_FILE = "model.json"  # the base model whose state this is
 
 
-class _CommitFile(msgspec.Struct):
-    step: int
-    seq: int
-    outcome: Outcome
-
-
 def read_commits(folder: Path) -> dict[str, Commit]:
     """Every model's committed step in the state folder `folder` (a model that never committed one has none)."""
     found = {}
     for model in (folder / "models").iterdir():
         if (model / COMMIT_FILE).is_file():
-            c = msgspec.json.decode((model / COMMIT_FILE).read_bytes(), type=_CommitFile)
-            found[model.name] = Commit(c.step, c.seq, c.outcome)
+            found[model.name] = msgspec.json.decode((model / COMMIT_FILE).read_bytes(), type=Commit)
     return found
 
 
@@ -70,8 +63,8 @@ class Store:
         """Commit step `step` (its state already written to `step_folder`), then drop the step committed before
         it, however many steps back (commits are periodic): at most two step folders exist at once."""
         file = self._model(model_id) / COMMIT_FILE
-        before = msgspec.json.decode(file.read_bytes(), type=_CommitFile).step if file.is_file() else None
-        write_atomically(file, msgspec.json.encode(_CommitFile(step, seq, outcome)))
+        before = msgspec.json.decode(file.read_bytes(), type=Commit).step if file.is_file() else None
+        write_atomically(file, msgspec.json.encode(Commit(step, seq, outcome)))
         if before is not None and before != step:
             shutil.rmtree(self.step_folder(model_id, before), ignore_errors=True)
 
