@@ -6,11 +6,13 @@ the same batches go, in one run, through:
 
 1. `memcpy` (reference): the payload's byte count into a preallocated, already-touched buffer,
    interleaved with (2);
-2. `memory`: encode -> MemoryStore.put -> get -> decode(verify=True), in this process;
-3. `mooncake`: encode(batch, pool=store.pool) -> MooncakeStore.put -> get -> decode(verify=True),
+2. `memory`: encode_parts -> MemoryStore.put (which joins the parts: the one copy) -> get ->
+   decode(verify=True), in this process;
+3. `mooncake`: encode_parts(batch, pool=store.pool) (hashes the arrays, copies only the head) ->
+   MooncakeStore.put (sends from the arrays where they lie) -> get -> decode(verify=True),
    where this process is a pure client (global_segment_size=0) and a second process
    (`benchmarks/_datapath_peer.py`) holds the only segment, so every byte crosses processes
-   (TCP on loopback); interleaved with (4);
+   (TCP on loopback); interleaved with (4). This is what the producer does (stages.rollout.groups);
 4. `raw_mooncake` (reference): `batch_put_from` + `batch_get_into` of the payload's byte count
    from / into buffers that are already registered, on the same client: Mooncake's own speed;
 5. `ray_default` (reference): the batch as a dict of torch tensors, `ray.put` here and `ray.get`
@@ -53,7 +55,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import anyio  # noqa: E402
 import numpy as np  # noqa: E402
 
-from buffers.codec import RolloutBatch, decode, encode  # noqa: E402
+from buffers.codec import RolloutBatch, decode, encode, encode_parts  # noqa: E402
 from buffers.memory import MemoryStore  # noqa: E402
 from buffers.mooncake_master import READ_LEASE_MS  # noqa: E402
 
@@ -152,9 +154,9 @@ async def measure_memory(
         memcpy_s = t1 - t0
 
         t0 = time.perf_counter()
-        payload = encode(batch)
+        payload, _ = encode_parts(batch)  # as the producer encodes (stages.rollout.groups)
         t1 = time.perf_counter()
-        await store.put(key, payload)
+        await store.put(key, payload)  # joins the parts into one buffer: the one copy
         t2 = time.perf_counter()
         got = await store.get(key)
         t3 = time.perf_counter()
@@ -292,9 +294,9 @@ async def measure_mooncake(store, size_mib: int, batch: RolloutBatch, repeats: i
     async def through_store(i: int) -> tuple[float, ...]:
         key = f"bench/v00000042/g{size_mib}/{i}"
         t0 = time.perf_counter()
-        payload = encode(batch, pool=store.pool)
+        payload, _ = encode_parts(batch, pool=store.pool)  # as the producer encodes (stages.rollout.groups)
         t1 = time.perf_counter()
-        await store.put(key, payload)
+        await store.put(key, payload)  # sent from the batch's arrays where they lie
         t2 = time.perf_counter()
         got = await store.get(key, size_hint=payload.nbytes)  # as the learner does, from the Ref
         t3 = time.perf_counter()

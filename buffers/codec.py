@@ -23,9 +23,10 @@ Invariants a decoder checks (a violation raises a `CodecError`, never returns da
   end at `tokens`.
 
 The batch itself (`RolloutBatch`, `to_torch`) lives in `buffers.batch`, re-exported here. `encode` copies
-each array once and hashes the body once; `decode` returns read-only numpy views into the caller's buffer.
-Large encode buffers come from a process-wide pool and return to it when the last view of the payload
-(including arrays decoded from it) is gone.
+each array once and hashes the body once; `encode_parts` gives the same bytes as parts, the arrays where
+they lie (hashed, not copied) for a store that sends from several buffers; `decode` returns read-only
+numpy views into the caller's buffer. Large encode buffers come from a process-wide pool and return to
+it when the last view of the payload (including arrays decoded from it) is gone.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ from buffers.batch import (  # the batch's names, re-exported from here (their o
     _wire_dtype,
     to_torch,
 )
-from buffers.pool import BufferPool
+from buffers.pool import BufferPool, shared_pool
+from buffers.store import Gathered
 
 __all__ = [
     "ALLOWED_DTYPES",
@@ -66,6 +68,7 @@ __all__ = [
     "configure_pool",
     "decode",
     "encode",
+    "encode_parts",
     "peek",
     "to_torch",
 ]
@@ -132,7 +135,7 @@ def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-_POOL = BufferPool(max_idle_bytes=256 << 20)
+_POOL = shared_pool()
 
 
 def configure_pool(max_idle_bytes: int) -> None:
@@ -179,14 +182,9 @@ def _write_body(out: np.ndarray, body_start: int, columns: list[tuple[FieldDescr
     return hasher.intdigest()
 
 
-def encode(batch: RolloutBatch, *, pool: BufferPool | None = None) -> memoryview:
-    """Encode `batch` into one contiguous payload (see the module docstring for the layout).
-
-    Returns a read-only memoryview over a fresh (or recycled) buffer; the payload is immutable and
-    its memory is recycled once nothing references it or anything decoded from it. `pool` lets a
-    store hand out its own (e.g. registered) memory, so the payload is written where it is sent from.
-    """
-    pool = _POOL if pool is None else pool
+def _layout(batch: RolloutBatch) -> tuple[list[tuple[FieldDescriptor, np.ndarray]], Header]:
+    """Each array with its descriptor (64-aligned body offsets, in column order), and the header without
+    its checksum."""
     columns, pos = [], 0
     for name, kind, arr in batch._columns():
         wire = _wire_dtype(arr.dtype)
@@ -196,7 +194,26 @@ def encode(batch: RolloutBatch, *, pool: BufferPool | None = None) -> memoryview
         columns.append((FieldDescriptor(name, kind, wire.str, arr.shape, pos, arr.nbytes), arr))
         pos += arr.nbytes
     descriptors = tuple(desc for desc, _ in columns)
-    header = Header(FORMAT_VERSION, batch.rows, batch.tokens, descriptors, batch.meta, pos, _U64_MAX)
+    return columns, Header(FORMAT_VERSION, batch.rows, batch.tokens, descriptors, batch.meta, pos, _U64_MAX)
+
+
+def _write_head(out: np.ndarray, header_bytes: bytes, body_start: int) -> None:
+    """Preamble, header and zero padding into `out[:body_start]`."""
+    header_end = _PREAMBLE.size + len(header_bytes)
+    _PREAMBLE.pack_into(out, 0, MAGIC, len(header_bytes), _checksum(header_bytes))
+    out[_PREAMBLE.size : header_end] = np.frombuffer(header_bytes, dtype=np.uint8)
+    out[header_end:body_start] = 0
+
+
+def encode(batch: RolloutBatch, *, pool: BufferPool | None = None) -> memoryview:
+    """Encode `batch` into one contiguous payload (see the module docstring for the layout).
+
+    Returns a read-only memoryview over a fresh (or recycled) buffer; the payload is immutable and
+    its memory is recycled once nothing references it or anything decoded from it. `pool` lets a
+    store hand out its own (e.g. registered) memory, so the payload is written where it is sent from.
+    """
+    pool = _POOL if pool is None else pool
+    columns, header = _layout(batch)
     body_start = _align(_PREAMBLE.size + len(_ENCODER.encode(header)))
     out = pool.take(body_start + header.body_nbytes)
     header = msgspec.structs.replace(header, checksum=_write_body(out, body_start, columns))
@@ -205,11 +222,42 @@ def encode(batch: RolloutBatch, *, pool: BufferPool | None = None) -> memoryview
         moved = pool.take(_align(_PREAMBLE.size + len(header_bytes)) + header.body_nbytes)
         moved[len(moved) - header.body_nbytes :] = out[body_start:]
         out, body_start = moved, len(moved) - header.body_nbytes
-    header_end = _PREAMBLE.size + len(header_bytes)
-    _PREAMBLE.pack_into(out, 0, MAGIC, len(header_bytes), _checksum(header_bytes))
-    out[_PREAMBLE.size : header_end] = np.frombuffer(header_bytes, dtype=np.uint8)
-    out[header_end:body_start] = 0
+    _write_head(out, header_bytes, body_start)
     return memoryview(out).toreadonly()
+
+
+_ZEROS = np.zeros(ALIGN, dtype=np.uint8)
+_ZEROS.flags.writeable = False
+
+
+def encode_parts(batch: RolloutBatch, *, pool: BufferPool | None = None) -> tuple[Gathered, Header]:
+    """The payload `encode` makes, byte for byte, as parts: a head (preamble, header, padding; from
+    `pool`), then each array where it lies with the zero gaps between them. Nothing is copied but the head
+    and arrays that are not C-contiguous in their wire dtype; the body is hashed once. The parts are the
+    batch's own arrays: they must not change until the put that takes them returns. Returns the parts and
+    the header (its checksum is the Ref's)."""
+    columns, header = _layout(batch)
+    hasher, parts, end = _new_hasher(), [], 0
+    for desc, arr in columns:
+        if desc.offset > end:
+            gap = _ZEROS[: desc.offset - end]
+            hasher.update(gap)
+            parts.append(gap)
+        end = desc.offset + desc.nbytes
+        if not desc.nbytes:
+            continue
+        wire = _WIRE_DTYPES[desc.dtype]
+        if not (arr.flags.c_contiguous and arr.dtype == wire):
+            arr = np.ascontiguousarray(arr.astype(wire, casting="equiv", copy=False))
+        body = arr.reshape(-1).view(np.uint8)
+        hasher.update(body)
+        parts.append(body)
+    header = msgspec.structs.replace(header, checksum=hasher.intdigest())
+    header_bytes = _ENCODER.encode(header)
+    body_start = _align(_PREAMBLE.size + len(header_bytes))
+    head = (_POOL if pool is None else pool).take(body_start)
+    _write_head(head, header_bytes, body_start)
+    return Gathered((head, *parts), body_start + header.body_nbytes), header
 
 
 def _as_bytes_view(buf: Buffer) -> memoryview:

@@ -35,7 +35,7 @@ import anyio
 from typing_extensions import Buffer
 
 from buffers.retry import ATTEMPTS
-from buffers.store import ObjectStore, StoreError, StoreSpec
+from buffers.store import Gathered, ObjectStore, StoreError, StoreSpec
 from pipeline.faults import FaultPlan, FaultPlanError, InjectedFault, Schedule
 from pipeline.telemetry import get_logger
 
@@ -166,7 +166,7 @@ class FaultyStore:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    async def put(self, key: str, data: Buffer) -> None:
+    async def put(self, key: str, data: Buffer | Gathered) -> None:
         if self._master_restart is not None and self._master_restart.hit():
             self.log.warning("injected fault: restarting the store's master", key=key)
             await anyio.to_thread.run_sync(self._master.restart)  # type: ignore[union-attr]

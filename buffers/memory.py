@@ -20,7 +20,8 @@ import re
 import anyio.lowlevel
 from typing_extensions import Buffer
 
-from buffers.store import KeyNotFound, StoreFull
+from buffers.pool import shared_pool
+from buffers.store import Gathered, KeyNotFound, StoreFull, joined
 
 __all__ = ["MemoryStore"]
 
@@ -49,10 +50,11 @@ class MemoryStore:
         """A snapshot of the keys held, in insertion order."""
         return list(self._values)
 
-    async def put(self, key: str, data: Buffer) -> None:
-        """Store `data` under `key` (upsert), taking ownership of the buffer without copying it."""
+    async def put(self, key: str, data: Buffer | Gathered) -> None:
+        """Store `data` under `key` (upsert), taking ownership of the buffer without copying it (a gathered
+        value is joined into one pooled buffer: one copy)."""
         await anyio.lowlevel.checkpoint()
-        view = memoryview(data)
+        view = memoryview(joined(data, shared_pool()))
         if view.format != "B" or view.ndim != 1:
             view = view.cast("B")
         view = view.toreadonly()

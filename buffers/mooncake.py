@@ -3,8 +3,9 @@
 * **Zero copy.** Payloads go out with `batch_upsert_from` and come back with `batch_get_into`, from
   and into buffers of a `BufferPool` whose memory is registered with Mooncake once; the codec
   encodes straight into that pool (`store.pool`), so a put sends the encoded bytes where they lie
-  and a get returns a read-only view of the registered buffer it landed in. In steady state no
-  batch allocates or registers memory.
+  and a get returns a read-only view of the registered buffer it landed in. A gathered payload
+  (`buffers.codec.encode_parts`: the batch's arrays where they lie) is sent from its parts, not copied
+  at all (`buffers.mooncake_gather`). In steady state no batch allocates pool memory.
 * **Chunking.** An object larger than `chunk_bytes` is stored as parts `key#p0000`, `key#p0001`, ...
   plus a small manifest under `key`; `get` reassembles it into one buffer. (One Mooncake object
   must fit in one segment; chunks let a large batch spread over segments.)
@@ -38,10 +39,11 @@ import numpy as np
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 from typing_extensions import Buffer
 
+from buffers.mooncake_gather import GATHER_MIN_BYTES, GatherRefused, Registrations, split_ranges, staged_ranges
 from buffers.mooncake_master import READ_LEASE_MS, MooncakeMaster, require_mooncake
 from buffers.pool import BufferPool
 from buffers.retry import retry_while
-from buffers.store import KeyNotFound, StoreError, StoreFull
+from buffers.store import Gathered, KeyNotFound, StoreError, StoreFull
 
 _MANIFEST = struct.Struct("<16sQQI")  # magic, total bytes, chunk bytes, parts
 _MANIFEST_MAGIC = b"\x00baton-chunked\x00\x01"
@@ -125,6 +127,9 @@ class MooncakeSettings:
     full_wait_s: float = 60.0  # how long a put waits for space in a full store before raising
     # the master's read lease (default_kv_lease_ttl; the masters baton starts: READ_LEASE_MS), see `remove`
     read_lease_s: float = READ_LEASE_MS / 1000
+    # send a gathered value's parts where they lie (registering them for the put) rather than copying them into
+    # registered memory: registration is bookkeeping over TCP; over RDMA it pins pages (buffers.mooncake_gather)
+    gather_puts: bool | None = None  # None: on for protocol tcp
 
     def resolved(self) -> MooncakeSettings:
         return dataclasses.replace(
@@ -134,6 +139,8 @@ class MooncakeSettings:
             device=self.device or os.environ.get("MOONCAKE_DEVICE", ""),
             # on a Ray node, the node's address (pipeline.runtime.ray sets BATON_HOST in every host)
             local_hostname=self.local_hostname or os.environ.get("BATON_HOST", "127.0.0.1"),
+            gather_puts=(self.protocol or os.environ.get("MOONCAKE_PROTOCOL", "tcp")) == "tcp"
+            if self.gather_puts is None else self.gather_puts,
         )
 
 
@@ -166,6 +173,7 @@ class MooncakeStore:
         self._config.with_hard_pin = True
         self._registered: dict[int, int] = {}  # address -> bytes of each registered pool buffer
         self.pool = BufferPool(pool_idle_bytes, min_nbytes=0, on_new=self._register, on_drop=self._unregister)
+        self._registrations = Registrations(self._client, self._registered)  # parts of gathered puts
         self._read_at: dict[str, float] = {}  # key -> when this client last read it (for `remove`)
         self._closed = False
         self.master: MooncakeMaster | None = None  # set by open("auto"): stopped by close()
@@ -186,14 +194,19 @@ class MooncakeStore:
         return store
 
     # -- the five protocol methods -------------------------------------------------------------
-    async def put(self, key: str, data: Buffer) -> None:
+    async def put(self, key: str, data: Buffer | Gathered) -> None:
         """Upsert. While the store is full (-200) or the master is away (-900, e.g. restarting) it
         waits, up to `full_wait_s`, then raises the typed error. With replicas > 1, a put the master
         routed to a dead holder (-800) is retried too: the master drops that holder within its
         client_ttl, and the copies then go to live segments. With one replica a -800 is retried for
-        `TRANSFER_RETRY_S` only (a transfer that failed to submit), then raised."""
-        view = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
-        put = partial(self._call, self._put, key, view, nbytes=view.nbytes)
+        `TRANSFER_RETRY_S` only (a transfer that failed to submit), then raised. A `Gathered` value of
+        at least `GATHER_MIN_BYTES` is sent from where its parts lie (`buffers.mooncake_gather`)."""
+        if isinstance(data, Gathered):
+            gathered = self.settings.gather_puts and data.nbytes >= GATHER_MIN_BYTES
+            value: np.ndarray | Gathered = data if gathered else data.join(self.pool)
+        else:
+            value = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+        put = partial(self._call, self._put, key, value, nbytes=value.nbytes)
         transfer_s = self.settings.full_wait_s if self.settings.replicas > 1 else TRANSFER_RETRY_S
         submitted = partial(retry_while, put, (MooncakeTransferFailed,), first_wait_s=0.05, max_wait_s=0.5,
                             within_s=transfer_s)
@@ -277,23 +290,53 @@ class MooncakeStore:
         staged[:] = data
         return staged
 
-    def _put(self, key: str, data: np.ndarray) -> None:
+    def _object_keys(self, key: str, size: int) -> list[str]:
+        """The keys of a value of `size` bytes: itself, or its parts when it is over `chunk_bytes`."""
+        parts = -(-size // self.settings.chunk_bytes)
+        return [key] if parts <= 1 else [key + _PART.format(i) for i in range(parts)]
+
+    def _put(self, key: str, data: np.ndarray | Gathered) -> None:
+        if isinstance(data, Gathered):
+            if self._put_gathered(key, data):
+                return
+            data = data.join(self.pool)
         staged = self._staged(data)
         size, chunk = staged.nbytes, self.settings.chunk_bytes
-        if size <= chunk:
-            keys, ptrs, sizes = [key], [staged.ctypes.data], [size]
-        else:
-            parts = -(-size // chunk)
-            keys = [key + _PART.format(i) for i in range(parts)]
-            ptrs = [staged.ctypes.data + i * chunk for i in range(parts)]
-            sizes = [min(chunk, size - i * chunk) for i in range(parts)]
-        codes = self._client.batch_upsert_from(keys, ptrs, sizes, self._config)
+        keys = self._object_keys(key, size)
+        ptrs = [staged.ctypes.data + i * chunk for i in range(len(keys))]
+        sizes = [min(chunk, size - i * chunk) for i in range(len(keys))]
+        self._check_puts(keys, self._client.batch_upsert_from(keys, ptrs, sizes, self._config))
+        self._put_manifest(key, size, len(keys))
+
+    def _put_gathered(self, key: str, data: Gathered) -> bool:
+        """Send `data` from where its parts lie; False (nothing sent) when a key exists already (only an
+        upsert replaces it) or a part cannot be registered: the caller sends it the copying way."""
+        keys = self._object_keys(key, data.nbytes)
+        if any(self._client.batch_is_exist(keys if len(keys) == 1 else [key, *keys])):  # 1: exists, -1: unknown
+            return False
+        ranges, register, staging = staged_ranges(data.parts, self._registrations, self.pool.take)
+        ptrs, sizes = split_ranges(ranges, self.settings.chunk_bytes)
+        try:
+            with self._registrations.held(register):
+                codes = self._client.batch_put_from_multi_buffers(keys, ptrs, sizes, self._config)
+        except GatherRefused:
+            return False
+        del staging
+        self._check_puts(keys, codes)
+        self._put_manifest(key, data.nbytes, len(keys))
+        return True
+
+    @staticmethod
+    def _check_puts(keys: list[str], codes: list[int]) -> None:
         for k, rc in zip(keys, codes, strict=True):
             if rc < 0:
                 raise error_for(k, rc, "put")
-        if size > chunk:
+
+    def _put_manifest(self, key: str, size: int, parts: int) -> None:
+        """Under `key`, the manifest of a value stored as `parts` > 1 parts (nothing for one part)."""
+        if parts > 1:
             manifest = self.pool.take(_MANIFEST.size)
-            _MANIFEST.pack_into(manifest, 0, _MANIFEST_MAGIC, size, chunk, len(keys))
+            _MANIFEST.pack_into(manifest, 0, _MANIFEST_MAGIC, size, self.settings.chunk_bytes, parts)
             rc = self._client.upsert_from(key, manifest.ctypes.data, _MANIFEST.size, self._config)
             if rc < 0:
                 raise error_for(key, rc, "put manifest")

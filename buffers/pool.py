@@ -99,3 +99,13 @@ class BufferPool:
             self._idle_bytes -= size
             if self._on_drop is not None:
                 self._on_drop(buf)
+
+
+_SHARED = BufferPool(max_idle_bytes=256 << 20)
+
+
+def shared_pool() -> BufferPool:
+    """The process-wide pool for payload buffers no store provides memory for (the codec's encodes, the
+    joins of gathered values by stores that keep one buffer per value); `buffers.codec.configure_pool`
+    caps its idle bytes."""
+    return _SHARED

@@ -65,7 +65,8 @@ import ray
 from ray import exceptions as rex
 from typing_extensions import Buffer
 
-from buffers.store import KeyNotFound, StoreError, StoreFull
+from buffers.pool import shared_pool
+from buffers.store import Gathered, KeyNotFound, StoreError, StoreFull, joined
 
 __all__ = [
     "INLINE_BYTES", "RayIndexUnavailable", "RayObjectLost", "RaySizeMismatch", "RayStore", "RayStoreError",
@@ -259,9 +260,10 @@ class RayStore:
             raise RayStoreError(f"store {self.name!r}: {op} of {key!r} failed: {_describe(exc)}", key, exc) from exc
 
     # -- the five protocol methods -------------------------------------------------------------------
-    async def put(self, key: str, data: Buffer) -> None:
-        """Upsert `data` under `key`; returns once any process of the run can `get` it."""
-        view = memoryview(data)
+    async def put(self, key: str, data: Buffer | Gathered) -> None:
+        """Upsert `data` under `key` (a gathered value joined first); returns once any process of the run can
+        `get` it."""
+        view = memoryview(joined(data, shared_pool()))
         if view.format != "B" or view.ndim != 1:
             view = view.cast("B")
         arr = np.frombuffer(view, dtype=np.uint8)

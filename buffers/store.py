@@ -4,7 +4,9 @@ Every backend (process memory, Ray's object store, Mooncake Store) implements th
 methods in its own module. The contract every implementation keeps:
 
 * `put` stores the bytes under `key`, replacing any value already there (upsert), and returns
-  only once the value is readable by `get` from any client of the store.
+  only once the value is readable by `get` from any client of the store. The bytes come as one
+  buffer or as a `Gathered` payload (parts whose concatenation is the value): a store that can send
+  from several buffers (Mooncake) sends the parts where they lie, the others join them first.
 * `get` returns exactly the bytes that were put, or raises: `KeyNotFound` for a missing key,
   `StoreError` (or a subclass) for any other failure. It never returns an empty result for a
   failure.
@@ -17,8 +19,10 @@ methods in its own module. The contract every implementation keeps:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+import numpy as np
 from typing_extensions import Buffer
 
 if TYPE_CHECKING:
@@ -40,12 +44,41 @@ class StoreFull(StoreError):
     """The store cannot take more bytes right now."""
 
 
+@dataclass(frozen=True)
+class Gathered:
+    """A value given as its parts, in order: its bytes are their concatenation (`nbytes` in all).
+
+    Each part is a 1-D C-contiguous uint8 array that stays unchanged and alive until the `put` that
+    takes it returns. A put of a gathered value stores exactly what a put of `join()` would."""
+
+    parts: tuple[np.ndarray, ...]
+    nbytes: int
+
+    def __post_init__(self) -> None:
+        if sum(p.nbytes for p in self.parts) != self.nbytes:
+            raise ValueError(f"parts of {sum(p.nbytes for p in self.parts)} bytes, not the {self.nbytes} stated")
+
+    def join(self, pool: BufferPool | None = None) -> np.ndarray:
+        """The value in one buffer (from `pool` when given): one copy of every part."""
+        out = pool.take(self.nbytes) if pool is not None else np.empty(self.nbytes, dtype=np.uint8)
+        pos = 0
+        for part in self.parts:
+            out[pos : pos + part.nbytes] = part
+            pos += part.nbytes
+        return out
+
+
+def joined(data: Buffer | Gathered, pool: BufferPool | None = None) -> Buffer:
+    """`data` as one buffer: a `Gathered` value joined (into `pool`'s memory when given), any other as it is."""
+    return data.join(pool) if isinstance(data, Gathered) else data
+
+
 @runtime_checkable
 class ObjectStore(Protocol):
     name: str
     pool: BufferPool | None
 
-    async def put(self, key: str, data: Buffer) -> None: ...
+    async def put(self, key: str, data: Buffer | Gathered) -> None: ...
 
     async def get(self, key: str, size_hint: int | None = None) -> memoryview:
         """`size_hint`: the value's size if the caller knows it (a Ref's nbytes); stores may ignore it."""

@@ -27,7 +27,7 @@ from typing import Any
 import anyio
 import numpy as np
 
-from buffers.codec import encode, peek
+from buffers.codec import encode_parts
 from buffers.retry import with_retries
 from buffers.store import ObjectStore
 from pipeline.context import RunContext
@@ -189,13 +189,13 @@ class GroupMaker:
         batch = encode_group(episodes, scores.rewards, span,
                              {"run": ctx.run, "group": group_id, "prompt": prompt.text, "answer": prompt.answer},
                              token_fields, row_fields)
-        payload = encode(batch, pool=self.store.pool)  # straight into the store's memory where it has a pool
+        payload, header = encode_parts(batch, pool=self.store.pool)  # the arrays where they lie, no copy
         key = make_key(ctx.run, lo, group_id, f"0-{len(episodes) - 1}")
         await with_retries(lambda: self.store.put(key, payload))
         self.stats.groups += 1
         ref = Ref(
             store=self.store.name, key=key, version=lo, version_max=hi, rows=len(episodes),
-            nbytes=payload.nbytes, checksum=peek(payload).checksum, group=group_id,
+            nbytes=payload.nbytes, checksum=header.checksum, group=group_id,
         )
         values = {"reward": [float(r) for r in scores.rewards],
                   "length": [float(e.tokens.model_tokens) for e in episodes]}

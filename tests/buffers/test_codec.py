@@ -91,6 +91,18 @@ def test_round_trip_is_exact(batch: RolloutBatch) -> None:
 
 
 @given(batches())
+def test_parts_are_the_payload_byte_for_byte(batch: RolloutBatch) -> None:
+    """encode_parts gives encode's bytes, with the batch's contiguous arrays as parts (not copies)."""
+    gathered, header = codec.encode_parts(batch)
+    assert bytes(gathered.join()) == bytes(encode(batch))
+    assert header == peek(encode(batch))
+    assert gathered.nbytes == len(encode(batch))
+    for arr in (*batch.token_fields.values(), *batch.row_fields.values()):
+        if arr.size and arr.flags.c_contiguous and arr.dtype.byteorder in "<=|":
+            assert any(np.shares_memory(part, arr) for part in gathered.parts), "an array was copied"
+
+
+@given(batches())
 def test_decode_is_zero_copy_and_read_only(batch: RolloutBatch) -> None:
     buf = bytearray(encode(batch))
     whole = np.frombuffer(buf, dtype=np.uint8)
@@ -263,6 +275,7 @@ def test_non_native_and_strided_inputs_encode_little_endian(n: int) -> None:
     batch = RolloutBatch(np.array([0, n]), {"a": big_endian, "b": strided, "c": contiguous})
     payload = encode(batch)
     assert peek(payload).checksum == xxhash.xxh3_64_intdigest(payload[body_start(payload) :])
+    assert bytes(codec.encode_parts(batch)[0].join()) == bytes(payload)
     decoded = decode(payload)
     assert decoded.token_fields["a"].dtype == np.dtype("<i4")
     assert np.array_equal(decoded.token_fields["a"], contiguous)

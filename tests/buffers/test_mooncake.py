@@ -134,6 +134,39 @@ async def test_encode_into_registered_pool_is_zero_copy(holder) -> None:
     assert holder.pool.allocated - made <= 4, "steady state reuses pooled buffers"
 
 
+@pytest.mark.parametrize("chunk_mib", [64, 1])
+async def test_a_gathered_payload_is_sent_from_its_arrays_and_read_back_whole(mooncake_master, chunk_mib,
+                                                                             monkeypatch) -> None:
+    """encode_parts' arrays go out where they lie (no join; chunk_mib=1: split over parts; over GATHER_MIN_BYTES); a gathered put
+    onto a key that exists replaces it the copying way; nothing stays registered after the puts."""
+    from buffers.codec import RolloutBatch, decode, encode, encode_parts
+    from buffers.store import Gathered
+
+    store = MooncakeStore(MooncakeSettings(master_server_address=mooncake_master.address,
+                                           global_segment_size=64 << 20, chunk_bytes=chunk_mib << 20))
+    try:
+        rng = np.random.default_rng(chunk_mib)
+        batches = [RolloutBatch.from_rows([{"tokens": rng.integers(0, 9, 60_000, dtype=np.int32)} for _ in range(24)],
+                                          row_fields={"rewards": rng.random(24).astype(np.float32)}, meta={"n": n})
+                   for n in range(2)]
+        joins = []
+        real_join = Gathered.join
+        monkeypatch.setattr(Gathered, "join", lambda self, pool=None: joins.append(1) or real_join(self, pool))
+        value, header = encode_parts(batches[0], pool=store.pool)
+        assert value.nbytes >= mooncake.GATHER_MIN_BYTES
+        await store.put("ga/v00000000/g/0", value)
+        assert not joins, "a fresh key was sent from the parts"
+        assert bytes(await store.get("ga/v00000000/g/0", size_hint=value.nbytes)) == bytes(encode(batches[0]))
+        value, header = encode_parts(batches[1], pool=store.pool)
+        await store.put("ga/v00000000/g/0", value)  # the key exists: upsert, by the copy
+        assert joins == [1]
+        got = decode(await store.get("ga/v00000000/g/0"))
+        assert got.meta == {"n": 1} and np.array_equal(got.token_fields["tokens"], batches[1].token_fields["tokens"])
+        assert store._registrations._held == {}, "a part stayed registered"
+    finally:
+        await store.close()
+
+
 async def test_eviction_by_version(holder) -> None:
     keys = [make_key("ev", v, f"g{v}", "0-7") for v in range(6)]
     for key in keys:
