@@ -137,7 +137,7 @@ async def test_encode_into_registered_pool_is_zero_copy(holder) -> None:
 @pytest.mark.parametrize("chunk_mib", [64, 1])
 async def test_a_gathered_payload_is_sent_from_its_arrays_and_read_back_whole(mooncake_master, chunk_mib,
                                                                              monkeypatch) -> None:
-    """encode_parts' arrays go out where they lie (no join; chunk_mib=1: split over parts; over GATHER_MIN_BYTES); a gathered put
+    """encode_parts' arrays go out where they lie (no join; chunk_mib=1: split over parts); a gathered put
     onto a key that exists replaces it the copying way; nothing stays registered after the puts."""
     from buffers.codec import RolloutBatch, decode, encode, encode_parts
     from buffers.store import Gathered
