@@ -229,8 +229,10 @@ class LearnerActor(BaseActor):
         """A run stopped before its step count (Ctrl-C, SIGTERM, the watchdog's stop of a hung run; not an
         actor's crash, which resumes from the latest checkpoint as a killed process would): checkpoint the
         learner's last version (`_keep_final`). A step whose compute finished is completed first, without
-        publishing; weights caught mid-step (a rank's collective abandoned), a dead rank, or a `run` still
-        unwinding leave the latest checkpoint as it is. Never raises: the run is stopping anyway."""
+        publishing; one whose compute never began (stopped before its thread ran) leaves the weights at the
+        version to keep, its groups untrained (in flight: resumed or regenerated); weights caught mid-step (a
+        rank's collective abandoned), a dead rank, or a `run` still unwinding leave the latest checkpoint as it is.
+        Never raises: the run is stopping anyway."""
         failure = self.ctx.failure  # a crash resumes from the latest checkpoint, as a killed process would
         if failure is not None and not isinstance(failure.__cause__, PipelineHung):
             return
@@ -239,7 +241,7 @@ class LearnerActor(BaseActor):
         try:
             if self.ranks is not None:
                 self.ranks.check()  # a dead rank would fail the checkpoint's collectives
-            if self._pending is not None:
+            if self._pending is not None and self._trained_to != self._version:  # the step's compute began
                 if self._trained_to != self._version + 1:
                     return  # the weights are mid-step
                 refs, taken = self._pending
