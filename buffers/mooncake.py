@@ -39,7 +39,7 @@ import numpy as np
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 from typing_extensions import Buffer
 
-from buffers.mooncake_gather import GATHER_MIN_BYTES, GatherRefused, Registrations, split_ranges, staged_ranges
+from buffers.mooncake_gather import GATHER_MIN_BYTES, Registrations, send_gathered
 from buffers.mooncake_master import READ_LEASE_MS, MooncakeMaster, require_mooncake
 from buffers.pool import BufferPool
 from buffers.retry import retry_while
@@ -53,6 +53,12 @@ INLINE_BYTES = 2 << 20
 # loaded machine a first connection to a holder can fail to submit; a holder that is gone still fails
 TRANSFER_RETRY_S = 2.0
 LEASE_RETRIES = 5  # tries of one key whose read outlasted its lease, each under a fresh lease
+
+
+def object_keys(key: str, size: int, chunk: int) -> list[str]:
+    """The keys a value of `size` bytes is stored under: itself, or its parts when it is over `chunk` bytes."""
+    parts = -(-size // chunk)
+    return [key] if parts <= 1 else [key + _PART.format(i) for i in range(parts)]
 
 
 class MooncakeError(StoreError):
@@ -171,9 +177,9 @@ class MooncakeStore:
         # Hard pin: the master never evicts our objects at its high watermark (that would lose rollout
         # data silently); a full store refuses puts instead (-200), which `put` waits out.
         self._config.with_hard_pin = True
-        self._registered: dict[int, int] = {}  # address -> bytes of each registered pool buffer
-        self.pool = BufferPool(pool_idle_bytes, min_nbytes=0, on_new=self._register, on_drop=self._unregister)
-        self._registrations = Registrations(self._client, self._registered)  # parts of gathered puts
+        self._registrations = Registrations(self._client, error_for)  # the pool's buffers, gathered puts' parts
+        self.pool = BufferPool(pool_idle_bytes, min_nbytes=0, on_new=self._registrations.pool_new,
+                               on_drop=self._registrations.pool_drop)
         self._read_at: dict[str, float] = {}  # key -> when this client last read it (for `remove`)
         self._closed = False
         self.master: MooncakeMaster | None = None  # set by open("auto"): stopped by close()
@@ -264,79 +270,44 @@ class MooncakeStore:
 
     async def close(self) -> None:
         if not self._closed:
-            self._closed = True
+            self._closed = self._registrations.closed = True  # the pool's buffers die with the client
             self.pool.clear()
             await anyio.to_thread.run_sync(self._client.close)
             if self.master is not None:
                 self.master.stop()
 
     # -- blocking internals (run in a worker thread) ---------------------------------------------
-    def _register(self, buf: np.ndarray) -> None:
-        rc = self._client.register_buffer(buf.ctypes.data, buf.nbytes)
-        if rc != 0:
-            raise error_for("<register_buffer>", rc, "register_buffer")
-        self._registered[buf.ctypes.data] = buf.nbytes
-
-    def _unregister(self, buf: np.ndarray) -> None:
-        if not self._closed and self._registered.pop(buf.ctypes.data, None) is not None:
-            self._client.unregister_buffer(buf.ctypes.data)
-
     def _staged(self, data: np.ndarray) -> np.ndarray:
         """`data` itself when it lies in registered pool memory, else a registered copy of it."""
-        start, end = data.ctypes.data, data.ctypes.data + data.nbytes
-        if any(base <= start and end <= base + size for base, size in self._registered.items()):
+        if self._registrations.in_pool(data):
             return data
         staged = self.pool.take(data.nbytes)
         staged[:] = data
         return staged
 
-    def _object_keys(self, key: str, size: int) -> list[str]:
-        """The keys of a value of `size` bytes: itself, or its parts when it is over `chunk_bytes`."""
-        parts = -(-size // self.settings.chunk_bytes)
-        return [key] if parts <= 1 else [key + _PART.format(i) for i in range(parts)]
-
     def _put(self, key: str, data: np.ndarray | Gathered) -> None:
+        """Send `data` under its object keys (`object_keys`), a gathered value from where its parts lie when its
+        keys are new (`buffers.mooncake_gather`), any other value from registered memory as an upsert; then the
+        manifest of a chunked value."""
+        size, chunk = data.nbytes, self.settings.chunk_bytes
+        keys = object_keys(key, size, chunk)
+        codes = None
         if isinstance(data, Gathered):
-            if self._put_gathered(key, data):
-                return
-            data = data.join(self.pool)
-        staged = self._staged(data)
-        size, chunk = staged.nbytes, self.settings.chunk_bytes
-        keys = self._object_keys(key, size)
-        ptrs = [staged.ctypes.data + i * chunk for i in range(len(keys))]
-        sizes = [min(chunk, size - i * chunk) for i in range(len(keys))]
-        self._check_puts(keys, self._client.batch_upsert_from(keys, ptrs, sizes, self._config))
-        self._put_manifest(key, size, len(keys))
-
-    def _put_gathered(self, key: str, data: Gathered) -> bool:
-        """Send `data` from where its parts lie; False (nothing sent) when a key exists already (only an
-        upsert replaces it) or a part cannot be registered: the caller sends it the copying way."""
-        keys = self._object_keys(key, data.nbytes)
-        if any(self._client.batch_is_exist(keys if len(keys) == 1 else [key, *keys])):  # 1: exists, -1: unknown
-            return False
-        ranges, register, staging = staged_ranges(data.parts, self._registrations, self.pool.take)
-        ptrs, sizes = split_ranges(ranges, self.settings.chunk_bytes)
-        try:
-            with self._registrations.held(register):
-                codes = self._client.batch_put_from_multi_buffers(keys, ptrs, sizes, self._config)
-        except GatherRefused:
-            return False
-        del staging
-        self._check_puts(keys, codes)
-        self._put_manifest(key, data.nbytes, len(keys))
-        return True
-
-    @staticmethod
-    def _check_puts(keys: list[str], codes: list[int]) -> None:
+            lookup = keys if len(keys) == 1 else [*keys, key]
+            codes = send_gathered(self._client, self._config, self._registrations, self.pool.take, lookup, chunk, data)
+            if codes is None:
+                data = data.join(self.pool)
+        if codes is None:
+            staged = self._staged(data)
+            ptrs = [staged.ctypes.data + i * chunk for i in range(len(keys))]
+            sizes = [min(chunk, size - i * chunk) for i in range(len(keys))]
+            codes = self._client.batch_upsert_from(keys, ptrs, sizes, self._config)
         for k, rc in zip(keys, codes, strict=True):
             if rc < 0:
                 raise error_for(k, rc, "put")
-
-    def _put_manifest(self, key: str, size: int, parts: int) -> None:
-        """Under `key`, the manifest of a value stored as `parts` > 1 parts (nothing for one part)."""
-        if parts > 1:
+        if len(keys) > 1:
             manifest = self.pool.take(_MANIFEST.size)
-            _MANIFEST.pack_into(manifest, 0, _MANIFEST_MAGIC, size, self.settings.chunk_bytes, parts)
+            _MANIFEST.pack_into(manifest, 0, _MANIFEST_MAGIC, size, chunk, len(keys))
             rc = self._client.upsert_from(key, manifest.ctypes.data, _MANIFEST.size, self._config)
             if rc < 0:
                 raise error_for(key, rc, "put manifest")

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -50,17 +50,31 @@ def split_ranges(ranges: Sequence[tuple[int, int]], chunk: int) -> tuple[list[li
 
 
 class Registrations:
-    """Memory registered with one Mooncake client while puts send from it (see the module docstring)."""
+    """Memory registered with one Mooncake client: the store's pool buffers (for as long as the pool keeps
+    them) and the parts of gathered puts (while puts send from them; see the module docstring)."""
 
-    def __init__(self, client: Any, pool_ranges: dict[int, int]) -> None:
-        self._client = client
-        self._pool_ranges = pool_ranges  # address -> bytes of the store's registered pool buffers
+    def __init__(self, client: Any, error_for: Callable[[str, int, str], Exception]) -> None:
+        """`error_for(key, code, op)`: the store's typed error for a refused pool registration."""
+        self._client, self._error_for = client, error_for
+        self.pool_ranges: dict[int, int] = {}  # address -> bytes of the store's registered pool buffers
         self._held: dict[int, tuple[int, int]] = {}  # address -> (bytes registered, puts sending from it)
         self._lock = threading.Lock()
+        self.closed = False  # the client is closed: nothing is unregistered any more
+
+    def pool_new(self, buf: np.ndarray) -> None:
+        """A new buffer of the store's pool: registered for as long as the pool keeps it."""
+        rc = self._client.register_buffer(buf.ctypes.data, buf.nbytes)
+        if rc != 0:
+            raise self._error_for("<register_buffer>", rc, "register_buffer")
+        self.pool_ranges[buf.ctypes.data] = buf.nbytes
+
+    def pool_drop(self, buf: np.ndarray) -> None:
+        if not self.closed and self.pool_ranges.pop(buf.ctypes.data, None) is not None:
+            self._client.unregister_buffer(buf.ctypes.data)
 
     def in_pool(self, part: np.ndarray) -> bool:
         start, size = part.ctypes.data, part.nbytes
-        return any(base <= start and start + size <= base + n for base, n in self._pool_ranges.items())
+        return any(base <= start and start + size <= base + n for base, n in self.pool_ranges.items())
 
     @contextlib.contextmanager
     def held(self, parts: Sequence[np.ndarray]) -> Iterator[None]:
@@ -120,3 +134,23 @@ def staged_ranges(parts: Sequence[np.ndarray], registrations: Registrations, tak
             register.append(part)
         ranges.append((part.ctypes.data, part.nbytes))
     return ranges, register, [staging] if staging is not None else []
+
+
+def send_gathered(client: Any, config: Any, registrations: Registrations, take: Any, keys: list[str],
+                  chunk: int, data: Any) -> list[int] | None:
+    """Put `data` (a `Gathered` value) from where its parts lie under `keys`: the value's key, or its
+    `chunk`-byte parts' keys then its key (the manifest's, written by the caller). Returns the codes of the
+    data keys, or None (nothing sent) when one of `keys` exists already (only an upsert replaces it) or a
+    part cannot be registered: the caller sends it the copying way. `take(n)`: registered pool memory."""
+    if any(client.batch_is_exist(keys)):  # 1: exists, -1: unknown
+        return None
+    data_keys = keys if len(keys) == 1 else keys[:-1]
+    ranges, register, staging = staged_ranges(data.parts, registrations, take)
+    ptrs, sizes = split_ranges(ranges, chunk)
+    try:
+        with registrations.held(register):
+            codes = list(client.batch_put_from_multi_buffers(data_keys, ptrs, sizes, config))
+    except GatherRefused:
+        return None
+    del staging  # the small parts' copy lives until the put returned
+    return codes

@@ -55,6 +55,10 @@ class MooncakeStoreSpec(Section):
     replicas: int = Field(MOONCAKE_SETTINGS("replicas", 1), ge=1,
         description="copies of each object on distinct segments; 2 survives one holder's death but needs two "
                     "processes holding segments")
+    gather_puts: bool | None = Field(None,
+        description="send a rollout batch from its arrays where they lie, registering them for the put (no copy); "
+                    "unset: on for protocol tcp, off for rdma, where registering pins memory and the copy into "
+                    "the store's registered pool is cheaper")
 
     def make(self, ctx: BuildContext) -> MooncakeStore | MooncakeOpener:
         """Locally, the store itself; on Ray, an opener: each process opens its own client (the buffer's holds
@@ -65,6 +69,7 @@ class MooncakeStoreSpec(Section):
         settings = MooncakeSettings(
             protocol=self.protocol, device=self.device, global_segment_size=int(self.global_segment_size),
             local_buffer_size=int(self.local_buffer_size), chunk_bytes=int(self.chunk_bytes), replicas=self.replicas,
+            gather_puts=self.gather_puts,
         )
         if ctx.runtime == "ray":
             return MooncakeOpener(settings, master=self.master)

@@ -46,7 +46,7 @@ class Client:
 
 def test_a_shared_part_stays_registered_until_its_last_put_ends() -> None:
     client, big = Client(), np.zeros(1 << 17, np.uint8)
-    regs = Registrations(client, {})
+    regs = Registrations(client, RuntimeError)
     with regs.held([big]):
         with regs.held([big]):
             assert client.registered == {big.ctypes.data: big.nbytes}
@@ -57,19 +57,20 @@ def test_a_shared_part_stays_registered_until_its_last_put_ends() -> None:
 def test_a_refused_registration_leaves_nothing_registered() -> None:
     first, second = np.zeros(1 << 17, np.uint8), np.zeros(1 << 17, np.uint8)
     client = Client()
-    regs = Registrations(client, {})
+    regs = Registrations(client, RuntimeError)
     with regs.held([first]), pytest.raises(GatherRefused, match="registered for"):
         with regs.held([second, first[: 1 << 16]]):  # the same address, another size
             pass
     assert client.registered == {}
-    with pytest.raises(GatherRefused, match="code -1"), Registrations(Client(refuse=True), {}).held([first]):
+    with pytest.raises(GatherRefused, match="code -1"), Registrations(Client(refuse=True), RuntimeError).held([first]):
         pass
 
 
 def test_small_parts_are_staged_and_large_ones_registered_where_they_lie() -> None:
     head, big, row = np.arange(64, dtype=np.uint8), np.ones(1 << 17, np.uint8), np.full(40, 3, np.uint8)
     pool = np.zeros(1 << 20, np.uint8)  # the store's registered memory
-    regs = Registrations(Client(), {pool.ctypes.data: pool.nbytes})
+    regs = Registrations(Client(), RuntimeError)
+    regs.pool_new(pool)
     value = Gathered((pool[:64], head, big, np.zeros(0, np.uint8), row), 64 + 64 + big.nbytes + 40)
     ranges, register, staging = staged_ranges(value.parts, regs, lambda n: np.empty(n, np.uint8))
     assert [r[1] for r in ranges] == [64, 64, big.nbytes, 40]
