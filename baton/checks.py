@@ -159,17 +159,13 @@ def episodes_from_one_place(cfg: RunConfig) -> None:
 
 def elastic_fits(cfg: RunConfig) -> None:
     """`[rollout] max_engines` (engines that join and leave while the run goes on): at least engine.count,
-    not in gateway mode, and on Ray without checkpoints (docs/guides/elastic.md)."""
+    not in gateway mode (docs/guides/elastic.md)."""
     most = cfg.rollout.max_engines
     if most is None:
         return
     if most < cfg.engine_count:
         raise ValueError(f"rollout.max_engines = {most} is below engine.count = {cfg.engine_count}; raise it to at "
                          f"least {cfg.engine_count}, or remove it for a fixed fleet")
-    if cfg.runtime == "ray" and cfg.checkpoint.every:
-        raise ValueError("rollout.max_engines with runtime = 'ray' does not checkpoint yet (a checkpoint cut asks the "
-                         "run's first producer processes only); set checkpoint.every = 0, runtime = 'local', or "
-                         "remove rollout.max_engines")
     if cfg.gateway is not None:
         raise ValueError("rollout.max_engines does not combine with [gateway] (its gateway lives on the first "
                          "worker); remove one of them")

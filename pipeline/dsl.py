@@ -165,10 +165,6 @@ class Pipeline:
         if self.max_workers is not None and self.max_workers < self.producer.workers:
             raise ValueError(f"max_workers = {self.max_workers} is below the producer's {self.producer.workers} "
                              "workers; raise it, or unset it for a fixed fleet")
-        if self.max_workers and self.runtime == "ray" and self.checkpoint_every:
-            raise ValueError("max_workers (a fleet that grows and shrinks) on runtime='ray' does not checkpoint yet: "
-                             "a checkpoint cut asks the run's first producer hosts only; unset checkpoint_every or "
-                             "max_workers, or use runtime='local'")
 
     def _new_folder(self) -> RunFolder:
         folder = RunFolder.create(self.run_root, self.name)

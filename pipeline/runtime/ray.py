@@ -181,7 +181,8 @@ class StageHost:
                 from pipeline.checkpoint import Checkpointer
                 from pipeline.runtime.ray_cut import RayCut
 
-                cut = RayCut(w.run, w.steps, w.units_per_version, w.conductor, peers.get("producer", []),
+                producers = ctx.services.producers  # joiners are added to it before their fence (`add_producer`)
+                cut = RayCut(w.run, w.steps, w.units_per_version, w.conductor, lambda: [p.host for p in producers],
                              peers["buffer"][0], w.channels)
                 ctx.checkpoint = Checkpointer(w.folder, w.checkpoint_every, run=w.run, steps=w.steps, cut=cut,
                                               keep=w.checkpoint_keep)

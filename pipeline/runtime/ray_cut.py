@@ -8,9 +8,10 @@ consumer between two steps, like `LocalCut`) takes the cut in three moves:
    `take_source`, `trained`, `finished`) waits, so the ledger snapshot in the reply is the ledger for
    the whole capture. The freeze is a lease: it thaws by itself after `lease_s`, and a capture whose
    lease ran out raises `CheckpointError` (its cut is no longer consistent) instead of writing;
-2. **ask** every producer host, the `produced` channel, the buffer host and the `ready` channel (all
-   at once: one round trip of frozen time) for the refs they hold, and producers for the prompts they
-   were making; the consumer's own window is read in place (it waits in `Checkpointer.save`);
+2. **ask** every producer host live at the cut (an elastic run's joiners too, until they drained), the
+   `produced` channel, the buffer host and the `ready` channel (all at once: one round trip of frozen
+   time) for the refs they hold, and producers for the prompts they were making; the consumer's own
+   window is read in place (it waits in `Checkpointer.save`);
 3. **thaw** the conductor, then the checkpoint is written as on the local runtime.
 
 A host that does not answer within the lease (80 % of it, so the thaw comes in time) voids the cut:
@@ -33,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,14 +127,15 @@ def frozen_run(freezer: Freezer, lease_s: float, version: int, ledger: Ledger, s
 
 @dataclass
 class RayCut:
-    """The Ray runtime's `RunCut` (see the module docstring). `producers` and `buffer` are StageHost
-    handles, `channels` the run's RayChannels of refs and its feedback channel."""
+    """The Ray runtime's `RunCut` (see the module docstring). `producers()` gives the producer hosts live at
+    the cut (an elastic run's joiners included: the consumer's roster) and `buffer` is the buffer's, as
+    StageHost handles; `channels` the run's RayChannels of refs and its feedback channel."""
 
     run: str
     steps: int
     units_per_version: int
     conductor: Any
-    producers: list[Any]
+    producers: Callable[[], Iterable[Any]]
     buffer: Any
     channels: dict[str, Any]
     lease_s: float = 60.0
@@ -188,7 +191,7 @@ class RayCut:
 
         # all at once: the ledger is what resume trusts, and its rules absorb refs that move meanwhile
         *_, redo = await asyncio.gather(
-            *(host(h) for h in self.producers), channel("produced"), host(self.buffer), channel("ready"), feedback()
+            *(host(h) for h in self.producers()), channel("produced"), host(self.buffer), channel("ready"), feedback()
         )
         return held, generating, recording, rngs, redo
 

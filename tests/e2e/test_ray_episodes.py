@@ -22,6 +22,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 from buffers.ray_store import RayStoreSpec  # noqa: E402
 from buffers.ref_buffer import RefBuffer  # noqa: E402
+from pipeline.checkpoint import read_state  # noqa: E402
 from pipeline.control import CONTROL_FILE, scale_run  # noqa: E402
 from pipeline.dsl import Pipeline  # noqa: E402
 from pipeline.fleet import FleetError  # noqa: E402
@@ -108,12 +109,14 @@ def test_multi_turn_episodes_run_in_the_producer_processes(ray_cluster, model: P
     an elastic run (issue 52): it starts on one engine; a second joins as a new Ray actor (`baton scale`'s
     endpoint: subscribed to the pushes, through the version fence before it asks for work) and carries the run
     alone for a few versions, then leaves (`Pipeline.scale`: it drains). Every group accounted for, nothing
-    trained twice, the joiner served only on weights at least its fence's, episodes take more than one turn."""
+    trained twice, the joiner served only on weights at least its fence's, episodes take more than one turn;
+    a checkpoint at every version, the cuts taken while the joiner was live asking its host too."""
     steps, groups = 10, 4
     gate, runs = tmp_path / "gate", tmp_path / "runs"
     gate.touch()
     pipe = Pipeline(
         name="t", steps=steps, run_root=runs, runtime="ray", progress=False, max_workers=2,
+        checkpoint_every=1, checkpoint_keep=steps + 1,  # a cut at every version: some while the joiner is live
         producer=Rollout(
             tasks.ReverseDigits(digits=3), [GatedEngine(model, name="torch-0", gate=gate, after=2)],
             tokenizer=model, group_size=4, batch_groups=4,
@@ -150,6 +153,10 @@ def test_multi_turn_episodes_run_in_the_producer_processes(ray_cluster, model: P
     assert left["worker"] == "rollout:torch-1" and left["live"] == 1 and not left["preempted"]
     metrics = metrics_of(run_dir)
     assert len(metrics) == steps
+    cuts = {read_state(c).version: read_state(c).rngs for c in sorted((run_dir / "checkpoints").glob("v*"))}
+    assert max(cuts) == steps
+    assert any("rollout:torch-1" in rngs for rngs in cuts.values()), "a cut asked the joined producer's host"
+    assert "rollout:torch-1" not in cuts[steps], "a host that left is not asked"
     # the tiny model rarely reverses 3 digits at once: most episodes get feedback and try again
     assert all(m["turns_mean"] > 1 for m in metrics), [m["turns_mean"] for m in metrics]
 
