@@ -194,10 +194,6 @@ class WorkerLauncher(Protocol):
         """Worker `index` (never used before in the run), not yet started: the fleet starts, runs and stops it."""
         ...
 
-    def preempt_refusal(self) -> str | None:
-        """None where a preempted leave's requests can go on with the other workers (`Retiring.retire`);
-        else why they cannot, said to whoever asks for `preempt` (the leave is refused, nothing changes)."""
-        ...
 
 
 @runtime_checkable

@@ -9,8 +9,6 @@ fleet's logic is this one. It holds the workers taking work and answers `scale(t
   current weights); a start that fails is an event (`fleet.join_failed`) and the fleet stays as it was;
 * a leaving worker (`Retiring.retire`) takes no new work; the fleet stops it only once the work it took
   has left it, so a leave loses nothing and the ledger stays balanced;
-* `preempt` is refused (`FleetError`, nothing changes) where the launcher says why its workers cannot carry
-  a preempted worker's requests over (`WorkerLauncher.preempt_refusal`);
 * `1 <= target <= max_workers`; the newest workers leave first; joins still starting when the target
   drops are retired as soon as they are up, never given work;
 * every join and leave is an event with its cost (`fleet.joined`: seconds from the request until the
@@ -71,8 +69,6 @@ class Fleet:
         if not 1 <= target <= self.max_workers:
             raise FleetError(f"scale to {target} workers: the run allows 1 to {self.max_workers} "
                              "(its max_workers; config: [rollout] max_engines)")
-        if preempt and target < self.target and (why := self.launcher.preempt_refusal()) is not None:
-            raise FleetError(f"scale to {target} workers with preempt: {why}")
         await self._ready.wait()
         assert self._group is not None
         while self.target < target:

@@ -166,8 +166,6 @@ class LocalLauncher:
     def join(self, index: int) -> Actor:
         return self.stage.join(self.ctx, self.outbox, index)
 
-    def preempt_refusal(self) -> str | None:
-        return None
 
 
 class LiveHolders:

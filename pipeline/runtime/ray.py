@@ -216,8 +216,11 @@ class StageHost:
             self._memory.close()
         await self.actor.stop()
 
-    async def retire(self, preempt: bool = False) -> None:
-        """This producer worker leaves the run (`pipeline.contracts.Retiring`): returns once it drained."""
+    async def retire(self, preempt: bool = False, peers: dict[str, Any] | None = None) -> None:
+        """This producer worker leaves the run (`pipeline.contracts.Retiring`): returns once it drained. `peers`
+        (name: host): the producer hosts live now, where a preempted worker's requests may continue."""
+        known = {p.name for p in self.ctx.services.producers}
+        self.ctx.services.producers.extend(Peer(h, n) for n, h in (peers or {}).items() if n not in known)
         await self.actor.retire(preempt)
 
     async def producer_joined(self, name: str, host: Any) -> None:

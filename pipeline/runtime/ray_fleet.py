@@ -10,8 +10,9 @@ fleet's `WorkerLauncher`). The invariants:
 * a leaving worker drains in its host (`Retiring.retire`), is unsubscribed, then stopped and killed;
 * a joined host is not restarted by Ray: its death fails the run, naming it (the first hosts are
   restarted as before, `pipeline.runtime.ray_supervision`);
-* `preempt` is refused: the relay that carries a preempted engine's requests over
-  (`stages.rollout.relay`) reaches the engines of its own process only, and each host has one.
+* a preempted leave tells the leaving host which other producer hosts are live: its requests in flight
+  continue on their engines from the tokens they have (`stages.rollout.relay_remote`, through each
+  host's `relay` mailbox), as a local relay continues them on the engines of its own process.
 """
 
 from __future__ import annotations
@@ -25,9 +26,6 @@ import ray
 
 from pipeline.runtime.ray_placement import Needs, await_placed, host_options, resources_of
 
-PREEMPT_REFUSED = ("on runtime = 'ray' each engine runs in a Ray actor of its own, and the relay that carries a "
-                   "preempted engine's requests over reaches only the engines of its own process; scale down "
-                   "without preempt (the leaving engine finishes what it holds first)")
 STOP_S = 15.0  # a leaving host's stop waits this long (its own run unwinds in RUN_UNWIND_S)
 
 
@@ -48,8 +46,6 @@ class RayLauncher:
     def join(self, index: int) -> RayWorker:
         return RayWorker(f"producer-{index}", index, self)
 
-    def preempt_refusal(self) -> str | None:
-        return PREEMPT_REFUSED
 
     def first_workers(self, names: list[str]) -> list[RayWorker]:
         """The run's first producer hosts (already set up and started) as fleet workers; `names`: their actors'."""
@@ -97,7 +93,9 @@ class RayWorker:
                 raise
 
     async def retire(self, preempt: bool = False) -> None:
-        await self.host.retire.remote(preempt)
+        """Drain in the host; a preempted one's requests continue on the other producer hosts live now."""
+        others = {n: h for n, h in self.launcher.hosts.items() if n.startswith("producer-") and n != self.host_name}
+        await self.host.retire.remote(preempt, others)
 
     async def stop(self) -> None:
         """Unsubscribe it, stop its actor (its engine) and kill its host; once (a second stop does nothing)."""
@@ -114,4 +112,4 @@ class RayWorker:
         self.launcher.hosts.pop(self.host_name, None)
 
 
-__all__ = ["PREEMPT_REFUSED", "RayLauncher", "RayWorker"]
+__all__ = ["RayLauncher", "RayWorker"]

@@ -10,13 +10,17 @@ judges the sample by its oldest token, as for any other). Invariants:
 - a token is either carried over (kept in the sample) or lost (counted): when the staleness policy says
   the carried tokens may not continue under the successor's weights (`interrupt` -> "restart"), they are
   dropped and the request starts again on the successor from its prompt, counted as lost;
-- no engine left to continue on is an EngineError (the episode is generated again from its sample, counted);
+- no engine left to continue on, or a successor that fails the request, is an EngineError (the episode is
+  generated again from its sample, counted) and the preempted engine's tokens are lost;
+- where a runtime places each engine in a process of its own (Ray), `elsewhere` gives the other processes'
+  engines (stages.rollout.relay_remote), asked only when none of this process's engines takes work;
 - the counts, per preempted engine: `requests` carried, `tokens_carried`, `tokens_lost`.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -33,6 +37,8 @@ class Relay:
     def __init__(self) -> None:
         self.engines: dict[str, Engine] = {}
         self.counts: dict[str, Counter[str]] = {}  # preempted engine -> requests, tokens_carried, tokens_lost
+        # other processes' engines, where none of this one's takes work (the Ray runtime: stages.rollout.relay_remote)
+        self.elsewhere: Callable[[Engine], Any] | None = None
 
     def add(self, engine: Engine) -> None:
         self.engines[engine.name] = engine
@@ -42,8 +48,11 @@ class Relay:
         self.engines.pop(engine.name, None)
 
     def successor(self, preempted: Engine) -> Engine | None:
-        """The least loaded engine taking work, other than `preempted` (None: there is none)."""
+        """The least loaded engine taking work, other than `preempted`; else the other processes' engines
+        (`elsewhere`, where the runtime has them); None: there is none."""
         others = [e for name, e in self.engines.items() if name != preempted.name]
+        if not others and self.elsewhere is not None:
+            return self.elsewhere(preempted)
         return min(others, key=lambda e: e.load, default=None)
 
     async def carry(self, engine: Engine, prompt: list[int], partial: Completion, params: SamplingParams,
@@ -59,16 +68,18 @@ class Relay:
                 counts["tokens_lost"] += fresh
                 raise EngineError(f"engine {engine.name} was preempted and no other engine takes work: its "
                                   "request is generated again from its sample")
-            kept = done
+            kept, dropped = done, 0
             if len(kept.tokens) and policy is not None and \
                     policy.interrupt(int(kept.versions.min()), successor.version) == "restart":
-                counts["tokens_lost"] += len(kept.tokens)
-                kept = preempted_before_start()  # the request starts again from its prompt
-            else:
-                counts["tokens_carried"] += fresh
-            counts["requests"] += 1
+                kept, dropped = preempted_before_start(), len(kept.tokens)  # it starts again from its prompt
             rest = replace(params, max_new_tokens=params.max_new_tokens - len(kept.tokens))
-            (more,) = await successor.generate([[*prompt, *kept.tokens.tolist()]], rest)
+            try:
+                (more,) = await successor.generate([[*prompt, *kept.tokens.tolist()]], rest)
+            except EngineError:  # the successor failed it: regenerated from its sample, its tokens lost
+                counts["tokens_lost"] += fresh
+                raise
+            counts["requests"] += 1
+            counts["tokens_lost" if dropped else "tokens_carried"] += dropped or fresh
             done, engine, earlier = stitched(kept, more), successor, len(kept.tokens)
         return done
 

@@ -31,6 +31,7 @@ from stages.rollout.evaluation import Evaluation
 from stages.rollout.gateway_worker import GatewaySettings, GatewayWorker, RolloutHost
 from stages.rollout.groups import Scoring
 from stages.rollout.relay import Relay
+from stages.rollout.relay_remote import MAILBOX, PeerEngines, serve
 from stages.rollout.stats import RolloutStats
 from stages.rollout.worker import RolloutWorker, WorkerSettings
 from stages.scorers import ComposedReward, Distillation, ModelReward
@@ -190,8 +191,18 @@ class Rollout:
         parts = (settings, self.task if task is None else task, self.scoring, self.stats, engine, store, ctx, outbox)
         if self.gateway is not None:
             return GatewayWorker(*parts, index, gateway=self.gateway, **joining)
+        self._relay_elsewhere(ctx)
         return RolloutWorker(*parts, index, episode_setup=self.episode_setup, evaluation=self.evaluation,
                              relay=self.relay, **joining)
+
+    def _relay_elsewhere(self, ctx: RunContext) -> None:
+        """Where the run has other producer processes (Ray): serve this process's relay to them on its mailbox,
+        and continue a preempted engine's requests on theirs when none of this process's engines takes work."""
+        if not len(ctx.services.producers):
+            return
+        producers, relay = ctx.services.producers, self.relay
+        ctx.services.mailboxes.setdefault(MAILBOX, functools.partial(serve, lambda: list(relay.engines.values())))
+        relay.elsewhere = lambda preempted: PeerEngines(lambda: list(producers), preempted.version)
 
     def _task_of(self, worker: int) -> Task:
         """Worker `worker`'s task: its own shard of a dataset (workers may live in other processes),

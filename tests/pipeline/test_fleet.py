@@ -119,34 +119,6 @@ async def test_a_join_whose_target_dropped_while_it_started_leaves_before_taking
     assert [k for k, _ in events] == ["fleet.left"], "it never counted as joined"
 
 
-class NoCarryLauncher(LocalLauncher):
-    """A launcher whose workers cannot carry a preempted worker's requests over (as on the Ray runtime)."""
-
-    def preempt_refusal(self) -> str | None:
-        return "each worker has a relay of its own"
-
-
-async def test_a_preempted_leave_the_launcher_cannot_carry_is_refused_and_nothing_changes(tmp_path: Path) -> None:
-    log, events = [], []
-    first = Worker("w0", log)
-    fleet = Fleet(NoCarryLauncher(Stage(log), None, None), context(events), [first], max_workers=2)
-    server = ControlServer(fleet, tmp_path)
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(first.run)
-        tg.start_soon(fleet.run)
-        await server.start()
-        await fleet.scale(2, wait=True)
-        with pytest.raises(FleetError, match="with preempt: each worker has a relay of its own"):
-            await fleet.scale(1, preempt=True)
-        with pytest.raises(ControlError, match="relay of its own"):  # `baton scale --preempt`: 409, the reason
-            await anyio.to_thread.run_sync(lambda: scale_run(tmp_path, 1, preempt=True))
-        assert fleet.status()["live"] == 2 and not any("retire" in line for line in log)
-        status = await fleet.scale(1, wait=True)  # a leave that drains is not refused
-        await server.stop()
-        tg.cancel_scope.cancel()
-    assert status["workers"] == ["w0"] and "retire w1" in log
-
-
 async def test_the_control_endpoint_needs_its_token_and_scales_the_fleet(tmp_path: Path) -> None:
     log, events = [], []
     first = Worker("w0", log)

@@ -64,7 +64,8 @@ async def test_episodes_that_aged_waiting_for_a_straggler_start_again(model: Pat
                    environment=lambda: StragglerFeedback(engine), limits=EpisodeLimits(max_turns=1))
     events: list[tuple[str, dict]] = []
     ctx = SimpleNamespace(rng=lambda name: random.Random(0), log=lambda name: None, policy=MaxStaleness(k=2),
-                          services=SimpleNamespace(faults=None), event=lambda kind, **f: events.append((kind, f)))
+                          services=SimpleNamespace(faults=None, producers=()),
+                          event=lambda kind, **f: events.append((kind, f)))
     worker = spec.worker(engine, None, ctx, None)
     worker._admit(spec.task.sample(random.Random(1)))
     results = await worker._episodes(spec.task.sample(random.Random(1)))

@@ -83,7 +83,8 @@ async def test_the_eval_split_is_generated_at_due_versions(tiny: Path, tmp_path:
 async def test_only_the_first_worker_evaluates(tiny: Path, tmp_path: Path) -> None:
     engines = [TorchEngine(tiny, name="a"), TorchEngine(tiny, name="b")]
     rollout = Rollout(ReverseDigits(), engines, tokenizer=tiny, evaluation=Evaluation(ReverseDigits(), every=1))
-    ctx = SimpleNamespace(services=SimpleNamespace(weight_receivers=[], mailboxes={}, faults=None, store=None),
+    ctx = SimpleNamespace(services=SimpleNamespace(weight_receivers=[], producers=(), mailboxes={}, faults=None,
+                                                   store=None),
                           folder=SimpleNamespace(path=tmp_path), rng=lambda name: None, log=lambda name: None,
                           policy=None)
     workers = rollout.actors(ctx, None, object())
