@@ -74,7 +74,8 @@ class Registrations:
 
     def in_pool(self, part: np.ndarray) -> bool:
         start, size = part.ctypes.data, part.nbytes
-        return any(base <= start and start + size <= base + n for base, n in self.pool_ranges.items())
+        ranges = list(self.pool_ranges.items())  # one step under the GIL: the pool may grow in another thread
+        return any(base <= start and start + size <= base + n for base, n in ranges)
 
     @contextlib.contextmanager
     def held(self, parts: Sequence[np.ndarray]) -> Iterator[None]:
