@@ -11,11 +11,11 @@ from typing import Any
 # each name -> (its module, its name there), imported on first use: `buffers.mooncake_master` and the other
 # light modules load without the codec's numpy
 _EXPORTS: dict[str, tuple[str, str]] = {
-    **{name: ("buffers.codec", name) for name in ("RolloutBatch", "decode", "encode")},
+    **{name: ("buffers.codec", name) for name in ("RolloutBatch", "decode", "encode", "encode_parts")},
     "MemoryStore": ("buffers.memory", "MemoryStore"),
     "RefBuffer": ("buffers.ref_buffer", "RefBuffer"),
     "ReplayBuffer": ("buffers.ref_buffer", "RefBuffer"),
-    **{name: ("buffers.store", name) for name in ("KeyNotFound", "ObjectStore", "StoreError", "StoreFull")},
+    **{name: ("buffers.store", name) for name in ("Gathered", "KeyNotFound", "ObjectStore", "StoreError", "StoreFull")},
 }
 
 
@@ -27,6 +27,6 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "KeyNotFound", "MemoryStore", "ObjectStore", "RefBuffer", "ReplayBuffer", "RolloutBatch", "StoreError",
-    "StoreFull", "decode", "encode",
+    "Gathered", "KeyNotFound", "MemoryStore", "ObjectStore", "RefBuffer", "ReplayBuffer", "RolloutBatch", "StoreError",
+    "StoreFull", "decode", "encode", "encode_parts",
 ]

@@ -54,7 +54,7 @@ async def test_multidimensional_buffers_are_stored_as_bytes() -> None:
 async def test_encoded_batch_round_trip() -> None:
     store = MemoryStore()
     payload_bytes = await check_encoded_batch_round_trip(store)
-    assert store.nbytes == payload_bytes
+    assert store.nbytes == 2 * payload_bytes  # the batch, and the same batch put as parts
 
 
 async def test_upsert_replaces_and_accounting_follows() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from buffers.codec import RolloutBatch, decode, encode
+from buffers.codec import RolloutBatch, decode, encode, encode_parts, peek
 from buffers.store import ObjectStore, StoreError, StoreFull
 from pipeline.refs import make_key, older_than_pattern
 
@@ -26,7 +26,8 @@ async def check_remove_matching_by_version(store: ObjectStore) -> None:
 
 
 async def check_encoded_batch_round_trip(store: ObjectStore) -> int:
-    """An encoded rollout batch comes back from the store decoded unchanged; returns its encoded size."""
+    """An encoded rollout batch comes back from the store decoded unchanged, and the same batch put as parts
+    (`Gathered`) comes back as the same bytes; returns its encoded size."""
     batch = RolloutBatch.from_rows(
         [{"tokens": np.arange(5, dtype=np.int32)}, {"tokens": np.arange(2, dtype=np.int32)}],
         row_fields={"rewards": np.array([1.0, -1.0], np.float32)},
@@ -38,6 +39,10 @@ async def check_encoded_batch_round_trip(store: ObjectStore) -> int:
     assert decoded.token_fields["tokens"].tolist() == [0, 1, 2, 3, 4, 0, 1]
     assert decoded.row_fields["rewards"].tolist() == [1.0, -1.0]
     assert decoded.meta == {"group": "g00000001"}
+    parts, header = encode_parts(batch)  # as the producer puts it: the batch's arrays as parts
+    await store.put("run/v00000001/g00000001/1", parts)
+    got = await store.get("run/v00000001/g00000001/1", size_hint=parts.nbytes)
+    assert bytes(got) == bytes(payload) and header.checksum == peek(got).checksum, "a gathered put stores the join"
     return len(payload)
 
 
