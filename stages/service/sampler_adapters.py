@@ -23,22 +23,34 @@ import anyio
 import numpy as np
 
 from stages.engines.base import Completion, SamplingParams
+from stages.learner.lora import LoraSpec
 from stages.service.sampler_engine import Saved
 from stages.weights.adapter import AdapterVersion
 
 
 class AdapterSampler:
-    """The adapter bookkeeping of `EngineSampler` over one server engine (see the module docstring); a kind adds
-    its `refusal`."""
+    """The adapter bookkeeping of `EngineSampler` over one server engine (see the module docstring), and the
+    refusals every such server shares (a kind adds its own to `refusal`)."""
 
-    def __init__(self, engine: Any, kind: str) -> None:
-        self.engine, self.kind = engine, kind
+    def __init__(self, engine: Any, kind: str, max_rank: int) -> None:
+        self.engine, self.kind, self.max_rank = engine, kind, max_rank
         # path -> its adapter's name and cache key, least recently used first; path -> the calls using it
         self.adapters: collections.OrderedDict[str, tuple[str, int]] = collections.OrderedDict()
         self.users: collections.Counter[str] = collections.Counter()
         self.numbers = itertools.count(1)
         self.started = False
         self.lock = anyio.Lock()
+
+    def refusal(self, lora: LoraSpec | None) -> str | None:
+        """A fully fine-tuned model (the server serves adapters over its base) and a rank above the server's."""
+        flag = self.kind.lower()
+        if lora is None:
+            return (f"sampling a fully fine-tuned model is not supported by baton serve --engine {flag} (its server "
+                    "serves adapters over the base); start baton serve with --engine torch to sample it")
+        if lora.rank > self.max_rank:
+            return (f"lora_config.rank {lora.rank} is above the {self.kind} server's --max-lora-rank {self.max_rank}; "
+                    f"start baton serve with --max-lora-rank {lora.rank} or more")
+        return None
 
     async def _use(self, path: str, saved: Saved) -> tuple[str | None, int]:
         """The adapter serving `path` (None: the base) and its cache key, loaded if it is not; counted in `users`

@@ -13,7 +13,6 @@ from pathlib import Path
 from stages.engines.sglang import SGLangEngine
 from stages.engines.sglang_lora import LoraServing
 from stages.engines.sglang_server import sglang_python
-from stages.learner.lora import LoraSpec
 from stages.service.sampler_adapters import AdapterSampler
 from stages.service.training import ATTENTION, MLP
 
@@ -26,16 +25,6 @@ class SGLangSampler(AdapterSampler):
     def __init__(self, model_path: Path, seed: int = 0, device: str = "cpu", max_rank: int = 32,
                  max_loaded: int = 4, log_dir: Path | None = None) -> None:
         sglang_python()  # SGLangUnavailable now, naming how to install it, rather than at the first sample
-        self.max_rank = max_rank
         super().__init__(SGLangEngine(model_path, name="service-sglang", device=device, log_dir=log_dir,
                                       lora=LoraServing(max_rank, TARGETS, max_loaded),
-                                      extra_args=("--random-seed", str(seed))), "SGLang")
-
-    def refusal(self, lora: LoraSpec | None) -> str | None:
-        if lora is None:
-            return ("sampling a fully fine-tuned model is not supported by baton serve --engine sglang (its server "
-                    "serves adapters over the base); start baton serve with --engine torch to sample it")
-        if lora.rank > self.max_rank:
-            return (f"lora_config.rank {lora.rank} is above the SGLang server's --max-lora-rank {self.max_rank}; "
-                    f"start baton serve with --max-lora-rank {lora.rank} or more")
-        return None
+                                      extra_args=("--random-seed", str(seed))), "SGLang", max_rank)

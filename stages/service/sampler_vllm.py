@@ -37,18 +37,13 @@ class VLLMSampler(AdapterSampler):
         if problem := head_dim_problem(model_path):
             raise ValueError("--engine vllm cannot serve this model: " + re.sub(
                 r": make the tiny model.*", ": serve it with --engine sglang or torch", problem))
-        self.max_rank = max_rank
         super().__init__(VLLMEngine(model_path, name="service-vllm", log_dir=log_dir,
                                     lora=LoraServing(max_rank, TARGETS, max_loaded),
-                                    extra_args=("--seed", str(seed))), "vLLM")
+                                    extra_args=("--seed", str(seed))), "vLLM", max_rank)
 
     def refusal(self, lora: LoraSpec | None) -> str | None:
-        if lora is None:
-            return ("sampling a fully fine-tuned model is not supported by baton serve --engine vllm (its server "
-                    "serves adapters over the base); start baton serve with --engine torch to sample it")
-        if lora.rank > self.max_rank:
-            return (f"lora_config.rank {lora.rank} is above the vLLM server's --max-lora-rank {self.max_rank}; "
-                    f"start baton serve with --max-lora-rank {lora.rank} or more")
+        if (shared := super().refusal(lora)) is not None or lora is None:
+            return shared
         if unserved := [m for m in lora.target_modules if m in UNSERVED_TARGETS]:
             return (f"an adapter on {unserved} (lora_config.train_unembed) is not supported by baton serve --engine "
                     "vllm (vLLM's LoRA adapts linear layers only); create the training client with "

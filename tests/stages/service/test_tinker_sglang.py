@@ -96,23 +96,32 @@ def teacher_forced(training, tokens: list[int]) -> np.ndarray:
     return training.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
 
 
-def test_a_trained_adapter_samples_on_sglang_with_the_trained_models_logprobs(served, service) -> None:
-    training = service.create_lora_training_client(base_model=served[0]["model"], rank=4).result()
-    step(training, 5)
+def sampled_gaps(service, served, training) -> tuple[object, float, float]:
+    """The trained adapter's sampler and, over three of its samples, the largest gap of their logprobs and of the
+    sampler's prompt logprobs of them to the trained model's teacher-forced logprobs (shared with the vLLM test).
+    Each sample is as long as asked, and the base model's sampler scores it differently (it does not serve the base)."""
     sampler = training.save_weights_and_get_sampling_client().result()
     base = service.create_sampling_client(base_model=served[0]["model"]).result()
     out = sampler.sample(types.ModelInput.from_ints(PROMPT), 3, types.SamplingParams(max_tokens=6, stop=[])).result()
     assert len(out.sequences) == 3
-    worst = 0.0
+    worst_sampled = worst_prompt = 0.0
     for seq in out.sequences:
         assert len(seq.tokens) == 6 == len(seq.logprobs) and seq.stop_reason == "length"
         full = PROMPT + list(seq.tokens)
         scored = teacher_forced(training, full)
-        worst = max(worst, float(np.abs(scored[len(PROMPT) - 1:] - seq.logprobs).max()))
+        worst_sampled = max(worst_sampled, float(np.abs(scored[len(PROMPT) - 1:] - seq.logprobs).max()))
         prompt_logprobs = np.array(sampler.compute_logprobs(types.ModelInput.from_ints(full)).result()[1:])
-        worst = max(worst, float(np.abs(prompt_logprobs - scored).max()))
+        worst_prompt = max(worst_prompt, float(np.abs(prompt_logprobs - scored).max()))
         untrained = np.array(base.compute_logprobs(types.ModelInput.from_ints(full)).result()[1:])
         assert np.abs(untrained - scored).max() > 1e-2  # the sampler does not serve the base
+    return sampler, worst_sampled, worst_prompt
+
+
+def test_a_trained_adapter_samples_on_sglang_with_the_trained_models_logprobs(served, service) -> None:
+    training = service.create_lora_training_client(base_model=served[0]["model"], rank=4).result()
+    step(training, 5)
+    sampler, *gaps = sampled_gaps(service, served, training)
+    worst = max(gaps)
     assert worst <= TOLERANCE, worst
     print(f"largest gap between SGLang's logprobs and the trained model's: {worst:.3g}")
 

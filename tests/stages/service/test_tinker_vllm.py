@@ -11,22 +11,19 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 tinker = pytest.importorskip("tinker", reason="the tinker SDK is not installed: pip install -e '.[tinker]'")
-from tinker import types  # noqa: E402
 
 from baton.tinker_client import create_full_training_client  # noqa: E402
 from tests.helpers.engines import VLLM_MISSING  # noqa: E402
 from tests.helpers.tinker_service import running_service  # noqa: E402
 from tests.stages.service.test_tinker_sglang import (  # noqa: E402
-    PROMPT,
     assert_a_stop_token_ends_greedy_samples,
     assert_adapters_evicted_least_recently_used,
+    sampled_gaps,
     step,
-    teacher_forced,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.long, pytest.mark.slow, pytest.mark.skipif(bool(VLLM_MISSING),
@@ -57,20 +54,7 @@ def lora_client(service, served, rank: int = 4):
 def test_a_trained_adapter_samples_on_vllm_with_the_trained_models_logprobs(served, service) -> None:
     training = lora_client(service, served)
     step(training, 5)
-    sampler = training.save_weights_and_get_sampling_client().result()
-    base = service.create_sampling_client(base_model=served[0]["model"]).result()
-    out = sampler.sample(types.ModelInput.from_ints(PROMPT), 3, types.SamplingParams(max_tokens=6, stop=[])).result()
-    assert len(out.sequences) == 3
-    worst_sampled = worst_prompt = 0.0
-    for seq in out.sequences:
-        assert len(seq.tokens) == 6 == len(seq.logprobs) and seq.stop_reason == "length"
-        full = PROMPT + list(seq.tokens)
-        scored = teacher_forced(training, full)
-        worst_sampled = max(worst_sampled, float(np.abs(scored[len(PROMPT) - 1:] - seq.logprobs).max()))
-        prompt_logprobs = np.array(sampler.compute_logprobs(types.ModelInput.from_ints(full)).result()[1:])
-        worst_prompt = max(worst_prompt, float(np.abs(prompt_logprobs - scored).max()))
-        untrained = np.array(base.compute_logprobs(types.ModelInput.from_ints(full)).result()[1:])
-        assert np.abs(untrained - scored).max() > 1e-2  # the sampler does not serve the base
+    sampler, worst_sampled, worst_prompt = sampled_gaps(service, served, training)
     print(f"largest gap to the trained model's logprobs: vLLM's samples {worst_sampled:.3g}, its prompt logprobs "
           f"{worst_prompt:.3g}")
     assert max(worst_sampled, worst_prompt) <= TOLERANCE, (worst_sampled, worst_prompt)
